@@ -1,0 +1,5 @@
+import sys
+
+from zeropipe.cli.main import main
+
+sys.exit(main())

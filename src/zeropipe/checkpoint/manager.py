@@ -1,0 +1,123 @@
+"""Checkpoint layout, completeness and retention.
+
+A checkpoint is a DeepSpeed tag directory ``checkpoints/step_00000120``. It counts only once
+it holds ``zeropipe_complete.json``, which rank 0 writes after every rank has finished its part
+of the save; only then does the ``latest`` pointer move to it (written to a temporary file and
+renamed, so it is never half-written) and only then are older checkpoints pruned. A crash or
+kill during a save therefore leaves the previous checkpoint untouched and ``latest`` on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from zeropipe.errors import CheckpointError
+
+COMPLETE_MARKER = "zeropipe_complete.json"
+TAG_PATTERN = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    tag: str
+    step: int
+    path: Path
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def is_complete(tag_dir: Path) -> bool:
+    return (tag_dir / COMPLETE_MARKER).is_file()
+
+
+def list_checkpoints(run_dir: Path, complete_only: bool = True) -> list[CheckpointInfo]:
+    """Checkpoints of a run, oldest first."""
+    root = checkpoints_dir(run_dir)
+    found = []
+    if root.is_dir():
+        for child in root.iterdir():
+            match = TAG_PATTERN.match(child.name)
+            if match and child.is_dir() and (is_complete(child) or not complete_only):
+                found.append(CheckpointInfo(child.name, int(match.group(1)), child))
+    return sorted(found, key=lambda info: info.step)
+
+
+def latest_checkpoint(run_dir: Path) -> CheckpointInfo | None:
+    """The checkpoint to resume from: the one ``latest`` names if complete, else the newest complete one."""
+    root = checkpoints_dir(run_dir)
+    complete = list_checkpoints(run_dir)
+    pointer = root / "latest"
+    if pointer.is_file():
+        tag = pointer.read_text().strip()
+        for info in complete:
+            if info.tag == tag:
+                return info
+    return complete[-1] if complete else None
+
+
+def resolve_checkpoint(path: Path) -> tuple[Path, CheckpointInfo]:
+    """Accept a run directory, its checkpoints folder or one tag directory; return (run_dir, checkpoint).
+
+    Raises:
+        CheckpointError: when no complete checkpoint is there.
+    """
+    path = Path(path)
+    if TAG_PATTERN.match(path.name) and path.parent.name == "checkpoints":
+        run_dir = path.parent.parent
+        if not is_complete(path):
+            raise CheckpointError(
+                f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}: the save was interrupted); "
+                f"resume from the run directory {run_dir} to use the newest complete one"
+            )
+        return run_dir, CheckpointInfo(path.name, int(TAG_PATTERN.match(path.name).group(1)), path)
+    run_dir = path.parent if path.name == "checkpoints" else path
+    info = latest_checkpoint(run_dir)
+    if info is None:
+        raise CheckpointError(f"{run_dir} has no complete checkpoint: train with train.save_every set, or start a new run without --resume")
+    return run_dir, info
+
+
+def mark_complete(run_dir: Path, step: int, meta: dict) -> None:
+    """Rank 0, after every rank finished saving: seal the checkpoint and move ``latest`` to it."""
+    root = checkpoints_dir(run_dir)
+    tag_dir = root / tag_for(step)
+    write_atomic(tag_dir / COMPLETE_MARKER, json.dumps({"step": step, "saved_at": time.time(), **meta}, indent=2))
+    # DeepSpeed's own tools (zero_to_fp32) read the same `latest` file.
+    write_atomic(root / "latest", tag_for(step))
+
+
+def prune(run_dir: Path, keep_last: int) -> list[str]:
+    """Delete complete checkpoints beyond the newest ``keep_last`` and leftovers of interrupted saves."""
+    complete = list_checkpoints(run_dir)
+    newest = complete[-1].step if complete else -1
+    removed = []
+    for info in complete[:-keep_last]:
+        shutil.rmtree(info.path, ignore_errors=True)
+        removed.append(info.tag)
+    for info in list_checkpoints(run_dir, complete_only=False):
+        # An incomplete tag older than the newest complete one can only be an interrupted save.
+        if not is_complete(info.path) and info.step < newest:
+            shutil.rmtree(info.path, ignore_errors=True)
+            removed.append(info.tag)
+    return removed
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)

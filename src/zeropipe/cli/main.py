@@ -1,0 +1,41 @@
+"""The ``zeropipe`` command: registers one sub-command per module and turns errors into messages."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zeropipe import __version__
+from zeropipe.cli import export, train
+from zeropipe.errors import ZeroPipeError
+
+COMMANDS = [train, export]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zeropipe", description="Plan, launch, watch and export DeepSpeed ZeRO training runs.")
+    parser.add_argument("--version", action="version", version=f"zeropipe {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args) or 0)
+    except ZeroPipeError as err:
+        print(f"zeropipe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"zeropipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""``zeropipe train RUN.yaml [key=value ...] [--resume [PATH]]``: validate, launch, watch, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zeropipe.rundir import RunDir
+
+
+def register(commands) -> None:
+    parser = commands.add_parser("train", help="train a model from a run config", description=__doc__)
+    parser.add_argument("config", help="run config (YAML)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. train.lr=2e-5 deepspeed.zero_stage=3")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="continue from the latest complete checkpoint of the run (or of PATH: a run directory or checkpoint)",
+    )
+    parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default: hardware.gpus)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeropipe.config.load import load_config
+    from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.supervisor import Supervisor
+
+    overrides = list(args.overrides)
+    resume = args.resume
+    if isinstance(resume, str) and "=" in resume:
+        # `--resume train.lr=1e-4`: argparse took an override for the optional PATH.
+        overrides.insert(0, resume)
+        resume = True
+    if args.nproc is not None:
+        overrides.append(f"hardware.gpus={args.nproc}")
+    config = load_config(args.config, overrides)
+    prepared = prepare_run(config, resume=resume)
+    plan, run_dir = prepared.plan, prepared.run
+    say(f"run directory: {run_dir.path}")
+    say(
+        f"{plan.world_size} {plan.accelerator.upper()} ranks, ZeRO stage {plan.zero_stage}, {plan.examples} examples, "
+        f"{plan.total_steps} steps of {plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.world_size} examples"
+    )
+    for note in prepared.notes:
+        say(f"  {note}")
+    progress = Progress(run_dir, plan.total_steps)
+    supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
+    supervisor.start()
+    say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
+    outcome = supervisor.wait()
+    progress.update()
+    progress.close()
+    if outcome.state == "failed":
+        assert outcome.diagnosis is not None
+        say("")
+        say("training failed: " + outcome.diagnosis.render())
+        say(f"resume after fixing it: zeropipe train {args.config} --resume")
+        return 1
+    if outcome.state == "stopped":
+        from zeropipe.checkpoint.manager import latest_checkpoint
+
+        latest = latest_checkpoint(run_dir.path)
+        where = f"latest checkpoint: {latest.tag}; continue with: zeropipe train {args.config} --resume" if latest else "no checkpoint was saved"
+        say(f"stopped; all ranks ended. {where}")
+        return 130
+    report(run_dir)
+    return 0
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def report(run_dir: RunDir) -> None:
+    summary = run_dir.read_json(run_dir.summary, {}) or {}
+    first, final = summary.get("first_loss"), summary.get("final_loss")
+    if first is not None and final is not None:
+        say(f"done: {summary['steps']} steps, loss {first:.3f} -> {final:.3f}")
+    if run_dir.generations.is_file():
+        say("generations of the trained model:")
+        for line in run_dir.generations.read_text().splitlines():
+            row = json.loads(line)
+            say(f"  {row['prompt']!r} -> {row['output']!r}")
+    say(f"export it: zeropipe export {run_dir.path} --out {run_dir.path}/export")
+
+
+class Progress:
+    """Follows rank 0's metrics.jsonl: a live bar on a terminal, a line every tenth of the run otherwise."""
+
+    def __init__(self, run_dir: RunDir, total_steps: int):
+        self.path = run_dir.metrics
+        self.total = total_steps
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.bar = None
+        self.every = max(1, total_steps // 10)
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def update(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        # Only whole lines: rank 0 may be writing the next one right now.
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            row = json.loads(line)
+            if self.bar is not None:
+                self.bar.n = row["step"]
+                self.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2g}", refresh=False)
+                self.bar.refresh()
+            elif row["step"] % self.every == 0 or row["step"] == self.total:
+                say(f"step {row['step']}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.3g} {row['samples_per_s']:.1f} samples/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,224 @@
+"""The DeepSpeed JSON of a run: generated from typed fields, or the user's own with "auto" resolved.
+
+DeepSpeed builds the optimizer and the scheduler from this JSON (never a client optimizer:
+since DeepSpeed 0.17 a client optimizer with offload fails its validation), and
+``train_batch_size`` is always micro-batch x accumulation x world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zeropipe.config.schema import RunConfig
+from zeropipe.errors import ConfigError
+
+
+@dataclass
+class ResolvedDeepSpeed:
+    config: dict[str, Any]
+    filled: list[str] = field(default_factory=list)  # "key: value (why)" for every "auto" resolved
+
+
+def scheduler_block(config: RunConfig, total_steps: int) -> dict[str, Any]:
+    train = config.train
+    # DeepSpeed's schedulers reject warmup_num_steps == 0; one step of warm-up is the closest.
+    warmup = max(1, min(train.warmup_steps, max(total_steps - 1, 1)))
+    if train.schedule == "cosine":
+        return {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": max(total_steps, warmup + 1),
+                "warmup_min_ratio": 0.0,
+                "warmup_num_steps": warmup,
+                "cos_min_ratio": train.min_lr_ratio,
+                "warmup_type": "linear",
+            },
+        }
+    if train.schedule == "linear":
+        # WarmupDecayLR decays linearly to 0; DeepSpeed has no floor for it.
+        return {
+            "type": "WarmupDecayLR",
+            "params": {
+                "total_num_steps": max(total_steps, warmup + 1),
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": train.lr,
+                "warmup_num_steps": warmup,
+                "warmup_type": "linear",
+            },
+        }
+    return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
+
+
+def optimizer_block(config: RunConfig) -> dict[str, Any]:
+    train = config.train
+    return {
+        "type": "AdamW",
+        "params": {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps, "weight_decay": train.weight_decay},
+    }
+
+
+def zero_block(config: RunConfig, hidden_size: int | None) -> dict[str, Any]:
+    ds = config.deepspeed
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.zero_stage == 0:
+        return zero
+    zero.update({"overlap_comm": True, "contiguous_gradients": True})
+    if hidden_size:
+        zero["reduce_bucket_size"] = hidden_size * hidden_size
+    if ds.offload_optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if ds.zero_stage == 3:
+        if hidden_size:
+            zero["stage3_prefetch_bucket_size"] = int(0.9 * hidden_size * hidden_size)
+            zero["stage3_param_persistence_threshold"] = 10 * hidden_size
+        # Needed so that save_16bit_model/export can gather full weights from the shards.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+        if ds.offload_param == "cpu":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return zero
+
+
+def precision_block(precision: str) -> dict[str, Any]:
+    if precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}}
+    return {}
+
+
+def build_deepspeed_config(config: RunConfig, world_size: int, total_steps: int, hidden_size: int | None = None) -> ResolvedDeepSpeed:
+    """The DeepSpeed JSON for this run: the user's file with "auto" resolved, or one generated from the config."""
+    if config.deepspeed.config_file:
+        resolved = resolve_user_config(config, Path(config.deepspeed.config_file), world_size, total_steps, hidden_size)
+    else:
+        train = config.train
+        ds_config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": train.micro_batch_size,
+            "gradient_accumulation_steps": train.gradient_accumulation_steps,
+            "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
+            "gradient_clipping": train.grad_clip,
+            "optimizer": optimizer_block(config),
+            "scheduler": scheduler_block(config, total_steps),
+            "zero_optimization": zero_block(config, hidden_size),
+            # Our own metrics replace DeepSpeed's periodic prints.
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+            **precision_block(config.deepspeed.precision),
+        }
+        resolved = ResolvedDeepSpeed(ds_config)
+    merge(resolved.config, copy.deepcopy(config.deepspeed.overrides))
+    check_batch_size(resolved.config, world_size)
+    return resolved
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def check_batch_size(ds_config: dict[str, Any], world_size: int) -> None:
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    accumulation = ds_config.get("gradient_accumulation_steps")
+    total = ds_config.get("train_batch_size")
+    if all(isinstance(v, int) for v in (micro, accumulation, total)) and micro * accumulation * world_size != total:
+        raise ConfigError(
+            [
+                (
+                    "deepspeed.train_batch_size",
+                    f"{total} != micro-batch {micro} x accumulation {accumulation} x {world_size} ranks = {micro * accumulation * world_size}: "
+                    'set it to "auto" or to that product',
+                )
+            ]
+        )
+
+
+def resolve_user_config(config: RunConfig, path: Path, world_size: int, total_steps: int, hidden_size: int | None) -> ResolvedDeepSpeed:
+    """Fill every "auto" of a DeepSpeed JSON written for HF Trainer / LLaMA-Factory / axolotl.
+
+    Explicit values in the file win over this config's defaults; the config's train.* fields
+    are what the "auto" values become. Every filled value is listed so the user can see it.
+    """
+    try:
+        user = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError([("deepspeed.config_file", f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})")]) from None
+    if not isinstance(user, dict):
+        raise ConfigError([("deepspeed.config_file", f"{path} must hold a JSON object")])
+    train = config.train
+    precision = config.deepspeed.precision
+    micro = user.get("train_micro_batch_size_per_gpu")
+    accumulation = user.get("gradient_accumulation_steps")
+    values: dict[str, tuple[Any, str]] = {
+        "train_micro_batch_size_per_gpu": (train.micro_batch_size, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (train.gradient_accumulation_steps, "train.gradient_accumulation_steps"),
+        "gradient_clipping": (train.grad_clip, "train.grad_clip"),
+        "optimizer.params.lr": (train.lr, "train.lr"),
+        "optimizer.params.betas": ([train.adam_beta1, train.adam_beta2], "train.adam_beta1/2"),
+        "optimizer.params.eps": (train.adam_eps, "train.adam_eps"),
+        "optimizer.params.weight_decay": (train.weight_decay, "train.weight_decay"),
+        "scheduler.params.warmup_min_lr": (0.0, "warm-up starts at 0"),
+        "scheduler.params.warmup_max_lr": (train.lr, "train.lr"),
+        "scheduler.params.warmup_num_steps": (max(1, train.warmup_steps), "train.warmup_steps"),
+        "scheduler.params.total_num_steps": (total_steps, "steps of this run"),
+        "bf16.enabled": (precision == "bf16", "deepspeed.precision"),
+        "fp16.enabled": (precision == "fp16", "deepspeed.precision"),
+    }
+    if hidden_size:
+        values["zero_optimization.reduce_bucket_size"] = (hidden_size * hidden_size, "hidden_size^2")
+        values["zero_optimization.stage3_prefetch_bucket_size"] = (int(0.9 * hidden_size * hidden_size), "0.9 x hidden_size^2")
+        values["zero_optimization.stage3_param_persistence_threshold"] = (10 * hidden_size, "10 x hidden_size")
+    filled: list[str] = []
+    unresolved: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key in list(node):
+                dotted = f"{prefix}{key}"
+                if node[key] == "auto":
+                    if dotted == "train_batch_size":
+                        continue  # needs the other two resolved first
+                    if dotted in values:
+                        node[key], why = values[dotted]
+                        filled.append(f"{dotted} = {node[key]!r} (from {why})")
+                    else:
+                        unresolved.append(dotted)
+                else:
+                    walk(node[key], dotted + ".")
+
+    walk(user, "")
+    micro = user.get("train_micro_batch_size_per_gpu", micro)
+    accumulation = user.get("gradient_accumulation_steps", accumulation)
+    if user.get("train_batch_size") == "auto" or "train_batch_size" not in user:
+        micro = micro if isinstance(micro, int) else train.micro_batch_size
+        accumulation = accumulation if isinstance(accumulation, int) else train.gradient_accumulation_steps
+        user.setdefault("train_micro_batch_size_per_gpu", micro)
+        user.setdefault("gradient_accumulation_steps", accumulation)
+        user["train_batch_size"] = micro * accumulation * world_size
+        filled.append(f"train_batch_size = {user['train_batch_size']} (micro-batch {micro} x accumulation {accumulation} x {world_size} ranks)")
+    if unresolved:
+        raise ConfigError([("deepspeed.config_file", f'{path}: no rule fills "auto" for {", ".join(unresolved)}: write a value there')])
+    # DeepSpeed must build the optimizer and scheduler; add ours when the file has none.
+    if "optimizer" not in user:
+        user["optimizer"] = optimizer_block(config)
+        filled.append("optimizer = AdamW (from train.*; the file had none)")
+    if "scheduler" not in user:
+        user["scheduler"] = scheduler_block(config, total_steps)
+        filled.append(f"scheduler = {user['scheduler']['type']} (from train.schedule; the file had none)")
+    user.setdefault("steps_per_print", 10**9)
+    return ResolvedDeepSpeed(user, filled)
+
+
+def effective_batch_shape(ds_config: dict[str, Any]) -> tuple[int, int]:
+    """(micro-batch, accumulation) as DeepSpeed will use them."""
+    return int(ds_config["train_micro_batch_size_per_gpu"]), int(ds_config["gradient_accumulation_steps"])
+
+
+def zero_stage_of(ds_config: dict[str, Any]) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))

@@ -1,0 +1,179 @@
+"""Read a run config from YAML plus ``key=value`` overrides and validate all of it at once."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from zeropipe.config.schema import RunConfig
+from zeropipe.errors import ConfigError
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load, override and validate a run config.
+
+    Raises:
+        ConfigError: listing every problem found, each with its dotted key and the fix.
+    """
+    raw: dict[str, Any] = {}
+    source = str(path) if path else "command line"
+    if path is not None:
+        raw = read_yaml(Path(path))
+    problems: list[tuple[str, str]] = []
+    for item in overrides:
+        try:
+            apply_override(raw, item)
+        except ConfigError as err:
+            problems += err.problems
+    # The run is named after its YAML file unless run.name says otherwise.
+    if path is not None and isinstance(raw.setdefault("run", {}), dict):
+        raw["run"].setdefault("name", Path(path).stem)
+    return validate_config(raw, source=source, extra_problems=problems)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError([("", f"config file {path} does not exist: check the path")], source=str(path))
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=str(path)) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([("", f"the top level must be a mapping of sections (model:, data:, train:, ...), not {type(raw).__name__}")], source=str(path))
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` override; the value is parsed as YAML (so 2e-5 is a number)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([(item, "an override must look like section.key=value, e.g. train.lr=2e-5")])
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    # YAML reads 2e-5 as a string (no dot): numbers written that way are meant as floats.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in "eE.") else value
+        except ValueError:
+            pass
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def validate_config(raw: dict[str, Any], source: str | None = None, extra_problems: list[tuple[str, str]] | None = None) -> RunConfig:
+    problems = list(extra_problems or [])
+    config = None
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as err:
+        problems += [describe_error(error) for error in err.errors()]
+    problems += semantic_problems(raw)
+    if problems:
+        raise ConfigError(dedupe(problems), source=source)
+    assert config is not None
+    return config
+
+
+def dedupe(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    seen: set[tuple[str, str]] = set()
+    return [p for p in problems if not (p in seen or seen.add(p))]
+
+
+def describe_error(error: dict[str, Any]) -> tuple[str, str]:
+    """Turn one pydantic error into (dotted key, message with the fix)."""
+    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union["))]
+    # pydantic appends the failing union member's type to the location; drop those parts.
+    loc = [part for part in loc if part not in {"int", "str", "list[str]", "dict[str,any]", "float", "bool"}]
+    key = ".".join(loc)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        known = known_keys(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(sorted(known))}"
+        return key, f"unknown key; {hint}"
+    if kind == "literal_error":
+        return key, f"{error['msg'].replace('Input should be', 'must be')} (you gave {error.get('input')!r})"
+    message = error["msg"]
+    if "input" in error and kind not in {"missing"}:
+        message += f" (you gave {error['input']!r})"
+    return key, message
+
+
+def known_keys(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        candidates = [annotation, *getattr(annotation, "__args__", ())]
+        sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if sub is None:
+            return []
+        model = sub
+    return list(model.model_fields)
+
+
+def section(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    value = raw.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    """Checks across fields, run on the raw dict so they are reported with the type errors."""
+    problems: list[tuple[str, str]] = []
+    model, data, ds, train = (section(raw, n) for n in ("model", "data", "deepspeed", "train"))
+
+    if model.get("path") and model.get("config"):
+        problems.append(("model", "set model.path or model.config, not both"))
+    elif not model.get("path") and not model.get("config"):
+        problems.append(("model", "no model: set model.path to a local Hugging Face directory, or model.config to an inline config"))
+    if isinstance(model.get("path"), str):
+        path = Path(model["path"]).expanduser()
+        if not (path / "config.json").is_file():
+            problems.append(("model.path", f"{path} is not a Hugging Face model directory (no config.json there): fix the path"))
+    if isinstance(model.get("config"), dict) and "model_type" not in model["config"]:
+        problems.append(("model.config.model_type", "missing: name the architecture, e.g. model_type: llama"))
+    if isinstance(model.get("tokenizer"), str) and not Path(model["tokenizer"]).expanduser().is_dir():
+        problems.append(("model.tokenizer", f"{model['tokenizer']} is not a directory: fix the path or remove the key"))
+
+    if data.get("path") and data.get("synthetic"):
+        problems.append(("data", "set data.path or data.synthetic, not both"))
+    elif not data.get("path") and not data.get("synthetic"):
+        problems.append(("data", "no training data: set data.path to a .jsonl/.json/.txt file, or data.synthetic: {task: mixed}"))
+    if isinstance(data.get("path"), str) and not Path(data["path"]).expanduser().exists():
+        problems.append(("data.path", f"{data['path']} does not exist: fix the path"))
+
+    stage = ds.get("zero_stage", 2)
+    if ds.get("offload_param", "none") == "cpu" and stage != 3:
+        problems.append(("deepspeed.offload_param", f"needs zero_stage 3 (you set {stage}): set deepspeed.zero_stage: 3 or offload_param: none"))
+    if ds.get("offload_optimizer", "none") == "cpu" and stage == 0:
+        problems.append(("deepspeed.offload_optimizer", "needs zero_stage 1, 2 or 3 (you set 0): raise deepspeed.zero_stage or set offload_optimizer: none"))
+    if isinstance(ds.get("config_file"), str) and not Path(ds["config_file"]).expanduser().is_file():
+        problems.append(("deepspeed.config_file", f"{ds['config_file']} does not exist: fix the path"))
+
+    max_steps, warmup = train.get("max_steps"), train.get("warmup_steps", 0)
+    if isinstance(max_steps, int) and isinstance(warmup, int) and warmup >= max_steps > 0:
+        problems.append(("train.warmup_steps", f"{warmup} is not below train.max_steps {max_steps}: lower warmup_steps"))
+    return problems
+
+
+def dump_config(config: RunConfig) -> str:
+    """The fully resolved config as YAML, with every default written out."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,122 @@
+"""The run config: one typed section per part of a run, with the help text beside each field.
+
+The same descriptions feed the CLI's error messages, the YAML reference in the docs and
+(later) the web form, so a field is documented once, here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    # Unknown keys are errors: a typo such as `micro_batchsize` must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str | None = Field(None, description="Run name; the run directory is output_dir/name. Defaults to the YAML file's name.")
+    output_dir: str = Field("runs", description="Folder that holds run directories (relative paths are relative to the current directory).")
+    seed: int = Field(42, description="Seed for model init, data order and dropout; the same seed gives the same run on CPU.")
+
+
+class LoraSection(Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16, gt=0, description="LoRA alpha (scaling = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="Module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear'.",
+    )
+
+
+class ModelSection(Section):
+    path: str | None = Field(None, description="Local Hugging Face model directory (config.json + safetensors). Exclusive with model.config.")
+    config: dict[str, Any] | None = Field(
+        None,
+        description="Inline transformers config for a randomly initialised model, e.g. {model_type: llama, hidden_size: 64, ...}. Exclusive with model.path.",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer directory. Defaults to model.path; with model.config and no tokenizer, one is trained on the data.",
+    )
+    tokenizer_vocab_size: int = Field(512, ge=64, description="Vocabulary size of the tokenizer trained on the data (only used when one is trained).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about 30% more compute.")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel passed to transformers.")
+    lora: LoraSection | None = Field(None, description="Train LoRA adapters (peft) instead of all weights; only adapter weights are trainable.")
+
+
+class SyntheticSection(Section):
+    task: Literal["arithmetic", "reverse", "mixed"] = Field("mixed", description="Generated instruction task the model can visibly learn.")
+    examples: int = Field(4000, ge=10, description="Number of generated examples.")
+    seed: int = Field(0, description="Seed of the generator.")
+
+
+class DataSection(Section):
+    path: str | None = Field(None, description="Training data: a .jsonl/.json/.txt file or a folder of them. Exclusive with data.synthetic.")
+    format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field(
+        "auto", description="Record format; 'auto' detects alpaca, dolly, chat (messages), sharegpt (conversations) or text."
+    )
+    max_seq_len: int = Field(512, ge=8, description="Longest tokenized example; longer instruction examples are truncated, long texts are split.")
+    max_bad_fraction: float = Field(
+        0.01, ge=0, le=1, description="The run refuses to start when more than this fraction of records are malformed."
+    )
+    synthetic: SyntheticSection | None = Field(None, description="Generate a small instruction dataset into the run directory instead of reading data.path.")
+
+
+class TrainSection(Section):
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides train.epochs when both are set.")
+    epochs: float | None = Field(None, gt=0, description="Passes over the data (default 1 when max_steps is not set).")
+    micro_batch_size: int = Field(1, ge=1, description="Examples per rank per forward pass.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate (after warm-up).")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up: cosine or linear to min_lr_ratio x lr, or constant.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr (cosine and linear schedules).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0 disables clipping).")
+    log_every: int = Field(1, ge=1, description="Write a line to rank 0's log every N steps (metrics.jsonl gets every step).")
+    save_every: int | None = Field(None, ge=1, description="Save a checkpoint every N optimizer steps (a final one is always saved).")
+    keep_last: int = Field(2, ge=1, description="Keep this many most recent checkpoints; older ones are deleted after a newer one is complete.")
+
+
+class GenerateSection(Section):
+    prompts: list[str] = Field(default_factory=list, description="Prompts (user messages) answered by the trained model at the end of the run.")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
+
+
+class DeepSpeedSection(Section):
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        2, description="ZeRO stage: 0 data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters."
+    )
+    offload_optimizer: Literal["none", "cpu"] = Field("none", description="Keep optimizer states in host RAM and step with DeepSpeed's CPU Adam (stage 1-3).")
+    offload_param: Literal["none", "cpu"] = Field("none", description="Keep parameters in host RAM between uses (stage 3 only).")
+    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision; bf16 and fp16 keep fp32 master weights in the optimizer.")
+    config_file: str | None = Field(
+        None,
+        description="Your own DeepSpeed JSON (e.g. written for HF Trainer or axolotl); its \"auto\" values are filled in from this config.",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Raw keys merged last into the generated DeepSpeed JSON (advanced; e.g. {zero_optimization: {reduce_bucket_size: 5e7}})."
+    )
+
+
+class HardwareSection(Section):
+    gpus: int | Literal["auto"] = Field("auto", description="Ranks to start: one per GPU; 'auto' uses every visible GPU, or 2 CPU ranks without CUDA.")
+    accelerator: Literal["auto", "cuda", "cpu"] = Field("auto", description="'auto' uses CUDA when available, else CPU ranks (gloo).")
+    master_port: int | None = Field(None, ge=1024, le=65535, description="TCP port of the rendezvous; a free one is picked when unset.")
+
+
+class RunConfig(Section):
+    run: RunSection = Field(default_factory=RunSection, description="Where the run is written and its seed.")
+    model: ModelSection = Field(default_factory=ModelSection, description="What model is trained.")
+    data: DataSection = Field(default_factory=DataSection, description="What it is trained on.")
+    train: TrainSection = Field(default_factory=TrainSection, description="How long and how fast it is trained.")
+    generate: GenerateSection = Field(default_factory=GenerateSection, description="Generations printed at the end of the run.")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and precision.")
+    hardware: HardwareSection = Field(default_factory=HardwareSection, description="How many ranks, on what.")

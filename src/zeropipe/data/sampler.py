@@ -1,0 +1,72 @@
+"""Splitting the examples between ranks, in an order that can be resumed mid-epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from zeropipe.errors import DataError
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """Each rank's share of a seeded per-epoch permutation, with a way to skip what was already seen.
+
+    Every rank builds the same permutation (seeded with ``seed + epoch``) and takes every
+    ``world_size``-th index from its own offset. The tail is dropped so every rank gets
+    exactly ``num_examples // world_size`` indices: a rank with one batch more would wait
+    forever in a collective the others never enter.
+    """
+
+    def __init__(self, num_examples: int, rank: int, world_size: int, seed: int, shuffle: bool = True):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of {world_size} ranks")
+        if num_examples < world_size:
+            raise DataError(
+                f"{num_examples} training examples cannot be split over {world_size} ranks: every rank needs "
+                "at least one. Add data or run on fewer GPUs."
+            )
+        self.num_examples = num_examples
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start = 0
+
+    @property
+    def per_rank(self) -> int:
+        """Indices each rank sees in a full epoch."""
+        return self.num_examples // self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use the order of ``epoch``; moving to another epoch forgets :meth:`set_start`."""
+        # Only a change of epoch resets the skip, so the usual resume sequence
+        # set_start(k) followed by the loop's set_epoch(same epoch) keeps it.
+        if epoch != self.epoch:
+            self.start = 0
+        self.epoch = epoch
+
+    def set_start(self, index: int) -> None:
+        """Skip this rank's first ``index`` samples of the current epoch (they were seen before a resume)."""
+        if not 0 <= index <= self.per_rank:
+            raise ValueError(f"start {index} is outside this epoch's {self.per_rank} samples per rank")
+        self.start = index
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's full order for the current epoch, before skipping."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_examples, generator=generator)
+        else:
+            order = torch.arange(self.num_examples)
+        order = order[: self.per_rank * self.world_size]
+        return order[self.rank :: self.world_size].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.epoch_indices()[self.start :])
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start

@@ -1,0 +1,286 @@
+"""What runs inside one rank: setup -> train -> save_checkpoint -> cleanup.
+
+Every rank runs this same code. Collective calls (initialize, save_checkpoint, generation
+under ZeRO-3) are made by every rank; only file writes and logging are rank 0's work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from zeropipe.checkpoint import manager
+from zeropipe.config.load import load_config
+from zeropipe.rundir import RunDir
+
+log = logging.getLogger("zeropipe")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+class Trainer:
+    """One rank of a ZeRO-Pipe run, driven by the files the launcher wrote into the run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run = RunDir(run_dir)
+        self.config = load_config(self.run.config)
+        self.plan = self.run.read_plan()
+        self.ds_config = json.loads(self.run.ds_config.read_text())
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.step = 0
+        self.process = psutil.Process()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        import deepspeed
+
+        self.configure_logging()
+        if self.plan.accelerator == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        deepspeed.init_distributed(dist_backend="nccl" if self.plan.accelerator == "cuda" else "gloo")
+        self.device = torch.device("cuda", self.local_rank) if self.plan.accelerator == "cuda" else torch.device("cpu")
+        # The same seed on every rank: replicas (stages 0-2) must start identical.
+        seed_everything(self.config.run.seed)
+
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer))
+        self.setup_data()
+        self.setup_model()
+        self.resume()
+
+    def configure_logging(self) -> None:
+        level = logging.INFO if self.rank == 0 else logging.WARNING
+        logging.basicConfig(level=level, format=f"%(asctime)s rank{self.rank} %(levelname)s %(name)s: %(message)s", force=True)
+        for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        # torch's gloo wrappers warn on every collective DeepSpeed makes; one warning is enough.
+        warnings.filterwarnings("once", message=".*is deprecated. Please use.*")
+
+    def setup_data(self) -> None:
+        from zeropipe.data.sampler import ResumableDistributedSampler
+        from zeropipe.data.tokenize import TokenDataset, collate
+
+        self.dataset = TokenDataset(self.run.cache)
+        self.sampler = ResumableDistributedSampler(len(self.dataset), self.rank, self.world_size, seed=self.config.run.seed, shuffle=True)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.collate = partial(collate, pad_token_id=pad_id)
+        self.micro_batch_size = self.plan.micro_batch_size
+        self.accumulation = self.plan.gradient_accumulation_steps
+
+    def setup_model(self) -> None:
+        import deepspeed
+
+        from zeropipe.models.causal_lm import build_model, count_parameters, model_config
+
+        config = model_config(self.config.model)
+        self.hf_ds_config = None
+        if self.plan.zero_stage == 3:
+            # transformers builds the model inside zero.Init while this object is alive.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self.hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        model = build_model(self.config.model, config, self.config.deepspeed.precision)
+        trainable, total = count_parameters(model)
+        log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
+        self.parameter_counts = {"trainable": trainable, "total": total}
+
+    def resume(self) -> None:
+        tag = self.plan.resume_from
+        if not tag:
+            return
+        load_path, client_state = self.engine.load_checkpoint(
+            str(self.run.checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {self.run.checkpoints}")
+        self.step = int(client_state["step"])
+        rng_file = self.run.checkpoints / tag / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            restore_rng_state(torch.load(rng_file, weights_only=False))
+        log.info("resumed from %s at step %d", tag, self.step)
+
+    # ------------------------------------------------------------------ train
+    def batches(self):
+        """Micro-batches from the current data position to the end of training, epoch after epoch."""
+        per_epoch = self.plan.micro_batches_per_epoch
+        micro_step = self.step * self.accumulation
+        while True:
+            epoch, position = divmod(micro_step, per_epoch)
+            self.sampler.set_epoch(epoch)
+            self.sampler.set_start(position * self.micro_batch_size)
+            indices = list(iter(self.sampler))
+            for start in range(0, per_epoch * self.micro_batch_size - position * self.micro_batch_size, self.micro_batch_size):
+                chunk = indices[start : start + self.micro_batch_size]
+                yield epoch, self.collate([self.dataset[i] for i in chunk])
+                micro_step += 1
+
+    def train(self) -> None:
+        total = self.plan.total_steps
+        save_every = self.config.train.save_every
+        batches = self.batches()
+        self.engine.train()
+        log.info("training steps %d..%d of %d", self.step + 1, total, total)
+        while self.step < total:
+            started = time.perf_counter()
+            loss_sum = tokens = samples = 0.0
+            lr = self.current_lr()
+            for _ in range(self.accumulation):
+                epoch, batch = next(batches)
+                batch = {key: value.to(self.device) for key, value in batch.items()}
+                loss = self.engine(**batch).loss
+                self.engine.backward(loss)
+                self.engine.step()
+                loss_sum += loss.detach().float().item()
+                tokens += float(batch["attention_mask"].sum())
+                samples += batch["input_ids"].shape[0]
+            self.step += 1
+            self.record_metrics(epoch, loss_sum / self.accumulation, lr, tokens, samples, time.perf_counter() - started)
+            if save_every and self.step % save_every == 0 and self.step < total:
+                self.save_checkpoint()
+        self.save_checkpoint()
+
+    def current_lr(self) -> float:
+        lrs = self.engine.get_lr()
+        return float(lrs[0]) if lrs else 0.0
+
+    def record_metrics(self, epoch: int, loss: float, lr: float, tokens: float, samples: float, step_time: float) -> None:
+        """One collective per step gathers every rank's figures; rank 0 appends them to metrics.jsonl."""
+        import deepspeed.comm as dist
+
+        rss = self.process.memory_info().rss
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        local = torch.tensor([loss, tokens, samples, rss, gpu], dtype=torch.float64, device=self.device)
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        if self.rank != 0:
+            return
+        rows = torch.stack(gathered).cpu()
+        grad_norm = self.engine.get_global_grad_norm()
+        record = {
+            "step": self.step,
+            "epoch": epoch,
+            "loss": float(rows[:, 0].mean()),
+            "lr": lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "tokens_per_s": float(rows[:, 1].sum()) / step_time,
+            "samples_per_s": float(rows[:, 2].sum()) / step_time,
+            "step_time_s": step_time,
+            "host_rss_bytes": [int(v) for v in rows[:, 3]],
+            "time": time.time(),
+        }
+        if self.device.type == "cuda":
+            record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
+        with open(self.run.metrics, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.step % self.config.train.log_every == 0 or self.step == self.plan.total_steps:
+            log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %.0f tokens/s", self.step, self.plan.total_steps, record["loss"], lr, record["grad_norm"], record["tokens_per_s"])
+
+    # ------------------------------------------------------------- checkpoint
+    def save_checkpoint(self) -> None:
+        """Every rank saves its shards (a collective); rank 0 then seals the checkpoint."""
+        import deepspeed.comm as dist
+
+        tag = manager.tag_for(self.step)
+        if (self.run.checkpoints / tag / manager.COMPLETE_MARKER).is_file():
+            return
+        self.engine.save_checkpoint(str(self.run.checkpoints), tag=tag, client_state={"step": self.step}, save_latest=False)
+        # Per-rank RNG: dropout and LoRA dropout must continue exactly after a resume.
+        torch.save(rng_state(), self.run.checkpoints / tag / f"rng_rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            manager.mark_complete(self.run.path, self.step, {"world_size": self.world_size, "zero_stage": self.plan.zero_stage})
+            removed = manager.prune(self.run.path, self.config.train.keep_last)
+            log.info("checkpoint %s saved%s", tag, f"; removed {', '.join(removed)}" if removed else "")
+        dist.barrier()
+
+    # ------------------------------------------------------------- generation
+    def generate_samples(self) -> None:
+        """Answer the configured prompts with the trained weights (all ranks take part under ZeRO-3)."""
+        from zeropipe.data.tokenize import render_prompt
+
+        prompts = self.plan.generate_prompts
+        if not prompts:
+            return
+        model = self.engine.module
+        model.eval()
+        results = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
+                input_ids = torch.tensor([ids], device=self.device)
+                output = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=self.config.generate.max_new_tokens,
+                    do_sample=False,
+                    use_cache=True,
+                    # Under ZeRO-3 every rank must run the same number of forward passes.
+                    synced_gpus=self.plan.zero_stage == 3 and self.world_size > 1,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                )
+                answer = self.tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
+                results.append({"prompt": prompt, "output": answer.strip(), "step": self.step})
+        model.train()
+        if self.rank == 0:
+            with open(self.run.generations, "w") as handle:
+                handle.writelines(json.dumps(row) + "\n" for row in results)
+
+    # ---------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        import deepspeed.comm as dist
+
+        if self.rank == 0:
+            metrics = self.run.read_metrics()
+            summary = {
+                "steps": self.step,
+                "first_loss": metrics[0]["loss"] if metrics else None,
+                "final_loss": metrics[-1]["loss"] if metrics else None,
+                "mean_step_time_s": float(np.mean([m["step_time_s"] for m in metrics])) if metrics else None,
+                "mean_tokens_per_s": float(np.mean([m["tokens_per_s"] for m in metrics])) if metrics else None,
+                "host_rss_peak_bytes": max((max(m["host_rss_bytes"]) for m in metrics), default=None),
+                "parameters": self.parameter_counts,
+                "world_size": self.world_size,
+                "zero_stage": self.plan.zero_stage,
+                "latest_checkpoint": manager.tag_for(self.step),
+            }
+            manager.write_atomic(self.run.summary, json.dumps(summary, indent=2))
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def run_all(self) -> None:
+        self.setup()
+        self.train()
+        self.generate_samples()
+        self.cleanup()

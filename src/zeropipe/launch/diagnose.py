@@ -1,0 +1,148 @@
+"""Turn a dead rank into one diagnosis in words: which rank, how it died, the likely cause, the fix.
+
+Pure functions over what the supervisor observed; no process handling here.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import asdict, dataclass, field
+
+GB = 1e9
+
+# What survivors print when a peer disappears: never the cause, always an effect.
+SECONDARY_PATTERNS = [
+    r"Connection reset by peer",
+    r"Broken pipe",
+    r"Connection closed by peer",
+    r"TCPStore",
+    r"recvValue|recvBytes|sendBytes",
+    r"DistNetworkError",
+    r"ProcessGroupGloo.*(timed out|closed)",
+    r"NCCL.*(remote process exited|unhandled system error)",
+    r"gloo/transport",
+]
+
+# (pattern in the rank's log, likely cause, fix)
+KNOWN_CAUSES = [
+    (r"CUDA out of memory|OutOfMemoryError", "the GPU ran out of memory", "lower train.micro_batch_size, enable model.gradient_checkpointing, raise deepspeed.zero_stage or offload to CPU (zeropipe plan shows what fits)"),
+    (r"Cannot copy out of meta tensor|meta tensor", "a parameter was used while still on the meta device (ZeRO-3 partitioning)", "report this with the log: ZeRO-Pipe builds models under zero.Init so this should not happen"),
+    (r"No space left on device", "the disk is full", "free space where the run directory lives, or lower train.keep_last"),
+    (r"Address already in use", "the rendezvous port is taken", "set hardware.master_port to a free port or leave it unset"),
+    (r"CUDA_HOME|nvcc|error building extension|ninja: build stopped", "DeepSpeed failed to JIT-build one of its ops", "check that the CUDA toolkit matches torch's CUDA version; DS_SKIP_CUDA_CHECK=1 is the known escape for a minor mismatch"),
+    (r"Extra inputs are not permitted", "DeepSpeed rejected a key of the DeepSpeed JSON", "remove the key it names from deepspeed.config_file or deepspeed.overrides"),
+]
+
+
+@dataclass
+class RankExit:
+    rank: int
+    returncode: int
+    seen_at: float
+    log_tail: list[str] = field(default_factory=list)
+    error: dict | None = None  # errors/rank{N}.json when the rank recorded its exception
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode).name
+            except ValueError:
+                return f"signal {-self.returncode}"
+        return None
+
+    @property
+    def looks_secondary(self) -> bool:
+        if self.signal_name:
+            return False
+        text = "\n".join(self.log_tail[-40:]) + (self.error or {}).get("message", "")
+        return any(re.search(p, text) for p in SECONDARY_PATTERNS)
+
+
+@dataclass
+class Diagnosis:
+    rank: int
+    how: str
+    cause: str
+    fix: str
+    host_ram_peak_bytes: int
+    host_ram_total_bytes: int
+    log_tail: list[str]
+    other_ranks: list[str]
+
+    def render(self) -> str:
+        lines = [f"rank {self.rank} {self.how}", f"likely cause: {self.cause}"]
+        if self.fix:
+            lines.append(f"fix: {self.fix}")
+        if self.other_ranks:
+            lines.append("the other ranks were then stopped (" + "; ".join(self.other_ranks) + ") - effects, not causes")
+        if self.log_tail:
+            lines.append(f"last lines of rank {self.rank}'s log:")
+            lines += [f"  | {line}" for line in self.log_tail[-15:]]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"text": self.render()}
+
+
+def choose_primary(exits: list[RankExit]) -> RankExit:
+    """The rank whose death started it: the first seen, preferring one that does not look secondary."""
+    failed = [e for e in exits if e.returncode != 0]
+    first_seen = min(e.seen_at for e in failed)
+    # Ranks seen dead within one poll of the first are candidates: which exited first is not observable finer.
+    candidates = sorted((e for e in failed if e.seen_at - first_seen < 1.0), key=lambda e: (e.looks_secondary, e.seen_at, e.rank))
+    return candidates[0]
+
+
+def diagnose(exits: list[RankExit], host_ram_peak_bytes: int, host_ram_total_bytes: int, primary: RankExit | None = None) -> Diagnosis:
+    primary = primary or choose_primary(exits)
+    ram = f"host RAM peaked at {host_ram_peak_bytes / GB:.1f} of {host_ram_total_bytes / GB:.1f} GB"
+    text = "\n".join(primary.log_tail) + "\n" + (primary.error or {}).get("traceback", "")
+    sig = primary.signal_name
+    if sig == "SIGKILL":
+        how = "was killed by SIGKILL"
+        near_full = host_ram_peak_bytes > 0.9 * host_ram_total_bytes
+        cause = f"the kernel's OOM killer is the usual cause; {ram}" + (" - the node ran out of memory" if near_full else "")
+        fix = "use deepspeed.zero_stage: 3 (partitioned loading), fewer ranks per node, or less CPU offload; `dmesg | grep -i oom` confirms an OOM kill"
+    elif sig:
+        how = f"was killed by {sig}"
+        causes = {
+            "SIGSEGV": ("a crash in native code (CUDA, NCCL or a compiled DeepSpeed op)", "run `zeropipe doctor`; check driver and library versions"),
+            "SIGABRT": ("a native library aborted", "see the log lines below; NCCL and CUDA errors abort the process"),
+            "SIGTERM": ("it was terminated from outside ZeRO-Pipe (a job scheduler, a user, or a container limit)", "check what sent SIGTERM; resume with --resume"),
+            "SIGBUS": ("a memory-mapped file vanished or /dev/shm is too small", "enlarge /dev/shm (docker --shm-size) and keep data files in place during the run"),
+        }
+        cause, fix = causes.get(sig, (f"the process received {sig}", "resume with --resume once the cause is fixed"))
+        cause = f"{cause}; {ram}"
+    else:
+        how = f"exited with code {primary.returncode}"
+        error = primary.error or {}
+        message = error.get("message") or last_exception_line(primary.log_tail)
+        cause, fix = message or "see the log lines below", ""
+        if error.get("user_error"):
+            fix = ""
+        for pattern, known_cause, known_fix in KNOWN_CAUSES:
+            if re.search(pattern, text):
+                cause, fix = f"{known_cause} ({message})" if message else known_cause, known_fix
+                break
+        else:
+            if primary.looks_secondary:
+                cause = f"lost contact with another rank ({message}); the real failure is in another rank's log"
+    others = [describe_exit(e) for e in exits if e.rank != primary.rank]
+    return Diagnosis(primary.rank, how, cause, fix, host_ram_peak_bytes, host_ram_total_bytes, primary.log_tail, others)
+
+
+def describe_exit(e: RankExit) -> str:
+    if e.returncode == 0:
+        return f"rank {e.rank} had finished"
+    return f"rank {e.rank} " + (f"got {e.signal_name}" if e.signal_name else f"exited {e.returncode}")
+
+
+def last_exception_line(lines: list[str]) -> str:
+    """The final 'SomeError: message' line of a Python traceback in a log."""
+    for line in reversed(lines):
+        stripped = line.strip()
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*", stripped):
+            return stripped
+    return ""

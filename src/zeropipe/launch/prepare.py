@@ -1,0 +1,205 @@
+"""Everything decided once, in the launcher, before any rank starts.
+
+The run directory is laid out, the data read, validated and tokenized into a memory-mapped
+cache (so bad data stops the run here, with a clear message, not hours in on every rank),
+the tokenizer trained when the model has none, the number of steps computed and the
+DeepSpeed JSON written. Ranks only read these files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
+from zeropipe.config.deepspeed import build_deepspeed_config, effective_batch_shape, zero_stage_of
+from zeropipe.config.load import dump_config
+from zeropipe.config.schema import RunConfig
+from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.rundir import RunDir, RunPlan
+
+
+@dataclass
+class Prepared:
+    run: RunDir
+    plan: RunPlan
+    notes: list[str] = field(default_factory=list)  # what the user should read before training starts
+
+
+def detect_accelerator(config: RunConfig) -> tuple[str, int]:
+    """(accelerator, number of ranks) for this machine and config."""
+    import torch
+
+    wanted = config.hardware.accelerator
+    has_cuda = torch.cuda.is_available()
+    if wanted == "cuda" and not has_cuda:
+        raise ConfigError([("hardware.accelerator", "cuda was asked for but torch sees no CUDA device: set hardware.accelerator: auto or cpu")])
+    accelerator = "cuda" if (wanted == "cuda" or (wanted == "auto" and has_cuda)) else "cpu"
+    gpus = config.hardware.gpus
+    if gpus == "auto":
+        gpus = torch.cuda.device_count() if accelerator == "cuda" else 2
+    elif accelerator == "cuda" and gpus > torch.cuda.device_count():
+        raise ConfigError([("hardware.gpus", f"{gpus} ranks asked for but only {torch.cuda.device_count()} GPUs are visible: lower hardware.gpus")])
+    return accelerator, int(gpus)
+
+
+def run_dir_for(config: RunConfig) -> Path:
+    return Path(config.run.output_dir) / (config.run.name or "run")
+
+
+def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size: int | None = None) -> Prepared:
+    """Lay out (or reopen, for a resume) the run directory and write what the ranks read.
+
+    Args:
+        resume: False/None for a new run; True to continue the run directory's latest
+            checkpoint; a path to a run directory or checkpoint to continue from.
+
+    Raises:
+        ZeroPipeError: with the fix, for anything that would make the ranks fail.
+    """
+    accelerator, detected = detect_accelerator(config)
+    world_size = world_size or detected
+    notes: list[str] = []
+    run = RunDir(run_dir_for(config))
+    resume_tag = None
+    if resume:
+        run_path, info = resolve_checkpoint(run.path if resume is True else Path(resume))
+        run = RunDir(run_path)
+        resume_tag = info.tag
+        saved = json.loads((info.path / "zeropipe_complete.json").read_text())
+        if saved.get("world_size") not in (None, world_size):
+            raise ZeroPipeError(
+                f"checkpoint {info.tag} was saved by {saved['world_size']} ranks and this run has {world_size}: "
+                f"resume with hardware.gpus={saved['world_size']} (changing the rank count needs a universal checkpoint)"
+            )
+        notes.append(f"resuming {run.path} from {info.tag} (step {info.step})")
+    elif run.path.exists() and (list_checkpoints(run.path, complete_only=False) or run.metrics.exists()):
+        raise ZeroPipeError(
+            f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
+            f"(e.g. run.name={run.path.name}-2); nothing was overwritten"
+        )
+    run.path.mkdir(parents=True, exist_ok=True)
+    # Errors recorded by an earlier attempt would mislead this attempt's diagnosis.
+    shutil.rmtree(run.errors, ignore_errors=True)
+    run.errors.mkdir()
+    run.logs.mkdir(exist_ok=True)
+
+    records_path = prepare_data_file(config, run)
+    tokenizer = prepare_tokenizer(config, run, records_path, reuse=bool(resume_tag))
+    cache = prepare_cache(config, run, records_path, tokenizer, reuse=bool(resume_tag))
+    if cache.get("bad_records"):
+        shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
+        notes.append(f"skipped {cache.get('bad_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
+
+    from zeropipe.models.causal_lm import hidden_size_of, model_config
+
+    if config.model.config is not None and config.model.config.get("vocab_size") in (None, "auto"):
+        config.model.config = {**config.model.config, "vocab_size": len(tokenizer)}
+        notes.append(f"model.config.vocab_size = {len(tokenizer)} (from the tokenizer)")
+    hf_config = model_config(config.model)
+    if getattr(hf_config, "vocab_size", None) is not None and len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError([("model.config.vocab_size", f"{hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens: raise it or remove it")])
+
+    examples = int(cache["examples"])
+    micro, accumulation = config.train.micro_batch_size, config.train.gradient_accumulation_steps
+    # Resolve the batch shape first: a user's DeepSpeed JSON may set it explicitly.
+    probe = build_deepspeed_config(config, world_size, total_steps=1, hidden_size=hidden_size_of(hf_config))
+    micro, accumulation = effective_batch_shape(probe.config)
+    micro_batches_per_epoch = (examples // world_size) // micro
+    steps_per_epoch = micro_batches_per_epoch // accumulation
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            [
+                (
+                    "train.micro_batch_size",
+                    f"{examples} examples over {world_size} ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}: "
+                    "lower train.micro_batch_size or train.gradient_accumulation_steps, or add data",
+                )
+            ]
+        )
+    if config.train.max_steps:
+        total_steps = config.train.max_steps
+    else:
+        total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
+    resolved = build_deepspeed_config(config, world_size, total_steps, hidden_size_of(hf_config))
+    notes += [f"DeepSpeed {line}" for line in resolved.filled]
+
+    prompts = list(config.generate.prompts)
+    if not prompts and config.data.synthetic is not None:
+        from zeropipe.data.synthetic import sample_prompts
+
+        prompts = sample_prompts(config.data.synthetic.task, 4, seed=config.data.synthetic.seed + 1)
+    plan = RunPlan(
+        world_size=world_size,
+        accelerator=accelerator,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        micro_batches_per_epoch=micro_batches_per_epoch,
+        examples=examples,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        zero_stage=zero_stage_of(resolved.config),
+        resume_from=resume_tag,
+        generate_prompts=prompts,
+        created_at=time.time(),
+    )
+    write_atomic(run.config, dump_config(config))
+    write_atomic(run.ds_config, json.dumps(resolved.config, indent=2))
+    run.write_plan(plan)
+    return Prepared(run, plan, notes)
+
+
+def prepare_data_file(config: RunConfig, run: RunDir) -> Path:
+    if config.data.synthetic is None:
+        return Path(config.data.path).expanduser()
+    from zeropipe.data.synthetic import generate_dataset
+
+    path = run.data / "train.jsonl"
+    if not path.is_file():
+        run.data.mkdir(exist_ok=True)
+        synthetic = config.data.synthetic
+        generate_dataset(synthetic.task, synthetic.examples, synthetic.seed, path)
+    return path
+
+
+def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse: bool):
+    from transformers import AutoTokenizer
+
+    if reuse and run.tokenizer.is_dir():
+        return AutoTokenizer.from_pretrained(str(run.tokenizer))
+    source = config.model.tokenizer or config.model.path
+    if source:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if tokenizer.pad_token is None:
+            # Padding is masked out of attention and loss, so the EOS token can stand in.
+            tokenizer.pad_token = tokenizer.eos_token
+    else:
+        from zeropipe.data.formats import detect_format, read_records
+        from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
+
+        records, _ = read_records(records_path)
+        fmt = detect_format(records, config.data.format)
+        tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
+    tokenizer.save_pretrained(str(run.tokenizer))
+    return tokenizer
+
+
+def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> dict:
+    from zeropipe.data.tokenize import build_token_cache
+
+    info_file = run.cache / "cache.json"
+    if reuse and info_file.is_file():
+        return json.loads(info_file.read_text())
+    build_token_cache(
+        records_path,
+        tokenizer,
+        run.cache,
+        fmt=config.data.format,
+        max_seq_len=config.data.max_seq_len,
+        max_bad_fraction=config.data.max_bad_fraction,
+    )
+    return json.loads(info_file.read_text())

@@ -1,0 +1,181 @@
+"""Start one process per rank, watch them, stop them all when one dies, and say why.
+
+We spawn the ranks with ``subprocess`` rather than torch's elastic agent because the
+supervisor needs three things the agent does not give: each rank in its own process group
+(so Ctrl-C reaches only us and we stop children such as data-loader workers too), per-rank
+host-RAM sampling while they run (the figure the OOM diagnosis quotes), and the order in
+which ranks died (the first death is the cause; the rest are ``Connection reset by peer``).
+The environment is the one torch.distributed expects (RANK, LOCAL_RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), so the code inside a rank is the same as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from zeropipe.launch.diagnose import Diagnosis, RankExit, diagnose
+from zeropipe.rundir import RunDir
+
+POLL_SECONDS = 0.2
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class Outcome:
+    state: str  # "completed", "failed" or "stopped"
+    diagnosis: Diagnosis | None = None
+    host_ram_peak_bytes: int = 0
+    rank_rss_peak_bytes: list[int] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_environment(rank: int, world_size: int, port: int, accelerator: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+    )
+    if accelerator == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+        # Ranks share the cores: without this each rank starts one thread per core and they thrash.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    return env
+
+
+def tail(path: Path, lines: int = 40) -> list[str]:
+    try:
+        with open(path, errors="replace") as handle:
+            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
+    except FileNotFoundError:
+        return []
+
+
+class Supervisor:
+    def __init__(self, run: RunDir, world_size: int, accelerator: str, master_port: int | None = None, on_tick: Callable[[], None] | None = None):
+        self.run = run
+        self.world_size = world_size
+        self.accelerator = accelerator
+        self.port = master_port or free_port()
+        self.on_tick = on_tick
+        self.procs: list[subprocess.Popen] = []
+        self.host_ram_peak = 0
+        self.host_ram_baseline = psutil.virtual_memory().used
+        self.rank_rss_peak = [0] * world_size
+
+    def start(self) -> None:
+        for rank in range(self.world_size):
+            log = open(self.run.rank_log(rank), "a")
+            log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+            log.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "zeropipe.engine.worker", str(self.run.path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=rank_environment(rank, self.world_size, self.port, self.accelerator),
+                start_new_session=True,
+            )
+            log.close()
+            self.procs.append(proc)
+        self.run.write_status(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
+
+    def sample_memory(self) -> None:
+        used = psutil.virtual_memory().used
+        self.host_ram_peak = max(self.host_ram_peak, used)
+        for rank, proc in enumerate(self.procs):
+            try:
+                process = psutil.Process(proc.pid)
+                rss = process.memory_info().rss + sum(c.memory_info().rss for c in process.children(recursive=True))
+            except psutil.Error:
+                continue
+            self.rank_rss_peak[rank] = max(self.rank_rss_peak[rank], rss)
+
+    def wait(self) -> Outcome:
+        """Block until every rank has finished, one has failed, or the user pressed Ctrl-C."""
+        exits: dict[int, RankExit] = {}
+        try:
+            while True:
+                self.sample_memory()
+                now = time.time()
+                for rank, proc in enumerate(self.procs):
+                    if rank not in exits and proc.poll() is not None:
+                        exits[rank] = RankExit(rank, proc.returncode, now)
+                failed = [e for e in exits.values() if e.returncode != 0]
+                if failed:
+                    return self.fail(exits)
+                if len(exits) == self.world_size:
+                    self.run.write_status(state="completed", ended_at=time.time())
+                    return Outcome("completed", None, self.host_ram_peak, self.rank_rss_peak)
+                if self.on_tick:
+                    self.on_tick()
+                time.sleep(POLL_SECONDS)
+        except KeyboardInterrupt:
+            self.stop_all()
+            self.run.write_status(state="stopped", ended_at=time.time())
+            return Outcome("stopped", None, self.host_ram_peak, self.rank_rss_peak)
+
+    def fail(self, exits: dict[int, RankExit]) -> Outcome:
+        # A moment for ranks that fail on their own (a shared bad config) to record why.
+        time.sleep(0.5)
+        now = time.time()
+        for rank, proc in enumerate(self.procs):
+            if rank not in exits and proc.poll() is not None:
+                exits[rank] = RankExit(rank, proc.returncode, now)
+        first = min(e.seen_at for e in exits.values() if e.returncode != 0)
+        self.stop_all()
+        for rank, proc in enumerate(self.procs):
+            if rank not in exits:
+                # Stopped by us: later than any real failure by construction.
+                exits[rank] = RankExit(rank, proc.returncode if proc.returncode is not None else -9, first + 60)
+        for e in exits.values():
+            e.log_tail = tail(self.run.rank_log(e.rank))
+            e.error = self.run.read_json(self.run.rank_error(e.rank))
+        ordered = [exits[r] for r in sorted(exits)]
+        diagnosis = diagnose(ordered, self.host_ram_peak, psutil.virtual_memory().total)
+        self.run.write_status(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict())
+        return Outcome("failed", diagnosis, self.host_ram_peak, self.rank_rss_peak)
+
+    def stop_all(self) -> None:
+        """SIGTERM every rank's process group, then SIGKILL what is left: no orphans."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.time() + STOP_GRACE_SECONDS
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:
+            # Also the group: a rank's children (data-loader workers, compilers) die with it.
+            signal_group(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.wait()
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

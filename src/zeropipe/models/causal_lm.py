@@ -1,0 +1,102 @@
+"""Causal language models through transformers' Auto classes, optionally with LoRA (peft).
+
+Under ZeRO-3 the model must be built while transformers knows the DeepSpeed config
+(``HfDeepSpeedConfig`` alive): transformers then constructs it inside ``deepspeed.zero.Init``
+so no rank ever materialises the full model, and initialises or loads weights one gathered
+module at a time. That is the order of operations that avoids meta-tensor errors without
+patching anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropipe.config.schema import ModelSection
+from zeropipe.errors import ConfigError
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_config(section: ModelSection, vocab_size: int | None = None):
+    """The transformers config of the model (inline or read from model.path)."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if section.path:
+        return AutoConfig.from_pretrained(section.path)
+    fields = dict(section.config or {})
+    model_type = fields.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError([("model.config.model_type", f"unknown architecture {model_type!r}: use one transformers knows, e.g. llama, qwen2, mistral, gemma2")])
+    if vocab_size is not None and fields.get("vocab_size") in (None, "auto"):
+        fields["vocab_size"] = vocab_size
+    try:
+        return CONFIG_MAPPING[model_type](**fields)
+    except (TypeError, ValueError) as err:
+        raise ConfigError([("model.config", f"transformers rejected the inline {model_type} config: {err}")]) from None
+
+
+def hidden_size_of(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "hidden_size", None)
+
+
+def build_model(section: ModelSection, config: Any, precision: str):
+    """Instantiate the model (random init or pretrained), with LoRA adapters when configured.
+
+    Call this with ``HfDeepSpeedConfig`` alive for ZeRO-3 so that construction is partitioned.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = TORCH_DTYPES[precision]
+    if section.path:
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=dtype, attn_implementation=section.attn_implementation)
+    else:
+        config._attn_implementation = section.attn_implementation
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # The KV cache is useless in training and costs memory.
+    model.config.use_cache = False
+    if section.gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with ZeRO-3.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if section.lora is not None:
+            model.enable_input_require_grads()
+    if section.lora is not None:
+        model = add_lora(model, section)
+    return model
+
+
+def add_lora(model, section: ModelSection):
+    from peft import LoraConfig, get_peft_model
+
+    lora = section.lora
+    assert lora is not None
+    peft_config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_config)
+    except ValueError as err:
+        names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
+        raise ConfigError([("model.lora.target_modules", f"{err}. Linear layers of this model: {', '.join(names)}")]) from None
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; works on ZeRO-3 partitioned parameters too."""
+    trainable = total = 0
+    for param in model.parameters():
+        numel = getattr(param, "ds_numel", None) or param.numel()
+        total += numel
+        if param.requires_grad:
+            trainable += numel
+    return trainable, total
+
+
+def save_tokenizer_dir(tokenizer, out: Path) -> None:
+    tokenizer.save_pretrained(str(out))
