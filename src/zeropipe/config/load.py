@@ -95,6 +95,35 @@ def dedupe(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [p for p in problems if not (p in seen or seen.add(p))]
 
 
+# Names users bring from HF Trainer, axolotl and LLaMA-Factory configs.
+ALIASES = {
+    "learning_rate": "lr",
+    "per_device_train_batch_size": "micro_batch_size",
+    "micro_batch": "micro_batch_size",
+    "batch_size": "micro_batch_size",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "max_grad_norm": "grad_clip",
+    "gradient_clipping": "grad_clip",
+    "stage": "zero_stage",
+    "zero": "zero_stage",
+    "lr_scheduler_type": "schedule",
+    "warmup": "warmup_steps",
+    "save_steps": "save_every",
+    "logging_steps": "log_every",
+    "save_total_limit": "keep_last",
+    "model_name_or_path": "path",
+    "base_model": "path",
+    "dataset": "path",
+    "sequence_len": "max_seq_len",
+    "cutoff_len": "max_seq_len",
+    "lora_r": "r",
+    "lora_alpha": "alpha",
+    "lora_dropout": "dropout",
+    "num_gpus": "gpus",
+}
+
+
 def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into (dotted key, message with the fix)."""
     loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union["))]
@@ -104,7 +133,7 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     kind = error["type"]
     if kind == "extra_forbidden":
         known = known_keys(loc[:-1])
-        close = difflib.get_close_matches(loc[-1], known, n=1)
+        close = [ALIASES[loc[-1]]] if ALIASES.get(loc[-1]) in known else difflib.get_close_matches(loc[-1], known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(sorted(known))}"
         return key, f"unknown key; {hint}"
     if kind == "literal_error":

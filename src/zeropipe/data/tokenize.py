@@ -188,6 +188,8 @@ def _assemble(segments: list[_Segment], encoded: list[list[int]]) -> tuple[list[
 
 
 def _text_chunks(tokenizer: Any, text_ids: list[int], max_seq_len: int) -> list[tuple[list[int], list[int]]]:
+    if not text_ids:
+        return [([], [])]  # an empty document teaches nothing; build_token_cache counts it as dropped
     ids = list(text_ids)
     if tokenizer.bos_token_id is not None:
         ids.insert(0, tokenizer.bos_token_id)
@@ -234,7 +236,11 @@ def build_token_cache(
     records, bad = read_located_records(path)
     total = len(records) + len(bad)
     if total == 0:
-        raise DataError(f"data.path {path}: no records found (the file is empty). Fix data.path or add data.")
+        raise DataError(f"data.path {path}: no records found, only blank lines. Fix data.path or add data.")
+    if not records:
+        # Say "malformed" rather than "unknown format": there was nothing to detect from.
+        _check_bad_records(path, bad, total, max_bad_fraction, max_bad_records)
+        raise DataError(f"data.path {path}: all {total} records are malformed, first: {bad[0]}. Fix the file.")
     fmt = detect_format([record.value for record in records], fmt)
 
     # Rendering happens before the malformed-record check because a chat template can
@@ -253,7 +259,8 @@ def build_token_cache(
     label_arrays: list[np.ndarray] = []
     truncated = dropped_empty = 0
     for start in range(0, len(plans), TOKENIZE_BATCH):
-        for input_ids, labels, was_truncated in _tokenize_batch(tokenizer, plans[start : start + TOKENIZE_BATCH], max_seq_len):
+        batch = plans[start : start + TOKENIZE_BATCH]
+        for input_ids, labels, was_truncated in _tokenize_batch(tokenizer, batch, max_seq_len):
             truncated += was_truncated
             if not any(label != IGNORE_INDEX for label in labels):
                 dropped_empty += 1

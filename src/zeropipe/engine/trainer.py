@@ -171,8 +171,8 @@ class Trainer:
         self.save_checkpoint()
 
     def current_lr(self) -> float:
-        lrs = self.engine.get_lr()
-        return float(lrs[0]) if lrs else 0.0
+        # The rate this step will use: the scheduler set it on the optimizer after the last step.
+        return float(self.engine.optimizer.param_groups[0]["lr"])
 
     def record_metrics(self, epoch: int, loss: float, lr: float, tokens: float, samples: float, step_time: float) -> None:
         """One collective per step gathers every rank's figures; rank 0 appends them to metrics.jsonl."""

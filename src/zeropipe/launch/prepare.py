@@ -77,6 +77,7 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
                 f"resume with hardware.gpus={saved['world_size']} (changing the rank count needs a universal checkpoint)"
             )
         notes.append(f"resuming {run.path} from {info.tag} (step {info.step})")
+        notes += set_aside_future(run, info.step)
     elif run.path.exists() and (list_checkpoints(run.path, complete_only=False) or run.metrics.exists()):
         raise ZeroPipeError(
             f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
@@ -93,7 +94,7 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     cache = prepare_cache(config, run, records_path, tokenizer, reuse=bool(resume_tag))
     if cache.get("bad_records"):
         shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
-        notes.append(f"skipped {cache.get('bad_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
+        notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
 
     from zeropipe.models.causal_lm import hidden_size_of, model_config
 
@@ -151,6 +152,27 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     write_atomic(run.ds_config, json.dumps(resolved.config, indent=2))
     run.write_plan(plan)
     return Prepared(run, plan, notes)
+
+
+def set_aside_future(run: RunDir, step: int) -> list[str]:
+    """Resuming from an older checkpoint: what came after it belongs to an abandoned timeline.
+
+    Newer checkpoints are moved aside (never deleted) and later metrics rows dropped, so the
+    resumed run writes its own steps without colliding with them.
+    """
+    notes = []
+    newer = [info for info in list_checkpoints(run.path, complete_only=False) if info.step > step]
+    if newer:
+        aside = run.checkpoints / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for info in newer:
+            info.path.rename(aside / info.tag)
+        notes.append(f"moved {len(newer)} newer checkpoint(s) to {aside} (not deleted)")
+    rows = run.read_metrics()
+    if any(row.get("step", 0) > step for row in rows):
+        kept = [json.dumps(row) for row in rows if row.get("step", 0) <= step]
+        write_atomic(run.metrics, "".join(line + "\n" for line in kept))
+    return notes
 
 
 def prepare_data_file(config: RunConfig, run: RunDir) -> Path:

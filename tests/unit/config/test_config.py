@@ -1,0 +1,120 @@
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zeropipe.config.deepspeed import build_deepspeed_config
+from zeropipe.config.load import load_config
+from zeropipe.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+
+
+def write(tmp_path, data, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def minimal(tmp_path, **sections):
+    data_file = tmp_path / "train.jsonl"
+    data_file.write_text('{"instruction": "hi", "output": "yo"}\n')
+    config = {"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "data": {"path": str(data_file)}}
+    for key, value in sections.items():
+        config.setdefault(key, {}).update(value)
+    return config
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_example_loads_and_starts_with_its_command(path):
+    assert path.read_text().startswith("# Run it:")
+    load_config(path)
+
+
+def test_all_problems_reported_at_once_with_keys_and_fixes(tmp_path):
+    config = minimal(tmp_path, train={"micro_batchsize": 4, "lr": -1}, deepspeed={"zero_stage": 2, "offload_param": "cpu", "precision": "fp8"})
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, config))
+    keys = [key for key, _ in info.value.problems]
+    text = str(info.value)
+    assert "train.micro_batchsize" in keys and "did you mean 'micro_batch_size'" in text
+    assert "train.lr" in keys
+    assert "deepspeed.precision" in keys
+    assert "deepspeed.offload_param" in keys and "set deepspeed.zero_stage: 3" in text
+    assert len(keys) == 4
+
+
+def test_missing_model_and_data_name_the_section(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, {"data": {"path": str(tmp_path / "nope.jsonl")}}))
+    text = str(info.value)
+    assert "model: no model" in text
+    assert "nope.jsonl does not exist" in text
+
+
+def test_overrides_parse_numbers_and_nested_keys(tmp_path):
+    config = load_config(write(tmp_path, minimal(tmp_path)), ["train.lr=2e-5", "deepspeed.zero_stage=3", "train.max_steps=7"])
+    assert config.train.lr == 2e-5
+    assert config.deepspeed.zero_stage == 3
+    assert config.train.max_steps == 7
+    assert config.run.name == "run"
+
+
+def test_bad_override_names_the_key(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, minimal(tmp_path)), ["train.learning_rate=1", "oops"])
+    text = str(info.value)
+    assert "train.learning_rate: unknown key; did you mean 'lr'" in text
+    assert "section.key=value" in text
+
+
+def test_yaml_syntax_error_gives_line(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "model:\n  path: [unclosed\n"))
+    assert "not valid YAML at line" in str(info.value)
+
+
+def test_generated_deepspeed_config_is_consistent(tmp_path):
+    config = load_config(
+        write(tmp_path, minimal(tmp_path)),
+        ["train.micro_batch_size=3", "train.gradient_accumulation_steps=2", "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu"],
+    )
+    ds = build_deepspeed_config(config, world_size=5, total_steps=100, hidden_size=64).config
+    assert ds["train_batch_size"] == 3 * 2 * 5
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["optimizer"]["type"] == "AdamW" and ds["scheduler"]["params"]["total_num_steps"] == 100
+    assert ds["bf16"] == {"enabled": True}
+
+
+def test_user_deepspeed_json_auto_values_resolved_and_listed(tmp_path):
+    hf_trainer_style = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+    }
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps(hf_trainer_style))
+    config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)}, train={"micro_batch_size": 2, "lr": 1e-4})))
+    resolved = build_deepspeed_config(config, world_size=2, total_steps=50, hidden_size=32)
+    ds = resolved.config
+    assert "auto" not in json.dumps(ds)
+    assert ds["train_batch_size"] == 4 and ds["optimizer"]["params"]["lr"] == 1e-4
+    assert ds["scheduler"]["params"]["total_num_steps"] == 50
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 32 * 32
+    assert any(line.startswith("optimizer.params.lr = 0.0001") for line in resolved.filled)
+
+
+def test_user_deepspeed_json_inconsistent_batch_is_refused(tmp_path):
+    ds_file = tmp_path / "ds.json"
+    ds_file.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
+    config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)})))
+    with pytest.raises(ConfigError, match="train_batch_size.*10 != micro-batch 2 x accumulation 1 x 2 ranks = 4"):
+        build_deepspeed_config(config, world_size=2, total_steps=10)
