@@ -42,7 +42,11 @@ class ModelSection(Section):
         None,
         description="Tokenizer directory. Defaults to model.path; with model.config and no tokenizer, one is trained on the data.",
     )
-    tokenizer_vocab_size: int = Field(512, ge=64, description="Vocabulary size of the tokenizer trained on the data (only used when one is trained).")
+    tokenizer_vocab_size: int = Field(
+        300,
+        ge=262,
+        description="Vocabulary size of the byte-level BPE tokenizer trained on the data when the model has none (at least 256 bytes + 6 special tokens).",
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about 30% more compute.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel passed to transformers.")
     lora: LoraSection | None = Field(None, description="Train LoRA adapters (peft) instead of all weights; only adapter weights are trainable.")
@@ -63,6 +67,7 @@ class DataSection(Section):
     max_bad_fraction: float = Field(
         0.01, ge=0, le=1, description="The run refuses to start when more than this fraction of records are malformed."
     )
+    max_bad_records: int | None = Field(None, ge=0, description="A count of malformed records tolerated, used instead of max_bad_fraction when set.")
     synthetic: SyntheticSection | None = Field(None, description="Generate a small instruction dataset into the run directory instead of reading data.path.")
 
 

@@ -85,12 +85,6 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return ids
 
 
-def render_text(tokenizer: Any, text: str, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
-    """Examples for a plain text document: every token carries loss, long texts become chunks."""
-    ids = _encode_texts(tokenizer, [text])[0]
-    return _text_chunks(tokenizer, ids, max_seq_len)
-
-
 def _conversation_segments(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[_Segment]:
     if getattr(tokenizer, "chat_template", None):
         return _template_segments(tokenizer, messages, add_generation_prompt)

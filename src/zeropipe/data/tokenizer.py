@@ -51,7 +51,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> Pre
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        extra_special_tokens=list(ROLE_TOKENS),
+        # transformers 5 renames this extra_special_tokens and converts the old name; 4.x
+        # only knows this one (its extra_special_tokens is a different, named mapping).
+        additional_special_tokens=list(ROLE_TOKENS),
         # Byte-level decoding is exact already; the clean-up would drop spaces before punctuation.
         clean_up_tokenization_spaces=False,
     )

@@ -223,5 +223,6 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
         fmt=config.data.format,
         max_seq_len=config.data.max_seq_len,
         max_bad_fraction=config.data.max_bad_fraction,
+        max_bad_records=config.data.max_bad_records,
     )
     return json.loads(info_file.read_text())

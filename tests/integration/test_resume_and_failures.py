@@ -1,0 +1,131 @@
+"""Ctrl-C, resume equality, a killed rank, and refusing bad input before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.integration.conftest import assert_ok, metrics, start_zeropipe, zeropipe
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rank_pids(run_dir) -> list[int]:
+    status = json.loads((run_dir / "status.json").read_text())
+    return status["pids"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ctrl_c_then_resume_continues_exactly(tmp_run, stage):
+    tmp_path, make = tmp_run
+    train = {"max_steps": 30, "save_every": 4, "keep_last": 2}
+    # LoRA-free, dropout-free model: on CPU the resumed losses must equal the uninterrupted ones.
+    full = make(f"full{stage}", train=train, deepspeed={"zero_stage": stage})
+    assert_ok(zeropipe("train", full))
+    reference = {r["step"]: r for r in metrics(tmp_path / "runs" / f"full{stage}")}
+
+    interrupted = make(f"cut{stage}", train=train, deepspeed={"zero_stage": stage})
+    run_dir = tmp_path / "runs" / f"cut{stage}"
+    proc = start_zeropipe("train", interrupted)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000008" / "zeropipe_complete.json").exists(), 600, "checkpoint 8")
+    pids = rank_pids(run_dir)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "stopped; all ranks ended" in output and "--resume" in output
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+    stopped_at = max(r["step"] for r in metrics(run_dir))
+    assert stopped_at < 30, "the run finished before Ctrl-C; the test proves nothing"
+
+    result = zeropipe("train", interrupted, "--resume")
+    assert_ok(result)
+    assert "resuming" in result.stderr
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == list(range(1, 31)), "metrics must have each step once"
+    for row in resumed:
+        expected = reference[row["step"]]
+        assert row["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-6), (row["step"], row["loss"], expected["loss"])
+        assert row["lr"] == pytest.approx(expected["lr"], rel=1e-9)
+
+
+def test_existing_run_is_not_overwritten(tmp_run):
+    tmp_path, make = tmp_run
+    config = make("once", train={"max_steps": 3})
+    assert_ok(zeropipe("train", config))
+    before = sorted(p.name for p in (tmp_path / "runs" / "once" / "checkpoints").iterdir())
+    result = zeropipe("train", config)
+    assert result.returncode == 2
+    assert "already holds a run: continue it with --resume" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "runs" / "once" / "checkpoints").iterdir()) == before
+
+
+def test_killed_rank_is_diagnosed_and_nothing_is_left_behind(tmp_run):
+    tmp_path, make = tmp_run
+    config = make("killed", train={"max_steps": 100000, "save_every": None})
+    run_dir = tmp_path / "runs" / "killed"
+    proc = start_zeropipe("train", config)
+    wait_for(lambda: len(metrics(run_dir)) >= 3, 600, "three training steps")
+    pids = rank_pids(run_dir)
+    children = [c.pid for pid in pids for c in psutil.Process(pid).children(recursive=True)]
+    psutil.Process(pids[0]).send_signal(signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, output
+    assert "rank 0 was killed by SIGKILL" in output
+    assert "OOM killer" in output and "host RAM peaked at" in output
+    assert "rank 1" in output  # named as stopped, an effect
+    # No orphans: every rank and its children are gone.
+    time.sleep(0.5)
+    alive = [p for p in pids + children if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["diagnosis"]["rank"] == 0
+
+
+def test_config_error_names_every_key_and_starts_nothing(tmp_run):
+    tmp_path, make = tmp_run
+    config = make("bad", train={"micro_batchsize": 2}, deepspeed={"zero_stage": 1, "offload_param": "cpu"})
+    result = zeropipe("train", config)
+    assert result.returncode == 2
+    assert "train.micro_batchsize: unknown key; did you mean 'micro_batch_size'?" in result.stderr
+    assert "deepspeed.offload_param: needs zero_stage 3 (you set 1)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "bad").exists()
+
+
+def test_too_many_malformed_lines_refuse_to_start(tmp_run):
+    tmp_path, make = tmp_run
+    data = tmp_path / "broken.jsonl"
+    good = json.dumps({"instruction": "What is 1 + 1?", "output": "2"})
+    data.write_text("\n".join([good] * 20 + ["{not json", good, '{"instruction": "x"}'] + [good] * 5) + "\n")
+    config = make("broken", data={"synthetic": None, "path": str(data)})
+    result = zeropipe("train", config)
+    assert result.returncode == 2, result.stderr
+    assert "broken.jsonl" in result.stderr and "line 21" in result.stderr and "max_bad_fraction" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "broken" / "logs" / "rank0.log").exists()
+
+
+def test_few_malformed_lines_are_skipped_and_reported(tmp_run):
+    tmp_path, make = tmp_run
+    data = tmp_path / "mostly_good.jsonl"
+    lines = [json.dumps({"instruction": f"What is {i % 9} + 1?", "output": str(i % 9 + 1)}) for i in range(60)]
+    lines.insert(10, "{broken")
+    data.write_text("\n".join(lines) + "\n")
+    config = make("skips", data={"synthetic": None, "path": str(data), "max_bad_fraction": 0.05}, train={"max_steps": 3})
+    result = zeropipe("train", config)
+    assert_ok(result)
+    assert "skipped 1 malformed record(s)" in result.stderr and "line 11" in result.stderr
