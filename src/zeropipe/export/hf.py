@@ -75,7 +75,10 @@ def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     if section.lora is not None and merge:
         model = model.merge_and_unload()
     model = model.to(DTYPES[dtype])
-    model.config.use_cache = True
+    # The config records the dtype loaders cast to ("auto"): it must say what was written.
+    target_config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    target_config.dtype = DTYPES[dtype]
+    target_config.use_cache = True
     model.save_pretrained(str(tmp), safe_serialization=True)
     if section.lora is not None and not merge and section.path:
         # The adapter points at the base it was trained on, so peft can load it directly.
