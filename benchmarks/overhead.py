@@ -222,6 +222,34 @@ def run_bare(run_dir: Path, name: str, work: Path) -> dict:
     }
 
 
+class ForeignLoad:
+    """CPU used on this machine by processes other than this benchmark's, over a run.
+
+    Other work on the machine (a test suite, a build) slows whichever run it overlaps;
+    a run with a high figure here says its time is not the loop's alone.
+    """
+
+    def __enter__(self):
+        self.start = self.sample()
+        return self
+
+    def __exit__(self, *exc):
+        end = self.sample()
+        wall, busy, ours = (b - a for a, b in zip(self.start, end))
+        self.cores = max(0.0, busy - ours) / wall if wall > 0 else 0.0
+
+    @staticmethod
+    def sample() -> tuple[float, float, float]:
+        import resource
+
+        import psutil
+
+        cpu = psutil.cpu_times()
+        busy = cpu.user + cpu.nice + cpu.system + getattr(cpu, "irq", 0.0) + getattr(cpu, "softirq", 0.0)
+        ours = sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for field in ("ru_utime", "ru_stime"))
+        return time.monotonic(), busy, ours
+
+
 def after_warmup(result: dict, key: str, warmup: int) -> list[float]:
     # period[i] is the time from the end of step i + 1 to the end of step i + 2 (1-based).
     return result[key][warmup:] if key == "step_time" else result[key][max(0, warmup - 1) :]
@@ -290,16 +318,18 @@ def main() -> int:
     started = time.time()
     for system, repeat in order:
         t0 = time.time()
-        if system == "zeropipe":
-            result = run_zeropipe(config_path, f"zeropipe-{repeat}", work)
-            reference_dir = reference_dir or result["run_dir"]
-        else:
-            result = run_bare(reference_dir, f"bare-{repeat}", work)
+        with ForeignLoad() as load:
+            if system == "zeropipe":
+                result = run_zeropipe(config_path, f"zeropipe-{repeat}", work)
+                reference_dir = reference_dir or result["run_dir"]
+            else:
+                result = run_bare(reference_dir, f"bare-{repeat}", work)
         result["repeat"] = repeat
+        result["foreign"] = load.cores
         results.append(result)
         print(
             f"  {result['name']:<11} step time median {median(after_warmup(result, 'step_time', warmup)) * 1e3:7.2f} ms   "
-            f"step period median {median(after_warmup(result, 'period', warmup)) * 1e3:7.2f} ms   ({time.time() - t0:.0f} s wall)",
+            f"step period median {median(after_warmup(result, 'period', warmup)) * 1e3:7.2f} ms   ({time.time() - t0:.0f} s wall, other processes {load.cores:.2f} cores)",
             flush=True,
         )
 
@@ -323,21 +353,21 @@ def main() -> int:
         for key, label in (("step_time", "step time"), ("period", "step period")):
             ratio = median(after_warmup(zp, key, warmup)) / median(after_warmup(bare, key, warmup))
             line.append(f"{label} {ratio:.3f}")
-        print(f"  repeat {repeat}: " + "   ".join(line))
+        print(f"  repeat {repeat}: " + "   ".join(line) + f"   (other processes: {zp['foreign']:.2f} / {bare['foreign']:.2f} cores)")
+    if max(r["foreign"] for r in results) > 0.1:
+        print("  note: other processes used CPU during some runs; their figures hold that noise")
 
-    print(f"\npooled over {repeats} repeat(s), {steps - warmup} steps each:")
-    print(f"  {'':<12}{'bare':>10}{'zeropipe':>11}{'ratio':>8}")
+    print(f"\npooled over {repeats} repeat(s), {steps - warmup} steps each (rank 0):")
+    print(f"  {'':<20}{'bare':>10}{'zeropipe':>11}{'ratio':>8}")
     verdict = {}
-    for key, label in (("step_time", "step time"), ("period", "step period")):
-        zp = [v for r in results if r["system"] == "zeropipe" for v in after_warmup(r, key, warmup)]
-        bare = [v for r in results if r["system"] == "bare" for v in after_warmup(r, key, warmup)]
-        ratio = median(zp) / median(bare)
-        verdict[key] = ratio
-        print(f"  {label:<12}{median(bare) * 1e3:8.2f}ms{median(zp) * 1e3:9.2f}ms{ratio:8.3f}")
-    for key, label in (("step_time", "step time"), ("period", "step period")):
-        zp = [v for r in results if r["system"] == "zeropipe" for v in after_warmup(r, key, warmup)]
-        bare = [v for r in results if r["system"] == "bare" for v in after_warmup(r, key, warmup)]
-        print(f"  mean {label:<12}{statistics.mean(bare) * 1e3:6.2f}ms{statistics.mean(zp) * 1e3:9.2f}ms{statistics.mean(zp) / statistics.mean(bare):8.3f}")
+    for stat_name, stat in (("median", median), ("mean", statistics.mean)):
+        for key, label in (("step_time", "step time"), ("period", "step period")):
+            zp = [v for r in results if r["system"] == "zeropipe" for v in after_warmup(r, key, warmup)]
+            bare = [v for r in results if r["system"] == "bare" for v in after_warmup(r, key, warmup)]
+            ratio = stat(zp) / stat(bare)
+            if stat_name == "median":
+                verdict[key] = ratio
+            print(f"  {stat_name + ' ' + label:<20}{stat(bare) * 1e3:8.2f}ms{stat(zp) * 1e3:9.2f}ms{ratio:8.3f}")
     ratio = verdict["period"]
     print(
         f"\nZeRO-Pipe / bare (median step period): {ratio:.3f} -> target <= {TARGET:.2f} "

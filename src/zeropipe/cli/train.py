@@ -82,10 +82,14 @@ def report(run_dir: RunDir) -> None:
     if first is not None and final is not None:
         say(f"done: {summary['steps']} steps, loss {first:.3f} -> {final:.3f}")
     if run_dir.generations.is_file():
+        from zeropipe.data.synthetic import expected_answer
+
         say("generations of the trained model:")
         for line in run_dir.generations.read_text().splitlines():
             row = json.loads(line)
-            say(f"  {row['prompt']!r} -> {row['output']!r}")
+            expected = expected_answer(row["prompt"])
+            verdict = "" if expected is None else ("  (right)" if row["output"] == expected else f"  (expected {expected!r})")
+            say(f"  {row['prompt']!r} -> {row['output']!r}{verdict}")
     say(f"export it: zeropipe export {run_dir.path} --out {run_dir.path}/export")
 
 
