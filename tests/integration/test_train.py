@@ -77,3 +77,54 @@ def test_stage0_and_stage1_train(tmp_run):
         rows = metrics(tmp_path / "runs" / f"s{stage}")
         assert len(rows) == 8 and loss_fell(rows, 0.9), [r["loss"] for r in rows]
     assert_ok(zeropipe("export", tmp_path / "runs" / "s0", "--out", tmp_path / "export0"))
+
+
+def test_epochs_accumulation_checkpointing_and_linear_schedule(tmp_run):
+    tmp_path, make = tmp_run
+    config = make(
+        "accum",
+        model={"gradient_checkpointing": True},
+        train={"max_steps": None, "epochs": 1, "gradient_accumulation_steps": 2, "schedule": "linear", "warmup_steps": 2},
+        deepspeed={"zero_stage": 3, "precision": "fp32"},
+    )
+    assert_ok(zeropipe("train", config))
+    run_dir = tmp_path / "runs" / "accum"
+    plan = json.loads((run_dir / "run.json").read_text())
+    # 400 examples over 2 ranks, micro-batch 8: 25 micro-batches per epoch, 12 steps of 2.
+    assert (plan["micro_batches_per_epoch"], plan["total_steps"]) == (25, 12)
+    assert json.loads((run_dir / "ds_config.json").read_text())["train_batch_size"] == 8 * 2 * 2
+    rows = metrics(run_dir)
+    assert len(rows) == 12 and loss_fell(rows, 0.9)
+    lrs = [r["lr"] for r in rows]
+    # DeepSpeed's warm-up spends its first two steps at 0, then rises linearly; then linear decay.
+    assert lrs[:4] == pytest.approx([0.0, 0.0, 5e-3, 1e-2]) and all(a > b for a, b in zip(lrs[3:], lrs[4:])), lrs
+    # Each step saw 2 micro-batches of 8 on each of 2 ranks.
+    assert all(r["samples_per_s"] * r["step_time_s"] == pytest.approx(32) for r in rows)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "ZeRO-3: 21 of 21 parameter tensors partitioned at construction" in log
+
+
+def test_user_deepspeed_json_with_auto_values(tmp_run):
+    tmp_path, make = tmp_run
+    ds_file = tmp_path / "ds_hf_trainer.json"
+    ds_file.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "bf16": {"enabled": "auto"},
+                "zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_bucket_size": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+            }
+        )
+    )
+    config = make("userjson", deepspeed={"config_file": str(ds_file), "zero_stage": 2}, train={"max_steps": 5})
+    result = zeropipe("train", config)
+    assert_ok(result)
+    assert "DeepSpeed train_batch_size = 16 (micro-batch 8 x accumulation 1 x 2 ranks)" in result.stderr
+    assert "DeepSpeed optimizer.params.lr = 0.01 (from train.lr)" in result.stderr
+    used = json.loads((tmp_path / "runs" / "userjson" / "ds_config.json").read_text())
+    assert "auto" not in json.dumps(used)
+    assert used["scheduler"]["type"] == "WarmupCosineLR"

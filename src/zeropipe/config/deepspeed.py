@@ -25,32 +25,36 @@ class ResolvedDeepSpeed:
 
 def scheduler_block(config: RunConfig, total_steps: int) -> dict[str, Any]:
     train = config.train
-    # DeepSpeed's schedulers reject warmup_num_steps == 0; one step of warm-up is the closest.
+    # DeepSpeed's schedulers reject warmup_num_steps == 0 and spend the first two steps of a
+    # warm-up at its minimum; with no warm-up asked for, that minimum is the full rate.
     warmup = max(1, min(train.warmup_steps, max(total_steps - 1, 1)))
+    start = 0.0 if train.warmup_steps else 1.0
     if train.schedule == "cosine":
-        return {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(total_steps, warmup + 1),
-                "warmup_min_ratio": 0.0,
-                "warmup_num_steps": warmup,
-                "cos_min_ratio": train.min_lr_ratio,
-                "warmup_type": "linear",
-            },
+        params = {
+            "total_num_steps": max(total_steps, warmup + 1),
+            "warmup_min_ratio": start,
+            "warmup_num_steps": warmup,
+            "cos_min_ratio": train.min_lr_ratio,
+            "warmup_type": "linear",
         }
+        if not train.warmup_steps:
+            # WarmupCosineLR sets the rate to 0 before its first step whatever the minimum;
+            # starting it at iteration 0 leaves the optimizer's full rate for step 1.
+            params["last_batch_iteration"] = 0
+        return {"type": "WarmupCosineLR", "params": params}
     if train.schedule == "linear":
         # WarmupDecayLR decays linearly to 0; DeepSpeed has no floor for it.
         return {
             "type": "WarmupDecayLR",
             "params": {
                 "total_num_steps": max(total_steps, warmup + 1),
-                "warmup_min_lr": 0.0,
+                "warmup_min_lr": start * train.lr,
                 "warmup_max_lr": train.lr,
                 "warmup_num_steps": warmup,
                 "warmup_type": "linear",
             },
         }
-    return {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
+    return {"type": "WarmupLR", "params": {"warmup_min_lr": start * train.lr, "warmup_max_lr": train.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
 
 
 def optimizer_block(config: RunConfig) -> dict[str, Any]:

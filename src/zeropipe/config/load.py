@@ -167,7 +167,7 @@ def section(raw: dict[str, Any], name: str) -> dict[str, Any]:
 def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     """Checks across fields, run on the raw dict so they are reported with the type errors."""
     problems: list[tuple[str, str]] = []
-    model, data, ds, train = (section(raw, n) for n in ("model", "data", "deepspeed", "train"))
+    model, data, ds = (section(raw, n) for n in ("model", "data", "deepspeed"))
 
     if model.get("path") and model.get("config"):
         problems.append(("model", "set model.path or model.config, not both"))
@@ -197,9 +197,6 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(ds.get("config_file"), str) and not Path(ds["config_file"]).expanduser().is_file():
         problems.append(("deepspeed.config_file", f"{ds['config_file']} does not exist: fix the path"))
 
-    max_steps, warmup = train.get("max_steps"), train.get("warmup_steps", 0)
-    if isinstance(max_steps, int) and isinstance(warmup, int) and warmup >= max_steps > 0:
-        problems.append(("train.warmup_steps", f"{warmup} is not below train.max_steps {max_steps}: lower warmup_steps"))
     return problems
 
 

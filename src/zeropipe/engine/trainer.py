@@ -108,12 +108,25 @@ class Trainer:
 
             self.hf_ds_config = HfDeepSpeedConfig(self.ds_config)
         model = build_model(self.config.model, config, self.config.deepspeed.precision)
+        if self.plan.zero_stage == 3:
+            self.log_partitioning(model)
         trainable, total = count_parameters(model)
         log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         parameters = [p for p in model.parameters() if p.requires_grad]
         # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
         self.parameter_counts = {"trainable": trainable, "total": total}
+
+    def log_partitioning(self, model) -> None:
+        """Say whether construction was partitioned: under ZeRO-3 no rank may hold the full model."""
+        params = list(model.parameters())
+        partitioned = [p for p in params if hasattr(p, "ds_id")]
+        local = sum(p.ds_tensor.numel() for p in partitioned if getattr(p, "ds_tensor", None) is not None)
+        full = sum(p.ds_numel for p in partitioned)
+        log.info(
+            "ZeRO-3: %d of %d parameter tensors partitioned at construction; this rank holds %s of %s elements",
+            len(partitioned), len(params), f"{local:,}", f"{full:,}",
+        )
 
     def resume(self) -> None:
         tag = self.plan.resume_from

@@ -44,6 +44,11 @@ def detect_accelerator(config: RunConfig) -> tuple[str, int]:
         gpus = torch.cuda.device_count() if accelerator == "cuda" else 2
     elif accelerator == "cuda" and gpus > torch.cuda.device_count():
         raise ConfigError([("hardware.gpus", f"{gpus} ranks asked for but only {torch.cuda.device_count()} GPUs are visible: lower hardware.gpus")])
+    precision = config.deepspeed.precision
+    if accelerator == "cpu" and precision == "fp16":
+        raise ConfigError([("deepspeed.precision", "fp16 is not supported by DeepSpeed on CPU ranks: use bf16 or fp32")])
+    if accelerator == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError([("deepspeed.precision", f"bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(0)} has none): use fp16")])
     return accelerator, int(gpus)
 
 
@@ -126,6 +131,8 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
         total_steps = config.train.max_steps
     else:
         total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
+    if config.train.warmup_steps >= total_steps:
+        notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
     resolved = build_deepspeed_config(config, world_size, total_steps, hidden_size_of(hf_config))
     notes += [f"DeepSpeed {line}" for line in resolved.filled]
 

@@ -118,3 +118,20 @@ def test_user_deepspeed_json_inconsistent_batch_is_refused(tmp_path):
     config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)})))
     with pytest.raises(ConfigError, match="train_batch_size.*10 != micro-batch 2 x accumulation 1 x 2 ranks = 4"):
         build_deepspeed_config(config, world_size=2, total_steps=10)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_no_warmup_means_full_rate_from_the_first_step(tmp_path, schedule):
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+
+    config = load_config(write(tmp_path, minimal(tmp_path)), [f"train.schedule={schedule}", "train.warmup_steps=0", "train.lr=0.5"])
+    block = build_deepspeed_config(config, world_size=1, total_steps=10).config["scheduler"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    cls = {"WarmupCosineLR": WarmupCosineLR, "WarmupDecayLR": WarmupDecayLR, "WarmupLR": WarmupLR}[block["type"]]
+    scheduler = cls(optimizer, **block["params"])
+    rates = []
+    for _ in range(3):
+        rates.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    assert rates[0] == pytest.approx(0.5) and rates[1] == pytest.approx(0.5, rel=0.05), rates
