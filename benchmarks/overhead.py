@@ -250,6 +250,16 @@ class ForeignLoad:
         return time.monotonic(), busy, ours
 
 
+def wait_for_quiet(limit_s: float, threshold: float = 0.15, window_s: float = 3.0) -> float:
+    """Wait (at most limit_s) until other processes use less than `threshold` cores; returns the last load seen."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        with ForeignLoad() as load:
+            time.sleep(window_s)
+        if load.cores < threshold or time.monotonic() >= deadline:
+            return load.cores
+
+
 def after_warmup(result: dict, key: str, warmup: int) -> list[float]:
     # period[i] is the time from the end of step i + 1 to the end of step i + 2 (1-based).
     return result[key][warmup:] if key == "step_time" else result[key][max(0, warmup - 1) :]
@@ -269,6 +279,9 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument(
+        "--quiet-wait", type=float, default=0, metavar="SECONDS", help="before each run, wait up to this long for other processes to leave the CPU idle (shared machines)"
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="where runs are written (default: a temporary directory, removed at the end)")
     parser.add_argument("--bare-rank", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--bare-out", type=Path, help=argparse.SUPPRESS)
@@ -317,6 +330,10 @@ def main() -> int:
     reference_dir = None
     started = time.time()
     for system, repeat in order:
+        if args.quiet_wait:
+            before = wait_for_quiet(args.quiet_wait)
+            if before >= 0.15:
+                print(f"  (machine still busy after waiting {args.quiet_wait:.0f} s: {before:.2f} cores used by others)", flush=True)
         t0 = time.time()
         with ForeignLoad() as load:
             if system == "zeropipe":

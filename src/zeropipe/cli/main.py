@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from zeropipe import __version__
-from zeropipe.cli import export, train
+from zeropipe.cli import check, export, train
 from zeropipe.errors import ZeroPipeError
 
-COMMANDS = [train, export]
+COMMANDS = [train, check, export]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,12 +21,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_deepspeed_autodetect() -> None:
+    """Name the CPU accelerator when there is no GPU, so DeepSpeed does not warn that it guessed."""
+    import os
+
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
+    quiet_deepspeed_autodetect()
     try:
         return int(args.run(args) or 0)
     except ZeroPipeError as err:

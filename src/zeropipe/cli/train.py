@@ -26,6 +26,7 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from zeropipe.check import CheckFailed, check_config
     from zeropipe.config.load import load_config
     from zeropipe.launch.prepare import prepare_run
     from zeropipe.launch.supervisor import Supervisor
@@ -39,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         overrides.append(f"hardware.gpus={args.nproc}")
     config = load_config(args.config, overrides)
+    # Refuse what cannot work before the run directory or any process exists.
+    findings = check_config(config)
+    if any(f.severity == "error" for f in findings):
+        raise CheckFailed(findings)
+    for finding in findings:
+        say(f"warning {finding.rule} {finding.key}: {finding.message} (fix: {finding.fix})")
     prepared = prepare_run(config, resume=resume)
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")

@@ -32,6 +32,18 @@ class LoraSection(Section):
     )
 
 
+class QuantizationSection(Section):
+    """QLoRA: the frozen base in 4-bit (bitsandbytes), LoRA adapters trained on top. Needs CUDA."""
+
+    load_in_4bit: bool = Field(True, description="Load the base weights in 4-bit.")
+    quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; nf4 is what QLoRA uses.")
+    double_quant: bool = Field(True, description="Quantize the quantization constants too (saves about 0.4 bits per parameter).")
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Dtype of the matmuls; 'auto' follows deepspeed.precision.")
+    quant_storage: Literal["auto", "bf16", "fp16", "fp32", "uint8"] = Field(
+        "auto", description="Storage dtype of the packed weights; under ZeRO-3 it must equal the compute dtype ('auto' does that)."
+    )
+
+
 class ModelSection(Section):
     path: str | None = Field(None, description="Local Hugging Face model directory (config.json + safetensors). Exclusive with model.config.")
     config: dict[str, Any] | None = Field(
@@ -50,6 +62,10 @@ class ModelSection(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about 30% more compute.")
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel passed to transformers.")
     lora: LoraSection | None = Field(None, description="Train LoRA adapters (peft) instead of all weights; only adapter weights are trainable.")
+    quantization: QuantizationSection | None = Field(None, description="QLoRA: load the base in 4-bit with bitsandbytes (needs CUDA and model.lora).")
+    load_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments for from_pretrained (e.g. {revision: main, trust_remote_code: true})."
+    )
 
 
 class SyntheticSection(Section):

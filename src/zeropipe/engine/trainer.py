@@ -107,7 +107,7 @@ class Trainer:
             from transformers.integrations import HfDeepSpeedConfig
 
             self.hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        model = build_model(self.config.model, config, self.config.deepspeed.precision)
+        model = build_model(self.config.model, config, self.config.deepspeed.precision, self.plan.zero_stage)
         if self.plan.zero_stage == 3:
             self.log_partitioning(model)
         trainable, total = count_parameters(model)

@@ -44,11 +44,6 @@ def detect_accelerator(config: RunConfig) -> tuple[str, int]:
         gpus = torch.cuda.device_count() if accelerator == "cuda" else 2
     elif accelerator == "cuda" and gpus > torch.cuda.device_count():
         raise ConfigError([("hardware.gpus", f"{gpus} ranks asked for but only {torch.cuda.device_count()} GPUs are visible: lower hardware.gpus")])
-    precision = config.deepspeed.precision
-    if accelerator == "cpu" and precision == "fp16":
-        raise ConfigError([("deepspeed.precision", "fp16 is not supported by DeepSpeed on CPU ranks: use bf16 or fp32")])
-    if accelerator == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError([("deepspeed.precision", f"bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(0)} has none): use fp16")])
     return accelerator, int(gpus)
 
 

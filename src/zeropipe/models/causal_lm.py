@@ -43,7 +43,29 @@ def hidden_size_of(config: Any) -> int | None:
     return getattr(text, "hidden_size", None)
 
 
-def build_model(section: ModelSection, config: Any, precision: str):
+def quantization_kwargs(section: ModelSection, precision: str, zero_stage: int) -> dict[str, Any]:
+    """Keyword arguments of transformers' BitsAndBytesConfig for QLoRA.
+
+    Under ZeRO-3 DeepSpeed partitions the packed 4-bit weights like any other tensor, which
+    only works when their storage dtype equals the compute dtype; "auto" picks that.
+    """
+    quant = section.quantization
+    assert quant is not None
+    compute = precision if quant.compute_dtype == "auto" else quant.compute_dtype
+    storage = quant.quant_storage
+    if storage == "auto":
+        storage = compute if zero_stage == 3 else "uint8"
+    dtypes = {**TORCH_DTYPES, "uint8": torch.uint8}
+    return {
+        "load_in_4bit": quant.load_in_4bit,
+        "bnb_4bit_quant_type": quant.quant_type,
+        "bnb_4bit_use_double_quant": quant.double_quant,
+        "bnb_4bit_compute_dtype": dtypes[compute],
+        "bnb_4bit_quant_storage": dtypes[storage],
+    }
+
+
+def build_model(section: ModelSection, config: Any, precision: str, zero_stage: int = 0):
     """Instantiate the model (random init or pretrained), with LoRA adapters when configured.
 
     Call this with ``HfDeepSpeedConfig`` alive for ZeRO-3 so that construction is partitioned.
@@ -52,7 +74,16 @@ def build_model(section: ModelSection, config: Any, precision: str):
 
     dtype = TORCH_DTYPES[precision]
     if section.path:
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=dtype, attn_implementation=section.attn_implementation)
+        kwargs = dict(section.load_kwargs)
+        if section.quantization is not None:
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(**quantization_kwargs(section, precision, zero_stage))
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=dtype, attn_implementation=section.attn_implementation, **kwargs)
+        if section.quantization is not None:
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=section.gradient_checkpointing)
     else:
         config._attn_implementation = section.attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

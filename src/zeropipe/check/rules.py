@@ -1,0 +1,240 @@
+"""The catalog of combinations that cannot work (errors) or waste the user's hardware (warnings).
+
+Each rule has a stable id, a severity, the fix, and a link to where the behaviour is
+documented, and is run on a config before any process starts (`zeropipe check`, and
+`zeropipe train` first). Rules read a `CheckContext`; they never start anything.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from zeropipe.config.schema import RunConfig
+
+DS_CONFIG_DOCS = "https://www.deepspeed.ai/docs/config-json/"
+
+
+@dataclass
+class Finding:
+    rule: str
+    severity: str  # "error" or "warning"
+    key: str
+    message: str
+    fix: str
+    link: str
+
+    def render(self) -> str:
+        return f"{self.severity} {self.rule} {self.key}: {self.message}\n    fix: {self.fix}\n    see: {self.link}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CheckContext:
+    config: RunConfig
+    accelerator: str  # "cuda" or "cpu"
+    world_size: int
+    ds_config: dict[str, Any]  # what ZeRO-Pipe will hand to DeepSpeed ("auto" resolved)
+    user_ds_config: dict[str, Any] | None = None  # deepspeed.config_file as written, if any
+    plan: Any = None  # zeropipe.plan result for the config's own choice, when it could be computed
+    problems: list[tuple[str, str]] = field(default_factory=list)  # errors found while building the context
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    def raw(self, *path: str) -> Any:
+        """A value of the user's DeepSpeed JSON (or the generated one)."""
+        node: Any = self.user_ds_config if self.user_ds_config is not None else self.ds_config
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+
+@dataclass
+class Rule:
+    id: str
+    severity: str
+    title: str
+    link: str
+    check: Callable[[CheckContext], list[tuple[str, str, str]]]  # -> [(key, message, fix)]
+
+
+RULES: list[Rule] = []
+
+
+def rule(id: str, severity: str, title: str, link: str):
+    def register(check):
+        RULES.append(Rule(id, severity, title, link, check))
+        return check
+
+    return register
+
+
+@rule("ZP001", "error", "pipeline parallelism with ZeRO-2/3", "https://www.deepspeed.ai/tutorials/pipeline/")
+def pipeline_with_zero(ctx: CheckContext):
+    pipeline = ctx.raw("pipeline")
+    if pipeline and ctx.zero_stage >= 2:
+        return [("deepspeed.config_file", f"a 'pipeline' block with ZeRO stage {ctx.zero_stage}: DeepSpeed's PipelineEngine refuses ZeRO-2/3", "remove the 'pipeline' block: ZeRO-Pipe trains with the standard engine, where ZeRO-2/3 and offload work")]
+    return []
+
+
+@rule("ZP002", "error", "offload_param below ZeRO-3", DS_CONFIG_DOCS + "#parameter-offloading")
+def offload_param_below_stage3(ctx: CheckContext):
+    device = (ctx.ds_config.get("zero_optimization", {}).get("offload_param") or {}).get("device", "none")
+    if device not in (None, "none") and ctx.zero_stage != 3:
+        return [("deepspeed.offload_param", f"parameter offload needs ZeRO stage 3 (stage is {ctx.zero_stage})", "use ZeRO stage 3 (deepspeed.zero_stage: 3, or zero_optimization.stage: 3 in your JSON) or drop offload_param")]
+    return []
+
+
+CPU_OPTIMIZERS = {"adam", "adamw", "adagrad", "lion"}
+
+
+@rule("ZP003", "error", "optimizer DeepSpeed cannot run on the CPU with offload_optimizer", DS_CONFIG_DOCS + "#optimizer-parameters")
+def client_optimizer_with_offload(ctx: CheckContext):
+    device = (ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    if device in (None, "none"):
+        return []
+    optimizer = ctx.ds_config.get("optimizer")
+    if optimizer is None:
+        return [("deepspeed.config_file", "offload_optimizer with no 'optimizer' block: DeepSpeed 0.17+ refuses a client optimizer with offload", "add an optimizer block (Adam/AdamW) or let ZeRO-Pipe write it (remove the config_file's optimizer: null)")]
+    if str(optimizer.get("type", "")).lower() not in CPU_OPTIMIZERS:
+        return [("deepspeed.config_file", f"optimizer {optimizer.get('type')!r} has no CPU implementation for offload_optimizer", "use AdamW, Adam, Adagrad or Lion, or set offload_optimizer: none")]
+    return []
+
+
+LOSS_SCALE_KEYS = {"loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale", "auto_cast"}
+
+
+@rule("ZP004", "error", "loss-scale keys inside the bf16 block", DS_CONFIG_DOCS + "#bfloat16-training-options")
+def loss_scale_in_bf16(ctx: CheckContext):
+    bf16 = ctx.raw("bf16") or {}
+    keys = sorted(LOSS_SCALE_KEYS & set(bf16)) if isinstance(bf16, dict) else []
+    if keys:
+        return [("deepspeed.config_file", f"bf16 has {', '.join(keys)}: bf16 needs no loss scaling and DeepSpeed 0.17+ fails with 'Extra inputs are not permitted'", f"delete {', '.join(keys)} from the bf16 block (they belong in fp16)")]
+    return []
+
+
+@rule("ZP005", "error", "fp16 without loss scaling", DS_CONFIG_DOCS + "#fp16-training-options")
+def fp16_without_loss_scaling(ctx: CheckContext):
+    fp16 = ctx.ds_config.get("fp16") or {}
+    if fp16.get("enabled") and fp16.get("loss_scale", 0) == 1:
+        return [("deepspeed.fp16.loss_scale", "fp16 with a static loss scale of 1: small gradients underflow to zero and training silently stalls", "set loss_scale: 0 (dynamic loss scaling) or train in bf16")]
+    return []
+
+
+@rule("ZP006", "error", "device_map or low_cpu_mem_usage with DeepSpeed", "https://huggingface.co/docs/transformers/main/en/deepspeed#zero-3")
+def device_map_with_deepspeed(ctx: CheckContext):
+    kwargs = ctx.config.model.load_kwargs
+    found = []
+    if kwargs.get("device_map") is not None:
+        found.append(("model.load_kwargs.device_map", "device_map spreads layers over GPUs with accelerate, which conflicts with DeepSpeed's own placement", "remove device_map: DeepSpeed places and partitions the model"))
+    if kwargs.get("low_cpu_mem_usage") and ctx.zero_stage == 3:
+        found.append(("model.load_kwargs.low_cpu_mem_usage", "low_cpu_mem_usage is incompatible with ZeRO-3 (zero.Init already avoids full copies)", "remove low_cpu_mem_usage"))
+    return found
+
+
+@rule("ZP007", "error", "QLoRA under ZeRO-3 with a storage dtype other than the compute dtype", "https://huggingface.co/docs/peft/accelerate/deepspeed#use-peft-qlora-and-deepspeed-with-zero3-for-finetuning-large-models-on-multiple-gpus")
+def qlora_quant_storage(ctx: CheckContext):
+    quant = ctx.config.model.quantization
+    found = []
+    if quant is None:
+        return found
+    if ctx.config.model.lora is None:
+        found.append(("model.quantization", "a 4-bit base cannot be trained by itself", "add model.lora (QLoRA trains adapters on the frozen 4-bit base)"))
+    compute = ctx.config.deepspeed.precision if quant.compute_dtype == "auto" else quant.compute_dtype
+    if ctx.zero_stage == 3 and quant.quant_storage not in ("auto", compute):
+        found.append(("model.quantization.quant_storage", f"{quant.quant_storage} differs from the compute dtype {compute}: ZeRO-3 cannot partition the packed weights", f"set quant_storage: auto (or {compute})"))
+    if ctx.accelerator != "cuda":
+        found.append(("model.quantization", "bitsandbytes' 4-bit kernels need CUDA and this run has no GPU", "remove model.quantization (plain LoRA runs on CPU) or run on a CUDA machine"))
+    if not ctx.config.model.path:
+        found.append(("model.quantization", "4-bit loading quantizes pretrained weights; a randomly initialised model.config has none", "set model.path to a pretrained model"))
+    return found
+
+
+@rule("ZP008", "error", "batch sizes inconsistent with train_batch_size", DS_CONFIG_DOCS + "#batch-size-related-parameters")
+def batch_triple(ctx: CheckContext):
+    return [(key, message, "set train_batch_size to \"auto\" or to micro-batch x accumulation x ranks") for key, message in ctx.problems if key == "deepspeed.train_batch_size"]
+
+
+@rule("ZP009", "error", "DeepSpeed rejects a key of its config", DS_CONFIG_DOCS)
+def deepspeed_schema(ctx: CheckContext):
+    """Run DeepSpeed's own pydantic models on the blocks it validates, before any process starts."""
+    from pydantic import ValidationError
+
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    found = []
+    for block, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
+        value = ctx.ds_config.get(block)
+        if not isinstance(value, dict):
+            continue
+        try:
+            model(**value)
+        except ValidationError as err:
+            for error in err.errors():
+                key = ".".join(str(part) for part in (block, *error["loc"]))
+                if block == "bf16" and error["loc"] and error["loc"][0] in LOSS_SCALE_KEYS:
+                    continue  # ZP004 says it better
+                fix = f"remove {key}" if error["type"] == "extra_forbidden" else f"fix the value of {key}"
+                found.append((f"deepspeed: {key}", f"DeepSpeed says: {error['msg']}", fix))
+    return found
+
+
+@rule("ZP010", "error", "precision the hardware cannot run", DS_CONFIG_DOCS + "#bfloat16-training-options")
+def precision_on_hardware(ctx: CheckContext):
+    precision = ctx.config.deepspeed.precision
+    if ctx.accelerator == "cpu" and (ctx.ds_config.get("fp16") or {}).get("enabled"):
+        return [("deepspeed.precision", "DeepSpeed does not support fp16 on CPU ranks", "use bf16 or fp32")]
+    if ctx.accelerator == "cuda" and precision == "bf16":
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return [("deepspeed.precision", f"bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(0)} is older)", "use fp16")]
+    return []
+
+
+@rule("ZP011", "error", "the plan exceeds GPU memory or host RAM", "docs/plan.md")
+def plan_exceeds_memory(ctx: CheckContext):
+    from zeropipe.check.planning import memory_problems
+
+    return memory_problems(ctx)
+
+
+@rule("ZP012", "warning", "ZeRO-3 for a model that fits with ZeRO-1/2", "https://www.deepspeed.ai/tutorials/zero/")
+def zero3_for_small_model(ctx: CheckContext):
+    from zeropipe.check.planning import zero3_unneeded
+
+    return zero3_unneeded(ctx)
+
+
+@rule("ZP013", "warning", "activations dominate and gradient checkpointing is off", "https://huggingface.co/docs/transformers/main/en/perf_train_gpu_one#gradient-checkpointing")
+def activations_dominate(ctx: CheckContext):
+    from zeropipe.check.planning import activation_heavy
+
+    return activation_heavy(ctx)
+
+
+def run_rules(ctx: CheckContext, rules: list[Rule] | None = None) -> list[Finding]:
+    findings = []
+    for item in rules or RULES:
+        for key, message, fix in item.check(ctx):
+            findings.append(Finding(item.id, item.severity, key, message, fix, item.link))
+    return findings
+
+
+def load_user_ds_config(config: RunConfig) -> dict[str, Any] | None:
+    if not config.deepspeed.config_file:
+        return None
+    try:
+        value = json.loads(Path(config.deepspeed.config_file).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # reported by the config loader with the line
+    return value if isinstance(value, dict) else None
