@@ -114,6 +114,8 @@ class Supervisor:
     def wait(self) -> Outcome:
         """Block until every rank has finished, one has failed, or the user pressed Ctrl-C."""
         exits: dict[int, RankExit] = {}
+        # A SIGTERM to the launcher (a job scheduler, the UI's stop button) stops the ranks like Ctrl-C.
+        previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
         try:
             while True:
                 self.sample_memory()
@@ -125,15 +127,20 @@ class Supervisor:
                 if failed:
                     return self.fail(exits)
                 if len(exits) == self.world_size:
-                    self.run.write_status(state="completed", ended_at=time.time())
+                    self.run.write_status(state="completed", ended_at=time.time(), **self.memory_status())
                     return Outcome("completed", None, self.host_ram_peak, self.rank_rss_peak)
                 if self.on_tick:
                     self.on_tick()
                 time.sleep(POLL_SECONDS)
         except KeyboardInterrupt:
             self.stop_all()
-            self.run.write_status(state="stopped", ended_at=time.time())
+            self.run.write_status(state="stopped", ended_at=time.time(), **self.memory_status())
             return Outcome("stopped", None, self.host_ram_peak, self.rank_rss_peak)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def memory_status(self) -> dict:
+        return {"host_ram_peak_bytes": self.host_ram_peak, "rank_rss_peak_bytes": self.rank_rss_peak}
 
     def fail(self, exits: dict[int, RankExit]) -> Outcome:
         # A moment for ranks that fail on their own (a shared bad config) to record why.
@@ -153,7 +160,7 @@ class Supervisor:
             e.error = self.run.read_json(self.run.rank_error(e.rank))
         ordered = [exits[r] for r in sorted(exits)]
         diagnosis = diagnose(ordered, self.host_ram_peak, psutil.virtual_memory().total)
-        self.run.write_status(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict())
+        self.run.write_status(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
         return Outcome("failed", diagnosis, self.host_ram_peak, self.rank_rss_peak)
 
     def stop_all(self) -> None:
@@ -172,6 +179,10 @@ class Supervisor:
             signal_group(proc.pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.wait()
+
+
+def raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:

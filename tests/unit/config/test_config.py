@@ -135,3 +135,10 @@ def test_no_warmup_means_full_rate_from_the_first_step(tmp_path, schedule):
         rates.append(optimizer.param_groups[0]["lr"])
         scheduler.step()
     assert rates[0] == pytest.approx(0.5) and rates[1] == pytest.approx(0.5, rel=0.05), rates
+
+
+def test_docs_config_reference_is_generated_from_the_schema():
+    from zeropipe.config.reference import reference
+
+    docs = Path(__file__).resolve().parents[3] / "docs" / "config.md"
+    assert docs.read_text() == reference(), "run: python -m zeropipe.config.reference > docs/config.md"
