@@ -111,6 +111,13 @@ class GenerateSection(Section):
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
 
 
+class LoggingSection(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard event files under the run directory (tensorboard --logdir RUN_DIR).")
+    wandb: bool = Field(False, description="Log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works without a network).")
+    wandb_project: str = Field("zeropipe", description="Weights & Biases project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (needs the mlflow package; MLFLOW_TRACKING_URI, default a local ./mlruns).")
+
+
 class DeepSpeedSection(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(
         2, description="ZeRO stage: 0 data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters."
@@ -139,5 +146,6 @@ class RunConfig(Section):
     data: DataSection = Field(default_factory=DataSection, description="What it is trained on.")
     train: TrainSection = Field(default_factory=TrainSection, description="How long and how fast it is trained.")
     generate: GenerateSection = Field(default_factory=GenerateSection, description="Generations printed at the end of the run.")
+    logging: LoggingSection = Field(default_factory=LoggingSection, description="Where metrics go besides metrics.jsonl.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and precision.")
     hardware: HardwareSection = Field(default_factory=HardwareSection, description="How many ranks, on what.")

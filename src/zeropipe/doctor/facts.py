@@ -97,7 +97,7 @@ class MemoryFacts:
 
 @dataclass
 class DiskFacts:
-    runs_dir: str  # as asked for (--runs-dir)
+    runs_dir: str  # as asked for (--runs-dir), made absolute
     checked_path: str  # runs_dir, or its nearest existing parent when it does not exist yet
     free_bytes: int
     total_bytes: int
@@ -268,7 +268,7 @@ def nearest_existing_folder(path: str | os.PathLike) -> Path:
 def gather_disk(runs_dir: str | os.PathLike) -> DiskFacts:
     checked = nearest_existing_folder(runs_dir)
     usage = shutil.disk_usage(checked)
-    return DiskFacts(runs_dir=str(runs_dir), checked_path=str(checked), free_bytes=int(usage.free), total_bytes=int(usage.total))
+    return DiskFacts(runs_dir=str(Path(runs_dir).expanduser().absolute()), checked_path=str(checked), free_bytes=int(usage.free), total_bytes=int(usage.total))
 
 
 def gather_environment() -> dict[str, str | None]:
