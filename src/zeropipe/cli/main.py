@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from zeropipe import __version__
-from zeropipe.cli import check, export, train
+from zeropipe.cli import check, doctor, export, train
 from zeropipe.errors import ZeroPipeError
 
-COMMANDS = [train, check, export]
+COMMANDS = [train, check, export, doctor]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -73,7 +73,7 @@ def major_minor(text: str | None) -> tuple[int, int] | None:
 # --- versions ---------------------------------------------------------------------------------
 
 
-def check_versions(versions: PackageVersions, torch_cuda_version: str | None = None) -> list[Finding]:
+def check_versions(versions: PackageVersions, torch_cuda_version: str | None = None, torch_imports: bool = True) -> list[Finding]:
     """Python and the packages ZeRO-Pipe runs on: installed, new enough, and known to work together."""
     findings = []
     python = parse_version(versions.python)
@@ -94,7 +94,7 @@ def check_versions(versions: PackageVersions, torch_cuda_version: str | None = N
             continue
         version = parse_version(version_text)
         detail = ""
-        if name == "torch":
+        if name == "torch" and torch_imports:
             detail = f"built for CUDA {torch_cuda_version}" if torch_cuda_version else "a CPU-only build"
         if version is None:
             findings.append(Finding(f"versions.{name}", f"{name} {version_text}", "warning", f"cannot read the version {version_text!r}; ZeRO-Pipe needs {name}>={minimum}.", install))
@@ -137,7 +137,7 @@ def check_cuda_toolkit(torch_cuda_version: str | None, toolkit: CudaToolkit, env
     except for minor releases it lists as compatible.
     """
     nvcc = nvcc_release(toolkit.nvcc_version_output)
-    where = f"{toolkit.nvcc_path} (CUDA_HOME from {toolkit.cuda_home_from})" if toolkit.nvcc_path else ""
+    where = f"{toolkit.nvcc_path} (found from {toolkit.cuda_home_from})" if toolkit.nvcc_path else ""
     skip_check = environment.get("DS_SKIP_CUDA_CHECK") == "1"
     if torch_cuda_version is None:
         found = f"nvcc {nvcc[0]}.{nvcc[1]} at {where} is present but not used" if nvcc else "no CUDA toolkit is needed"
@@ -301,7 +301,13 @@ def _peer_access(gpus: GpuFacts, environment: dict[str, str | None]) -> Finding:
     blocked = [p for p in gpus.peer_access if not p.possible]
     pairs = sorted({tuple(sorted((p.from_gpu, p.to_gpu))) for p in blocked})
     pair_text = ", ".join(f"{a}-{b}" for a, b in pairs)
-    access = f"no peer access between GPUs {pair_text}" if pairs else "every GPU can reach every other directly"
+    all_pairs = {tuple(sorted((p.from_gpu, p.to_gpu))) for p in gpus.peer_access}
+    if not pairs:
+        access = "every GPU can reach every other directly"
+    elif len(pairs) == len(all_pairs):
+        access = "no pair of GPUs has peer access"
+    else:
+        access = f"no peer access between GPUs {pair_text}"
     p2p_disabled = environment.get("NCCL_P2P_DISABLE") == "1"
     ada = sorted({gpu.name for gpu in gpus.gpus if ADA_CONSUMER_GPU.search(gpu.name)})
     if ada:
@@ -473,7 +479,7 @@ def examine(facts: MachineFacts) -> list[Finding]:
         *check_gpus(facts.gpus, facts.environment),
         *check_cuda_toolkit(facts.gpus.torch_cuda_version, facts.cuda_toolkit, facts.environment),
         *check_cpu_adam_build(facts.cpu_adam),
-        *check_versions(facts.versions, facts.gpus.torch_cuda_version),
+        *check_versions(facts.versions, facts.gpus.torch_cuda_version, torch_imports=facts.gpus.torch_import_error is None),
         *check_host_memory(facts.memory),
         *check_shared_memory(facts.memory),
         *check_disk(facts.disk),

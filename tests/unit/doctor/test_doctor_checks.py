@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from doctor_machines import NVCC_13_0, environment, gpu_box, rtx_4090_box, toolk
 from zeropipe.doctor import checks
 from zeropipe.doctor.checks import GiB, MiB, examine
 from zeropipe.doctor.facts import CpuAdamBuild, DiskFacts, Gpu, GpuFacts, MemoryFacts, PackageVersions
+
 
 def by_id(findings, finding_id):
     matching = [f for f in findings if f.id == finding_id]
@@ -35,7 +37,15 @@ def test_rtx_40xx_without_p2p_disable_is_told_to_set_it():
     finding = by_id(examine(rtx_4090_box()), "gpu.peer_access")
     assert finding.status == "warning"
     assert "NCCL_P2P_DISABLE=1" in finding.fix
-    assert "0-1" in finding.detail  # the pairs without peer access are named
+    assert "no pair of GPUs has peer access" in finding.detail
+
+
+def test_pairs_without_peer_access_are_named():
+    box = gpu_box("NVIDIA RTX A6000", count=3, p2p=True)
+    box.peer_access = [p if {p.from_gpu, p.to_gpu} != {0, 2} else replace(p, possible=False) for p in box.peer_access]
+    finding = by_id(checks.check_gpus(box, environment()), "gpu.peer_access")
+    assert finding.status == "info"
+    assert "between GPUs 0-2" in finding.detail
 
 
 def test_rtx_40xx_with_p2p_disable_set_is_ok():

@@ -36,7 +36,7 @@ def test_deepspeeds_minor_mismatch_table_is_read_without_importing_it():
 def test_extensions_build_dir_follows_torch_extensions_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert facts.torch_extensions_build_dir("cpu_adam", "12.8").parent.name.endswith("_cu128")
-    assert facts.torch_extensions_build_dir("cpu_adam", None) .parent.parent == tmp_path
+    assert facts.torch_extensions_build_dir("cpu_adam", None).parent.parent == tmp_path
 
 
 def test_a_failing_build_reports_its_last_lines_and_a_stale_lock(monkeypatch, tmp_path):
