@@ -73,7 +73,16 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
     from transformers import AutoModelForCausalLM
 
     dtype = TORCH_DTYPES[precision]
-    if section.path:
+    if section.path and section.quantization is None and not section.load_kwargs:
+        from zeropipe.models.loading import load_pretrained
+
+        # Tensor by tensor from the memory-mapped checkpoint, each rank only what it keeps:
+        # host RAM does not grow with the number of ranks (from_pretrained's does).
+        model = load_pretrained(
+            AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation
+        )
+    elif section.path:
+        # QLoRA's 4-bit quantisation and extra from_pretrained arguments stay with transformers.
         kwargs = dict(section.load_kwargs)
         if section.quantization is not None:
             from transformers import BitsAndBytesConfig

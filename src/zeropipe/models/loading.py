@@ -1,0 +1,752 @@
+"""Pretrained weights loaded tensor by tensor, so that host RAM does not grow with the number of ranks.
+
+Five ranks each calling ``from_pretrained`` hold five copies of the model in host RAM before
+DeepSpeed shards it, and the kernel kills rank 0 (USERS.md, failure 1). Here no rank ever
+holds the whole model:
+
+1. ``CheckpointIndex`` reads only the headers of the checkpoint (``model.safetensors``, or the
+   shards named by ``model.safetensors.index.json``; ``pytorch_model.bin`` as a fallback): the
+   name, dtype, shape and file of every tensor. It checks that no file is truncated and matches
+   the tensors against the model's state dict before one byte of weights is read, and reports
+   every problem (missing, unexpected, wrong shape) in one ``CheckpointError`` naming file and
+   tensor. Every rank checks the same headers, so every rank fails the same way, before any
+   collective call.
+2. The model is constructed exactly as ``from_pretrained`` constructs it
+   (``PreTrainedModel.get_init_context``): under ZeRO-3 inside ``deepspeed.zero.Init`` with
+   weight initialisation disabled, so each parameter is partitioned as soon as its module
+   exists and nothing is randomly initialised only to be overwritten; under ZeRO-0/1/2 on the
+   meta device, so nothing is allocated.
+3. Tensors are copied one at a time from the memory-mapped file, which is mapped only while
+   one tensor is copied: the file pages a copy touched leave the process with the mapping.
+   Under ZeRO-3 each rank reads only the rows that cover its own partition
+   (``param.ds_tensor``) and no collective is needed; under ZeRO-0/1/2 each tensor is
+   materialised straight on the rank's device. The copy converts dtypes element by element
+   (bf16 on disk into an fp32 model, say), never as a whole-model copy.
+4. The model is finished as ``from_pretrained`` finishes it: tied weights tied, the
+   non-persistent buffers (rotary ``inv_freq``, embedding scales) recomputed by the model's own
+   ``initialize_weights``, which skips every tensor that was loaded, and eval mode.
+
+The steps are separate so that other families reuse them: a VLM is a transformers model and
+goes through ``load_pretrained`` as it is; a diffusion model constructs itself under
+``zero.Init`` or on the meta device, then calls ``CheckpointIndex(path, stem=...)``,
+``CheckpointIndex.match`` and ``load_tensors``, and recomputes its own buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+import logging
+import math
+import re
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeropipe.errors import CheckpointError
+
+log = logging.getLogger("zeropipe")
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+# safetensors itself refuses larger headers; a bigger length means the file is not safetensors.
+MAX_HEADER_BYTES = 100_000_000
+# How many problems of one kind a CheckpointError lists before it summarises the rest.
+LISTED_PROBLEMS = 12
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint: where it is and what it holds (no data)."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int = 0  # byte offset of the data in the file (safetensors), for reading in file order
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class CheckpointIndex:
+    """Where each tensor of a local Hugging Face checkpoint lives: name -> (file, dtype, shape).
+
+    Only headers are read. ``path`` is a directory holding ``{stem}.safetensors`` or a sharded
+    ``{stem}.safetensors.index.json`` (or, as a fallback, ``pytorch_model.bin`` /
+    ``pytorch_model.bin.index.json``; ``{stem}.bin`` for other stems, as diffusers names them),
+    or one ``.safetensors`` / ``.bin`` file.
+
+    Raises:
+        CheckpointError: no weights found, an index naming a missing shard or a tensor its shard
+            lacks, an unreadable header, or a truncated file (naming the tensors past its end).
+    """
+
+    def __init__(self, path: str | Path, stem: str = "model"):
+        self.path = Path(path)
+        self.format, self.index_file, files, weight_map = self._locate(stem)
+        self.entries: dict[str, TensorEntry] = {}
+        self._bin_cache: tuple[Path, dict[str, torch.Tensor]] | None = None
+        problems: list[str] = []
+        for file in files:
+            try:
+                entries = self._read_safetensors_header(file) if self.format == "safetensors" else self._read_bin_entries(file)
+            except CheckpointError as err:
+                problems.append(str(err))
+                continue
+            for entry in entries:
+                if entry.name in self.entries:
+                    problems.append(f"tensor {entry.name} is in both {self.entries[entry.name].file.name} and {file.name}")
+                self.entries[entry.name] = entry
+        if weight_map is not None and not problems:
+            for name, shard in weight_map.items():
+                entry = self.entries.get(name)
+                if entry is None:
+                    problems.append(f"{self.index_file.name} puts tensor {name} in {shard}, but {shard} does not contain it")
+                elif entry.file.name != Path(shard).name:
+                    problems.append(f"{self.index_file.name} puts tensor {name} in {shard}, but it is in {entry.file.name}")
+        if problems:
+            raise CheckpointError(self._problems_message(f"checkpoint {self.path} is damaged", problems, "copy the checkpoint again from its source"))
+
+    # ------------------------------------------------------------------ finding files
+    def _locate(self, stem: str) -> tuple[str, Path | None, list[Path], dict[str, str] | None]:
+        path = self.path
+        if path.is_file():
+            if path.suffix == ".safetensors":
+                return "safetensors", None, [path], None
+            if path.suffix in (".bin", ".pt", ".pth"):
+                return "bin", None, [path], None
+            raise CheckpointError(f"{path} is neither a .safetensors nor a .bin file: point model.path at the model directory")
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist: model.path must be a local Hugging Face model directory")
+        bin_stem = "pytorch_model" if stem == "model" else stem
+        candidates = [
+            ("safetensors", path / f"{stem}.safetensors.index.json", True),
+            ("safetensors", path / f"{stem}.safetensors", False),
+            ("bin", path / f"{bin_stem}.bin.index.json", True),
+            ("bin", path / f"{bin_stem}.bin", False),
+        ]
+        for fmt, candidate, is_index in candidates:
+            if not candidate.is_file():
+                continue
+            if fmt == "bin":
+                log.warning("%s has no safetensors weights: reading %s (slower; convert to safetensors to load with less memory)", path, candidate.name)
+            if not is_index:
+                return fmt, None, [candidate], None
+            weight_map = self._read_index(candidate)
+            shards = sorted(set(weight_map.values()))
+            missing = [shard for shard in shards if not (path / shard).is_file()]
+            if missing:
+                listed = [f"shard {shard} is missing (it should hold {', '.join(_first(sorted(n for n, s in weight_map.items() if s == shard), 3))})" for shard in missing]
+                raise CheckpointError(self._problems_message(f"checkpoint {path} is incomplete", listed, "copy the missing shard files next to the index"))
+            return fmt, candidate, [path / shard for shard in shards], weight_map
+        names = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
+        raise CheckpointError(
+            f"no weights in {path}: expected {stem}.safetensors, {stem}.safetensors.index.json or {bin_stem}.bin (the directory holds {names})"
+        )
+
+    @staticmethod
+    def _read_index(file: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(file.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{file} is not a valid checkpoint index (a JSON object with a weight_map): {err}") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{file} has an empty or invalid weight_map")
+        return weight_map
+
+    @staticmethod
+    def _read_safetensors_header(file: Path) -> list[TensorEntry]:
+        """The tensors of one safetensors file, after checking that the file holds all their bytes."""
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{file.name} is truncated: {size} bytes, too short for a safetensors header")
+            (header_bytes,) = struct.unpack("<Q", prefix)
+            if header_bytes > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{file.name} is not a safetensors file (its header length reads as {header_bytes} bytes)")
+            if 8 + header_bytes > size:
+                raise CheckpointError(f"{file.name} is truncated: {size:,} bytes, but its header alone needs {8 + header_bytes:,}")
+            try:
+                header = json.loads(handle.read(header_bytes))
+            except ValueError as err:
+                raise CheckpointError(f"{file.name} has an unreadable safetensors header: {err}") from None
+        data_start = 8 + header_bytes
+        entries, past_end, problems = [], [], []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+            if dtype is None:
+                problems.append(f"tensor {name} in {file.name} has dtype {info.get('dtype')!r}, which this loader does not read")
+                continue
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(v) for v in info["data_offsets"])
+            entry = TensorEntry(name, file, dtype, shape, data_start + begin)
+            if end - begin != entry.nbytes:
+                problems.append(f"tensor {name} in {file.name} has {end - begin} bytes of data for shape {list(shape)} {info['dtype']} ({entry.nbytes} expected)")
+            if data_start + end > size:
+                past_end.append((begin, name))
+            entries.append(entry)
+        if past_end:
+            names = [name for _, name in sorted(past_end)]
+            needed = data_start + max(int(info["data_offsets"][1]) for key, info in header.items() if key != "__metadata__")
+            more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+            problems.insert(
+                0, f"{file.name} is truncated: {size:,} of {needed:,} bytes; tensor {', '.join(names[:3])}{more} lies past the end of the file"
+            )
+        if problems:
+            raise CheckpointError("; ".join(problems))
+        return entries
+
+    def _read_bin_entries(self, file: Path) -> list[TensorEntry]:
+        state = self._bin_state(file)
+        return [TensorEntry(name, file, tensor.dtype, tuple(tensor.shape)) for name, tensor in state.items() if isinstance(tensor, torch.Tensor)]
+
+    def _bin_state(self, file: Path) -> dict[str, torch.Tensor]:
+        """A .bin file memory-mapped by torch.load; one file at a time stays open."""
+        if self._bin_cache is not None and self._bin_cache[0] == file:
+            return self._bin_cache[1]
+        self._bin_cache = None  # drop the previous file's mapping before opening the next
+        try:
+            state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - torch raises many types for a damaged zip
+            raise CheckpointError(f"{file.name} cannot be read as a PyTorch checkpoint ({type(err).__name__}: {err}); it may be truncated") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file.name} does not hold a state dict")
+        self._bin_cache = (file, state)
+        return state
+
+    # ------------------------------------------------------------------ contents
+    def __contains__(self, name: object) -> bool:
+        return name in self.entries
+
+    def __getitem__(self, name: str) -> TensorEntry:
+        return self.entries[name]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted({entry.file for entry in self.entries.values()})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries.values())
+
+    def where(self, name: str) -> str:
+        return self.entries[name].file.name
+
+    def _problems_message(self, title: str, problems: list[str], fix: str) -> str:
+        shown = problems[:LISTED_PROBLEMS]
+        lines = [f"{title} ({len(problems)} problem(s)):"] + [f"  - {p}" for p in shown]
+        if len(problems) > len(shown):
+            lines.append(f"  - ... and {len(problems) - len(shown)} more")
+        lines.append(f"Fix: {fix}.")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ matching
+    def match(
+        self,
+        expected: Mapping[str, tuple[int, ...]],
+        *,
+        model_name: str = "the model",
+        rename: Callable[[str], str] | None = None,
+        tied: Mapping[str, str] | None = None,
+        ignore_missing: Iterable[str] = (),
+        ignore_unexpected: Iterable[str] = (),
+    ) -> dict[str, str]:
+        """Match the checkpoint against the model's state dict, before any data is read.
+
+        Args:
+            expected: model state-dict key -> shape the model expects.
+            rename: checkpoint name -> model key (architecture renames, base-model prefix).
+            tied: tied target -> source (``lm_head.weight -> model.embed_tokens.weight``). A
+                target needs no tensor when its source has one; a source without a tensor takes
+                its target's (the tensor is the same once tied).
+            ignore_missing / ignore_unexpected: regular expressions of keys the model accepts
+                missing (it initialises them) or ignores in checkpoints (old rotary buffers).
+
+        Returns:
+            model key -> checkpoint tensor name, for every key to load. Tied targets whose
+            source is loaded are left out (they are tied afterwards), except when the checkpoint
+            also holds the target: then both are returned, for the caller to compare.
+
+        Raises:
+            CheckpointError: every missing, unexpected and wrong-shaped tensor, each named with
+                its file, in one message.
+        """
+        rename = rename or (lambda name: name)
+        tied = dict(tied or {})
+        skip_missing = _compile(ignore_missing)
+        skip_unexpected = _compile(ignore_unexpected)
+        sources: dict[str, str] = {}
+        problems: list[str] = []
+        unexpected: list[str] = []
+        for name in self.entries:
+            key = rename(name)
+            if key not in expected:
+                if not (skip_unexpected and skip_unexpected.search(key)):
+                    unexpected.append(f"unexpected tensor {name} in {self.where(name)}: {model_name} has no {key}")
+                continue
+            if key in sources:
+                problems.append(f"tensors {sources[key]} and {name} both load into {key}")
+                continue
+            sources[key] = name
+        for target, source in tied.items():
+            if source not in sources and target in sources:
+                sources[source] = sources.pop(target)
+            elif target in sources and source in sources:
+                continue  # both present: the caller compares them before tying
+            sources.pop(target, None)
+        missing = []
+        for key, shape in expected.items():
+            name = sources.get(key)
+            if name is None:
+                if key in tied and tied[key] in sources:
+                    continue
+                if skip_missing and skip_missing.search(key):
+                    continue
+                missing.append(f"missing tensor {key}: {self._not_found_in()}")
+                continue
+            found = self.entries[name].shape
+            if tuple(found) != tuple(shape):
+                problems.append(f"tensor {name} in {self.where(name)} has shape {list(found)}, {model_name} expects {list(shape)} for {key}")
+        problems = missing + unexpected + problems
+        if problems:
+            raise CheckpointError(
+                self._problems_message(
+                    f"checkpoint {self.path} does not match {model_name}",
+                    problems,
+                    "model.path must be the directory the weights were saved in with their own config.json; "
+                    "a config.json from another model size or version gives shape mismatches",
+                )
+            )
+        return sources
+
+    def _not_found_in(self) -> str:
+        if self.index_file is not None:
+            return f"not in {self.index_file.name} nor in any of its {len(self.files)} shard(s)"
+        return f"not in {', '.join(f.name for f in self.files)}"
+
+    # ------------------------------------------------------------------ reading
+    @contextlib.contextmanager
+    def read(self, name: str, start_row: int | None = None, stop_row: int | None = None) -> Iterator[torch.Tensor]:
+        """Yield tensor ``name`` (rows ``start_row:stop_row`` of its first dimension when given).
+
+        The tensor is a view into the memory-mapped file, valid only inside the ``with``
+        block: the file is unmapped when it ends, and the pages the copy touched leave the
+        process's memory with it. Copy what you need inside the block.
+        """
+        entry = self.entries[name]
+        sliced = start_row is not None and len(entry.shape) > 0
+        if self.format == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(entry.file), framework="pt") as handle:
+                yield handle.get_slice(name)[start_row:stop_row] if sliced else handle.get_tensor(name)
+        else:
+            tensor = self._bin_state(entry.file)[name]
+            yield tensor[start_row:stop_row] if sliced else tensor
+
+    def close(self) -> None:
+        self._bin_cache = None
+
+    def equal(self, first: str, second: str, rows_per_chunk: int = 1024) -> bool:
+        """Whether two tensors of the checkpoint hold the same values, compared a chunk of rows at a time."""
+        a, b = self.entries[first], self.entries[second]
+        if a.shape != b.shape:
+            return False
+        rows = a.shape[0] if a.shape else 1
+        for start in range(0, rows, rows_per_chunk):
+            stop = min(start + rows_per_chunk, rows)
+            with self.read(first, start, stop) as x, self.read(second, start, stop) as y:
+                if not torch.equal(x, y.to(x.dtype)):
+                    return False
+        return True
+
+
+def _first(items: list[str], count: int) -> list[str]:
+    return items[:count] + ([f"... {len(items) - count} more"] if len(items) > count else [])
+
+
+def _compile(patterns: Iterable[str]) -> re.Pattern | None:
+    patterns = [p for p in patterns if p]
+    return re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+
+
+# ---------------------------------------------------------------------- partitions
+def partition_range(numel: int, partition_numel: int, partition_rank: int) -> tuple[int, int]:
+    """The [start, stop) elements of a flattened parameter that a ZeRO-3 partition holds.
+
+    DeepSpeed pads a parameter of ``numel`` elements to a multiple of the partition count and
+    gives rank r the elements ``[r * partition_numel, (r + 1) * partition_numel)`` of the padded
+    tensor (``_partition_param`` in deepspeed/runtime/zero/partition_parameters.py); the last
+    ranks may hold only padding, so ``stop`` is clipped to ``numel`` (``stop == start``: nothing).
+    """
+    start = partition_numel * partition_rank
+    return start, max(start, min(start + partition_numel, numel))
+
+
+def covering_rows(start: int, stop: int, row_numel: int) -> tuple[int, int]:
+    """The rows [first, last) of a tensor whose rows hold ``row_numel`` elements that cover elements [start, stop)."""
+    return start // row_numel, -(-stop // row_numel)
+
+
+def _is_zero3_param(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "ds_id") and getattr(tensor, "ds_tensor", None) is not None
+
+
+def _fill_partition(param: torch.Tensor, index: CheckpointIndex, name: str) -> int:
+    """Copy this rank's part of tensor ``name`` into ``param.ds_tensor``; returns the bytes read."""
+    import deepspeed.comm as dist
+
+    if getattr(param, "ds_secondary_tensor", None) is not None or getattr(param.ds_tensor, "final_location", None) is not None:
+        raise _StreamingUnsupported("hierarchical partitioning (hpZ) or NVMe parameter offload")
+    partition = param.ds_tensor
+    partition_numel = partition.ds_numel
+    start, stop = partition_range(param.ds_numel, partition_numel, dist.get_rank(group=param.ds_process_group))
+    count = stop - start
+    shape = tuple(param.ds_shape)
+    row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+    with torch.no_grad():
+        if count > 0:
+            first, last = covering_rows(start, stop, row_numel)
+            with index.read(name, first, last) as rows:
+                partition.narrow(0, 0, count).copy_(rows.reshape(-1).narrow(0, start - first * row_numel, count))
+        if count < partition_numel:
+            # DeepSpeed's padding: never read, but gathers move it, so keep it finite.
+            partition.narrow(0, count, partition_numel - count).zero_()
+        if param.numel() == param.ds_numel:
+            # A parameter left available (not partitioned) also holds the full data.
+            with index.read(name) as full:
+                param.data.copy_(full)
+    return (last - first) * row_numel * index[name].dtype.itemsize if count > 0 else 0
+
+
+def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
+    module_name, _, leaf = key.rpartition(".")
+    return model.get_submodule(module_name), leaf
+
+
+def load_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str, str], *, device: torch.device | str) -> int:
+    """Copy each tensor of the checkpoint into the model, one at a time; returns the bytes read by this rank.
+
+    ``sources`` maps model state-dict keys to checkpoint names (``CheckpointIndex.match``).
+    Each target is handled by what it is: a ZeRO-3 parameter gets this rank's partition only;
+    a meta tensor is materialised on ``device`` with the checkpoint's values, converted to the
+    model's dtype; any other tensor (a buffer under ZeRO-3) is overwritten in place. Every
+    loaded tensor is flagged ``_is_hf_initialized`` so that transformers' weight
+    initialisation leaves it alone.
+    """
+    bytes_read = 0
+    order = sorted(sources.items(), key=lambda item: (str(index[item[1]].file), index[item[1]].offset, item[1]))
+    for key, name in order:
+        module, leaf = _owner(model, key)
+        is_parameter = leaf in module._parameters
+        current = module._parameters[leaf] if is_parameter else module._buffers[leaf]
+        if _is_zero3_param(current):
+            bytes_read += _fill_partition(current, index, name)
+            loaded = current
+        elif current.is_meta:
+            value = torch.empty(current.shape, dtype=current.dtype, device=device)
+            with index.read(name) as tensor:
+                value.copy_(tensor)
+            bytes_read += index[name].nbytes
+            loaded = nn.Parameter(value, requires_grad=current.requires_grad) if is_parameter else value
+            setattr(module, leaf, loaded)
+        else:
+            with torch.no_grad(), index.read(name) as tensor:
+                current.copy_(tensor)
+            bytes_read += index[name].nbytes
+            loaded = current
+        loaded._is_hf_initialized = True
+    index.close()
+    return bytes_read
+
+
+# ---------------------------------------------------------------------- transformers
+class _StreamingUnsupported(Exception):
+    """This checkpoint or setup needs transformers' own loading path; the message says why."""
+
+
+def _signature_kwargs(function: Callable, **candidates: Any) -> dict[str, Any]:
+    accepted = inspect.signature(function).parameters
+    return {key: value for key, value in candidates.items() if key in accepted}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _zero3_visible(zero_stage: int, ds_config: dict | None) -> Iterator[None]:
+    """Make transformers see the ZeRO-3 config while the model is constructed (or check it does not)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    enabled = is_deepspeed_zero3_enabled()
+    if zero_stage == 3 and not enabled:
+        if ds_config is None:
+            raise ValueError("zero_stage=3 needs ds_config, or an HfDeepSpeedConfig kept alive by the caller (as the Trainer does)")
+        from transformers.integrations import HfDeepSpeedConfig
+
+        # Alive only while the model is constructed: keep your own HfDeepSpeedConfig for the
+        # run when other transformers code (generate under ZeRO-3) must know about ZeRO-3.
+        alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds a weak reference to it
+        yield
+        return
+    if zero_stage != 3 and enabled:
+        raise ValueError(f"an HfDeepSpeedConfig for ZeRO-3 is alive but zero_stage={zero_stage}: the model would be partitioned")
+    yield
+
+
+def _construct(model_cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
+    """The model with no weights loaded, constructed with the contexts from_pretrained uses."""
+    context_kwargs = _signature_kwargs(
+        model_cls.get_init_context, dtype=dtype, is_quantized=False, _is_ds_init_called=False, allow_all_kernels=False
+    )
+    with contextlib.ExitStack() as stack:
+        if "dtype" not in context_kwargs:  # transformers 4.x sets the dtype outside get_init_context
+            stack.enter_context(_default_dtype(dtype))
+        for context in model_cls.get_init_context(**context_kwargs):
+            stack.enter_context(context)
+        model = model_cls(config)
+    try:
+        from transformers.monkey_patching import patch_output_recorders
+    except ImportError:
+        pass
+    else:
+        patch_output_recorders(model)
+    return model
+
+
+def _resolve_class(model_cls_or_factory: Any, config: Any) -> type:
+    """A concrete PreTrainedModel class: Auto classes resolve through their public mapping."""
+    from transformers import PreTrainedModel
+
+    if isinstance(model_cls_or_factory, type) and issubclass(model_cls_or_factory, PreTrainedModel):
+        return model_cls_or_factory
+    mapping = getattr(model_cls_or_factory, "_model_mapping", None)
+    if mapping is not None:
+        if getattr(config, "auto_map", None) and type(config) not in mapping:
+            raise _StreamingUnsupported("remote-code architectures (config.json auto_map)")
+        try:
+            return mapping[type(config)]
+        except KeyError:
+            raise ValueError(f"{model_cls_or_factory.__name__} has no model for {type(config).__name__}") from None
+    raise TypeError(f"load_pretrained needs a transformers model class or Auto class, not {model_cls_or_factory!r}")
+
+
+def _checkpoint_renamer(model: nn.Module, expected: Mapping[str, Any]) -> Callable[[str], str]:
+    """Checkpoint name -> model key, with the renames from_pretrained applies (base-model prefix, legacy names)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4.x: only the base-model prefix is renamed
+        def rename(name: str) -> str:
+            if name in expected or not prefix:
+                return name
+            if name.startswith(prefix + ".") and name[len(prefix) + 1 :] in expected:
+                return name[len(prefix) + 1 :]
+            return f"{prefix}.{name}" if f"{prefix}.{name}" in expected else name
+
+        return rename
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if converters:
+        # Fused or split tensors (MoE experts...) are built from several checkpoint tensors.
+        raise _StreamingUnsupported(f"weight conversions of {type(model).__name__} ({converters[0].source_patterns} -> {converters[0].target_patterns})")
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    present = dict.fromkeys(expected, True)
+    return lambda name: rename_source_key(name, renamings, [], base_model_prefix=prefix or None, meta_state_dict=present)[0]
+
+
+def _ignored_patterns(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Keys from_pretrained accepts missing / ignores when unexpected, for this model."""
+    missing = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+    unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    buffers = [name for name, _ in model.named_buffers()]
+    # Old checkpoints saved these buffers, which are now non-persistent (from_pretrained does the same).
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        unexpected.append(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        unexpected.append(r"(^|\.)position_ids$")
+    return missing, unexpected
+
+
+def _tied_keys(model: nn.Module) -> dict[str, str]:
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is not None:
+        return dict(tied)
+    # transformers 4.x: only input/output embeddings are tied.
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(config, "tie_word_embeddings", False) or model.get_output_embeddings() is None:
+        return {}
+    names = {id(module): name for name, module in model.named_modules()}
+    return {f"{names[id(model.get_output_embeddings())]}.weight": f"{names[id(model.get_input_embeddings())]}.weight"}
+
+
+def _state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(getattr(tensor, "ds_shape", tensor.shape)) for key, tensor in model.state_dict(keep_vars=True).items()}
+
+
+def _finish(model: nn.Module, path: Path, device: torch.device | str) -> None:
+    """Tie weights, recompute non-persistent buffers and initialise ignorable missing weights, as from_pretrained does."""
+    if "recompute_mapping" in inspect.signature(model.tie_weights).parameters:
+        model.tie_weights(recompute_mapping=False)
+    else:
+        model.tie_weights()
+    for key, tensor in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        if tensor is not None and tensor.is_meta:
+            # A buffer the model computes (inv_freq) or a weight the model may miss: given a
+            # place here, given its values by initialize_weights below.
+            module, leaf = _owner(model, key)
+            value = torch.empty_like(tensor, device=device)
+            setattr(module, leaf, nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else value)
+    uninitialised = [p for p in model.parameters() if not getattr(p, "_is_hf_initialized", False)]
+    if uninitialised and any(_is_zero3_param(p) for p in uninitialised):
+        import deepspeed
+
+        # Rank 0 initialises the full weights the checkpoint may lack; the others receive them.
+        with deepspeed.zero.GatheredParameters(uninitialised, modifier_rank=0):
+            model.initialize_weights()
+    elif hasattr(model, "initialize_weights"):
+        # Skips every loaded tensor (flagged _is_hf_initialized): this recomputes the
+        # non-persistent buffers from the config exactly as from_pretrained does.
+        model.initialize_weights()
+    model.config.name_or_path = str(path)
+    if hasattr(model, "can_generate") and model.can_generate() and (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
+    model.eval()
+
+
+def default_device() -> torch.device:
+    """The rank's accelerator (the one DeepSpeed will train on), or the CPU."""
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        return torch.device(get_accelerator().current_device_name())
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_pretrained(
+    model_cls_or_factory: Any,
+    path: str | Path,
+    *,
+    dtype: torch.dtype,
+    zero_stage: int,
+    ds_config: dict | None = None,
+    config: Any = None,
+    attn_implementation: str | None = None,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """A transformers model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
+
+    Args:
+        model_cls_or_factory: a PreTrainedModel class or an Auto class (``AutoModelForCausalLM``).
+        path: local Hugging Face model directory (config.json + safetensors).
+        dtype: dtype of the model's parameters; the checkpoint's are converted tensor by tensor.
+        zero_stage: 3 constructs the model partitioned under ``deepspeed.zero.Init`` and fills
+            each rank's partitions; 0-2 materialise every tensor on ``device``.
+        ds_config: the DeepSpeed config, needed for stage 3 unless the caller keeps an
+            ``HfDeepSpeedConfig`` alive (then that one is used).
+        config: the transformers config (read from ``path`` when not given).
+        attn_implementation: attention kernel set on the config ("sdpa", "eager").
+        device: where stage 0-2 parameters are materialised; the rank's accelerator by default.
+
+    Returns:
+        The model in eval mode, as ``from_pretrained`` returns it, with the same values.
+
+    Raises:
+        CheckpointError: missing, unexpected or wrong-shaped tensors, truncated or damaged
+            files, each named with file and tensor, raised before any weight is read.
+    """
+    path = Path(path)
+    started = time.perf_counter()
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(path))
+    config = copy.deepcopy(config)
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    if hasattr(config, "dtype"):
+        config.dtype = dtype
+    device = torch.device(device) if device is not None else default_device()
+    index = CheckpointIndex(path)  # a damaged checkpoint fails here, before the model is built
+    try:
+        model_cls = _resolve_class(model_cls_or_factory, config)
+        with _zero3_visible(zero_stage, ds_config):
+            model = _construct(model_cls, config, dtype)
+        expected = _state_dict_shapes(model)
+        tied = _tied_keys(model)
+        ignore_missing, ignore_unexpected = _ignored_patterns(model)
+        sources = index.match(
+            expected,
+            model_name=model_cls.__name__,
+            rename=_checkpoint_renamer(model, expected),
+            tied=tied,
+            ignore_missing=ignore_missing,
+            ignore_unexpected=ignore_unexpected,
+        )
+        for target, source in tied.items():
+            if target in sources and source in sources:
+                if not index.equal(sources[target], sources[source]):
+                    raise CheckpointError(
+                        f"config.json ties {target} to {source}, but {sources[target]} and {sources[source]} in {path} differ: "
+                        "set tie_word_embeddings: false in config.json, or remove the extra tensor from the checkpoint"
+                    )
+                del sources[target]
+        bytes_read = load_tensors(model, index, sources, device=device)
+    except _StreamingUnsupported as reason:
+        log.warning("%s: %s cannot be loaded tensor by tensor; using transformers' from_pretrained (higher host RAM peak)", path, reason)
+        with _zero3_visible(zero_stage, ds_config):
+            return model_cls_or_factory.from_pretrained(str(path), config=config, dtype=dtype)
+    _finish(model, path, device)
+    log.info(
+        "loaded %d tensors (%.2f GB on disk) from %s in %.1fs; this rank read %.2f GB%s",
+        len(sources), index.total_bytes / 1e9, path, time.perf_counter() - started, bytes_read / 1e9,
+        " (its ZeRO-3 partitions)" if zero_stage == 3 else "",
+    )
+    return model

@@ -1,0 +1,608 @@
+"""The memory model: pure functions from (model, hardware, choice) to named byte counts.
+
+Every figure the planner shows is a ``Term``: a name in the user's words, a number of bytes
+and the assumption behind it. Nothing here imports torch or touches a device.
+
+Where the model states come from (Rajbhandari et al., "ZeRO", 2020, section 5): with mixed
+precision and Adam, each parameter costs 2 bytes of 16-bit weight, 2 bytes of 16-bit gradient
+and K = 12 bytes of optimizer state (fp32 master weight, momentum, variance). Across N_d ranks
+ZeRO-1 partitions the 12, ZeRO-2 also the gradient, ZeRO-3 also the weight:
+16Ψ, 4Ψ + 12Ψ/N_d, 2Ψ + 14Ψ/N_d, 16Ψ/N_d bytes per rank.
+
+Where DeepSpeed (0.17+) holds more or less than that, the terms follow DeepSpeed, because the
+integration tests hold them to what real runs allocate:
+
+- ZeRO-1 keeps full gradients only while it accumulates: with ``overlap_comm`` (zeropipe
+  always sets it) the last micro-batch's gradients are reduced bucket by bucket during the
+  backward pass, so with no accumulation ZeRO-1 holds a gradient partition like ZeRO-2.
+- ZeRO-1/2 copy the gradients of every parameter that *touches* the rank's partition into a
+  contiguous buffer, whole: a parameter straddling a partition edge is held by both ranks.
+- The optimizer step turns the rank's 16-bit gradient partition into an fp32 copy while it
+  runs: a transient the paper's K = 12 leaves out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from zeropipe.plan.hardware import GIB, Hardware
+
+if TYPE_CHECKING:
+    from zeropipe.plan.model_spec import BlockShape, LoraShape, ModelSpec
+
+# Phases of a rank's life: the peak is what is always there plus the larger phase.
+ALWAYS = "always"
+FORWARD_BACKWARD = "forward/backward"
+OPTIMIZER_STEP = "optimizer step"
+LOADING = "model loading"
+TRAINING = "training"
+
+# DeepSpeed's own defaults, used when the model's hidden size is unknown (--params).
+DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
+DEFAULT_PREFETCH_BUCKET_ELEMENTS = 50_000_000
+DEFAULT_ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # ZeRO-0 flattens gradients in chunks this big
+STAGE3_SUB_GROUP_ELEMENTS = 1_000_000_000  # DeepSpeed's default sub_group_size: ZeRO-3 steps one sub-group at a time
+PARTITION_ALIGNMENT = 2  # ZeRO-1/2 pad the flat buffer to a multiple of 2 x ranks elements (NCCL 4-byte alignment)
+
+# Assumptions about the software stack; each is said in the term that uses it.
+CUDA_CONTEXT_BYTES = 1 * GIB
+RANK_PROCESS_BYTES = {"cuda": 2 * GIB, "cpu": 3 * GIB // 4}
+FRAGMENTATION_FRACTION = 0.10
+DATA_WORKERS_PER_RANK = {"causal_lm": 0, "diffusion_unet": 2, "diffusion_transformer": 2, "unknown": 0}
+DATA_WORKER_BYTES = 1 * GIB
+
+
+@dataclass(frozen=True)
+class Term:
+    """One named part of a memory budget."""
+
+    name: str
+    bytes: int
+    explanation: str
+    phase: str = ALWAYS
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The settings a plan is made for: what the user (or the search) picks."""
+
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    precision: str = "bf16"  # "bf16", "fp16" or "fp32"
+    gradient_checkpointing: bool = False
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    seq_len: int = 2048
+    attention: str = "sdpa"  # "sdpa" (fused kernels) or "eager"
+    model_loading: str = "auto"  # "auto", "every_rank", "staggered" or "partitioned"
+
+    def describe(self) -> str:
+        offload = []
+        if self.offload_optimizer:
+            offload.append("optimizer")
+        if self.offload_param:
+            offload.append("params")
+        parts = [f"ZeRO-{self.zero_stage}"]
+        parts.append(f"offload {'+'.join(offload)}" if offload else "no offload")
+        parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
+        parts.append(f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps}")
+        parts.append(self.precision)
+        return ", ".join(parts)
+
+    @property
+    def loading_method(self) -> str:
+        if self.model_loading != "auto":
+            return self.model_loading
+        # zeropipe builds ZeRO-3 models inside deepspeed.zero.Init; other stages load on every rank at once.
+        return "partitioned" if self.zero_stage == 3 else "every_rank"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Terms and their peak: what is always held plus the largest phase."""
+
+    terms: tuple[Term, ...] = field(default_factory=tuple)
+
+    @property
+    def peak_bytes(self) -> int:
+        return peak_bytes(self.terms)
+
+    def phase_bytes(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for term in self.terms:
+            totals[term.phase] = totals.get(term.phase, 0) + term.bytes
+        return totals
+
+
+def peak_bytes(terms: tuple[Term, ...] | list[Term]) -> int:
+    """Always-held terms plus the largest phase: activations and the optimizer step never coexist."""
+    always = sum(t.bytes for t in terms if t.phase == ALWAYS)
+    phases: dict[str, int] = {}
+    for term in terms:
+        if term.phase != ALWAYS:
+            phases[term.phase] = phases.get(term.phase, 0) + term.bytes
+    return always + max(phases.values(), default=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states
+
+
+def value_bytes(precision: str) -> int:
+    """Bytes of one weight, gradient or activation value in the training precision."""
+    return 4 if precision == "fp32" else 2
+
+
+def optimizer_bytes_per_parameter(precision: str, zero_stage: int) -> int:
+    """K: Adam's momentum and variance (8 bytes) plus, with ZeRO or mixed precision, an fp32 master copy (4).
+
+    DeepSpeed's ZeRO optimizers keep their own fp32 partition even when the weights already
+    are fp32; only plain data parallelism in fp32 updates the weights in place (K = 8).
+    """
+    if precision == "fp32" and zero_stage == 0:
+        return 8
+    return 12
+
+
+def partition_elements(elements: int, world_size: int) -> int:
+    return math.ceil(elements / world_size)
+
+
+def gradient_partition_elements(parameter_sizes: tuple[int, ...], world_size: int) -> int:
+    """Gradient elements the busiest ZeRO-1/2 rank holds: whole gradients of every parameter touching its partition.
+
+    DeepSpeed flattens the trainable parameters in order, pads the buffer to a multiple of
+    2 x ranks elements, cuts it into equal partitions, and copies the gradient of each
+    parameter that overlaps a rank's partition into that rank's contiguous buffer in full.
+    """
+    total = sum(parameter_sizes)
+    if world_size == 1:
+        return total
+    align = PARTITION_ALIGNMENT * world_size
+    partition = math.ceil(total / align) * align // world_size
+    busiest = 0
+    for rank in range(world_size):
+        low, high = rank * partition, (rank + 1) * partition
+        held, start = 0, 0
+        for size in parameter_sizes:
+            if start < high and start + size > low:
+                held += size
+            start += size
+        busiest = max(busiest, held)
+    return busiest
+
+
+def parameter_bytes(trainable: int, frozen: int, world_size: int, choice: Choice) -> int:
+    """16-bit (or fp32) weights on each GPU: all of them below ZeRO-3, a 1/N share under it, none when offloaded."""
+    everything = trainable + frozen
+    if choice.zero_stage < 3:
+        return everything * value_bytes(choice.precision)
+    if choice.offload_param:
+        return 0
+    return partition_elements(everything, world_size) * value_bytes(choice.precision)
+
+
+def gradient_bytes(trainable: int, world_size: int, choice: Choice, parameter_sizes: tuple[int, ...] = ()) -> int:
+    """Gradients held on each GPU between backward and step (see the module docstring for ZeRO-1)."""
+    size = value_bytes(choice.precision)
+    stage = choice.zero_stage
+    if stage == 0 or (stage == 1 and choice.gradient_accumulation_steps > 1):
+        return trainable * size
+    if stage == 3:
+        return partition_elements(trainable, world_size) * size
+    if choice.offload_optimizer:
+        # Reduced gradients go straight to the fp32 buffer in host RAM.
+        return 0
+    held = gradient_partition_elements(parameter_sizes, world_size) if parameter_sizes else partition_elements(trainable, world_size)
+    return held * size
+
+
+def optimizer_state_bytes(trainable: int, world_size: int, choice: Choice) -> int:
+    """fp32 master weights and Adam moments on each GPU (none there when offloaded)."""
+    if choice.offload_optimizer:
+        return 0
+    per_parameter = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)
+    if choice.zero_stage == 0:
+        return trainable * per_parameter
+    return partition_elements(trainable, world_size) * per_parameter
+
+
+def optimizer_step_bytes(trainable: int, world_size: int, choice: Choice) -> int:
+    """The fp32 gradient copy the optimizer step makes on the GPU (none when the step runs on the CPU)."""
+    if choice.offload_optimizer or (choice.precision == "fp32" and choice.zero_stage == 0):
+        return 0
+    if choice.zero_stage == 0:
+        return trainable * 4
+    share = partition_elements(trainable, world_size)
+    if choice.zero_stage == 3:
+        share = min(share, STAGE3_SUB_GROUP_ELEMENTS)
+    return share * 4
+
+
+def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[Term]:
+    """Weights, gradients and optimizer states on one GPU: the ZeRO paper's 2Ψ + 2Ψ + KΨ, partitioned."""
+    n = world_size
+    stage = choice.zero_stage
+    trainable, frozen = spec.trainable_params, spec.frozen_base_params
+    bits = "16-bit" if choice.precision != "fp32" else "fp32"
+    share = "all of them" if stage < 3 else (f"a 1/{n} share (ZeRO-3)" if not choice.offload_param else "none: offloaded to host RAM (ZeRO-3)")
+    terms: list[Term] = []
+    if spec.lora is None:
+        terms.append(Term(f"parameters ({bits})", parameter_bytes(trainable, 0, n, choice), f"{_count(trainable)} weights, {share}"))
+    else:
+        terms.append(
+            Term(
+                f"LoRA adapters ({bits})",
+                parameter_bytes(trainable, 0, n, choice),
+                f"{_count(trainable)} trainable adapter weights (r={spec.lora.r}), {share}",
+            )
+        )
+        terms.append(
+            Term(
+                f"frozen base weights ({bits})",
+                parameter_bytes(0, frozen, n, choice),
+                f"{_count(frozen)} frozen weights: no gradients or optimizer states, {share}",
+            )
+        )
+    grads = gradient_bytes(trainable, n, choice, spec.parameter_sizes)
+    if stage == 0:
+        why = "one per trainable weight (plain data parallelism)"
+    elif stage == 1 and choice.gradient_accumulation_steps > 1:
+        why = "ZeRO-1 keeps full gradients while it accumulates micro-batches; they are reduced only at the step"
+    elif stage == 3:
+        why = f"a 1/{n} share of the trainable weights' gradients"
+    elif choice.offload_optimizer:
+        why = "none on the GPU: reduced gradients are copied to fp32 buffers in host RAM"
+    else:
+        why = (
+            f"a 1/{n} partition, reduced bucket by bucket during backward; DeepSpeed keeps whole gradients of "
+            "parameters that straddle a partition edge"
+            + (" (counted from the parameter sizes)" if spec.parameter_sizes else "")
+        )
+    terms.append(Term(f"gradients ({bits})", grads, why))
+    k = optimizer_bytes_per_parameter(choice.precision, stage)
+    if choice.offload_optimizer:
+        opt_why = "none on the GPU: offloaded to host RAM, stepped by DeepSpeed's CPU Adam"
+    else:
+        master = "fp32 master weight + " if k == 12 else ""
+        opt_why = f"K={k} bytes per trainable weight ({master}Adam momentum + variance, fp32)" + (f", a 1/{n} partition" if stage else "")
+    terms.append(Term("optimizer states", optimizer_state_bytes(trainable, n, choice), opt_why))
+    return terms
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def layer_activation_bytes(
+    block: BlockShape,
+    tokens: int,
+    seq_len: int,
+    precision: str,
+    attention: str = "sdpa",
+    lora: LoraShape | None = None,
+) -> int:
+    """Bytes one decoder layer saves for backward, counted tensor by tensor.
+
+    This is Korthikanti et al.'s count ("Reducing Activation Recomputation in Large
+    Transformer Models", 2022), done for the block at hand. For a GPT block (LayerNorm,
+    4h GeLU MLP, dropout, eager attention in 16 bits) it gives their
+    s·b·h·(34 + 5·a·s/h). For a Llama-style block (RMSNorm that upcasts to fp32, gated MLP,
+    no dropout) it gives s·b·(20h + 4h_kv + 8i) with fused attention (SDPA/flash), which keeps
+    only q, k, v, the output and a log-sum-exp: no s² term.
+
+    With LoRA the base weights are frozen: a frozen linear layer needs no saved input (its
+    input gradient uses the weight only), while each adapter saves its (dropped-out) input.
+    """
+    v = value_bytes(precision)
+    h, q, kv, i, heads = block.hidden, block.q_dim, block.kv_dim, block.intermediate, block.heads
+    frozen = lora is not None
+    # Norms: LayerNorm saves its input; an RMSNorm that upcasts saves the fp32 input and, when its
+    # weight trains, the normalized value (fp32 if the weight is upcast too, as in Gemma).
+    if block.layernorm:
+        per_token = block.norm_elements * v
+    else:
+        normalized = 0 if frozen else (4 if block.norm_upcasts_weight else v)
+        per_token = block.norm_elements * (4 + normalized)
+    # q, k and v as handed to attention (after rotary embedding).
+    per_token += v * (q + 2 * kv)
+    if attention == "eager":
+        per_token += v * 2 * (q - kv)  # k and v repeated to every query head before the matmuls
+        softmax = (4 + v) if block.softmax_fp32 else v  # fp32 probabilities and their 16-bit copy
+        if block.dropout:
+            softmax += 1 + v  # dropout mask and dropped probabilities
+        per_token += heads * seq_len * softmax
+    else:
+        per_token += 4 * heads  # log-sum-exp of the fused kernel, fp32
+    # MLP: the activation's input, and for a gated MLP its output and the up projection too.
+    per_token += v * (3 * i if block.gated_mlp else i)
+    # Inputs of the linear layers.
+    if not frozen:
+        per_token += v * (h + q + h + i)  # attention input, attention output, MLP input, MLP output
+    else:
+        per_token += lora_input_bytes_per_token(lora, v)
+    if block.dropout:
+        per_token += 2 * h  # residual dropout masks after attention and MLP
+    return tokens * per_token
+
+
+def lora_input_bytes_per_token(lora: LoraShape, v: int) -> int:
+    """What LoRA adapters of one layer save per token: their inputs (or dropout mask + dropped input) and rank-r outputs."""
+    saved = 0
+    for _group, features, count in lora.adapted_inputs:
+        # With dropout each adapter drops its own copy of the input; without, they share it.
+        saved += count * features * (1 + v) if lora.dropout else features * v
+        saved += count * lora.r * v
+    return saved
+
+
+def checkpointed_layer_bytes(block: BlockShape, tokens: int, precision: str) -> int:
+    """With full activation checkpointing a layer keeps only its input: 2·s·b·h bytes in 16 bits."""
+    return tokens * block.hidden * value_bytes(precision)
+
+
+def loss_activation_bytes(block: BlockShape, vocab: int, tokens: int, precision: str, frozen: bool) -> tuple[int, int]:
+    """(saved for backward, transient) bytes of the final norm, LM head, logits and loss.
+
+    transformers' loss upcasts the logits to fp32 and log-softmax saves its fp32 output:
+    4·s·b·V saved; at the peak the 16-bit logits and their fp32 copy exist too.
+    """
+    v = value_bytes(precision)
+    norm = v if block.layernorm else 4 + (0 if frozen else (4 if block.norm_upcasts_weight else v))
+    saved = tokens * block.hidden * norm
+    if not frozen:
+        saved += tokens * block.hidden * v  # input of the LM head
+    saved += tokens * vocab * 4
+    transient = tokens * vocab * (v + (4 if v != 4 else 0))
+    return saved, transient
+
+
+def saved_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
+    """Bytes saved for backward by the end of the forward pass (what ``saved_tensors_hooks`` sees)."""
+    if spec.block is not None and spec.layers:
+        tokens = choice.micro_batch_size * choice.seq_len
+        if choice.gradient_checkpointing:
+            layers = spec.layers * checkpointed_layer_bytes(spec.block, tokens, choice.precision)
+        else:
+            layers = spec.layers * layer_activation_bytes(spec.block, tokens, choice.seq_len, choice.precision, choice.attention, spec.lora)
+        saved, _ = loss_activation_bytes(spec.block, spec.vocab_size or 0, tokens, choice.precision, spec.lora is not None)
+        return layers + saved
+    if spec.activation_trace is not None:
+        trace = spec.activation_trace
+        per_sample = trace.checkpointed_bytes if choice.gradient_checkpointing else trace.saved_bytes
+        return per_sample * choice.micro_batch_size * _trace_scale(trace, choice)
+    return 0
+
+
+def _trace_scale(trace, choice: Choice) -> int:
+    # Traces run in 16 bits; fp32 doubles every value (fp32 upcasts inside the model stay as they were, a slight overcount).
+    return 2 if choice.precision == "fp32" and trace.precision != "fp32" else 1
+
+
+def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
+    """Activations of one micro-batch on one GPU, for the forward/backward phase."""
+    b, s = choice.micro_batch_size, choice.seq_len
+    tokens = b * s
+    terms: list[Term] = []
+    if spec.block is not None and spec.layers:
+        block = spec.block
+        full = layer_activation_bytes(block, tokens, s, choice.precision, choice.attention, spec.lora)
+        attention = "fused attention (SDPA/flash): no s² term" if choice.attention != "eager" else "eager attention: includes the a·s² scores"
+        if choice.gradient_checkpointing:
+            kept = spec.layers * checkpointed_layer_bytes(block, tokens, choice.precision)
+            terms.append(
+                Term(
+                    "activations (checkpointed layer inputs)",
+                    kept,
+                    f"{spec.layers} layers keep only their input, s·b·h·{value_bytes(choice.precision)} bytes each (s={s}, b={b}, h={block.hidden})",
+                    FORWARD_BACKWARD,
+                )
+            )
+            terms.append(Term("one layer recomputed in backward", full, f"the layer being recomputed holds its full activations; {attention}", FORWARD_BACKWARD))
+        else:
+            terms.append(
+                Term(
+                    "activations saved for backward",
+                    spec.layers * full,
+                    f"{spec.layers} layers x {_gib(full)} (s={s}, b={b}, h={block.hidden}); per token and layer "
+                    f"{full // max(tokens, 1):,} bytes, counted tensor by tensor; {attention}"
+                    + ("; frozen base layers save no inputs, adapters save theirs" if spec.lora else ""),
+                    FORWARD_BACKWARD,
+                )
+            )
+        saved, transient = loss_activation_bytes(block, spec.vocab_size or 0, tokens, choice.precision, spec.lora is not None)
+        terms.append(
+            Term(
+                "logits and loss",
+                saved + transient,
+                f"s·b·V = {tokens:,} x {spec.vocab_size:,}: 16-bit logits, their fp32 copy in the loss and the fp32 log-softmax "
+                "saved for backward, plus the final norm",
+                FORWARD_BACKWARD,
+            )
+        )
+    elif spec.activation_trace is not None:
+        trace = spec.activation_trace
+        scale = b * _trace_scale(trace, choice)
+        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px, x {b} samples"
+        if choice.gradient_checkpointing:
+            terms.append(Term("activations (checkpointed block inputs)", trace.checkpointed_bytes * scale, where, FORWARD_BACKWARD))
+            terms.append(Term("one block recomputed in backward", trace.largest_block_bytes * scale, "the largest checkpointed block's activations", FORWARD_BACKWARD))
+        else:
+            terms.append(Term("activations saved for backward", trace.saved_bytes * scale, where + "; fused attention (no s² term)", FORWARD_BACKWARD))
+    else:
+        terms.append(Term("activations", 0, "unknown for a bare parameter count: pass --model to include them", FORWARD_BACKWARD))
+    return terms
+
+
+# ---------------------------------------------------------------------------------------------
+# Per GPU and per node
+
+
+def bucket_elements(spec: ModelSpec) -> tuple[int, int]:
+    """(reduce bucket, ZeRO-3 prefetch bucket) elements as zeropipe's DeepSpeed config sets them."""
+    if spec.hidden_size:
+        return spec.hidden_size * spec.hidden_size, int(0.9 * spec.hidden_size * spec.hidden_size)
+    return DEFAULT_REDUCE_BUCKET_ELEMENTS, DEFAULT_PREFETCH_BUCKET_ELEMENTS
+
+
+def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[Term]:
+    """Everything one rank's GPU holds; its peak is ``peak_bytes`` of these."""
+    n = hardware.world_size
+    v = value_bytes(choice.precision)
+    stage = choice.zero_stage
+    terms = model_state_terms(spec, n, choice)
+    reduce_bucket, prefetch_bucket = bucket_elements(spec)
+    trainable = spec.trainable_params
+    if stage == 0:
+        chunk = min(trainable, DEFAULT_ALLREDUCE_BUCKET_ELEMENTS)
+        terms.append(Term("all-reduce buffer", chunk * v, f"gradients flattened in chunks of up to {_count(DEFAULT_ALLREDUCE_BUCKET_ELEMENTS)} for the all-reduce", OPTIMIZER_STEP))
+    elif stage in (1, 2):
+        terms.append(Term("reduce buckets", 2 * reduce_bucket * v, f"two {_count(reduce_bucket)}-element gradient buckets (overlap_comm double-buffers them)"))
+    else:
+        terms.append(Term("reduce bucket", reduce_bucket * v, f"one {_count(reduce_bucket)}-element gradient bucket for the reduce-scatter"))
+    if stage == 3:
+        largest = spec.largest_layer_params
+        terms.append(
+            Term(
+                "gathered layer + prefetch (ZeRO-3)",
+                (2 * largest + prefetch_bucket) * v,
+                f"the largest layer's full weights and gradient ({_count(largest)} each, {spec.largest_layer_name or 'largest module'}) "
+                f"plus a {_count(prefetch_bucket)}-element prefetch bucket",
+                FORWARD_BACKWARD,
+            )
+        )
+    if choice.offload_optimizer and stage in (1, 2):
+        terms.append(Term("offload staging buffer", spec.largest_parameter * v, "one parameter's gradient staged for the copy to host RAM"))
+    step = optimizer_step_bytes(trainable, n, choice)
+    if step:
+        terms.append(Term("fp32 gradients in the optimizer step", step, "the step upcasts the rank's gradient share to fp32 while it runs", OPTIMIZER_STEP))
+    terms += activation_terms(spec, choice)
+    if spec.frozen_model_params:
+        names = ", ".join(m.name for m in spec.frozen_models)
+        terms.append(
+            Term(
+                "frozen models (text encoders, VAE)",
+                spec.frozen_model_params * v,
+                f"{names}: {_count(spec.frozen_model_params)} weights on every GPU to encode captions and images each step; "
+                "caching latents and text embeddings removes them",
+            )
+        )
+    if hardware.accelerator == "cuda":
+        terms.append(Term("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context, cuBLAS workspace and NCCL buffers: about 1 GiB on current drivers (assumed)"))
+    working = sum(t.bytes for t in terms if t.phase == FORWARD_BACKWARD)
+    terms.append(
+        Term(
+            "allocator fragmentation",
+            int(FRAGMENTATION_FRACTION * working),
+            f"{FRAGMENTATION_FRACTION:.0%} of the forward/backward working memory, which the caching allocator cannot always reuse (assumed)",
+            FORWARD_BACKWARD,
+        )
+    )
+    return terms
+
+
+def pinned_rounding_bytes(sizes: list[int]) -> int:
+    """PyTorch's pinned-memory allocator rounds every block up to a power of two."""
+    return sum((1 << (size - 1).bit_length()) - size for size in sizes if size > 0)
+
+
+def _sub_groups(elements: int) -> list[int]:
+    full, rest = divmod(elements, STAGE3_SUB_GROUP_ELEMENTS)
+    return [STAGE3_SUB_GROUP_ELEMENTS] * full + ([rest] if rest else [])
+
+
+def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_peak: int | None = None) -> list[Term]:
+    """Host RAM of one node: its ranks' processes, the loading peak, offloaded states, workers.
+
+    Args:
+        per_gpu_peak: on CPU ranks the "GPU" is host RAM too; pass the per-rank peak to add it.
+    """
+    local = hardware.gpus_per_node
+    n = hardware.world_size
+    v = value_bytes(choice.precision)
+    trainable, everything = spec.trainable_params, spec.total_params
+    terms: list[Term] = []
+    process = RANK_PROCESS_BYTES.get(hardware.accelerator, RANK_PROCESS_BYTES["cuda"])
+    terms.append(Term("rank processes", local * process, f"{local} x {_gib(process)}: Python, torch, DeepSpeed and the CUDA libraries per rank (assumed)"))
+
+    frozen_models = spec.frozen_model_params * v
+    method = choice.loading_method
+    if method == "partitioned":
+        share = (partition_elements(everything, n) + spec.largest_layer_params) * v
+        loading = local * (share + frozen_models)
+        why = (
+            f"{local} ranks each build a 1/{n} share inside deepspeed.zero.Init plus one gathered layer "
+            f"({_gib(share)} each); checkpoint files are memory-mapped (page cache, reclaimable)"
+        )
+    elif method == "staggered":
+        loading = everything * v + local * frozen_models
+        why = "one rank at a time holds the whole model in host RAM, then moves it to its GPU"
+    else:
+        loading = local * (everything * v + frozen_models)
+        why = (
+            f"{local} ranks each hold the whole model ({_gib(everything * v)}) in host RAM at once before DeepSpeed "
+            "moves it to the GPU: the peak that gets rank 0 SIGKILLed"
+        )
+    if frozen_models:
+        why += f"; with the frozen models ({_gib(frozen_models)} per rank)"
+    terms.append(Term("model loading peak", loading, why, LOADING))
+
+    if choice.offload_optimizer and choice.zero_stage > 0:
+        share = partition_elements(trainable, n)
+        k = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)
+        terms.append(Term("offloaded optimizer states", local * share * k, f"{local} ranks x {_count(share)} weights x {k} bytes (fp32 master + Adam moments)", TRAINING))
+        terms.append(Term("offloaded fp32 gradients", local * share * 4, f"{local} ranks x {_count(share)} fp32 gradients for CPU Adam", TRAINING))
+        pinned = [share * 4, share * 4] if choice.zero_stage < 3 else [g * 4 for g in _sub_groups(share)] * 2
+        if choice.zero_stage < 3:
+            terms.append(
+                Term(
+                    "offload staging buffers",
+                    local * (share + spec.largest_parameter) * v,
+                    "16-bit copy of the updated partition and one parameter's gradient, per rank",
+                    TRAINING,
+                )
+            )
+            pinned.append(share * v)
+        if hardware.accelerator == "cuda":
+            terms.append(
+                Term(
+                    "pinned-memory rounding",
+                    local * pinned_rounding_bytes(pinned),
+                    "offloaded buffers are pinned, and PyTorch rounds each pinned block up to a power of two",
+                    TRAINING,
+                )
+            )
+    if choice.offload_param and choice.zero_stage == 3:
+        share = partition_elements(everything, n)
+        terms.append(Term("offloaded parameters", local * share * v, f"{local} ranks x a 1/{n} share of the weights, 16-bit", TRAINING))
+        if hardware.accelerator == "cuda":
+            terms.append(
+                Term(
+                    "pinned-memory rounding (parameters)",
+                    local * pinned_rounding_bytes([g * v for g in _sub_groups(share)]),
+                    "pinned parameter buffers rounded up to powers of two",
+                    TRAINING,
+                )
+            )
+    workers = DATA_WORKERS_PER_RANK.get(spec.family, 0)
+    if workers:
+        terms.append(
+            Term("data loader workers", local * workers * DATA_WORKER_BYTES, f"{local} ranks x {workers} workers x {_gib(DATA_WORKER_BYTES)} decoding images (assumed)", TRAINING)
+        )
+    if hardware.accelerator == "cpu" and per_gpu_peak is not None:
+        terms.append(Term("CPU ranks' working memory", local * per_gpu_peak, f"{local} CPU ranks x the per-rank peak above: on CPU ranks it is host RAM", TRAINING))
+    return terms
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"

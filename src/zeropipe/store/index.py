@@ -1,0 +1,168 @@
+"""Read what a run directory says about its run, cheaply, for the runs list.
+
+The launcher and rank 0 own these files; the store only reads them. ``status.json`` gives
+the state, ``run.json`` the plan, the last lines of ``metrics.jsonl`` the progress. A run
+whose status says "running" but whose launcher is gone (a reboot, ``kill -9``) is reported
+as "lost", not as running forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from zeropipe.rundir import RunDir
+
+TERMINAL = {"completed", "failed", "stopped", "lost"}
+PREVIEW_POINTS = 60
+SMALL_FILE = 256 * 1024
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "status.json").is_file() or (path / "run.json").is_file()
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Run directories directly under a runs root (the layout ``zeropipe train`` writes)."""
+    try:
+        children = [child for child in Path(root).iterdir() if child.is_dir() and not child.name.startswith(".")]
+    except OSError:
+        return []
+    return sorted(child.resolve() for child in children if is_run_dir(child))
+
+
+def process_alive(pid: Any, created_before: float | None = None) -> bool:
+    """Whether ``pid`` is a live process that existed by ``created_before`` (a reused pid is not ours)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        # Two seconds of slack: the timestamp is written just after the process started.
+        return created_before is None or process.create_time() <= created_before + 2
+    except psutil.Error:
+        return False
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def parse(line: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) and isinstance(value.get("step"), (int, float)) else None
+
+
+def metrics_glance(path: Path, points: int = PREVIEW_POINTS) -> dict[str, Any]:
+    """First and last rows, a few rows spread over the file and the last ~20, without reading it all."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return {"rows": [], "tail": [], "first": None, "last": None}
+    with open(path, "rb") as handle:
+        if size <= SMALL_FILE:
+            rows = [r for r in map(parse, handle.read().split(b"\n")) if r]
+            return {"rows": spread(rows, points), "tail": rows[-20:], "first": rows[0] if rows else None, "last": rows[-1] if rows else None}
+        first = parse(handle.readline())
+        rows = [first] if first else []
+        for k in range(1, points):
+            handle.seek(size * k // points)
+            handle.readline()  # the rest of a line we landed inside
+            row = parse(handle.readline())
+            if row:
+                rows.append(row)
+        handle.seek(max(0, size - 16384))
+        tail = [r for r in map(parse, handle.read().split(b"\n")[1:]) if r][-20:]
+    rows += tail[-1:]
+    return {"rows": rows, "tail": tail, "first": first, "last": tail[-1] if tail else (rows[-1] if rows else None)}
+
+
+def spread(rows: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
+    if len(rows) <= points:
+        return rows
+    return [rows[len(rows) * k // points] for k in range(points)] + [rows[-1]]
+
+
+def read_run(path: Path) -> dict[str, Any]:
+    """The runs-table fields a run directory gives (everything but id, origin and the UI's own state)."""
+    run = RunDir(path)
+    status = read_json(run.status_file) or {}
+    plan = read_json(run.plan_file) or {}
+    summary = read_json(run.summary) or {}
+    glance = metrics_glance(run.metrics)
+    last, first = glance["last"] or {}, glance["first"] or {}
+    state = status.get("state") or "starting"
+    diagnosis = status.get("diagnosis") if isinstance(status.get("diagnosis"), dict) else None
+    if state in ("running", "starting") and status.get("supervisor_pid"):
+        if not process_alive(status.get("supervisor_pid"), status.get("started_at")):
+            state = "lost"
+            diagnosis = {
+                "text": (
+                    f"the launcher (pid {status.get('supervisor_pid')}) is gone but never recorded how the run ended: "
+                    "the machine restarted or the launcher was killed with SIGKILL. Ranks it started may still be running "
+                    "(check `ps`); resume from the last complete checkpoint."
+                ),
+                "cause": "the launcher process disappeared",
+                "fix": "resume from the last checkpoint",
+            }
+    step_times = [r.get("step_time_s") for r in glance["tail"] if isinstance(r.get("step_time_s"), (int, float))]
+    preview = [[r["step"] for r in glance["rows"] if is_number(r.get("loss"))], [r["loss"] for r in glance["rows"] if is_number(r.get("loss"))]]
+    try:
+        created = min(p.stat().st_mtime for p in (run.config, run.plan_file) if p.exists())
+    except ValueError:
+        created = path.stat().st_mtime if path.exists() else time.time()
+    return {
+        "name": path.name,
+        "state": state,
+        "created_at": plan.get("created_at") or created,
+        "started_at": status.get("started_at"),
+        "ended_at": status.get("ended_at"),
+        "step": int(last["step"]) if "step" in last else (summary.get("steps") or 0),
+        "total_steps": plan.get("total_steps"),
+        "first_loss": first.get("loss") if is_number(first.get("loss")) else summary.get("first_loss"),
+        "last_loss": last.get("loss") if is_number(last.get("loss")) else summary.get("final_loss"),
+        "step_time_s": sum(step_times) / len(step_times) if step_times else None,
+        "world_size": plan.get("world_size"),
+        "zero_stage": plan.get("zero_stage"),
+        "accelerator": plan.get("accelerator"),
+        "supervisor_pid": status.get("supervisor_pid"),
+        "pids": status.get("pids"),
+        "diagnosis": diagnosis,
+        "loss_preview": preview,
+        "has_samples": int((path / "samples").is_dir()),
+        "missing": 0,
+    }
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+def signature(path: Path) -> tuple:
+    """Changes whenever a file the runs list shows changes; unchanged finished runs are not re-read."""
+    out = []
+    for name in ("status.json", "run.json", "metrics.jsonl", "summary.json", "samples"):
+        try:
+            stat = os.stat(path / name)
+            out.append((stat.st_mtime_ns, stat.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def eta_seconds(run: dict[str, Any]) -> float | None:
+    if run.get("state") not in ("running", "starting") or not run.get("total_steps") or not run.get("step_time_s"):
+        return None
+    return max(0, run["total_steps"] - (run.get("step") or 0)) * run["step_time_s"]

@@ -1,0 +1,489 @@
+"""The run store: the database, the run directories it indexes, and the actions on runs.
+
+Run directories are the truth; the database is an index of them plus what only the UI
+knows (which processes it started, when a stop was asked for). Runs started from the
+command line appear on the next ``refresh``; runs started here keep going when the UI
+stops, and a restarted UI finds them again, because everything it needs to reattach (the
+launcher's pid, the metrics) is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints
+from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.rundir import RunDir
+from zeropipe.store.db import Database
+from zeropipe.store.index import TERMINAL, eta_seconds, find_run_dirs, is_run_dir, process_alive, read_json, read_run, signature
+from zeropipe.store.processes import spawn, terminate, zeropipe_argv
+from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, resolve_inside
+from zeropipe.store.series import SeriesCache
+
+LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher)$")
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
+STOPPING_SECONDS = 120  # how long "stopping" is shown before the launcher's own word is awaited no more
+
+
+class RunNotFound(ZeroPipeError):
+    """No run with that id, name or path in the store."""
+
+
+class ActionRefused(ZeroPipeError):
+    """The action cannot be done in the run's current state; the message says why and what to do."""
+
+
+def parse_yaml_text(text: str, source: str = "the submitted config") -> dict[str, Any]:
+    """A run config from YAML text, with the same messages as a config file.
+
+    Raises:
+        ConfigError: not YAML, or not a mapping of sections.
+    """
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=source) from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([("", f"the top level must be a mapping of sections (model:, data:, train:, ...), not {type(raw).__name__}")], source=source)
+    return raw
+
+
+class RunStore:
+    def __init__(self, roots: Roots, db_path: str | Path | None = None):
+        self.roots = roots
+        for root in roots.runs:
+            root.mkdir(parents=True, exist_ok=True)
+        self.db_path = Path(db_path).expanduser().resolve() if db_path else roots.primary_runs / ".zeropipe" / "runs.sqlite3"
+        self.db = Database(self.db_path)
+        self.series = SeriesCache(self.db_path.parent / "series")
+        self.signatures: dict[str, tuple] = {}
+        self.children: dict[int, subprocess.Popen] = {}
+        self.refresh_lock = threading.RLock()
+
+    def close(self) -> None:
+        self.series.save_all(force=True)
+        self.db.close()
+
+    # ============================================================== indexing
+    def refresh(self, scan: bool = True) -> None:
+        """Bring the database in step with the run directories and the processes we started."""
+        with self.refresh_lock:
+            self.reap()
+            known = {row["path"]: row for row in self.db.runs(include_missing=True)}
+            if scan:
+                for root in self.roots.runs:
+                    for path in find_run_dirs(root):
+                        if str(path) not in known:
+                            run_id = self.db.insert_run(path=str(path), name=path.name, root=str(root), origin="cli", state="starting", created_at=time.time())
+                            known[str(path)] = self.db.run(run_id)
+            for row in known.values():
+                self.refresh_run(row)
+
+    def refresh_run(self, row: dict[str, Any]) -> None:
+        path = Path(row["path"])
+        launch = self.last_launch(row["id"], ("train", "resume"))
+        mark = (signature(path), launch and (launch["id"], launch["ended_at"]), row["stop_requested_at"])
+        if row["state"] in TERMINAL and self.signatures.get(row["path"]) == mark:
+            return
+        self.signatures[row["path"]] = mark
+        fields: dict[str, Any] = read_run(path) if is_run_dir(path) else {"state": "starting"}
+        if not path.exists() and not launch:
+            self.db.update_run(row["id"], missing=1)
+            return
+        status_started = fields.get("started_at") or 0
+        if launch and launch["started_at"] > status_started:
+            # The run directory's status predates this launch (or is not written yet): the
+            # launcher is still preparing, or it ended before it could start any rank.
+            if launch["ended_at"] is None:
+                fields["state"] = "starting"
+            else:
+                fields["state"] = "stopped" if row["stop_requested_at"] and row["stop_requested_at"] >= launch["started_at"] else "failed"
+                fields["diagnosis"] = launcher_diagnosis(launch) if fields["state"] == "failed" else None
+                fields["ended_at"] = launch["ended_at"]
+        if fields["state"] == "running" and row["stop_requested_at"] and time.time() - row["stop_requested_at"] < STOPPING_SECONDS:
+            fields["state"] = "stopping"
+        fields.pop("name", None)
+        self.db.update_run(row["id"], updated_at=time.time(), **fields)
+
+    def reap(self) -> None:
+        """Record how the processes we started ended (and collect them, so they leave no zombies)."""
+        for launch_id, proc in list(self.children.items()):
+            code = proc.poll()
+            if code is not None:
+                self.db.update_launch(launch_id, ended_at=time.time(), exit_code=code)
+                del self.children[launch_id]
+        for launch in self.db.launches(open_only=True):
+            # Started by an earlier UI: we cannot wait for it, only see that it is gone.
+            if launch["id"] not in self.children and not process_alive(launch["pid"], launch["started_at"]):
+                self.db.update_launch(launch["id"], ended_at=time.time())
+
+    def last_launch(self, run_id: int, actions: tuple[str, ...]) -> dict[str, Any] | None:
+        return next((launch for launch in self.db.launches(run_id) if launch["action"] in actions), None)
+
+    # =============================================================== queries
+    def runs(self, state: str | None = None, search: str | None = None) -> list[dict[str, Any]]:
+        out = [public(row) for row in self.db.runs()]
+        if state:
+            wanted = set(state.split(","))
+            out = [run for run in out if run["state"] in wanted]
+        if search:
+            needle = search.lower()
+            out = [run for run in out if needle in run["name"].lower()]
+        return out
+
+    def run(self, ref: int | str) -> dict[str, Any]:
+        """A run by id, name or path.
+
+        Raises:
+            RunNotFound: nothing matches (or a name matches several runs).
+        """
+        row = None
+        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+            row = self.db.run(int(ref))
+        if row is None and isinstance(ref, str):
+            named = self.db.runs_named(ref)
+            if len(named) > 1:
+                raise RunNotFound(f"{len(named)} runs are named {ref!r}: use the id ({', '.join(str(r['id']) for r in named)})")
+            row = named[0] if named else self.db.run_by_path(Path(ref).expanduser().resolve())
+        if row is None or row["missing"]:
+            raise RunNotFound(f"no run {ref!r}: `zeropipe runs ls` lists the runs")
+        return public(row)
+
+    def run_dir(self, run: dict[str, Any]) -> RunDir:
+        return RunDir(run["path"])
+
+    def log_names(self, run: dict[str, Any]) -> list[str]:
+        logs = self.run_dir(run).logs
+        names = sorted((p.stem for p in logs.glob("rank*.log") if LOG_NAME.match(p.stem)), key=lambda n: int(n[4:]))
+        return (["launcher"] if (logs / "launcher.log").is_file() else []) + names
+
+    def read_log(self, run: dict[str, Any], name: str, lines: int = 200) -> list[str]:
+        if not LOG_NAME.match(name):
+            raise RunNotFound(f"no log {name!r}: logs are named rank0, rank1, ... and launcher")
+        path = resolve_inside(self.run_dir(run).logs, f"{name}.log")
+        return tail_lines(path, max(1, min(lines, 5000)))
+
+    def config_text(self, run: dict[str, Any]) -> str | None:
+        path = self.run_dir(run).config
+        return path.read_text() if path.is_file() else None
+
+    def checkpoints(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        path = Path(run["path"])
+        latest = latest_checkpoint(path)
+        out = []
+        for info in reversed(list_checkpoints(path, complete_only=False)):
+            marker = read_json(info.path / COMPLETE_MARKER) or {}
+            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file())
+            out.append(
+                {
+                    "tag": info.tag,
+                    "step": info.step,
+                    "complete": bool(marker),
+                    "latest": latest is not None and latest.tag == info.tag,
+                    "saved_at": marker.get("saved_at"),
+                    "world_size": marker.get("world_size"),
+                    "size_bytes": size,
+                }
+            )
+        return out
+
+    def generations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        return read_jsonl(self.run_dir(run).generations)
+
+    def samples(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        """The sample images a diffusion run wrote, from samples/index.jsonl (step, prompt, file)."""
+        root = Path(run["path"]) / "samples"
+        out = []
+        for row in read_jsonl(root / "index.jsonl"):
+            try:
+                file = self.sample_relative(root, row)
+            except (OutsideRoots, TypeError, ValueError):
+                continue  # an index line we cannot place is skipped, not served
+            out.append({"step": row.get("step"), "prompt": row.get("prompt"), "file": file})
+        return out
+
+    @staticmethod
+    def sample_relative(root: Path, row: dict[str, Any]) -> str:
+        """The image's path relative to samples/; ``file`` may be relative to samples/ or to its step folder."""
+        file = str(row["file"])
+        candidates = [file]
+        if isinstance(row.get("step"), int):
+            candidates.insert(0, f"step_{row['step']:08d}/{file}")
+        for candidate in candidates:
+            resolved = resolve_inside(root, candidate)
+            if resolved.is_file():
+                return resolved.relative_to(root.resolve()).as_posix()
+        return resolve_inside(root, candidates[-1]).relative_to(root.resolve()).as_posix()
+
+    def sample_file(self, run: dict[str, Any], relative: str) -> Path:
+        root = Path(run["path"]) / "samples"
+        path = resolve_inside(root, relative)
+        if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
+            raise RunNotFound(f"no sample image {relative!r} in this run")
+        return path
+
+    def metrics(self, run: dict[str, Any], keys: list[str] | None = None, width: int | None = None, after_step: float | None = None) -> dict[str, Any]:
+        series = self.series.get(self.run_dir(run).metrics)
+        available = series.keys()
+        chosen = [key for key in (keys or available) if key in available]
+        out = series.window(chosen, width, after_step)
+        out["keys"] = available
+        return out
+
+    def exports(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        for launch in self.db.launches(run["id"], "export"):
+            if launch["ended_at"] is None:
+                state = "running"
+            elif launch["exit_code"] == 0 and Path(launch["out_path"]).is_dir():
+                state = "done"
+            else:
+                state = "failed"
+            out.append(
+                {
+                    "id": launch["id"],
+                    "state": state,
+                    "out_path": launch["out_path"],
+                    "started_at": launch["started_at"],
+                    "ended_at": launch["ended_at"],
+                    **(launch["detail"] or {}),
+                    "log_tail": tail_lines(Path(launch["log_path"]), 15) if state == "failed" else [],
+                }
+            )
+        return out
+
+    # =============================================================== actions
+    def validate(self, raw: dict[str, Any]):
+        """A submitted config checked as ``zeropipe train`` checks it, plus the UI's path rules.
+
+        Returns (config, findings, absolute raw config).
+
+        Raises:
+            ConfigError: every problem, each with its key.
+        """
+        from zeropipe.config.load import validate_config
+
+        problems = config_path_problems(raw, self.roots)
+        absolute = absolutize(raw, self.roots)
+        config = validate_config(absolute, source="the submitted config", extra_problems=problems)
+        from zeropipe.check import check_config
+
+        return config, check_config(config), absolute
+
+    def launch(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """Validate a config and start ``zeropipe train`` on it, detached.
+
+        Raises:
+            ConfigError, CheckFailed: the config would not run (nothing is started).
+            ActionRefused: a run of that name already exists.
+        """
+        from zeropipe.check import CheckFailed
+
+        if not isinstance(raw.get("run"), dict) or not raw["run"].get("name"):
+            raise ConfigError([("run.name", "missing: name the run (it becomes the folder runs/NAME)")], source="the submitted config")
+        config, findings, absolute = self.validate(raw)
+        if any(f.severity == "error" for f in findings):
+            raise CheckFailed(findings)
+        run_path = (Path(config.run.output_dir) / config.run.name).resolve()
+        with self.refresh_lock:
+            row = self.db.run_by_path(run_path)
+            if any((run_path / name).exists() for name in ("status.json", "metrics.jsonl", "checkpoints")) or (row and self.open_launch(row["id"])):
+                raise ActionRefused(f"{run_path} already holds a run: choose another run.name (e.g. {config.run.name}-2), or resume that run from its page")
+            configs = run_path.parent / "configs"
+            configs.mkdir(parents=True, exist_ok=True)
+            config_path = configs / f"{config.run.name}.yaml"
+            config_path.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False))
+            argv = zeropipe_argv("train", config_path)
+            fields = dict(name=config.run.name, root=str(run_path.parent), origin="ui", state="starting", created_at=time.time(), missing=0,
+                          started_at=None, ended_at=None, diagnosis=None, stop_requested_at=None, step=0, last_loss=None, first_loss=None)  # fmt: skip
+            if row:
+                run_id = row["id"]
+                self.db.update_run(run_id, **fields)
+            else:
+                run_id = self.db.insert_run(path=str(run_path), **fields)
+            self.start(run_id, "train", argv, run_path / "logs" / "launcher.log", config_path=str(config_path))
+        return self.run(run_id)
+
+    def start(self, run_id: int, action: str, argv: list[str], log_path: Path, **fields: Any) -> int:
+        proc = spawn(argv, log_path, self.roots.base)
+        launch_id = self.db.insert_launch(run_id=run_id, action=action, pid=proc.pid, command=argv, log_path=str(log_path), started_at=time.time(), **fields)
+        self.children[launch_id] = proc
+        return launch_id
+
+    def open_launch(self, run_id: int, actions: tuple[str, ...] = ("train", "resume")) -> dict[str, Any] | None:
+        self.reap()
+        return next((launch for launch in self.db.launches(run_id, open_only=True) if launch["action"] in actions), None)
+
+    def stop(self, ref: int | str) -> dict[str, Any]:
+        """SIGTERM the run's launcher: it stops every rank and marks the run stopped.
+
+        Raises:
+            ActionRefused: the run is not running, or no live process of it is known.
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        if run["state"] not in ("running", "starting", "stopping"):
+            raise ActionRefused(f"run {run['name']} is {run['state']}, not running: there is nothing to stop")
+        status = read_json(self.run_dir(run).status_file) or {}
+        launch = self.open_launch(run["id"])
+        sent = False
+        if status.get("state") == "running" and status.get("supervisor_pid"):
+            sent = terminate(status["supervisor_pid"], status.get("started_at"))
+        if not sent and launch is not None:
+            sent = terminate(launch["pid"], launch["started_at"])
+        if not sent:
+            raise ActionRefused(f"no live launcher of run {run['name']} was found (it may have just ended); refresh the page")
+        self.db.update_run(run["id"], stop_requested_at=time.time())
+        self.refresh(scan=False)
+        return self.run(run["id"])
+
+    def checkpoint_for(self, run: dict[str, Any], tag: str | None):
+        complete = list_checkpoints(Path(run["path"]))
+        if tag is None:
+            info = latest_checkpoint(Path(run["path"]))
+            if info is None:
+                raise ActionRefused(f"run {run['name']} has no complete checkpoint: set train.save_every to save during training")
+            return info
+        if not isinstance(tag, str) or not TAG_PATTERN.match(tag):
+            raise ActionRefused(f"{tag!r} is not a checkpoint name (they look like step_00000120)")
+        for info in complete:
+            if info.tag == tag:
+                return info
+        raise ActionRefused(f"run {run['name']} has no complete checkpoint {tag}: pick one from its checkpoint list")
+
+    def resume(self, ref: int | str, checkpoint: str | None = None) -> dict[str, Any]:
+        """Continue a run that ended from one of its complete checkpoints (default: the latest).
+
+        Raises:
+            ActionRefused: the run is still running, has no such checkpoint or nothing left to train.
+            ConfigError: its config no longer validates (a data file moved).
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        if run["state"] not in ("completed", "failed", "stopped", "lost"):
+            raise ActionRefused(f"run {run['name']} is {run['state']}: stop it before resuming")
+        if run["state"] == "lost" and any(process_alive(pid) for pid in run.get("pids") or []):
+            raise ActionRefused(f"run {run['name']} lost its launcher but rank processes {run['pids']} are still alive: end them first")
+        info = self.checkpoint_for(run, checkpoint)
+        if run.get("total_steps") and info.step >= run["total_steps"]:
+            raise ActionRefused(f"{info.tag} is the end of the run ({run['total_steps']} steps): there is nothing left to train; pick an earlier checkpoint")
+        config_file = self.run_dir(run).config
+        raw = parse_yaml_text(config_file.read_text(), source=str(config_file)) if config_file.is_file() else {}
+        problems = [p for p in config_path_problems(raw, self.roots) if p[0] not in ("run.name", "run.output_dir")]
+        if problems:
+            raise ConfigError(problems, source=str(config_file))
+        with self.refresh_lock:
+            if self.open_launch(run["id"]):
+                raise ActionRefused(f"run {run['name']} is already being started")
+            argv = zeropipe_argv("train", config_file, "--resume", info.path)
+            self.db.update_run(run["id"], state="starting", stop_requested_at=None, diagnosis=None)
+            self.start(run["id"], "resume", argv, self.run_dir(run).logs / "launcher.log", config_path=str(config_file), detail={"checkpoint": info.tag})
+        self.refresh(scan=False)
+        return self.run(run["id"])
+
+    def export(self, ref: int | str, checkpoint: str | None = None, name: str | None = None, merge: bool = False, dtype: str | None = None) -> dict[str, Any]:
+        """Start ``zeropipe export`` of a checkpoint into RUN/exports/NAME.
+
+        Raises:
+            ActionRefused: no such checkpoint, a bad name, or NAME exists already.
+        """
+        run = self.run(ref)
+        info = self.checkpoint_for(run, checkpoint)
+        name = name or (info.tag + ("-merged" if merge else ""))
+        problems = check_name(name, "name")
+        if problems:
+            raise ActionRefused(problems[0][1])
+        if dtype not in (None, "bf16", "fp16", "fp32"):
+            raise ActionRefused(f"dtype must be bf16, fp16 or fp32 (you gave {dtype!r})")
+        exports = Path(run["path"]) / "exports"
+        out = exports / name
+        if out.exists() or any(e["out_path"] == str(out) and e["state"] == "running" for e in self.exports(run)):
+            raise ActionRefused(f"{out} already exists: choose another export name")
+        argv = zeropipe_argv("export", info.path, "--out", out, *(["--merge"] if merge else []), *(["--dtype", dtype] if dtype else []))
+        launch_id = self.start(run["id"], "export", argv, exports / f"{name}.log", out_path=str(out), detail={"checkpoint": info.tag, "merge": merge, "dtype": dtype, "name": name})
+        return next(e for e in self.exports(run) if e["id"] == launch_id)
+
+
+def public(row: dict[str, Any]) -> dict[str, Any]:
+    """A run as the API and the CLI show it."""
+    total, step = row.get("total_steps"), row.get("step") or 0
+    return {
+        "id": row["id"],
+        "name": row["name"],
+        "path": row["path"],
+        "state": row["state"],
+        "origin": row["origin"],
+        "step": step,
+        "total_steps": total,
+        "progress": min(1.0, step / total) if total else None,
+        "eta_s": eta_seconds(row),
+        "first_loss": row.get("first_loss"),
+        "last_loss": row.get("last_loss"),
+        "step_time_s": row.get("step_time_s"),
+        "created_at": row.get("created_at"),
+        "started_at": row.get("started_at"),
+        "ended_at": row.get("ended_at"),
+        "world_size": row.get("world_size"),
+        "zero_stage": row.get("zero_stage"),
+        "accelerator": row.get("accelerator"),
+        "pids": row.get("pids"),
+        "diagnosis": row.get("diagnosis"),
+        "loss_preview": row.get("loss_preview"),
+        "has_samples": bool(row.get("has_samples")),
+    }
+
+
+def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:
+    lines = tail_lines(Path(launch["log_path"]), 30)
+    errors = [line for line in lines if ": error:" in line or line.startswith(("error", "training failed"))]
+    code = launch["exit_code"]
+    how = f"exited with code {code}" if code is not None else "ended"
+    cause = errors[-1].split(": error: ", 1)[-1] if errors else "see the launcher's log below"
+    text = f"zeropipe train {how} before any rank started\n{cause}\nlast lines of the launcher's log:\n" + "\n".join(f"  | {line}" for line in lines[-15:])
+    return {"text": text, "how": how, "cause": cause, "fix": "", "rank": None}
+
+
+def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024) -> list[str]:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", errors="replace")
+    kept = deque(text.splitlines(), maxlen=lines)
+    if size > max_bytes and len(kept) == lines + 0 and kept:
+        pass
+    return list(kept)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            rows.append(value)
+    return rows
