@@ -19,16 +19,18 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from zeropipe.check import check_config
     from zeropipe.config.load import load_config
+    from zeropipe.launch.auto import resolve_auto_knobs
 
     config = load_config(args.config, args.overrides)
+    config, auto_notes = resolve_auto_knobs(config, world_size=args.nproc)
     findings = check_config(config, world_size=args.nproc)
     errors = [f for f in findings if f.severity == "error"]
     if args.json:
-        print(json.dumps([f.to_dict() for f in findings], indent=2))
-    elif not findings:
-        print(f"{args.config}: no problems found")
-    else:
-        for finding in findings:
-            print(finding.render())
-        print(f"{len(errors)} error(s), {len(findings) - len(errors)} warning(s)")
+        print(json.dumps({"auto": auto_notes, "findings": [f.to_dict() for f in findings]}, indent=2))
+        return 1 if errors else 0
+    for note in auto_notes:
+        print(note)
+    for finding in findings:
+        print(finding.render())
+    print(f"{args.config}: no problems found" if not findings else f"{len(errors)} error(s), {len(findings) - len(errors)} warning(s)")
     return 1 if errors else 0

@@ -28,6 +28,7 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from zeropipe.check import CheckFailed, check_config
     from zeropipe.config.load import load_config
+    from zeropipe.launch.auto import resolve_auto_knobs
     from zeropipe.launch.prepare import prepare_run
     from zeropipe.launch.supervisor import Supervisor
 
@@ -40,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         overrides.append(f"hardware.gpus={args.nproc}")
     config = load_config(args.config, overrides)
+    config, auto_notes = resolve_auto_knobs(config)
+    for note in auto_notes:
+        say(note)
     # Refuse what cannot work before the run directory or any process exists.
     findings = check_config(config)
     if any(f.severity == "error" for f in findings):

@@ -190,7 +190,7 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
         problems.append(("data.path", f"{data['path']} does not exist: fix the path"))
 
     stage = ds.get("zero_stage", 2)
-    if ds.get("offload_param", "none") == "cpu" and stage != 3:
+    if ds.get("offload_param", "none") == "cpu" and stage not in (3, "auto"):
         problems.append(("deepspeed.offload_param", f"needs zero_stage 3 (you set {stage}): set deepspeed.zero_stage: 3 or offload_param: none"))
     if ds.get("offload_optimizer", "none") == "cpu" and stage == 0:
         problems.append(("deepspeed.offload_optimizer", "needs zero_stage 1, 2 or 3 (you set 0): raise deepspeed.zero_stage or set offload_optimizer: none"))

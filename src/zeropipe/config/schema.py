@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 
 class Section(BaseModel):
@@ -59,7 +59,9 @@ class ModelSection(Section):
         ge=262,
         description="Vocabulary size of the byte-level BPE tokenizer trained on the data when the model has none (at least 256 bytes + 6 special tokens).",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass: less memory, about 30% more compute.")
+    gradient_checkpointing: bool | Literal["auto"] = Field(
+        False, description="Recompute activations in the backward pass: less memory, about 30% more compute. 'auto': the planner decides."
+    )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel passed to transformers.")
     lora: LoraSection | None = Field(None, description="Train LoRA adapters (peft) instead of all weights; only adapter weights are trainable.")
     quantization: QuantizationSection | None = Field(None, description="QLoRA: load the base in 4-bit with bitsandbytes (needs CUDA and model.lora).")
@@ -90,8 +92,10 @@ class DataSection(Section):
 class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides train.epochs when both are set.")
     epochs: float | None = Field(None, gt=0, description="Passes over the data (default 1 when max_steps is not set).")
-    micro_batch_size: int = Field(1, ge=1, description="Examples per rank per forward pass.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    micro_batch_size: PositiveInt | Literal["auto"] = Field(1, description="Examples per rank per forward pass; 'auto': the planner decides.")
+    gradient_accumulation_steps: PositiveInt | Literal["auto"] = Field(
+        1, description="Micro-batches accumulated per optimizer step; 'auto': the planner decides."
+    )
     lr: float = Field(2e-5, gt=0, description="Peak learning rate (after warm-up).")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up: cosine or linear to min_lr_ratio x lr, or constant.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
@@ -119,11 +123,16 @@ class LoggingSection(Section):
 
 
 class DeepSpeedSection(Section):
-    zero_stage: Literal[0, 1, 2, 3] = Field(
-        2, description="ZeRO stage: 0 data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters."
+    zero_stage: Literal[0, 1, 2, 3, "auto"] = Field(
+        2,
+        description="ZeRO stage: 0 data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters; 'auto': the fastest that fits (zeropipe plan).",
     )
-    offload_optimizer: Literal["none", "cpu"] = Field("none", description="Keep optimizer states in host RAM and step with DeepSpeed's CPU Adam (stage 1-3).")
-    offload_param: Literal["none", "cpu"] = Field("none", description="Keep parameters in host RAM between uses (stage 3 only).")
+    offload_optimizer: Literal["none", "cpu", "auto"] = Field(
+        "none", description="Keep optimizer states in host RAM and step with DeepSpeed's CPU Adam (stage 1-3); 'auto': the planner decides."
+    )
+    offload_param: Literal["none", "cpu", "auto"] = Field(
+        "none", description="Keep parameters in host RAM between uses (stage 3 only); 'auto': the planner decides."
+    )
     precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision; bf16 and fp16 keep fp32 master weights in the optimizer.")
     config_file: str | None = Field(
         None,

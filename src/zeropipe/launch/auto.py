@@ -1,0 +1,44 @@
+"""Fill the knobs a config leaves as "auto" (ZeRO stage, offload, checkpointing, batch shape) from the plan."""
+
+from __future__ import annotations
+
+from zeropipe.config.schema import RunConfig
+
+AUTO_KNOBS = {
+    ("deepspeed", "zero_stage"),
+    ("deepspeed", "offload_optimizer"),
+    ("deepspeed", "offload_param"),
+    ("model", "gradient_checkpointing"),
+    ("train", "micro_batch_size"),
+    ("train", "gradient_accumulation_steps"),
+}
+
+
+def auto_knobs(config: RunConfig) -> list[tuple[str, str]]:
+    return sorted((section, key) for section, key in AUTO_KNOBS if getattr(getattr(config, section), key) == "auto")
+
+
+def resolve_auto_knobs(config: RunConfig, world_size: int | None = None) -> tuple[RunConfig, list[str]]:
+    """A copy of the config with every "auto" knob set to the planner's choice, and a note for each.
+
+    Raises:
+        ZeroPipeError: when no combination fits the hardware (the plan's reason).
+    """
+    wanted = auto_knobs(config)
+    if not wanted:
+        return config, []
+    from zeropipe.launch.prepare import detect_accelerator
+    from zeropipe.plan import detect_hardware, plan_run
+
+    accelerator, ranks = detect_accelerator(config)
+    hardware = detect_hardware(cpu_ranks=world_size or ranks)
+    result = plan_run(config, hardware)
+    best = result.require_best()
+    fragment = result.fragment()
+    resolved = config.model_copy(deep=True)
+    chosen = []
+    for section, key in wanted:
+        value = fragment[section][key]
+        setattr(getattr(resolved, section), key, value)
+        chosen.append(f"{section}.{key} = {value}")
+    return resolved, [f"auto: {', '.join(chosen)} (the plan's fastest fit: {best.choice.describe()} on {hardware.describe()}; see zeropipe plan)"]
