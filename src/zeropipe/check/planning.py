@@ -2,18 +2,71 @@
 
 from __future__ import annotations
 
+from zeropipe.errors import ZeroPipeError
+
+GB = 1e9
+
 
 def plan_context(context):
-    return None
+    """The plan of the config's own choice on this machine's hardware, or None when it cannot be made."""
+    from zeropipe.plan import detect_hardware, plan_run
+
+    try:
+        hardware = detect_hardware(cpu_ranks=context.world_size)
+        return plan_run(context.config, hardware)
+    except ZeroPipeError:
+        return None  # the config problem is reported by the rules that own it
 
 
 def memory_problems(ctx):
-    return []
+    configured = ctx.plan.configured if ctx.plan is not None else None
+    if configured is None or configured.fits:
+        return []
+    fix = "zeropipe plan shows the settings that fit"
+    if ctx.plan.best is not None:
+        fix = f"use {ctx.plan.best.choice.describe()} (zeropipe plan shows why), or set the knobs to auto"
+    return [("deepspeed", f"does not fit: {configured.why_not}", fix)]
 
 
 def zero3_unneeded(ctx):
-    return []
+    plan = ctx.plan
+    if plan is None or plan.configured is None or plan.configured.choice.zero_stage != 3:
+        return []
+    choice = plan.configured.choice
+    lighter = [
+        c
+        for c in plan.candidates
+        if c.fits
+        and c.choice.zero_stage in (1, 2)
+        and not c.choice.offload_param
+        and (c.choice.micro_batch_size, c.choice.gradient_accumulation_steps, c.choice.precision) == (choice.micro_batch_size, choice.gradient_accumulation_steps, choice.precision)
+    ]
+    if not lighter:
+        return []
+    best = min(lighter, key=lambda c: c.relative_cost)
+    return [
+        (
+            "deepspeed.zero_stage",
+            f"ZeRO-3 gathers every layer's parameters in each forward and backward (about 1.5x the communication of ZeRO-2); "
+            f"ZeRO-{best.choice.zero_stage} fits here at {best.per_gpu_bytes / GB:.1f} GB per GPU",
+            f"set deepspeed.zero_stage: {best.choice.zero_stage} (or auto)",
+        )
+    ]
 
 
 def activation_heavy(ctx):
-    return []
+    plan = ctx.plan
+    if plan is None or plan.configured is None or plan.configured.choice.gradient_checkpointing:
+        return []
+    terms = plan.configured.per_gpu_terms
+    activations = sum(t.bytes for t in terms if t.name.startswith("activations"))
+    total = sum(t.bytes for t in terms) or 1
+    if activations / total < 0.5:
+        return []
+    return [
+        (
+            "model.gradient_checkpointing",
+            f"activations are {activations / GB:.1f} of {total / GB:.1f} GB per GPU ({100 * activations / total:.0f}%)",
+            "set model.gradient_checkpointing: true (about 30% more compute, activations shrink to one layer's inputs) or lower train.micro_batch_size",
+        )
+    ]

@@ -182,9 +182,10 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(model.get("tokenizer"), str) and not Path(model["tokenizer"]).expanduser().is_dir():
         problems.append(("model.tokenizer", f"{model['tokenizer']} is not a directory: fix the path or remove the key"))
 
-    if data.get("path") and data.get("synthetic"):
+    synthetic = data.get("synthetic") is not None
+    if data.get("path") and synthetic:
         problems.append(("data", "set data.path or data.synthetic, not both"))
-    elif not data.get("path") and not data.get("synthetic"):
+    elif not data.get("path") and not synthetic:
         problems.append(("data", "no training data: set data.path to a .jsonl/.json/.txt file, or data.synthetic: {task: mixed}"))
     if isinstance(data.get("path"), str) and not Path(data["path"]).expanduser().exists():
         problems.append(("data.path", f"{data['path']} does not exist: fix the path"))

@@ -129,3 +129,23 @@ def test_zp010_fp16_on_cpu(make):
 def test_context_reports_world_size_and_stage(make):
     context = build_context(make(deepspeed={"zero_stage": 3}), world_size=5)
     assert context.zero_stage == 3 and context.ds_config["train_batch_size"] == 5
+
+
+def test_zp011_plan_exceeds_host_ram_names_the_numbers(make):
+    big = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+    findings = check_config(make(model={"config": big}, deepspeed={"zero_stage": 2}))
+    found = [f for f in findings if f.rule == "ZP011"]
+    assert found and found[0].message.startswith("does not fit: ") and "GiB" in found[0].message, found
+    assert "ZP011" not in rule_ids(make())
+
+
+def test_zp012_zero3_for_a_small_model(make):
+    assert "ZP012" in rule_ids(make(deepspeed={"zero_stage": 3}))
+    assert "ZP012" not in rule_ids(make(deepspeed={"zero_stage": 2}))
+
+
+def test_zp013_activations_dominate(make):
+    long_sequences = {"max_seq_len": 8192}
+    ids = rule_ids(make(data=long_sequences, train={"micro_batch_size": 16}))
+    assert "ZP013" in ids
+    assert "ZP013" not in rule_ids(make(data=long_sequences, train={"micro_batch_size": 16}, model={"gradient_checkpointing": True}))
