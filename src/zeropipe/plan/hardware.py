@@ -66,7 +66,7 @@ class Hardware:
         return replace(self, gpus_per_node=gpus_per_node, gpu_memory_bytes=memory)
 
 
-def parse_size(text: str | int | float, what: str = "size") -> int:
+def parse_size(text: str | float, what: str = "size") -> int:
     """Bytes in "24GB", "24 GiB", "512MB", "2.5T" or a plain number of bytes.
 
     Raises:

@@ -24,7 +24,8 @@ integration tests hold them to what real runs allocate:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from zeropipe.plan.hardware import GIB, Hardware
@@ -100,23 +101,6 @@ class Choice:
         return "partitioned" if self.zero_stage == 3 else "every_rank"
 
 
-@dataclass(frozen=True)
-class Budget:
-    """Terms and their peak: what is always held plus the largest phase."""
-
-    terms: tuple[Term, ...] = field(default_factory=tuple)
-
-    @property
-    def peak_bytes(self) -> int:
-        return peak_bytes(self.terms)
-
-    def phase_bytes(self) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for term in self.terms:
-            totals[term.phase] = totals.get(term.phase, 0) + term.bytes
-        return totals
-
-
 def peak_bytes(terms: tuple[Term, ...] | list[Term]) -> int:
     """Always-held terms plus the largest phase: activations and the optimizer step never coexist."""
     always = sum(t.bytes for t in terms if t.phase == ALWAYS)
@@ -151,6 +135,7 @@ def partition_elements(elements: int, world_size: int) -> int:
     return math.ceil(elements / world_size)
 
 
+@lru_cache(maxsize=64)
 def gradient_partition_elements(parameter_sizes: tuple[int, ...], world_size: int) -> int:
     """Gradient elements the busiest ZeRO-1/2 rank holds: whole gradients of every parameter touching its partition.
 
@@ -191,11 +176,12 @@ def gradient_bytes(trainable: int, world_size: int, choice: Choice, parameter_si
     stage = choice.zero_stage
     if stage == 0 or (stage == 1 and choice.gradient_accumulation_steps > 1):
         return trainable * size
+    if choice.offload_optimizer:
+        # ZeRO-1/2 copy reduced gradients straight to the fp32 buffer in host RAM; ZeRO-3 keeps
+        # its 16-bit gradient partition on the offload device too.
+        return 0
     if stage == 3:
         return partition_elements(trainable, world_size) * size
-    if choice.offload_optimizer:
-        # Reduced gradients go straight to the fp32 buffer in host RAM.
-        return 0
     held = gradient_partition_elements(parameter_sizes, world_size) if parameter_sizes else partition_elements(trainable, world_size)
     return held * size
 
@@ -252,15 +238,14 @@ def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[
         why = "one per trainable weight (plain data parallelism)"
     elif stage == 1 and choice.gradient_accumulation_steps > 1:
         why = "ZeRO-1 keeps full gradients while it accumulates micro-batches; they are reduced only at the step"
+    elif choice.offload_optimizer:
+        why = "none on the GPU: reduced gradients go to buffers in host RAM"
     elif stage == 3:
         why = f"a 1/{n} share of the trainable weights' gradients"
-    elif choice.offload_optimizer:
-        why = "none on the GPU: reduced gradients are copied to fp32 buffers in host RAM"
     else:
         why = (
             f"a 1/{n} partition, reduced bucket by bucket during backward; DeepSpeed keeps whole gradients of "
-            "parameters that straddle a partition edge"
-            + (" (counted from the parameter sizes)" if spec.parameter_sizes else "")
+            "parameters that straddle a partition edge" + (" (counted from the parameter sizes)" if spec.parameter_sizes else "")
         )
     terms.append(Term(f"gradients ({bits})", grads, why))
     k = optimizer_bytes_per_parameter(choice.precision, stage)
@@ -401,7 +386,11 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
                     FORWARD_BACKWARD,
                 )
             )
-            terms.append(Term("one layer recomputed in backward", full, f"the layer being recomputed holds its full activations; {attention}", FORWARD_BACKWARD))
+            terms.append(
+                Term(
+                    "one layer recomputed in backward", full, f"the layer being recomputed holds its full activations; {attention}", FORWARD_BACKWARD
+                )
+            )
         else:
             terms.append(
                 Term(
@@ -429,9 +418,18 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
         where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px, x {b} samples"
         if choice.gradient_checkpointing:
             terms.append(Term("activations (checkpointed block inputs)", trace.checkpointed_bytes * scale, where, FORWARD_BACKWARD))
-            terms.append(Term("one block recomputed in backward", trace.largest_block_bytes * scale, "the largest checkpointed block's activations", FORWARD_BACKWARD))
+            terms.append(
+                Term(
+                    "one block recomputed in backward",
+                    trace.largest_block_bytes * scale,
+                    "the largest checkpointed block's activations",
+                    FORWARD_BACKWARD,
+                )
+            )
         else:
-            terms.append(Term("activations saved for backward", trace.saved_bytes * scale, where + "; fused attention (no s² term)", FORWARD_BACKWARD))
+            terms.append(
+                Term("activations saved for backward", trace.saved_bytes * scale, where + "; fused attention (no s² term)", FORWARD_BACKWARD)
+            )
     else:
         terms.append(Term("activations", 0, "unknown for a bare parameter count: pass --model to include them", FORWARD_BACKWARD))
     return terms
@@ -458,18 +456,30 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
     trainable = spec.trainable_params
     if stage == 0:
         chunk = min(trainable, DEFAULT_ALLREDUCE_BUCKET_ELEMENTS)
-        terms.append(Term("all-reduce buffer", chunk * v, f"gradients flattened in chunks of up to {_count(DEFAULT_ALLREDUCE_BUCKET_ELEMENTS)} for the all-reduce", OPTIMIZER_STEP))
+        terms.append(
+            Term(
+                "all-reduce buffer",
+                chunk * v,
+                f"gradients flattened in chunks of up to {_count(DEFAULT_ALLREDUCE_BUCKET_ELEMENTS)} for the all-reduce",
+                OPTIMIZER_STEP,
+            )
+        )
     elif stage in (1, 2):
-        terms.append(Term("reduce buckets", 2 * reduce_bucket * v, f"two {_count(reduce_bucket)}-element gradient buckets (overlap_comm double-buffers them)"))
+        terms.append(
+            Term("reduce buckets", 2 * reduce_bucket * v, f"two {_count(reduce_bucket)}-element gradient buckets (overlap_comm double-buffers them)")
+        )
     else:
         terms.append(Term("reduce bucket", reduce_bucket * v, f"one {_count(reduce_bucket)}-element gradient bucket for the reduce-scatter"))
     if stage == 3:
         largest = spec.largest_layer_params
+        # With LoRA the largest layer is frozen: it is gathered but has no full gradient.
+        gathered = largest if spec.lora is not None else 2 * largest
+        what = "full weights" if spec.lora is not None else "full weights and gradient"
         terms.append(
             Term(
                 "gathered layer + prefetch (ZeRO-3)",
-                (2 * largest + prefetch_bucket) * v,
-                f"the largest layer's full weights and gradient ({_count(largest)} each, {spec.largest_layer_name or 'largest module'}) "
+                (gathered + prefetch_bucket) * v,
+                f"the largest layer's {what} ({_count(largest)} weights, {spec.largest_layer_name or 'largest module'}) "
                 f"plus a {_count(prefetch_bucket)}-element prefetch bucket",
                 FORWARD_BACKWARD,
             )
@@ -478,7 +488,9 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         terms.append(Term("offload staging buffer", spec.largest_parameter * v, "one parameter's gradient staged for the copy to host RAM"))
     step = optimizer_step_bytes(trainable, n, choice)
     if step:
-        terms.append(Term("fp32 gradients in the optimizer step", step, "the step upcasts the rank's gradient share to fp32 while it runs", OPTIMIZER_STEP))
+        terms.append(
+            Term("fp32 gradients in the optimizer step", step, "the step upcasts the rank's gradient share to fp32 while it runs", OPTIMIZER_STEP)
+        )
     terms += activation_terms(spec, choice)
     if spec.frozen_model_params:
         names = ", ".join(m.name for m in spec.frozen_models)
@@ -491,7 +503,9 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             )
         )
     if hardware.accelerator == "cuda":
-        terms.append(Term("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context, cuBLAS workspace and NCCL buffers: about 1 GiB on current drivers (assumed)"))
+        terms.append(
+            Term("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context, cuBLAS workspace and NCCL buffers: about 1 GiB on current drivers (assumed)")
+        )
     working = sum(t.bytes for t in terms if t.phase == FORWARD_BACKWARD)
     terms.append(
         Term(
@@ -526,7 +540,9 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
     trainable, everything = spec.trainable_params, spec.total_params
     terms: list[Term] = []
     process = RANK_PROCESS_BYTES.get(hardware.accelerator, RANK_PROCESS_BYTES["cuda"])
-    terms.append(Term("rank processes", local * process, f"{local} x {_gib(process)}: Python, torch, DeepSpeed and the CUDA libraries per rank (assumed)"))
+    terms.append(
+        Term("rank processes", local * process, f"{local} x {_gib(process)}: Python, torch, DeepSpeed and the CUDA libraries per rank (assumed)")
+    )
 
     frozen_models = spec.frozen_model_params * v
     method = choice.loading_method
@@ -553,10 +569,26 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
     if choice.offload_optimizer and choice.zero_stage > 0:
         share = partition_elements(trainable, n)
         k = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)
-        terms.append(Term("offloaded optimizer states", local * share * k, f"{local} ranks x {_count(share)} weights x {k} bytes (fp32 master + Adam moments)", TRAINING))
+        terms.append(
+            Term(
+                "offloaded optimizer states",
+                local * share * k,
+                f"{local} ranks x {_count(share)} weights x {k} bytes (fp32 master + Adam moments)",
+                TRAINING,
+            )
+        )
         terms.append(Term("offloaded fp32 gradients", local * share * 4, f"{local} ranks x {_count(share)} fp32 gradients for CPU Adam", TRAINING))
-        pinned = [share * 4, share * 4] if choice.zero_stage < 3 else [g * 4 for g in _sub_groups(share)] * 2
-        if choice.zero_stage < 3:
+        pinned = [share * 4, share * 4] if choice.zero_stage < 3 else [g * 4 for g in _sub_groups(share)] * 2 + [share * v]
+        if choice.zero_stage == 3:
+            terms.append(
+                Term(
+                    "offloaded gradient partition",
+                    local * share * v,
+                    f"{local} ranks x {_count(share)} 16-bit gradients (ZeRO-3 keeps them on the offload device)",
+                    TRAINING,
+                )
+            )
+        else:
             terms.append(
                 Term(
                     "offload staging buffers",
@@ -590,10 +622,22 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
     workers = DATA_WORKERS_PER_RANK.get(spec.family, 0)
     if workers:
         terms.append(
-            Term("data loader workers", local * workers * DATA_WORKER_BYTES, f"{local} ranks x {workers} workers x {_gib(DATA_WORKER_BYTES)} decoding images (assumed)", TRAINING)
+            Term(
+                "data loader workers",
+                local * workers * DATA_WORKER_BYTES,
+                f"{local} ranks x {workers} workers x {_gib(DATA_WORKER_BYTES)} decoding images (assumed)",
+                TRAINING,
+            )
         )
     if hardware.accelerator == "cpu" and per_gpu_peak is not None:
-        terms.append(Term("CPU ranks' working memory", local * per_gpu_peak, f"{local} CPU ranks x the per-rank peak above: on CPU ranks it is host RAM", TRAINING))
+        terms.append(
+            Term(
+                "CPU ranks' working memory",
+                local * per_gpu_peak,
+                f"{local} CPU ranks x the per-rank peak above: on CPU ranks it is host RAM",
+                TRAINING,
+            )
+        )
     return terms
 
 

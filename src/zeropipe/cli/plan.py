@@ -1,0 +1,117 @@
+"""``zeropipe plan [CONFIG] [--model NAME|PATH | --params N] [--gpus 5x24GB --ram 64GB]``.
+
+Memory per GPU and per node, and the fastest ZeRO settings that fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(commands) -> None:
+    parser = commands.add_parser(
+        "plan",
+        help="show what a run needs per GPU and in host RAM, and the fastest ZeRO settings that fit",
+        description=__doc__,
+        epilog="Sizes like 24GB are read as GiB, as GPU and RAM sizes are sold. Without --gpus the hardware is this machine's.",
+    )
+    parser.add_argument("config", nargs="?", help="run config (YAML); its model, sequence length, batch and settings are planned")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
+        "--model", metavar="NAME|PATH", help="a catalog name (e.g. llama-3.1-8b, qwen2.5-14b, sdxl), a local model directory or a config.json"
+    )
+    what.add_argument("--params", type=float, metavar="N", help="a bare parameter count, e.g. 7.5e9 (model states only)")
+    parser.add_argument("--gpus", metavar="COUNTxSIZE", help="GPUs per node and the memory of one, e.g. 5x24GB")
+    parser.add_argument("--ram", metavar="SIZE", help="host RAM per node, e.g. 64GB (default: this machine's)")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per example (default: the config's data.max_seq_len, else 2048)")
+    parser.add_argument(
+        "--global-batch", type=int, metavar="N", help="examples per optimizer step over all GPUs (default: the config's, else compared per example)"
+    )
+    parser.add_argument("--lora-r", type=int, metavar="N", help="plan LoRA adapters of rank N on q/k/v/o projections instead of a full fine-tune")
+    parser.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory and host RAM kept free (default 0.1)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--list-models", action="store_true", help="list the catalog and exit")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.plan import detect_hardware, parse_hardware, plan_run, recommend
+    from zeropipe.plan.hardware import Hardware
+    from zeropipe.plan.model_spec import catalog_names
+    from zeropipe.plan.render import render_plan
+
+    if args.list_models:
+        print("\n".join(catalog_names()))
+        return 0
+    if not (0 <= args.margin < 1):
+        raise ZeroPipeError(f"--margin {args.margin}: give a fraction between 0 and 1, e.g. 0.1")
+    hardware: Hardware
+    if args.gpus:
+        if args.ram is None:
+            import dataclasses
+
+            import psutil
+
+            ram = int(psutil.virtual_memory().total)
+            hardware = parse_hardware(args.gpus, f"{ram}B", nodes=args.nodes)
+            hardware = dataclasses.replace(hardware, notes=(f"as given: {args.gpus} per node; host RAM of this machine ({ram / 1024**3:.1f} GiB)",))
+        else:
+            hardware = parse_hardware(args.gpus, args.ram, nodes=args.nodes)
+    else:
+        if args.ram or args.nodes != 1:
+            raise ZeroPipeError("--ram and --nodes describe hardware given with --gpus: add --gpus COUNTxSIZE (e.g. 5x24GB)")
+        hardware = detect_hardware()
+
+    lora = None
+    if args.lora_r is not None:
+        from zeropipe.config.schema import LoraSection
+
+        lora = LoraSection(r=args.lora_r)
+
+    if args.config:
+        from zeropipe.config.load import load_config
+
+        overrides = []
+        if args.seq_len:
+            overrides.append(f"data.max_seq_len={args.seq_len}")
+        if args.lora_r is not None:
+            overrides.append(f"model.lora.r={args.lora_r}")
+        config = load_config(args.config, overrides)
+        spec = _spec(args, lora) if (args.model or args.params) else None
+        if args.gpus is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
+            hardware = hardware.with_gpus(config.hardware.gpus)
+        result = plan_run(config, hardware, margin=args.margin, spec=spec)
+        if args.global_batch:
+            result = recommend(
+                result.spec, result.hardware, args.global_batch, config.data.max_seq_len, args.margin, attention=config.model.attn_implementation
+            )
+    else:
+        if not (args.model or args.params):
+            raise ZeroPipeError("nothing to plan: give a run config, --model NAME|PATH, or --params N (see zeropipe plan --list-models)")
+        spec = _spec(args, lora)
+        result = recommend(spec, hardware, global_batch=args.global_batch, seq_len=args.seq_len or 2048, margin=args.margin)
+
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        sys.stdout.write(render_plan(result))
+    return 0 if result.best is not None else 1
+
+
+def _spec(args: argparse.Namespace, lora):
+    from pathlib import Path
+
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.plan.model_spec import spec_from_catalog, spec_from_params, spec_from_path
+
+    if args.params:
+        if lora is not None:
+            raise ZeroPipeError("--lora-r needs the model's layer shapes: use --model instead of --params")
+        return spec_from_params(args.params)
+    if Path(args.model).expanduser().exists():
+        return spec_from_path(args.model, lora)
+    return spec_from_catalog(args.model, lora)

@@ -1,0 +1,94 @@
+"""The memory planner: what a run needs per GPU and per node, and the fastest settings that fit.
+
+``plan_run`` is what the rest of zeropipe calls (``check`` and ``train`` with ``auto`` knobs);
+``recommend`` searches for a bare model. The arithmetic lives in ``memory`` (pure functions),
+the model's counts in ``model_spec`` (built on the meta device), the speeds in ``cost``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from zeropipe.plan.hardware import Hardware, detect_hardware, parse_hardware
+from zeropipe.plan.memory import Choice, Term
+from zeropipe.plan.search import Candidate, PlanResult, evaluate, recommend
+
+if TYPE_CHECKING:
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.plan.model_spec import ModelSpec
+
+AUTO = "auto"
+
+
+def knobs_from_config(run_config: RunConfig) -> dict[str, Any]:
+    """The run config's settings by Choice field name; a value of "auto" is left for the planner."""
+    ds, model, train = run_config.deepspeed, run_config.model, run_config.train
+    raw = {
+        "zero_stage": ds.zero_stage,
+        "offload_optimizer": ds.offload_optimizer,
+        "offload_param": ds.offload_param,
+        "precision": ds.precision,
+        "gradient_checkpointing": model.gradient_checkpointing,
+        "micro_batch_size": train.micro_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+    }
+    knobs: dict[str, Any] = {}
+    for name, value in raw.items():
+        if value == AUTO:
+            knobs[name] = AUTO
+        elif name in ("offload_optimizer", "offload_param"):
+            knobs[name] = value == "cpu"
+        else:
+            knobs[name] = value
+    return knobs
+
+
+def plan_run(run_config: RunConfig, hardware: Hardware, margin: float = 0.1, spec: ModelSpec | None = None) -> PlanResult:
+    """Plan a run config on this hardware.
+
+    With every knob set, ``configured`` is the config's own choice evaluated (does it fit, and
+    how close) and ``best`` the recommendation over all knobs. With knobs set to "auto",
+    ``configured`` is None and ``best`` is the fastest fit with the other knobs held as set:
+    what ``train`` uses to fill them in (``PlanResult.fragment()``).
+
+    Raises:
+        ZeroPipeError: when the model cannot be built or the batch does not divide over the ranks.
+    """
+    from zeropipe.plan.model_spec import spec_from_config
+
+    spec = spec or spec_from_config(run_config)
+    if isinstance(run_config.hardware.gpus, int):
+        hardware = hardware.with_gpus(run_config.hardware.gpus)
+    knobs = knobs_from_config(run_config)
+    fixed = {name: value for name, value in knobs.items() if value != AUTO}
+    seq_len = run_config.data.max_seq_len
+    attention = run_config.model.attn_implementation
+    micro, accumulation = fixed.get("micro_batch_size"), fixed.get("gradient_accumulation_steps")
+    global_batch = micro * accumulation * hardware.world_size if micro is not None and accumulation is not None else None
+    notes = []
+    if run_config.deepspeed.config_file:
+        notes.append(f"deepspeed.config_file is set: the plan follows the deepspeed.* fields, not {run_config.deepspeed.config_file}")
+    if len(fixed) == len(knobs):
+        configured = evaluate(spec, hardware, Choice(**fixed, seq_len=seq_len, attention=attention), margin)
+        result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention)
+        result.configured = configured
+        result.notes += notes
+        return result
+    result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention)
+    result.notes += notes + ["planned for the knobs set to auto: " + ", ".join(k for k, v in knobs.items() if v == AUTO)]
+    return result
+
+
+__all__ = [
+    "Candidate",
+    "Choice",
+    "Hardware",
+    "PlanResult",
+    "Term",
+    "detect_hardware",
+    "evaluate",
+    "knobs_from_config",
+    "parse_hardware",
+    "plan_run",
+    "recommend",
+]

@@ -1,0 +1,114 @@
+"""A simple relative cost model: how long one optimizer step takes, in units of the bare compute.
+
+It only has to rank candidates for the same model on the same machine, so it counts the
+things that differ between them, each with a stated speed:
+
+- compute: forward 2 FLOPs per weight per token (plus attention), backward twice that (once
+  with LoRA: frozen weights need no weight gradients), one more forward with checkpointing;
+- communication per rank on a ring: ZeRO-0/1 reduce gradients and (1) gather weights once
+  per step, ZeRO-2 reduce-scatters every micro-batch, ZeRO-3 also gathers the weights in
+  forward and again in backward for every micro-batch (the paper's 1.5x of plain data
+  parallelism);
+- offload: gradients down and weights up the host link, and DeepSpeed's CPU Adam, which all
+  ranks of a node share;
+- a fixed overhead per micro-batch (kernel launches, Python), so fewer, larger micro-batches win.
+
+Communication is not assumed to overlap compute. 1.00 means the bare forward + backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeropipe.plan.hardware import Hardware
+from zeropipe.plan.memory import Choice, value_bytes
+from zeropipe.plan.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """Assumed speeds of a consumer multi-GPU box; every figure is a round number, stated."""
+
+    gpu_flops: float = 50e12  # sustained bf16 matmul FLOP/s of an RTX 3090/4090-class card
+    fp32_slowdown: float = 4.0  # fp32 without tensor cores
+    intra_node_bytes_per_second: float = 10e9  # NCCL over PCIe without NVLink
+    inter_node_bytes_per_second: float = 1.25e9  # 10 GbE
+    host_link_bytes_per_second: float = 12e9  # GPU <-> host RAM over PCIe, per GPU
+    cpu_adam_params_per_second: float = 1e9  # DeepSpeed CPU Adam, one node's cores together
+    micro_step_seconds: float = 0.005
+
+
+CPU_SPEEDS = Speeds(
+    gpu_flops=0.2e12,
+    fp32_slowdown=1.0,  # CPUs without AMX run bf16 no faster than fp32
+    intra_node_bytes_per_second=4e9,  # gloo over loopback
+    inter_node_bytes_per_second=1.25e9,
+    host_link_bytes_per_second=float("inf"),  # "offloading" a CPU rank moves nothing
+    cpu_adam_params_per_second=1e9,
+    micro_step_seconds=0.005,
+)
+
+
+def speeds_for(hardware: Hardware) -> Speeds:
+    return CPU_SPEEDS if hardware.accelerator == "cpu" else Speeds()
+
+
+def forward_flops_per_sample(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs of one sample: 2 per weight per token, plus causal attention for LMs; traced for diffusion."""
+    if spec.activation_trace is not None:
+        return float(spec.activation_trace.forward_flops)
+    flops = 2.0 * spec.total_params * seq_len
+    if spec.block is not None and spec.layers:
+        # QK^T and PV, halved by the causal mask: 2 x 2 x s x q_dim per token per layer, halved.
+        flops += 2.0 * spec.layers * seq_len * seq_len * spec.block.q_dim
+    return flops
+
+
+def step_seconds(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Speeds | None = None) -> dict[str, float]:
+    """Seconds of one optimizer step on one rank, by cause."""
+    speeds = speeds or speeds_for(hardware)
+    n = hardware.world_size
+    v = value_bytes(choice.precision)
+    micro_steps = choice.gradient_accumulation_steps
+    forward = forward_flops_per_sample(spec, choice.seq_len) * choice.micro_batch_size * micro_steps
+    backward = forward * (1.0 if spec.lora is not None else 2.0)
+    slowdown = speeds.fp32_slowdown if choice.precision == "fp32" else 1.0
+    parts = {
+        "compute": (forward + backward) / speeds.gpu_flops * slowdown + micro_steps * speeds.micro_step_seconds,
+        "recompute": forward / speeds.gpu_flops * slowdown if choice.gradient_checkpointing else 0.0,
+        "communication": 0.0,
+        "offload": 0.0,
+    }
+    trainable_bytes = spec.trainable_params * v
+    weight_bytes = spec.total_params * v
+    if n > 1:
+        ring = (n - 1) / n
+        bandwidth = speeds.inter_node_bytes_per_second if hardware.nodes > 1 else speeds.intra_node_bytes_per_second
+        stage = choice.zero_stage
+        if stage == 0:
+            moved = 2 * ring * trainable_bytes  # all-reduce at the step
+        elif stage == 1:
+            moved = 2 * ring * trainable_bytes  # reduce-scatter at the step, all-gather after it
+        elif stage == 2:
+            moved = ring * trainable_bytes * micro_steps + ring * trainable_bytes
+        else:
+            moved = ring * (2 * weight_bytes + trainable_bytes) * micro_steps
+        parts["communication"] = moved / bandwidth
+    share = spec.trainable_params / n
+    if choice.offload_optimizer and choice.zero_stage > 0:
+        # Gradients go down every micro-batch (accumulated on the host), updated weights come back once.
+        moved = share * v * (micro_steps + 1)
+        parts["offload"] += moved / speeds.host_link_bytes_per_second
+        parts["offload"] += spec.trainable_params / hardware.nodes / speeds.cpu_adam_params_per_second
+    if choice.offload_param and choice.zero_stage == 3:
+        parts["offload"] += 2 * micro_steps * (weight_bytes / n) / speeds.host_link_bytes_per_second
+    return parts
+
+
+def relative_cost(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Speeds | None = None) -> float:
+    """Step time divided by the bare forward + backward compute of the same samples (1.00 = nothing else)."""
+    speeds = speeds or speeds_for(hardware)
+    parts = step_seconds(spec, hardware, choice, speeds)
+    samples = choice.micro_batch_size * choice.gradient_accumulation_steps
+    bare = 3.0 * forward_flops_per_sample(spec, choice.seq_len) * samples / speeds.gpu_flops
+    return sum(parts.values()) / bare if bare > 0 else float("inf")

@@ -1,0 +1,559 @@
+"""What the memory arithmetic needs to know about a model, counted on the meta device.
+
+Models are built from their config files with ``torch.device("meta")``: every parameter has
+a shape and no storage, so Llama-3.1-70B is counted in seconds without a byte of weights.
+Nothing is ever downloaded: the catalog ships the config files of popular architectures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.plan.trace import ActivationTrace
+
+if TYPE_CHECKING:
+    import torch
+
+    from zeropipe.config.schema import LoraSection, RunConfig
+
+CATALOG_DIR = Path(__file__).parent / "catalog"
+
+FAMILIES = ("causal_lm", "diffusion_unet", "diffusion_transformer", "unknown")
+
+# Which input a linear layer reads, by its name in transformers' models: adapters on layers that
+# read the same input share it when there is no LoRA dropout.
+LINEAR_INPUT_GROUPS = {
+    "q_proj": "attention input",
+    "k_proj": "attention input",
+    "v_proj": "attention input",
+    "qkv_proj": "attention input",
+    "o_proj": "attention output",
+    "gate_proj": "MLP input",
+    "up_proj": "MLP input",
+    "gate_up_proj": "MLP input",
+    "down_proj": "MLP output",
+}
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One decoder layer, as the activation formula sees it."""
+
+    hidden: int
+    q_dim: int  # heads x head_dim (differs from hidden in Gemma)
+    kv_dim: int  # key/value heads x head_dim
+    intermediate: int
+    heads: int
+    gated_mlp: bool = True
+    norm_elements: int = 0  # values normalized per token in one layer (2h for Llama, 4h for Gemma 2)
+    norm_upcasts_weight: bool = False  # Gemma's (1 + w.float()) keeps the normalized value in fp32
+    layernorm: bool = False  # GPT-style LayerNorm instead of RMSNorm
+    dropout: float = 0.0
+    softmax_fp32: bool = True  # transformers' eager attention computes softmax in fp32
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The adapters of one decoder layer."""
+
+    r: int
+    dropout: bool
+    target_modules: tuple[str, ...]
+    adapted_inputs: tuple[tuple[str, int, int], ...] = ()  # (input group, in_features, adapters reading it) per layer
+
+
+@dataclass(frozen=True)
+class FrozenModel:
+    name: str
+    params: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Counts and shapes of the model being trained, plus the frozen models it needs."""
+
+    name: str
+    family: str  # "causal_lm", "diffusion_unet", "diffusion_transformer" or "unknown" (a bare count)
+    total_params: int  # the trained model, frozen LoRA base included; frozen extra models are not
+    trainable_params: int
+    layers: int = 0
+    hidden_size: int | None = None
+    num_heads: int | None = None
+    vocab_size: int | None = None
+    largest_layer_params: int = 0  # the most weights one module owns directly: what ZeRO-3 gathers at once
+    largest_layer_name: str | None = None
+    largest_parameter: int = 0
+    parameter_sizes: tuple[int, ...] = ()  # trainable parameters in DeepSpeed's order (for ZeRO-1/2 partitions)
+    block: BlockShape | None = None
+    lora: LoraShape | None = None
+    frozen_models: tuple[FrozenModel, ...] = ()
+    activation_trace: ActivationTrace | None = None
+    source: str = ""
+    published_params: int | None = None
+
+    @property
+    def frozen_base_params(self) -> int:
+        return self.total_params - self.trainable_params
+
+    @property
+    def frozen_model_params(self) -> int:
+        return sum(m.params for m in self.frozen_models)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "family": self.family,
+            "total_params": self.total_params,
+            "trainable_params": self.trainable_params,
+            "layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "vocab_size": self.vocab_size,
+            "largest_layer_params": self.largest_layer_params,
+            "largest_layer_name": self.largest_layer_name,
+            "lora": None if self.lora is None else {"r": self.lora.r, "target_modules": list(self.lora.target_modules), "dropout": self.lora.dropout},
+            "frozen_models": [{"name": m.name, "params": m.params} for m in self.frozen_models],
+            "activation_trace": None if self.activation_trace is None else vars(self.activation_trace),
+            "source": self.source,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def catalog_names() -> list[str]:
+    return sorted(path.stem for path in CATALOG_DIR.glob("*.json"))
+
+
+def spec_from_catalog(name: str, lora: LoraSection | None = None) -> ModelSpec:
+    """A catalog architecture by name (case-insensitive, e.g. ``llama-3.1-8b``, ``sdxl``).
+
+    Raises:
+        ZeroPipeError: naming the catalog entries when the name is not one of them.
+    """
+    key = name.strip().lower()
+    aliases = {entry.replace("-", "").replace(".", ""): entry for entry in catalog_names()}
+    key = key if (CATALOG_DIR / f"{key}.json").is_file() else aliases.get(key.replace("-", "").replace(".", "").replace("_", ""), key)
+    path = CATALOG_DIR / f"{key}.json"
+    if not path.is_file():
+        raise ZeroPipeError(
+            f"{name!r} is not in the catalog ({', '.join(catalog_names())}): give a local model directory or config.json, or --params N"
+        )
+    entry = json.loads(path.read_text())
+    if entry["family"] == "causal_lm":
+        spec = _causal_lm_spec(entry["config"], entry["name"], lora)
+    else:
+        spec = _diffusion_spec(entry, lora)
+    return replace(spec, source=f"catalog: {entry['source']}", published_params=entry.get("published_params"))
+
+
+def spec_from_path(path: str | Path, lora: LoraSection | None = None) -> ModelSpec:
+    """A local model: a transformers directory or config.json, a diffusers model directory, or a diffusers pipeline.
+
+    Raises:
+        ZeroPipeError: when the path holds no config this can read.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir() and (path / "model_index.json").is_file():
+        return _pipeline_spec(path, lora)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ZeroPipeError(f"{path}: no config.json there; give a Hugging Face model directory, its config.json, or a catalog name")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ZeroPipeError(f"{config_file} is not valid JSON (line {err.lineno}: {err.msg})") from None
+    if "_class_name" in config:
+        family = "diffusion_transformer" if "Transformer" in config["_class_name"] else "diffusion_unet"
+        entry = {
+            "name": path.name,
+            "family": family,
+            "resolution": 1024,
+            "trained": {"name": path.name, "library": "diffusers", "class": config["_class_name"], "config": config},
+        }
+        spec = _diffusion_spec(entry, lora)
+    else:
+        spec = _causal_lm_spec(config, config_file.parent.name, lora)
+    return replace(spec, source=f"config: {config_file}")
+
+
+def spec_from_params(n: float, trainable: float | None = None) -> ModelSpec:
+    """A bare parameter count: model states only, no activations (the model's shape is unknown)."""
+    total = int(n)
+    if total <= 0:
+        raise ZeroPipeError(f"--params {n}: give a positive parameter count, e.g. 7.5e9")
+    return ModelSpec(
+        name="a bare parameter count",
+        family="unknown",
+        total_params=total,
+        trainable_params=int(trainable) if trainable is not None else total,
+        source="--params",
+    )
+
+
+def spec_from_config(run_config: RunConfig) -> ModelSpec:
+    """The model of a run config (model.path or model.config), with its LoRA adapters.
+
+    Raises:
+        ConfigError: when transformers cannot build the configured architecture.
+    """
+    from zeropipe.models.causal_lm import model_config
+
+    section = run_config.model
+    vocab = None
+    if section.config is not None and section.config.get("vocab_size") in (None, "auto"):
+        # The tokenizer is trained on the data later; its size is the configured target.
+        vocab = section.tokenizer_vocab_size
+    hf_config = model_config(section, vocab_size=vocab)
+    name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
+    spec = _causal_lm_spec(hf_config, name, section.lora)
+    return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal LMs
+
+
+def _hf_config(config: dict[str, Any] | Any):
+    from transformers import CONFIG_MAPPING
+
+    if not isinstance(config, dict):
+        return config
+    fields = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version",)}
+    model_type = fields.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ZeroPipeError(f"unknown architecture {model_type!r}: transformers {_version('transformers')} has no config class for it")
+    return CONFIG_MAPPING[model_type](**fields)
+
+
+def _build_causal_lm(hf_config):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+        except ValueError:
+            # Multimodal checkpoints (Gemma 3) name their class in config.architectures.
+            for name in getattr(hf_config, "architectures", None) or ():
+                cls = getattr(transformers, name, None)
+                if cls is not None:
+                    return cls._from_config(hf_config, dtype=torch.bfloat16)
+            raise
+
+
+def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection | None) -> ModelSpec:
+    try:
+        hf_config = _hf_config(config)
+        model = _build_causal_lm(hf_config)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            [("model", f"transformers cannot build this {getattr(config, 'model_type', None) or config.get('model_type')} model: {err}")]
+        ) from None
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    layers_list = _decoder_layers(model, text.num_hidden_layers)
+    block = _block_shape(text, layers_list[0] if layers_list is not None else None)
+    counts = _count(model)
+    lora_shape = None
+    trainable, sizes = counts["total"], counts["sizes"]
+    if lora is not None:
+        lora_shape, trainable, sizes = _lora_counts(model, lora, layers_list[0] if layers_list is not None else None)
+    heads = text.num_attention_heads
+    return ModelSpec(
+        name=name,
+        family="causal_lm",
+        total_params=counts["total"] + (trainable if lora is not None else 0),
+        trainable_params=trainable,
+        layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        num_heads=heads,
+        vocab_size=text.vocab_size,
+        largest_layer_params=counts["largest_layer"],
+        largest_layer_name=counts["largest_layer_name"],
+        largest_parameter=counts["largest_parameter"],
+        parameter_sizes=tuple(sizes),
+        block=block,
+        lora=lora_shape,
+    )
+
+
+def _decoder_layers(model, count: int):
+    import torch
+
+    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+    # A multimodal model has a vision tower too: prefer the language model's layers.
+    candidates.sort(key=lambda item: ("language" not in item[0] and "text" not in item[0], len(item[0])))
+    return candidates[0][1] if candidates else None
+
+
+def _block_shape(text, layer) -> BlockShape:
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+    norm_elements, gated, layernorm, gemma_norm = 2 * hidden, True, False, False
+    if layer is not None:
+        names = {n.rsplit(".", 1)[-1] for n, _ in layer.named_modules()}
+        gated = bool({"gate_proj", "gate_up_proj"} & names)
+        norm_elements = 0
+        for module_name, module in layer.named_modules():
+            kind = type(module).__name__
+            weight = getattr(module, "weight", None)
+            if "Norm" not in kind or weight is None or weight.dim() != 1:
+                continue
+            per_token = weight.numel()
+            if module_name.endswith("q_norm"):
+                per_token *= heads
+            elif module_name.endswith("k_norm"):
+                per_token *= kv_heads
+            norm_elements += per_token
+            layernorm = layernorm or ("LayerNorm" in kind and "RMS" not in kind)
+            gemma_norm = gemma_norm or kind.startswith("Gemma")
+    return BlockShape(
+        hidden=hidden,
+        q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim,
+        intermediate=intermediate,
+        heads=heads,
+        gated_mlp=gated,
+        norm_elements=norm_elements,
+        norm_upcasts_weight=gemma_norm,
+        layernorm=layernorm,
+        dropout=float(getattr(text, "attention_dropout", 0.0) or 0.0),
+    )
+
+
+def _count(model) -> dict[str, Any]:
+    """Parameter totals, sizes in order, and the largest module (by the weights it owns directly)."""
+    sizes = [p.numel() for p in model.parameters()]  # parameters() skips tied duplicates, as DeepSpeed does
+    largest_layer, largest_name = 0, None
+    for name, module in model.named_modules():
+        owned = sum(p.numel() for p in module.parameters(recurse=False))
+        if owned > largest_layer:
+            largest_layer, largest_name = owned, name
+    return {
+        "total": sum(sizes),
+        "sizes": sizes,
+        "largest_layer": largest_layer,
+        "largest_layer_name": largest_name,
+        "largest_parameter": max(sizes, default=0),
+    }
+
+
+def _lora_targets(model, lora: LoraSection) -> list[tuple[str, torch.nn.Linear]]:
+    import torch
+
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    if lora.target_modules == "all-linear":
+        # As peft does: every linear layer except the output head.
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return [(n, m) for n, m in linears if m is not output]
+    targets = list(lora.target_modules)
+    chosen = [(n, m) for n, m in linears if any(n == t or n.endswith("." + t) for t in targets)]
+    if not chosen:
+        names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
+        raise ConfigError(
+            [("model.lora.target_modules", f"{targets} match no linear layer of this model; its linear layers are: {', '.join(names)}")]
+        )
+    return chosen
+
+
+def _lora_counts(model, lora: LoraSection, layer) -> tuple[LoraShape, int, list[int]]:
+    """Adapter weights: r x (in + out) per adapted linear layer, from the layers' shapes."""
+    chosen = _lora_targets(model, lora)
+    sizes: list[int] = []
+    for _, linear in chosen:
+        sizes += [lora.r * linear.in_features, linear.out_features * lora.r]
+    groups: dict[str, list[int]] = {}
+    if layer is not None:
+        in_layer = {id(m) for m in layer.modules()}
+        for module_name, linear in chosen:
+            if id(linear) in in_layer:
+                group = LINEAR_INPUT_GROUPS.get(module_name.rsplit(".", 1)[-1], module_name.rsplit(".", 1)[-1])
+                entry = groups.setdefault(group, [linear.in_features, 0])
+                entry[1] += 1
+    targets = ("all-linear",) if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    shape = LoraShape(
+        r=lora.r,
+        dropout=lora.dropout > 0,
+        target_modules=targets,
+        adapted_inputs=tuple((group, features, count) for group, (features, count) in groups.items()),
+    )
+    return shape, sum(sizes), sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# Diffusion models
+
+
+def _diffusers_class(library: str, name: str):
+    if library == "transformers":
+        import transformers
+
+        module = transformers
+    else:
+        try:
+            import diffusers
+        except ImportError:
+            raise ZeroPipeError("diffusion models need diffusers: pip install 'diffusers>=0.30'") from None
+        module = diffusers
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise ZeroPipeError(f"{library} {_version(library)} has no class {name}: upgrade it or check the config's class name")
+    return cls
+
+
+def _build_component(component: dict[str, Any]):
+    import torch
+
+    cls = _diffusers_class(component.get("library", "diffusers"), component["class"])
+    with torch.device("meta"):
+        if component.get("library") == "transformers":
+            config = _hf_config(component["config"])
+            return cls._from_config(config, dtype=torch.bfloat16)
+        fields = {k: v for k, v in component["config"].items() if not k.startswith("_")}
+        # torch's Module.to, not diffusers' override: its warning about fp32-kept modules is moot on meta.
+        return torch.nn.Module.to(cls.from_config(fields), torch.bfloat16)
+
+
+def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpec:
+    model = _build_component(entry["trained"])
+    frozen = tuple(FrozenModel(c["name"], sum(p.numel() for p in _build_component(c).parameters())) for c in entry.get("frozen", ()))
+    counts = _count(model)
+    trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
+    if lora is not None:
+        lora_shape, trainable, sizes = _lora_counts(model, lora, None)
+        _inject_lora(model, lora)
+    resolution = int(entry.get("resolution", 1024))
+    trace = _trace(model, entry, resolution)
+    config = model.config
+    hidden = (
+        getattr(config, "num_attention_heads", 0) * getattr(config, "attention_head_dim", 0) if entry["family"] == "diffusion_transformer" else None
+    )
+    return ModelSpec(
+        name=entry["name"],
+        family=entry["family"],
+        total_params=counts["total"] + (trainable if lora is not None else 0),
+        trainable_params=trainable,
+        layers=0,
+        hidden_size=hidden or None,
+        largest_layer_params=counts["largest_layer"],
+        largest_layer_name=counts["largest_layer_name"],
+        largest_parameter=counts["largest_parameter"],
+        parameter_sizes=tuple(sizes),
+        lora=lora_shape,
+        frozen_models=frozen,
+        activation_trace=trace,
+    )
+
+
+def _inject_lora(model, lora: LoraSection) -> None:
+    """Adapters on the meta model, so the trace sees what frozen base layers and adapters save."""
+    import torch
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = "all-linear" if lora.target_modules == "all-linear" else list(lora.target_modules)
+    with torch.device("meta"):
+        inject_adapter_in_model(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+
+
+def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:
+    import torch
+
+    from zeropipe.plan.trace import trace_diffusion
+
+    config = model.config
+    latent = resolution // 8
+    dtype = torch.bfloat16
+    cls = entry["trained"]["class"]
+    if cls == "UNet2DConditionModel":
+
+        def inputs():
+            added = None
+            if getattr(config, "addition_embed_type", None) == "text_time":
+                pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+                added = {"text_embeds": torch.randn(1, pooled, dtype=dtype), "time_ids": torch.randn(1, 6, dtype=dtype)}
+            return {
+                "sample": torch.randn(1, config.in_channels, latent, latent, dtype=dtype),
+                "timestep": torch.tensor([500]),
+                "encoder_hidden_states": torch.randn(1, 77, config.cross_attention_dim, dtype=dtype),
+                "added_cond_kwargs": added,
+            }
+
+    elif cls == "FluxTransformer2DModel":
+        tokens = (latent // 2) ** 2  # 2x2 latent patches
+        text_tokens = int(entry.get("text_tokens", 512))
+
+        def inputs():
+            return {
+                "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype),
+                "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
+                "pooled_projections": torch.randn(1, config.pooled_projection_dim, dtype=dtype),
+                "timestep": torch.tensor([0.5], dtype=dtype),
+                "img_ids": torch.zeros(tokens, 3, dtype=dtype),
+                "txt_ids": torch.zeros(text_tokens, 3, dtype=dtype),
+                "guidance": torch.tensor([3.5], dtype=dtype) if config.guidance_embeds else None,
+            }
+
+    else:
+        return None
+    return trace_diffusion(model, inputs, resolution)
+
+
+def _pipeline_spec(path: Path, lora: LoraSection | None) -> ModelSpec:
+    """A diffusers pipeline directory: train the UNet or transformer, keep text encoders and VAE frozen."""
+    index = json.loads((path / "model_index.json").read_text())
+    trained_name = "transformer" if "transformer" in index else "unet"
+    if trained_name not in index:
+        raise ZeroPipeError(f"{path}: model_index.json names neither a unet nor a transformer to train")
+    components = []
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
+            continue
+        library, cls = value
+        config_file = path / name / "config.json"
+        if library not in ("diffusers", "transformers") or not config_file.is_file():
+            continue
+        components.append({"name": name, "library": library, "class": cls, "config": json.loads(config_file.read_text())})
+    trained = next((c for c in components if c["name"] == trained_name), None)
+    if trained is None:
+        raise ZeroPipeError(f"{path}/{trained_name}/config.json is missing")
+    family = "diffusion_transformer" if trained_name == "transformer" else "diffusion_unet"
+    entry = {
+        "name": path.name,
+        "family": family,
+        "resolution": 1024,
+        "trained": trained,
+        "frozen": [c for c in components if c is not trained and c["name"] in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")],
+    }
+    return replace(_diffusion_spec(entry, lora), source=f"pipeline: {path}")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+__all__ = [
+    "BlockShape",
+    "FrozenModel",
+    "LoraShape",
+    "ModelSpec",
+    "catalog_names",
+    "spec_from_catalog",
+    "spec_from_config",
+    "spec_from_params",
+    "spec_from_path",
+]

@@ -1,0 +1,117 @@
+"""The plan as text for a terminal: the terms of the chosen combination, the candidates, the YAML."""
+
+from __future__ import annotations
+
+from zeropipe.plan.hardware import GIB
+from zeropipe.plan.memory import ALWAYS, Term
+from zeropipe.plan.search import Candidate, PlanResult
+
+
+def render_plan(result: PlanResult) -> str:
+    lines: list[str] = []
+    spec, hardware = result.spec, result.hardware
+    trainable = f"{_count(spec.trainable_params)} trainable" + (f" (LoRA r={spec.lora.r})" if spec.lora else "")
+    lines.append(f"zeropipe plan: {spec.name}, {_count(spec.total_params)} parameters, {trainable}")
+    if spec.frozen_models:
+        lines.append("  frozen models: " + ", ".join(f"{m.name} {_count(m.params)}" for m in spec.frozen_models))
+    lines.append(f"  model from {spec.source}")
+    lines.append(f"  hardware: {hardware.describe()}")
+    lines += [f"    {note}" for note in hardware.notes]
+    some = result.configured or result.best or (result.candidates[0] if result.candidates else None)
+    if some is not None:
+        batch = f"global batch {result.global_batch}" if result.global_batch else "global batch as configured"
+        tokens = "" if spec.activation_trace is not None else f"sequence {some.choice.seq_len} tokens, "
+        lines.append(f"  {tokens}{batch}, {some.choice.attention} attention, safety margin {result.margin:.0%}")
+    lines += [f"  note: {note}" for note in result.notes]
+    lines.append("")
+
+    shown: Candidate | None = result.configured or result.best
+    if result.configured is not None:
+        verdict = "fits" if result.configured.fits else "does NOT fit"
+        lines.append(f"Your config: {result.configured.choice.describe()}: {verdict}")
+        if result.configured.why_not:
+            lines.append(f"  {result.configured.why_not}")
+    if result.best is not None:
+        lines.append(f"Recommended: {result.best.choice.describe()} (relative cost {result.best.relative_cost:.2f})")
+    else:
+        lines.append(result.reason or "nothing fits")
+        if shown is None and result.candidates:
+            shown = min(result.candidates, key=lambda c: c.per_gpu_bytes)
+            lines.append(f"Closest (least GPU memory): {shown.choice.describe()}")
+    lines.append("")
+    if shown is not None:
+        lines += _terms_table(
+            f"Per GPU: peak {_gib(shown.per_gpu_bytes)} of {_gib(hardware.gpu_memory_bytes)} ({_gib(result.usable_gpu_bytes)} usable)",
+            shown.per_gpu_terms,
+        )
+        lines.append("")
+        lines += _terms_table(
+            f"Per node, host RAM: peak {_gib(shown.per_node_bytes)} of {_gib(hardware.host_ram_bytes)} ({_gib(result.usable_host_bytes)} usable)",
+            shown.per_node_terms,
+        )
+        lines.append("")
+    lines += _candidates_table(result)
+    if result.best is not None:
+        lines.append("")
+        lines.append("Run-config settings (YAML):")
+        lines += ["  " + line for line in result.yaml_fragment().splitlines()]
+    return "\n".join(lines) + "\n"
+
+
+def _terms_table(title: str, terms: list[Term]) -> list[str]:
+    lines = [title]
+    width = max(len(t.name) for t in terms)
+    for term in terms:
+        lines.append(f"  {term.name:<{width}}  {term.bytes / GIB:7.2f} GiB  {term.phase:<16}  {term.explanation}")
+    always = sum(t.bytes for t in terms if t.phase == ALWAYS)
+    phases: dict[str, int] = {}
+    for term in terms:
+        if term.phase != ALWAYS:
+            phases[term.phase] = phases.get(term.phase, 0) + term.bytes
+    if phases:
+        largest = max(phases, key=lambda p: phases[p])
+        others = ", ".join(f"{p} {_gib(b)}" for p, b in phases.items() if p != largest)
+        lines.append(f"  peak = always {_gib(always)} + {largest} {_gib(phases[largest])}" + (f" (the larger phase; {others})" if others else ""))
+    return lines
+
+
+def _candidates_table(result: PlanResult) -> list[str]:
+    rows = result.summary()
+    if not rows:
+        return []
+    precision = (result.best or result.configured or rows[0]).choice.precision
+    main = [r for r in rows if r.choice.precision == precision]
+    lines = [f"Candidates ({precision}; the cheapest variant of each that fits, else its smallest; cost 1.00 = bare forward + backward):"]
+    header = f"  {'fits':<4}  {'ZeRO':<4}  {'offload':<16}  {'ckpt':<4}  {'micro x acc':<11}  {'per GPU':>9}  {'host RAM':>9}  {'cost':>6}  why not"
+    lines.append(header)
+    for row in main:
+        c = row.choice
+        offload = "+".join(n for n, on in (("optimizer", c.offload_optimizer), ("params", c.offload_param)) if on) or "-"
+        cost = f"{row.relative_cost:6.2f}" if row.fits else f"{'':>6}"
+        why = "" if row.fits else (row.why_not or "").split(": ", 1)[-1]
+        fits, checkpointing = "yes" if row.fits else "no", "yes" if c.gradient_checkpointing else "no"
+        shape = f"{c.micro_batch_size} x {c.gradient_accumulation_steps}"
+        lines.append(
+            f"  {fits:<4}  {c.zero_stage:<4}  {offload:<16}  {checkpointing:<4}  {shape:<11}  "
+            f"{_gib(row.per_gpu_bytes):>9}  {_gib(row.per_node_bytes):>9}  {cost}  {why}"
+        )
+    for other in sorted({r.choice.precision for r in rows} - {precision}):
+        fitting = [r for r in rows if r.choice.precision == other and r.fits]
+        if fitting:
+            best = min(fitting, key=lambda r: r.relative_cost)
+            lines.append(f"  {other}: the cheapest fit is {best.choice.describe()} at cost {best.relative_cost:.2f}")
+        else:
+            lines.append(f"  {other}: nothing fits")
+    return lines
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+def _count(n: int) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n:,}"

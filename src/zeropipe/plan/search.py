@@ -1,0 +1,349 @@
+"""The recommendation: try every combination, keep those that fit with a margin, pick the cheapest.
+
+The space is small (ZeRO stage x offload x checkpointing x micro-batch x precision, a few
+hundred points), so it is searched exhaustively and every point is kept: the table of what
+fits and why the rest does not comes from the same evaluations as the answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from zeropipe.errors import ZeroPipeError
+from zeropipe.plan.cost import relative_cost, step_seconds
+from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
+from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
+from zeropipe.plan.model_spec import ModelSpec
+
+# Without a global batch, plan for this many examples per rank per optimizer step: candidates
+# must be compared at equal work, and accumulation is how few-GPU users reach a useful batch.
+DEFAULT_EXAMPLES_PER_RANK = 16
+MAX_MICRO_BATCH = 64
+
+# Choice fields a caller may hold fixed, as the run config names them.
+KNOBS = (
+    "zero_stage",
+    "offload_optimizer",
+    "offload_param",
+    "precision",
+    "gradient_checkpointing",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+)
+
+
+@dataclass
+class Candidate:
+    """One evaluated combination."""
+
+    choice: Choice
+    per_gpu_terms: list[Term]
+    per_node_terms: list[Term]
+    per_gpu_bytes: int
+    per_node_bytes: int
+    relative_cost: float
+    fits: bool
+    why_not: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self, terms: bool = False) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "choice": vars(self.choice) | {},
+            "per_gpu_bytes": self.per_gpu_bytes,
+            "per_node_bytes": self.per_node_bytes,
+            "relative_cost": round(self.relative_cost, 4),
+            "fits": self.fits,
+            "why_not": self.why_not,
+        }
+        if terms:
+            row["per_gpu_terms"] = [vars(t) | {} for t in self.per_gpu_terms]
+            row["per_node_terms"] = [vars(t) | {} for t in self.per_node_terms]
+            row["seconds"] = {k: round(v, 6) for k, v in self.seconds.items()}
+        return row
+
+
+@dataclass
+class PlanResult:
+    """The search's answer (``best``), everything it tried, and the run config's own choice when there is one."""
+
+    spec: ModelSpec
+    hardware: Hardware
+    margin: float
+    global_batch: int | None
+    candidates: list[Candidate]
+    best: Candidate | None
+    configured: Candidate | None = None
+    reason: str | None = None  # why nothing fits, when best is None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def usable_gpu_bytes(self) -> int:
+        return int(self.hardware.gpu_memory_bytes * (1 - self.margin))
+
+    @property
+    def usable_host_bytes(self) -> int:
+        return int(self.hardware.host_ram_bytes * (1 - self.margin))
+
+    def require_best(self) -> Candidate:
+        """The recommendation, or ZeroPipeError with the reason nothing fits."""
+        if self.best is None:
+            raise ZeroPipeError(self.reason or "no combination fits this hardware")
+        return self.best
+
+    def fragment(self) -> dict[str, dict[str, Any]]:
+        """The recommended settings as run-config sections."""
+        choice = self.require_best().choice
+        return {
+            "deepspeed": {
+                "zero_stage": choice.zero_stage,
+                "offload_optimizer": "cpu" if choice.offload_optimizer else "none",
+                "offload_param": "cpu" if choice.offload_param else "none",
+                "precision": choice.precision,
+            },
+            "model": {"gradient_checkpointing": choice.gradient_checkpointing},
+            "train": {"micro_batch_size": choice.micro_batch_size, "gradient_accumulation_steps": choice.gradient_accumulation_steps},
+        }
+
+    def yaml_fragment(self) -> str:
+        return yaml.safe_dump(self.fragment(), sort_keys=False)
+
+    def summary(self) -> list[Candidate]:
+        """One candidate per (stage, offload, checkpointing, precision): its cheapest fitting variant, else its smallest."""
+        groups: dict[tuple, list[Candidate]] = {}
+        for candidate in self.candidates:
+            c = candidate.choice
+            groups.setdefault((c.zero_stage, c.offload_optimizer, c.offload_param, c.gradient_checkpointing, c.precision), []).append(candidate)
+        rows = []
+        for members in groups.values():
+            fitting = [m for m in members if m.fits]
+            rows.append(min(fitting, key=_rank) if fitting else min(members, key=lambda m: (m.per_gpu_bytes, m.per_node_bytes)))
+        return sorted(rows, key=lambda m: (not m.fits, m.relative_cost if m.fits else 0, m.per_gpu_bytes))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.spec.to_dict(),
+            "hardware": {
+                "gpus_per_node": self.hardware.gpus_per_node,
+                "gpu_memory_bytes": self.hardware.gpu_memory_bytes,
+                "nodes": self.hardware.nodes,
+                "host_ram_bytes": self.hardware.host_ram_bytes,
+                "gpu_name": self.hardware.gpu_name,
+                "accelerator": self.hardware.accelerator,
+                "notes": list(self.hardware.notes),
+            },
+            "margin": self.margin,
+            "usable_gpu_bytes": self.usable_gpu_bytes,
+            "usable_host_bytes": self.usable_host_bytes,
+            "global_batch": self.global_batch,
+            "best": None if self.best is None else self.best.to_dict(terms=True),
+            "configured": None if self.configured is None else self.configured.to_dict(terms=True),
+            "fragment": self.fragment() if self.best is not None else None,
+            "reason": self.reason,
+            "notes": list(self.notes),
+            "summary": [c.to_dict() for c in self.summary()],
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def _rank(candidate: Candidate) -> tuple:
+    # Cheapest first; among equals the one leaving more memory free.
+    return (round(candidate.relative_cost, 6), candidate.per_gpu_bytes, candidate.per_node_bytes)
+
+
+def evaluate(spec: ModelSpec, hardware: Hardware, choice: Choice, margin: float = 0.1) -> Candidate:
+    """Memory terms, peaks, cost and verdict of one combination."""
+    gpu_terms = per_gpu_terms(spec, hardware, choice)
+    gpu_peak = peak_bytes(gpu_terms)
+    node_terms = per_node_terms(spec, hardware, choice, per_gpu_peak=gpu_peak)
+    node_peak = peak_bytes(node_terms)
+    usable_gpu = hardware.gpu_memory_bytes * (1 - margin)
+    usable_host = hardware.host_ram_bytes * (1 - margin)
+    problems = []
+    if gpu_peak > usable_gpu:
+        biggest = max(gpu_terms, key=lambda t: t.bytes)
+        problems.append(
+            f"{_gib(gpu_peak)} per GPU > {_gib(usable_gpu)} ({format_gib(hardware.gpu_memory_bytes)} less the {margin:.0%} margin); "
+            f"largest term: {biggest.name} {_gib(biggest.bytes)}"
+        )
+    if node_peak > usable_host:
+        biggest = max(node_terms, key=lambda t: t.bytes)
+        problems.append(
+            f"{_gib(node_peak)} host RAM > {_gib(usable_host)} ({format_gib(hardware.host_ram_bytes)} less the {margin:.0%} margin); "
+            f"largest term: {biggest.name} {_gib(biggest.bytes)}"
+        )
+    why_not = f"{_label(choice)}: " + "; ".join(problems) if problems else None
+    return Candidate(
+        choice=choice,
+        per_gpu_terms=gpu_terms,
+        per_node_terms=node_terms,
+        per_gpu_bytes=gpu_peak,
+        per_node_bytes=node_peak,
+        relative_cost=relative_cost(spec, hardware, choice),
+        fits=not problems,
+        why_not=why_not,
+        seconds=step_seconds(spec, hardware, choice),
+    )
+
+
+def batch_shapes(hardware: Hardware, global_batch: int | None) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs giving the global batch on this many ranks.
+
+    Raises:
+        ZeroPipeError: when the global batch is not a multiple of the number of ranks.
+    """
+    ranks = hardware.world_size
+    if global_batch is None:
+        global_batch = DEFAULT_EXAMPLES_PER_RANK * ranks
+    if global_batch < ranks or global_batch % ranks:
+        below, above = max(ranks, global_batch // ranks * ranks), (global_batch // ranks + 1) * ranks
+        raise ZeroPipeError(
+            f"global batch {global_batch} is not a multiple of the {ranks} ranks (micro-batch x accumulation x ranks): use {below} or {above}"
+        )
+    per_rank = global_batch // ranks
+    return [(micro, per_rank // micro) for micro in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % micro == 0]
+
+
+def candidate_choices(
+    hardware: Hardware,
+    global_batch: int | None = None,
+    seq_len: int = 2048,
+    attention: str = "sdpa",
+    fixed: dict[str, Any] | None = None,
+) -> list[Choice]:
+    """Every combination the search tries; ``fixed`` holds knobs the caller does not let it change."""
+    fixed = dict(fixed or {})
+    unknown = set(fixed) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"unknown knobs {sorted(unknown)}; known: {KNOBS}")
+    sixteen = "bf16" if supports_bf16(hardware) else "fp16"
+    precisions = [sixteen, "fp32"]
+    offloads = {0: [(False, False)], 1: [(False, False), (True, False)], 2: [(False, False), (True, False)]}
+    offloads[3] = [(False, False), (True, False), (False, True), (True, True)]
+    shapes = batch_shapes(hardware, global_batch)
+    if "micro_batch_size" in fixed or "gradient_accumulation_steps" in fixed:
+        micro = fixed.get("micro_batch_size")
+        accumulation = fixed.get("gradient_accumulation_steps")
+        if micro is not None and accumulation is not None:
+            shapes = [(micro, accumulation)]
+        else:
+            shapes = [(m, a) for m, a in shapes if (micro is None or m == micro) and (accumulation is None or a == accumulation)]
+            if not shapes:
+                # The other knob is free: fill it from the global batch if there is one, else 1.
+                per_rank = (global_batch // hardware.world_size) if global_batch else None
+                if micro is not None:
+                    shapes = [(micro, max(1, per_rank // micro) if per_rank else 1)]
+                else:
+                    shapes = [(max(1, per_rank // accumulation) if per_rank else 1, accumulation)]
+    choices = []
+    for stage in range(4):
+        for offload_optimizer, offload_param in offloads[stage]:
+            for checkpointing in (False, True):
+                for precision in precisions:
+                    for micro, accumulation in shapes:
+                        choice = Choice(
+                            zero_stage=stage,
+                            offload_optimizer=offload_optimizer,
+                            offload_param=offload_param,
+                            precision=precision,
+                            gradient_checkpointing=checkpointing,
+                            micro_batch_size=micro,
+                            gradient_accumulation_steps=accumulation,
+                            seq_len=seq_len,
+                            attention=attention,
+                        )
+                        if all(getattr(choice, knob) == value for knob, value in fixed.items()):
+                            choices.append(choice)
+    return choices
+
+
+def recommend(
+    spec: ModelSpec,
+    hardware: Hardware,
+    global_batch: int | None = None,
+    seq_len: int = 2048,
+    margin: float = 0.1,
+    fixed: dict[str, Any] | None = None,
+    attention: str = "sdpa",
+) -> PlanResult:
+    """The fastest combination that fits in (1 - margin) of GPU memory and of host RAM.
+
+    Args:
+        global_batch: examples per optimizer step over all ranks; None plans for
+            DEFAULT_EXAMPLES_PER_RANK per rank (and says so in the notes).
+        fixed: knobs held at the given values (e.g. ``{"zero_stage": 3}``), by Choice field name.
+
+    Raises:
+        ZeroPipeError: when the global batch does not divide over the ranks.
+    """
+    notes = []
+    if global_batch is None and not (fixed and "micro_batch_size" in fixed and "gradient_accumulation_steps" in fixed):
+        global_batch = DEFAULT_EXAMPLES_PER_RANK * hardware.world_size
+        notes.append(
+            f"no global batch given: planned for {global_batch} examples per step ({DEFAULT_EXAMPLES_PER_RANK} per GPU); set it with --global-batch"
+        )
+    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed)
+    candidates = [evaluate(spec, hardware, choice, margin) for choice in choices]
+    fitting = [c for c in candidates if c.fits]
+    best = min(fitting, key=_rank) if fitting else None
+    result = PlanResult(spec, hardware, margin, global_batch, candidates, best, notes=notes)
+    if best is None:
+        result.reason = _nothing_fits(result, fixed)
+    if spec.family == "unknown":
+        result.notes.append("a bare parameter count has no shape: activations are left out, so leave room for them")
+    if spec.activation_trace is not None:
+        result.notes.append(
+            f"diffusion activations are for {spec.activation_trace.resolution}x{spec.activation_trace.resolution} px images; --seq-len does not apply"
+        )
+    if hardware.accelerator == "cpu":
+        result.notes.append("CPU ranks: the 'GPU memory' of a rank is its share of host RAM, and both budgets are the same RAM")
+    return result
+
+
+def _nothing_fits(result: PlanResult, fixed: dict[str, Any] | None) -> str:
+    usable_gpu, usable_host = result.usable_gpu_bytes, result.usable_host_bytes
+    candidates = result.candidates
+    held = f" with {', '.join(f'{k}={v}' for k, v in fixed.items())} held fixed" if fixed else ""
+    on_gpus = [c for c in candidates if c.per_gpu_bytes <= usable_gpu]
+    in_ram = [c for c in candidates if c.per_node_bytes <= usable_host]
+    lora = "" if result.spec.lora is not None or result.spec.family == "unknown" else ", or LoRA (--lora-r 16)"
+    if not on_gpus:
+        smallest = min(candidates, key=lambda c: c.per_gpu_bytes)
+        return (
+            f"nothing fits{held}: even the combination that needs the least GPU memory ({smallest.choice.describe()}) needs "
+            f"{_gib(smallest.per_gpu_bytes)} per GPU, and {_gib(usable_gpu)} is usable. "
+            f"Options: more or larger GPUs, a shorter sequence or smaller images{lora}"
+        )
+    if not in_ram:
+        smallest = min(candidates, key=lambda c: c.per_node_bytes)
+        return (
+            f"nothing fits{held}: even the combination that needs the least host RAM ({smallest.choice.describe()}) needs "
+            f"{_gib(smallest.per_node_bytes)} per node, and {_gib(usable_host)} is usable. Options: more host RAM, more nodes{lora}"
+        )
+    gpu_side = min(on_gpus, key=lambda c: c.per_node_bytes)
+    ram_side = min(in_ram, key=lambda c: c.per_gpu_bytes)
+    return (
+        f"nothing fits{held}: what fits on the GPUs needs too much host RAM (at least {_gib(gpu_side.per_node_bytes)} of "
+        f"{_gib(usable_host)} usable, with {gpu_side.choice.describe()}), and what fits in host RAM needs too much GPU memory "
+        f"(at least {_gib(ram_side.per_gpu_bytes)} of {_gib(usable_gpu)} usable, with {ram_side.choice.describe()}). "
+        f"Options: more host RAM (for offloading), more or larger GPUs{lora}"
+    )
+
+
+def _label(choice: Choice) -> str:
+    offload = "+".join(name for name, on in (("optimizer", choice.offload_optimizer), ("params", choice.offload_param)) if on)
+    label = f"ZeRO-{choice.zero_stage}"
+    if offload:
+        label += f" offload {offload}"
+    if choice.gradient_checkpointing:
+        label += " checkpointing"
+    return f"{label} micro-batch {choice.micro_batch_size}"
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+__all__ = ["Candidate", "PlanResult", "batch_shapes", "candidate_choices", "evaluate", "recommend"]
