@@ -14,3 +14,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e '.[test]'
+# The browser tests (tests/e2e) drive Debian's Chromium through Playwright's executablePath;
+# Playwright's own browser download is never used. Installed here when missing and we are root;
+# without it those tests are skipped.
+if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
+        || echo "setup.sh: could not install chromium; the browser tests will be skipped" >&2
+fi

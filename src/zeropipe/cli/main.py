@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from zeropipe import __version__
-from zeropipe.cli import check, doctor, export, plan, train
+from zeropipe.cli import check, doctor, export, plan, runs, train, ui
 from zeropipe.errors import ZeroPipeError
 
-COMMANDS = [train, check, plan, export, doctor]
+COMMANDS = [train, check, plan, export, doctor, ui, runs]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -119,7 +119,7 @@ class LoggingSection(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard event files under the run directory (tensorboard --logdir RUN_DIR).")
     wandb: bool = Field(False, description="Log to Weights & Biases (needs the wandb package; WANDB_MODE=offline works without a network).")
     wandb_project: str = Field("zeropipe", description="Weights & Biases project name.")
-    mlflow: bool = Field(False, description="Log to MLflow (needs the mlflow package; MLFLOW_TRACKING_URI, default a local ./mlruns).")
+    mlflow: bool = Field(False, description="Log to MLflow (needs the mlflow package; MLFLOW_TRACKING_URI, else MLflow's own local default).")
 
 
 class DeepSpeedSection(Section):

@@ -62,6 +62,10 @@ class Trainer:
         import deepspeed
 
         self.configure_logging()
+        from zeropipe.metrics import MetricSinks
+
+        # TensorBoard, W&B, MLflow: only rank 0 writes; a missing package turns its sink off.
+        self.sinks = MetricSinks(self.run.path, self.config.logging, self.rank)
         if self.plan.accelerator == "cuda":
             torch.cuda.set_device(self.local_rank)
         deepspeed.init_distributed(dist_backend="nccl" if self.plan.accelerator == "cuda" else "gloo")
@@ -216,6 +220,7 @@ class Trainer:
             record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
         with open(self.run.metrics, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.sinks.log(record)
         if self.step % self.config.train.log_every == 0 or self.step == self.plan.total_steps:
             log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %.0f tokens/s", self.step, self.plan.total_steps, record["loss"], lr, record["grad_norm"], record["tokens_per_s"])
 
@@ -289,6 +294,7 @@ class Trainer:
                 "latest_checkpoint": manager.tag_for(self.step),
             }
             manager.write_atomic(self.run.summary, json.dumps(summary, indent=2))
+        self.sinks.close()
         dist.barrier()
         dist.destroy_process_group()
 

@@ -84,20 +84,28 @@ class Supervisor:
         self.rank_rss_peak = [0] * world_size
 
     def start(self) -> None:
-        for rank in range(self.world_size):
-            log = open(self.run.rank_log(rank), "a")
-            log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
-            log.flush()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "zeropipe.engine.worker", str(self.run.path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=rank_environment(rank, self.world_size, self.port, self.accelerator),
-                start_new_session=True,
-            )
-            log.close()
-            self.procs.append(proc)
+        # Installed before any rank exists: a SIGTERM to the launcher (a job scheduler, the UI's
+        # stop button) must never leave ranks behind, even in the moment they are being started.
+        self.previous_sigterm = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+        try:
+            for rank in range(self.world_size):
+                log = open(self.run.rank_log(rank), "a")
+                log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+                log.flush()
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "zeropipe.engine.worker", str(self.run.path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=rank_environment(rank, self.world_size, self.port, self.accelerator),
+                    start_new_session=True,
+                )
+                log.close()
+                self.procs.append(proc)
+        except KeyboardInterrupt:
+            self.stop_all()
+            self.run.write_status(state="stopped", ended_at=time.time())
+            raise
         self.run.write_status(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
 
     def sample_memory(self) -> None:
@@ -114,8 +122,6 @@ class Supervisor:
     def wait(self) -> Outcome:
         """Block until every rank has finished, one has failed, or the user pressed Ctrl-C."""
         exits: dict[int, RankExit] = {}
-        # A SIGTERM to the launcher (a job scheduler, the UI's stop button) stops the ranks like Ctrl-C.
-        previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
         try:
             while True:
                 self.sample_memory()
@@ -137,7 +143,7 @@ class Supervisor:
             self.run.write_status(state="stopped", ended_at=time.time(), **self.memory_status())
             return Outcome("stopped", None, self.host_ram_peak, self.rank_rss_peak)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, self.previous_sigterm)
 
     def memory_status(self) -> dict:
         return {"host_ram_peak_bytes": self.host_ram_peak, "rank_rss_peak_bytes": self.rank_rss_peak}

@@ -84,13 +84,9 @@ class Series:
     def append(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
-        new: dict[str, np.ndarray] = {}
-        for key in SCALARS:
-            new[key] = column(records, key)
+        new: dict[str, np.ndarray] = {key: column(records, key) for key in SCALARS}
         for key in PER_RANK:
-            width = max((len(r[key]) for r in records if isinstance(r.get(key), list)), default=0)
-            for rank in range(width):
-                new[f"{key}/{rank}"] = np.array([item_or_nan(r.get(key), rank) for r in records], dtype=np.float64)
+            new.update(per_rank_columns(records, key))
         for key in set(self.columns) | set(new):
             old = self.columns.get(key, np.full(self.rows, np.nan))
             added = new.get(key, np.full(len(records), np.nan))
@@ -181,27 +177,45 @@ def number(value: Any) -> float:
     return float(value)
 
 
-def item_or_nan(values: Any, index: int) -> float:
-    return number(values[index]) if isinstance(values, list) and index < len(values) else math.nan
-
-
 def column(records: list[dict[str, Any]], key: str) -> np.ndarray:
-    return np.array([number(r.get(key)) for r in records], dtype=np.float64)
+    values = [r.get(key) for r in records]
+    try:
+        # The common case, in C: numbers, with None (a missing key) read as NaN.
+        return np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        return np.array([number(v) for v in values], dtype=np.float64)
+
+
+def per_rank_columns(records: list[dict[str, Any]], key: str) -> dict[str, np.ndarray]:
+    """``key`` holds one value per rank: one column per rank, ``key/0``, ``key/1``..."""
+    values = [r.get(key) for r in records]
+    if all(v is None for v in values):
+        return {}
+    try:
+        table = np.array(values, dtype=np.float64)
+        if table.ndim != 2:
+            raise ValueError("not one list of the same length per row")
+    except (TypeError, ValueError):
+        width = max((len(v) for v in values if isinstance(v, list)), default=0)
+        rows = [[number(v[i]) if isinstance(v, list) and i < len(v) else math.nan for i in range(width)] for v in values]
+        table = np.array(rows, dtype=np.float64).reshape(len(values), width)
+    return {f"{key}/{rank}": table[:, rank].copy() for rank in range(table.shape[1])}
 
 
 def m4_indices(total: int, columns, width: int) -> np.ndarray:
-    """Indices of the first, last, min and max point of each of ``width`` buckets, for every column."""
-    edges = np.linspace(0, total, width + 1).astype(np.int64)
-    starts, ends = edges[:-1], edges[1:]
-    keep = [starts[starts < ends], ends[starts < ends] - 1]
+    """Indices of the first, last, min and max point of each of about ``width`` equal buckets, for every column."""
+    size = math.ceil(total / width)
+    buckets = math.ceil(total / size)
+    starts = np.arange(buckets) * size
+    keep = [starts, np.minimum(starts + size, total) - 1]
+    pad = buckets * size - total
     for values in columns:
         # NaN never wins a min/max (a diverged step is still drawn as a gap by its neighbours).
-        low = np.where(np.isfinite(values), values, np.inf)
-        high = np.where(np.isfinite(values), values, -np.inf)
-        for start, end in zip(starts, ends):
-            if end > start:
-                keep.append(np.array([start + int(np.argmin(low[start:end])), start + int(np.argmax(high[start:end]))]))
-    return np.unique(np.concatenate(keep))
+        finite = np.isfinite(values)
+        low = np.pad(np.where(finite, values, np.inf), (0, pad), constant_values=np.inf).reshape(buckets, size)
+        high = np.pad(np.where(finite, values, -np.inf), (0, pad), constant_values=-np.inf).reshape(buckets, size)
+        keep += [starts + low.argmin(axis=1), starts + high.argmax(axis=1)]
+    return np.unique(np.minimum(np.concatenate(keep), total - 1))
 
 
 def to_json(values: np.ndarray) -> list[float | None]:

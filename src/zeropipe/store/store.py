@@ -268,9 +268,9 @@ class RunStore:
 
     # =============================================================== actions
     def validate(self, raw: dict[str, Any]):
-        """A submitted config checked as ``zeropipe train`` checks it, plus the UI's path rules.
+        """A submitted config validated as ``zeropipe train`` validates it, plus the UI's path rules.
 
-        Returns (config, findings, absolute raw config).
+        Returns (config, raw config with absolute paths).
 
         Raises:
             ConfigError: every problem, each with its key.
@@ -279,10 +279,7 @@ class RunStore:
 
         problems = config_path_problems(raw, self.roots)
         absolute = absolutize(raw, self.roots)
-        config = validate_config(absolute, source="the submitted config", extra_problems=problems)
-        from zeropipe.check import check_config
-
-        return config, check_config(config), absolute
+        return validate_config(absolute, source="the submitted config", extra_problems=problems), absolute
 
     def launch(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Validate a config and start ``zeropipe train`` on it, detached.
@@ -295,7 +292,10 @@ class RunStore:
 
         if not isinstance(raw.get("run"), dict) or not raw["run"].get("name"):
             raise ConfigError([("run.name", "missing: name the run (it becomes the folder runs/NAME)")], source="the submitted config")
-        config, findings, absolute = self.validate(raw)
+        from zeropipe.check import check_config
+
+        config, absolute = self.validate(raw)
+        findings = check_config(config)
         if any(f.severity == "error" for f in findings):
             raise CheckFailed(findings)
         run_path = (Path(config.run.output_dir) / config.run.name).resolve()
@@ -327,6 +327,24 @@ class RunStore:
     def open_launch(self, run_id: int, actions: tuple[str, ...] = ("train", "resume")) -> dict[str, Any] | None:
         self.reap()
         return next((launch for launch in self.db.launches(run_id, open_only=True) if launch["action"] in actions), None)
+
+    def busy_launch(self, run: dict[str, Any]) -> dict[str, Any] | None:
+        """The launcher still working on this run, if any.
+
+        A launcher writes the run's outcome to status.json and then takes a moment to exit:
+        one that has already recorded its end is waited for (briefly), not counted as busy.
+        """
+        launch = self.open_launch(run["id"])
+        if launch is None:
+            return None
+        status = read_json(self.run_dir(run).status_file) or {}
+        if status.get("state") in TERMINAL and (status.get("started_at") or 0) >= launch["started_at"]:
+            deadline = time.time() + 15
+            while time.time() < deadline and process_alive(launch["pid"], launch["started_at"]):
+                time.sleep(0.2)
+                self.reap()
+            return None
+        return launch
 
     def stop(self, ref: int | str) -> dict[str, Any]:
         """SIGTERM the run's launcher: it stops every rank and marks the run stopped.
@@ -386,8 +404,9 @@ class RunStore:
         problems = [p for p in config_path_problems(raw, self.roots) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
+        self.busy_launch(run)  # waits (outside the lock) for a launcher that is only exiting
         with self.refresh_lock:
-            if self.open_launch(run["id"]):
+            if self.busy_launch(run):
                 raise ActionRefused(f"run {run['name']} is already being started")
             argv = zeropipe_argv("train", config_file, "--resume", info.path)
             self.db.update_run(run["id"], state="starting", stop_requested_at=None, diagnosis=None)
@@ -449,10 +468,14 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
 
 def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:
     lines = tail_lines(Path(launch["log_path"]), 30)
-    errors = [line for line in lines if ": error:" in line or line.startswith(("error", "training failed"))]
+    # `zeropipe train: error: ...` and the problem lines under it say why, with the fix.
+    starts = [i for i, line in enumerate(lines) if ": error: " in line]
     code = launch["exit_code"]
     how = f"exited with code {code}" if code is not None else "ended"
-    cause = errors[-1].split(": error: ", 1)[-1] if errors else "see the launcher's log below"
+    if starts:
+        cause = "\n".join([lines[starts[-1]].split(": error: ", 1)[1], *lines[starts[-1] + 1 : starts[-1] + 12]])
+    else:
+        cause = "see the launcher's log below"
     text = f"zeropipe train {how} before any rank started\n{cause}\nlast lines of the launcher's log:\n" + "\n".join(f"  | {line}" for line in lines[-15:])
     return {"text": text, "how": how, "cause": cause, "fix": "", "rank": None}
 
@@ -467,10 +490,7 @@ def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024) -> list[str]
     except OSError:
         return []
     text = data.decode("utf-8", errors="replace")
-    kept = deque(text.splitlines(), maxlen=lines)
-    if size > max_bytes and len(kept) == lines + 0 and kept:
-        pass
-    return list(kept)
+    return list(deque(text.splitlines(), maxlen=lines))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -1,0 +1,112 @@
+"""What the New-run page shows while the user edits: problems, check findings, the memory plan.
+
+The planner (``zeropipe.plan``) and the doctor are separate packages imported only when
+asked for: a machine (or a checkout) without them still validates and launches runs, and
+the page says "planner unavailable" with the reason instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.store import RunStore
+
+log = logging.getLogger(__name__)
+
+
+def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
+    """Validation problems, check findings and the plan of a config, never raising for a bad config."""
+    unplanned = {"available": False, "reason": "fix the problems first"}
+    try:
+        config, _ = store.validate(raw)
+    except ConfigError as err:
+        return {"valid": False, "problems": problems_json(err.problems), "findings": [], "plan": unplanned}
+    from zeropipe.check import check_config
+
+    try:
+        findings = [finding.to_dict() for finding in check_config(config)]
+    except ZeroPipeError as err:
+        problems = problems_json(err.problems) if isinstance(err, ConfigError) else [{"key": "", "message": str(err)}]
+        return {"valid": False, "problems": problems, "findings": [], "plan": unplanned}
+    except Exception as err:  # noqa: BLE001 - a broken rule must not take the form down; train will say it again
+        log.warning("zeropipe check failed: %s", err, exc_info=True)
+        findings = [{"rule": "check", "severity": "warning", "key": "", "message": f"the checks could not run ({type(err).__name__}: {err})", "fix": "run zeropipe check on the YAML for details", "link": ""}]
+    return {
+        "valid": not any(f["severity"] == "error" for f in findings),
+        "problems": [],
+        "findings": findings,
+        "plan": plan_of(config),
+    }
+
+
+def problems_json(problems: list[tuple[str, str]]) -> list[dict[str, str]]:
+    return [{"key": key, "message": message} for key, message in problems]
+
+
+_hardware: dict[str, Any] = {}
+_hardware_lock = threading.Lock()
+
+
+def detected_hardware():
+    """The planner's view of this machine, detected once a minute at most."""
+    from zeropipe.plan.hardware import detect_hardware
+
+    with _hardware_lock:
+        if not _hardware or time.time() - _hardware["at"] > 60:
+            _hardware.update(value=detect_hardware(), at=time.time())
+        return _hardware["value"]
+
+
+def plan_of(config) -> dict[str, Any]:
+    try:
+        from zeropipe.plan import plan_run
+    except Exception as err:  # noqa: BLE001 - any import failure means the same to the page
+        return {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
+    try:
+        hardware = detected_hardware()
+        result = plan_run(config, hardware)
+        return {"available": True, "result": to_plain(result), "hardware": to_plain(hardware)}
+    except ZeroPipeError as err:
+        return {"available": False, "reason": f"the planner could not plan this config: {err}"}
+    except Exception as err:  # noqa: BLE001 - the planner is young; its failure must not break the form
+        log.warning("planner failed: %s", err, exc_info=True)
+        return {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
+
+
+def to_plain(value: Any) -> Any:
+    """A planner object as JSON: its to_dict() when it has one, a dataclass's fields, or itself."""
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, (dict, list, str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+_doctor: dict[str, Any] = {}
+_doctor_lock = threading.Lock()
+
+
+def doctor_report(runs_dir: str, trial_build: bool = False, max_age_seconds: float = 120) -> dict[str, Any]:
+    """The doctor's findings (cached for two minutes: it runs nvcc and reads /proc)."""
+    try:
+        from zeropipe.doctor import run_doctor
+    except Exception as err:  # noqa: BLE001
+        return {"available": False, "reason": f"doctor unavailable ({type(err).__name__}: {err})"}
+    with _doctor_lock:
+        fresh = _doctor and time.time() - _doctor["at"] < max_age_seconds and (_doctor["trial_build"] or not trial_build)
+        if not fresh:
+            try:
+                report = run_doctor(runs_dir, trial_build=trial_build)
+                _doctor.update(value={"available": True, **to_plain(report)}, at=time.time(), trial_build=trial_build)
+            except Exception as err:  # noqa: BLE001
+                log.warning("doctor failed: %s", err, exc_info=True)
+                return {"available": False, "reason": f"doctor failed ({type(err).__name__}: {err})"}
+        return {**_doctor["value"], "checked_at": _doctor["at"]}

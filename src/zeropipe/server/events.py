@@ -1,0 +1,100 @@
+"""Server-sent events: the runs list as it changes, and one run's state and new metric rows.
+
+Streams read what the refresh thread keeps current; they never start or signal anything.
+A stream closes after ``max_seconds`` (the browser's EventSource reconnects by itself, which
+is also how a page reattaches to a restarted server) and a run's stream closes once the run
+has ended and every row was sent, with a final ``end`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from zeropipe.store import RunNotFound, RunStore
+
+TICK_SECONDS = 1.0
+HEARTBEAT_SECONDS = 15.0
+MAX_ROWS_PER_EVENT = 5000  # more than this and the page reloads the (downsampled) series instead
+ENDED = {"completed", "failed", "stopped", "lost"}
+
+
+def sse(event: str, data: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def streaming(generator: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(generator, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def runs_stream(request: Request, store: RunStore, max_seconds: float) -> StreamingResponse:
+    async def generate():
+        yield "retry: 2000\n\n"
+        deadline = time.monotonic() + max_seconds
+        last, beat = None, time.monotonic()
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            runs = await run_in_threadpool(store.runs)
+            payload = json.dumps(runs, sort_keys=True)
+            if payload != last:
+                last = payload
+                yield sse("runs", {"runs": runs})
+                beat = time.monotonic()
+            elif time.monotonic() - beat > HEARTBEAT_SECONDS:
+                yield ": heartbeat\n\n"
+                beat = time.monotonic()
+            await asyncio.sleep(TICK_SECONDS)
+
+    return streaming(generate())
+
+
+def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_step: float, max_seconds: float) -> StreamingResponse:
+    metrics_path = Path(run["path"]) / "metrics.jsonl"
+
+    def poll(last_step: float):
+        current = store.run(run["id"])
+        series = store.series.get(metrics_path)
+        window = series.window(series.keys(), None, last_step)
+        return current, window
+
+    async def generate():
+        yield "retry: 2000\n\n"
+        deadline = time.monotonic() + max_seconds
+        last_step, last_state, beat = after_step, None, time.monotonic()
+        while time.monotonic() < deadline and not await request.is_disconnected():
+            try:
+                current, window = await run_in_threadpool(poll, last_step)
+            except RunNotFound:
+                yield sse("end", {"reason": "the run is no longer in the store"})
+                return
+            sent = False
+            if window["points"] > MAX_ROWS_PER_EVENT:
+                yield sse("reload", {"points": window["points"]})
+                last_step = window["step"][-1]
+                sent = True
+            elif window["points"]:
+                yield sse("metrics", window)
+                last_step = window["step"][-1]
+                sent = True
+            state = json.dumps(current, sort_keys=True)
+            if state != last_state:
+                last_state = state
+                yield sse("run", current)
+                sent = True
+            if current["state"] in ENDED and not window["points"]:
+                yield sse("end", {"state": current["state"]})
+                return
+            if sent:
+                beat = time.monotonic()
+            elif time.monotonic() - beat > HEARTBEAT_SECONDS:
+                yield ": heartbeat\n\n"
+                beat = time.monotonic()
+            await asyncio.sleep(TICK_SECONDS)
+
+    return streaming(generate())

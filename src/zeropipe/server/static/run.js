@@ -1,0 +1,338 @@
+// Run page: live charts, logs, diagnosis, checkpoints, stop / resume / export, sample gallery.
+"use strict";
+(function () {
+  const { el, api } = ZP;
+  const runId = document.getElementById("run").dataset.runId;
+  const base = `/api/runs/${runId}`;
+  const ENDED = ["completed", "failed", "stopped", "lost"];
+
+  // Each chart draws the columns whose names match `keys` (exact) or `prefix` (one per rank).
+  const CHARTS = {
+    loss: { title: "loss", keys: ["loss"] },
+    lr: { title: "learning rate", keys: ["lr"] },
+    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"] },
+    host_ram: { title: "host RAM per rank (RSS)", prefix: "host_rss_bytes/", format: ZP.fmtBytes },
+    gpu: { title: "GPU memory per rank (max allocated)", prefix: "gpu_max_allocated_bytes/", format: ZP.fmtBytes },
+    grad_norm: { title: "gradient norm", keys: ["grad_norm"] },
+  };
+  const charts = {};
+  window.zpCharts = charts; // for the browser tests and the curious
+
+  let detail = null;
+  let columns = { step: [] }; // step + every metric column, as the page holds them
+  let lastStep = 0;
+  let source = null;
+  let state = null;
+  let logName = null;
+  let logTimer = null;
+  let exportTimer = null;
+  let detailTimer = null;
+
+  // ------------------------------------------------------------ charts
+  function chartKeys(spec) {
+    if (spec.keys) return spec.keys.filter((k) => k in columns);
+    return Object.keys(columns)
+      .filter((k) => k.startsWith(spec.prefix))
+      .sort((a, b) => Number(a.split("/")[1]) - Number(b.split("/")[1]));
+  }
+
+  function drawCharts() {
+    for (const [name, spec] of Object.entries(CHARTS)) {
+      const container = document.querySelector(`[data-chart="${name}"]`);
+      const keys = chartKeys(spec);
+      const hasData = keys.some((k) => columns[k].some((v) => v !== null));
+      if (name === "gpu") container.hidden = !hasData;
+      if (!hasData) {
+        if (!container.querySelector(".empty")) container.replaceChildren(el("div", { class: "empty" }, `${spec.title}: no data yet`));
+        container.dataset.points = "0";
+        delete charts[name];
+        continue;
+      }
+      let chart = charts[name];
+      if (!chart || chart.keys.join() !== keys.join()) {
+        container.replaceChildren();
+        const labels = spec.prefix ? keys.map((k) => `rank ${k.split("/")[1]}`) : keys;
+        chart = new ZP.Chart(container, { title: spec.title, labels, format: spec.format });
+        chart.keys = keys;
+        charts[name] = chart;
+      }
+      chart.set(columns.step, keys.map((k) => columns[k]));
+    }
+  }
+
+  function chartWidth() {
+    return Math.max(300, document.getElementById("chart-loss").clientWidth || 600);
+  }
+
+  async function loadMetrics() {
+    const data = await api(`${base}/metrics?width=${chartWidth()}`);
+    columns = { step: data.step, ...data.series };
+    lastStep = data.step.length ? data.step[data.step.length - 1] : 0;
+    drawCharts();
+  }
+
+  function appendMetrics(window_) {
+    // A reconnected stream resends from where it started: keep only steps we do not have.
+    const fresh = window_.step.map((s, i) => [s, i]).filter(([s]) => s > lastStep);
+    if (!fresh.length) return;
+    const n = columns.step.length;
+    for (const key of Object.keys(window_.series)) if (!(key in columns)) columns[key] = new Array(n).fill(null);
+    for (const [s, i] of fresh) {
+      columns.step.push(s);
+      for (const key of Object.keys(columns)) {
+        if (key === "step") continue;
+        const values = window_.series[key];
+        columns[key].push(values ? values[i] : null);
+      }
+    }
+    lastStep = columns.step[columns.step.length - 1];
+    drawCharts();
+  }
+
+  // -------------------------------------------------------------- head
+  function renderHead(run) {
+    document.getElementById("run-name").replaceChildren(run.name, " ", ZP.badge(run.state));
+    document.title = `${run.name} · ZeRO-Pipe`;
+    const fact = (label, value) => el("span", {}, `${label} `, el("b", {}, value));
+    document.getElementById("facts").replaceChildren(
+      fact("step", run.total_steps ? `${run.step} / ${run.total_steps}` : `${run.step}`),
+      fact("ETA", ZP.fmtDuration(run.eta_s)),
+      fact("loss", `${ZP.fmtNumber(run.first_loss)} → ${ZP.fmtNumber(run.last_loss)}`),
+      fact("step time", run.step_time_s ? `${ZP.fmtNumber(run.step_time_s, 3)} s` : "–"),
+      fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}` : "–"),
+      fact("ZeRO", run.zero_stage ?? "–"),
+      fact("started", ZP.fmtTime(run.started_at || run.created_at)),
+      run.ended_at ? fact("ended", ZP.fmtTime(run.ended_at)) : ""
+    );
+    renderActions(run);
+    renderDiagnosis(run);
+  }
+
+  function renderActions(run) {
+    const actions = document.getElementById("actions");
+    const buttons = [];
+    if (["running", "starting", "stopping"].includes(run.state)) {
+      buttons.push(el("button", { class: "danger", id: "stop", disabled: run.state === "stopping", onclick: stopRun }, run.state === "stopping" ? "Stopping…" : "Stop"));
+    }
+    const complete = (detail ? detail.checkpoints : []).filter((c) => c.complete && (!run.total_steps || c.step < run.total_steps));
+    if (ENDED.includes(run.state) && complete.length) {
+      const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
+      buttons.push(select, el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value) }, "Resume"));
+    }
+    actions.replaceChildren(...buttons);
+  }
+
+  function renderDiagnosis(run) {
+    const box = document.getElementById("diagnosis");
+    const diagnosis = (detail && detail.status && detail.status.diagnosis) || run.diagnosis;
+    const show = ["failed", "lost"].includes(run.state) && diagnosis;
+    box.hidden = !show;
+    if (show) document.getElementById("diagnosis-text").textContent = diagnosis.text || JSON.stringify(diagnosis, null, 2);
+  }
+
+  function say(text, kind = "ok") {
+    ZP.message(document.getElementById("action-message"), text, kind);
+  }
+
+  async function stopRun() {
+    if (!confirm("Stop this run? Every rank is stopped; resume later from its last checkpoint.")) return;
+    try {
+      const data = await api(`${base}/stop`, { method: "POST", body: {} });
+      say("Stop sent: the launcher is stopping every rank.", "info");
+      onRun(data.run);
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  async function resumeRun(tag) {
+    try {
+      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag } });
+      say(`Resuming from ${tag}.`, "info");
+      onRun(data.run);
+      follow();
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  // ------------------------------------------------------------ detail
+  async function loadDetail() {
+    clearTimeout(detailTimer);
+    detail = await api(base);
+    // New checkpoints appear while a run trains: look again every few seconds until it ends.
+    if (!ENDED.includes(detail.run.state)) detailTimer = setTimeout(() => loadDetail().catch(() => {}), 5000);
+    state = detail.run.state;
+    renderHead(detail.run);
+    renderCheckpoints();
+    renderExports();
+    renderLogTabs();
+    renderGenerations();
+    const paths = [`run directory: ${detail.run.path}`];
+    if (detail.tensorboard) paths.push(`TensorBoard: tensorboard --logdir ${detail.run.path}`);
+    document.getElementById("paths").textContent = paths.join(" · ");
+    if (detail.run.has_samples) loadGallery();
+  }
+
+  function renderCheckpoints() {
+    const rows = detail.checkpoints.map((c) =>
+      el(
+        "tr",
+        {},
+        el("td", {}, el("code", {}, c.tag), c.latest ? el("span", { class: "muted small" }, " latest") : ""),
+        el("td", { class: "num" }, c.step),
+        el("td", { class: "small" }, c.complete ? ZP.fmtTime(c.saved_at) : el("span", { class: "badge state-failed" }, "incomplete")),
+        el("td", { class: "num small" }, ZP.fmtBytes(c.size_bytes)),
+        el("td", {}, c.complete ? el("button", { onclick: () => startExport(c.tag) }, "Export") : "")
+      )
+    );
+    document.querySelector("#checkpoints tbody").replaceChildren(...rows);
+    document.getElementById("no-checkpoints").hidden = rows.length > 0;
+    const complete = detail.checkpoints.filter((c) => c.complete);
+    const form = document.getElementById("export-form");
+    // Redraw the export form only when the checkpoints change: the user may be typing in it.
+    const signature = complete.map((c) => c.tag).join();
+    if (form.dataset.signature === signature && form.childElementCount) return;
+    form.dataset.signature = signature;
+    if (!complete.length) {
+      form.replaceChildren(el("span", { class: "muted" }, "Export needs a complete checkpoint."));
+      return;
+    }
+    form.replaceChildren(
+      el("select", { id: "export-checkpoint", "aria-label": "checkpoint to export" }, complete.map((c) => el("option", { value: c.tag }, c.tag))),
+      el("input", { id: "export-name", type: "text", placeholder: "folder name (default: the tag)", size: 22 }),
+      el("label", { class: "small" }, el("input", { id: "export-merge", type: "checkbox" }), " merge LoRA"),
+      el("select", { id: "export-dtype", "aria-label": "dtype" }, el("option", { value: "" }, "run's dtype"), ["bf16", "fp16", "fp32"].map((d) => el("option", { value: d }, d))),
+      el("button", { class: "primary", id: "export", onclick: () => startExport(document.getElementById("export-checkpoint").value) }, "Export")
+    );
+  }
+
+  async function startExport(tag) {
+    const name = (document.getElementById("export-name") || {}).value || null;
+    const merge = !!(document.getElementById("export-merge") || {}).checked;
+    const dtype = (document.getElementById("export-dtype") || {}).value || null;
+    try {
+      await api(`${base}/export`, { method: "POST", body: { checkpoint: tag, name, merge, dtype } });
+      say(`Exporting ${tag}…`, "info");
+      await loadDetail();
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  function renderExports() {
+    const rows = detail.exports.map((e) =>
+      el(
+        "tr",
+        {},
+        el("td", {}, el("code", { title: e.out_path }, e.name || e.out_path)),
+        el("td", { class: "small" }, e.checkpoint, e.merge ? " · merged" : "", e.dtype ? ` · ${e.dtype}` : ""),
+        el("td", {}, ZP.badge(e.state === "done" ? "completed" : e.state), e.log_tail && e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : "")
+      )
+    );
+    document.querySelector("#exports tbody").replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 3, class: "muted" }, "none yet"))]));
+    clearTimeout(exportTimer);
+    if (detail.exports.some((e) => e.state === "running")) exportTimer = setTimeout(loadDetail, 2000);
+  }
+
+  function renderGenerations() {
+    const card = document.getElementById("generations-card");
+    card.hidden = !detail.generations.length;
+    document
+      .querySelector("#generations tbody")
+      .replaceChildren(...detail.generations.map((g) => el("tr", {}, el("td", {}, g.prompt), el("td", {}, el("code", {}, g.output)), el("td", { class: "num" }, g.step ?? ""))));
+  }
+
+  // -------------------------------------------------------------- logs
+  function renderLogTabs() {
+    const names = detail.logs;
+    if (!logName || !names.includes(logName)) logName = names.includes("rank0") ? "rank0" : names[0] || null;
+    document.getElementById("log-tabs").replaceChildren(
+      ...names.map((name) => el("button", { class: name === logName ? "active" : "", dataset: { log: name }, onclick: () => ((logName = name), renderLogTabs()) }, name))
+    );
+    loadLog();
+  }
+
+  async function loadLog() {
+    clearTimeout(logTimer);
+    const pre = document.getElementById("log");
+    if (!logName) return;
+    const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 20;
+    try {
+      const data = await api(`${base}/logs/${logName}?lines=300`);
+      pre.textContent = data.lines.join("\n") || "(empty)";
+      if (atBottom) pre.scrollTop = pre.scrollHeight;
+    } catch (error) {
+      pre.textContent = error.message;
+    }
+    if (!ENDED.includes(state)) logTimer = setTimeout(loadLog, 2000);
+  }
+
+  // ----------------------------------------------------------- gallery
+  async function loadGallery() {
+    const { samples } = await api(`${base}/samples`);
+    const card = document.getElementById("gallery-card");
+    card.hidden = !samples.length;
+    const prompts = [...new Set(samples.map((s) => s.prompt ?? ""))];
+    const steps = [...new Set(samples.map((s) => s.step))].sort((a, b) => b - a);
+    const header = el("tr", {}, el("th", {}, "step"), prompts.map((p) => el("th", { class: "prompt" }, p || "(no prompt)")));
+    const rows = steps.map((step) =>
+      el(
+        "tr",
+        { dataset: { step } },
+        el("td", { class: "num" }, step),
+        prompts.map((prompt) =>
+          el(
+            "td",
+            {},
+            samples
+              .filter((s) => s.step === step && (s.prompt ?? "") === prompt)
+              .map((s) => {
+                const url = `${base}/samples/${s.file.split("/").map(encodeURIComponent).join("/")}`;
+                return el("a", { href: url, target: "_blank" }, el("img", { src: url, alt: `${prompt} at step ${step}`, loading: "lazy" }));
+              })
+          )
+        )
+      )
+    );
+    document.getElementById("gallery").replaceChildren(el("table", {}, el("thead", {}, header), el("tbody", {}, rows)));
+  }
+
+  // ------------------------------------------------------------ stream
+  function onRun(run) {
+    const changed = run.state !== state;
+    state = run.state;
+    // "Stop sent", "Resuming…": said until the run's state answers them.
+    if (changed) document.querySelectorAll("#action-message .message.info").forEach((node) => node.remove());
+    if (detail) detail.run = run;
+    renderHead(run);
+    if (changed) loadDetail();
+  }
+
+  function follow() {
+    if (source) source.close();
+    source = ZP.stream(`${base}/stream?after_step=${lastStep}`, {
+      metrics: appendMetrics,
+      run: onRun,
+      reload: loadMetrics,
+      end: () => {
+        source.close();
+        document.getElementById("connection").className = "connection";
+        loadDetail();
+        loadMetrics();
+      },
+    });
+  }
+
+  document.getElementById("config-details").addEventListener("toggle", async (event) => {
+    if (!event.target.open) return;
+    const data = await api(`${base}/config`);
+    document.getElementById("config").textContent = data.yaml || "(no config.yaml yet)";
+  });
+
+  (async function start() {
+    await loadDetail();
+    await loadMetrics();
+    if (!ENDED.includes(state)) follow();
+  })().catch((error) => say(error.message, "error"));
+})();

@@ -1,0 +1,6 @@
+"""The run store: an embedded SQLite index of run directories, and the actions on runs."""
+
+from zeropipe.store.sandbox import OutsideRoots, Roots
+from zeropipe.store.store import ActionRefused, RunNotFound, RunStore, parse_yaml_text
+
+__all__ = ["ActionRefused", "OutsideRoots", "Roots", "RunNotFound", "RunStore", "parse_yaml_text"]
