@@ -28,6 +28,8 @@ from zeropipe.launch.diagnose import Diagnosis, RankExit, diagnose
 from zeropipe.rundir import RunDir
 
 POLL_SECONDS = 0.2
+MEMORY_SECONDS = 1.0
+CHILDREN_SECONDS = 5.0
 STOP_GRACE_SECONDS = 10.0
 
 
@@ -82,6 +84,9 @@ class Supervisor:
         self.host_ram_peak = 0
         self.host_ram_baseline = psutil.virtual_memory().used
         self.rank_rss_peak = [0] * world_size
+        self.rank_processes: dict[int, psutil.Process] = {}
+        self.rank_children: dict[int, list[psutil.Process]] = {}
+        self.last_memory_sample = self.last_children_scan = float("-inf")
 
     def start(self) -> None:
         # Installed before any rank exists: a SIGTERM to the launcher (a job scheduler, the UI's
@@ -109,12 +114,30 @@ class Supervisor:
         self.run.write_status(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
 
     def sample_memory(self) -> None:
-        used = psutil.virtual_memory().used
-        self.host_ram_peak = max(self.host_ram_peak, used)
+        """Host RAM of the node and of each rank (with its children), at most once per MEMORY_SECONDS.
+
+        The supervisor shares the cores with the ranks: listing children walks all of /proc,
+        so the list is refreshed only every CHILDREN_SECONDS.
+        """
+        now = time.monotonic()
+        if now - self.last_memory_sample < MEMORY_SECONDS:
+            return
+        self.last_memory_sample = now
+        refresh_children = now - self.last_children_scan >= CHILDREN_SECONDS
+        if refresh_children:
+            self.last_children_scan = now
+        self.host_ram_peak = max(self.host_ram_peak, psutil.virtual_memory().used)
         for rank, proc in enumerate(self.procs):
             try:
-                process = psutil.Process(proc.pid)
-                rss = process.memory_info().rss + sum(c.memory_info().rss for c in process.children(recursive=True))
+                process = self.rank_processes.setdefault(rank, psutil.Process(proc.pid))
+                if refresh_children:
+                    self.rank_children[rank] = process.children(recursive=True)
+                rss = process.memory_info().rss
+                for child in self.rank_children.get(rank, []):
+                    try:
+                        rss += child.memory_info().rss
+                    except psutil.Error:
+                        pass
             except psutil.Error:
                 continue
             self.rank_rss_peak[rank] = max(self.rank_rss_peak[rank], rss)
