@@ -265,6 +265,12 @@ def after_warmup(result: dict, key: str, warmup: int) -> list[float]:
     return result[key][warmup:] if key == "step_time" else result[key][max(0, warmup - 1) :]
 
 
+def paired_ratios(zp: dict, bare: dict, warmup: int) -> list[float]:
+    """Step-by-step period ratios: step k trains the same batch in both runs, so sequence-length
+    differences between batches cancel."""
+    return [a / b for a, b in zip(after_warmup(zp, "period", warmup), after_warmup(bare, "period", warmup))]
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
@@ -370,6 +376,8 @@ def main() -> int:
         for key, label in (("step_time", "step time"), ("period", "step period")):
             ratio = median(after_warmup(zp, key, warmup)) / median(after_warmup(bare, key, warmup))
             line.append(f"{label} {ratio:.3f}")
+        paired = median(paired_ratios(zp, bare, warmup))
+        line.append(f"paired period {paired:.3f}")
         print(f"  repeat {repeat}: " + "   ".join(line) + f"   (other processes: {zp['foreign']:.2f} / {bare['foreign']:.2f} cores)")
     if max(r["foreign"] for r in results) > 0.1:
         print("  note: other processes used CPU during some runs; their figures hold that noise")
@@ -385,6 +393,16 @@ def main() -> int:
             if stat_name == "median":
                 verdict[key] = ratio
             print(f"  {stat_name + ' ' + label:<20}{stat(bare) * 1e3:8.2f}ms{stat(zp) * 1e3:9.2f}ms{ratio:8.3f}")
+    pairs = [
+        v
+        for repeat in range(1, repeats + 1)
+        for v in paired_ratios(
+            next(r for r in results if r["system"] == "zeropipe" and r["repeat"] == repeat),
+            next(r for r in results if r["system"] == "bare" and r["repeat"] == repeat),
+            warmup,
+        )
+    ]
+    print(f"  {'median paired ratio':<20}{'':>21}{median(pairs):8.3f}   (same step, same batch: zeropipe period / bare period)")
     ratio = verdict["period"]
     print(
         f"\nZeRO-Pipe / bare (median step period): {ratio:.3f} -> target <= {TARGET:.2f} "

@@ -16,12 +16,14 @@ holds the whole model:
    weight initialisation disabled, so each parameter is partitioned as soon as its module
    exists and nothing is randomly initialised only to be overwritten; under ZeRO-0/1/2 on the
    meta device, so nothing is allocated.
-3. Tensors are copied one at a time from the memory-mapped file, which is mapped only while
-   one tensor is copied: the file pages a copy touched leave the process with the mapping.
-   Under ZeRO-3 each rank reads only the rows that cover its own partition
-   (``param.ds_tensor``) and no collective is needed; under ZeRO-0/1/2 each tensor is
+3. Tensors are copied one at a time, in pieces of rows of at most ``READ_CHUNK_BYTES``, each
+   under its own mapping of the memory-mapped file, so that the file pages a rank has mapped
+   never exceed one piece. Under ZeRO-3 each rank reads only the rows that cover its own
+   partition (``param.ds_tensor``) and no collective is needed; under ZeRO-0/1/2 each tensor is
    materialised straight on the rank's device. The copy converts dtypes element by element
-   (bf16 on disk into an fp32 model, say), never as a whole-model copy.
+   (bf16 on disk into an fp32 model, say), never as a whole-model copy. On a CPU device a
+   tensor already in the right dtype is not copied at all: the parameter is a copy-on-write
+   view of the mapped file, whose pages the ranks share (from_pretrained does the same).
 4. The model is finished as ``from_pretrained`` finishes it: tied weights tied, the
    non-persistent buffers (rotary ``inv_freq``, embedding scales) recomputed by the model's own
    ``initialize_weights``, which skips every tensor that was loaded, and eval mode.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import inspect
 import json
 import logging
@@ -72,7 +75,10 @@ SAFETENSORS_DTYPES = {
 }
 # safetensors itself refuses larger headers; a bigger length means the file is not safetensors.
 MAX_HEADER_BYTES = 100_000_000
-# How many problems of one kind a CheckpointError lists before it summarises the rest.
+# Tensors are copied in pieces of about this many bytes, each under its own mapping of the
+# file, so the file pages a rank has mapped at any moment stay below it.
+READ_CHUNK_BYTES = 16 * 2**20
+# How many problems a CheckpointError lists before it summarises the rest.
 LISTED_PROBLEMS = 12
 
 
@@ -113,6 +119,7 @@ class CheckpointIndex:
         self.format, self.index_file, files, weight_map = self._locate(stem)
         self.entries: dict[str, TensorEntry] = {}
         self._bin_cache: tuple[Path, dict[str, torch.Tensor]] | None = None
+        self._mapped_files: dict[Path, Any] = {}
         problems: list[str] = []
         for file in files:
             try:
@@ -156,15 +163,19 @@ class CheckpointIndex:
             if not candidate.is_file():
                 continue
             if fmt == "bin":
-                log.warning("%s has no safetensors weights: reading %s (slower; convert to safetensors to load with less memory)", path, candidate.name)
+                log.warning("%s has no safetensors weights: reading %s (convert to safetensors to load with less memory)", path, candidate.name)
             if not is_index:
                 return fmt, None, [candidate], None
             weight_map = self._read_index(candidate)
             shards = sorted(set(weight_map.values()))
             missing = [shard for shard in shards if not (path / shard).is_file()]
             if missing:
-                listed = [f"shard {shard} is missing (it should hold {', '.join(_first(sorted(n for n, s in weight_map.items() if s == shard), 3))})" for shard in missing]
-                raise CheckpointError(self._problems_message(f"checkpoint {path} is incomplete", listed, "copy the missing shard files next to the index"))
+                listed = []
+                for shard in missing:
+                    held = _first(sorted(name for name, where in weight_map.items() if where == shard), 3)
+                    listed.append(f"shard {shard} is missing (it should hold {', '.join(held)})")
+                fix = "copy the missing shard files next to the index"
+                raise CheckpointError(self._problems_message(f"checkpoint {path} is incomplete", listed, fix))
             return fmt, candidate, [path / shard for shard in shards], weight_map
         names = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
         raise CheckpointError(
@@ -211,7 +222,9 @@ class CheckpointIndex:
             begin, end = (int(v) for v in info["data_offsets"])
             entry = TensorEntry(name, file, dtype, shape, data_start + begin)
             if end - begin != entry.nbytes:
-                problems.append(f"tensor {name} in {file.name} has {end - begin} bytes of data for shape {list(shape)} {info['dtype']} ({entry.nbytes} expected)")
+                problems.append(
+                    f"tensor {name} in {file.name} has {end - begin} bytes of data for shape {list(shape)} {info['dtype']} ({entry.nbytes} expected)"
+                )
             if data_start + end > size:
                 past_end.append((begin, name))
             entries.append(entry)
@@ -380,8 +393,53 @@ class CheckpointIndex:
             tensor = self._bin_state(entry.file)[name]
             yield tensor[start_row:stop_row] if sliced else tensor
 
+    def copy_elements(self, name: str, destination: torch.Tensor, start: int = 0, chunk_bytes: int = READ_CHUNK_BYTES) -> int:
+        """Copy elements ``start:start + destination.numel()`` of flattened tensor ``name`` into ``destination``.
+
+        ``destination`` is a 1-D tensor of any dtype and device (the copy converts). The rows
+        that cover the range are read a chunk at a time, each chunk under its own mapping of
+        the file, so the memory this takes beyond ``destination`` is one chunk. Returns the
+        bytes read from the checkpoint.
+        """
+        entry = self.entries[name]
+        count = destination.numel()
+        if count == 0:
+            return 0
+        if not entry.shape:
+            with self.read(name) as tensor:
+                destination.copy_(tensor.reshape(-1))
+            return entry.nbytes
+        row_numel = math.prod(entry.shape[1:])
+        first, last = covering_rows(start, start + count, row_numel)
+        rows_per_chunk = max(1, chunk_bytes // max(1, row_numel * entry.dtype.itemsize))
+        bytes_read = 0
+        for chunk_first in range(first, last, rows_per_chunk):
+            chunk_last = min(chunk_first + rows_per_chunk, last)
+            lo = max(start, chunk_first * row_numel)
+            hi = min(start + count, chunk_last * row_numel)
+            with self.read(name, chunk_first, chunk_last) as rows:
+                destination.narrow(0, lo - start, hi - lo).copy_(rows.reshape(-1).narrow(0, lo - chunk_first * row_numel, hi - lo))
+            bytes_read += (chunk_last - chunk_first) * row_numel * entry.dtype.itemsize
+        return bytes_read
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as a copy-on-write view of the memory-mapped safetensors file (no copy).
+
+        The view keeps the file mapped for as long as it lives; one mapping per file is shared
+        by all the views taken before ``close``.
+        """
+        from safetensors import safe_open
+
+        entry = self.entries[name]
+        handle = self._mapped_files.get(entry.file)
+        if handle is None:
+            handle = self._mapped_files[entry.file] = safe_open(str(entry.file), framework="pt")
+        return handle.get_tensor(name)
+
     def close(self) -> None:
+        """Forget open files; tensors from ``mapped`` stay valid (they hold their mapping)."""
         self._bin_cache = None
+        self._mapped_files.clear()
 
     def equal(self, first: str, second: str, rows_per_chunk: int = 1024) -> bool:
         """Whether two tensors of the checkpoint hold the same values, compared a chunk of rows at a time."""
@@ -437,22 +495,15 @@ def _fill_partition(param: torch.Tensor, index: CheckpointIndex, name: str) -> i
     partition = param.ds_tensor
     partition_numel = partition.ds_numel
     start, stop = partition_range(param.ds_numel, partition_numel, dist.get_rank(group=param.ds_process_group))
-    count = stop - start
-    shape = tuple(param.ds_shape)
-    row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
     with torch.no_grad():
-        if count > 0:
-            first, last = covering_rows(start, stop, row_numel)
-            with index.read(name, first, last) as rows:
-                partition.narrow(0, 0, count).copy_(rows.reshape(-1).narrow(0, start - first * row_numel, count))
-        if count < partition_numel:
+        bytes_read = index.copy_elements(name, partition.narrow(0, 0, stop - start), start)
+        if stop - start < partition_numel:
             # DeepSpeed's padding: never read, but gathers move it, so keep it finite.
-            partition.narrow(0, count, partition_numel - count).zero_()
+            partition.narrow(0, stop - start, partition_numel - (stop - start)).zero_()
         if param.numel() == param.ds_numel:
             # A parameter left available (not partitioned) also holds the full data.
-            with index.read(name) as full:
-                param.data.copy_(full)
-    return (last - first) * row_numel * index[name].dtype.itemsize if count > 0 else 0
+            bytes_read += index.copy_elements(name, param.data.view(-1))
+    return bytes_read
 
 
 def _owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
@@ -480,16 +531,25 @@ def load_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str,
             bytes_read += _fill_partition(current, index, name)
             loaded = current
         elif current.is_meta:
-            value = torch.empty(current.shape, dtype=current.dtype, device=device)
-            with index.read(name) as tensor:
-                value.copy_(tensor)
-            bytes_read += index[name].nbytes
+            if torch.device(device).type == "cpu" and index[name].dtype == current.dtype and index.format == "safetensors":
+                # On CPU the mapped file is host memory already: every rank's parameter is a
+                # copy-on-write view of the same page-cache pages (as from_pretrained's are),
+                # counted once on the node until a rank writes it or DeepSpeed copies it.
+                value = index.mapped(name)
+                bytes_read += index[name].nbytes
+            else:
+                value = torch.empty(current.shape, dtype=current.dtype, device=device)
+                bytes_read += index.copy_elements(name, value.view(-1))
             loaded = nn.Parameter(value, requires_grad=current.requires_grad) if is_parameter else value
             setattr(module, leaf, loaded)
         else:
-            with torch.no_grad(), index.read(name) as tensor:
-                current.copy_(tensor)
-            bytes_read += index[name].nbytes
+            with torch.no_grad():
+                if current.is_contiguous():
+                    bytes_read += index.copy_elements(name, current.view(-1))
+                else:
+                    with index.read(name) as tensor:
+                        current.copy_(tensor)
+                    bytes_read += index[name].nbytes
             loaded = current
         loaded._is_hf_initialized = True
     index.close()
@@ -537,15 +597,62 @@ def _zero3_visible(zero_stage: int, ds_config: dict | None) -> Iterator[None]:
     yield
 
 
-def _construct(model_cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
-    """The model with no weights loaded, constructed with the contexts from_pretrained uses."""
+def _glibc_malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl...)
+        return None
+
+
+@contextlib.contextmanager
+def _heap_returned(enabled: bool) -> Iterator[None]:
+    """Return freed heap memory to the system before each new parameter while the model is constructed.
+
+    zero.Init gives every new parameter a full-size buffer, broadcasts it and keeps only this
+    rank's partition. On CPU ranks glibc serves those buffers from the heap once its dynamic
+    mmap threshold has grown, and the holes they leave between the partitions are not given
+    back: they added about 0.3x the checkpoint on 4 ranks (benchmarks/init_ram.py). Trimming
+    before each parameter is allocated keeps only the one being built. With GPUs the buffers
+    are GPU memory and this is off.
+    """
+    trim = _glibc_malloc_trim() if enabled else None
+    if trim is None:
+        yield
+        return
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    def before_next_parameter(module: nn.Module, name: str, param: Any) -> None:
+        trim(0)
+
+    handle = register_module_parameter_registration_hook(before_next_parameter)
+    try:
+        yield
+    finally:
+        handle.remove()
+        trim(0)
+
+
+def _construct(model_cls: type, config: Any, dtype: torch.dtype, *, on_meta: bool = False) -> nn.Module:
+    """The model with no weights loaded, constructed with the contexts from_pretrained uses.
+
+    ``on_meta`` builds it on the meta device even under ZeRO-3 (without ``zero.Init``): a
+    skeleton whose keys and shapes are checked against the checkpoint before the partitioned
+    construction, which takes collectives and time, starts.
+    """
     context_kwargs = _signature_kwargs(
         model_cls.get_init_context, dtype=dtype, is_quantized=False, _is_ds_init_called=False, allow_all_kernels=False
     )
+    contexts = list(model_cls.get_init_context(**context_kwargs))
+    if on_meta:
+        import deepspeed
+
+        contexts = [c for c in contexts if not isinstance(c, (deepspeed.zero.Init, torch.device))] + [torch.device("meta")]
     with contextlib.ExitStack() as stack:
         if "dtype" not in context_kwargs:  # transformers 4.x sets the dtype outside get_init_context
             stack.enter_context(_default_dtype(dtype))
-        for context in model_cls.get_init_context(**context_kwargs):
+        for context in contexts:
             stack.enter_context(context)
         model = model_cls(config)
     try:
@@ -555,6 +662,51 @@ def _construct(model_cls: type, config: Any, dtype: torch.dtype) -> nn.Module:
     else:
         patch_output_recorders(model)
     return model
+
+
+def _construct_from_factory(
+    factory: Callable[[], nn.Module], dtype: torch.dtype, zero_stage: int, ds_config: dict | None, *, on_meta: bool = False
+) -> nn.Module:
+    """A model from any factory: partitioned under zero.Init for ZeRO-3, else on the meta device."""
+    with _default_dtype(dtype):
+        if zero_stage == 3 and not on_meta:
+            import deepspeed
+            from transformers.integrations import deepspeed_config
+
+            with deepspeed.zero.Init(config_dict_or_path=ds_config if ds_config is not None else deepspeed_config()):
+                return factory()
+        with torch.device("meta"):
+            return factory()
+
+
+def _plan(model: nn.Module, index: CheckpointIndex, path: Path) -> dict[str, str]:
+    """Model key -> checkpoint tensor for every tensor to load, or a CheckpointError listing every mismatch."""
+    expected = _state_dict_shapes(model)
+    tied = _tied_keys(model)
+    ignore_missing, ignore_unexpected = _ignored_patterns(model)
+    sources = index.match(
+        expected,
+        model_name=type(model).__name__,
+        rename=_checkpoint_renamer(model, expected),
+        tied=tied,
+        ignore_missing=ignore_missing,
+        ignore_unexpected=ignore_unexpected,
+    )
+    for target, source in tied.items():
+        if target in sources and source in sources:
+            # .bin checkpoints hold both tied tensors; from_pretrained ties them only when equal.
+            if not index.equal(sources[target], sources[source]):
+                raise CheckpointError(
+                    f"config.json ties {target} to {source}, but {sources[target]} and {sources[source]} in {path} differ: "
+                    "set tie_word_embeddings: false in config.json, or remove the extra tensor from the checkpoint"
+                )
+            del sources[target]
+    return sources
+
+
+def _is_model_class(candidate: Any) -> bool:
+    """A transformers model class or Auto class (anything else callable is a factory)."""
+    return isinstance(candidate, type) and (hasattr(candidate, "get_init_context") or hasattr(candidate, "_model_mapping"))
 
 
 def _resolve_class(model_cls_or_factory: Any, config: Any) -> type:
@@ -576,7 +728,9 @@ def _resolve_class(model_cls_or_factory: Any, config: Any) -> type:
 
 def _checkpoint_renamer(model: nn.Module, expected: Mapping[str, Any]) -> Callable[[str], str]:
     """Checkpoint name -> model key, with the renames from_pretrained applies (base-model prefix, legacy names)."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not hasattr(model, "base_model_prefix"):  # not a transformers model: names are the state-dict keys
+        return lambda name: name
+    prefix = model.base_model_prefix or ""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -594,7 +748,8 @@ def _checkpoint_renamer(model: nn.Module, expected: Mapping[str, Any]) -> Callab
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     if converters:
         # Fused or split tensors (MoE experts...) are built from several checkpoint tensors.
-        raise _StreamingUnsupported(f"weight conversions of {type(model).__name__} ({converters[0].source_patterns} -> {converters[0].target_patterns})")
+        first = converters[0]
+        raise _StreamingUnsupported(f"weight conversions of {type(model).__name__} ({first.source_patterns} -> {first.target_patterns})")
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     present = dict.fromkeys(expected, True)
     return lambda name: rename_source_key(name, renamings, [], base_model_prefix=prefix or None, meta_state_dict=present)[0]
@@ -617,6 +772,8 @@ def _tied_keys(model: nn.Module) -> dict[str, str]:
     tied = getattr(model, "all_tied_weights_keys", None)
     if tied is not None:
         return dict(tied)
+    if not hasattr(model, "get_output_embeddings"):  # not a transformers model
+        return {}
     # transformers 4.x: only input/output embeddings are tied.
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if not getattr(config, "tie_word_embeddings", False) or model.get_output_embeddings() is None:
@@ -631,6 +788,16 @@ def _state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 def _finish(model: nn.Module, path: Path, device: torch.device | str) -> None:
     """Tie weights, recompute non-persistent buffers and initialise ignorable missing weights, as from_pretrained does."""
+    if not hasattr(model, "initialize_weights"):
+        # Not a transformers model: nothing recomputes what construction on the meta device lost.
+        lost = [key for key, tensor in list(model.named_parameters()) + list(model.named_buffers()) if tensor.is_meta]
+        if lost:
+            raise ValueError(
+                f"{type(model).__name__} has tensors the checkpoint does not hold and the meta device left empty: "
+                f"{', '.join(lost[:5])}; build this model with transformers, or load it with zero_stage=3"
+            )
+        model.eval()
+        return
     if "recompute_mapping" in inspect.signature(model.tie_weights).parameters:
         model.tie_weights(recompute_mapping=False)
     else:
@@ -680,11 +847,16 @@ def load_pretrained(
     config: Any = None,
     attn_implementation: str | None = None,
     device: torch.device | str | None = None,
+    stem: str = "model",
 ) -> nn.Module:
-    """A transformers model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
+    """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
 
     Args:
-        model_cls_or_factory: a PreTrainedModel class or an Auto class (``AutoModelForCausalLM``).
+        model_cls_or_factory: a PreTrainedModel class or an Auto class (``AutoModelForCausalLM``):
+            constructed as from_pretrained constructs it, from ``config``. Or a function that
+            builds any ``nn.Module`` in the current dtype (a diffusers UNet from its config,
+            say): called under ``zero.Init`` (stage 3) or on the meta device; its modules must
+            not hold tensors the checkpoint lacks unless it is a transformers model.
         path: local Hugging Face model directory (config.json + safetensors).
         dtype: dtype of the model's parameters; the checkpoint's are converted tensor by tensor.
         zero_stage: 3 constructs the model partitioned under ``deepspeed.zero.Init`` and fills
@@ -694,6 +866,7 @@ def load_pretrained(
         config: the transformers config (read from ``path`` when not given).
         attn_implementation: attention kernel set on the config ("sdpa", "eager").
         device: where stage 0-2 parameters are materialised; the rank's accelerator by default.
+        stem: file name of the weights without extension (diffusers: "diffusion_pytorch_model").
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -704,49 +877,49 @@ def load_pretrained(
     """
     path = Path(path)
     started = time.perf_counter()
-    if config is None:
-        from transformers import AutoConfig
+    if _is_model_class(model_cls_or_factory):
+        if config is None:
+            from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(path))
-    config = copy.deepcopy(config)
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
-    if hasattr(config, "dtype"):
-        config.dtype = dtype
+            config = AutoConfig.from_pretrained(str(path))
+        config = copy.deepcopy(config)
+        if attn_implementation is not None:
+            config._attn_implementation = attn_implementation
+        if hasattr(config, "dtype"):
+            config.dtype = dtype
     device = torch.device(device) if device is not None else default_device()
-    index = CheckpointIndex(path)  # a damaged checkpoint fails here, before the model is built
+    index = CheckpointIndex(path, stem=stem)  # a damaged checkpoint fails here, before the model is built
     try:
-        model_cls = _resolve_class(model_cls_or_factory, config)
+        if _is_model_class(model_cls_or_factory):
+            model_cls = _resolve_class(model_cls_or_factory, config)
+
+            def construct(on_meta: bool = False) -> nn.Module:
+                return _construct(model_cls, config, dtype, on_meta=on_meta)
+        else:
+
+            def construct(on_meta: bool = False) -> nn.Module:
+                return _construct_from_factory(model_cls_or_factory, dtype, zero_stage, ds_config, on_meta=on_meta)
+
         with _zero3_visible(zero_stage, ds_config):
-            model = _construct(model_cls, config, dtype)
-        expected = _state_dict_shapes(model)
-        tied = _tied_keys(model)
-        ignore_missing, ignore_unexpected = _ignored_patterns(model)
-        sources = index.match(
-            expected,
-            model_name=model_cls.__name__,
-            rename=_checkpoint_renamer(model, expected),
-            tied=tied,
-            ignore_missing=ignore_missing,
-            ignore_unexpected=ignore_unexpected,
-        )
-        for target, source in tied.items():
-            if target in sources and source in sources:
-                if not index.equal(sources[target], sources[source]):
-                    raise CheckpointError(
-                        f"config.json ties {target} to {source}, but {sources[target]} and {sources[source]} in {path} differ: "
-                        "set tie_word_embeddings: false in config.json, or remove the extra tensor from the checkpoint"
-                    )
-                del sources[target]
+            if zero_stage == 3:
+                # Checked on a meta skeleton first: a mismatch fails in seconds, not after zero.Init.
+                sources = _plan(construct(on_meta=True), index, path)
+            with _heap_returned(zero_stage == 3 and device.type == "cpu"):
+                model = construct()
+        log.debug("constructed %s (%s)", type(model).__name__, "partitioned by zero.Init" if zero_stage == 3 else "on the meta device")
+        if zero_stage != 3:
+            sources = _plan(model, index, path)
         bytes_read = load_tensors(model, index, sources, device=device)
     except _StreamingUnsupported as reason:
+        if not _is_model_class(model_cls_or_factory):
+            raise ValueError(f"{path}: {reason} cannot be loaded tensor by tensor") from None
         log.warning("%s: %s cannot be loaded tensor by tensor; using transformers' from_pretrained (higher host RAM peak)", path, reason)
         with _zero3_visible(zero_stage, ds_config):
             return model_cls_or_factory.from_pretrained(str(path), config=config, dtype=dtype)
     _finish(model, path, device)
     log.info(
-        "loaded %d tensors (%.2f GB on disk) from %s in %.1fs; this rank read %.2f GB%s",
-        len(sources), index.total_bytes / 1e9, path, time.perf_counter() - started, bytes_read / 1e9,
+        "loaded %d tensors (%.1f MB on disk) from %s in %.1fs; this rank read or mapped %.1f MB%s",
+        len(sources), index.total_bytes / 1e6, path, time.perf_counter() - started, bytes_read / 1e6,
         " (its ZeRO-3 partitions)" if zero_stage == 3 else "",
     )
     return model
