@@ -175,10 +175,12 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
         problems.append(("model", "no model: set model.path to a local Hugging Face directory, or model.config to an inline config"))
     if isinstance(model.get("path"), str):
         path = Path(model["path"]).expanduser()
-        if not (path / "config.json").is_file():
-            problems.append(("model.path", f"{path} is not a Hugging Face model directory (no config.json there): fix the path"))
-    if isinstance(model.get("config"), dict) and "model_type" not in model["config"]:
-        problems.append(("model.config.model_type", "missing: name the architecture, e.g. model_type: llama"))
+        if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+            problems.append(
+                ("model.path", f"{path} is neither a Hugging Face model directory (config.json) nor a diffusers pipeline (model_index.json): fix the path")
+            )
+    if isinstance(model.get("config"), dict) and "model_type" not in model["config"] and "pipeline" not in model["config"]:
+        problems.append(("model.config.model_type", "missing: name the architecture, e.g. model_type: llama (or pipeline: tiny-sdxl for a diffusion model)"))
     if isinstance(model.get("tokenizer"), str) and not Path(model["tokenizer"]).expanduser().is_dir():
         problems.append(("model.tokenizer", f"{model['tokenizer']} is not a directory: fix the path or remove the key"))
 

@@ -26,9 +26,10 @@ class LoraSection(Section):
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: float = Field(16, gt=0, description="LoRA alpha (scaling = alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        description="Module names to adapt (e.g. [q_proj, v_proj]) or 'all-linear'.",
+    target_modules: list[str] | Literal["auto", "all-linear"] = Field(
+        "auto",
+        description="Module names to adapt (e.g. [q_proj, v_proj]), 'all-linear', or 'auto': the attention projections of the family "
+        "(q_proj, k_proj, v_proj, o_proj for language models; to_q, to_k, to_v, to_out.0 for diffusion models).",
     )
 
 
@@ -44,12 +45,43 @@ class QuantizationSection(Section):
     )
 
 
+class DiffusionSection(Section):
+    """The training objective of a diffusion model."""
+
+    prediction_type: Literal["auto", "epsilon", "v_prediction", "flow"] = Field(
+        "auto",
+        description="What the network predicts: noise (epsilon), velocity (v_prediction) or the flow-matching velocity (flow). "
+        "'auto': the scheduler's setting for UNets, flow for SD3/Flux transformers.",
+    )
+    min_snr_gamma: float | None = Field(None, gt=0, description="Min-SNR loss weighting (Hang et al. 2023), typically 5; UNet family only.")
+    noise_offset: float = Field(0.0, ge=0, description="Noise offset (e.g. 0.05): lets the model learn very dark and very bright images; UNet family only.")
+    timestep_sampling: Literal["auto", "uniform", "logit_normal"] = Field(
+        "auto", description="How training timesteps are drawn; 'auto': uniform for UNets, logit-normal for flow matching (SD3 paper)."
+    )
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal timestep distribution.")
+    logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal timestep distribution.")
+    shift: float | Literal["auto"] = Field(
+        "auto", description="Timestep shift of flow matching (SD3 uses 3.0); 'auto': the scheduler config's shift, else 1.0 (no shift)."
+    )
+    guidance: float = Field(1.0, ge=0, description="Guidance value fed to guidance-distilled transformers (Flux dev: 1.0 for training); ignored otherwise.")
+
+
 class ModelSection(Section):
-    path: str | None = Field(None, description="Local Hugging Face model directory (config.json + safetensors). Exclusive with model.config.")
+    family: Literal["auto", "causal_lm", "vlm", "diffusion"] = Field(
+        "auto",
+        description="Model family; 'auto' reads it from model.path (model_index.json: diffusion; a vision config: vlm) or model.config "
+        "(a 'pipeline' key: diffusion), else causal_lm.",
+    )
+    path: str | None = Field(
+        None,
+        description="Local model directory: a Hugging Face model (config.json + safetensors) or a diffusers pipeline (model_index.json). Exclusive with model.config.",
+    )
     config: dict[str, Any] | None = Field(
         None,
-        description="Inline transformers config for a randomly initialised model, e.g. {model_type: llama, hidden_size: 64, ...}. Exclusive with model.path.",
+        description="Inline config for a randomly initialised model: a transformers config, e.g. {model_type: llama, hidden_size: 64, ...}, "
+        "or a diffusion pipeline, e.g. {pipeline: tiny-sdxl} with optional per-component overrides {unet: {...}, vae: {...}}. Exclusive with model.path.",
     )
+    diffusion: DiffusionSection = Field(default_factory=DiffusionSection, description="Objective of diffusion models (ignored by other families).")
     tokenizer: str | None = Field(
         None,
         description="Tokenizer directory. Defaults to model.path; with model.config and no tokenizer, one is trained on the data.",
@@ -71,13 +103,41 @@ class ModelSection(Section):
 
 
 class SyntheticSection(Section):
-    task: Literal["arithmetic", "reverse", "mixed"] = Field("mixed", description="Generated instruction task the model can visibly learn.")
+    task: Literal["arithmetic", "reverse", "mixed", "shapes"] = Field(
+        "mixed", description="Generated task the model can visibly learn: instructions (arithmetic, reverse, mixed) or captioned images of coloured shapes (shapes, diffusion)."
+    )
     examples: int = Field(4000, ge=10, description="Number of generated examples.")
     seed: int = Field(0, description="Seed of the generator.")
 
 
+class ImagesSection(Section):
+    """How images become training examples (diffusion)."""
+
+    resolution: int = Field(1024, ge=8, description="Target side length: each bucket holds about resolution x resolution pixels.")
+    bucketing: bool = Field(True, description="Aspect-ratio buckets around the resolution (images keep their shape); off: every image is cropped square.")
+    bucket_step: int = Field(64, ge=8, description="Bucket sides are multiples of this (64 for SD/SDXL/Flux at full size; 8 works for tiny models).")
+    max_aspect: float = Field(2.0, ge=1, description="Most elongated bucket (width/height or height/width).")
+    crop: Literal["center", "random"] = Field("center", description="Crop to the bucket from the centre or at random (random needs cache.latents off).")
+    flip: float = Field(0.0, ge=0, le=1, description="Probability of a horizontal flip (with cached latents, both orientations are cached).")
+    caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training on the empty caption, which classifier-free guidance needs (0.05-0.1 usual).")
+    caption_ext: str = Field(".txt", description="Extension of the caption files beside the images (kohya layout).")
+
+
+class CacheSection(Section):
+    """Latent and text-embedding caches (diffusion)."""
+
+    latents: bool = Field(True, description="Encode every image with the VAE once and train on the stored latents.")
+    text: bool = Field(True, description="Encode every caption with the text encoders once and train on the stored embeddings.")
+    dir: str | None = Field(
+        None, description="Cache folder shared by runs; entries are keyed by a fingerprint of what they depend on. Default: OUTPUT_DIR/.zeropipe-cache."
+    )
+
+
 class DataSection(Section):
-    path: str | None = Field(None, description="Training data: a .jsonl/.json/.txt file or a folder of them. Exclusive with data.synthetic.")
+    path: str | None = Field(
+        None,
+        description="Training data: a .jsonl/.json/.txt file or a folder of them; for diffusion, an image folder (kohya layout or metadata.jsonl). Exclusive with data.synthetic.",
+    )
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field(
         "auto", description="Record format; 'auto' detects alpaca, dolly, chat (messages), sharegpt (conversations) or text."
     )
@@ -86,7 +146,9 @@ class DataSection(Section):
         0.01, ge=0, le=1, description="The run refuses to start when more than this fraction of records are malformed."
     )
     max_bad_records: int | None = Field(None, ge=0, description="A count of malformed records tolerated, used instead of max_bad_fraction when set.")
-    synthetic: SyntheticSection | None = Field(None, description="Generate a small instruction dataset into the run directory instead of reading data.path.")
+    synthetic: SyntheticSection | None = Field(None, description="Generate a small dataset into the run directory instead of reading data.path.")
+    images: ImagesSection = Field(default_factory=ImagesSection, description="Bucketing, cropping, flips and caption dropout (diffusion).")
+    cache: CacheSection = Field(default_factory=CacheSection, description="Latent and text-embedding caches (diffusion).")
 
 
 class TrainSection(Section):
@@ -111,8 +173,14 @@ class TrainSection(Section):
 
 
 class GenerateSection(Section):
-    prompts: list[str] = Field(default_factory=list, description="Prompts (user messages) answered by the trained model at the end of the run.")
+    prompts: list[str] = Field(
+        default_factory=list, description="Prompts answered (language models) or drawn (diffusion models) by the trained model at the end of the run."
+    )
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
+    sample_every: int | None = Field(None, ge=1, description="Diffusion: also draw the prompts every N steps, into RUN/samples/ (shown in the UI).")
+    sample_steps: int = Field(20, ge=1, description="Diffusion: denoising steps per sample image.")
+    guidance_scale: float = Field(5.0, ge=0, description="Diffusion: classifier-free guidance scale of the sample images (1 disables it).")
+    sample_seed: int = Field(0, description="Diffusion: seed of the sample images' starting noise (the same for every step, so samples are comparable).")
 
 
 class LoggingSection(Section):

@@ -73,9 +73,7 @@ class Trainer:
         # The same seed on every rank: replicas (stages 0-2) must start identical.
         seed_everything(self.config.run.seed)
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer))
+        self.setup_tokenizer()
         self.setup_data()
         self.setup_model()
         self.resume()
@@ -87,6 +85,11 @@ class Trainer:
             logging.getLogger(noisy).setLevel(logging.WARNING)
         # torch's gloo wrappers warn on every collective DeepSpeed makes; one warning is enough.
         warnings.filterwarnings("once", message=".*is deprecated. Please use.*")
+
+    def setup_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer))
 
     def setup_data(self) -> None:
         from zeropipe.data.sampler import ResumableDistributedSampler
@@ -168,24 +171,37 @@ class Trainer:
         batches = self.batches()
         self.engine.train()
         log.info("training steps %d..%d of %d", self.step + 1, total, total)
+        # A step's time runs from the end of the previous step, so that it includes the
+        # metrics gathering and logging in between: tokens/s is what the run really achieves.
+        previous_end = time.perf_counter()
         while self.step < total:
-            started = time.perf_counter()
             loss_sum = tokens = samples = 0.0
             lr = self.current_lr()
             for _ in range(self.accumulation):
                 epoch, batch = next(batches)
-                batch = {key: value.to(self.device) for key, value in batch.items()}
-                loss = self.engine(**batch).loss
+                loss, batch_tokens, batch_samples = self.forward_loss(batch)
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += loss.detach().float().item()
-                tokens += float(batch["attention_mask"].sum())
-                samples += batch["input_ids"].shape[0]
+                tokens += batch_tokens
+                samples += batch_samples
             self.step += 1
-            self.record_metrics(epoch, loss_sum / self.accumulation, lr, tokens, samples, time.perf_counter() - started)
+            now = time.perf_counter()
+            self.record_metrics(epoch, loss_sum / self.accumulation, lr, tokens, samples, now - previous_end)
+            self.after_step()
+            previous_end = time.perf_counter()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
         self.save_checkpoint()
+
+    def after_step(self) -> None:
+        """Work between optimizer steps (evaluation, sample images); every rank calls it."""
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
+        """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""
+        batch = {key: value.to(self.device) for key, value in batch.items()}
+        loss = self.engine(**batch).loss
+        return loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
 
     def current_lr(self) -> float:
         # The rate this step will use: the scheduler set it on the optimizer after the last step.
@@ -210,19 +226,26 @@ class Trainer:
             "loss": float(rows[:, 0].mean()),
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "tokens_per_s": float(rows[:, 1].sum()) / step_time,
             "samples_per_s": float(rows[:, 2].sum()) / step_time,
             "step_time_s": step_time,
             "host_rss_bytes": [int(v) for v in rows[:, 3]],
             "time": time.time(),
         }
+        if float(rows[:, 1].sum()) > 0:  # families without tokens (diffusion) report samples/s only
+            record["tokens_per_s"] = float(rows[:, 1].sum()) / step_time
+        record.update(self.extra_metrics())
         if self.device.type == "cuda":
             record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
         with open(self.run.metrics, "a") as handle:
             handle.write(json.dumps(record) + "\n")
         self.sinks.log(record)
         if self.step % self.config.train.log_every == 0 or self.step == self.plan.total_steps:
-            log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %.0f tokens/s", self.step, self.plan.total_steps, record["loss"], lr, record["grad_norm"], record["tokens_per_s"])
+            speed = f"{record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else f"{record['samples_per_s']:.2f} samples/s"
+            log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %s", self.step, self.plan.total_steps, record["loss"], lr, record["grad_norm"], speed)
+
+    def extra_metrics(self) -> dict[str, Any]:
+        """Family-specific fields added to every metrics row (rank 0)."""
+        return {}
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
@@ -286,7 +309,8 @@ class Trainer:
                 "first_loss": metrics[0]["loss"] if metrics else None,
                 "final_loss": metrics[-1]["loss"] if metrics else None,
                 "mean_step_time_s": float(np.mean([m["step_time_s"] for m in metrics])) if metrics else None,
-                "mean_tokens_per_s": float(np.mean([m["tokens_per_s"] for m in metrics])) if metrics else None,
+                "mean_tokens_per_s": float(np.mean([m["tokens_per_s"] for m in metrics])) if metrics and "tokens_per_s" in metrics[0] else None,
+                "mean_samples_per_s": float(np.mean([m["samples_per_s"] for m in metrics])) if metrics else None,
                 "host_rss_peak_bytes": max((max(m["host_rss_bytes"]) for m in metrics), default=None),
                 "parameters": self.parameter_counts,
                 "world_size": self.world_size,
@@ -303,3 +327,17 @@ class Trainer:
         self.train()
         self.generate_samples()
         self.cleanup()
+
+
+def trainer_for(run_dir: str | Path) -> Trainer:
+    """The trainer of the run's model family (causal LM, diffusion, vision-language)."""
+    family = load_config(RunDir(run_dir).config).model.family
+    if family == "diffusion":
+        from zeropipe.engine.diffusion import DiffusionTrainer
+
+        return DiffusionTrainer(run_dir)
+    if family == "vlm":
+        from zeropipe.engine.vlm import VisionLanguageTrainer
+
+        return VisionLanguageTrainer(run_dir)
+    return Trainer(run_dir)

@@ -20,9 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     try:
-        from zeropipe.engine.trainer import Trainer
+        from zeropipe.engine.trainer import trainer_for
 
-        Trainer(run_dir).run_all()
+        trainer_for(run_dir).run_all()
         return 0
     except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis
         from zeropipe.errors import ZeroPipeError

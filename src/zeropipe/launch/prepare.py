@@ -14,6 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
 from zeropipe.config.deepspeed import build_deepspeed_config, effective_batch_shape, zero_stage_of
@@ -89,9 +90,84 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     run.errors.mkdir()
     run.logs.mkdir(exist_ok=True)
 
+    from zeropipe.models.family import model_family
+
+    # Written into config.yaml, so every rank and every later command agrees on it.
+    config.model.family = model_family(config.model)
+    if config.model.family == "diffusion":
+        from zeropipe.diffusion.prepare import prepare_diffusion_data
+
+        data = prepare_diffusion_data(config, run, reuse=bool(resume_tag))
+    elif config.model.family == "vlm":
+        from zeropipe.data.vlm import prepare_vlm_data
+
+        data = prepare_vlm_data(config, run, reuse=bool(resume_tag))
+    else:
+        data = prepare_text_data(config, run, reuse=bool(resume_tag))
+    notes += data.notes
+
+    # Resolve the batch shape first: a user's DeepSpeed JSON may set it explicitly.
+    probe = build_deepspeed_config(config, world_size, total_steps=1, hidden_size=data.hidden_size)
+    micro, accumulation = effective_batch_shape(probe.config)
+    micro_batches_per_epoch = data.micro_batches_per_epoch(micro, world_size)
+    steps_per_epoch = micro_batches_per_epoch // accumulation
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            [
+                (
+                    "train.micro_batch_size",
+                    f"{data.examples} examples over {world_size} ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}"
+                    f"{' (a micro-batch takes images of one bucket only)' if config.model.family == 'diffusion' else ''}: "
+                    "lower train.micro_batch_size or train.gradient_accumulation_steps, or add data",
+                )
+            ]
+        )
+    if config.train.max_steps:
+        total_steps = config.train.max_steps
+    else:
+        total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
+    if config.train.warmup_steps >= total_steps:
+        notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
+    resolved = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
+    notes += [f"DeepSpeed {line}" for line in resolved.filled]
+
+    plan = RunPlan(
+        world_size=world_size,
+        accelerator=accelerator,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        micro_batches_per_epoch=micro_batches_per_epoch,
+        examples=data.examples,
+        micro_batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        zero_stage=zero_stage_of(resolved.config),
+        resume_from=resume_tag,
+        generate_prompts=data.prompts,
+        created_at=time.time(),
+    )
+    write_atomic(run.config, dump_config(config))
+    write_atomic(run.ds_config, json.dumps(resolved.config, indent=2))
+    run.write_plan(plan)
+    return Prepared(run, plan, notes)
+
+
+@dataclass
+class FamilyData:
+    """What a model family's data preparation tells the launcher."""
+
+    examples: int
+    hidden_size: int | None  # for DeepSpeed's bucket sizes
+    micro_batches_per_epoch: Callable[[int, int], int]  # (micro_batch_size, world_size) -> per rank
+    prompts: list[str] = field(default_factory=list)  # generated (or drawn) at the end of the run
+    notes: list[str] = field(default_factory=list)
+
+
+def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData:
+    """Causal LMs: the records read, validated and tokenized into the run's token cache."""
     records_path = prepare_data_file(config, run)
-    tokenizer = prepare_tokenizer(config, run, records_path, reuse=bool(resume_tag))
-    cache = prepare_cache(config, run, records_path, tokenizer, reuse=bool(resume_tag))
+    tokenizer = prepare_tokenizer(config, run, records_path, reuse=reuse)
+    cache = prepare_cache(config, run, records_path, tokenizer, reuse=reuse)
+    notes = []
     if cache.get("bad_records"):
         shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
         notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
@@ -104,56 +180,19 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     hf_config = model_config(config.model)
     if getattr(hf_config, "vocab_size", None) is not None and len(tokenizer) > hf_config.vocab_size:
         raise ConfigError([("model.config.vocab_size", f"{hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens: raise it or remove it")])
-
     examples = int(cache["examples"])
-    micro, accumulation = config.train.micro_batch_size, config.train.gradient_accumulation_steps
-    # Resolve the batch shape first: a user's DeepSpeed JSON may set it explicitly.
-    probe = build_deepspeed_config(config, world_size, total_steps=1, hidden_size=hidden_size_of(hf_config))
-    micro, accumulation = effective_batch_shape(probe.config)
-    micro_batches_per_epoch = (examples // world_size) // micro
-    steps_per_epoch = micro_batches_per_epoch // accumulation
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            [
-                (
-                    "train.micro_batch_size",
-                    f"{examples} examples over {world_size} ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}: "
-                    "lower train.micro_batch_size or train.gradient_accumulation_steps, or add data",
-                )
-            ]
-        )
-    if config.train.max_steps:
-        total_steps = config.train.max_steps
-    else:
-        total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
-    if config.train.warmup_steps >= total_steps:
-        notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
-    resolved = build_deepspeed_config(config, world_size, total_steps, hidden_size_of(hf_config))
-    notes += [f"DeepSpeed {line}" for line in resolved.filled]
-
     prompts = list(config.generate.prompts)
     if not prompts and config.data.synthetic is not None:
         from zeropipe.data.synthetic import sample_prompts
 
         prompts = sample_prompts(config.data.synthetic.task, 4, seed=config.data.synthetic.seed + 1)
-    plan = RunPlan(
-        world_size=world_size,
-        accelerator=accelerator,
-        total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
-        micro_batches_per_epoch=micro_batches_per_epoch,
+    return FamilyData(
         examples=examples,
-        micro_batch_size=micro,
-        gradient_accumulation_steps=accumulation,
-        zero_stage=zero_stage_of(resolved.config),
-        resume_from=resume_tag,
-        generate_prompts=prompts,
-        created_at=time.time(),
+        hidden_size=hidden_size_of(hf_config),
+        micro_batches_per_epoch=lambda micro, world_size: (examples // world_size) // micro,
+        prompts=prompts,
+        notes=notes,
     )
-    write_atomic(run.config, dump_config(config))
-    write_atomic(run.ds_config, json.dumps(resolved.config, indent=2))
-    run.write_plan(plan)
-    return Prepared(run, plan, notes)
 
 
 def set_aside_future(run: RunDir, step: int) -> list[str]:

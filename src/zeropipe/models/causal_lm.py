@@ -111,13 +111,15 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
 def add_lora(model, section: ModelSection):
     from peft import LoraConfig, get_peft_model
 
+    from zeropipe.models.family import lora_targets, model_family
+
     lora = section.lora
     assert lora is not None
     peft_config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=lora_targets(lora, model_family(section)),
         task_type="CAUSAL_LM",
     )
     try:

@@ -263,7 +263,7 @@ def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection |
     lora_shape = None
     trainable, sizes = counts["total"], counts["sizes"]
     if lora is not None:
-        lora_shape, trainable, sizes = _lora_counts(model, lora, layers_list[0] if layers_list is not None else None)
+        lora_shape, trainable, sizes = _lora_counts(model, lora, layers_list[0] if layers_list is not None else None, "causal_lm")
     heads = text.num_attention_heads
     return ModelSpec(
         name=name,
@@ -346,15 +346,17 @@ def _count(model) -> dict[str, Any]:
     }
 
 
-def _lora_targets(model, lora: LoraSection) -> list[tuple[str, torch.nn.Linear]]:
+def _lora_targets(model, lora: LoraSection, family: str) -> list[tuple[str, torch.nn.Linear]]:
     import torch
 
+    from zeropipe.models.family import lora_targets
+
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    if lora.target_modules == "all-linear":
+    if lora_targets(lora, family) == "all-linear":
         # As peft does: every linear layer except the output head.
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return [(n, m) for n, m in linears if m is not output]
-    targets = list(lora.target_modules)
+    targets = list(lora_targets(lora, family))
     chosen = [(n, m) for n, m in linears if any(n == t or n.endswith("." + t) for t in targets)]
     if not chosen:
         names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
@@ -364,9 +366,11 @@ def _lora_targets(model, lora: LoraSection) -> list[tuple[str, torch.nn.Linear]]
     return chosen
 
 
-def _lora_counts(model, lora: LoraSection, layer) -> tuple[LoraShape, int, list[int]]:
+def _lora_counts(model, lora: LoraSection, layer, family: str) -> tuple[LoraShape, int, list[int]]:
     """Adapter weights: r x (in + out) per adapted linear layer, from the layers' shapes."""
-    chosen = _lora_targets(model, lora)
+    from zeropipe.models.family import lora_targets
+
+    chosen = _lora_targets(model, lora, family)
     sizes: list[int] = []
     for _, linear in chosen:
         sizes += [lora.r * linear.in_features, linear.out_features * lora.r]
@@ -378,7 +382,8 @@ def _lora_counts(model, lora: LoraSection, layer) -> tuple[LoraShape, int, list[
                 group = LINEAR_INPUT_GROUPS.get(module_name.rsplit(".", 1)[-1], module_name.rsplit(".", 1)[-1])
                 entry = groups.setdefault(group, [linear.in_features, 0])
                 entry[1] += 1
-    targets = ("all-linear",) if lora.target_modules == "all-linear" else tuple(lora.target_modules)
+    resolved = lora_targets(lora, family)
+    targets = ("all-linear",) if resolved == "all-linear" else tuple(resolved)
     shape = LoraShape(
         r=lora.r,
         dropout=lora.dropout > 0,
@@ -428,7 +433,7 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     counts = _count(model)
     trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
     if lora is not None:
-        lora_shape, trainable, sizes = _lora_counts(model, lora, None)
+        lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion")
         _inject_lora(model, lora)
     resolution = int(entry.get("resolution", 1024))
     trace = _trace(model, entry, resolution)
@@ -458,7 +463,9 @@ def _inject_lora(model, lora: LoraSection) -> None:
     import torch
     from peft import LoraConfig, inject_adapter_in_model
 
-    targets = "all-linear" if lora.target_modules == "all-linear" else list(lora.target_modules)
+    from zeropipe.models.family import lora_targets
+
+    targets = lora_targets(lora, "diffusion")
     with torch.device("meta"):
         inject_adapter_in_model(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets), model)
     for name, param in model.named_parameters():
