@@ -30,8 +30,11 @@ def build_context(config: RunConfig, world_size: int | None = None, accelerator:
     world_size = world_size or detected_ranks
     problems: list[tuple[str, str]] = []
     hidden = None
+    from zeropipe.models.family import model_family
+
     try:
-        hidden = hidden_size_of(model_config(config.model))
+        if model_family(config.model) != "diffusion":
+            hidden = hidden_size_of(model_config(config.model))
     except ConfigError as err:
         problems += err.problems
     user_ds = load_user_ds_config(config)

@@ -203,8 +203,11 @@ def spec_from_config(run_config: RunConfig) -> ModelSpec:
         ConfigError: when transformers cannot build the configured architecture.
     """
     from zeropipe.models.causal_lm import model_config
+    from zeropipe.models.family import model_family
 
     section = run_config.model
+    if model_family(section) == "diffusion":
+        return _diffusion_config_spec(run_config)
     vocab = None
     if section.config is not None and section.config.get("vocab_size") in (None, "auto"):
         # The tokenizer is trained on the data later; its size is the configured target.
@@ -478,7 +481,7 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
     from zeropipe.plan.trace import trace_diffusion
 
     config = model.config
-    latent = resolution // 8
+    latent = resolution // int(entry.get("vae_factor", 8))
     dtype = torch.bfloat16
     cls = entry["trained"]["class"]
     if cls == "UNet2DConditionModel":
@@ -515,7 +518,14 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
     return trace_diffusion(model, inputs, resolution)
 
 
-def _pipeline_spec(path: Path, lora: LoraSection | None) -> ModelSpec:
+def _vae_factor(path: Path) -> int:
+    try:
+        return 2 ** (len(json.loads((path / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+    except (OSError, KeyError, json.JSONDecodeError):
+        return 8
+
+
+def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024) -> ModelSpec:
     """A diffusers pipeline directory: train the UNet or transformer, keep text encoders and VAE frozen."""
     index = json.loads((path / "model_index.json").read_text())
     trained_name = "transformer" if "transformer" in index else "unet"
@@ -537,11 +547,48 @@ def _pipeline_spec(path: Path, lora: LoraSection | None) -> ModelSpec:
     entry = {
         "name": path.name,
         "family": family,
-        "resolution": 1024,
+        "resolution": resolution,
+        "vae_factor": _vae_factor(path),
         "trained": trained,
         "frozen": [c for c in components if c is not trained and c["name"] in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")],
     }
     return replace(_diffusion_spec(entry, lora), source=f"pipeline: {path}")
+
+
+def _diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
+    """The denoiser a diffusion run config trains, at its resolution, with the frozen models its ranks hold.
+
+    With both caches on, the ranks never load the VAE or the text encoders (they are encoded
+    once before training), so they are not counted; with one cache off, its encoder is.
+    """
+    from zeropipe.diffusion.pipelines import denoiser_class, preset_components
+
+    section, data = run_config.model, run_config.data
+    if section.path:
+        spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution)
+    else:
+        arch, components = preset_components(section.config or {})
+        trained = {"name": arch.denoiser, "library": "diffusers", "class": denoiser_class(arch).__name__, "config": components[arch.denoiser]}
+        frozen = [{"name": "vae", "library": "diffusers", "class": "AutoencoderKL", "config": components["vae"]}]
+        for name in arch.text_encoders:
+            fields = dict(components[name])
+            cls = fields.pop("class")
+            fields["model_type"] = "t5" if cls.startswith("T5") else "clip_text_model"
+            frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
+        factor = 2 ** (len(components["vae"]["block_out_channels"]) - 1)
+        entry = {
+            "name": section.config["pipeline"],
+            "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
+            "resolution": data.images.resolution,
+            "vae_factor": factor,
+            "trained": trained,
+            "frozen": frozen,
+        }
+        spec = replace(_diffusion_spec(entry, section.lora), source="run config: model.config")
+    cached = {"vae"} if data.cache.latents else set()
+    if data.cache.text:
+        cached |= {m.name for m in spec.frozen_models if m.name.startswith("text_encoder")}
+    return replace(spec, frozen_models=tuple(m for m in spec.frozen_models if m.name not in cached))
 
 
 def _version(package: str) -> str:

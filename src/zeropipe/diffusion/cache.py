@@ -1,0 +1,70 @@
+"""Latent and text-embedding caches: encoded once, split across ranks, reused by later runs.
+
+Each entry is one safetensors file named by a key that hashes everything it depends on:
+
+- a latent entry: the image file (absolute path, size, modification time), its bucket and
+  crop, and the VAE's fingerprint (a hash of its weights and config);
+- a text entry: the caption and the fingerprint of the text encoders and tokenizers.
+
+So a later run with the same inputs finds every entry and encodes nothing, and a changed
+image, caption, resolution or model changes only the keys that depend on it. Entries are
+written under a temporary name and renamed, so a run killed while caching leaves no
+half-written entry behind. The folder is shared by runs (``data.cache.dir``); deleting it is
+always safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CACHE_VERSION = 1  # bump when what an entry holds changes
+
+
+def _digest(*parts: object) -> str:
+    return hashlib.sha256(json.dumps([CACHE_VERSION, *parts], default=str).encode()).hexdigest()[:32]
+
+
+def latent_key(image: Path, bucket: tuple[int, int], crop: str, vae_fingerprint: str) -> str:
+    stat = Path(image).stat()
+    return _digest("latent", str(Path(image).resolve()), stat.st_size, stat.st_mtime_ns, list(bucket), crop, vae_fingerprint)
+
+
+def text_key(text: str, text_fingerprint: str) -> str:
+    return _digest("text", text, text_fingerprint)
+
+
+def entry_path(cache_dir: Path, kind: str, key: str) -> Path:
+    return Path(cache_dir) / kind / key[:2] / f"{key}.safetensors"
+
+
+def has_entry(cache_dir: Path, kind: str, key: str) -> bool:
+    return entry_path(cache_dir, kind, key).is_file()
+
+
+def save_entry(cache_dir: Path, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
+    path = entry_path(cache_dir, kind, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({name: value.contiguous() for name, value in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
+def load_entry(cache_dir: Path, kind: str, key: str) -> dict[str, torch.Tensor]:
+    return load_file(str(entry_path(cache_dir, kind, key)))
+
+
+@torch.no_grad()
+def encode_latent_distribution(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) of the VAE's latent distribution for a batch of images in [-1, 1].
+
+    The distribution is stored, not one sample of it, so that training still draws a fresh
+    sample each time it sees the image (as it would without a cache).
+    """
+    dist = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+    return dist.mean.float().cpu(), dist.std.float().cpu()

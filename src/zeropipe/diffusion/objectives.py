@@ -1,0 +1,102 @@
+"""Training objectives: DDPM noise/velocity prediction (UNets) and rectified flow (SD3, Flux).
+
+Both follow the reference training scripts of diffusers (train_text_to_image_sdxl.py,
+train_dreambooth_lora_sd3.py / _flux.py) and use the scheduler classes for the arithmetic
+they define (add_noise, get_velocity, the alphas), so the trained model matches the sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from zeropipe.config.schema import DiffusionSection
+
+
+@dataclass
+class NoisedBatch:
+    model_input: torch.Tensor  # what the denoiser sees
+    timesteps: torch.Tensor  # what it is told about the noise level (scheduler units)
+    target: torch.Tensor
+    weights: torch.Tensor | None  # per-example loss weights (min-SNR), or None
+
+
+class DDPMObjective:
+    """Noise (epsilon) or velocity (v) prediction on the DDPM schedule, with min-SNR weighting and noise offset."""
+
+    def __init__(self, scheduler_config: dict, section: DiffusionSection):
+        from diffusers import DDPMScheduler
+
+        fields = {k: v for k, v in scheduler_config.items() if not k.startswith("_")}
+        self.scheduler = DDPMScheduler.from_config(fields)
+        prediction = section.prediction_type
+        if prediction == "auto":
+            prediction = self.scheduler.config.prediction_type
+        if prediction not in ("epsilon", "v_prediction"):
+            from zeropipe.errors import ConfigError
+
+            raise ConfigError([("model.diffusion.prediction_type", f"{prediction} does not apply to a UNet on a DDPM schedule: use epsilon or v_prediction")])
+        self.prediction_type = prediction
+        self.section = section
+        alphas = self.scheduler.alphas_cumprod
+        self.snr = alphas / (1 - alphas)
+
+    def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> NoisedBatch:
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents)
+        if self.section.noise_offset:
+            # A per-channel constant shift: the model can then change an image's mean brightness.
+            offset = torch.randn((latents.shape[0], latents.shape[1], 1, 1), generator=generator, dtype=torch.float32).to(latents)
+            noise = noise + self.section.noise_offset * offset
+        count = self.scheduler.config.num_train_timesteps
+        if self.section.timestep_sampling == "logit_normal":
+            u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.randn((latents.shape[0],), generator=generator))
+            timesteps = (u * count).long().clamp(0, count - 1)
+        else:
+            timesteps = torch.randint(0, count, (latents.shape[0],), generator=generator)
+        noisy = self.scheduler.add_noise(latents, noise, timesteps)
+        target = noise if self.prediction_type == "epsilon" else self.scheduler.get_velocity(latents, noise, timesteps)
+        weights = None
+        if self.section.min_snr_gamma is not None:
+            snr = self.snr[timesteps]
+            clipped = torch.clamp(snr, max=self.section.min_snr_gamma)
+            weights = clipped / snr if self.prediction_type == "epsilon" else clipped / (snr + 1)
+        return NoisedBatch(noisy, timesteps.to(latents.device), target, weights)
+
+
+class FlowObjective:
+    """Rectified flow: x_t = (1 - s) x0 + s noise, predict noise - x0; logit-normal timesteps with a shift (SD3 paper)."""
+
+    def __init__(self, scheduler_config: dict, section: DiffusionSection):
+        prediction = section.prediction_type
+        if prediction not in ("auto", "flow"):
+            from zeropipe.errors import ConfigError
+
+            raise ConfigError([("model.diffusion.prediction_type", f"SD3/Flux transformers are trained with flow matching, not {prediction}: set auto or flow")])
+        self.section = section
+        self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
+        self.shift = float(scheduler_config.get("shift", 1.0)) if section.shift == "auto" else float(section.shift)
+
+    def sigmas(self, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        if self.section.timestep_sampling in ("auto", "logit_normal"):
+            u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.randn((batch,), generator=generator))
+        else:
+            u = torch.rand((batch,), generator=generator)
+        # The shift spends more training on high noise levels, as the sampler's schedule does.
+        return self.shift * u / (1 + (self.shift - 1) * u)
+
+    def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> NoisedBatch:
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents)
+        sigmas = self.sigmas(latents.shape[0], generator).to(latents)
+        shaped = sigmas.view(-1, *([1] * (latents.dim() - 1)))
+        noisy = (1 - shaped) * latents + shaped * noise
+        return NoisedBatch(noisy, sigmas * self.num_train_timesteps, noise - latents, None)
+
+
+def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """Mean squared error in fp32, per example weighted when weights are given."""
+    per_example = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(dim=tuple(range(1, prediction.dim())))
+    if weights is not None:
+        per_example = per_example * weights.to(per_example)
+    return per_example.mean()

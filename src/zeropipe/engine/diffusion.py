@@ -1,0 +1,353 @@
+"""One rank of a diffusion run: fill the caches -> train the denoiser -> sample images -> save.
+
+The base :class:`~zeropipe.engine.trainer.Trainer` does the rest (DeepSpeed engine, optimizer
+steps, metrics, checkpoints, resume). What is particular here:
+
+- Before training, the cache entries the launcher found missing are encoded, each rank its
+  share (``missing[rank::world_size]``), and the VAE and text encoders are freed again. When
+  the caches are complete the ranks never load them: only the denoiser is in memory.
+  Each metrics row says which frozen components this rank holds (``frozen_components_loaded``).
+- Only the denoiser (UNet or transformer) is given to DeepSpeed, and with LoRA only its
+  adapters: frozen weights get no gradients and no optimizer state.
+- Noise, timesteps, flips and caption dropout come from this rank's own random streams
+  (seeded by rank, saved with every checkpoint), so ranks see different noise and a
+  resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropipe.diffusion import cache
+from zeropipe.diffusion.images import epoch_micro_batches, load_image_for_bucket
+from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.diffusion.pipelines import (
+    ARCHITECTURES,
+    denoiser_class,
+    denoising_pipeline,
+    encode_prompts,
+    latent_scaling,
+    load_component,
+    text_pipeline,
+    vae_scale_factor,
+)
+from zeropipe.diffusion.prepare import read_plan
+from zeropipe.engine.trainer import Trainer
+from zeropipe.errors import DataError
+
+log = logging.getLogger("zeropipe")
+
+TEXT_BATCH = 16
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def release_memory() -> None:
+    """Give freed host memory back to the system, so the RSS in the metrics shows the saving."""
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class DiffusionTrainer(Trainer):
+    # ------------------------------------------------------------------ setup
+    def setup_tokenizer(self) -> None:
+        self.tokenizer = None  # the text encoders' tokenizers are used only while caching
+
+    def setup_data(self) -> None:
+        self.data = read_plan(self.run)
+        self.arch = ARCHITECTURES[self.data["architecture"]]
+        self.pipeline_dir = Path(self.data["pipeline_dir"])
+        self.cache_dir = Path(self.data["cache_dir"])
+        self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir)
+        self.vae_factor = vae_scale_factor(self.pipeline_dir)
+        self.compute_dtype = DTYPES[self.config.deepspeed.precision]
+        self.micro_batch_size = self.plan.micro_batch_size
+        self.accumulation = self.plan.gradient_accumulation_steps
+        self.images = self.config.data.images
+        self.vae = None
+        self.text_encoders = None  # a pipeline holding only the text encoders
+        self.skipped_images: set[str] = set()
+        self.fill_caches()
+        if not self.config.data.cache.latents:
+            self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+        if not self.config.data.cache.text:
+            self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+        scheduler_config = json.loads((self.pipeline_dir / "scheduler" / "scheduler_config.json").read_text())
+        objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
+        self.objective = objective(scheduler_config, self.config.model.diffusion)
+
+    def fill_caches(self) -> None:
+        """Encode this rank's share of the missing cache entries, then free the encoders."""
+        import deepspeed.comm as dist
+
+        missing_latents = self.data["missing_latents"][self.rank :: self.world_size]
+        missing_texts = self.data["missing_texts"][self.rank :: self.world_size]
+        if missing_latents:
+            vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+            for index in missing_latents:
+                item = self.data["items"][index]
+                bucket = tuple(self.data["buckets"][index])
+                for flip, key in zip(self.data["flips"], self.data["latent_keys"][index]):
+                    try:
+                        prepared = load_image_for_bucket(Path(item["path"]), bucket, crop="center", flip=flip)
+                    except DataError as err:
+                        log.warning("skipping %s: %s", item["path"], err)
+                        continue
+                    mean, std = cache.encode_latent_distribution(vae, prepared.pixels[None])
+                    cache.save_entry(self.cache_dir, "latents", key, {
+                        "mean": mean[0], "std": std[0],
+                        "original_size": torch.tensor(prepared.original_size), "crop_top_left": torch.tensor(prepared.crop_top_left),
+                        "target_size": torch.tensor(prepared.target_size),
+                    })
+            del vae
+        if missing_texts:
+            encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+            for start in range(0, len(missing_texts), TEXT_BATCH):
+                texts = missing_texts[start : start + TEXT_BATCH]
+                for text, tensors in zip(texts, encode_prompts(encoders, self.arch, texts, self.device)):
+                    cache.save_entry(self.cache_dir, "text", self.data["text_keys"][text], tensors)
+            del encoders
+        if missing_latents or missing_texts:
+            log.info("cached %d image latent(s) and %d caption embedding(s) on this rank", len(missing_latents), len(missing_texts))
+            release_memory()
+        dist.barrier()
+        if self.rank == 0 and (self.data["missing_latents"] or self.data["missing_texts"]):
+            log.info("caches filled: %d images and %d captions encoded by %d ranks", len(self.data["missing_latents"]), len(self.data["missing_texts"]), self.world_size)
+
+    def setup_model(self) -> None:
+        import deepspeed
+
+        from zeropipe.models.loading import load_pretrained
+
+        cls = denoiser_class(self.arch)
+        folder = self.pipeline_dir / self.arch.denoiser
+
+        def construct():
+            return cls.from_config(cls.load_config(str(folder)))
+
+        model = load_pretrained(
+            construct, folder, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.ds_config, stem="diffusion_pytorch_model"
+        )
+        section = self.config.model
+        if section.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        if section.lora is not None:
+            from peft import LoraConfig
+
+            from zeropipe.models.family import lora_targets
+
+            model.requires_grad_(False)
+            lora = section.lora
+            model.add_adapter(
+                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=lora_targets(lora, "diffusion"))
+            )
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(self.compute_dtype)
+        model.train()
+        from zeropipe.models.causal_lm import count_parameters
+
+        trainable, total = count_parameters(model)
+        log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.name, self.arch.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
+        self.parameter_counts = {"trainable": trainable, "total": total}
+        # From here each rank draws its own noise (the model, LoRA init included, was built
+        # from the shared seed); the base trainer saves and restores these streams with checkpoints.
+        seed = self.config.run.seed * 1009 + self.rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+
+    # ------------------------------------------------------------------ train
+    def batches(self):
+        """Micro-batches of item indices (one bucket each) from the current position, epoch after epoch."""
+        per_epoch = self.plan.micro_batches_per_epoch
+        micro_step = self.step * self.accumulation
+        while True:
+            epoch, position = divmod(micro_step, per_epoch)
+            mine = epoch_micro_batches(
+                [tuple(b) for b in self.data["buckets"]], self.data["repeats"], self.micro_batch_size, self.world_size, self.config.run.seed, epoch
+            )[self.rank]
+            for indices in mine[position:per_epoch]:
+                yield epoch, indices
+                micro_step += 1
+
+    def forward_loss(self, indices: list[int]) -> tuple[torch.Tensor, float, float]:
+        latents, condition = self.assemble(indices)
+        noised = self.objective.noise(latents)
+        prediction = self.predict(noised.model_input, noised.timesteps, condition)
+        return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
+
+    def assemble(self, indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Latents and conditioning of a micro-batch: from the caches, or encoded now when they are off."""
+        latents, time_ids, texts = [], [], []
+        usable = [i for i in indices if self.data["items"][i]["path"] not in self.skipped_images] or list(indices)
+        for index in indices:
+            if index not in usable:
+                index = random.choice(usable)
+            item = self.data["items"][index]
+            flip_choice = random.random() < self.images.flip
+            sample, sizes = self.image_latents(index, flip_choice)
+            if sample is None:  # unreadable now: another image of the same bucket stands in
+                sample, sizes = self.image_latents(random.choice([i for i in usable if i != index] or usable), flip_choice)
+            latents.append(sample)
+            time_ids.append(sizes)
+            dropped = random.random() < self.images.caption_dropout
+            texts.append("" if dropped else item["caption"])
+        condition = self.text_condition(texts)
+        condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
+        batch = torch.stack(latents).to(self.device)
+        return ((batch - self.latent_shift) * self.latent_scale).to(self.compute_dtype), condition
+
+    def image_latents(self, index: int, flip: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        item = self.data["items"][index]
+        bucket = tuple(self.data["buckets"][index])
+        if self.config.data.cache.latents:
+            keys = self.data["latent_keys"][index]
+            key = keys[1] if flip and len(keys) > 1 else keys[0]
+            try:
+                entry = cache.load_entry(self.cache_dir, "latents", key)
+            except (OSError, RuntimeError) as err:
+                self.skip_image(item["path"], f"cached latents unreadable ({err})")
+                return None, torch.zeros(6)
+            mean, std = entry["mean"], entry["std"]
+            sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
+        else:
+            try:
+                prepared = load_image_for_bucket(Path(item["path"]), bucket, crop=self.images.crop, flip=flip, rng=random)
+            except DataError as err:
+                self.skip_image(item["path"], str(err))
+                return None, torch.zeros(6)
+            mean, std = cache.encode_latent_distribution(self.vae, prepared.pixels[None])
+            mean, std = mean[0], std[0]
+            sizes = torch.tensor([*prepared.original_size, *prepared.crop_top_left, *prepared.target_size], dtype=torch.float32)
+        return mean + std * torch.randn(mean.shape), sizes
+
+    def skip_image(self, path: str, reason: str) -> None:
+        if path not in self.skipped_images:
+            self.skipped_images.add(path)
+            log.warning("rank %d: skipping %s from now on: %s", self.rank, path, reason)
+
+    def text_condition(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        rows: list[dict[str, torch.Tensor]] = []
+        for text in texts:
+            key = self.data["text_keys"].get(text)
+            if key is not None and cache.has_entry(self.cache_dir, "text", key):
+                rows.append(cache.load_entry(self.cache_dir, "text", key))
+            else:
+                if self.text_encoders is None:
+                    self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+                rows.append(encode_prompts(self.text_encoders, self.arch, [text], self.device)[0])
+        return {name: torch.stack([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
+
+    def predict(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The denoiser's output for a batch, called as the architecture's pipeline calls it."""
+        model = self.engine
+        if self.arch.name == "sdxl":
+            return model(
+                model_input, timesteps, encoder_hidden_states=condition["prompt_embeds"],
+                added_cond_kwargs={"text_embeds": condition["pooled_prompt_embeds"], "time_ids": condition["time_ids"]},
+            ).sample
+        if self.arch.name == "sd15":
+            return model(model_input, timesteps, encoder_hidden_states=condition["prompt_embeds"]).sample
+        if self.arch.name == "sd3":
+            return model(
+                hidden_states=model_input, timestep=timesteps.to(self.compute_dtype), encoder_hidden_states=condition["prompt_embeds"],
+                pooled_projections=condition["pooled_prompt_embeds"],
+            ).sample
+        from diffusers import FluxPipeline
+
+        batch, channels, height, width = model_input.shape
+        packed = FluxPipeline._pack_latents(model_input, batch, channels, height, width)
+        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, self.device, self.compute_dtype)
+        text_ids = torch.zeros(condition["prompt_embeds"].shape[1], 3, device=self.device, dtype=self.compute_dtype)
+        module = self.engine.module
+        guidance = None
+        if getattr(module.config, "guidance_embeds", False):
+            guidance = torch.full((batch,), self.config.model.diffusion.guidance, device=self.device, dtype=torch.float32)
+        out = model(
+            hidden_states=packed, timestep=(timesteps / 1000).to(self.compute_dtype), guidance=guidance,
+            pooled_projections=condition["pooled_prompt_embeds"], encoder_hidden_states=condition["prompt_embeds"],
+            txt_ids=text_ids, img_ids=image_ids,
+        ).sample
+        return FluxPipeline._unpack_latents(out, height * self.vae_factor, width * self.vae_factor, self.vae_factor)
+
+    def extra_metrics(self) -> dict[str, Any]:
+        loaded = [name for name, part in (("vae", self.vae), ("text_encoders", self.text_encoders)) if part is not None]
+        return {"frozen_components_loaded": loaded, "images_skipped": len(self.skipped_images)}
+
+    def after_step(self) -> None:
+        every = self.config.generate.sample_every
+        if every and self.step % every == 0 and self.step < self.plan.total_steps:
+            self.sample_images()
+
+    def generate_samples(self) -> None:
+        self.sample_images()
+
+    # ------------------------------------------------------------------ samples
+    @torch.no_grad()
+    def sample_images(self) -> None:
+        """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes."""
+        prompts = self.plan.generate_prompts
+        if not prompts:
+            return
+        generate = self.config.generate
+        size = self.images.resolution
+        condition = self.text_condition(prompts)
+        negative = self.text_condition([""] * len(prompts))
+        module = self.engine.module
+        was_training = module.training
+        module.eval()
+        pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module)
+        kwargs: dict[str, Any] = {
+            "prompt_embeds": condition["prompt_embeds"], "height": size, "width": size, "num_inference_steps": generate.sample_steps,
+            "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent",
+        }
+        if "pooled_prompt_embeds" in condition:
+            kwargs["pooled_prompt_embeds"] = condition["pooled_prompt_embeds"]
+        if self.arch.name == "flux":
+            kwargs["guidance_scale"] = self.config.model.diffusion.guidance
+        else:
+            kwargs["guidance_scale"] = generate.guidance_scale
+            kwargs["negative_prompt_embeds"] = negative["prompt_embeds"]
+            if "pooled_prompt_embeds" in negative:
+                kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
+        pipeline.set_progress_bar_config(disable=True)
+        latents = pipeline(**kwargs).images
+        if was_training:
+            module.train()
+        if self.rank != 0:
+            return
+        if self.arch.name == "flux":
+            latents = pipeline._unpack_latents(latents, size, size, self.vae_factor)
+        if self.vae is None:
+            self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+        decoded = self.vae.decode(latents.float() / self.latent_scale + self.latent_shift).sample
+        pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        from PIL import Image
+
+        folder = self.run.path / "samples" / f"step_{self.step:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for number, (prompt, image) in enumerate(zip(prompts, pixels)):
+            name = f"{number:02d}.png"
+            Image.fromarray(image).save(folder / name)
+            rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}"})
+        with open(self.run.path / "samples" / "index.jsonl", "a") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)
+        log.info("step %d: %d sample image(s) written to %s", self.step, len(rows), folder)
+        if self.config.data.cache.latents:
+            # Loaded for the samples only: training goes on without it.
+            self.vae = None
+            release_memory()
