@@ -189,7 +189,7 @@ class DiffusionTrainer(Trainer):
         prediction = self.predict(noised.model_input, noised.timesteps, condition)
         return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
 
-    def assemble(self, indices: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now when they are off."""
         latents, time_ids, texts = [], [], []
         usable = [i for i in indices if self.data["items"][i]["path"] not in self.skipped_images] or list(indices)
@@ -197,13 +197,13 @@ class DiffusionTrainer(Trainer):
             if index not in usable:
                 index = random.choice(usable)
             item = self.data["items"][index]
-            flip_choice = random.random() < self.images.flip
+            flip_choice = augment and random.random() < self.images.flip
             sample, sizes = self.image_latents(index, flip_choice)
             if sample is None:  # unreadable now: another image of the same bucket stands in
                 sample, sizes = self.image_latents(random.choice([i for i in usable if i != index] or usable), flip_choice)
             latents.append(sample)
             time_ids.append(sizes)
-            dropped = random.random() < self.images.caption_dropout
+            dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
@@ -282,6 +282,44 @@ class DiffusionTrainer(Trainer):
             txt_ids=text_ids, img_ids=image_ids,
         ).sample
         return FluxPipeline._unpack_latents(out, height * self.vae_factor, width * self.vae_factor, self.vae_factor)
+
+    @torch.no_grad()
+    def fixed_batch_loss(self) -> float:
+        """The loss on a fixed batch with fixed noise, timesteps and captions, averaged over ranks.
+
+        The training loss of a diffusion model jumps with the timesteps drawn; this one does
+        not, so comparing it before and after training shows whether the model learned.
+        """
+        import deepspeed.comm as dist
+
+        state = (torch.get_rng_state(), random.getstate())
+        torch.manual_seed(self.config.run.seed + 7919 * self.rank)
+        random.seed(self.config.run.seed + self.rank)
+        # No caption dropout or flips: the same inputs each time it is measured.
+        indices = epoch_micro_batches([tuple(b) for b in self.data["buckets"]], self.data["repeats"], self.micro_batch_size, self.world_size, self.config.run.seed, 0)[self.rank][0]
+        latents, condition = self.assemble(indices, augment=False)
+        generator = torch.Generator().manual_seed(self.config.run.seed + self.rank)
+        noised = self.objective.noise(latents, generator=generator)
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        loss = weighted_mse(self.predict(noised.model_input, noised.timesteps, condition), noised.target, noised.weights).float()
+        if was_training:
+            self.engine.module.train()
+        torch.set_rng_state(state[0])
+        random.setstate(state[1])
+        total = loss.detach().to(self.device, torch.float64).reshape(1)
+        dist.all_reduce(total)
+        return float(total) / self.world_size
+
+    def train(self) -> None:
+        self.fixed_loss_start = self.fixed_batch_loss() if self.step == 0 else None
+        super().train()
+        self.fixed_loss_end = self.fixed_batch_loss()
+        if self.rank == 0:
+            log.info("loss on a fixed batch (fixed noise and timesteps): %s -> %.4f", f"{self.fixed_loss_start:.4f}" if self.fixed_loss_start is not None else "(resumed)", self.fixed_loss_end)
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {"fixed_batch_loss_start": self.fixed_loss_start, "fixed_batch_loss_end": self.fixed_loss_end, "images_skipped": len(self.skipped_images)}
 
     def extra_metrics(self) -> dict[str, Any]:
         loaded = [name for name, part in (("vae", self.vae), ("text_encoders", self.text_encoders)) if part is not None]

@@ -1,0 +1,86 @@
+"""Export a diffusion run: a full fine-tune as a diffusers pipeline directory, LoRA as a diffusers LoRA file.
+
+- Full fine-tune: the run's pipeline directory (VAE, text encoders, tokenizers, scheduler)
+  with the trained UNet/transformer in place of the original one;
+  ``DiffusionPipeline.from_pretrained(OUT)`` loads it.
+- LoRA: ``OUT/pytorch_lora_weights.safetensors`` in the diffusers key layout, written by the
+  pipeline class's own ``save_lora_weights``, so ``pipeline.load_lora_weights(OUT)`` of the
+  base pipeline accepts it (and so do ComfyUI-style loaders that read diffusers LoRAs).
+  With ``merge`` the adapter is fused into the denoiser and a full pipeline is written.
+
+As for language models, the directory is written under a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from zeropipe.checkpoint.manager import CheckpointInfo
+from zeropipe.config.schema import RunConfig
+from zeropipe.errors import CheckpointError
+from zeropipe.rundir import RunDir
+
+
+def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state: dict[str, torch.Tensor], out: Path, merge: bool, dtype: torch.dtype) -> Path:
+    from zeropipe.diffusion.pipelines import ARCHITECTURES, denoiser_class, pipeline_class
+    from zeropipe.diffusion.prepare import read_plan
+
+    plan = read_plan(run)
+    arch = ARCHITECTURES[plan["architecture"]]
+    pipeline_dir = Path(plan["pipeline_dir"])
+    if not (pipeline_dir / "model_index.json").is_file():
+        raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
+    denoiser = denoiser_class(arch).from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32)
+    lora = config.model.lora
+    if lora is not None:
+        from peft import LoraConfig
+
+        from zeropipe.models.family import lora_targets
+
+        denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora_targets(lora, "diffusion")))
+    load_checked(denoiser, state, info)
+
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if lora is not None and not merge:
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
+        layers = {key: value.to(dtype) for key, value in layers.items()}
+        tmp.mkdir(parents=True)
+        pipeline_class(arch).save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers})
+        kind = "lora"
+    else:
+        if lora is not None:
+            denoiser.fuse_lora(lora_scale=1.0)
+            denoiser.unload_lora()
+        shutil.copytree(pipeline_dir, tmp, ignore=shutil.ignore_patterns(arch.denoiser))
+        denoiser.to(dtype).save_pretrained(str(tmp / arch.denoiser), safe_serialization=True)
+        kind = "merged" if lora is not None else "full"
+    (tmp / "zeropipe_export.json").write_text(
+        json.dumps(
+            {"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "kind": kind, "architecture": arch.name,
+             "base_pipeline": str(pipeline_dir), "dtype": str(dtype).replace("torch.", "")},
+            indent=2,
+        )
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def load_checked(model, state: dict[str, torch.Tensor], info: CheckpointInfo) -> None:
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        parts = [f"{label}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
+        raise CheckpointError(f"checkpoint {info.path} does not match the run's denoiser ({'; '.join(parts)}): was config.yaml edited after training?")
+    model.load_state_dict(state, strict=True)
