@@ -115,10 +115,10 @@ def ui(tmp_path_factory):
     server.data.mkdir()
     server.runs.mkdir()
     # Runs that need no training: a failed one, a diffusion one with samples, a finished baseline.
-    from tests.e2e.fake_runs import DIAGNOSIS_TEXT, write_run, write_samples
+    from tests.e2e.fake_runs import DIAGNOSIS_TEXT, as_diffusion_metrics, write_run, write_samples
 
     write_run(server.runs, "sdxl-oom", state="failed", steps=3, total_steps=500, checkpoints=(), diagnosis=DIAGNOSIS_TEXT)
-    write_samples(write_run(server.runs, "sdxl-lora", steps=100, checkpoints=(50, 100)), steps=(50, 100))
+    write_samples(as_diffusion_metrics(write_run(server.runs, "sdxl-lora", steps=100, checkpoints=(50, 100))), steps=(50, 100))
     write_run(server.runs, "baseline", steps=60, checkpoints=(60,))
     server.start()
     yield server

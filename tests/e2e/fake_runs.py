@@ -139,6 +139,17 @@ def write_samples(run: Path, steps: tuple[int, ...] = (50, 100), prompts: list[s
     return rows
 
 
+def as_diffusion_metrics(run: Path) -> Path:
+    """Rewrite a run's metrics as a diffusion run writes them: images/s, no tokens, no frozen encoders loaded."""
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row.pop("tokens_per_s", None)
+        row["frozen_components_loaded"] = []
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return run
+
+
 def live_pid() -> int:
     """A pid that is alive for the test's duration (this process), for a 'running' status."""
     return os.getpid()

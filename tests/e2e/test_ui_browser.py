@@ -60,6 +60,8 @@ def test_the_sample_gallery_of_a_diffusion_run(page, ui):
     images = gallery.locator("img")
     expect(images).to_have_count(4)
     page.wait_for_function("[...document.querySelectorAll('#gallery img')].every((img) => img.complete && img.naturalWidth === 64)")
+    # A diffusion run has no tokens: its throughput chart shows images/s instead of staying empty.
+    expect(page.locator('[data-chart="throughput"] .u-title')).to_have_text("throughput (images/s)")
     gallery.scroll_into_view_if_needed()
     screenshot(page, "03-diffusion-gallery")
 

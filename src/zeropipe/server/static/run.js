@@ -10,7 +10,8 @@
   const CHARTS = {
     loss: { title: "loss", keys: ["loss"] },
     lr: { title: "learning rate", keys: ["lr"] },
-    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"] },
+    // Language models report tokens/s; diffusion runs have no tokens and report samples (images)/s.
+    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"], fallback: { title: "throughput (images/s)", keys: ["samples_per_s"] } },
     host_ram: { title: "host RAM per rank (RSS)", prefix: "host_rss_bytes/", format: ZP.fmtBytes },
     gpu: { title: "GPU memory per rank (max allocated)", prefix: "gpu_max_allocated_bytes/", format: ZP.fmtBytes },
     grad_norm: { title: "gradient norm", keys: ["grad_norm"] },
@@ -36,8 +37,13 @@
       .sort((a, b) => Number(a.split("/")[1]) - Number(b.split("/")[1]));
   }
 
+  function hasValues(keys) {
+    return keys.some((k) => columns[k].some((v) => v !== null));
+  }
+
   function drawCharts() {
-    for (const [name, spec] of Object.entries(CHARTS)) {
+    for (let [name, spec] of Object.entries(CHARTS)) {
+      if (spec.fallback && !hasValues(chartKeys(spec))) spec = spec.fallback;
       const container = document.querySelector(`[data-chart="${name}"]`);
       const keys = chartKeys(spec);
       const hasData = keys.some((k) => columns[k].some((v) => v !== null));
