@@ -39,6 +39,7 @@ class RunDir:
     tokenizer = property(lambda self: self.path / "tokenizer")
     data = property(lambda self: self.path / "data")
     cache = property(lambda self: self.path / "cache")
+    eval_cache = property(lambda self: self.path / "cache" / "eval")  # held-out data, tokenized like the training cache
     logs = property(lambda self: self.path / "logs")
     errors = property(lambda self: self.path / "errors")
     metrics = property(lambda self: self.path / "metrics.jsonl")

@@ -118,6 +118,11 @@ def test_sdxl_lora_under_zero3_exports_a_diffusers_lora(tmp_path):
     pipeline.load_lora_weights(str(out))
     after = draw(pipeline)
     assert after.shape == before.shape and abs(after - before).max() > 1e-4
+    # --merge: the adapter fused into a full pipeline draws what base + adapter draws.
+    merged_dir = tmp_path / "merged"
+    assert_ok(zeropipe("export", run_dir, "--out", merged_dir, "--merge", "--dtype", "fp32"))
+    merged = draw(DiffusionPipeline.from_pretrained(str(merged_dir)))
+    assert abs(merged - after).max() < 1e-3
 
 
 @pytest.mark.parametrize("pipeline", ["tiny-flux", "tiny-sd3"])

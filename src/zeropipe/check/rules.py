@@ -7,6 +7,7 @@ documented, and is run on a config before any process starts (`zeropipe check`, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -140,7 +141,7 @@ def device_map_with_deepspeed(ctx: CheckContext):
     return found
 
 
-@rule("ZP007", "error", "QLoRA under ZeRO-3 with a storage dtype other than the compute dtype", "https://huggingface.co/docs/peft/accelerate/deepspeed#use-peft-qlora-and-deepspeed-with-zero3-for-finetuning-large-models-on-multiple-gpus")
+@rule("ZP007", "error", "QLoRA that cannot load: no CUDA or bitsandbytes, no adapters, or a storage dtype ZeRO-3 cannot partition", "https://huggingface.co/docs/peft/accelerate/deepspeed#use-peft-qlora-and-deepspeed-with-zero3-for-finetuning-large-models-on-multiple-gpus")
 def qlora_quant_storage(ctx: CheckContext):
     quant = ctx.config.model.quantization
     found = []
@@ -148,14 +149,31 @@ def qlora_quant_storage(ctx: CheckContext):
         return found
     if ctx.config.model.lora is None:
         found.append(("model.quantization", "a 4-bit base cannot be trained by itself", "add model.lora (QLoRA trains adapters on the frozen 4-bit base)"))
-    compute = ctx.config.deepspeed.precision if quant.compute_dtype == "auto" else quant.compute_dtype
-    if ctx.zero_stage == 3 and quant.quant_storage not in ("auto", compute):
-        found.append(("model.quantization.quant_storage", f"{quant.quant_storage} differs from the compute dtype {compute}: ZeRO-3 cannot partition the packed weights", f"set quant_storage: auto (or {compute})"))
+    precision = ctx.config.deepspeed.precision
+    if ctx.zero_stage == 3 and quant.quant_storage not in ("auto", precision):
+        found.append(
+            (
+                "model.quantization.quant_storage",
+                f"{quant.quant_storage} differs from the model's dtype {precision} (deepspeed.precision): ZeRO-3 partitions the packed 4-bit weights "
+                "with the other parameters, which needs them stored in the same dtype",
+                f"set quant_storage: auto (or {precision})",
+            )
+        )
+    install = "pip install bitsandbytes (or pip install 'zeropipe[qlora]')"
     if ctx.accelerator != "cuda":
-        found.append(("model.quantization", "bitsandbytes' 4-bit kernels need CUDA and this run has no GPU", "remove model.quantization (plain LoRA runs on CPU) or run on a CUDA machine"))
+        # One finding: on a machine without CUDA, installing bitsandbytes would not help by itself.
+        missing = "" if bitsandbytes_installed() else f" (bitsandbytes is not installed either: {install} there)"
+        found.append(("model.quantization", "bitsandbytes' 4-bit kernels need CUDA and this run has no GPU", f"remove model.quantization (plain LoRA runs on CPU) or run on a CUDA machine{missing}"))
+    elif not bitsandbytes_installed():
+        found.append(("model.quantization", "bitsandbytes is not installed; QLoRA loads the 4-bit base with it", install))
     if not ctx.config.model.path:
         found.append(("model.quantization", "4-bit loading quantizes pretrained weights; a randomly initialised model.config has none", "set model.path to a pretrained model"))
     return found
+
+
+def bitsandbytes_installed() -> bool:
+    # find_spec, not import: importing bitsandbytes without CUDA prints warnings and can take seconds.
+    return importlib.util.find_spec("bitsandbytes") is not None
 
 
 @rule("ZP008", "error", "batch sizes inconsistent with train_batch_size", DS_CONFIG_DOCS + "#batch-size-related-parameters")

@@ -60,6 +60,27 @@ def plan_for(context: CheckContext):
 
 
 def check_config(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
-    """Every finding for this config, errors first."""
+    """Every finding for this config, errors first; for a curriculum, every stage's."""
+    if config.stages:
+        return check_stages(config, world_size, accelerator)
     findings = run_rules(build_context(config, world_size, accelerator))
+    return sorted(findings, key=lambda f: (f.severity != "error", f.rule))
+
+
+def check_stages(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
+    """A curriculum: each stage checked as the run it will be (its own ZeRO stage, LoRA, batch), keys prefixed stages[N]."""
+    import dataclasses
+
+    from zeropipe.config.stages import stage_configs, stage_key
+    from zeropipe.launch.auto import resolve_auto_knobs
+
+    findings = []
+    for index, stage in enumerate(stage_configs(config)):
+        try:
+            stage, _ = resolve_auto_knobs(stage, world_size)
+        except ZeroPipeError as err:
+            findings.append(Finding("ZP011", "error", stage_key(index, "deepspeed"), str(err), "zeropipe plan on this stage's settings shows what fits", "docs/plan.md"))
+            continue
+        for finding in run_rules(build_context(stage, world_size, accelerator)):
+            findings.append(dataclasses.replace(finding, key=stage_key(index, finding.key)))
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))

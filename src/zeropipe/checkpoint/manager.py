@@ -83,10 +83,25 @@ def resolve_checkpoint(path: Path) -> tuple[Path, CheckpointInfo]:
             )
         return run_dir, CheckpointInfo(path.name, int(TAG_PATTERN.match(path.name).group(1)), path)
     run_dir = path.parent if path.name == "checkpoints" else path
+    if (run_dir / "stages.json").is_file() and not checkpoints_dir(run_dir).is_dir():
+        run_dir = latest_stage_with_checkpoint(run_dir)
     info = latest_checkpoint(run_dir)
     if info is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint: train with train.save_every set, or start a new run without --resume")
     return run_dir, info
+
+
+def latest_stage_with_checkpoint(run_dir: Path) -> Path:
+    """A curriculum's weights are in its stages' sub-runs: the directory of the latest stage that saved a checkpoint.
+
+    Raises:
+        CheckpointError: no stage has saved one yet.
+    """
+    stages = json.loads((Path(run_dir) / "stages.json").read_text()).get("stages", [])
+    for stage in reversed(stages):
+        if list_checkpoints(Path(run_dir) / stage["dir"]):
+            return Path(run_dir) / stage["dir"]
+    raise CheckpointError(f"{run_dir} is a curriculum none of whose stages has saved a checkpoint yet: wait for its first stage to save one")
 
 
 def mark_complete(run_dir: Path, step: int, meta: dict) -> None:

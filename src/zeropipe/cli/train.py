@@ -50,12 +50,17 @@ def run(args: argparse.Namespace) -> int:
         raise CheckFailed(findings)
     for finding in findings:
         say(f"warning {finding.rule} {finding.key}: {finding.message} (fix: {finding.fix})")
+    if config.stages:
+        from zeropipe.cli.train_stages import train_curriculum
+
+        return train_curriculum(args, config, resume)
     prepared = prepare_run(config, resume=resume)
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")
     say(
         f"{plan.world_size} {plan.accelerator.upper()} ranks, ZeRO stage {plan.zero_stage}, {plan.examples} examples, "
-        f"{plan.total_steps} steps of {plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.world_size} examples"
+        f"{plan.total_steps} steps of {plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.world_size} "
+        f"{'packed sequences' if config.data.packing else 'examples'}"
     )
     for note in prepared.notes:
         say(f"  {note}")
@@ -98,9 +103,11 @@ def report(run_dir: RunDir) -> None:
         say("generations of the trained model:")
         for line in run_dir.generations.read_text().splitlines():
             row = json.loads(line)
-            expected = expected_answer(row["prompt"])
+            # Vision-language runs answer about an image, and know the held-out synthetic captions.
+            expected = row["expected"] if "expected" in row else expected_answer(row["prompt"])
             verdict = "" if expected is None else ("  (right)" if row["output"] == expected else f"  (expected {expected!r})")
-            say(f"  {row['prompt']!r} -> {row['output']!r}{verdict}")
+            about = f"[{row['image'].rsplit('/', 1)[-1]}] " if "image" in row else ""
+            say(f"  {about}{row['prompt']!r} -> {row['output']!r}{verdict}")
     say(f"export it: zeropipe export {run_dir.path} --out {run_dir.path}/export")
 
 
@@ -129,6 +136,13 @@ class Progress:
         self.offset += len(complete)
         for line in complete.decode().splitlines():
             row = json.loads(line)
+            if row.get("kind") == "eval":
+                message = f"step {row['step']} eval loss {row['eval_loss']:.4f} perplexity {row['eval_perplexity']:.4g}"
+                if self.bar is not None:
+                    self.bar.write(message, file=sys.stderr)  # above the bar, which stays on the last line
+                else:
+                    say(message)
+                continue
             if self.bar is not None:
                 self.bar.n = row["step"]
                 self.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2g}", refresh=False)

@@ -67,13 +67,26 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             value = float(value) if any(c in value for c in "eE.") else value
         except ValueError:
             pass
-    node = raw
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[parts[-1]] = value
+    node: Any = raw
+    # `stages[1].train.lr` (the form problems are reported in) and `stages.1.train.lr` both index a list.
+    parts = key.strip().replace("[", ".").replace("]", "").split(".")
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                where = ".".join(parts[:depth])
+                raise ConfigError([(key, f"{where} has items 0 to {len(node) - 1}: {part} is not one of them")])
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+            continue
+        if last:
+            node[part] = value
+        else:
+            if not isinstance(node.get(part), (dict, list)):
+                node[part] = {}
+            node = node[part]
 
 
 def validate_config(raw: dict[str, Any], source: str | None = None, extra_problems: list[tuple[str, str]] | None = None) -> RunConfig:
@@ -83,7 +96,13 @@ def validate_config(raw: dict[str, Any], source: str | None = None, extra_proble
         config = RunConfig.model_validate(raw)
     except ValidationError as err:
         problems += [describe_error(error) for error in err.errors()]
-    problems += semantic_problems(raw)
+    if raw.get("stages") is not None:
+        from zeropipe.config.stages import curriculum_problems
+
+        # Every stage is validated as the config it will run with; problems are prefixed stages[N].
+        problems = curriculum_problems(raw, problems)
+    else:
+        problems += semantic_problems(raw)
     if problems:
         raise ConfigError(dedupe(problems), source=source)
     assert config is not None
@@ -129,7 +148,7 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union["))]
     # pydantic appends the failing union member's type to the location; drop those parts.
     loc = [part for part in loc if part not in {"int", "str", "list[str]", "dict[str,any]", "float", "bool"}]
-    key = ".".join(loc)
+    key = dotted_key(loc)
     kind = error["type"]
     if kind == "extra_forbidden":
         known = known_keys(loc[:-1])
@@ -144,14 +163,25 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     return key, message
 
 
+def dotted_key(loc: list[str]) -> str:
+    """``["stages", "1", "train"]`` -> ``stages[1].train``: list items by their index, as in YAML paths."""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if part.isdigit() else (f".{part}" if key else part)
+    return key
+
+
 def known_keys(loc: list[str]) -> list[str]:
     model: type[BaseModel] = RunConfig
     for part in loc:
+        if part.isdigit():
+            continue  # an item of a list of sections (stages, data.mixture)
         field = model.model_fields.get(part)
         if field is None:
             return []
         annotation = field.annotation
         candidates = [annotation, *getattr(annotation, "__args__", ())]
+        candidates += [item for candidate in candidates for item in getattr(candidate, "__args__", ())]  # list[Section] | None
         sub = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
         if sub is None:
             return []
@@ -184,13 +214,30 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(model.get("tokenizer"), str) and not Path(model["tokenizer"]).expanduser().is_dir():
         problems.append(("model.tokenizer", f"{model['tokenizer']} is not a directory: fix the path or remove the key"))
 
-    synthetic = data.get("synthetic") is not None
-    if data.get("path") and synthetic:
-        problems.append(("data", "set data.path or data.synthetic, not both"))
-    elif not data.get("path") and not synthetic:
-        problems.append(("data", "no training data: set data.path to a .jsonl/.json/.txt file, or data.synthetic: {task: mixed}"))
+    given = {"path": bool(data.get("path")), "synthetic": data.get("synthetic") is not None, "mixture": data.get("mixture") is not None}
+    sources = [f"data.{key}" for key, present in given.items() if present]
+    if len(sources) > 1:
+        problems.append(("data", f"set one of data.path, data.synthetic or data.mixture, not {' and '.join(sources)}"))
+    elif not sources:
+        problems.append(("data", "no training data: set data.path to a .jsonl/.json/.txt file, data.synthetic: {task: mixed}, or data.mixture"))
+    if isinstance(data.get("mixture"), list):
+        from zeropipe.data.mixture import mixture_problems
+
+        problems += mixture_problems(data)
     if isinstance(data.get("path"), str) and not Path(data["path"]).expanduser().exists():
         problems.append(("data.path", f"{data['path']} does not exist: fix the path"))
+    if data.get("packing") is True and data.get("group_by_length") is True:
+        problems.append(("data.group_by_length", "packing already removes the padding that length grouping reduces: set data.packing or data.group_by_length, not both"))
+    if data.get("eval_path") and data.get("eval_fraction"):
+        problems.append(("data.eval_fraction", "set data.eval_path (a held-out file) or data.eval_fraction (a share of data.path), not both"))
+    if isinstance(data.get("eval_path"), str) and not Path(data["eval_path"]).expanduser().exists():
+        problems.append(("data.eval_path", f"{data['eval_path']} does not exist: fix the path"))
+    if section(raw, "train").get("eval_every") and not (data.get("eval_path") or data.get("eval_fraction")):
+        problems.append(("train.eval_every", "there is no held-out data to evaluate on: set data.eval_path or data.eval_fraction (e.g. 0.05)"))
+
+    images, caches = section(data, "images"), section(data, "cache")
+    if images.get("crop") == "random" and caches.get("latents", True) is not False:
+        problems.append(("data.images.crop", "random crops cannot come from cached latents (each image is encoded once): set crop: center, or data.cache.latents: false"))
 
     stage = ds.get("zero_stage", 2)
     if ds.get("offload_param", "none") == "cpu" and stage not in (3, "auto"):

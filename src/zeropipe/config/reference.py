@@ -22,6 +22,14 @@ def nested_model(annotation) -> type[BaseModel] | None:
     return None
 
 
+def list_item_model(annotation) -> type[BaseModel] | None:
+    """The section of a list of sections (``list[StageSection] | None`` -> StageSection), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if typing.get_origin(candidate) is list:
+            return nested_model(typing.get_args(candidate)[0])
+    return None
+
+
 def type_name(annotation) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return "one of " + ", ".join(map(str, typing.get_args(annotation)))
@@ -53,11 +61,18 @@ def reference() -> str:
     ]
     for section_name, section_field in RunConfig.model_fields.items():
         section = nested_model(section_field.annotation)
+        prefix = section_name
+        if section is None:  # a list of sections (stages): one row per key of an item
+            section, prefix = list_item_model(section_field.annotation), f"{section_name}[]"
         lines += [f"## `{section_name}`", "", section_field.description or "", "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        rows: list[tuple[str, object]] = [(f"{section_name}.{name}", field) for name, field in section.model_fields.items()]
+        rows: list[tuple[str, object]] = [(f"{prefix}.{name}", field) for name, field in section.model_fields.items()]
         while rows:
             key, field = rows.pop(0)
-            sub = nested_model(field.annotation)
+            sub, items = nested_model(field.annotation), list_item_model(field.annotation)
+            if items is not None:
+                lines.append(f"| `{key}` | list of sections or null | `{default_text(field)}` | {field.description or ''} |")
+                rows[0:0] = [(f"{key}[].{name}", f) for name, f in items.model_fields.items()]
+                continue
             lines.append(f"| `{key}` | {type_name(field.annotation) if sub is None else 'section or null'} | `{default_text(field) if sub is None else 'null'}` | {field.description or ''} |")
             if sub is not None:
                 rows[0:0] = [(f"{key}.{name}", f) for name, f in sub.model_fields.items()]

@@ -41,7 +41,7 @@ class QuantizationSection(Section):
     double_quant: bool = Field(True, description="Quantize the quantization constants too (saves about 0.4 bits per parameter).")
     compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Dtype of the matmuls; 'auto' follows deepspeed.precision.")
     quant_storage: Literal["auto", "bf16", "fp16", "fp32", "uint8"] = Field(
-        "auto", description="Storage dtype of the packed weights; under ZeRO-3 it must equal the compute dtype ('auto' does that)."
+        "auto", description="Storage dtype of the packed weights; under ZeRO-3 it must be the model's dtype, deepspeed.precision ('auto' does that; below ZeRO-3 'auto' is uint8)."
     )
 
 
@@ -86,6 +86,16 @@ class ModelSection(Section):
         None,
         description="Tokenizer directory. Defaults to model.path; with model.config and no tokenizer, one is trained on the data.",
     )
+    processor: str | None = Field(
+        None,
+        description="Vision-language models: directory of a saved processor (tokenizer + image processor). Defaults to model.path; "
+        "with model.config and no processor, one is built (LLaVA, Gemma 3) with a tokenizer trained on the data.",
+    )
+    trainable: list[Literal["vision_tower", "projector", "language_model"]] | None = Field(
+        None,
+        description="Vision-language models: the parts that train (vision_tower, projector, language_model); the others are frozen and "
+        "get no optimizer state. With model.lora the adapters go on these parts only. Default: [projector, language_model].",
+    )
     tokenizer_vocab_size: int = Field(
         300,
         ge=262,
@@ -104,7 +114,9 @@ class ModelSection(Section):
 
 class SyntheticSection(Section):
     task: Literal["arithmetic", "reverse", "mixed", "shapes"] = Field(
-        "mixed", description="Generated task the model can visibly learn: instructions (arithmetic, reverse, mixed) or captioned images of coloured shapes (shapes, diffusion)."
+        "mixed",
+        description="Generated task the model can visibly learn: instructions (arithmetic, reverse, mixed) or captioned images of "
+        "coloured shapes (shapes: diffusion and vision-language models).",
     )
     examples: int = Field(4000, ge=10, description="Number of generated examples.")
     seed: int = Field(0, description="Seed of the generator.")
@@ -133,10 +145,34 @@ class CacheSection(Section):
     )
 
 
+class VisionDataSection(Section):
+    """Image-text data of vision-language models."""
+
+    image_root: str | None = Field(
+        None,
+        description="Folder that relative image paths in the data file are relative to. Default: the data file's folder "
+        "(or its Images/ subfolder, the Kaggle Flickr8k layout).",
+    )
+    caption_prompt: str = Field(
+        "Describe the image.", description="User turn paired with each image of caption data (captions are the answers the model learns)."
+    )
+
+
+class MixtureSource(Section):
+    """One dataset of data.mixture: a file (or folder) or a generated task, and its share."""
+
+    path: str | None = Field(None, description="A .jsonl/.json/.txt file or a folder of them. Exclusive with synthetic.")
+    synthetic: SyntheticSection | None = Field(None, description="A generated dataset instead of a file. Exclusive with path.")
+    format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field("auto", description="Record format of this source (as data.format).")
+    weight: float = Field(1.0, gt=0, description="Share of the mixture, relative to the other sources' weights (0.7 and 0.3, or 7 and 3).")
+
+
 class DataSection(Section):
     path: str | None = Field(
         None,
-        description="Training data: a .jsonl/.json/.txt file or a folder of them; for diffusion, an image folder (kohya layout or metadata.jsonl). Exclusive with data.synthetic.",
+        description="Training data: a .jsonl/.json/.txt file or a folder of them; for diffusion, an image folder (kohya layout or metadata.jsonl); "
+        "for vision-language models, a captions file (Flickr8k image.jpg#0<TAB>caption, CSV image,caption, JSONL {image, caption} or "
+        "{messages, images}) or an image folder. Exclusive with data.synthetic.",
     )
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field(
         "auto", description="Record format; 'auto' detects alpaca, dolly, chat (messages), sharegpt (conversations) or text."
@@ -147,8 +183,42 @@ class DataSection(Section):
     )
     max_bad_records: int | None = Field(None, ge=0, description="A count of malformed records tolerated, used instead of max_bad_fraction when set.")
     synthetic: SyntheticSection | None = Field(None, description="Generate a small dataset into the run directory instead of reading data.path.")
+    packing: bool = Field(
+        False,
+        description="Causal LMs: pack several examples into each sequence of max_seq_len tokens, so batches are nearly all real tokens "
+        "instead of padding. Position ids restart at 0 for every example, so attention and loss stay within each example; "
+        "train.micro_batch_size then counts packed sequences. Which examples share a sequence is decided once, before training. "
+        "Works with models whose transformers code builds its mask with transformers' masking utilities (Llama, Qwen, Mistral, Gemma, Phi-3 "
+        "and most current families), with sdpa or eager attention.",
+    )
+    group_by_length: bool = Field(
+        False,
+        description="Put examples of similar length in the same micro-batch (the order of batches is still shuffled): "
+        "less padding without packing. Exclusive with data.packing.",
+    )
+    eval_path: str | None = Field(
+        None, description="Held-out data for evaluation, in the same formats as data.path. Exclusive with data.eval_fraction."
+    )
+    eval_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Hold out this fraction of the training records for evaluation, e.g. 0.05; the records are drawn with run.seed, "
+        "so every run with the same data and seed holds out the same ones. Exclusive with data.eval_path.",
+    )
     images: ImagesSection = Field(default_factory=ImagesSection, description="Bucketing, cropping, flips and caption dropout (diffusion).")
     cache: CacheSection = Field(default_factory=CacheSection, description="Latent and text-embedding caches (diffusion).")
+    vision: VisionDataSection = Field(default_factory=VisionDataSection, description="Image paths and caption prompt (vision-language models).")
+    mixture: list[MixtureSource] | None = Field(
+        None,
+        description="Causal LMs: train on several datasets mixed by weight, e.g. [{path: a.jsonl, weight: 0.7}, {synthetic: {task: arithmetic}, weight: 0.3}]. "
+        "The mixture is drawn once, before training, with run.seed: each source gives weight / total weight of data.mixture_examples "
+        "examples, repeating a small source and sampling a large one. Sources may differ in format but must all be conversations "
+        "(instructions, chat) or all plain text. Exclusive with data.path and data.synthetic.",
+    )
+    mixture_examples: int | None = Field(
+        None, ge=1, description="Size of the drawn mixture; default: as many examples as all sources hold together."
+    )
 
 
 class TrainSection(Section):
@@ -169,12 +239,23 @@ class TrainSection(Section):
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0 disables clipping).")
     log_every: int = Field(1, ge=1, description="Write a line to rank 0's log every N steps (metrics.jsonl gets every step).")
     save_every: int | None = Field(None, ge=1, description="Save a checkpoint every N optimizer steps (a final one is always saved).")
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="Evaluate on the held-out data (data.eval_path or data.eval_fraction) every N optimizer steps; with held-out data, "
+        "the end of training is always evaluated. Eval loss and perplexity are written to metrics.jsonl.",
+    )
     keep_last: int = Field(2, ge=1, description="Keep this many most recent checkpoints; older ones are deleted after a newer one is complete.")
 
 
 class GenerateSection(Section):
     prompts: list[str] = Field(
         default_factory=list, description="Prompts answered (language models) or drawn (diffusion models) by the trained model at the end of the run."
+    )
+    images: list[str] = Field(
+        default_factory=list,
+        description="Vision-language models: images the prompts are asked about, one per prompt (or one prompt for all images; with no "
+        "prompts, data.vision.caption_prompt). Default: a few held-out synthetic shape images.",
     )
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
     sample_every: int | None = Field(None, ge=1, description="Diffusion: also draw the prompts every N steps, into RUN/samples/ (shown in the UI).")
@@ -217,6 +298,40 @@ class HardwareSection(Section):
     master_port: int | None = Field(None, ge=1024, le=65535, description="TCP port of the rendezvous; a free one is picked when unset.")
 
 
+class StageSection(Section):
+    """One stage of a curriculum: the top-level config with this stage's sections merged over it.
+
+    Each stage trains the weights the stage before it ended with, with a fresh DeepSpeed
+    engine (optimizer, schedule and ZeRO settings of its own), in its own sub-run directory
+    RUN/stages/NN-name/ (checkpoints, metrics, logs, and the exported weights the next stage
+    starts from).
+    """
+
+    name: str = Field(
+        ...,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Stage name (letters, digits, '-', '_', '.'): labels its metrics rows and names its directory RUN/stages/NN-name.",
+    )
+    model: dict[str, Any] = Field(
+        default_factory=dict,
+        description="What trains in this stage, over model: e.g. {lora: {r: 16}} for LoRA, {lora: null} for all weights, "
+        "{trainable: [projector]} for a vision-language model, gradient_checkpointing. The model itself (path, config, family, "
+        "tokenizer) is set once at the top level: a stage starts from the previous stage's weights (a LoRA stage's adapter is "
+        "merged into them first; a LoRA stage after a full one gets fresh adapters).",
+    )
+    data: dict[str, Any] = Field(
+        default_factory=dict,
+        description="This stage's data, over data: (e.g. {mixture: [...]} or {path: sft.jsonl}, max_seq_len). Naming a source "
+        "(path, synthetic or mixture) replaces the top level's source instead of adding to it.",
+    )
+    train: dict[str, Any] = Field(
+        default_factory=dict, description="This stage's length and schedule, over train: e.g. {max_steps: 200, lr: 1e-4, schedule: cosine, warmup_steps: 20} or {epochs: 1}."
+    )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict, description="This stage's ZeRO settings, over deepspeed: e.g. {zero_stage: 3, offload_optimizer: cpu}."
+    )
+
+
 class RunConfig(Section):
     run: RunSection = Field(default_factory=RunSection, description="Where the run is written and its seed.")
     model: ModelSection = Field(default_factory=ModelSection, description="What model is trained.")
@@ -226,3 +341,9 @@ class RunConfig(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Where metrics go besides metrics.jsonl.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and precision.")
     hardware: HardwareSection = Field(default_factory=HardwareSection, description="How many ranks, on what.")
+    stages: list[StageSection] | None = Field(
+        None,
+        description="A curriculum: stages run one after the other, each the top-level config with its own model/data/train/deepspeed "
+        "keys merged over it, each starting from the weights the previous stage ended with. Every stage is checked and its data "
+        "prepared before the first starts; `zeropipe train --resume` continues the stage that was running, at its last checkpoint.",
+    )

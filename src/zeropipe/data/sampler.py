@@ -70,3 +70,50 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return self.per_rank - self.start
+
+
+class LengthGroupedSampler(ResumableDistributedSampler):
+    """Like :class:`ResumableDistributedSampler`, but each micro-batch holds examples of similar length.
+
+    Per epoch, the seeded permutation is cut into mega-batches of ``group_batches`` global
+    batches (``micro_batch_size x world_size`` examples each); each mega-batch is sorted by
+    length and cut into global batches, and the order of all global batches is shuffled, so
+    long and short batches alternate at random rather than the epoch running short to long.
+    A global batch is dealt round-robin down its sorted order, so the ranks of one step get
+    examples of nearly the same lengths and none waits long for another in the all-reduce.
+
+    The rank's list is its micro-batches back to back (``micro_batch_size`` indices each), so
+    the trainer's resume arithmetic (skip ``k x micro_batch_size`` indices) is unchanged.
+    """
+
+    def __init__(
+        self,
+        lengths,
+        rank: int,
+        world_size: int,
+        seed: int,
+        micro_batch_size: int,
+        group_batches: int = 50,
+    ):
+        super().__init__(len(lengths), rank, world_size, seed, shuffle=True)
+        self.lengths = [int(length) for length in lengths]
+        self.micro_batch_size = micro_batch_size
+        self.group_batches = group_batches
+
+    def epoch_indices(self) -> list[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_examples, generator=generator).tolist()
+        global_batch = self.micro_batch_size * self.world_size
+        full = (self.per_rank // self.micro_batch_size) * global_batch
+        batches = []
+        group = global_batch * self.group_batches
+        for start in range(0, full, group):
+            chunk = sorted(order[start : min(start + group, full)], key=lambda index: (-self.lengths[index], index))
+            batches += [chunk[i : i + global_batch] for i in range(0, len(chunk), global_batch)]
+        shuffled = torch.randperm(len(batches), generator=generator).tolist()
+        mine = [index for b in shuffled for index in batches[b][self.rank :: self.world_size]]
+        # What does not fill a micro-batch: kept so every rank's list has per_rank entries,
+        # never trained on (the trainer runs whole micro-batches only).
+        rest = order[full : self.per_rank * self.world_size]
+        return mine + rest[self.rank :: self.world_size]

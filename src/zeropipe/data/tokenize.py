@@ -27,6 +27,7 @@ from zeropipe.data.formats import (
     read_located_records,
     to_conversation,
 )
+from zeropipe.data.split import RecordSplit
 from zeropipe.errors import DataError
 
 IGNORE_INDEX = -100
@@ -213,6 +214,7 @@ def build_token_cache(
     max_seq_len: int,
     max_bad_fraction: float = 0.01,
     max_bad_records: int | None = None,
+    split: RecordSplit | None = None,
 ) -> CacheInfo:
     """Read, check and tokenize the data at ``path`` into ``out_dir``; run once per run, before ranks start.
 
@@ -220,6 +222,7 @@ def build_token_cache(
         fmt: ``"auto"`` or one of the format names in ``zeropipe.data.formats.FORMATS``.
         max_bad_fraction: share of malformed records tolerated before failing.
         max_bad_records: when given, a count used instead of ``max_bad_fraction``.
+        split: keep only the training (or only the held-out) records of ``data.eval_fraction``.
 
     Raises:
         DataError: missing or unreadable data, too many malformed records, or nothing to train on.
@@ -236,6 +239,8 @@ def build_token_cache(
         _check_bad_records(path, bad, total, max_bad_fraction, max_bad_records)
         raise DataError(f"data.path {path}: all {total} records are malformed, first: {bad[0]}. Fix the file.")
     fmt = detect_format([record.value for record in records], fmt)
+    if split is not None:
+        records = split.select(records)
 
     # Rendering happens before the malformed-record check because a chat template can
     # reject a conversation (roles out of order), which makes that record malformed too.

@@ -203,9 +203,12 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
     import diffusers
     import transformers
 
+    import shutil
+
     arch, components = preset_components(config)
     tmp = out.with_name(out.name + ".partial")
-    import shutil
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
 
     shutil.rmtree(tmp, ignore_errors=True)
     parts: dict[str, Any] = {}

@@ -65,6 +65,12 @@ class DiffusionTrainer(Trainer):
         self.tokenizer = None  # the text encoders' tokenizers are used only while caching
 
     def setup_data(self) -> None:
+        import diffusers
+        import transformers
+
+        # Per-component progress bars in rank logs tell nothing the log lines do not.
+        transformers.utils.logging.disable_progress_bar()
+        diffusers.utils.logging.disable_progress_bar()
         self.data = read_plan(self.run)
         self.arch = ARCHITECTURES[self.data["architecture"]]
         self.pipeline_dir = Path(self.data["pipeline_dir"])

@@ -92,15 +92,30 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer))
 
     def setup_data(self) -> None:
-        from zeropipe.data.sampler import ResumableDistributedSampler
+        from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
         from zeropipe.data.tokenize import TokenDataset, collate
 
-        self.dataset = TokenDataset(self.run.cache)
-        self.sampler = ResumableDistributedSampler(len(self.dataset), self.rank, self.world_size, seed=self.config.run.seed, shuffle=True)
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.collate = partial(collate, pad_token_id=pad_id)
         self.micro_batch_size = self.plan.micro_batch_size
         self.accumulation = self.plan.gradient_accumulation_steps
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        data = self.config.data
+        if data.packing:
+            from zeropipe.data.packing import PackedDataset, collate_packed
+
+            # The sampler deals packed sequences (built by the launcher), not examples.
+            self.dataset = PackedDataset(self.run.cache)
+            self.collate = partial(collate_packed, pad_token_id=pad_id)
+        else:
+            self.dataset = TokenDataset(self.run.cache)
+            self.collate = partial(collate, pad_token_id=pad_id)
+        seed = self.config.run.seed
+        if data.group_by_length:
+            self.sampler = LengthGroupedSampler(self.dataset.lengths(), self.rank, self.world_size, seed, self.micro_batch_size)
+        else:
+            self.sampler = ResumableDistributedSampler(len(self.dataset), self.rank, self.world_size, seed=seed, shuffle=True)
+        # Held-out data is always evaluated padded, example by example, whatever the training batches look like.
+        self.eval_dataset = TokenDataset(self.run.eval_cache) if (data.eval_path or data.eval_fraction) else None
+        self.eval_collate = partial(collate, pad_token_id=pad_id)
 
     def setup_model(self) -> None:
         import deepspeed
@@ -196,12 +211,43 @@ class Trainer:
 
     def after_step(self) -> None:
         """Work between optimizer steps (evaluation, sample images); every rank calls it."""
+        every = self.config.train.eval_every
+        if getattr(self, "eval_dataset", None) is not None and ((every and self.step % every == 0) or self.step == self.plan.total_steps):
+            self.evaluate()
+
+    def evaluate(self) -> dict[str, Any] | None:
+        """Eval loss and perplexity on the held-out data; a collective, every rank evaluates its share."""
+        import deepspeed.comm as dist
+
+        from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
+
+        started = time.perf_counter()
+        batches = eval_batch_indices(self.eval_dataset.lengths(), self.rank, self.world_size, self.micro_batch_size)
+        self.engine.eval()
+        sums = eval_sums(lambda batch: self.engine(**batch, use_cache=False).loss, self.eval_dataset, batches, self.eval_collate, self.device)
+        self.engine.train()
+        total = torch.tensor(sums, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        record = eval_record(self.step, *total.tolist(), time.perf_counter() - started)
+        if self.rank == 0:
+            record["time"] = time.time()
+            with open(self.run.metrics, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self.sinks.log(record)
+            log.info("step %d eval loss %.4f perplexity %.4g (%d tokens, %.1f s)", self.step, record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_time_s"])
+        return record
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
         """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""
         batch = {key: value.to(self.device) for key, value in batch.items()}
-        loss = self.engine(**batch).loss
-        return loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+        if "num_tokens" not in batch:
+            return self.engine(**batch).loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+        # Packed batches: no attention mask to count real tokens from, and several examples
+        # per row; the collator counts both. transformers reads the boundaries between
+        # examples from position_ids only when there is no KV cache.
+        num_tokens, num_examples = batch.pop("num_tokens"), batch.pop("num_examples")
+        loss = self.engine(**batch, use_cache=False).loss
+        return loss, float(num_tokens), float(num_examples)
 
     def current_lr(self) -> float:
         # The rate this step will use: the scheduler set it on the optimizer after the last step.
@@ -245,6 +291,10 @@ class Trainer:
 
     def extra_metrics(self) -> dict[str, Any]:
         """Family-specific fields added to every metrics row (rank 0)."""
+        return {}
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Family-specific fields added to summary.json (rank 0)."""
         return {}
 
     # ------------------------------------------------------------- checkpoint
@@ -303,7 +353,9 @@ class Trainer:
         import deepspeed.comm as dist
 
         if self.rank == 0:
-            metrics = self.run.read_metrics()
+            rows = self.run.read_metrics()
+            metrics = [row for row in rows if row.get("kind") is None]  # training steps; eval rows apart
+            evals = [row for row in rows if row.get("kind") == "eval"]
             summary = {
                 "steps": self.step,
                 "first_loss": metrics[0]["loss"] if metrics else None,
@@ -316,7 +368,10 @@ class Trainer:
                 "world_size": self.world_size,
                 "zero_stage": self.plan.zero_stage,
                 "latest_checkpoint": manager.tag_for(self.step),
+                **self.summary_fields(),
             }
+            if evals:
+                summary.update(final_eval_loss=evals[-1]["eval_loss"], final_eval_perplexity=evals[-1]["eval_perplexity"])
             manager.write_atomic(self.run.summary, json.dumps(summary, indent=2))
         self.sinks.close()
         dist.barrier()

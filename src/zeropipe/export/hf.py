@@ -60,13 +60,22 @@ def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     if dtype not in DTYPES:
         raise ZeroPipeError(f"--dtype must be one of {', '.join(DTYPES)} (you gave {dtype})")
     state = consolidated_state_dict(info)
+    if config.model.family == "diffusion":
+        from zeropipe.export.diffusion import export_diffusion
+
+        return export_diffusion(run, config, info, state, out, merge, DTYPES[dtype])
 
     section = config.model
-    if section.path:
+    if section.family == "vlm":
+        from zeropipe.models.vlm import build_vlm_for_export
+
+        # AutoModelForImageTextToText, with adapters only on the parts that trained.
+        model = build_vlm_for_export(section)
+    elif section.path:
         model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
-    if section.lora is not None:
+    if section.lora is not None and section.family != "vlm":
         model = add_lora(model, section)
     load_checked(model, state, info)
 
@@ -90,6 +99,11 @@ def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: 
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(run.tokenizer)).save_pretrained(str(tmp))
+    if (run.path / "processor").is_dir():
+        from transformers import AutoProcessor
+
+        # Vision-language runs: the processor (tokenizer + image processor) the run trained with.
+        AutoProcessor.from_pretrained(str(run.path / "processor")).save_pretrained(str(tmp))
     (tmp / "zeropipe_export.json").write_text(
         json.dumps({"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "merged": merge, "dtype": dtype}, indent=2)
     )

@@ -94,6 +94,10 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
 
     # Written into config.yaml, so every rank and every later command agrees on it.
     config.model.family = model_family(config.model)
+    if config.model.family != "causal_lm":
+        text_only = [key for key in ("packing", "group_by_length", "eval_path", "eval_fraction", "mixture") if getattr(config.data, key)]
+        if text_only:
+            raise ConfigError([(f"data.{key}", f"is implemented for causal language models only, and this is a {config.model.family} run: remove it") for key in text_only])
     if config.model.family == "diffusion":
         from zeropipe.diffusion.prepare import prepare_diffusion_data
 
@@ -168,6 +172,10 @@ def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData
     tokenizer = prepare_tokenizer(config, run, records_path, reuse=reuse)
     cache = prepare_cache(config, run, records_path, tokenizer, reuse=reuse)
     notes = []
+    if config.data.mixture:
+        from zeropipe.data.mixture import mixture_note
+
+        notes += [note for note in [mixture_note(run.data)] if note]
     if cache.get("bad_records"):
         shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
         notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
@@ -181,6 +189,16 @@ def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData
     if getattr(hf_config, "vocab_size", None) is not None and len(tokenizer) > hf_config.vocab_size:
         raise ConfigError([("model.config.vocab_size", f"{hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens: raise it or remove it")])
     examples = int(cache["examples"])
+    notes += prepare_eval_cache(config, run, records_path, tokenizer, reuse=reuse)
+    # What the sampler deals out: examples, or packed sequences of several examples.
+    units = examples
+    if config.data.packing:
+        packs = prepare_packs(config, run, reuse=reuse)
+        units = int(packs["packs"])
+        notes.append(
+            f"packing: {examples} examples in {units} sequences of up to {config.data.max_seq_len} tokens ({100 * packs['fill']:.0f}% real tokens); "
+            "train.micro_batch_size counts packed sequences"
+        )
     prompts = list(config.generate.prompts)
     if not prompts and config.data.synthetic is not None:
         from zeropipe.data.synthetic import sample_prompts
@@ -189,7 +207,7 @@ def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData
     return FamilyData(
         examples=examples,
         hidden_size=hidden_size_of(hf_config),
-        micro_batches_per_epoch=lambda micro, world_size: (examples // world_size) // micro,
+        micro_batches_per_epoch=lambda micro, world_size: (units // world_size) // micro,
         prompts=prompts,
         notes=notes,
     )
@@ -217,6 +235,10 @@ def set_aside_future(run: RunDir, step: int) -> list[str]:
 
 
 def prepare_data_file(config: RunConfig, run: RunDir) -> Path:
+    if config.data.mixture:
+        from zeropipe.data.mixture import build_mixture
+
+        return build_mixture(config.data, run.data, config.run.seed)
     if config.data.synthetic is None:
         return Path(config.data.path).expanduser()
     from zeropipe.data.synthetic import generate_dataset
@@ -265,5 +287,50 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
         max_seq_len=config.data.max_seq_len,
         max_bad_fraction=config.data.max_bad_fraction,
         max_bad_records=config.data.max_bad_records,
+        split=record_split(config, held_out=False),
     )
     return json.loads(info_file.read_text())
+
+
+def record_split(config: RunConfig, held_out: bool):
+    """The data.eval_fraction split of data.path (None without one); drawn with run.seed."""
+    from zeropipe.data.split import RecordSplit
+
+    if not config.data.eval_fraction:
+        return None
+    return RecordSplit(config.data.eval_fraction, config.run.seed, held_out=held_out)
+
+
+def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> list[str]:
+    """Tokenize the held-out data (data.eval_path, or data.eval_fraction of data.path) into RUN/cache/eval."""
+    from zeropipe.data.tokenize import build_token_cache
+
+    data = config.data
+    if not (data.eval_path or data.eval_fraction):
+        return []
+    info_file = run.eval_cache / "cache.json"
+    if not (reuse and info_file.is_file()):
+        build_token_cache(
+            Path(data.eval_path).expanduser() if data.eval_path else records_path,
+            tokenizer,
+            run.eval_cache,
+            fmt=data.format,
+            max_seq_len=data.max_seq_len,
+            max_bad_fraction=data.max_bad_fraction,
+            max_bad_records=data.max_bad_records,
+            split=record_split(config, held_out=True),
+        )
+    info = json.loads(info_file.read_text())
+    source = data.eval_path or f"{100 * data.eval_fraction:.3g}% of the records of {records_path}, drawn with run.seed"
+    when = f"every {config.train.eval_every} steps and " if config.train.eval_every else ""
+    return [f"evaluation: {info['examples']} held-out examples ({source}), {when}at the end"]
+
+
+def prepare_packs(config: RunConfig, run: RunDir, reuse: bool) -> dict:
+    """Decide once which examples share a packed sequence, so every rank and every resume agrees."""
+    from zeropipe.data.packing import build_pack_index, read_pack_info
+
+    info = read_pack_info(run.cache)
+    if reuse and info is not None and info.get("max_seq_len") == config.data.max_seq_len:
+        return info
+    return build_pack_index(run.cache, config.data.max_seq_len)

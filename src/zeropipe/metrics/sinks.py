@@ -40,6 +40,11 @@ NAMES = {
     "step_time_s": "perf/step_time_s",
     "host_rss_bytes": "memory/host_rss_bytes",
     "gpu_max_allocated_bytes": "memory/gpu_max_allocated_bytes",
+    "eval_loss": "eval/loss",
+    "eval_perplexity": "eval/perplexity",
+    "eval_tokens": "eval/tokens",
+    "eval_examples": "eval/examples",
+    "eval_time_s": "eval/time_s",
 }
 NOT_METRICS = {"step", "time"}
 IDS_FILE = "metric_sinks.json"

@@ -47,14 +47,16 @@ def quantization_kwargs(section: ModelSection, precision: str, zero_stage: int) 
     """Keyword arguments of transformers' BitsAndBytesConfig for QLoRA.
 
     Under ZeRO-3 DeepSpeed partitions the packed 4-bit weights like any other tensor, which
-    only works when their storage dtype equals the compute dtype; "auto" picks that.
+    only works when they are stored in the dtype of the model's other parameters (the
+    training precision, which is also the compute dtype unless compute_dtype says otherwise);
+    "auto" picks that. Below ZeRO-3 the weights stay whole and bitsandbytes' uint8 is used.
     """
     quant = section.quantization
     assert quant is not None
     compute = precision if quant.compute_dtype == "auto" else quant.compute_dtype
     storage = quant.quant_storage
     if storage == "auto":
-        storage = compute if zero_stage == 3 else "uint8"
+        storage = precision if zero_stage == 3 else "uint8"
     dtypes = {**TORCH_DTYPES, "uint8": torch.uint8}
     return {
         "load_in_4bit": quant.load_in_4bit,

@@ -216,16 +216,12 @@ def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[
     bits = "16-bit" if choice.precision != "fp32" else "fp32"
     share = "all of them" if stage < 3 else (f"a 1/{n} share (ZeRO-3)" if not choice.offload_param else "none: offloaded to host RAM (ZeRO-3)")
     terms: list[Term] = []
-    if spec.lora is None:
+    if spec.lora is None and frozen == 0:
         terms.append(Term(f"parameters ({bits})", parameter_bytes(trainable, 0, n, choice), f"{_count(trainable)} weights, {share}"))
     else:
-        terms.append(
-            Term(
-                f"LoRA adapters ({bits})",
-                parameter_bytes(trainable, 0, n, choice),
-                f"{_count(trainable)} trainable adapter weights (r={spec.lora.r}), {share}",
-            )
-        )
+        # LoRA, or frozen parts without LoRA (a vision-language model's frozen vision tower).
+        label, what = ("LoRA adapters", f"trainable adapter weights (r={spec.lora.r})") if spec.lora is not None else ("trainable weights", "trainable weights")
+        terms.append(Term(f"{label} ({bits})", parameter_bytes(trainable, 0, n, choice), f"{_count(trainable)} {what}, {share}"))
         terms.append(
             Term(
                 f"frozen base weights ({bits})",
@@ -502,6 +498,10 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
                 "caching latents and text embeddings removes them",
             )
         )
+    if spec.cached_models:
+        names = ", ".join(m.name for m in spec.cached_models)
+        saved = sum(m.params for m in spec.cached_models) * v
+        terms.append(Term("frozen models (text encoders, VAE)", 0, f"{names} not loaded: their outputs are cached before training (saves {_gib(saved)} per GPU)"))
     if hardware.accelerator == "cuda":
         terms.append(
             Term("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context, cuBLAS workspace and NCCL buffers: about 1 GiB on current drivers (assumed)")
@@ -620,6 +620,8 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
                 )
             )
     workers = DATA_WORKERS_PER_RANK.get(spec.family, 0)
+    if any(m.name == "vae" for m in spec.cached_models):
+        workers = 0  # cached latents are read, not decoded
     if workers:
         terms.append(
             Term(

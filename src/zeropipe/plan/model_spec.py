@@ -91,6 +91,7 @@ class ModelSpec:
     block: BlockShape | None = None
     lora: LoraShape | None = None
     frozen_models: tuple[FrozenModel, ...] = ()
+    cached_models: tuple[FrozenModel, ...] = ()  # frozen models the ranks never load: their outputs are cached
     activation_trace: ActivationTrace | None = None
     source: str = ""
     published_params: int | None = None
@@ -208,6 +209,8 @@ def spec_from_config(run_config: RunConfig) -> ModelSpec:
     section = run_config.model
     if model_family(section) == "diffusion":
         return _diffusion_config_spec(run_config)
+    if model_family(section) == "vlm":
+        return _vlm_config_spec(run_config)
     vocab = None
     if section.config is not None and section.config.get("vocab_size") in (None, "auto"):
         # The tokenizer is trained on the data later; its size is the configured target.
@@ -216,6 +219,38 @@ def spec_from_config(run_config: RunConfig) -> ModelSpec:
     name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
     spec = _causal_lm_spec(hf_config, name, section.lora)
     return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}")
+
+
+def _vlm_config_spec(run_config: RunConfig) -> ModelSpec:
+    """A vision-language model: every part counted, the trainable ones per model.trainable (or their LoRA adapters).
+
+    Activations are those of the language model at data.max_seq_len (image tokens included);
+    the vision tower's own activations are not modelled.
+    """
+    from zeropipe.models.vlm import OFFLINE_PROCESSORS, trainable_counts, vlm_config
+
+    section = run_config.model
+    text = (section.config or {}).get("text_config") or {}
+    vocab = None
+    if section.config is not None and text.get("vocab_size") in (None, "auto"):
+        # The tokenizer trained on the data, plus the image tokens added to it.
+        recipe = OFFLINE_PROCESSORS.get(section.config.get("model_type"))
+        vocab = section.tokenizer_vocab_size + (len(recipe.tokens) if recipe else 0)
+    hf_config = vlm_config(section, vocab_size=vocab)
+    name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
+    spec = _causal_lm_spec(hf_config, name, None)
+    trainable, sizes, targets = trainable_counts(_build_causal_lm(hf_config), section)
+    lora_shape = None
+    if section.lora is not None:
+        lora_shape = LoraShape(r=section.lora.r, dropout=section.lora.dropout > 0, target_modules=targets)
+    return replace(
+        spec,
+        total_params=spec.total_params + (trainable if section.lora is not None else 0),
+        trainable_params=trainable,
+        parameter_sizes=tuple(sizes),
+        lora=lora_shape,
+        source=f"run config: {'model.path ' + section.path if section.path else 'model.config'} (vision-language)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +278,13 @@ def _build_causal_lm(hf_config):
         try:
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
         except ValueError:
+            # Vision-language models (LLaVA...) are not causal LMs to the Auto classes.
+            from transformers import AutoModelForImageTextToText
+
+            try:
+                return AutoModelForImageTextToText.from_config(hf_config, dtype=torch.bfloat16)
+            except ValueError:
+                pass
             # Multimodal checkpoints (Gemma 3) name their class in config.architectures.
             for name in getattr(hf_config, "architectures", None) or ():
                 cls = getattr(transformers, name, None)
@@ -588,7 +630,11 @@ def _diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
     cached = {"vae"} if data.cache.latents else set()
     if data.cache.text:
         cached |= {m.name for m in spec.frozen_models if m.name.startswith("text_encoder")}
-    return replace(spec, frozen_models=tuple(m for m in spec.frozen_models if m.name not in cached))
+    return replace(
+        spec,
+        frozen_models=tuple(m for m in spec.frozen_models if m.name not in cached),
+        cached_models=tuple(m for m in spec.frozen_models if m.name in cached),
+    )
 
 
 def _version(package: str) -> str:

@@ -99,6 +99,9 @@ def form_schema() -> dict[str, Any]:
     sections = []
     for name, field in RunConfig.model_fields.items():
         model = nested_model(field.annotation)
-        assert model is not None, f"RunConfig.{name} is not a section"
+        if model is None:
+            # A list of sections (a curriculum's stages): one YAML field, the whole list.
+            sections.append({"name": name, "help": field.description or "", "fields": [describe_field(name, name, field)]})
+            continue
         sections.append({"name": name, "help": field.description or "", "fields": [describe_field(f"{name}.{n}", n, f) for n, f in model.model_fields.items()]})
     return {"sections": sections}

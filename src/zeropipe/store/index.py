@@ -103,6 +103,8 @@ def read_run(path: Path) -> dict[str, Any]:
     summary = read_json(run.summary) or {}
     glance = metrics_glance(run.metrics)
     last, first = glance["last"] or {}, glance["first"] or {}
+    if last.get("kind") == "eval":  # an evaluation of the last step: the step's own row has its loss
+        last = next((row for row in reversed(glance["tail"]) if row.get("kind") is None), last)
     state = status.get("state") or "starting"
     diagnosis = status.get("diagnosis") if isinstance(status.get("diagnosis"), dict) else None
     if state in ("running", "starting") and status.get("supervisor_pid"):

@@ -8,6 +8,7 @@ lead out of it.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 RESERVED_NAMES = {"configs"}
 
 # Config keys that name files the launcher will read, and so must lie inside a root.
-PATH_KEYS = [("model", "path"), ("model", "tokenizer"), ("data", "path"), ("deepspeed", "config_file")]
+PATH_KEYS = [("model", "path"), ("model", "tokenizer"), ("data", "path"), ("data", "eval_path"), ("deepspeed", "config_file")]
 
 
 class OutsideRoots(ZeroPipeError):
@@ -99,25 +100,47 @@ def config_path_problems(raw: dict[str, Any], roots: Roots) -> list[tuple[str, s
             shown = ", ".join(str(r) for r in roots.runs)
             problems.append(("run.output_dir", f"the UI writes runs into its runs folder ({shown}), not {output_dir!r}: remove the key or set it to that folder"))
     allowed = roots.readable()
-    for section, key in PATH_KEYS:
-        node = raw.get(section)
-        value = node.get(key) if isinstance(node, dict) else None
-        if not isinstance(value, str) or not value:
-            continue
+    for dotted, node, key in path_fields(raw):
+        value = node[key]
         resolved = roots.absolute(value)
         if not any(is_inside(resolved, root) for root in allowed):
             shown = ", ".join(str(r) for r in roots.data) or "(none configured: start zeropipe ui with --data-dir)"
-            problems.append((f"{section}.{key}", f"{value} is outside the folders this UI may read ({shown}): move the file there or start zeropipe ui with --data-dir"))
+            problems.append((dotted, f"{value} is outside the folders this UI may read ({shown}): move the file there or start zeropipe ui with --data-dir"))
     return problems
+
+
+def path_fields(raw: dict[str, Any]) -> list[tuple[str, dict, str]]:
+    """(dotted key, the mapping that holds it, its key) for every path a config names.
+
+    The sections' own (PATH_KEYS), each data.mixture source's, and the same inside every
+    stage of a curriculum: a path the UI must not read may hide in any of them.
+    """
+    found: list[tuple[str, dict, str]] = []
+
+    def collect(prefix: str, config: dict[str, Any]) -> None:
+        for section, key in PATH_KEYS:
+            node = config.get(section)
+            if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
+                found.append((f"{prefix}{section}.{key}", node, key))
+        data = config.get("data")
+        mixture = data.get("mixture") if isinstance(data, dict) else None
+        for index, source in enumerate(mixture if isinstance(mixture, list) else []):
+            if isinstance(source, dict) and isinstance(source.get("path"), str) and source["path"]:
+                found.append((f"{prefix}data.mixture[{index}].path", source, "path"))
+
+    collect("", raw)
+    stages = raw.get("stages")
+    for index, stage in enumerate(stages if isinstance(stages, list) else []):
+        if isinstance(stage, dict):
+            collect(f"stages[{index}].", stage)
+    return found
 
 
 def absolutize(raw: dict[str, Any], roots: Roots) -> dict[str, Any]:
     """The same config with every path made absolute, so the launcher's working directory does not matter."""
-    out = {section: dict(value) if isinstance(value, dict) else value for section, value in raw.items()}
+    out = copy.deepcopy(raw)
     run = out.setdefault("run", {})
     run["output_dir"] = str(roots.absolute(run.get("output_dir") or roots.primary_runs))
-    for section, key in PATH_KEYS:
-        node = out.get(section)
-        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
-            node[key] = str(roots.absolute(node[key]))
+    for _, node, key in path_fields(out):
+        node[key] = str(roots.absolute(node[key]))
     return out

@@ -25,8 +25,11 @@ from typing import Any
 import numpy as np
 
 # Scalars every record has; lists (one value per rank) become "<key>/<rank>" columns.
-SCALARS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "time")
+# A curriculum's RUN/metrics.jsonl also numbers each row's stage (stage_index), so a chart can mark the boundaries.
+SCALARS = ("step", "epoch", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s", "time", "stage_index")
 PER_RANK = ("host_rss_bytes", "gpu_max_allocated_bytes")
+# Rows with "kind": "eval" hold an evaluation of the step written just before them.
+EVAL_SCALARS = ("eval_loss", "eval_perplexity")
 HEAD_BYTES = 256  # a rewritten file (a resume dropped later steps) has a different start or is shorter
 
 
@@ -82,6 +85,22 @@ class Series:
             return handle.read(min(HEAD_BYTES, len(self.head) or HEAD_BYTES))
 
     def append(self, records: list[dict[str, Any]]) -> None:
+        evals = [r for r in records if r.get("kind") == "eval"]
+        records = [r for r in records if r.get("kind") is None]
+        self.append_steps(records)
+        for record in evals:
+            self.attach_eval(record)
+
+    def attach_eval(self, record: dict[str, Any]) -> None:
+        """Put an eval row's values on its step's row: a row of its own would leave a gap in every other column."""
+        steps = self.columns.get("step")
+        matches = np.flatnonzero(steps == record["step"]) if steps is not None else []
+        if not len(matches):
+            return  # its step's row was dropped (a resume rewrote the file): nothing to attach to
+        for key in EVAL_SCALARS:
+            self.columns.setdefault(key, np.full(self.rows, np.nan))[matches[-1]] = number(record.get(key))
+
+    def append_steps(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
         new: dict[str, np.ndarray] = {key: column(records, key) for key in SCALARS}

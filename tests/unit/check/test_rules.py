@@ -86,7 +86,8 @@ def test_zp006_device_map_and_low_cpu_mem_usage(make):
     assert "ZP006" not in rule_ids(make(model={"path": "BASE", "load_kwargs": {"revision": "main"}}, deepspeed={"zero_stage": 3}))
 
 
-def test_zp007_qlora_storage_under_zero3(make):
+def test_zp007_qlora_storage_under_zero3(make, monkeypatch):
+    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_installed", lambda: True)
     qlora = {"path": "BASE", "lora": {"r": 8}, "quantization": {"quant_storage": "uint8"}}
     findings = check_config(make(model=qlora, deepspeed={"zero_stage": 3}), accelerator="cuda")
     assert any(f.rule == "ZP007" and "quant_storage" in f.key for f in findings)

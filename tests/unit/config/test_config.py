@@ -142,3 +142,16 @@ def test_docs_config_reference_is_generated_from_the_schema():
 
     docs = Path(__file__).resolve().parents[3] / "docs" / "config.md"
     assert docs.read_text() == reference(), "run: python -m zeropipe.config.reference > docs/config.md"
+
+
+def test_packing_and_evaluation_settings_that_cannot_work_together(tmp_path):
+    config = minimal(tmp_path, data={"packing": True, "group_by_length": True, "eval_path": str(tmp_path / "missing.jsonl"), "eval_fraction": 0.05})
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, config))
+    keys = [key for key, _ in info.value.problems]
+    assert keys == ["data.group_by_length", "data.eval_fraction", "data.eval_path"]
+    assert "does not exist" in str(info.value)
+    with pytest.raises(ConfigError, match="set data.eval_path or data.eval_fraction"):
+        load_config(write(tmp_path, minimal(tmp_path, train={"eval_every": 10})))
+    loaded = load_config(write(tmp_path, minimal(tmp_path, data={"packing": True, "eval_fraction": 0.05}, train={"eval_every": 10})))
+    assert loaded.data.packing and loaded.data.eval_fraction == 0.05 and loaded.train.eval_every == 10

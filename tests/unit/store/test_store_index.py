@@ -200,3 +200,15 @@ def test_a_launcher_that_recorded_its_end_does_not_block_a_resume(store):
     finally:
         working.kill()
         working.wait()
+
+
+def test_an_eval_row_last_in_the_file_does_not_hide_the_loss(store):
+    root = store.roots.primary_runs
+    run_path = write_run(root, "evaluated", steps=12)
+    (run_path / "summary.json").unlink(missing_ok=True)  # still running: no summary to fall back on
+    with open(run_path / "metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"kind": "eval", "step": 12, "eval_loss": 2.0, "eval_perplexity": 7.4, "time": time.time()}) + "\n")
+    store.refresh()
+    run = store.run("evaluated")
+    assert run["step"] == 12 and run["last_loss"] is not None and run["last_loss"] < run["first_loss"]
+    assert len(run["loss_preview"][0]) == 12

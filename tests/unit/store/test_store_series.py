@@ -113,3 +113,20 @@ def test_a_stale_cache_of_a_rewritten_file_is_not_trusted(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # a different file start
     series = SeriesCache(tmp_path / "cache").get(path)
     assert series.rows == 3 and series.window(["loss"])["series"]["loss"][0] == 123.0
+
+
+def test_eval_rows_join_their_step_without_leaving_gaps(tmp_path):
+    """The trainer writes an eval row (kind: eval, no loss) right after its step's row."""
+    path = tmp_path / "metrics.jsonl"
+    append(path, [metric_row(1, 10), metric_row(2, 10), {"kind": "eval", "step": 2, "eval_loss": 3.5, "eval_perplexity": 33.1}])
+    series = Series(path)
+    series.update()
+    append(path, [metric_row(3, 10), metric_row(4, 10)])
+    series.update()
+    append(path, [{"kind": "eval", "step": 4, "eval_loss": 3.0, "eval_perplexity": 20.1}])  # arrives in a later read
+    series.update()
+    window = series.window(["loss", "eval_loss", "eval_perplexity"])
+    assert window["step"] == [1, 2, 3, 4]
+    assert None not in window["series"]["loss"]
+    assert window["series"]["eval_loss"] == [None, 3.5, None, 3.0]
+    assert "eval_loss" in series.keys()

@@ -1,0 +1,34 @@
+"""``zeropipe eval RUN_DIR``: eval loss and perplexity of a run's checkpoint on held-out data.
+
+Runs in this process on CPU: the checkpoint's ZeRO shards are consolidated (as ``zeropipe
+export`` does) and the model evaluated directly, without starting DeepSpeed ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(commands) -> None:
+    parser = commands.add_parser("eval", help="eval loss and perplexity of a run's checkpoint", description=__doc__)
+    parser.add_argument("source", help="run directory, or one of its checkpoints/step_* directories")
+    parser.add_argument("--checkpoint", metavar="TAG", help="checkpoint to evaluate, e.g. step_00000120 (default: the latest complete one)")
+    parser.add_argument("--data", metavar="FILE", help="evaluate on this file (formats of data.path) instead of the run's held-out data")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="compute dtype (default: the run's precision, as in training)")
+    parser.add_argument("--batch-size", type=int, default=None, help="examples per forward pass (default: the run's micro-batch size)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeropipe.engine.evaluation import evaluate_checkpoint
+
+    result = evaluate_checkpoint(args.source, checkpoint=args.checkpoint, data=args.data, dtype=args.dtype, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    print(f"eval loss {result.loss:.4f}  perplexity {result.perplexity:.4g}")
+    print(f"  {result.tokens:,} loss tokens in {result.examples:,} examples of {result.data}")
+    print(f"  checkpoint {result.checkpoint} (step {result.step}) of {result.run}, computed in {result.dtype}")
+    return 0

@@ -1,0 +1,384 @@
+"""Generate text with a trained model, in this process, from wherever its weights are.
+
+Three kinds of source are accepted:
+
+- a run directory (or one of its ``checkpoints/step_*`` directories, or a curriculum run,
+  whose last stage with a checkpoint is used): the checkpoint's ZeRO shards are
+  consolidated (``zero_to_fp32``) into the model the run's ``config.yaml`` describes, as
+  ``zeropipe export`` does, but nothing is written;
+- an exported Hugging Face directory (``config.json``): ``from_pretrained``;
+- a peft adapter directory (``adapter_config.json``): its base model plus the adapter.
+
+Prompts are rendered with the template the model was trained with
+(:func:`zeropipe.data.tokenize.render_prompt`), so the model sees what it learned from.
+
+Vision-language models (image + text) are a separate backend: see :func:`vlm_backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropipe.checkpoint.manager import TAG_PATTERN, CheckpointInfo, is_complete, latest_stage_with_checkpoint, list_checkpoints, resolve_checkpoint, tag_for
+from zeropipe.errors import CheckpointError, ZeroPipeError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+@dataclass
+class ModelSource:
+    """Where the weights come from, decided from the files in the directory."""
+
+    kind: str  # "run", "hf" or "adapter"
+    path: Path  # the run directory, exported directory or adapter directory
+    family: str  # causal_lm, vlm or diffusion
+    checkpoint: CheckpointInfo | None = None  # runs only
+    base: Path | None = None  # adapters only: the base model directory
+
+    def describe(self) -> str:
+        if self.kind == "run":
+            assert self.checkpoint is not None
+            return f"run {self.path} checkpoint {self.checkpoint.tag} (consolidated)"
+        if self.kind == "adapter":
+            return f"LoRA adapter {self.path} on {self.base}"
+        return f"model {self.path}"
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any  # a processor for vision-language models
+    source: ModelSource
+    device: torch.device
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    extra: dict[str, Any] = field(default_factory=dict)  # what a backend needs besides model and tokenizer
+
+
+@dataclass
+class Generation:
+    prompt: str
+    output: str
+    image: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        row = {"prompt": self.prompt, "output": self.output}
+        if self.image is not None:
+            row["image"] = self.image
+        return row
+
+
+# ------------------------------------------------------------------ sources
+def resolve_source(path: str | Path, checkpoint: str | None = None) -> ModelSource:
+    """What kind of directory ``path`` is, and for runs which checkpoint to use.
+
+    Args:
+        checkpoint: a tag (``step_00000120``) or a step number; runs only. Default: the
+            latest complete checkpoint.
+
+    Raises:
+        ZeroPipeError: the path does not exist or holds no model; CheckpointError for a
+            run without the checkpoint asked for.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ZeroPipeError(f"{path} does not exist: give a run directory (runs/NAME) or a directory written by zeropipe export")
+    if not path.is_dir():
+        raise ZeroPipeError(f"{path} is a file: give a run directory (runs/NAME) or a directory written by zeropipe export")
+    if (path / "adapter_config.json").is_file():
+        refuse_checkpoint(checkpoint, path)
+        base = adapter_base(path)
+        return ModelSource("adapter", path, family_of_hf_dir(base), base=base)
+    if (path / "config.json").is_file():
+        refuse_checkpoint(checkpoint, path)
+        return ModelSource("hf", path, family_of_hf_dir(path))
+    if (path / "model_index.json").is_file():
+        return ModelSource("hf", path, "diffusion")
+    run_path = run_directory_of(path)
+    if run_path is None:
+        raise ZeroPipeError(
+            f"{path} holds no model: it is neither a run directory (config.yaml), an exported model (config.json) "
+            "nor a LoRA adapter (adapter_config.json); give one of those"
+        )
+    info = checkpoint_of(path, run_path, checkpoint)
+    return ModelSource("run", info.path.parent.parent, run_family(info.path.parent.parent), checkpoint=info)
+
+
+def refuse_checkpoint(checkpoint: str | None, path: Path) -> None:
+    if checkpoint is not None:
+        raise ZeroPipeError(f"--checkpoint picks a checkpoint of a run directory, and {path} is an exported model: drop --checkpoint")
+
+
+def run_directory_of(path: Path) -> Path | None:
+    """The run directory ``path`` is or belongs to (a checkpoint, the checkpoints folder), else None."""
+    if TAG_PATTERN.match(path.name) and path.parent.name == "checkpoints":
+        return path.parent.parent
+    if path.name == "checkpoints" and (path.parent / "config.yaml").is_file():
+        return path.parent
+    if (path / "config.yaml").is_file():
+        return path
+    return None
+
+
+def checkpoint_of(path: Path, run_path: Path, checkpoint: str | None) -> CheckpointInfo:
+    if TAG_PATTERN.match(path.name) and path.parent.name == "checkpoints":
+        if checkpoint is not None:
+            raise ZeroPipeError(f"{path} is a checkpoint already: drop --checkpoint, or give the run directory {run_path}")
+        return resolve_checkpoint(path)[1]
+    if (run_path / "stages.json").is_file():
+        # A curriculum: the weights are in its stages' sub-runs; the latest stage that saved one is used.
+        run_path = latest_stage_with_checkpoint(run_path)
+    if checkpoint is None:
+        return resolve_checkpoint(run_path)[1]
+    tag = tag_for(int(checkpoint)) if checkpoint.isdigit() else checkpoint
+    tag_dir = run_path / "checkpoints" / tag
+    if not TAG_PATTERN.match(tag) or not is_complete(tag_dir):
+        available = ", ".join(info.tag for info in list_checkpoints(run_path)) or "none"
+        raise CheckpointError(f"{run_path} has no complete checkpoint {checkpoint!r} (complete ones: {available}): pick one of those or drop --checkpoint")
+    return CheckpointInfo(tag, int(TAG_PATTERN.match(tag).group(1)), tag_dir)
+
+
+def adapter_base(path: Path) -> Path:
+    config = json.loads((path / "adapter_config.json").read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not (Path(base).expanduser() / "config.json").is_file():
+        raise ZeroPipeError(
+            f"the adapter in {path} names its base model as {base!r}, which is not a local model directory: "
+            "set base_model_name_or_path in its adapter_config.json to the base model's directory, or export the run with --merge"
+        )
+    return Path(base).expanduser()
+
+
+def family_of_hf_dir(path: Path) -> str:
+    if (path / "model_index.json").is_file():
+        return "diffusion"
+    config = json.loads((path / "config.json").read_text())
+    return "vlm" if "vision_config" in config else "causal_lm"
+
+
+def read_run_config(run_path: Path):
+    """The run's config.yaml as written by the launcher, without re-checking data paths (the data may have moved)."""
+    import yaml
+
+    from zeropipe.config.schema import RunConfig
+
+    return RunConfig.model_validate(yaml.safe_load((run_path / "config.yaml").read_text()))
+
+
+def run_family(run_path: Path) -> str:
+    from zeropipe.models.family import model_family
+
+    return model_family(read_run_config(run_path).model)
+
+
+# ------------------------------------------------------------------ loading
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ZeroPipeError("--device cuda was asked for but torch sees no CUDA device: use --device cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """fp32 on the CPU (bf16 matmuls there are slow and change greedy outputs), bf16 on a GPU, unless told."""
+    if dtype in (None, "auto"):
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ZeroPipeError(f"--dtype must be one of auto, {', '.join(DTYPES)} (you gave {dtype})")
+    return DTYPES[dtype]
+
+
+def load_model(path: str | Path, checkpoint: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load the model of a run, an export or an adapter for generation.
+
+    Raises:
+        ZeroPipeError: an unusable source, a family this command cannot generate with, or
+            a checkpoint that does not match its run.
+    """
+    source = resolve_source(path, checkpoint)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    if source.family == "diffusion":
+        raise ZeroPipeError(
+            f"{source.path} is a diffusion model: zeropipe generate writes text. A diffusion run draws its "
+            "generate.prompts into RUN/samples/ during training (generate.sample_every)"
+        )
+    if source.family == "vlm":
+        return vlm_backend().load_for_generation(source, torch_device, torch_dtype)
+    if source.kind == "run":
+        model, tokenizer, default_tokens = causal_lm_from_run(source)
+    elif source.kind == "adapter":
+        model, tokenizer = causal_lm_from_adapter(source)
+        default_tokens = DEFAULT_MAX_NEW_TOKENS
+    else:
+        model, tokenizer = causal_lm_from_hf_dir(source.path, source.path)
+        default_tokens = DEFAULT_MAX_NEW_TOKENS
+    model = model.to(device=torch_device, dtype=torch_dtype).eval()
+    # The training config turns the KV cache off; generation wants it.
+    model.config.use_cache = True
+    return LoadedModel(model, tokenizer, source, torch_device, default_tokens)
+
+
+def causal_lm_from_run(source: ModelSource):
+    """The run's model built from its config.yaml, with the checkpoint's consolidated weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zeropipe.export.hf import consolidated_state_dict, load_checked
+    from zeropipe.models.causal_lm import add_lora, model_config
+
+    assert source.checkpoint is not None
+    config = read_run_config(source.path)
+    section = config.model
+    if section.quantization is not None:
+        raise ZeroPipeError(
+            f"{source.path} is a QLoRA run: its checkpoint holds 4-bit packed weights. Export the adapter "
+            f"(zeropipe export {source.path} --out DIR) and generate from DIR on a CUDA machine"
+        )
+    tokenizer_dir = source.path / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise ZeroPipeError(f"{source.path} has no tokenizer/ directory: the run did not finish preparing; generate from another run")
+    if section.path and not (Path(section.path).expanduser() / "config.json").is_file():
+        raise ZeroPipeError(f"the run was trained from {section.path}, which is no longer a model directory: restore it, or generate from an export")
+    if section.path:
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
+    if section.lora is not None:
+        model = add_lora(model, section)
+    # zero_to_fp32 reports its progress on stdout, which is where --json writes the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        state = consolidated_state_dict(source.checkpoint)
+    load_checked(model, state, source.checkpoint)
+    return model, with_pad_token(AutoTokenizer.from_pretrained(str(tokenizer_dir))), config.generate.max_new_tokens
+
+
+def causal_lm_from_hf_dir(model_dir: Path, tokenizer_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), load_tokenizer(tokenizer_dir, model_dir)
+
+
+def causal_lm_from_adapter(source: ModelSource):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    assert source.base is not None
+    base = AutoModelForCausalLM.from_pretrained(str(source.base), dtype=torch.float32)
+    # zeropipe export writes the run's tokenizer beside the adapter; other adapters use the base's.
+    return PeftModel.from_pretrained(base, str(source.path)), load_tokenizer(source.path, source.base)
+
+
+def load_tokenizer(*directories: Path):
+    from transformers import AutoTokenizer
+
+    for directory in directories:
+        if any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            return with_pad_token(AutoTokenizer.from_pretrained(str(directory)))
+    raise ZeroPipeError(f"no tokenizer in {' or '.join(map(str, directories))}: save the tokenizer there (tokenizer.save_pretrained)")
+
+
+def with_pad_token(tokenizer):
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# --------------------------------------------------------------- generating
+def generate(
+    loaded: LoadedModel,
+    prompts: list[str],
+    images: list[str] | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    raw: bool = False,
+) -> list[Generation]:
+    """Answer each prompt; greedy unless ``temperature`` > 0.
+
+    Args:
+        images: vision-language models: one image for every prompt, or one per prompt.
+        raw: continue the prompt text as it is instead of rendering it as a user turn
+            (for models trained on plain text).
+
+    Raises:
+        ZeroPipeError: images for a text-only model, or bad sampling settings.
+    """
+    if not prompts:
+        raise ZeroPipeError("no prompt: pass --prompt TEXT (repeat it for several)")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ZeroPipeError(f"--temperature must be >= 0 and --top-p in (0, 1] (you gave {temperature} and {top_p})")
+    tokens = max_new_tokens or loaded.default_max_new_tokens
+    if loaded.source.family == "vlm":
+        return vlm_backend().generate_with_images(loaded, prompts, pair_images(prompts, images), tokens, temperature, top_p, seed)
+    if images:
+        raise ZeroPipeError(f"--image needs a vision-language model; {loaded.source.describe()} is a text-only language model: drop --image")
+    from zeropipe.data.tokenize import render_prompt
+
+    tokenizer, model = loaded.tokenizer, loaded.model
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            # The same seed for every prompt: a prompt's sample does not depend on its position.
+            torch.manual_seed(seed)
+            ids = tokenizer(prompt)["input_ids"] if raw else render_prompt(tokenizer, [{"role": "user", "content": prompt}])
+            input_ids = torch.tensor([ids], device=loaded.device)
+            output = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **sampling,
+            )
+            text = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
+            results.append(Generation(prompt, text.strip()))
+    return results
+
+
+def pair_images(prompts: list[str], images: list[str] | None) -> list[str | None]:
+    """One image per prompt: the same image for all, or as many images as prompts."""
+    if not images:
+        return [None] * len(prompts)
+    if len(images) == 1:
+        return images * len(prompts)
+    if len(images) != len(prompts):
+        raise ZeroPipeError(f"{len(images)} --image for {len(prompts)} --prompt: give one image for all prompts, or one per prompt")
+    return list(images)
+
+
+def vlm_backend():
+    """The vision-language side of ``zeropipe generate``: the extension point for image + text.
+
+    It lives in ``zeropipe.models.vlm`` as two functions:
+
+    - ``load_for_generation(source: ModelSource, device, dtype) -> LoadedModel``: build the
+      model (AutoModelForImageTextToText) and its AutoProcessor from ``source`` (a run's
+      checkpoint: consolidate with ``zeropipe.export.hf.consolidated_state_dict``; an
+      export; an adapter), ``tokenizer`` holding the processor;
+    - ``generate_with_images(loaded, prompts, images, max_new_tokens, temperature, top_p, seed)
+      -> list[Generation]``: ``images`` has one path (or None) per prompt, rendered with the
+      chat template used in training.
+
+    Raises:
+        ZeroPipeError: when those functions do not exist yet.
+    """
+    try:
+        from zeropipe.models import vlm
+    except ImportError:
+        vlm = None
+    if vlm is None or not all(hasattr(vlm, name) for name in ("load_for_generation", "generate_with_images")):
+        raise ZeroPipeError(
+            "zeropipe generate cannot run vision-language models yet: export the run (zeropipe export RUN --out DIR) "
+            "and load DIR with transformers' AutoModelForImageTextToText and AutoProcessor"
+        )
+    return vlm

@@ -1,0 +1,71 @@
+"""data.mixture: sources of different formats drawn into one chat file by weight, deterministically."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from zeropipe.config.schema import DataSection
+from zeropipe.data.formats import detect_format, read_records
+from zeropipe.data.mixture import apportion, build_mixture, mixture_note
+from zeropipe.errors import DataError
+
+
+def jsonl(path, rows):
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture
+def sources(tmp_path):
+    alpaca = jsonl(tmp_path / "alpaca.jsonl", [{"instruction": f"add {i}", "output": str(i + 1)} for i in range(30)])
+    chat = jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]} for i in range(10)])
+    return alpaca, chat
+
+
+def test_apportion_follows_weights_and_keeps_every_source():
+    assert apportion(10, [0.7, 0.3]) == [7, 3]
+    assert apportion(100, [1, 1, 1]) == [34, 33, 33]
+    assert sum(apportion(7, [5, 2, 1])) == 7
+    assert apportion(3, [1000, 1]) == [3, 1], "a source with a weight is never left out"
+
+
+def test_formats_are_mixed_into_chat_records_by_weight(tmp_path, sources):
+    alpaca, chat = sources
+    data = DataSection(mixture=[{"path": alpaca, "weight": 0.75}, {"path": chat, "weight": 0.25}], mixture_examples=80)
+    path = build_mixture(data, tmp_path / "out", seed=3)
+    records, bad = read_records(path)
+    assert not bad and len(records) == 80 and detect_format(records) == "chat"
+    users = Counter("add" in record["messages"][0]["content"] for record in records)
+    assert users == {True: 60, False: 20}
+    # chat.jsonl has 10 records: 20 drawn means two full passes, each record exactly twice.
+    assert set(Counter(r["messages"][0]["content"] for r in records if "hi" in r["messages"][0]["content"]).values()) == {2}
+    assert "80 examples: 60 from" in mixture_note(tmp_path / "out") and "2.0 passes" in mixture_note(tmp_path / "out")
+
+
+def test_the_same_seed_draws_the_same_mixture_and_another_seed_another(tmp_path, sources):
+    alpaca, chat = sources
+    data = DataSection(mixture=[{"path": alpaca}, {"path": chat}, {"synthetic": {"task": "arithmetic", "examples": 20}}])
+    first = build_mixture(data, tmp_path / "a", seed=1).read_text()
+    assert build_mixture(data, tmp_path / "b", seed=1).read_text() == first
+    assert build_mixture(data, tmp_path / "c", seed=2).read_text() != first
+    assert len(first.splitlines()) == 30 + 10 + 20, "default size: every source's records together"
+
+
+def test_text_and_conversations_do_not_mix(tmp_path, sources):
+    alpaca, _ = sources
+    text = jsonl(tmp_path / "text.jsonl", [{"text": "plain words"}] * 5)
+    with pytest.raises(DataError, match="mixes plain text .*text.jsonl.* with conversations"):
+        build_mixture(DataSection(mixture=[{"path": alpaca}, {"path": text}]), tmp_path / "out", seed=0)
+
+
+def test_a_source_with_too_many_malformed_records_is_named(tmp_path, sources):
+    alpaca, _ = sources
+    broken = jsonl(tmp_path / "broken.jsonl", [{"instruction": "a", "output": "b"}] * 5 + ["{not json", {"instruction": "no output"}])
+    with pytest.raises(DataError, match=r"data.mixture\[1\] \(.*broken.jsonl\): 2 of 7 records are malformed \(first: line 6"):
+        build_mixture(DataSection(mixture=[{"path": alpaca}, {"path": broken}]), tmp_path / "out", seed=0)
+    # Within the tolerance, the malformed ones are left out and the rest is used.
+    tolerant = DataSection(mixture=[{"path": alpaca}, {"path": broken}], max_bad_records=2)
+    assert len(read_records(build_mixture(tolerant, tmp_path / "ok", seed=0))[0]) == 30 + 5
