@@ -128,7 +128,16 @@ def test_llava_trains_with_a_frozen_vision_tower_and_exports(tmp_path, flickr_st
     projector = [key for key in base if "multi_modal_projector." in key and key.endswith("weight")]
     assert tower and all(torch.equal(exported[key], base[key].float()) for key in tower), "the frozen vision tower changed"
     assert projector and not any(torch.equal(exported[key], base[key].float()) for key in projector), "the projector did not train"
-    assert isinstance(generate_from_export(export, held_out), str)
+    answer = generate_from_export(export, held_out)
+
+    # zeropipe generate answers the same from the run's checkpoint and from the export.
+    answers = []
+    for source in (run_dir, export):
+        result = zeropipe("generate", source, "--prompt", "Describe the image.", "--image", held_out, "--max-new-tokens", "6", "--json")
+        assert_ok(result)
+        answers.append(json.loads(result.stdout)["generations"])
+    assert answers[0] == answers[1], answers
+    assert answers[0][0]["output"] == answer.strip() and answers[0][0]["image"] == str(held_out)
 
 
 def test_gemma3_lora_under_zero3_resumes_exactly_and_exports(tmp_path):
@@ -139,7 +148,7 @@ def test_gemma3_lora_under_zero3_resumes_exactly_and_exports(tmp_path):
         data={"synthetic": {"task": "shapes", "examples": 160}, "max_seq_len": 48},
         train={"max_steps": 6, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 1, "save_every": 3, "keep_last": 2},
         deepspeed={"zero_stage": 3},
-        generate={"prompts": [], "max_new_tokens": 4},
+        generate={"prompts": None, "max_new_tokens": 4},
     )
     path = write_config(tmp_path, config, "gemma3.yaml")
     assert_ok(zeropipe("train", path))

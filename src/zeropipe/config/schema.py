@@ -249,8 +249,10 @@ class TrainSection(Section):
 
 
 class GenerateSection(Section):
-    prompts: list[str] = Field(
-        default_factory=list, description="Prompts answered (language models) or drawn (diffusion models) by the trained model at the end of the run."
+    prompts: list[str] | None = Field(
+        None,
+        description="Prompts answered (language models) or drawn (diffusion models) by the trained model at the end of the run "
+        "(and every generate.sample_every steps). Unset: a few prompts from the data; [] to generate nothing.",
     )
     images: list[str] = Field(
         default_factory=list,

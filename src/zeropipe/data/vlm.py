@@ -627,7 +627,7 @@ def prepare_vlm_data(config, run, reuse: bool):
         processor.save_pretrained(str(processor_dir))
     else:
         texts = [m["content"].replace(IMAGE_MARKER, " ") for ex in examples for m in ex.messages]
-        texts += [data_section.vision.caption_prompt, *config.generate.prompts]
+        texts += [data_section.vision.caption_prompt, *(config.generate.prompts or [])]
         processor = build_processor(section.config or {}, texts, section.tokenizer_vocab_size, processor_dir)
         notes.append(
             f"processor built for {section.config.get('model_type')}: "
@@ -694,7 +694,9 @@ def generation_pairs(config, run) -> list[dict[str, str]]:
     Raises:
         ConfigError: prompts and images that cannot be paired, or a missing image.
     """
-    prompts, images = list(config.generate.prompts), list(config.generate.images)
+    if config.generate.prompts == []:
+        return []  # nothing to answer at the end of the run
+    prompts, images = list(config.generate.prompts or []), list(config.generate.images)
     default_prompt = config.data.vision.caption_prompt
     expected: list[str | None] = []
     if not images:

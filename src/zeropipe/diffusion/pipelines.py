@@ -170,6 +170,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, dict[str, Any]]]:
     """Architecture and component configs of an inline ``model.config`` (a preset plus overrides)."""
     config = dict(config)
+    config.pop("vae_fit_steps", None)  # how the tiny VAE is made, not a component
     name = config.pop("pipeline")
     if name not in PRESETS:
         raise ConfigError([("model.config.pipeline", f"unknown pipeline {name!r}: use one of {', '.join(PRESETS)} (or model.path for a real pipeline)")])
@@ -222,6 +223,8 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
             parts[name] = cls(cls.config_class(**fields))
         elif name == "vae":
             parts[name] = diffusers.AutoencoderKL(**fields)
+            if config.get("vae_fit_steps"):
+                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, shifted=arch.name in ("sd3", "flux"))
         else:
             parts[name] = denoiser_class(arch)(**fields)
     for tokenizer_name in arch.tokenizers:
@@ -238,6 +241,44 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
         shutil.rmtree(out)
     tmp.rename(out)
     return arch
+
+
+def fit_tiny_vae(vae, steps: int, seed: int, shifted: bool, batch: int = 16) -> None:
+    """Teach a random tiny VAE to reconstruct generated shape images, so that samples show shapes.
+
+    A randomly initialised decoder turns any latent into noise, so the sample images of a
+    tiny demo pipeline would say nothing about whether the denoiser learned. A few hundred
+    steps of reconstruction on the same kind of images the demo trains on fix that (about
+    a minute on 2 CPU cores). The scaling (and for SD3/Flux the shift) factor is then set
+    from the latents, as it was for the real VAEs, so that the denoiser sees unit variance.
+    """
+    import tempfile
+
+    from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
+
+    size = int(vae.config.sample_size)
+    with tempfile.TemporaryDirectory() as folder:
+        generate_shapes_dataset(Path(folder), 256, seed=seed + 7, resolution=size)
+        items = scan_image_folder(Path(folder)).items
+        pixels = torch.stack([load_image_for_bucket(Path(item.path), (size, size), crop="center", flip=False).pixels for item in items])
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
+    vae.train()
+    for _ in range(steps):
+        images = pixels[torch.randint(0, len(pixels), (batch,), generator=generator)]
+        posterior = vae.encode(images).latent_dist
+        reconstruction = vae.decode(posterior.sample(generator)).sample
+        loss = torch.nn.functional.mse_loss(reconstruction, images) + 1e-6 * posterior.kl().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    vae.eval()
+    with torch.no_grad():
+        latents = vae.encode(pixels).latent_dist.mean
+    shift = float(latents.mean()) if shifted else 0.0
+    vae.register_to_config(scaling_factor=round(1.0 / float((latents - shift).std()), 5))
+    if shifted:
+        vae.register_to_config(shift_factor=round(shift, 5))
 
 
 # ------------------------------------------------------------------------------ fingerprints

@@ -88,8 +88,8 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool):
     vae_fp = fingerprint_files(pipeline_dir / "vae", fingerprints)
     text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers)) + f"/{arch.name}"
     text_fp = cache._digest(text_fp)
-    prompts = list(config.generate.prompts)
-    if not prompts:
+    prompts = list(config.generate.prompts or [])
+    if config.generate.prompts is None:
         prompts = shape_prompts(4, seed=config.run.seed + 1) if config.data.synthetic is not None else sorted({item.caption for item in items})[:4]
 
     flips = [False, True] if images.flip > 0 else [False]

@@ -246,10 +246,16 @@ class DiffusionTrainer(Trainer):
             log.warning("rank %d: skipping %s from now on: %s", self.rank, path, reason)
 
     def text_condition(self, texts: list[str]) -> dict[str, torch.Tensor]:
+        """Text-encoder outputs for a batch of captions: from the cache, else encoded now.
+
+        With ``data.cache.text`` off only the sample prompts and the empty caption come from
+        the cache (a run that cached everything before may have left the rest there too).
+        """
         rows: list[dict[str, torch.Tensor]] = []
         for text in texts:
             key = self.data["text_keys"].get(text)
-            if key is not None and cache.has_entry(self.cache_dir, "text", key):
+            cacheable = self.config.data.cache.text or text == "" or text in self.plan.generate_prompts
+            if key is not None and cacheable and cache.has_entry(self.cache_dir, "text", key):
                 rows.append(cache.load_entry(self.cache_dir, "text", key))
             else:
                 if self.text_encoders is None:

@@ -204,9 +204,10 @@ class Trainer:
             now = time.perf_counter()
             self.record_metrics(epoch, loss_sum / self.accumulation, lr, tokens, samples, now - previous_end)
             self.after_step()
-            previous_end = time.perf_counter()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
+            # Evaluation, samples and checkpoints are not training time.
+            previous_end = time.perf_counter()
         self.save_checkpoint()
 
     def after_step(self) -> None:

@@ -43,6 +43,15 @@ def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state
 
         denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora_targets(lora, "diffusion")))
     load_checked(denoiser, state, info)
+    if lora is not None:
+        # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
+        # bf16: keep the pipeline's own weights and take only the adapters from the checkpoint.
+        base = denoiser_class(arch).from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32).state_dict()
+        with torch.no_grad():
+            for name, tensor in denoiser.named_parameters():
+                original = name.replace(".base_layer.", ".")
+                if "lora_" not in name and original in base:
+                    tensor.copy_(base[original])
 
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -53,7 +62,11 @@ def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state
         layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
         layers = {key: value.to(dtype) for key, value in layers.items()}
         tmp.mkdir(parents=True)
-        pipeline_class(arch).save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers})
+        # The adapter's config (alpha in particular) goes into the file's metadata: without it
+        # load_lora_weights assumes alpha = r and the adapter acts at the wrong strength.
+        pipeline_class(arch).save_lora_weights(
+            str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict()}
+        )
         kind = "lora"
     else:
         if lora is not None:

@@ -357,28 +357,13 @@ def pair_images(prompts: list[str], images: list[str] | None) -> list[str | None
 
 
 def vlm_backend():
-    """The vision-language side of ``zeropipe generate``: the extension point for image + text.
+    """The vision-language side of ``zeropipe generate`` (``zeropipe.models.vlm``).
 
-    It lives in ``zeropipe.models.vlm`` as two functions:
-
-    - ``load_for_generation(source: ModelSource, device, dtype) -> LoadedModel``: build the
-      model (AutoModelForImageTextToText) and its AutoProcessor from ``source`` (a run's
-      checkpoint: consolidate with ``zeropipe.export.hf.consolidated_state_dict``; an
-      export; an adapter), ``tokenizer`` holding the processor;
-    - ``generate_with_images(loaded, prompts, images, max_new_tokens, temperature, top_p, seed)
-      -> list[Generation]``: ``images`` has one path (or None) per prompt, rendered with the
-      chat template used in training.
-
-    Raises:
-        ZeroPipeError: when those functions do not exist yet.
+    ``load_for_generation(source, device, dtype)`` builds the AutoModelForImageTextToText and
+    its AutoProcessor from a run's consolidated checkpoint, an export or an adapter;
+    ``generate_with_images(loaded, prompts, images, ...)`` answers each prompt about its image
+    with the chat template used in training.
     """
-    try:
-        from zeropipe.models import vlm
-    except ImportError:
-        vlm = None
-    if vlm is None or not all(hasattr(vlm, name) for name in ("load_for_generation", "generate_with_images")):
-        raise ZeroPipeError(
-            "zeropipe generate cannot run vision-language models yet: export the run (zeropipe export RUN --out DIR) "
-            "and load DIR with transformers' AutoModelForImageTextToText and AutoProcessor"
-        )
+    from zeropipe.models import vlm
+
     return vlm

@@ -199,8 +199,8 @@ def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData
             f"packing: {examples} examples in {units} sequences of up to {config.data.max_seq_len} tokens ({100 * packs['fill']:.0f}% real tokens); "
             "train.micro_batch_size counts packed sequences"
         )
-    prompts = list(config.generate.prompts)
-    if not prompts and config.data.synthetic is not None:
+    prompts = list(config.generate.prompts or [])
+    if config.generate.prompts is None and config.data.synthetic is not None:
         from zeropipe.data.synthetic import sample_prompts
 
         prompts = sample_prompts(config.data.synthetic.task, 4, seed=config.data.synthetic.seed + 1)

@@ -105,3 +105,29 @@ def test_plan_drops_cached_encoders_from_the_ranks():
     uncached = spec_from_config(validate_config(raw))
     assert [m.name for m in uncached.frozen_models] == ["vae"]
     assert cached.trainable_params == uncached.trainable_params > 500_000
+
+
+def test_fitting_the_tiny_vae_teaches_it_to_reconstruct_and_sets_its_scale(tmp_path):
+    """vae_fit_steps: the demo's VAE learns to reconstruct shapes, and latents * scaling_factor have unit variance."""
+    import diffusers
+
+    from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
+    from zeropipe.diffusion.pipelines import fit_tiny_vae, preset_components
+
+    _, components = preset_components({"pipeline": "tiny-sdxl", "vae_fit_steps": 80})
+    generate_shapes_dataset(tmp_path, 16, seed=99, resolution=32)
+    images = torch.stack([load_image_for_bucket(item.path, (32, 32), crop="center", flip=False).pixels for item in scan_image_folder(tmp_path).items])
+
+    def reconstruction_error(vae) -> float:
+        with torch.no_grad():
+            return float(((vae.decode(vae.encode(images).latent_dist.mean).sample - images) ** 2).mean())
+
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(**components["vae"])
+    before = reconstruction_error(vae)
+    fit_tiny_vae(vae, 80, seed=0, shifted=True)
+    assert reconstruction_error(vae) < 0.6 * before
+    with torch.no_grad():
+        latents = vae.encode(images).latent_dist.mean
+    scaled = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+    assert 0.7 < float(scaled.std()) < 1.4

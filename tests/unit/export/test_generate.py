@@ -11,7 +11,7 @@ import torch
 
 from zeropipe.cli.main import main
 from zeropipe.errors import CheckpointError, ZeroPipeError
-from zeropipe.export.generate import generate, load_model, resolve_source, vlm_backend
+from zeropipe.export.generate import generate, load_model, resolve_source
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 
@@ -83,12 +83,6 @@ def test_adapter_with_missing_base_and_diffusion_directory(tmp_path):
     (pipeline / "model_index.json").write_text("{}")
     with pytest.raises(ZeroPipeError, match="diffusion model: zeropipe generate writes text"):
         load_model(pipeline)
-
-
-def test_vision_language_models_need_the_vlm_backend(monkeypatch):
-    monkeypatch.setitem(sys.modules, "zeropipe.models.vlm", types.ModuleType("zeropipe.models.vlm"))
-    with pytest.raises(ZeroPipeError, match="cannot run vision-language models yet"):
-        vlm_backend()
 
 
 def test_cli_turns_a_bad_path_into_exit_code_2(tmp_path, capsys):
