@@ -29,12 +29,10 @@ machine cancels. Figures, per run:
   /proc/PID/smaps_rollup) from the ranks' start to the end of the last training step, which
   also catches peaks between steps and during setup (where the encoders are loaded).
 
-Sampling cannot be switched off entirely: ``zeropipe`` draws ``generate.prompts`` after the
-last step and, when they are empty, falls back to default prompts. The benchmark leaves
-``generate.sample_every`` unset, asks for one prompt (the empty caption, always cached) with
-one denoising step and no guidance, and ends its RAM window at the last training step, so
-neither that sample nor the final checkpoint is in the figures. The supervisor's own per-rank
-peak (``status.json``, sampled once a second over the whole run, end-of-run sample included)
+No sample images are drawn (``generate.prompts: []``) and the demo's VAE fitting
+(``model.config.vae_fit_steps``) is left out: neither is training. The RAM window ends at the
+last training step, so the final checkpoint is not in the figures. The supervisor's own per-rank
+peak (``status.json``, sampled once a second over the whole run)
 is printed for comparison.
 
 After the runs, the script times in its own process (one thread, as a rank) what an uncached
@@ -85,8 +83,8 @@ def bench_config(work: Path, caches: bool, steps: int, resolution: int, micro_ba
     train = config["train"]
     train.update(max_steps=steps, micro_batch_size=micro_batch, gradient_accumulation_steps=1, log_every=steps)
     train.pop("save_every", None)  # a mid-run checkpoint would land in the next step's step_time_s
-    # No periodic samples; the end-of-run sample cannot be turned off, so make it as small as it gets.
-    config["generate"] = {"prompts": [""], "sample_steps": 1, "guidance_scale": 1.0}
+    config["generate"] = {"prompts": []}  # no sample images
+    config["model"]["config"].pop("vae_fit_steps", None)  # makes the demo's samples readable; not training
     return config
 
 

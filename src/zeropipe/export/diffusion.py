@@ -64,9 +64,10 @@ def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state
         tmp.mkdir(parents=True)
         # The adapter's config (alpha in particular) goes into the file's metadata: without it
         # load_lora_weights assumes alpha = r and the adapter acts at the wrong strength.
-        pipeline_class(arch).save_lora_weights(
-            str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": denoiser.peft_config["default"].to_dict()}
-        )
+        # Dropout is written as 0: the adapter layers load_lora_weights adds are in training
+        # mode, and dropout would make every image random.
+        metadata = {**denoiser.peft_config["default"].to_dict(), "lora_dropout": 0.0}
+        pipeline_class(arch).save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
         kind = "lora"
     else:
         if lora is not None:
