@@ -32,6 +32,11 @@ def points(page, chart="loss") -> int:
     return int(page.locator(f"#chart-{chart}").get_attribute("data-points") or 0)
 
 
+def last_seen(page) -> int:
+    """The last step the loss chart holds."""
+    return int(page.evaluate("(() => { const s = window.zpCharts.loss.data[0]; return s.length ? s[s.length - 1] : 0; })()"))
+
+
 def test_a_failed_run_shows_its_diagnosis(page, ui):
     page.goto(ui.url + "/")
     page.select_option("#state-filter", "failed,lost")
@@ -129,7 +134,8 @@ def test_create_a_run_from_the_form_and_watch_it_complete(page, ui):
 def test_stop_resume_across_a_ui_restart(page, ui):
     raw = json.loads(json.dumps(TINY_CONFIG))
     raw["run"] = {"name": "long-one"}
-    raw["train"].update(max_steps=5000, save_every=5, keep_last=2)
+    raw["train"].update(max_steps=5000, save_every=5, keep_last=2, eval_every=5)
+    raw["data"]["eval_fraction"] = 0.1  # 40 held-out examples, evaluated every 5 steps
     run = ui.api("/api/runs", {"yaml": yaml.safe_dump(raw)})["run"]
     page.goto(f"{ui.url}/runs/{run['id']}")
     expect(badge(page)).to_have_text("running", timeout=300_000)
@@ -147,6 +153,10 @@ def test_stop_resume_across_a_ui_restart(page, ui):
     expect(badge(page)).to_have_text("running")
     first = points(page)
     page.wait_for_function(f"Number(document.querySelector('#chart-loss').dataset.points) > {first}", timeout=120_000)
+    # Evaluations that arrive while the page watches are drawn on the loss chart at their steps.
+    evaluated = "(() => { const c = window.zpCharts.loss; if (!c || c.labels[1] !== 'eval_loss') return 0;" \
+        " return c.data[2].filter((v, i) => v !== null && c.data[0][i] > %d).length; })()"
+    page.wait_for_function(f"{evaluated % last_seen(page)} >= 2", timeout=120_000)
     screenshot(page, "08-running-after-ui-restart", full_page=False)
 
     with page.expect_response(lambda r: r.url.endswith("/stop")) as stop:

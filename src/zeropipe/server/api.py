@@ -21,7 +21,7 @@ router = APIRouter(prefix="/api")
 
 RunId = Path(ge=1, le=2**53, description="the run's id in the store")
 MAX_YAML = 200_000
-CHART_KEYS = "loss,lr,grad_norm,tokens_per_s,samples_per_s,step_time_s,host_rss_bytes/*,gpu_max_allocated_bytes/*"
+CHART_KEYS = "loss,eval_loss,lr,grad_norm,tokens_per_s,samples_per_s,step_time_s,host_rss_bytes/*,gpu_max_allocated_bytes/*"
 
 
 class Strict(BaseModel):

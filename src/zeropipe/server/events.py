@@ -57,19 +57,23 @@ def runs_stream(request: Request, store: RunStore, max_seconds: float) -> Stream
 def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_step: float, max_seconds: float) -> StreamingResponse:
     metrics_path = Path(run["path"]) / "metrics.jsonl"
 
-    def poll(last_step: float):
+    def poll(last_step: float, eval_version: int):
         current = store.run(run["id"])
         series = store.series.get(metrics_path)
         window = series.window(series.keys(), None, last_step)
-        return current, window
+        # An evaluation is written after its step's row, often after that row was streamed:
+        # all evaluations are sent again whenever one is added.
+        evals = series.evals() if series.eval_version != eval_version else None
+        return current, window, evals, series.eval_version
 
     async def generate():
         yield "retry: 2000\n\n"
         deadline = time.monotonic() + max_seconds
         last_step, last_state, beat = after_step, None, time.monotonic()
+        eval_version = -1
         while time.monotonic() < deadline and not await request.is_disconnected():
             try:
-                current, window = await run_in_threadpool(poll, last_step)
+                current, window, evals, eval_version = await run_in_threadpool(poll, last_step, eval_version)
             except RunNotFound:
                 yield sse("end", {"reason": "the run is no longer in the store"})
                 return
@@ -81,6 +85,9 @@ def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_ste
             elif window["points"]:
                 yield sse("metrics", window)
                 last_step = window["step"][-1]
+                sent = True
+            if evals is not None and evals["step"]:
+                yield sse("evals", evals)
                 sent = True
             state = json.dumps(current, sort_keys=True)
             if state != last_state:

@@ -51,6 +51,7 @@ class Series:
         self.head = b""
         self.columns: dict[str, np.ndarray] = {}
         self.rows = 0
+        self.eval_version = 0  # counts evaluations attached: a stream resends them when it moves
 
     # --------------------------------------------------------------- reading
     def update(self) -> int:
@@ -99,6 +100,17 @@ class Series:
             return  # its step's row was dropped (a resume rewrote the file): nothing to attach to
         for key in EVAL_SCALARS:
             self.columns.setdefault(key, np.full(self.rows, np.nan))[matches[-1]] = number(record.get(key))
+        self.eval_version += 1
+
+    def evals(self) -> dict[str, list]:
+        """Every evaluation: ``step`` and the EVAL_SCALARS columns at the steps that have one (a few dozen at most)."""
+        with self.lock:
+            losses = self.columns.get("eval_loss")
+            if losses is None:
+                return {"step": [], **{key: [] for key in EVAL_SCALARS}}
+            index = np.flatnonzero(np.isfinite(losses))
+            steps = self.columns["step"][index]
+            return {"step": to_json(steps), **{key: to_json(self.columns.get(key, np.full(self.rows, np.nan))[index]) for key in EVAL_SCALARS}}
 
     def append_steps(self, records: list[dict[str, Any]]) -> None:
         if not records:

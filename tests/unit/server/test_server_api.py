@@ -284,6 +284,17 @@ def test_a_finished_runs_stream_sends_its_rows_state_and_end(client, store):
     assert events[1]["data"]["state"] == "completed"
 
 
+def test_a_runs_stream_sends_its_evaluations(client, store):
+    ids = add_runs(store)
+    run = store.run(ids["done"])
+    with open(f"{run['path']}/metrics.jsonl", "a") as handle:
+        handle.write(json.dumps({"kind": "eval", "step": 12, "eval_loss": 2.5, "eval_perplexity": 12.2}) + "\n")
+    with client.stream("GET", f"/api/runs/{ids['done']}/stream", params={"after_step": 12}) as response:
+        events = sse_events(response)
+    evals = [e["data"] for e in events if e["event"] == "evals"]
+    assert evals == [{"step": [12], "eval_loss": [2.5], "eval_perplexity": [12.2]}]
+
+
 def test_malformed_requests_get_4xx_with_a_message(client, store):
     ids = add_runs(store)
     attempts = [

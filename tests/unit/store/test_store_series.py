@@ -130,3 +130,6 @@ def test_eval_rows_join_their_step_without_leaving_gaps(tmp_path):
     assert None not in window["series"]["loss"]
     assert window["series"]["eval_loss"] == [None, 3.5, None, 3.0]
     assert "eval_loss" in series.keys()
+    # A stream notices the late evaluation by the version and resends all of them.
+    assert series.eval_version == 2
+    assert series.evals() == {"step": [2, 4], "eval_loss": [3.5, 3.0], "eval_perplexity": [33.1, 20.1]}

@@ -117,7 +117,8 @@ ZP.colors = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "
 
 // A line chart (uPlot) over steps; `labels` name the y series.
 ZP.Chart = class {
-  constructor(container, { title, labels, format = ZP.fmtNumber, height = 210, log = false }) {
+  // `sparse` labels have a value at a few steps only (evaluations): drawn as joined points.
+  constructor(container, { title, labels, format = ZP.fmtNumber, height = 210, log = false, sparse = [] }) {
     this.container = container;
     this.labels = labels;
     this.data = [[], ...labels.map(() => [])];
@@ -128,7 +129,13 @@ ZP.Chart = class {
         width,
         height,
         scales: { x: { time: false }, y: log ? { distr: 3 } : {} },
-        series: [{ label: "step" }, ...labels.map((label, i) => ({ label, stroke: ZP.colors[i % ZP.colors.length], width: 1.5, spanGaps: false, points: { show: false } }))],
+        series: [
+          { label: "step" },
+          ...labels.map((label, i) => {
+            const few = sparse.includes(label);
+            return { label, stroke: ZP.colors[i % ZP.colors.length], width: 1.5, spanGaps: few, points: { show: few, size: 6 } };
+          }),
+        ],
         axes: [{ label: "step" }, { size: 64, values: (u, values) => values.map((v) => format(v)) }],
         legend: { live: true },
         cursor: { drag: { x: true, y: false } },

@@ -8,7 +8,8 @@
 
   // Each chart draws the columns whose names match `keys` (exact) or `prefix` (one per rank).
   const CHARTS = {
-    loss: { title: "loss", keys: ["loss"] },
+    // Held-out evaluations (train.eval_every) on the same axes, as points at their steps.
+    loss: { title: "loss", keys: ["loss", "eval_loss"], sparse: ["eval_loss"] },
     lr: { title: "learning rate", keys: ["lr"] },
     // Language models report tokens/s; diffusion runs have no tokens and report samples (images)/s.
     throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"], fallback: { title: "throughput (images/s)", keys: ["samples_per_s"] } },
@@ -58,7 +59,7 @@
       if (!chart || chart.keys.join() !== keys.join()) {
         container.replaceChildren();
         const labels = spec.prefix ? keys.map((k) => `rank ${k.split("/")[1]}`) : keys;
-        chart = new ZP.Chart(container, { title: spec.title, labels, format: spec.format });
+        chart = new ZP.Chart(container, { title: spec.title, labels, format: spec.format, sparse: spec.sparse });
         chart.keys = keys;
         charts[name] = chart;
       }
@@ -92,6 +93,20 @@
       }
     }
     lastStep = columns.step[columns.step.length - 1];
+    drawCharts();
+  }
+
+  function mergeEvals(evals) {
+    // Evaluations arrive after their step's row: put each on its step.
+    const n = columns.step.length;
+    const at = new Map(columns.step.map((s, i) => [s, i]));
+    for (const key of Object.keys(evals)) {
+      if (key === "step") continue;
+      if (!(key in columns)) columns[key] = new Array(n).fill(null);
+      evals.step.forEach((s, i) => {
+        if (at.has(s)) columns[key][at.get(s)] = evals[key][i];
+      });
+    }
     drawCharts();
   }
 
@@ -319,6 +334,7 @@
     if (source) source.close();
     source = ZP.stream(`${base}/stream?after_step=${lastStep}`, {
       metrics: appendMetrics,
+      evals: mergeEvals,
       run: onRun,
       reload: loadMetrics,
       end: () => {
