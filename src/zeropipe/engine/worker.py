@@ -8,6 +8,7 @@ the secondary errors the other ranks print when this one disappears.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -23,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
         from zeropipe.engine.trainer import trainer_for
 
         trainer_for(run_dir).run_all()
-        return 0
     except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis
         from zeropipe.errors import ZeroPipeError
 
@@ -40,7 +40,27 @@ def main(argv: list[str] | None = None) -> int:
         (errors / f"rank{rank}.json").write_text(json.dumps(record, indent=2))
         traceback.print_exc()
         return 130 if isinstance(err, KeyboardInterrupt) else 1
+    print(f"rank {rank}: finished", flush=True)
+    return 0
+
+
+def leave(code: int) -> None:
+    """Exit; after a finished run, without the interpreter's teardown.
+
+    gloo's worker threads can still hold finished collectives whose tensors refer to Python
+    objects; freeing them while the interpreter shuts down aborts the process now and then
+    ("terminate called without an active exception", SIGABRT), which turned finished runs
+    into failed ones. By now the trainer has written its files, closed its metric sinks and
+    destroyed the process group. A failed rank exits normally, so that whatever it still
+    holds open is flushed.
+    """
+    if code != 0:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
