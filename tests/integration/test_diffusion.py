@@ -78,6 +78,18 @@ def test_sdxl_full_finetune_with_bad_images_caches_samples_and_exports(tmp_path)
     assert rows and all(row["frozen_components_loaded"] == [] for row in rows)
     assert "cached" not in (tmp_path / "runs" / "sdxl-again" / "logs" / "rank1.log").read_text()
 
+    # Caches off (a cache folder of its own, so that no caption embedding is found there): the ranks
+    # hold the VAE and the text encoders and encode each micro-batch, and train exactly as from the caches.
+    uncached_config = tmp_path / "sdxl-uncached.yaml"
+    uncached_config.write_text(second_config.read_text().replace("name: sdxl-again", "name: sdxl-uncached"))
+    uncached = zeropipe(
+        "train", uncached_config, "train.max_steps=4", "data.cache.latents=false", "data.cache.text=false", f"data.cache.dir={tmp_path / 'cache-off'}", cwd=tmp_path
+    )
+    assert_ok(uncached)
+    uncached_rows = metrics(tmp_path / "runs" / "sdxl-uncached")
+    assert uncached_rows and all(row["frozen_components_loaded"] == ["vae", "text_encoders"] for row in uncached_rows)
+    assert [row["loss"] for row in uncached_rows] == pytest.approx([row["loss"] for row in rows], rel=1e-5)
+
     out = tmp_path / "export"
     assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import DiffusionPipeline

@@ -45,6 +45,7 @@ from zeropipe.errors import DataError
 log = logging.getLogger("zeropipe")
 
 TEXT_BATCH = 16
+LATENT_BATCH = 8  # images per VAE call while caching
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -101,21 +102,30 @@ class DiffusionTrainer(Trainer):
         missing_texts = self.data["missing_texts"][self.rank :: self.world_size]
         if missing_latents:
             vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+            # One VAE call per chunk of images of the same bucket and flip, as training batches them.
+            jobs: dict[tuple, list[tuple[int, bool, str]]] = {}
             for index in missing_latents:
-                item = self.data["items"][index]
-                bucket = tuple(self.data["buckets"][index])
                 for flip, key in zip(self.data["flips"], self.data["latent_keys"][index]):
-                    try:
-                        prepared = load_image_for_bucket(Path(item["path"]), bucket, crop="center", flip=flip)
-                    except DataError as err:
-                        log.warning("skipping %s: %s", item["path"], err)
+                    jobs.setdefault((tuple(self.data["buckets"][index]), flip), []).append((index, flip, key))
+            for (bucket, _), entries in jobs.items():
+                for start in range(0, len(entries), LATENT_BATCH):
+                    prepared, keys = [], []
+                    for index, flip, key in entries[start : start + LATENT_BATCH]:
+                        path = self.data["items"][index]["path"]
+                        try:
+                            prepared.append(load_image_for_bucket(Path(path), bucket, crop="center", flip=flip))
+                            keys.append(key)
+                        except DataError as err:
+                            log.warning("skipping %s: %s", path, err)
+                    if not prepared:
                         continue
-                    mean, std = cache.encode_latent_distribution(vae, prepared.pixels[None])
-                    cache.save_entry(self.cache_dir, "latents", key, {
-                        "mean": mean[0], "std": std[0],
-                        "original_size": torch.tensor(prepared.original_size), "crop_top_left": torch.tensor(prepared.crop_top_left),
-                        "target_size": torch.tensor(prepared.target_size),
-                    })
+                    means, stds = cache.encode_latent_distribution(vae, torch.stack([image.pixels for image in prepared]))
+                    for key, image, mean, std in zip(keys, prepared, means, stds):
+                        cache.save_entry(self.cache_dir, "latents", key, {
+                            "mean": mean, "std": std,
+                            "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
+                            "target_size": torch.tensor(image.target_size),
+                        })
             del vae
         if missing_texts:
             encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
@@ -196,27 +206,36 @@ class DiffusionTrainer(Trainer):
         return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Latents and conditioning of a micro-batch: from the caches, or encoded now when they are off."""
-        latents, time_ids, texts = [], [], []
+        """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
+        distributions, time_ids, texts = [], [], []
         usable = [i for i in indices if self.data["items"][i]["path"] not in self.skipped_images] or list(indices)
         for index in indices:
             if index not in usable:
                 index = random.choice(usable)
             item = self.data["items"][index]
             flip_choice = augment and random.random() < self.images.flip
-            sample, sizes = self.image_latents(index, flip_choice)
-            if sample is None:  # unreadable now: another image of the same bucket stands in
-                sample, sizes = self.image_latents(random.choice([i for i in usable if i != index] or usable), flip_choice)
-            latents.append(sample)
+            source, sizes = self.image_source(index, flip_choice)
+            if source is None:  # unreadable now: another image of the same bucket stands in
+                source, sizes = self.image_source(random.choice([i for i in usable if i != index] or usable), flip_choice)
+            distributions.append(source)
             time_ids.append(sizes)
             dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
+        if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
+            means, stds = cache.encode_latent_distribution(self.vae, torch.stack(distributions))
+            distributions = list(zip(means, stds))
+        latents = [mean + std * torch.randn(mean.shape) for mean, std in distributions]
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         batch = torch.stack(latents).to(self.device)
         return ((batch - self.latent_shift) * self.latent_scale).to(self.compute_dtype), condition
 
-    def image_latents(self, index: int, flip: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def image_source(self, index: int, flip: bool) -> tuple[Any, torch.Tensor]:
+        """What one image contributes before its latents are drawn, and its SDXL size conditioning.
+
+        With the latent cache: its (mean, std) from the cache. Without: its pixels, which the
+        caller encodes with the rest of the micro-batch. ``None`` when it cannot be read.
+        """
         item = self.data["items"][index]
         bucket = tuple(self.data["buckets"][index])
         if self.config.data.cache.latents:
@@ -227,18 +246,15 @@ class DiffusionTrainer(Trainer):
             except (OSError, RuntimeError) as err:
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
-            mean, std = entry["mean"], entry["std"]
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-        else:
-            try:
-                prepared = load_image_for_bucket(Path(item["path"]), bucket, crop=self.images.crop, flip=flip, rng=random)
-            except DataError as err:
-                self.skip_image(item["path"], str(err))
-                return None, torch.zeros(6)
-            mean, std = cache.encode_latent_distribution(self.vae, prepared.pixels[None])
-            mean, std = mean[0], std[0]
-            sizes = torch.tensor([*prepared.original_size, *prepared.crop_top_left, *prepared.target_size], dtype=torch.float32)
-        return mean + std * torch.randn(mean.shape), sizes
+            return (entry["mean"], entry["std"]), sizes
+        try:
+            prepared = load_image_for_bucket(Path(item["path"]), bucket, crop=self.images.crop, flip=flip, rng=random)
+        except DataError as err:
+            self.skip_image(item["path"], str(err))
+            return None, torch.zeros(6)
+        sizes = torch.tensor([*prepared.original_size, *prepared.crop_top_left, *prepared.target_size], dtype=torch.float32)
+        return prepared.pixels, sizes
 
     def skip_image(self, path: str, reason: str) -> None:
         if path not in self.skipped_images:
@@ -246,21 +262,22 @@ class DiffusionTrainer(Trainer):
             log.warning("rank %d: skipping %s from now on: %s", self.rank, path, reason)
 
     def text_condition(self, texts: list[str]) -> dict[str, torch.Tensor]:
-        """Text-encoder outputs for a batch of captions: from the cache, else encoded now.
+        """Text-encoder outputs for a batch of captions: from the cache, else encoded now (in one call).
 
         With ``data.cache.text`` off only the sample prompts and the empty caption come from
         the cache (a run that cached everything before may have left the rest there too).
         """
-        rows: list[dict[str, torch.Tensor]] = []
+        rows: list[dict[str, torch.Tensor] | None] = []
         for text in texts:
             key = self.data["text_keys"].get(text)
             cacheable = self.config.data.cache.text or text == "" or text in self.plan.generate_prompts
-            if key is not None and cacheable and cache.has_entry(self.cache_dir, "text", key):
-                rows.append(cache.load_entry(self.cache_dir, "text", key))
-            else:
-                if self.text_encoders is None:
-                    self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
-                rows.append(encode_prompts(self.text_encoders, self.arch, [text], self.device)[0])
+            rows.append(cache.load_entry(self.cache_dir, "text", key) if key is not None and cacheable and cache.has_entry(self.cache_dir, "text", key) else None)
+        todo = sorted({text for text, row in zip(texts, rows) if row is None})
+        if todo:
+            if self.text_encoders is None:
+                self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+            encoded = dict(zip(todo, encode_prompts(self.text_encoders, self.arch, todo, self.device)))
+            rows = [row if row is not None else encoded[text] for text, row in zip(texts, rows)]
         return {name: torch.stack([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
 
     def predict(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
