@@ -37,7 +37,7 @@ is printed for comparison.
 
 After the runs, the script times in its own process (one thread, as a rank) what an uncached
 rank adds to a micro-batch: reading and VAE-encoding its images and encoding its captions,
-one call each for the micro-batch as ``DiffusionTrainer`` does, against reading the cache entries. Added to the
+one call each for the micro-batch as ``DiffusionTask`` does, against reading the cache entries. Added to the
 cached step time this gives the ratio to expect, and says how much encoding the target needs.
 Last, for comparison with real hardware, it counts the FLOPs of SDXL's own VAE encoder and
 UNet (built on the meta device from their configs) for one 1024 px image.
@@ -102,7 +102,7 @@ def bench_config(work: Path, caches: bool, steps: int, resolution: int, micro_ba
 
 
 class RankMemory:
-    """Samples RSS and PSS of a launcher's rank processes (``zeropipe.engine.worker``) in a thread."""
+    """Samples RSS and PSS of a launcher's rank processes (``zeropipe.launch.rank``) in a thread."""
 
     def __init__(self, launcher_pid: int):
         self.launcher_pid = launcher_pid
@@ -126,7 +126,7 @@ class RankMemory:
             if len(ranks) < 2:  # the ranks appear a few seconds after the launcher starts
                 try:
                     children = psutil.Process(self.launcher_pid).children(recursive=True)
-                    ranks = sorted(p.pid for p in children if "zeropipe.engine.worker" in " ".join(p.cmdline()))
+                    ranks = sorted(p.pid for p in children if "zeropipe.launch.rank" in " ".join(p.cmdline()))
                 except psutil.Error:
                     ranks = []
             rss, pss = [], []
@@ -198,7 +198,7 @@ def run_train(config: dict, name: str, work: Path) -> dict:
         # From the ranks' start to the end of the last training step: no end-of-run sample or checkpoint.
         "sampled": memory.peaks(until=rows[-1]["time"]),
         "setup_s": first_step_start - status["started_at"],
-        "missing": (len(plan["missing_latents"]), len(plan["missing_texts"])),
+        "missing": (len(plan.missing_latents), len(plan.missing_texts)),
     }
 
 
@@ -225,7 +225,7 @@ def cache_entries(cache_dir: Path) -> tuple[int, float]:
 def encoder_breakdown(off_run: Path, on_run: Path, micro_batch: int, repeats: int = 7) -> dict[str, float]:
     """Seconds per micro-batch of what an uncached rank adds, timed in this process on one thread as a rank runs.
 
-    The inputs of one micro-batch (one bucket) are prepared the way DiffusionTrainer does it:
+    The inputs of one micro-batch (one bucket) are prepared the way DiffusionTask does it:
     uncached, the images read and VAE-encoded in one call and the captions encoded in one
     call; cached, one latent and one text entry read per image. The same work as one call
     per image or caption is timed too, for comparison.
@@ -236,13 +236,14 @@ def encoder_breakdown(off_run: Path, on_run: Path, micro_batch: int, repeats: in
 
     from zeropipe.diffusion import cache
     from zeropipe.diffusion.images import load_image_for_bucket
-    from zeropipe.diffusion.pipelines import ARCHITECTURES, encode_prompts, load_component, text_pipeline
+    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.diffusion.pipelines import encode_prompts, load_component, text_pipeline
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
     off_plan = json.loads((off_run / "data" / "diffusion.json").read_text())
     on_plan = json.loads((on_run / "data" / "diffusion.json").read_text())
-    arch = ARCHITECTURES[off_plan["architecture"]]
+    arch = architecture_named(off_plan["architecture"])
     pipeline_dir, device = Path(off_plan["pipeline_dir"]), torch.device("cpu")
     bucket = off_plan["buckets"][0]
     batch = [i for i, b in enumerate(off_plan["buckets"]) if b == bucket][:micro_batch]

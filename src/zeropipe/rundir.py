@@ -1,13 +1,25 @@
-"""The layout of a run directory: one place that names every file a run writes."""
+"""The layout of a run directory: one place that names every file a run writes, and the typed hand-overs.
+
+The launcher writes ``config.yaml`` (the validated config with its resolved values),
+``ds_config.json`` and ``run.json`` (:class:`RunPlan`); each family's preparation writes its
+data under ``data/`` and, for diffusion, ``pipeline/``; the ranks write ``logs/``,
+``errors/``, ``metrics.jsonl``, ``checkpoints/``, ``samples/``, ``generations.jsonl`` and
+``summary.json``. Every command that reads a run (ranks, export, eval, generate, the UI)
+goes through :class:`RunDir`, and reads the saved config without re-checking that the
+original data paths still exist (:meth:`RunDir.read_config`).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from zeropipe.checkpoint.manager import write_atomic
+
+if TYPE_CHECKING:
+    from zeropipe.config.schema import RunConfig
 
 
 @dataclass
@@ -28,6 +40,18 @@ class RunPlan:
     created_at: float = 0.0
 
 
+@dataclass
+class PreparedData:
+    """What a family's data preparation hands to the launcher (the ranks read the files it wrote)."""
+
+    examples: int
+    hidden_size: int | None  # for DeepSpeed's bucket sizes
+    micro_batches_per_epoch: Callable[[int, int], int]  # (micro_batch_size, world_size) -> per rank
+    prompts: list[str] = field(default_factory=list)  # generated (or drawn) at the end of the run
+    notes: list[str] = field(default_factory=list)
+    batching_note: str = ""  # why examples may not fill a step, said when they do not (e.g. one bucket per micro-batch)
+
+
 class RunDir:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -46,12 +70,23 @@ class RunDir:
     summary = property(lambda self: self.path / "summary.json")
     generations = property(lambda self: self.path / "generations.jsonl")
     checkpoints = property(lambda self: self.path / "checkpoints")
+    processor = property(lambda self: self.path / "processor")  # vision-language runs: the processor the ranks use
+    pipeline = property(lambda self: self.path / "pipeline")  # diffusion runs from an inline preset: the built pipeline
+    samples = property(lambda self: self.path / "samples")  # diffusion sample images, with index.jsonl
+    samples_index = property(lambda self: self.path / "samples" / "index.jsonl")
+    lock = property(lambda self: self.path / ".lock")
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.log"
 
     def rank_error(self, rank: int) -> Path:
         return self.errors / f"rank{rank}.json"
+
+    def read_config(self) -> "RunConfig":
+        """The config the run was prepared with (config.yaml), without checking that its data paths still exist."""
+        from zeropipe.config.load import load_saved_config
+
+        return load_saved_config(self.config)
 
     def read_plan(self) -> RunPlan:
         return RunPlan(**json.loads(self.plan_file.read_text()))

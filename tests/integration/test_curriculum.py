@@ -107,7 +107,7 @@ def test_three_stages_carry_weights_switch_settings_and_resume_mid_stage(tmp_pat
     assert series.update() == 28 and "stage_index" in series.keys()
     assert "final weights (Hugging Face directory)" in result.stderr
     # zeropipe generate (and export) given the curriculum's directory use its last stage's checkpoint.
-    from zeropipe.export.generate import resolve_source
+    from zeropipe.families import resolve_source
 
     source = resolve_source(top)
     assert (source.path, source.checkpoint.tag) == (top / "stages" / "03-full", "step_00000006")

@@ -33,8 +33,7 @@ def base_model(tmp_path):
 
 
 def test_run_directory_and_its_exports_generate_the_same_text(tmp_run, base_model):
-    from zeropipe.export.generate import generate, load_model
-    from zeropipe.export.hf import export_run
+    from zeropipe.families import export_run, generate, load_model
 
     tmp_path, make = tmp_run
     config = make(

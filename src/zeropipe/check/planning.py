@@ -4,16 +4,26 @@ from __future__ import annotations
 
 from zeropipe.errors import ZeroPipeError
 
-GB = 1e9
+GIB = 1024**3
+# Below this, activations are too small for gradient checkpointing's extra compute to pay (ZP013).
+ACTIVATION_FLOOR_BYTES = 1 * GIB
+
+
+def readable_bytes(num_bytes: float) -> str:
+    """GiB with one decimal, or MiB where that would round to 0.0 GiB."""
+    if num_bytes >= 0.05 * GIB:
+        return f"{num_bytes / GIB:.1f} GiB"
+    return f"{num_bytes / 1024**2:.0f} MiB"
 
 
 def plan_context(context):
     """The plan of the config's own choice on this machine's hardware, or None when it cannot be made."""
+    from zeropipe.families import model_spec
     from zeropipe.plan import detect_hardware, plan_run
 
     try:
         hardware = detect_hardware(cpu_ranks=context.world_size)
-        return plan_run(context.config, hardware)
+        return plan_run(context.config, hardware, model_spec(context.config))
     except ZeroPipeError:
         return None  # the config problem is reported by the rules that own it
 
@@ -48,7 +58,7 @@ def zero3_unneeded(ctx):
         (
             "deepspeed.zero_stage",
             f"ZeRO-3 gathers every layer's parameters in each forward and backward (about 1.5x the communication of ZeRO-2); "
-            f"ZeRO-{best.choice.zero_stage} fits here at {best.per_gpu_bytes / GB:.1f} GB per GPU",
+            f"ZeRO-{best.choice.zero_stage} fits here at {readable_bytes(best.per_gpu_bytes)} per GPU",
             f"set deepspeed.zero_stage: {best.choice.zero_stage} (or auto)",
         )
     ]
@@ -61,12 +71,12 @@ def activation_heavy(ctx):
     terms = plan.configured.per_gpu_terms
     activations = sum(t.bytes for t in terms if t.name.startswith("activations"))
     total = sum(t.bytes for t in terms) or 1
-    if activations / total < 0.5:
+    if activations / total < 0.5 or activations < ACTIVATION_FLOOR_BYTES:
         return []
     return [
         (
             "model.gradient_checkpointing",
-            f"activations are {activations / GB:.1f} of {total / GB:.1f} GB per GPU ({100 * activations / total:.0f}%)",
+            f"activations are {readable_bytes(activations)} of {readable_bytes(total)} per GPU ({100 * activations / total:.0f}%)",
             "set model.gradient_checkpointing: true (about 30% more compute, activations shrink to one layer's inputs) or lower train.micro_batch_size",
         )
     ]

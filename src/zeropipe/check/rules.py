@@ -43,6 +43,7 @@ class CheckContext:
     user_ds_config: dict[str, Any] | None = None  # deepspeed.config_file as written, if any
     plan: Any = None  # zeropipe.plan result for the config's own choice, when it could be computed
     problems: list[tuple[str, str]] = field(default_factory=list)  # errors found while building the context
+    family_problems: list[tuple[str, str]] = field(default_factory=list)  # what the model family cannot run (its config_problems)
 
     @property
     def zero_stage(self) -> int:
@@ -76,6 +77,11 @@ def rule(id: str, severity: str, title: str, link: str):
         return check
 
     return register
+
+
+@rule("ZP000", "error", "a setting the model family cannot run", "docs/architecture.md")
+def family_cannot_run(ctx: CheckContext):
+    return [(key, message, "change the setting as the message says") for key, message in ctx.family_problems]
 
 
 @rule("ZP001", "error", "pipeline parallelism with ZeRO-2/3", "https://www.deepspeed.ai/tutorials/pipeline/")

@@ -8,6 +8,7 @@ from zeropipe.check.rules import CheckContext, Finding, load_user_ds_config, run
 from zeropipe.config.deepspeed import build_deepspeed_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.families import family_of
 
 
 class CheckFailed(ZeroPipeError):
@@ -23,27 +24,26 @@ class CheckFailed(ZeroPipeError):
 
 def build_context(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> CheckContext:
     from zeropipe.launch.prepare import detect_accelerator
-    from zeropipe.models.causal_lm import hidden_size_of, model_config
 
     detected_accelerator, detected_ranks = detect_accelerator(config)
     accelerator = accelerator or detected_accelerator
     world_size = world_size or detected_ranks
     problems: list[tuple[str, str]] = []
     hidden = None
-    from zeropipe.models.family import model_family
-
+    family_problems: list[tuple[str, str]] = []
     try:
-        if model_family(config.model) != "diffusion":
-            hidden = hidden_size_of(model_config(config.model))
+        family = family_of(config.model)
+        family_problems = family.config_problems(config)
+        hidden = family.hidden_size(config)
     except ConfigError as err:
-        problems += err.problems
+        family_problems += err.problems
     user_ds = load_user_ds_config(config)
     try:
         ds_config = build_deepspeed_config(config, world_size, total_steps=1000, hidden_size=hidden).config
     except ConfigError as err:
         problems += err.problems
         ds_config = user_ds or {}
-    context = CheckContext(config, accelerator, world_size, ds_config, user_ds, problems=problems)
+    context = CheckContext(config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems)
     context.plan = plan_for(context)
     return context
 
@@ -62,8 +62,12 @@ def plan_for(context: CheckContext):
 def check_config(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
     """Every finding for this config, errors first; for a curriculum, every stage's."""
     if config.stages:
-        return check_stages(config, world_size, accelerator)
-    findings = run_rules(build_context(config, world_size, accelerator))
+        findings = check_stages(config, world_size, accelerator)
+    else:
+        findings = run_rules(build_context(config, world_size, accelerator))
+    # run.accept_warnings: a deliberate choice is not warned about again (errors always stand).
+    accepted = set(config.run.accept_warnings)
+    findings = [f for f in findings if f.severity == "error" or f.rule not in accepted]
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))
 
 

@@ -17,7 +17,7 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeropipe.export.hf import export_run
+    from zeropipe.families import export_run
 
     out = export_run(args.source, args.out, merge=args.merge, dtype=args.dtype, force=args.force)
     print(f"exported to {out}", file=sys.stderr)

@@ -30,7 +30,7 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeropipe.export.generate import generate, load_model
+    from zeropipe.families import generate, load_model
 
     loaded = load_model(args.source, checkpoint=args.checkpoint, device=args.device, dtype=args.dtype)
     print(f"generating with {loaded.source.describe()} on {loaded.device.type}", file=sys.stderr)

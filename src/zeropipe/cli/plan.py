@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.config:
         from zeropipe.config.load import load_config
+        from zeropipe.families import model_spec
 
         overrides = []
         if args.seq_len:
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         spec = _spec(args, lora) if (args.model or args.params) else None
         if args.gpus is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
             hardware = hardware.with_gpus(config.hardware.gpus)
-        result = plan_run(config, hardware, margin=args.margin, spec=spec)
+        result = plan_run(config, hardware, spec or model_spec(config), margin=args.margin)
         if args.global_batch:
             result = recommend(
                 result.spec, result.hardware, args.global_batch, config.data.max_seq_len, args.margin, attention=config.model.attn_implementation

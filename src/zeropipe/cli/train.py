@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from zeropipe.cli.output import Progress, say
 from zeropipe.rundir import RunDir
 
 
@@ -88,10 +89,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def report(run_dir: RunDir) -> None:
     summary = run_dir.read_json(run_dir.summary, {}) or {}
     first, final = summary.get("first_loss"), summary.get("final_loss")
@@ -109,47 +106,3 @@ def report(run_dir: RunDir) -> None:
             about = f"[{row['image'].rsplit('/', 1)[-1]}] " if "image" in row else ""
             say(f"  {about}{row['prompt']!r} -> {row['output']!r}{verdict}")
     say(f"export it: zeropipe export {run_dir.path} --out {run_dir.path}/export")
-
-
-class Progress:
-    """Follows rank 0's metrics.jsonl: a live bar on a terminal, a line every tenth of the run otherwise."""
-
-    def __init__(self, run_dir: RunDir, total_steps: int):
-        self.path = run_dir.metrics
-        self.total = total_steps
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
-        self.bar = None
-        self.every = max(1, total_steps // 10)
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
-
-    def update(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        # Only whole lines: rank 0 may be writing the next one right now.
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            row = json.loads(line)
-            if row.get("kind") == "eval":
-                message = f"step {row['step']} eval loss {row['eval_loss']:.4f} perplexity {row['eval_perplexity']:.4g}"
-                if self.bar is not None:
-                    self.bar.write(message, file=sys.stderr)  # above the bar, which stays on the last line
-                else:
-                    say(message)
-                continue
-            if self.bar is not None:
-                self.bar.n = row["step"]
-                self.bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2g}", refresh=False)
-                self.bar.refresh()
-            elif row["step"] % self.every == 0 or row["step"] == self.total:
-                say(f"step {row['step']}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.3g} {row['samples_per_s']:.1f} samples/s")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

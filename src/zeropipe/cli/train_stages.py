@@ -1,7 +1,7 @@
 """``zeropipe train`` for a curriculum (a config with ``stages:``): the stages one after the other.
 
 Part of the train command (cli/train.py hands over once the config is checked): it prints,
-and zeropipe.launch.curriculum does the work. Each stage is a sub-run watched by the same
+and zeropipe.launch.curriculum runs the stages (:meth:`Curriculum.run`). Each stage is a sub-run watched by the same
 supervisor as a single run; a failure or Ctrl-C in a stage ends the curriculum there, and
 ``zeropipe train CONFIG --resume`` continues that stage.
 """
@@ -9,16 +9,13 @@ supervisor as a single run; a failure or Ctrl-C in a stage ends the curriculum t
 from __future__ import annotations
 
 import argparse
-import signal
 
-from zeropipe.cli.train import Progress, say
+from zeropipe.cli.output import Progress, say
 from zeropipe.config.schema import RunConfig
+from zeropipe.launch.curriculum import Curriculum
 
 
 def train_curriculum(args: argparse.Namespace, config: RunConfig, resume: str | bool | None) -> int:
-    from zeropipe.launch.curriculum import Curriculum
-    from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt
-
     curriculum = Curriculum.open(config, resume=resume)
     say(f"run directory: {curriculum.top.path} (a curriculum of {len(curriculum.stages)} stages)")
     for stage in curriculum.stages:
@@ -26,55 +23,12 @@ def train_curriculum(args: argparse.Namespace, config: RunConfig, resume: str | 
         say(f"  {stage.describe()}{done}")
     for note in curriculum.notes:
         say(f"  {note}")
-    # Between stages no supervisor is watching: a SIGTERM (the UI's stop button) must still end the run cleanly.
-    previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
-    current = None
-    try:
-        for stage in curriculum.remaining():
-            current = stage
-            if stage.state == "completed":
-                say(f"{stage.label} finished training before; exporting its weights again")
-                curriculum.export_again(stage)
-                continue
-            prepared = curriculum.start(stage)
-            plan = prepared.plan
-            resumed = f", resuming from {plan.resume_from}" if plan.resume_from else ""
-            say(f"{stage.label}: {plan.world_size} {plan.accelerator.upper()} ranks, ZeRO stage {plan.zero_stage}, {plan.total_steps} steps{resumed}")
-            for note in curriculum.stage_notes:
-                say(f"  {note}")
-            progress = Progress(stage.run, plan.total_steps)
-
-            def tick(stage=stage, progress=progress) -> None:
-                progress.update()
-                curriculum.mirror(stage)
-
-            supervisor = Supervisor(stage.run, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=tick)
-            supervisor.start()
-            curriculum.running([proc.pid for proc in supervisor.procs])
-            say(f"logs: {stage.run.logs}/rank*.log")
-            outcome = supervisor.wait()
-            tick()
-            progress.close()
-            if outcome.state == "failed":
-                assert outcome.diagnosis is not None
-                curriculum.ended(stage, "failed", outcome.diagnosis.to_dict())
-                say("")
-                say(f"{stage.label} failed: " + outcome.diagnosis.render())
-                say(f"resume after fixing it: zeropipe train {args.config} --resume  (finished stages are not run again)")
-                return 1
-            if outcome.state == "stopped":
-                curriculum.ended(stage, "stopped")
-                say(f"stopped in {stage.label}; all ranks ended. continue with: zeropipe train {args.config} --resume")
-                return 130
-            say(f"{stage.label} done; exporting its weights{' for the next stage' if stage is not curriculum.stages[-1] else ''}")
-            curriculum.ended(stage, "completed")
-        summary = curriculum.finish()
-    except KeyboardInterrupt:
-        curriculum.stopped(current)
-        say(f"stopped{f' in {current.label}' if current else ''}. continue with: zeropipe train {args.config} --resume")
+    hint = f"zeropipe train {args.config} --resume"
+    state, summary = curriculum.run(config.hardware.master_port, say, Progress, hint)
+    if state == "failed":
+        return 1
+    if state == "stopped":
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     report(curriculum, summary)
     return 0
 

@@ -9,7 +9,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from zeropipe.config.schema import RunConfig
+from zeropipe.config import stages as stages_module
+from zeropipe.config.schema import TEXT_TASKS, RunConfig
 from zeropipe.errors import ConfigError
 
 
@@ -33,6 +34,22 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None and isinstance(raw.setdefault("run", {}), dict):
         raw["run"].setdefault("name", Path(path).stem)
     return validate_config(raw, source=source, extra_problems=problems)
+
+
+def load_saved_config(path: str | Path) -> RunConfig:
+    """A config a prepared run saved (its config.yaml): typed, without re-running the checks it passed then.
+
+    Its data may have moved since, and it may hold what the launcher resolved (family,
+    vocabulary size); only the types are checked again.
+
+    Raises:
+        ConfigError: when the file was edited into something the schema refuses.
+    """
+    raw = read_yaml(Path(path))
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(dedupe([describe_error(error) for error in err.errors()]), source=str(path)) from None
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -61,6 +78,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
+    # YAML 1.1 reads on/off/yes/no as booleans: on the command line only true/false mean one
+    # (run.name=on names the run "on").
+    if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        value = text.strip()
     # YAML reads 2e-5 as a string (no dot): numbers written that way are meant as floats.
     if isinstance(value, str):
         try:
@@ -97,8 +118,6 @@ def validate_config(raw: dict[str, Any], source: str | None = None, extra_proble
     except ValidationError as err:
         problems += [describe_error(error) for error in err.errors()]
     if raw.get("stages") is not None:
-        from zeropipe.config.stages import curriculum_problems
-
         # Every stage is validated as the config it will run with; problems are prefixed stages[N].
         problems = curriculum_problems(raw, problems)
     else:
@@ -221,8 +240,6 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     elif not sources:
         problems.append(("data", "no training data: set data.path to a .jsonl/.json/.txt file, data.synthetic: {task: mixed}, or data.mixture"))
     if isinstance(data.get("mixture"), list):
-        from zeropipe.data.mixture import mixture_problems
-
         problems += mixture_problems(data)
     if isinstance(data.get("path"), str) and not Path(data["path"]).expanduser().exists():
         problems.append(("data.path", f"{data['path']} does not exist: fix the path"))
@@ -247,6 +264,80 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     if isinstance(ds.get("config_file"), str) and not Path(ds["config_file"]).expanduser().is_file():
         problems.append(("deepspeed.config_file", f"{ds['config_file']} does not exist: fix the path"))
 
+    return problems
+
+
+def curriculum_problems(raw: dict[str, Any], problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Every problem of a curriculum config: the schema's (``problems``), the top level's and each stage's.
+
+    The top level must be valid as such (its sections are every stage's defaults), but its
+    data or model may be left for the stages to give: a top-level semantic problem counts
+    only if a stage still has it.
+    """
+    reported = list(problems)
+    stages = raw.get("stages")
+    if not isinstance(stages, list):
+        return reported  # the schema says what is wrong with it
+    if not stages:
+        return reported + [("stages", "is an empty list: add at least one stage ({name: ..., train: {...}}), or remove stages:")]
+    top = {key: value for key, value in raw.items() if key != "stages"}
+    per_stage: list[list[tuple[str, str]]] = []
+    seen_names: dict[str, int] = {}
+    for index, stage in enumerate(stages):
+        found: list[tuple[str, str]] = []
+        if not isinstance(stage, dict):
+            per_stage.append(found)
+            continue
+        name = stage.get("name")
+        if isinstance(name, str):
+            if name in seen_names:
+                found.append(("name", f"'{name}' is also the name of stages[{seen_names[name]}]: give each stage its own name"))
+            seen_names.setdefault(name, index)
+        model = stage.get("model") if isinstance(stage.get("model"), dict) else {}
+        for key in stages_module.TOP_LEVEL_MODEL_KEYS:
+            if key in model:
+                found.append(
+                    (
+                        f"model.{key}",
+                        "the model is set once, at the top level: each stage starts from the weights the stage before it ended with. "
+                        f"Move model.{key} to the top-level model: section",
+                    )
+                )
+        merged = stages_module.merge_stage(top, stage)
+        try:
+            RunConfig.model_validate(merged)
+        except ValidationError as err:
+            found += [describe_error(error) for error in err.errors()]
+        found += semantic_problems(merged)
+        per_stage.append(found)
+    # A top-level problem that every stage has is the top level's: said once, without a prefix.
+    shared = [problem for problem in semantic_problems(top) if all(problem in found for found in per_stage)]
+    reported += shared
+    for index, found in enumerate(per_stage):
+        reported += [(stages_module.stage_key(index, key), message) for key, message in found if (key, message) not in reported]
+    return dedupe(reported)
+
+
+def mixture_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """Problems of a raw data section's mixture (types are pydantic's job), each with the fix."""
+    mixture = data.get("mixture")
+    problems: list[tuple[str, str]] = []
+    if not mixture:
+        return [("data.mixture", "is empty: list at least one source, e.g. [{path: a.jsonl, weight: 0.7}, {synthetic: {task: mixed}, weight: 0.3}]")]
+    if data.get("format", "auto") != "auto":
+        problems.append(("data.format", "applies to data.path; with data.mixture give each source its own format (data.mixture[N].format)"))
+    for index, source in enumerate(mixture):
+        if not isinstance(source, dict):
+            continue  # reported by the schema
+        key = f"data.mixture[{index}]"
+        has_path, has_synthetic = bool(source.get("path")), source.get("synthetic") is not None
+        if has_path == has_synthetic:
+            problems.append((key, "set path (a data file) or synthetic (a generated task), exactly one of them"))
+        if isinstance(source.get("path"), str) and not Path(source["path"]).expanduser().exists():
+            problems.append((f"{key}.path", f"{source['path']} does not exist: fix the path"))
+        synthetic = source.get("synthetic")
+        if isinstance(synthetic, dict) and synthetic.get("task", "mixed") not in TEXT_TASKS:
+            problems.append((f"{key}.synthetic.task", f"a mixture holds text; use one of {', '.join(TEXT_TASKS)}"))
     return problems
 
 

@@ -6,10 +6,13 @@ The same descriptions feed the CLI's error messages, the YAML reference in the d
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints
 
+
+# The generated text tasks (data.synthetic.task); "shapes" is the image task of diffusion runs.
+TEXT_TASKS = ("arithmetic", "reverse", "mixed")
 
 class Section(BaseModel):
     # Unknown keys are errors: a typo such as `micro_batchsize` must not be silently ignored.
@@ -20,6 +23,10 @@ class RunSection(Section):
     name: str | None = Field(None, description="Run name; the run directory is output_dir/name. Defaults to the YAML file's name.")
     output_dir: str = Field("runs", description="Folder that holds run directories (relative paths are relative to the current directory).")
     seed: int = Field(42, description="Seed for model init, data order and dropout; the same seed gives the same run on CPU.")
+    accept_warnings: list[Annotated[str, StringConstraints(pattern=r"^ZP\d{3}$")]] = Field(
+        default_factory=list,
+        description="Warnings (e.g. [ZP012]) this config accepts on purpose: check and train do not repeat them. Errors cannot be accepted.",
+    )
 
 
 class LoraSection(Section):
@@ -67,10 +74,12 @@ class DiffusionSection(Section):
 
 
 class ModelSection(Section):
-    family: Literal["auto", "causal_lm", "vlm", "diffusion"] = Field(
+    family: str = Field(
         "auto",
-        description="Model family; 'auto' reads it from model.path (model_index.json: diffusion; a vision config: vlm) or model.config "
-        "(a 'pipeline' key: diffusion), else causal_lm.",
+        pattern=r"^[a-z][a-z0-9_]*$",
+        description="Model family: auto, causal_lm, vlm, diffusion, or one a plug-in registers (ZEROPIPE_PLUGINS). 'auto' reads it from "
+        "model.path (model_index.json: diffusion; a vision config: vlm) or model.config (a 'pipeline' key: diffusion), else causal_lm.",
+        json_schema_extra={"examples": ["auto", "causal_lm", "vlm", "diffusion"]},
     )
     path: str | None = Field(
         None,

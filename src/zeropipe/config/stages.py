@@ -61,61 +61,6 @@ def stage_key(index: int, key: str) -> str:
     return f"stages[{index}].{key}" if key else f"stages[{index}]"
 
 
-def curriculum_problems(raw: dict[str, Any], problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Every problem of a curriculum config: the schema's (``problems``), the top level's and each stage's.
-
-    The top level must be valid as such (its sections are every stage's defaults), but its
-    data or model may be left for the stages to give: a top-level semantic problem counts
-    only if a stage still has it.
-    """
-    from pydantic import ValidationError
-
-    from zeropipe.config.load import dedupe, describe_error, semantic_problems
-
-    reported = list(problems)
-    stages = raw.get("stages")
-    if not isinstance(stages, list):
-        return reported  # the schema says what is wrong with it
-    if not stages:
-        return reported + [("stages", "is an empty list: add at least one stage ({name: ..., train: {...}}), or remove stages:")]
-    top = {key: value for key, value in raw.items() if key != "stages"}
-    per_stage: list[list[tuple[str, str]]] = []
-    seen_names: dict[str, int] = {}
-    for index, stage in enumerate(stages):
-        found: list[tuple[str, str]] = []
-        if not isinstance(stage, dict):
-            per_stage.append(found)
-            continue
-        name = stage.get("name")
-        if isinstance(name, str):
-            if name in seen_names:
-                found.append(("name", f"'{name}' is also the name of stages[{seen_names[name]}]: give each stage its own name"))
-            seen_names.setdefault(name, index)
-        model = stage.get("model") if isinstance(stage.get("model"), dict) else {}
-        for key in TOP_LEVEL_MODEL_KEYS:
-            if key in model:
-                found.append(
-                    (
-                        f"model.{key}",
-                        "the model is set once, at the top level: each stage starts from the weights the stage before it ended with. "
-                        f"Move model.{key} to the top-level model: section",
-                    )
-                )
-        merged = merge_stage(top, stage)
-        try:
-            RunConfig.model_validate(merged)
-        except ValidationError as err:
-            found += [describe_error(error) for error in err.errors()]
-        found += semantic_problems(merged)
-        per_stage.append(found)
-    # A top-level problem that every stage has is the top level's: said once, without a prefix.
-    shared = [problem for problem in semantic_problems(top) if all(problem in found for found in per_stage)]
-    reported += shared
-    for index, found in enumerate(per_stage):
-        reported += [(stage_key(index, key), message) for key, message in found if (key, message) not in reported]
-    return dedupe(reported)
-
-
 def stage_directory_name(index: int, name: str) -> str:
     """RUN/stages/<this>: numbered from 01 so that a listing shows the order."""
     return f"{index + 1:02d}-{name}"

@@ -16,35 +16,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-from zeropipe.config.schema import DataSection
+from zeropipe.config.schema import TEXT_TASKS, DataSection
 from zeropipe.errors import DataError
 
 MIXTURE_FILE = "mixture.jsonl"
 SUMMARY_FILE = "mixture.json"
-TEXT_TASKS = ("arithmetic", "reverse", "mixed")
-
-
-def mixture_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """Problems of a raw data section's mixture (types are pydantic's job), each with the fix."""
-    mixture = data.get("mixture")
-    problems: list[tuple[str, str]] = []
-    if not mixture:
-        return [("data.mixture", "is empty: list at least one source, e.g. [{path: a.jsonl, weight: 0.7}, {synthetic: {task: mixed}, weight: 0.3}]")]
-    if data.get("format", "auto") != "auto":
-        problems.append(("data.format", "applies to data.path; with data.mixture give each source its own format (data.mixture[N].format)"))
-    for index, source in enumerate(mixture):
-        if not isinstance(source, dict):
-            continue  # reported by the schema
-        key = f"data.mixture[{index}]"
-        has_path, has_synthetic = bool(source.get("path")), source.get("synthetic") is not None
-        if has_path == has_synthetic:
-            problems.append((key, "set path (a data file) or synthetic (a generated task), exactly one of them"))
-        if isinstance(source.get("path"), str) and not Path(source["path"]).expanduser().exists():
-            problems.append((f"{key}.path", f"{source['path']} does not exist: fix the path"))
-        synthetic = source.get("synthetic")
-        if isinstance(synthetic, dict) and synthetic.get("task", "mixed") not in TEXT_TASKS:
-            problems.append((f"{key}.synthetic.task", f"a mixture holds text; use one of {', '.join(TEXT_TASKS)}"))
-    return problems
 
 
 def spec_of(data: DataSection, seed: int) -> dict[str, Any]:

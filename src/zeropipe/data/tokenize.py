@@ -79,6 +79,11 @@ def render_example(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list
     return _assemble(segments, _encode_texts(tokenizer, texts))
 
 
+def pad_token_id(tokenizer: Any) -> int:
+    """The id batches are padded with: the pad token, else EOS (padding is masked out of attention and loss)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Ids to generate the next assistant turn from, rendered exactly as in training."""
     segments = _conversation_segments(tokenizer, messages, add_generation_prompt=True)

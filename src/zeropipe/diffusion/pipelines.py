@@ -17,154 +17,13 @@ import copy
 import hashlib
 import json
 import string
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zeropipe.errors import ConfigError, ZeroPipeError
-
-
-@dataclass(frozen=True)
-class Architecture:
-    name: str  # sdxl, sd15, sd3, flux
-    pipeline_class: str
-    denoiser: str  # the trained component: "unet" or "transformer"
-    objective: str  # "ddpm" (noise/velocity prediction) or "flow" (rectified flow)
-    text_encoders: tuple[str, ...]  # components whose outputs the text cache holds
-    tokenizers: tuple[str, ...]
-
-    @property
-    def frozen_components(self) -> tuple[str, ...]:
-        return ("vae", *self.text_encoders)
-
-
-ARCHITECTURES = {
-    "sdxl": Architecture("sdxl", "StableDiffusionXLPipeline", "unet", "ddpm", ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2")),
-    "sd15": Architecture("sd15", "StableDiffusionPipeline", "unet", "ddpm", ("text_encoder",), ("tokenizer",)),
-    "sd3": Architecture(
-        "sd3", "StableDiffusion3Pipeline", "transformer", "flow", ("text_encoder", "text_encoder_2", "text_encoder_3"), ("tokenizer", "tokenizer_2", "tokenizer_3")
-    ),
-    "flux": Architecture("flux", "FluxPipeline", "transformer", "flow", ("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2")),
-}
-PIPELINE_ARCHITECTURES = {arch.pipeline_class: arch for arch in ARCHITECTURES.values()}
-# Pipelines saved by training scripts and community tools under related class names.
-PIPELINE_ARCHITECTURES.update(
-    {
-        "StableDiffusionXLImg2ImgPipeline": ARCHITECTURES["sdxl"],
-        "StableDiffusionImg2ImgPipeline": ARCHITECTURES["sd15"],
-        "StableDiffusion3Img2ImgPipeline": ARCHITECTURES["sd3"],
-        "FluxImg2ImgPipeline": ARCHITECTURES["flux"],
-    }
-)
-
-
-def architecture_of(pipeline_dir: Path) -> Architecture:
-    """The architecture of a diffusers pipeline directory, from its model_index.json."""
-    index_file = Path(pipeline_dir) / "model_index.json"
-    try:
-        index = json.loads(index_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError([("model.path", f"{index_file} cannot be read ({err}): point model.path at a diffusers pipeline directory")]) from None
-    name = index.get("_class_name")
-    if name not in PIPELINE_ARCHITECTURES:
-        known = ", ".join(sorted({arch.pipeline_class for arch in ARCHITECTURES.values()}))
-        raise ConfigError([("model.path", f"{index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
-    arch = PIPELINE_ARCHITECTURES[name]
-    if not (Path(pipeline_dir) / arch.denoiser).is_dir():
-        raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.denoiser}/ folder, which a {name} needs")])
-    return arch
-
-
-def pipeline_class(arch: Architecture):
-    import diffusers
-
-    return getattr(diffusers, arch.pipeline_class)
-
-
-def denoiser_class(arch: Architecture):
-    import diffusers
-
-    return diffusers.UNet2DConditionModel if arch.denoiser == "unet" else getattr(
-        diffusers, "SD3Transformer2DModel" if arch.name == "sd3" else "FluxTransformer2DModel"
-    )
-
-
-# ------------------------------------------------------------------------------ tiny presets
-def _clip_text(hidden: int = 32, projection: int = 32, vocab: int = 128) -> dict[str, Any]:
-    return {
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": vocab, "projection_dim": projection,
-        "max_position_embeddings": 77, "hidden_act": "gelu",
-    }
-
-
-def _vae(latent_channels: int = 4, **extra: Any) -> dict[str, Any]:
-    return {
-        "in_channels": 3, "out_channels": 3, "latent_channels": latent_channels, "block_out_channels": [32, 64],
-        "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
-        "layers_per_block": 1, "norm_num_groups": 32, **extra,
-    }
-
-
-DDPM_SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1}
-
-# Tiny pipelines with the layout of the real ones (two text encoders and added time ids for
-# SDXL, joint attention for SD3, packed latents and guidance for Flux), small enough to train
-# on CPU ranks in minutes. Component configs are diffusers/transformers config dicts.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-sdxl": {
-        "architecture": "sdxl",
-        "unet": {
-            "block_out_channels": [32, 64], "layers_per_block": 1, "in_channels": 4, "out_channels": 4,
-            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
-            "attention_head_dim": [2, 4], "use_linear_projection": True, "addition_embed_type": "text_time", "addition_time_embed_dim": 8,
-            "transformer_layers_per_block": [1, 1], "projection_class_embeddings_input_dim": 80, "cross_attention_dim": 64,
-            "norm_num_groups": 8, "sample_size": 32,
-        },
-        "vae": _vae(scaling_factor=0.13025),
-        "text_encoder": {"class": "CLIPTextModel", **_clip_text()},
-        "text_encoder_2": {"class": "CLIPTextModelWithProjection", **_clip_text()},
-        "scheduler": {"class": "EulerDiscreteScheduler", **DDPM_SCHEDULE, "timestep_spacing": "leading"},
-    },
-    "tiny-sd15": {
-        "architecture": "sd15",
-        "unet": {
-            "block_out_channels": [32, 64], "layers_per_block": 1, "in_channels": 4, "out_channels": 4,
-            "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
-            "attention_head_dim": 4, "cross_attention_dim": 32, "norm_num_groups": 8, "sample_size": 32,
-        },
-        "vae": _vae(scaling_factor=0.18215),
-        "text_encoder": {"class": "CLIPTextModel", **_clip_text()},
-        "scheduler": {"class": "DDIMScheduler", **DDPM_SCHEDULE, "clip_sample": False, "set_alpha_to_one": False},
-    },
-    "tiny-sd3": {
-        "architecture": "sd3",
-        "transformer": {
-            "sample_size": 32, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2, "attention_head_dim": 16,
-            "num_attention_heads": 4, "caption_projection_dim": 64, "joint_attention_dim": 64, "pooled_projection_dim": 64, "pos_embed_max_size": 32,
-        },
-        "vae": _vae(scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False),
-        "text_encoder": {"class": "CLIPTextModelWithProjection", **_clip_text()},
-        "text_encoder_2": {"class": "CLIPTextModelWithProjection", **_clip_text()},
-        "text_encoder_3": {"class": "T5EncoderModel", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
-                           "pad_token_id": 1, "eos_token_id": 1, "decoder_start_token_id": 0},
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0},
-    },
-    "tiny-flux": {
-        "architecture": "flux",
-        "transformer": {
-            "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
-            "num_attention_heads": 2, "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "guidance_embeds": False,
-        },
-        "vae": _vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
-        "text_encoder": {"class": "CLIPTextModel", **_clip_text()},
-        "text_encoder_2": {"class": "T5EncoderModel", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
-                           "pad_token_id": 1, "eos_token_id": 1, "decoder_start_token_id": 0},
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
-    },
-}
+from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
+from zeropipe.errors import ConfigError
 
 
 def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, dict[str, Any]]]:
@@ -172,10 +31,10 @@ def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, d
     config = dict(config)
     config.pop("vae_fit_steps", None)  # how the tiny VAE is made, not a component
     name = config.pop("pipeline")
-    if name not in PRESETS:
-        raise ConfigError([("model.config.pipeline", f"unknown pipeline {name!r}: use one of {', '.join(PRESETS)} (or model.path for a real pipeline)")])
-    components = copy.deepcopy(PRESETS[name])
-    arch = ARCHITECTURES[components.pop("architecture")]
+    arch = architecture_for_preset(name)
+    if arch is None:
+        raise ConfigError([("model.config.pipeline", f"unknown pipeline {name!r}: use one of {', '.join(presets())} (or model.path for a real pipeline)")])
+    components = copy.deepcopy(arch.preset)
     for key, overrides in config.items():
         if key not in components:
             raise ConfigError([(f"model.config.{key}", f"{name} has no component {key!r}; its components are {', '.join(components)}")])
@@ -224,17 +83,15 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
         elif name == "vae":
             parts[name] = diffusers.AutoencoderKL(**fields)
             if config.get("vae_fit_steps"):
-                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, shifted=arch.name in ("sd3", "flux"))
+                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, shifted=arch.shifted_latents)
         else:
-            parts[name] = denoiser_class(arch)(**fields)
+            parts[name] = arch.model_class()(**fields)
     for tokenizer_name in arch.tokenizers:
-        parts[tokenizer_name] = character_tokenizer(77 if tokenizer_name != "tokenizer_3" or arch.name != "sd3" else 32)
-    cls = pipeline_class(arch)
+        parts[tokenizer_name] = character_tokenizer(arch.tokenizer_length(tokenizer_name))
+    cls = arch.pipeline()
     expected = set(cls._get_signature_keys(cls)[0]) if hasattr(cls, "_get_signature_keys") else set()
     optional = {name: None for name in expected if name not in parts and name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
-    kwargs = {**optional, **parts}
-    if arch.name == "sd15":
-        kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    kwargs = {**optional, **arch.pipeline_kwargs(), **parts}
     pipeline = cls(**kwargs)
     pipeline.save_pretrained(str(tmp), safe_serialization=True)
     if out.exists():
@@ -352,7 +209,7 @@ def latent_scaling(pipeline_dir: Path) -> tuple[float, float]:
 
 def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device):
     """The architecture's pipeline holding only its text encoders and tokenizers: its encode_prompt is the reference."""
-    cls = pipeline_class(arch)
+    cls = arch.pipeline()
     parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device) for name in arch.text_encoders}
     parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
     from diffusers import SchedulerMixin  # noqa: F401 - the scheduler is loaded for the pipeline's constructor
@@ -369,44 +226,24 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     kwargs = {name: None for name in expected if name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
-    if arch.name == "sd15":
-        kwargs["requires_safety_checker"] = False
-    if arch.name == "sdxl":
-        kwargs["add_watermarker"] = False
+    kwargs.update(arch.pipeline_kwargs())
     pipeline = cls(**kwargs)
     # The VAE is not loaded: the pipeline's default factor (8) would size latents wrongly.
     pipeline.vae_scale_factor = vae_scale_factor(pipeline_dir)
     if hasattr(pipeline, "image_processor"):
         from diffusers.image_processor import VaeImageProcessor
 
-        pipeline.image_processor = VaeImageProcessor(vae_scale_factor=pipeline.vae_scale_factor * (2 if arch.name == "flux" else 1))
+        pipeline.image_processor = VaeImageProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
     return pipeline
 
 
 def denoising_pipeline(pipeline_dir: Path, arch: Architecture, denoiser):
     """The architecture's pipeline around a (possibly ZeRO-3 partitioned) denoiser, without VAE or text encoders."""
-    return _assemble(pipeline_class(arch), arch, pipeline_dir, {arch.denoiser: denoiser})
+    return _assemble(arch.pipeline(), arch, pipeline_dir, {arch.denoiser: denoiser})
 
 
 @torch.no_grad()
 def encode_prompts(pipeline, arch: Architecture, prompts: list[str], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Per prompt, the tensors the denoiser is conditioned on, computed by the pipeline's own encode_prompt."""
-    if arch.name == "sdxl":
-        embeds, _, pooled, _ = pipeline.encode_prompt(prompt=prompts, device=device, num_images_per_prompt=1, do_classifier_free_guidance=False)
-        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-    elif arch.name == "sd15":
-        embeds, _ = pipeline.encode_prompt(prompts, device, 1, False)
-        out = {"prompt_embeds": embeds}
-    elif arch.name == "sd3":
-        max_length = pipeline.tokenizer_3.model_max_length if pipeline.tokenizer_3 is not None else 77
-        embeds, _, pooled, _ = pipeline.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=device, do_classifier_free_guidance=False, max_sequence_length=min(max_length, 256)
-        )
-        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-    elif arch.name == "flux":
-        max_length = min(pipeline.tokenizer_2.model_max_length, 512)
-        embeds, pooled, _ = pipeline.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=max_length)
-        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-    else:  # pragma: no cover - ARCHITECTURES is closed
-        raise ZeroPipeError(f"no prompt encoder for {arch.name}")
+    out = arch.encode_prompts(pipeline, prompts, device)
     return [{key: value[i].detach().float().cpu().contiguous() for key, value in out.items()} for i in range(len(prompts))]

@@ -9,8 +9,9 @@ missing (the ranks encode those, each its share, before training).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.schema import RunConfig
@@ -25,27 +26,49 @@ from zeropipe.diffusion.images import (
 )
 from zeropipe.diffusion.pipelines import architecture_of, build_tiny_pipeline, fingerprint_files, vae_scale_factor
 from zeropipe.errors import ConfigError, DataError
-from zeropipe.rundir import RunDir
+from zeropipe.rundir import PreparedData, RunDir
 
 PLAN_FILE = "diffusion.json"
 BAD_SHOWN = 3
 
 
 def pipeline_dir_for(config: RunConfig, run: RunDir) -> Path:
-    return Path(config.model.path).expanduser() if config.model.path else run.path / "pipeline"
+    return Path(config.model.path).expanduser() if config.model.path else run.pipeline
 
 
 def cache_dir_for(config: RunConfig) -> Path:
     return Path(config.data.cache.dir).expanduser() if config.data.cache.dir else Path(config.run.output_dir) / ".zeropipe-cache"
 
 
-def read_plan(run: RunDir) -> dict:
-    return json.loads((run.data / PLAN_FILE).read_text())
+@dataclass
+class DiffusionPlan:
+    """The launcher's hand-over to the ranks (``RUN/data/diffusion.json``): items, buckets and the cache plan."""
+
+    pipeline_dir: str
+    architecture: str
+    image_dir: str
+    cache_dir: str
+    items: list[dict[str, Any]]  # ImageItem fields: path, caption, width, height, repeats
+    buckets: list[list[int]]  # per item: (width, height) of its bucket
+    repeats: list[int]
+    flips: list[bool]
+    latent_keys: list[list[str]]  # per item, per flip
+    text_keys: dict[str, str]  # caption -> cache key
+    missing_latents: list[int]  # items whose latents the ranks encode before training
+    missing_texts: list[str]
+    prompts: list[str]
+    bad_images: list[str]
+
+    def write(self, run: RunDir) -> None:
+        run.data.mkdir(exist_ok=True)
+        write_atomic(run.data / PLAN_FILE, json.dumps(asdict(self)))
 
 
-def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool):
-    from zeropipe.launch.prepare import FamilyData
+def read_plan(run: RunDir) -> DiffusionPlan:
+    return DiffusionPlan(**json.loads((run.data / PLAN_FILE).read_text()))
 
+
+def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
     notes: list[str] = []
     pipeline_dir = pipeline_dir_for(config, run)
     if config.model.path is None and not (pipeline_dir / "model_index.json").is_file():
@@ -73,7 +96,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool):
         notes.append(f"{len(scan.missing_captions)} image(s) have no caption file and train on the empty caption (e.g. {scan.missing_captions[0]})")
 
     # Bucket sides must give whole latents, and whole patches for the transformers.
-    factor = vae_scale_factor(pipeline_dir) * (2 if arch.denoiser == "transformer" else 1)
+    factor = vae_scale_factor(pipeline_dir) * arch.patch_factor
     if images.bucket_step % factor or images.resolution % factor:
         raise ConfigError(
             [("data.images.bucket_step", f"{images.bucket_step} (and the resolution {images.resolution}) must be multiples of {factor} for this {arch.name} pipeline")]
@@ -108,30 +131,29 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool):
     if config.data.cache.latents and config.data.cache.text and not missing_latents and not missing_texts:
         notes.append("caches complete: the training ranks will not load the VAE or the text encoders")
 
-    plan = {
-        "pipeline_dir": str(pipeline_dir.resolve()),
-        "architecture": arch.name,
-        "image_dir": str(image_dir),
-        "cache_dir": str(cache_dir),
-        "items": [{**asdict(item), "path": str(item.path)} for item in items],
-        "buckets": [list(bucket) for bucket in item_buckets],
-        "repeats": repeats,
-        "flips": flips,
-        "latent_keys": latent_keys,
-        "text_keys": text_keys,
-        "missing_latents": missing_latents,
-        "missing_texts": missing_texts,
-        "prompts": prompts,
-        "bad_images": problems,
-    }
-    run.data.mkdir(exist_ok=True)
-    write_atomic(run.data / PLAN_FILE, json.dumps(plan))
-    return FamilyData(
+    DiffusionPlan(
+        pipeline_dir=str(pipeline_dir.resolve()),
+        architecture=arch.name,
+        image_dir=str(image_dir),
+        cache_dir=str(cache_dir),
+        items=[{**asdict(item), "path": str(item.path)} for item in items],
+        buckets=[list(bucket) for bucket in item_buckets],
+        repeats=repeats,
+        flips=flips,
+        latent_keys=latent_keys,
+        text_keys=text_keys,
+        missing_latents=missing_latents,
+        missing_texts=missing_texts,
+        prompts=prompts,
+        bad_images=problems,
+    ).write(run)
+    return PreparedData(
         examples=sum(repeats),
         hidden_size=None,
         micro_batches_per_epoch=lambda micro, world_size: micro_batches_per_rank(item_buckets, repeats, micro, world_size),
         prompts=prompts,
         notes=notes,
+        batching_note="a micro-batch takes images of one bucket only",
     )
 
 

@@ -1,12 +1,15 @@
-"""One rank of a diffusion run: fill the caches -> train the denoiser -> sample images -> save.
+"""The diffusion model's part of a rank: fill the caches -> train the denoiser -> sample images.
 
-The base :class:`~zeropipe.engine.trainer.Trainer` does the rest (DeepSpeed engine, optimizer
-steps, metrics, checkpoints, resume). What is particular here:
+The :class:`~zeropipe.engine.trainer.Trainer` holding this task does the rest (DeepSpeed
+engine, optimizer steps, metrics, checkpoints, resume). What is particular here:
 
 - Before training, the cache entries the launcher found missing are encoded, each rank its
   share (``missing[rank::world_size]``), and the VAE and text encoders are freed again. When
   the caches are complete the ranks never load them: only the denoiser is in memory.
   Each metrics row says which frozen components this rank holds (``frozen_components_loaded``).
+- What differs between architectures (how prompts are encoded, how the denoiser is called,
+  the sampler's arguments) is asked of the run's architecture entry
+  (``zeropipe.diffusion.architectures``); nothing here names an architecture.
 - Only the denoiser (UNet or transformer) is given to DeepSpeed, and with LoRA only its
   adapters: frozen weights get no gradients and no optimizer state.
 - Noise, timesteps, flips and caption dropout come from this rank's own random streams
@@ -28,9 +31,8 @@ import torch
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.images import epoch_micro_batches, load_image_for_bucket
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.pipelines import (
-    ARCHITECTURES,
-    denoiser_class,
     denoising_pipeline,
     encode_prompts,
     latent_scaling,
@@ -39,14 +41,14 @@ from zeropipe.diffusion.pipelines import (
     vae_scale_factor,
 )
 from zeropipe.diffusion.prepare import read_plan
-from zeropipe.engine.trainer import Trainer
+from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
+from zeropipe.models.common import TORCH_DTYPES
 
 log = logging.getLogger("zeropipe")
 
 TEXT_BATCH = 16
 LATENT_BATCH = 8  # images per VAE call while caching
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def release_memory() -> None:
@@ -60,11 +62,8 @@ def release_memory() -> None:
         pass
 
 
-class DiffusionTrainer(Trainer):
+class DiffusionTask(TaskDefaults):
     # ------------------------------------------------------------------ setup
-    def setup_tokenizer(self) -> None:
-        self.tokenizer = None  # the text encoders' tokenizers are used only while caching
-
     def setup_data(self) -> None:
         import diffusers
         import transformers
@@ -73,14 +72,12 @@ class DiffusionTrainer(Trainer):
         transformers.utils.logging.disable_progress_bar()
         diffusers.utils.logging.disable_progress_bar()
         self.data = read_plan(self.run)
-        self.arch = ARCHITECTURES[self.data["architecture"]]
-        self.pipeline_dir = Path(self.data["pipeline_dir"])
-        self.cache_dir = Path(self.data["cache_dir"])
+        self.arch = architecture_named(self.data.architecture)
+        self.pipeline_dir = Path(self.data.pipeline_dir)
+        self.cache_dir = Path(self.data.cache_dir)
         self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir)
         self.vae_factor = vae_scale_factor(self.pipeline_dir)
-        self.compute_dtype = DTYPES[self.config.deepspeed.precision]
-        self.micro_batch_size = self.plan.micro_batch_size
-        self.accumulation = self.plan.gradient_accumulation_steps
+        self.compute_dtype = TORCH_DTYPES[self.config.deepspeed.precision]
         self.images = self.config.data.images
         self.vae = None
         self.text_encoders = None  # a pipeline holding only the text encoders
@@ -98,20 +95,20 @@ class DiffusionTrainer(Trainer):
         """Encode this rank's share of the missing cache entries, then free the encoders."""
         import deepspeed.comm as dist
 
-        missing_latents = self.data["missing_latents"][self.rank :: self.world_size]
-        missing_texts = self.data["missing_texts"][self.rank :: self.world_size]
+        missing_latents = self.data.missing_latents[self.rank :: self.world_size]
+        missing_texts = self.data.missing_texts[self.rank :: self.world_size]
         if missing_latents:
             vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
             # One VAE call per chunk of images of the same bucket and flip, as training batches them.
             jobs: dict[tuple, list[tuple[int, bool, str]]] = {}
             for index in missing_latents:
-                for flip, key in zip(self.data["flips"], self.data["latent_keys"][index]):
-                    jobs.setdefault((tuple(self.data["buckets"][index]), flip), []).append((index, flip, key))
+                for flip, key in zip(self.data.flips, self.data.latent_keys[index]):
+                    jobs.setdefault((tuple(self.data.buckets[index]), flip), []).append((index, flip, key))
             for (bucket, _), entries in jobs.items():
                 for start in range(0, len(entries), LATENT_BATCH):
                     prepared, keys = [], []
                     for index, flip, key in entries[start : start + LATENT_BATCH]:
-                        path = self.data["items"][index]["path"]
+                        path = self.data.items[index]["path"]
                         try:
                             prepared.append(load_image_for_bucket(Path(path), bucket, crop="center", flip=flip))
                             keys.append(key)
@@ -132,28 +129,27 @@ class DiffusionTrainer(Trainer):
             for start in range(0, len(missing_texts), TEXT_BATCH):
                 texts = missing_texts[start : start + TEXT_BATCH]
                 for text, tensors in zip(texts, encode_prompts(encoders, self.arch, texts, self.device)):
-                    cache.save_entry(self.cache_dir, "text", self.data["text_keys"][text], tensors)
+                    cache.save_entry(self.cache_dir, "text", self.data.text_keys[text], tensors)
             del encoders
         if missing_latents or missing_texts:
             log.info("cached %d image latent(s) and %d caption embedding(s) on this rank", len(missing_latents), len(missing_texts))
             release_memory()
         dist.barrier()
-        if self.rank == 0 and (self.data["missing_latents"] or self.data["missing_texts"]):
-            log.info("caches filled: %d images and %d captions encoded by %d ranks", len(self.data["missing_latents"]), len(self.data["missing_texts"]), self.world_size)
+        if self.rank == 0 and (self.data.missing_latents or self.data.missing_texts):
+            log.info("caches filled: %d images and %d captions encoded by %d ranks", len(self.data.missing_latents), len(self.data.missing_texts), self.world_size)
 
-    def setup_model(self) -> None:
-        import deepspeed
-
+    def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
+        from zeropipe.models.common import count_parameters
         from zeropipe.models.loading import load_pretrained
 
-        cls = denoiser_class(self.arch)
+        cls = self.arch.model_class()
         folder = self.pipeline_dir / self.arch.denoiser
 
         def construct():
             return cls.from_config(cls.load_config(str(folder)))
 
         model = load_pretrained(
-            construct, folder, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.ds_config, stem="diffusion_pytorch_model"
+            construct, folder, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model"
         )
         section = self.config.model
         if section.gradient_checkpointing:
@@ -161,39 +157,38 @@ class DiffusionTrainer(Trainer):
         if section.lora is not None:
             from peft import LoraConfig
 
-            from zeropipe.models.family import lora_targets
+            from zeropipe.models.common import resolve_lora_targets
 
             model.requires_grad_(False)
             lora = section.lora
             model.add_adapter(
-                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=lora_targets(lora, "diffusion"))
+                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, self.arch.lora_targets))
             )
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.to(self.compute_dtype)
         model.train()
-        from zeropipe.models.causal_lm import count_parameters
-
         trainable, total = count_parameters(model)
         log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.name, self.arch.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
-        parameters = [p for p in model.parameters() if p.requires_grad]
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
-        self.parameter_counts = {"trainable": trainable, "total": total}
+        return model, {"trainable": trainable, "total": total}
+
+    def after_initialize(self) -> None:
         # From here each rank draws its own noise (the model, LoRA init included, was built
-        # from the shared seed); the base trainer saves and restores these streams with checkpoints.
+        # from the shared seed); the trainer saves and restores these streams with checkpoints.
         seed = self.config.run.seed * 1009 + self.rank
         torch.manual_seed(seed)
         random.seed(seed)
+        self.predict_context = PredictContext(self.device, self.compute_dtype, self.vae_factor, self.config.model.diffusion.guidance)
 
     # ------------------------------------------------------------------ train
-    def batches(self):
+    def batches(self, start_step: int):
         """Micro-batches of item indices (one bucket each) from the current position, epoch after epoch."""
         per_epoch = self.plan.micro_batches_per_epoch
-        micro_step = self.step * self.accumulation
+        micro_step = start_step * self.accumulation
         while True:
             epoch, position = divmod(micro_step, per_epoch)
             mine = epoch_micro_batches(
-                [tuple(b) for b in self.data["buckets"]], self.data["repeats"], self.micro_batch_size, self.world_size, self.config.run.seed, epoch
+                [tuple(b) for b in self.data.buckets], self.data.repeats, self.micro_batch_size, self.world_size, self.config.run.seed, epoch
             )[self.rank]
             for indices in mine[position:per_epoch]:
                 yield epoch, indices
@@ -208,11 +203,11 @@ class DiffusionTrainer(Trainer):
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
         distributions, time_ids, texts = [], [], []
-        usable = [i for i in indices if self.data["items"][i]["path"] not in self.skipped_images] or list(indices)
+        usable = [i for i in indices if self.data.items[i]["path"] not in self.skipped_images] or list(indices)
         for index in indices:
             if index not in usable:
                 index = random.choice(usable)
-            item = self.data["items"][index]
+            item = self.data.items[index]
             flip_choice = augment and random.random() < self.images.flip
             source, sizes = self.image_source(index, flip_choice)
             if source is None:  # unreadable now: another image of the same bucket stands in
@@ -236,10 +231,10 @@ class DiffusionTrainer(Trainer):
         With the latent cache: its (mean, std) from the cache. Without: its pixels, which the
         caller encodes with the rest of the micro-batch. ``None`` when it cannot be read.
         """
-        item = self.data["items"][index]
-        bucket = tuple(self.data["buckets"][index])
+        item = self.data.items[index]
+        bucket = tuple(self.data.buckets[index])
         if self.config.data.cache.latents:
-            keys = self.data["latent_keys"][index]
+            keys = self.data.latent_keys[index]
             key = keys[1] if flip and len(keys) > 1 else keys[0]
             try:
                 entry = cache.load_entry(self.cache_dir, "latents", key)
@@ -269,7 +264,7 @@ class DiffusionTrainer(Trainer):
         """
         rows: list[dict[str, torch.Tensor] | None] = []
         for text in texts:
-            key = self.data["text_keys"].get(text)
+            key = self.data.text_keys.get(text)
             cacheable = self.config.data.cache.text or text == "" or text in self.plan.generate_prompts
             rows.append(cache.load_entry(self.cache_dir, "text", key) if key is not None and cacheable and cache.has_entry(self.cache_dir, "text", key) else None)
         todo = sorted({text for text, row in zip(texts, rows) if row is None})
@@ -282,35 +277,7 @@ class DiffusionTrainer(Trainer):
 
     def predict(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
         """The denoiser's output for a batch, called as the architecture's pipeline calls it."""
-        model = self.engine
-        if self.arch.name == "sdxl":
-            return model(
-                model_input, timesteps, encoder_hidden_states=condition["prompt_embeds"],
-                added_cond_kwargs={"text_embeds": condition["pooled_prompt_embeds"], "time_ids": condition["time_ids"]},
-            ).sample
-        if self.arch.name == "sd15":
-            return model(model_input, timesteps, encoder_hidden_states=condition["prompt_embeds"]).sample
-        if self.arch.name == "sd3":
-            return model(
-                hidden_states=model_input, timestep=timesteps.to(self.compute_dtype), encoder_hidden_states=condition["prompt_embeds"],
-                pooled_projections=condition["pooled_prompt_embeds"],
-            ).sample
-        from diffusers import FluxPipeline
-
-        batch, channels, height, width = model_input.shape
-        packed = FluxPipeline._pack_latents(model_input, batch, channels, height, width)
-        image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, self.device, self.compute_dtype)
-        text_ids = torch.zeros(condition["prompt_embeds"].shape[1], 3, device=self.device, dtype=self.compute_dtype)
-        module = self.engine.module
-        guidance = None
-        if getattr(module.config, "guidance_embeds", False):
-            guidance = torch.full((batch,), self.config.model.diffusion.guidance, device=self.device, dtype=torch.float32)
-        out = model(
-            hidden_states=packed, timestep=(timesteps / 1000).to(self.compute_dtype), guidance=guidance,
-            pooled_projections=condition["pooled_prompt_embeds"], encoder_hidden_states=condition["prompt_embeds"],
-            txt_ids=text_ids, img_ids=image_ids,
-        ).sample
-        return FluxPipeline._unpack_latents(out, height * self.vae_factor, width * self.vae_factor, self.vae_factor)
+        return self.arch.predict(self.engine, model_input, timesteps, condition, self.predict_context)
 
     @torch.no_grad()
     def fixed_batch_loss(self) -> float:
@@ -325,7 +292,7 @@ class DiffusionTrainer(Trainer):
         torch.manual_seed(self.config.run.seed + 7919 * self.rank)
         random.seed(self.config.run.seed + self.rank)
         # No caption dropout or flips: the same inputs each time it is measured.
-        indices = epoch_micro_batches([tuple(b) for b in self.data["buckets"]], self.data["repeats"], self.micro_batch_size, self.world_size, self.config.run.seed, 0)[self.rank][0]
+        indices = epoch_micro_batches([tuple(b) for b in self.data.buckets], self.data.repeats, self.micro_batch_size, self.world_size, self.config.run.seed, 0)[self.rank][0]
         latents, condition = self.assemble(indices, augment=False)
         generator = torch.Generator().manual_seed(self.config.run.seed + self.rank)
         noised = self.objective.noise(latents, generator=generator)
@@ -340,9 +307,10 @@ class DiffusionTrainer(Trainer):
         dist.all_reduce(total)
         return float(total) / self.world_size
 
-    def train(self) -> None:
+    def before_train(self) -> None:
         self.fixed_loss_start = self.fixed_batch_loss() if self.step == 0 else None
-        super().train()
+
+    def after_train(self) -> None:
         self.fixed_loss_end = self.fixed_batch_loss()
         if self.rank == 0:
             log.info("loss on a fixed batch (fixed noise and timesteps): %s -> %.4f", f"{self.fixed_loss_start:.4f}" if self.fixed_loss_start is not None else "(resumed)", self.fixed_loss_end)
@@ -378,26 +346,17 @@ class DiffusionTrainer(Trainer):
         module.eval()
         pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module)
         kwargs: dict[str, Any] = {
-            "prompt_embeds": condition["prompt_embeds"], "height": size, "width": size, "num_inference_steps": generate.sample_steps,
+            "height": size, "width": size, "num_inference_steps": generate.sample_steps,
             "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent",
+            **self.arch.sample_kwargs(condition, negative, generate.guidance_scale, self.config.model.diffusion.guidance),
         }
-        if "pooled_prompt_embeds" in condition:
-            kwargs["pooled_prompt_embeds"] = condition["pooled_prompt_embeds"]
-        if self.arch.name == "flux":
-            kwargs["guidance_scale"] = self.config.model.diffusion.guidance
-        else:
-            kwargs["guidance_scale"] = generate.guidance_scale
-            kwargs["negative_prompt_embeds"] = negative["prompt_embeds"]
-            if "pooled_prompt_embeds" in negative:
-                kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
         pipeline.set_progress_bar_config(disable=True)
         latents = pipeline(**kwargs).images
         if was_training:
             module.train()
         if self.rank != 0:
             return
-        if self.arch.name == "flux":
-            latents = pipeline._unpack_latents(latents, size, size, self.vae_factor)
+        latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
         decoded = self.vae.decode(latents.float() / self.latent_scale + self.latent_shift).sample

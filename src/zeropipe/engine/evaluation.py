@@ -141,7 +141,7 @@ def evaluate_checkpoint(
     from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint
     from zeropipe.config.load import load_config
     from zeropipe.errors import CheckpointError, ZeroPipeError
-    from zeropipe.export.hf import DTYPES
+    from zeropipe.models.common import TORCH_DTYPES as DTYPES
     from zeropipe.rundir import RunDir
 
     source = Path(source)
@@ -172,10 +172,10 @@ def evaluate_checkpoint(
 
     from transformers import AutoTokenizer
 
-    from zeropipe.data.tokenize import TokenDataset, build_token_cache, collate
+    from zeropipe.data.tokenize import TokenDataset, build_token_cache, collate, pad_token_id
 
     tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     model = load_checkpoint_model(run, info, DTYPES[dtype])
     with tempfile.TemporaryDirectory(prefix="zeropipe-eval-") as scratch:
         if data is not None:
@@ -216,7 +216,7 @@ def load_checkpoint_model(run, info, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     from zeropipe.config.load import load_config
-    from zeropipe.export.hf import consolidated_state_dict, load_checked
+    from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
     from zeropipe.models.causal_lm import add_lora, model_config
 
     section = load_config(run.config).model

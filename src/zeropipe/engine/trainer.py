@@ -2,6 +2,9 @@
 
 Every rank runs this same code. Collective calls (initialize, save_checkpoint, generation
 under ZeRO-3) are made by every rank; only file writes and logging are rank 0's work.
+What depends on the model family (data, model, loss, evaluation, samples) is the
+:class:`~zeropipe.engine.task.RankTask` the trainer holds; the loop, the DeepSpeed engine,
+checkpoints, resume and metrics are here, the same for every family.
 """
 
 from __future__ import annotations
@@ -12,16 +15,15 @@ import os
 import random
 import time
 import warnings
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import psutil
 import torch
 
 from zeropipe.checkpoint import manager
-from zeropipe.config.load import load_config
+from zeropipe.engine.task import RankTask
 from zeropipe.rundir import RunDir
 
 log = logging.getLogger("zeropipe")
@@ -44,18 +46,26 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 class Trainer:
-    """One rank of a ZeRO-Pipe run, driven by the files the launcher wrote into the run directory."""
+    """One rank of a ZeRO-Pipe run, driven by the files the launcher wrote into the run directory.
 
-    def __init__(self, run_dir: str | Path):
+    Args:
+        run_dir: the run directory the launcher prepared.
+        make_task: builds the family's :class:`RankTask` for this trainer.
+    """
+
+    def __init__(self, run_dir: str | Path, make_task: Callable[["Trainer"], RankTask]):
         self.run = RunDir(run_dir)
-        self.config = load_config(self.run.config)
+        self.config = self.run.read_config()
         self.plan = self.run.read_plan()
         self.ds_config = json.loads(self.run.ds_config.read_text())
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.micro_batch_size = self.plan.micro_batch_size
+        self.accumulation = self.plan.gradient_accumulation_steps
         self.step = 0
         self.process = psutil.Process()
+        self.task = make_task(self)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -73,8 +83,7 @@ class Trainer:
         # The same seed on every rank: replicas (stages 0-2) must start identical.
         seed_everything(self.config.run.seed)
 
-        self.setup_tokenizer()
-        self.setup_data()
+        self.task.setup_data()
         self.setup_model()
         self.resume()
 
@@ -86,69 +95,14 @@ class Trainer:
         # torch's gloo wrappers warn on every collective DeepSpeed makes; one warning is enough.
         warnings.filterwarnings("once", message=".*is deprecated. Please use.*")
 
-    def setup_tokenizer(self) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.run.tokenizer))
-
-    def setup_data(self) -> None:
-        from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
-        from zeropipe.data.tokenize import TokenDataset, collate
-
-        self.micro_batch_size = self.plan.micro_batch_size
-        self.accumulation = self.plan.gradient_accumulation_steps
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        data = self.config.data
-        if data.packing:
-            from zeropipe.data.packing import PackedDataset, collate_packed
-
-            # The sampler deals packed sequences (built by the launcher), not examples.
-            self.dataset = PackedDataset(self.run.cache)
-            self.collate = partial(collate_packed, pad_token_id=pad_id)
-        else:
-            self.dataset = TokenDataset(self.run.cache)
-            self.collate = partial(collate, pad_token_id=pad_id)
-        seed = self.config.run.seed
-        if data.group_by_length:
-            self.sampler = LengthGroupedSampler(self.dataset.lengths(), self.rank, self.world_size, seed, self.micro_batch_size)
-        else:
-            self.sampler = ResumableDistributedSampler(len(self.dataset), self.rank, self.world_size, seed=seed, shuffle=True)
-        # Held-out data is always evaluated padded, example by example, whatever the training batches look like.
-        self.eval_dataset = TokenDataset(self.run.eval_cache) if (data.eval_path or data.eval_fraction) else None
-        self.eval_collate = partial(collate, pad_token_id=pad_id)
-
     def setup_model(self) -> None:
         import deepspeed
 
-        from zeropipe.models.causal_lm import build_model, count_parameters, model_config
-
-        config = model_config(self.config.model)
-        self.hf_ds_config = None
-        if self.plan.zero_stage == 3:
-            # transformers builds the model inside zero.Init while this object is alive.
-            from transformers.integrations import HfDeepSpeedConfig
-
-            self.hf_ds_config = HfDeepSpeedConfig(self.ds_config)
-        model = build_model(self.config.model, config, self.config.deepspeed.precision, self.plan.zero_stage)
-        if self.plan.zero_stage == 3:
-            self.log_partitioning(model)
-        trainable, total = count_parameters(model)
-        log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+        model, self.parameter_counts = self.task.build_model()
         parameters = [p for p in model.parameters() if p.requires_grad]
         # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
-        self.parameter_counts = {"trainable": trainable, "total": total}
-
-    def log_partitioning(self, model) -> None:
-        """Say whether construction was partitioned: under ZeRO-3 no rank may hold the full model."""
-        params = list(model.parameters())
-        partitioned = [p for p in params if hasattr(p, "ds_id")]
-        local = sum(p.ds_tensor.numel() for p in partitioned if getattr(p, "ds_tensor", None) is not None)
-        full = sum(p.ds_numel for p in partitioned)
-        log.info(
-            "ZeRO-3: %d of %d parameter tensors partitioned at construction; this rank holds %s of %s elements",
-            len(partitioned), len(params), f"{local:,}", f"{full:,}",
-        )
+        self.task.after_initialize()
 
     def resume(self) -> None:
         tag = self.plan.resume_from
@@ -166,24 +120,10 @@ class Trainer:
         log.info("resumed from %s at step %d", tag, self.step)
 
     # ------------------------------------------------------------------ train
-    def batches(self):
-        """Micro-batches from the current data position to the end of training, epoch after epoch."""
-        per_epoch = self.plan.micro_batches_per_epoch
-        micro_step = self.step * self.accumulation
-        while True:
-            epoch, position = divmod(micro_step, per_epoch)
-            self.sampler.set_epoch(epoch)
-            self.sampler.set_start(position * self.micro_batch_size)
-            indices = list(iter(self.sampler))
-            for start in range(0, per_epoch * self.micro_batch_size - position * self.micro_batch_size, self.micro_batch_size):
-                chunk = indices[start : start + self.micro_batch_size]
-                yield epoch, self.collate([self.dataset[i] for i in chunk])
-                micro_step += 1
-
     def train(self) -> None:
         total = self.plan.total_steps
         save_every = self.config.train.save_every
-        batches = self.batches()
+        batches = self.task.batches(self.step)
         self.engine.train()
         log.info("training steps %d..%d of %d", self.step + 1, total, total)
         # A step's time runs from the end of the previous step, so that it includes the
@@ -194,7 +134,7 @@ class Trainer:
             lr = self.current_lr()
             for _ in range(self.accumulation):
                 epoch, batch = next(batches)
-                loss, batch_tokens, batch_samples = self.forward_loss(batch)
+                loss, batch_tokens, batch_samples = self.task.forward_loss(batch)
                 self.engine.backward(loss)
                 self.engine.step()
                 loss_sum += loss.detach().float().item()
@@ -203,52 +143,12 @@ class Trainer:
             self.step += 1
             now = time.perf_counter()
             self.record_metrics(epoch, loss_sum / self.accumulation, lr, tokens, samples, now - previous_end)
-            self.after_step()
+            self.task.after_step()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
             # Evaluation, samples and checkpoints are not training time.
             previous_end = time.perf_counter()
         self.save_checkpoint()
-
-    def after_step(self) -> None:
-        """Work between optimizer steps (evaluation, sample images); every rank calls it."""
-        every = self.config.train.eval_every
-        if getattr(self, "eval_dataset", None) is not None and ((every and self.step % every == 0) or self.step == self.plan.total_steps):
-            self.evaluate()
-
-    def evaluate(self) -> dict[str, Any] | None:
-        """Eval loss and perplexity on the held-out data; a collective, every rank evaluates its share."""
-        import deepspeed.comm as dist
-
-        from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
-
-        started = time.perf_counter()
-        batches = eval_batch_indices(self.eval_dataset.lengths(), self.rank, self.world_size, self.micro_batch_size)
-        self.engine.eval()
-        sums = eval_sums(lambda batch: self.engine(**batch, use_cache=False).loss, self.eval_dataset, batches, self.eval_collate, self.device)
-        self.engine.train()
-        total = torch.tensor(sums, dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)
-        record = eval_record(self.step, *total.tolist(), time.perf_counter() - started)
-        if self.rank == 0:
-            record["time"] = time.time()
-            with open(self.run.metrics, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            self.sinks.log(record)
-            log.info("step %d eval loss %.4f perplexity %.4g (%d tokens, %.1f s)", self.step, record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_time_s"])
-        return record
-
-    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
-        """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""
-        batch = {key: value.to(self.device) for key, value in batch.items()}
-        if "num_tokens" not in batch:
-            return self.engine(**batch).loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
-        # Packed batches: no attention mask to count real tokens from, and several examples
-        # per row; the collator counts both. transformers reads the boundaries between
-        # examples from position_ids only when there is no KV cache.
-        num_tokens, num_examples = batch.pop("num_tokens"), batch.pop("num_examples")
-        loss = self.engine(**batch, use_cache=False).loss
-        return loss, float(num_tokens), float(num_examples)
 
     def current_lr(self) -> float:
         # The rate this step will use: the scheduler set it on the optimizer after the last step.
@@ -280,7 +180,7 @@ class Trainer:
         }
         if float(rows[:, 1].sum()) > 0:  # families without tokens (diffusion) report samples/s only
             record["tokens_per_s"] = float(rows[:, 1].sum()) / step_time
-        record.update(self.extra_metrics())
+        record.update(self.task.extra_metrics())
         if self.device.type == "cuda":
             record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
         with open(self.run.metrics, "a") as handle:
@@ -289,14 +189,6 @@ class Trainer:
         if self.step % self.config.train.log_every == 0 or self.step == self.plan.total_steps:
             speed = f"{record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else f"{record['samples_per_s']:.2f} samples/s"
             log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %s", self.step, self.plan.total_steps, record["loss"], lr, record["grad_norm"], speed)
-
-    def extra_metrics(self) -> dict[str, Any]:
-        """Family-specific fields added to every metrics row (rank 0)."""
-        return {}
-
-    def summary_fields(self) -> dict[str, Any]:
-        """Family-specific fields added to summary.json (rank 0)."""
-        return {}
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
@@ -315,39 +207,6 @@ class Trainer:
             removed = manager.prune(self.run.path, self.config.train.keep_last)
             log.info("checkpoint %s saved%s", tag, f"; removed {', '.join(removed)}" if removed else "")
         dist.barrier()
-
-    # ------------------------------------------------------------- generation
-    def generate_samples(self) -> None:
-        """Answer the configured prompts with the trained weights (all ranks take part under ZeRO-3)."""
-        from zeropipe.data.tokenize import render_prompt
-
-        prompts = self.plan.generate_prompts
-        if not prompts:
-            return
-        model = self.engine.module
-        model.eval()
-        results = []
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
-                input_ids = torch.tensor([ids], device=self.device)
-                output = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    max_new_tokens=self.config.generate.max_new_tokens,
-                    do_sample=False,
-                    use_cache=True,
-                    # Under ZeRO-3 every rank must run the same number of forward passes.
-                    synced_gpus=self.plan.zero_stage == 3 and self.world_size > 1,
-                    pad_token_id=self.tokenizer.pad_token_id,
-                    eos_token_id=self.tokenizer.eos_token_id,
-                )
-                answer = self.tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
-                results.append({"prompt": prompt, "output": answer.strip(), "step": self.step})
-        model.train()
-        if self.rank == 0:
-            with open(self.run.generations, "w") as handle:
-                handle.writelines(json.dumps(row) + "\n" for row in results)
 
     # ---------------------------------------------------------------- cleanup
     def cleanup(self) -> None:
@@ -369,7 +228,7 @@ class Trainer:
                 "world_size": self.world_size,
                 "zero_stage": self.plan.zero_stage,
                 "latest_checkpoint": manager.tag_for(self.step),
-                **self.summary_fields(),
+                **self.task.summary_fields(),
             }
             if evals:
                 summary.update(final_eval_loss=evals[-1]["eval_loss"], final_eval_perplexity=evals[-1]["eval_perplexity"])
@@ -380,20 +239,8 @@ class Trainer:
 
     def run_all(self) -> None:
         self.setup()
+        self.task.before_train()
         self.train()
-        self.generate_samples()
+        self.task.after_train()
+        self.task.generate_samples()
         self.cleanup()
-
-
-def trainer_for(run_dir: str | Path) -> Trainer:
-    """The trainer of the run's model family (causal LM, diffusion, vision-language)."""
-    family = load_config(RunDir(run_dir).config).model.family
-    if family == "diffusion":
-        from zeropipe.engine.diffusion import DiffusionTrainer
-
-        return DiffusionTrainer(run_dir)
-    if family == "vlm":
-        from zeropipe.engine.vlm import VisionLanguageTrainer
-
-        return VisionLanguageTrainer(run_dir)
-    return Trainer(run_dir)

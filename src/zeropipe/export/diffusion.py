@@ -19,34 +19,33 @@ from pathlib import Path
 
 import torch
 
-from zeropipe.checkpoint.manager import CheckpointInfo
-from zeropipe.config.schema import RunConfig
+from zeropipe.checkpoint.consolidate import load_checked
+from zeropipe.diffusion.architectures import architecture_named
+from zeropipe.diffusion.prepare import read_plan
 from zeropipe.errors import CheckpointError
-from zeropipe.rundir import RunDir
+from zeropipe.export.hf import ExportJob
+from zeropipe.models.common import resolve_lora_targets
 
 
-def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state: dict[str, torch.Tensor], out: Path, merge: bool, dtype: torch.dtype) -> Path:
-    from zeropipe.diffusion.pipelines import ARCHITECTURES, denoiser_class, pipeline_class
-    from zeropipe.diffusion.prepare import read_plan
-
+def export_diffusion(job: ExportJob) -> Path:
+    run, config, info, out, merge, dtype = job.run, job.config, job.info, job.out, job.merge, job.dtype
+    state = job.state_dict()
     plan = read_plan(run)
-    arch = ARCHITECTURES[plan["architecture"]]
-    pipeline_dir = Path(plan["pipeline_dir"])
+    arch = architecture_named(plan.architecture)
+    pipeline_dir = Path(plan.pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
-    denoiser = denoiser_class(arch).from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32)
+    denoiser = arch.model_class().from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32)
     lora = config.model.lora
     if lora is not None:
         from peft import LoraConfig
 
-        from zeropipe.models.family import lora_targets
-
-        denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora_targets(lora, "diffusion")))
-    load_checked(denoiser, state, info)
+        denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=resolve_lora_targets(lora, arch.lora_targets)))
+    load_checked(denoiser, state, info, what="denoiser")
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
         # bf16: keep the pipeline's own weights and take only the adapters from the checkpoint.
-        base = denoiser_class(arch).from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32).state_dict()
+        base = arch.model_class().from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32).state_dict()
         with torch.no_grad():
             for name, tensor in denoiser.named_parameters():
                 original = name.replace(".base_layer.", ".")
@@ -67,7 +66,7 @@ def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state
         # Dropout is written as 0: the adapter layers load_lora_weights adds are in training
         # mode, and dropout would make every image random.
         metadata = {**denoiser.peft_config["default"].to_dict(), "lora_dropout": 0.0}
-        pipeline_class(arch).save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
         kind = "lora"
     else:
         if lora is not None:
@@ -89,12 +88,3 @@ def export_diffusion(run: RunDir, config: RunConfig, info: CheckpointInfo, state
     return out
 
 
-def load_checked(model, state: dict[str, torch.Tensor], info: CheckpointInfo) -> None:
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        parts = [f"{label}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}" for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names]
-        raise CheckpointError(f"checkpoint {info.path} does not match the run's denoiser ({'; '.join(parts)}): was config.yaml edited after training?")
-    model.load_state_dict(state, strict=True)

@@ -12,7 +12,9 @@ Three kinds of source are accepted:
 Prompts are rendered with the template the model was trained with
 (:func:`zeropipe.data.tokenize.render_prompt`), so the model sees what it learned from.
 
-Vision-language models (image + text) are a separate backend: see :func:`vlm_backend`.
+This module resolves sources and holds the causal language model's backend; which backend
+runs is the family's choice (``zeropipe.families.load_model``), and vision-language models
+have theirs in :mod:`zeropipe.export.vlm_generate`.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import torch
 
 from zeropipe.checkpoint.manager import TAG_PATTERN, CheckpointInfo, is_complete, latest_stage_with_checkpoint, list_checkpoints, resolve_checkpoint, tag_for
 from zeropipe.errors import CheckpointError, ZeroPipeError
+from zeropipe.models.common import TORCH_DTYPES as DTYPES
+from zeropipe.rundir import RunDir
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULT_MAX_NEW_TOKENS = 64
 
 
@@ -39,7 +42,7 @@ class ModelSource:
 
     kind: str  # "run", "hf" or "adapter"
     path: Path  # the run directory, exported directory or adapter directory
-    family: str  # causal_lm, vlm or diffusion
+    family: str = ""  # causal_lm, vlm, diffusion...: filled in by zeropipe.families.resolve_source
     checkpoint: CheckpointInfo | None = None  # runs only
     base: Path | None = None  # adapters only: the base model directory
 
@@ -95,12 +98,12 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> ModelSour
     if (path / "adapter_config.json").is_file():
         refuse_checkpoint(checkpoint, path)
         base = adapter_base(path)
-        return ModelSource("adapter", path, family_of_hf_dir(base), base=base)
+        return ModelSource("adapter", path, base=base)
     if (path / "config.json").is_file():
         refuse_checkpoint(checkpoint, path)
-        return ModelSource("hf", path, family_of_hf_dir(path))
+        return ModelSource("hf", path)
     if (path / "model_index.json").is_file():
-        return ModelSource("hf", path, "diffusion")
+        return ModelSource("hf", path)
     run_path = run_directory_of(path)
     if run_path is None:
         raise ZeroPipeError(
@@ -108,7 +111,7 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> ModelSour
             "nor a LoRA adapter (adapter_config.json); give one of those"
         )
     info = checkpoint_of(path, run_path, checkpoint)
-    return ModelSource("run", info.path.parent.parent, run_family(info.path.parent.parent), checkpoint=info)
+    return ModelSource("run", info.path.parent.parent, checkpoint=info)
 
 
 def refuse_checkpoint(checkpoint: str | None, path: Path) -> None:
@@ -156,26 +159,9 @@ def adapter_base(path: Path) -> Path:
     return Path(base).expanduser()
 
 
-def family_of_hf_dir(path: Path) -> str:
-    if (path / "model_index.json").is_file():
-        return "diffusion"
-    config = json.loads((path / "config.json").read_text())
-    return "vlm" if "vision_config" in config else "causal_lm"
-
-
 def read_run_config(run_path: Path):
     """The run's config.yaml as written by the launcher, without re-checking data paths (the data may have moved)."""
-    import yaml
-
-    from zeropipe.config.schema import RunConfig
-
-    return RunConfig.model_validate(yaml.safe_load((run_path / "config.yaml").read_text()))
-
-
-def run_family(run_path: Path) -> str:
-    from zeropipe.models.family import model_family
-
-    return model_family(read_run_config(run_path).model)
+    return RunDir(run_path).read_config()
 
 
 # ------------------------------------------------------------------ loading
@@ -196,23 +182,8 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(path: str | Path, checkpoint: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load the model of a run, an export or an adapter for generation.
-
-    Raises:
-        ZeroPipeError: an unusable source, a family this command cannot generate with, or
-            a checkpoint that does not match its run.
-    """
-    source = resolve_source(path, checkpoint)
-    torch_device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, torch_device)
-    if source.family == "diffusion":
-        raise ZeroPipeError(
-            f"{source.path} is a diffusion model: zeropipe generate writes text. A diffusion run draws its "
-            "generate.prompts into RUN/samples/ during training (generate.sample_every)"
-        )
-    if source.family == "vlm":
-        return vlm_backend().load_for_generation(source, torch_device, torch_dtype)
+def load_causal_lm(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A causal language model from a run's checkpoint, an export or an adapter, ready to generate."""
     if source.kind == "run":
         model, tokenizer, default_tokens = causal_lm_from_run(source)
     elif source.kind == "adapter":
@@ -221,17 +192,17 @@ def load_model(path: str | Path, checkpoint: str | None = None, device: str | No
     else:
         model, tokenizer = causal_lm_from_hf_dir(source.path, source.path)
         default_tokens = DEFAULT_MAX_NEW_TOKENS
-    model = model.to(device=torch_device, dtype=torch_dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
     # The training config turns the KV cache off; generation wants it.
     model.config.use_cache = True
-    return LoadedModel(model, tokenizer, source, torch_device, default_tokens)
+    return LoadedModel(model, tokenizer, source, device, default_tokens)
 
 
 def causal_lm_from_run(source: ModelSource):
     """The run's model built from its config.yaml, with the checkpoint's consolidated weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zeropipe.export.hf import consolidated_state_dict, load_checked
+    from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
     from zeropipe.models.causal_lm import add_lora, model_config
 
     assert source.checkpoint is not None
@@ -292,34 +263,27 @@ def with_pad_token(tokenizer):
 
 
 # --------------------------------------------------------------- generating
-def generate(
-    loaded: LoadedModel,
-    prompts: list[str],
-    images: list[str] | None = None,
-    max_new_tokens: int | None = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    raw: bool = False,
-) -> list[Generation]:
-    """Answer each prompt; greedy unless ``temperature`` > 0.
-
-    Args:
-        images: vision-language models: one image for every prompt, or one per prompt.
-        raw: continue the prompt text as it is instead of rendering it as a user turn
-            (for models trained on plain text).
-
-    Raises:
-        ZeroPipeError: images for a text-only model, or bad sampling settings.
-    """
+def check_sampling(prompts: list[str], temperature: float, top_p: float) -> None:
+    """Raises ZeroPipeError for no prompt or sampling settings out of range."""
     if not prompts:
         raise ZeroPipeError("no prompt: pass --prompt TEXT (repeat it for several)")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ZeroPipeError(f"--temperature must be >= 0 and --top-p in (0, 1] (you gave {temperature} and {top_p})")
-    tokens = max_new_tokens or loaded.default_max_new_tokens
-    if loaded.source.family == "vlm":
-        return vlm_backend().generate_with_images(loaded, prompts, pair_images(prompts, images), tokens, temperature, top_p, seed)
-    if images:
+
+
+def generate_text(
+    loaded: LoadedModel, prompts: list[str], images: list[str | None], tokens: int, temperature: float, top_p: float, seed: int, raw: bool
+) -> list[Generation]:
+    """A causal language model's answers; greedy unless ``temperature`` > 0.
+
+    Args:
+        raw: continue the prompt text as it is instead of rendering it as a user turn
+            (for models trained on plain text).
+
+    Raises:
+        ZeroPipeError: images given to a text-only model.
+    """
+    if any(image is not None for image in images):
         raise ZeroPipeError(f"--image needs a vision-language model; {loaded.source.describe()} is a text-only language model: drop --image")
     from zeropipe.data.tokenize import render_prompt
 
@@ -354,16 +318,3 @@ def pair_images(prompts: list[str], images: list[str] | None) -> list[str | None
     if len(images) != len(prompts):
         raise ZeroPipeError(f"{len(images)} --image for {len(prompts)} --prompt: give one image for all prompts, or one per prompt")
     return list(images)
-
-
-def vlm_backend():
-    """The vision-language side of ``zeropipe generate`` (``zeropipe.models.vlm``).
-
-    ``load_for_generation(source, device, dtype)`` builds the AutoModelForImageTextToText and
-    its AutoProcessor from a run's consolidated checkpoint, an export or an adapter;
-    ``generate_with_images(loaded, prompts, images, ...)`` answers each prompt about its image
-    with the chat template used in training.
-    """
-    from zeropipe.models import vlm
-
-    return vlm

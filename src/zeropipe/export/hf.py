@@ -1,131 +1,116 @@
-"""Consolidate a ZeRO checkpoint of any stage into a Hugging Face directory.
+"""Write a run's checkpoint as a Hugging Face directory, or a peft adapter.
 
-The partitioned shards are merged with DeepSpeed's own ``zero_to_fp32`` (stages 1-3; stage 0
-checkpoints hold the whole module already), loaded into the model built from the run's
-config, and written with ``save_pretrained`` (safetensors) next to the run's tokenizer.
-LoRA runs export the adapter alone (loadable by peft) or merged into the base (``merge``).
-The directory is written under a temporary name and renamed, so a failed export never
-leaves a half-written model where a loader would find it.
+The checkpoint's shards are consolidated (:mod:`zeropipe.checkpoint.consolidate`), loaded
+into the model the run's family builds from its config, and written with
+``save_pretrained`` (safetensors) next to the run's tokenizer or processor. LoRA runs export
+the adapter alone (loadable by peft) or merged into the base (``merge``). The directory is
+written under a temporary name and renamed, so a failed export never leaves a half-written
+model where a loader would find it. Which model is built is the family's choice
+(``zeropipe.families.export_run``).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
 from zeropipe.checkpoint.manager import CheckpointInfo, resolve_checkpoint
-from zeropipe.config.load import load_config
-from zeropipe.errors import CheckpointError, ZeroPipeError
+from zeropipe.config.schema import RunConfig
+from zeropipe.errors import ZeroPipeError
+from zeropipe.models.common import TORCH_DTYPES
 from zeropipe.rundir import RunDir
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+@dataclass
+class ExportJob:
+    """One export: which run and checkpoint, where to, how."""
+
+    run: RunDir
+    info: CheckpointInfo
+    config: RunConfig  # the run's saved config (its data paths are not re-checked)
+    out: Path
+    merge: bool
+    dtype_name: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype_name]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return consolidated_state_dict(self.info)
 
 
-def consolidated_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a checkpoint, gathered from every rank's shards."""
-    marker = json.loads((info.path / "zeropipe_complete.json").read_text())
-    if marker.get("zero_stage", 0) == 0:
-        states = torch.load(info.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
-        return {key: value.float() for key, value in states["module"].items()}
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
-
-
-def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False) -> Path:
-    """Write a Hugging Face directory (or a peft adapter) from a run's checkpoint.
-
-    Args:
-        source: run directory, or one of its checkpoint directories.
-        merge: for LoRA runs, merge the adapter into the base instead of saving it alone.
-        dtype: bf16, fp16 or fp32; default: the run's training precision.
+def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False) -> ExportJob:
+    """Resolve what to export.
 
     Raises:
-        CheckpointError: no complete checkpoint, or it does not match the run's model.
+        CheckpointError: no complete checkpoint. ZeroPipeError: an occupied --out or an unknown --dtype.
     """
-    from transformers import AutoModelForCausalLM
-
-    from zeropipe.models.causal_lm import add_lora, model_config
-
     run_path, info = resolve_checkpoint(Path(source))
     run = RunDir(run_path)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
         raise ZeroPipeError(f"{out} already exists and is not empty: choose another --out or pass --force to replace it")
-    config = load_config(run.config)
+    config = run.read_config()
     dtype = dtype or config.deepspeed.precision
-    if dtype not in DTYPES:
-        raise ZeroPipeError(f"--dtype must be one of {', '.join(DTYPES)} (you gave {dtype})")
-    state = consolidated_state_dict(info)
-    if config.model.family == "diffusion":
-        from zeropipe.export.diffusion import export_diffusion
+    if dtype not in TORCH_DTYPES:
+        raise ZeroPipeError(f"--dtype must be one of {', '.join(TORCH_DTYPES)} (you gave {dtype})")
+    return ExportJob(run, info, config, out, merge, dtype)
 
-        return export_diffusion(run, config, info, state, out, merge, DTYPES[dtype])
+
+def causal_lm_for_export(config: RunConfig):
+    """The run's causal LM in fp32, with its LoRA adapters when it trained some."""
+    from transformers import AutoModelForCausalLM
+
+    from zeropipe.models.causal_lm import add_lora, model_config
 
     section = config.model
-    if section.family == "vlm":
-        from zeropipe.models.vlm import build_vlm_for_export
-
-        # AutoModelForImageTextToText, with adapters only on the parts that trained.
-        model = build_vlm_for_export(section)
-    elif section.path:
+    if section.path:
         model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
-    if section.lora is not None and section.family != "vlm":
-        model = add_lora(model, section)
-    load_checked(model, state, info)
+    return add_lora(model, section) if section.lora is not None else model
 
-    tmp = out.with_name(f".{out.name}.partial")
+
+def write_transformers_export(job: ExportJob, model) -> Path:
+    """Load the checkpoint into ``model`` (a transformers or peft model) and write it to job.out."""
+    section = job.config.model
+    load_checked(model, job.state_dict(), job.info)
+    tmp = job.out.with_name(f".{job.out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    if section.lora is not None and merge:
+    if section.lora is not None and job.merge:
         model = model.merge_and_unload()
-    model = model.to(DTYPES[dtype])
+    model = model.to(job.dtype)
     # The config records the dtype loaders cast to ("auto"): it must say what was written.
     target_config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
-    target_config.dtype = DTYPES[dtype]
+    target_config.dtype = job.dtype
     target_config.use_cache = True
     model.save_pretrained(str(tmp), safe_serialization=True)
-    if section.lora is not None and not merge and section.path:
+    if section.lora is not None and not job.merge and section.path:
         # The adapter points at the base it was trained on, so peft can load it directly.
         adapter_config = tmp / "adapter_config.json"
         data = json.loads(adapter_config.read_text())
         data["base_model_name_or_path"] = str(Path(section.path).resolve())
         adapter_config.write_text(json.dumps(data, indent=2))
+    run = job.run
     if run.tokenizer.is_dir():
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(run.tokenizer)).save_pretrained(str(tmp))
-    if (run.path / "processor").is_dir():
+    if run.processor.is_dir():
         from transformers import AutoProcessor
 
         # Vision-language runs: the processor (tokenizer + image processor) the run trained with.
-        AutoProcessor.from_pretrained(str(run.path / "processor")).save_pretrained(str(tmp))
+        AutoProcessor.from_pretrained(str(run.processor)).save_pretrained(str(tmp))
     (tmp / "zeropipe_export.json").write_text(
-        json.dumps({"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "merged": merge, "dtype": dtype}, indent=2)
+        json.dumps({"run": str(run.path.resolve()), "checkpoint": job.info.tag, "step": job.info.step, "merged": job.merge, "dtype": job.dtype_name}, indent=2)
     )
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
-
-
-def load_checked(model, state: dict[str, torch.Tensor], info: CheckpointInfo) -> None:
-    """Load the consolidated weights, refusing missing, unexpected or misshapen tensors."""
-    expected = model.state_dict()
-    tied = {name for name in expected if name.endswith("lm_head.weight")} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = [k for k in expected if k not in state and k not in tied]
-    unexpected = [k for k in state if k not in expected]
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(expected[k].shape)}" for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        parts = []
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
-            if names:
-                parts.append(f"{label}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
-        raise CheckpointError(f"checkpoint {info.path} does not match the run's model ({'; '.join(parts)}): was config.yaml edited after training?")
-    model.load_state_dict(state, strict=False)
-    if tied:
-        model.tie_weights()
+    if job.out.exists():
+        shutil.rmtree(job.out)
+    tmp.rename(job.out)
+    return job.out

@@ -28,11 +28,12 @@ def resolve_auto_knobs(config: RunConfig, world_size: int | None = None) -> tupl
     if not wanted:
         return config, []
     from zeropipe.launch.prepare import detect_accelerator
+    from zeropipe.families import model_spec
     from zeropipe.plan import detect_hardware, plan_run
 
     accelerator, ranks = detect_accelerator(config)
     hardware = detect_hardware(cpu_ranks=world_size or ranks)
-    result = plan_run(config, hardware)
+    result = plan_run(config, hardware, model_spec(config))
     best = result.require_best()
     fragment = result.fragment()
     resolved = config.model_copy(deep=True)

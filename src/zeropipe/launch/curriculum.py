@@ -30,14 +30,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from zeropipe.checkpoint.manager import latest_checkpoint, list_checkpoints, write_atomic
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
+from zeropipe.families import family_of
 from zeropipe.config.stages import stage_configs, stage_directory_name, stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.launch.prepare import Prepared, prepare_run, run_dir_for
@@ -131,14 +133,10 @@ class Curriculum:
         """
         if not config.stages:
             raise ZeroPipeError("not a curriculum: the config has no stages")
-        from zeropipe.models.family import model_family
-
-        family = model_family(config.model)
-        if family == "diffusion":
-            raise ConfigError([("stages", "curricula are implemented for language and vision-language models; train a diffusion model's stages as separate runs")])
-        if family == "vlm" and not (config.model.path or config.model.processor):
-            # Each stage tokenizes its data before the first starts: they must all use one processor.
-            raise ConfigError([("model.processor", "a vision-language curriculum built from model.config needs one processor for every stage: set model.processor to a saved processor directory, or use model.path")])
+        family = family_of(config.model)
+        problems = family.curriculum_problems(config)
+        if problems:
+            raise ConfigError(problems)
         if resume:
             top = RunDir(find_curriculum(Path(resume)) if resume is not True else run_dir_for(config))
             if not (top.path / STAGES_FILE).is_file():
@@ -160,15 +158,15 @@ class Curriculum:
         if resume:
             curriculum.reopen()
         else:
-            curriculum.prepare_all(family)
+            curriculum.prepare_all()
         return curriculum
 
-    def prepare_all(self, family: str) -> None:
+    def prepare_all(self) -> None:
         """A new curriculum: lay out RUN/, train the shared tokenizer if needed, prepare every stage."""
         self.top.path.mkdir(parents=True, exist_ok=True)
         self.top.logs.mkdir(exist_ok=True)
         write_atomic(self.top.config, dump_config(self.config))
-        if family == "causal_lm" and not (self.config.model.tokenizer or self.config.model.path):
+        if family_of(self.config.model).trains_tokenizer and not (self.config.model.tokenizer or self.config.model.path):
             self.notes.append(self.train_shared_tokenizer())
         problems: list[tuple[str, str]] = []
         for stage in self.stages:
@@ -191,7 +189,7 @@ class Curriculum:
         """One tokenizer for every stage (their model is the same), trained on every stage's data."""
         from zeropipe.data.formats import detect_format, read_records
         from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
-        from zeropipe.launch.prepare import prepare_data_file
+        from zeropipe.data.text_prepare import prepare_data_file
 
         texts: list[str] = []
         for stage in self.stages:
@@ -300,11 +298,76 @@ class Curriculum:
             raise
         self.save()
 
+    def run(self, master_port: int, say: Callable[[str], None], progress_for: Callable[[RunDir, int], Any], resume_hint: str) -> tuple[str, dict | None]:
+        """Train the remaining stages one after the other, each watched by a supervisor.
+
+        Args:
+            say: where the stages' progress lines go (the CLI prints them).
+            progress_for: ``(stage run, total steps)`` -> an object with update() and close().
+            resume_hint: the command that continues this curriculum, said after a failure or stop.
+
+        Returns:
+            ("completed", summary), or ("failed" | "stopped", None); the stage that failed is
+            recorded in the curriculum's status with its diagnosis.
+        """
+        from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt
+
+        # Between stages no supervisor is watching: a SIGTERM (the UI's stop button) must still end the run cleanly.
+        previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+        current = None
+        try:
+            for stage in self.remaining():
+                current = stage
+                if stage.state == "completed":
+                    say(f"{stage.label} finished training before; exporting its weights again")
+                    self.export_again(stage)
+                    continue
+                prepared = self.start(stage)
+                plan = prepared.plan
+                resumed = f", resuming from {plan.resume_from}" if plan.resume_from else ""
+                say(f"{stage.label}: {plan.world_size} {plan.accelerator.upper()} ranks, ZeRO stage {plan.zero_stage}, {plan.total_steps} steps{resumed}")
+                for note in self.stage_notes:
+                    say(f"  {note}")
+                progress = progress_for(stage.run, plan.total_steps)
+
+                def tick(stage=stage, progress=progress) -> None:
+                    progress.update()
+                    self.mirror(stage)
+
+                supervisor = Supervisor(stage.run, plan.world_size, plan.accelerator, master_port, on_tick=tick)
+                supervisor.start()
+                self.running([proc.pid for proc in supervisor.procs])
+                say(f"logs: {stage.run.logs}/rank*.log")
+                outcome = supervisor.wait()
+                tick()
+                progress.close()
+                if outcome.state == "failed":
+                    assert outcome.diagnosis is not None
+                    self.ended(stage, "failed", outcome.diagnosis.to_dict())
+                    say("")
+                    say(f"{stage.label} failed: " + outcome.diagnosis.render())
+                    say(f"resume after fixing it: {resume_hint}  (finished stages are not run again)")
+                    return "failed", None
+                if outcome.state == "stopped":
+                    self.ended(stage, "stopped")
+                    say(f"stopped in {stage.label}; all ranks ended. continue with: {resume_hint}")
+                    return "stopped", None
+                say(f"{stage.label} done; exporting its weights{' for the next stage' if stage is not self.stages[-1] else ''}")
+                self.ended(stage, "completed")
+            summary = self.finish()
+        except KeyboardInterrupt:
+            self.stopped(current)
+            say(f"stopped{f' in {current.label}' if current else ''}. continue with: {resume_hint}")
+            return "stopped", None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return "completed", summary
+
     def export(self, stage: Stage) -> Path:
         """The stage's final weights as a Hugging Face directory (LoRA merged), in the next stage's precision."""
         import contextlib
 
-        from zeropipe.export.hf import export_run
+        from zeropipe.families import export_run
 
         following = self.stages[stage.index + 1] if stage.index + 1 < len(self.stages) else stage
         self.top.logs.mkdir(exist_ok=True)

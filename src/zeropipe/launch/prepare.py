@@ -14,13 +14,13 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
 from zeropipe.config.deepspeed import build_deepspeed_config, effective_batch_shape, zero_stage_of
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.families import family_of
 from zeropipe.rundir import RunDir, RunPlan
 
 
@@ -90,24 +90,13 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     run.errors.mkdir()
     run.logs.mkdir(exist_ok=True)
 
-    from zeropipe.models.family import model_family
-
+    family = family_of(config.model)
     # Written into config.yaml, so every rank and every later command agrees on it.
-    config.model.family = model_family(config.model)
-    if config.model.family != "causal_lm":
-        text_only = [key for key in ("packing", "group_by_length", "eval_path", "eval_fraction", "mixture") if getattr(config.data, key)]
-        if text_only:
-            raise ConfigError([(f"data.{key}", f"is implemented for causal language models only, and this is a {config.model.family} run: remove it") for key in text_only])
-    if config.model.family == "diffusion":
-        from zeropipe.diffusion.prepare import prepare_diffusion_data
-
-        data = prepare_diffusion_data(config, run, reuse=bool(resume_tag))
-    elif config.model.family == "vlm":
-        from zeropipe.data.vlm import prepare_vlm_data
-
-        data = prepare_vlm_data(config, run, reuse=bool(resume_tag))
-    else:
-        data = prepare_text_data(config, run, reuse=bool(resume_tag))
+    config.model.family = family.name
+    problems = family.config_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
 
     # Resolve the batch shape first: a user's DeepSpeed JSON may set it explicitly.
@@ -121,7 +110,7 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
                 (
                     "train.micro_batch_size",
                     f"{data.examples} examples over {world_size} ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}"
-                    f"{' (a micro-batch takes images of one bucket only)' if config.model.family == 'diffusion' else ''}: "
+                    f"{f' ({data.batching_note})' if data.batching_note else ''}: "
                     "lower train.micro_batch_size or train.gradient_accumulation_steps, or add data",
                 )
             ]
@@ -155,64 +144,6 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     return Prepared(run, plan, notes)
 
 
-@dataclass
-class FamilyData:
-    """What a model family's data preparation tells the launcher."""
-
-    examples: int
-    hidden_size: int | None  # for DeepSpeed's bucket sizes
-    micro_batches_per_epoch: Callable[[int, int], int]  # (micro_batch_size, world_size) -> per rank
-    prompts: list[str] = field(default_factory=list)  # generated (or drawn) at the end of the run
-    notes: list[str] = field(default_factory=list)
-
-
-def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData:
-    """Causal LMs: the records read, validated and tokenized into the run's token cache."""
-    records_path = prepare_data_file(config, run)
-    tokenizer = prepare_tokenizer(config, run, records_path, reuse=reuse)
-    cache = prepare_cache(config, run, records_path, tokenizer, reuse=reuse)
-    notes = []
-    if config.data.mixture:
-        from zeropipe.data.mixture import mixture_note
-
-        notes += [note for note in [mixture_note(run.data)] if note]
-    if cache.get("bad_records"):
-        shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
-        notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
-
-    from zeropipe.models.causal_lm import hidden_size_of, model_config
-
-    if config.model.config is not None and config.model.config.get("vocab_size") in (None, "auto"):
-        config.model.config = {**config.model.config, "vocab_size": len(tokenizer)}
-        notes.append(f"model.config.vocab_size = {len(tokenizer)} (from the tokenizer)")
-    hf_config = model_config(config.model)
-    if getattr(hf_config, "vocab_size", None) is not None and len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError([("model.config.vocab_size", f"{hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens: raise it or remove it")])
-    examples = int(cache["examples"])
-    notes += prepare_eval_cache(config, run, records_path, tokenizer, reuse=reuse)
-    # What the sampler deals out: examples, or packed sequences of several examples.
-    units = examples
-    if config.data.packing:
-        packs = prepare_packs(config, run, reuse=reuse)
-        units = int(packs["packs"])
-        notes.append(
-            f"packing: {examples} examples in {units} sequences of up to {config.data.max_seq_len} tokens ({100 * packs['fill']:.0f}% real tokens); "
-            "train.micro_batch_size counts packed sequences"
-        )
-    prompts = list(config.generate.prompts or [])
-    if config.generate.prompts is None and config.data.synthetic is not None:
-        from zeropipe.data.synthetic import sample_prompts
-
-        prompts = sample_prompts(config.data.synthetic.task, 4, seed=config.data.synthetic.seed + 1)
-    return FamilyData(
-        examples=examples,
-        hidden_size=hidden_size_of(hf_config),
-        micro_batches_per_epoch=lambda micro, world_size: (units // world_size) // micro,
-        prompts=prompts,
-        notes=notes,
-    )
-
-
 def set_aside_future(run: RunDir, step: int) -> list[str]:
     """Resuming from an older checkpoint: what came after it belongs to an abandoned timeline.
 
@@ -232,105 +163,3 @@ def set_aside_future(run: RunDir, step: int) -> list[str]:
         kept = [json.dumps(row) for row in rows if row.get("step", 0) <= step]
         write_atomic(run.metrics, "".join(line + "\n" for line in kept))
     return notes
-
-
-def prepare_data_file(config: RunConfig, run: RunDir) -> Path:
-    if config.data.mixture:
-        from zeropipe.data.mixture import build_mixture
-
-        return build_mixture(config.data, run.data, config.run.seed)
-    if config.data.synthetic is None:
-        return Path(config.data.path).expanduser()
-    from zeropipe.data.synthetic import generate_dataset
-
-    path = run.data / "train.jsonl"
-    if not path.is_file():
-        run.data.mkdir(exist_ok=True)
-        synthetic = config.data.synthetic
-        generate_dataset(synthetic.task, synthetic.examples, synthetic.seed, path)
-    return path
-
-
-def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse: bool):
-    from transformers import AutoTokenizer
-
-    if reuse and run.tokenizer.is_dir():
-        return AutoTokenizer.from_pretrained(str(run.tokenizer))
-    source = config.model.tokenizer or config.model.path
-    if source:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        if tokenizer.pad_token is None:
-            # Padding is masked out of attention and loss, so the EOS token can stand in.
-            tokenizer.pad_token = tokenizer.eos_token
-    else:
-        from zeropipe.data.formats import detect_format, read_records
-        from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
-
-        records, _ = read_records(records_path)
-        fmt = detect_format(records, config.data.format)
-        tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
-    tokenizer.save_pretrained(str(run.tokenizer))
-    return tokenizer
-
-
-def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> dict:
-    from zeropipe.data.tokenize import build_token_cache
-
-    info_file = run.cache / "cache.json"
-    if reuse and info_file.is_file():
-        return json.loads(info_file.read_text())
-    build_token_cache(
-        records_path,
-        tokenizer,
-        run.cache,
-        fmt=config.data.format,
-        max_seq_len=config.data.max_seq_len,
-        max_bad_fraction=config.data.max_bad_fraction,
-        max_bad_records=config.data.max_bad_records,
-        split=record_split(config, held_out=False),
-    )
-    return json.loads(info_file.read_text())
-
-
-def record_split(config: RunConfig, held_out: bool):
-    """The data.eval_fraction split of data.path (None without one); drawn with run.seed."""
-    from zeropipe.data.split import RecordSplit
-
-    if not config.data.eval_fraction:
-        return None
-    return RecordSplit(config.data.eval_fraction, config.run.seed, held_out=held_out)
-
-
-def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> list[str]:
-    """Tokenize the held-out data (data.eval_path, or data.eval_fraction of data.path) into RUN/cache/eval."""
-    from zeropipe.data.tokenize import build_token_cache
-
-    data = config.data
-    if not (data.eval_path or data.eval_fraction):
-        return []
-    info_file = run.eval_cache / "cache.json"
-    if not (reuse and info_file.is_file()):
-        build_token_cache(
-            Path(data.eval_path).expanduser() if data.eval_path else records_path,
-            tokenizer,
-            run.eval_cache,
-            fmt=data.format,
-            max_seq_len=data.max_seq_len,
-            max_bad_fraction=data.max_bad_fraction,
-            max_bad_records=data.max_bad_records,
-            split=record_split(config, held_out=True),
-        )
-    info = json.loads(info_file.read_text())
-    source = data.eval_path or f"{100 * data.eval_fraction:.3g}% of the records of {records_path}, drawn with run.seed"
-    when = f"every {config.train.eval_every} steps and " if config.train.eval_every else ""
-    return [f"evaluation: {info['examples']} held-out examples ({source}), {when}at the end"]
-
-
-def prepare_packs(config: RunConfig, run: RunDir, reuse: bool) -> dict:
-    """Decide once which examples share a packed sequence, so every rank and every resume agrees."""
-    from zeropipe.data.packing import build_pack_index, read_pack_info
-
-    info = read_pack_info(run.cache)
-    if reuse and info is not None and info.get("max_seq_len") == config.data.max_seq_len:
-        return info
-    return build_pack_index(run.cache, config.data.max_seq_len)

@@ -98,7 +98,7 @@ class Supervisor:
                 log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
                 log.flush()
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "zeropipe.engine.worker", str(self.run.path)],
+                    [sys.executable, "-m", "zeropipe.launch.rank", str(self.run.path)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,

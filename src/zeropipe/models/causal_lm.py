@@ -16,8 +16,8 @@ import torch
 
 from zeropipe.config.schema import ModelSection
 from zeropipe.errors import ConfigError
+from zeropipe.models.common import TORCH_DTYPES
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def model_config(section: ModelSection, vocab_size: int | None = None):
@@ -113,7 +113,7 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
 def add_lora(model, section: ModelSection):
     from peft import LoraConfig, get_peft_model
 
-    from zeropipe.models.family import lora_targets, model_family
+    from zeropipe.models.common import TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
 
     lora = section.lora
     assert lora is not None
@@ -121,7 +121,7 @@ def add_lora(model, section: ModelSection):
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora_targets(lora, model_family(section)),
+        target_modules=resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS),
         task_type="CAUSAL_LM",
     )
     try:
@@ -129,17 +129,6 @@ def add_lora(model, section: ModelSection):
     except ValueError as err:
         names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
         raise ConfigError([("model.lora.target_modules", f"{err}. Linear layers of this model: {', '.join(names)}")]) from None
-
-
-def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; works on ZeRO-3 partitioned parameters too."""
-    trainable = total = 0
-    for param in model.parameters():
-        numel = getattr(param, "ds_numel", None) or param.numel()
-        total += numel
-        if param.requires_grad:
-            trainable += numel
-    return trainable, total
 
 
 def save_tokenizer_dir(tokenizer, out: Path) -> None:

@@ -43,7 +43,7 @@ def knobs_from_config(run_config: RunConfig) -> dict[str, Any]:
     return knobs
 
 
-def plan_run(run_config: RunConfig, hardware: Hardware, margin: float = 0.1, spec: ModelSpec | None = None) -> PlanResult:
+def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin: float = 0.1) -> PlanResult:
     """Plan a run config on this hardware.
 
     With every knob set, ``configured`` is the config's own choice evaluated (does it fit, and
@@ -51,12 +51,12 @@ def plan_run(run_config: RunConfig, hardware: Hardware, margin: float = 0.1, spe
     ``configured`` is None and ``best`` is the fastest fit with the other knobs held as set:
     what ``train`` uses to fill them in (``PlanResult.fragment()``).
 
-    Raises:
-        ZeroPipeError: when the model cannot be built or the batch does not divide over the ranks.
-    """
-    from zeropipe.plan.model_spec import spec_from_config
+    Args:
+        spec: the configured model, counted by its family (``zeropipe.families.model_spec``).
 
-    spec = spec or spec_from_config(run_config)
+    Raises:
+        ZeroPipeError: when the batch does not divide over the ranks.
+    """
     if isinstance(run_config.hardware.gpus, int):
         hardware = hardware.with_gpus(run_config.hardware.gpus)
     knobs = knobs_from_config(run_config)

@@ -197,20 +197,15 @@ def spec_from_params(n: float, trainable: float | None = None) -> ModelSpec:
     )
 
 
-def spec_from_config(run_config: RunConfig) -> ModelSpec:
-    """The model of a run config (model.path or model.config), with its LoRA adapters.
+def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
+    """The causal LM of a run config (model.path or model.config), with its LoRA adapters.
 
     Raises:
         ConfigError: when transformers cannot build the configured architecture.
     """
     from zeropipe.models.causal_lm import model_config
-    from zeropipe.models.family import model_family
 
     section = run_config.model
-    if model_family(section) == "diffusion":
-        return _diffusion_config_spec(run_config)
-    if model_family(section) == "vlm":
-        return _vlm_config_spec(run_config)
     vocab = None
     if section.config is not None and section.config.get("vocab_size") in (None, "auto"):
         # The tokenizer is trained on the data later; its size is the configured target.
@@ -221,7 +216,7 @@ def spec_from_config(run_config: RunConfig) -> ModelSpec:
     return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}")
 
 
-def _vlm_config_spec(run_config: RunConfig) -> ModelSpec:
+def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
     """A vision-language model: every part counted, the trainable ones per model.trainable (or their LoRA adapters).
 
     Activations are those of the language model at data.max_seq_len (image tokens included);
@@ -391,10 +386,15 @@ def _count(model) -> dict[str, Any]:
     }
 
 
+def lora_targets(lora: LoraSection, family: str) -> list[str] | str:
+    """model.lora.target_modules resolved: "auto" is the attention projections as the model's library names them."""
+    from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
+
+    return resolve_lora_targets(lora, DIFFUSERS_LORA_TARGETS if family.startswith("diffusion") else TRANSFORMERS_LORA_TARGETS)
+
+
 def _lora_targets(model, lora: LoraSection, family: str) -> list[tuple[str, torch.nn.Linear]]:
     import torch
-
-    from zeropipe.models.family import lora_targets
 
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     if lora_targets(lora, family) == "all-linear":
@@ -413,8 +413,6 @@ def _lora_targets(model, lora: LoraSection, family: str) -> list[tuple[str, torc
 
 def _lora_counts(model, lora: LoraSection, layer, family: str) -> tuple[LoraShape, int, list[int]]:
     """Adapter weights: r x (in + out) per adapted linear layer, from the layers' shapes."""
-    from zeropipe.models.family import lora_targets
-
     chosen = _lora_targets(model, lora, family)
     sizes: list[int] = []
     for _, linear in chosen:
@@ -508,8 +506,6 @@ def _inject_lora(model, lora: LoraSection) -> None:
     import torch
     from peft import LoraConfig, inject_adapter_in_model
 
-    from zeropipe.models.family import lora_targets
-
     targets = lora_targets(lora, "diffusion")
     with torch.device("meta"):
         inject_adapter_in_model(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets), model)
@@ -597,20 +593,20 @@ def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024)
     return replace(_diffusion_spec(entry, lora), source=f"pipeline: {path}")
 
 
-def _diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
+def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
     """The denoiser a diffusion run config trains, at its resolution, with the frozen models its ranks hold.
 
     With both caches on, the ranks never load the VAE or the text encoders (they are encoded
     once before training), so they are not counted; with one cache off, its encoder is.
     """
-    from zeropipe.diffusion.pipelines import denoiser_class, preset_components
+    from zeropipe.diffusion.pipelines import preset_components
 
     section, data = run_config.model, run_config.data
     if section.path:
         spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution)
     else:
         arch, components = preset_components(section.config or {})
-        trained = {"name": arch.denoiser, "library": "diffusers", "class": denoiser_class(arch).__name__, "config": components[arch.denoiser]}
+        trained = {"name": arch.denoiser, "library": "diffusers", "class": arch.denoiser_class, "config": components[arch.denoiser]}
         frozen = [{"name": "vae", "library": "diffusers", "class": "AutoencoderKL", "config": components["vae"]}]
         for name in arch.text_encoders:
             fields = dict(components[name])
@@ -653,7 +649,9 @@ __all__ = [
     "ModelSpec",
     "catalog_names",
     "spec_from_catalog",
-    "spec_from_config",
+    "causal_lm_config_spec",
+    "diffusion_config_spec",
+    "vlm_config_spec",
     "spec_from_params",
     "spec_from_path",
 ]

@@ -63,12 +63,13 @@ def detected_hardware():
 
 def plan_of(config) -> dict[str, Any]:
     try:
+        from zeropipe.families import model_spec
         from zeropipe.plan import plan_run
     except Exception as err:  # noqa: BLE001 - any import failure means the same to the page
         return {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
     try:
         hardware = detected_hardware()
-        result = plan_run(config, hardware)
+        result = plan_run(config, hardware, model_spec(config))
         return {"available": True, "result": to_plain(result), "hardware": to_plain(hardware)}
     except ZeroPipeError as err:
         return {"available": False, "reason": f"the planner could not plan this config: {err}"}

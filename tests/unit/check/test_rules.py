@@ -1,12 +1,15 @@
 """One config that triggers each rule and one that does not."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from zeropipe.check.rules import RULES
 from zeropipe.check.run import build_context, check_config
 from zeropipe.config.load import validate_config
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -150,3 +153,28 @@ def test_zp013_activations_dominate(make):
     ids = rule_ids(make(data=long_sequences, train={"micro_batch_size": 16}))
     assert "ZP013" in ids
     assert "ZP013" not in rule_ids(make(data=long_sequences, train={"micro_batch_size": 16}, model={"gradient_checkpointing": True}))
+
+
+def test_small_figures_are_shown_in_mib_and_small_activations_not_warned_about(make):
+    from zeropipe.check.planning import readable_bytes
+
+    assert readable_bytes(3 * 1024**2) == "3 MiB" and readable_bytes(2.5 * 1024**3) == "2.5 GiB"
+    findings = [f for f in check_config(make(deepspeed={"zero_stage": 3})) if f.rule == "ZP012"]
+    assert findings and "0.0 G" not in findings[0].message, findings
+    # A tiny model whose activations are most of its (tiny) memory: nothing worth checkpointing.
+    tiny = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}
+    assert "ZP013" not in rule_ids(make(model={"config": tiny}, data={"max_seq_len": 512}, train={"micro_batch_size": 16}))
+
+
+def test_accepted_warnings_are_not_repeated_but_errors_stand(make):
+    config = make(deepspeed={"zero_stage": 3}, run={"accept_warnings": ["ZP012", "ZP010"]})
+    assert "ZP012" not in {f.rule for f in check_config(config)}
+    fp16 = make(deepspeed={"precision": "fp16"}, run={"accept_warnings": ["ZP010"]})
+    assert "ZP010" in {f.rule for f in check_config(fp16, accelerator="cpu")}
+
+
+def test_the_quickstart_checks_without_warnings():
+    from zeropipe.config.load import load_config
+
+    findings = check_config(load_config(ROOT / "examples" / "quickstart.yaml"), world_size=2, accelerator="cpu")
+    assert findings == [], [f.render() for f in findings]

@@ -1,12 +1,11 @@
 """A resumed run continues with exactly the micro-batches the uninterrupted run would have trained on,
-with packed sequences and with length-grouped batches too (Trainer.batches counts micro-batches)."""
+with packed sequences and with length-grouped batches too (sampler_batches counts micro-batches)."""
 
 from __future__ import annotations
 
 import itertools
 import random
 from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from zeropipe.data.packing import PackedDataset, build_pack_index, collate_packed
 from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
 from zeropipe.data.tokenize import TokenDataset, build_token_cache, collate
-from zeropipe.engine.trainer import Trainer
+from zeropipe.engine.task import sampler_batches
 
 
 @pytest.fixture
@@ -26,12 +25,9 @@ def cache(tmp_path, tokenizer, write_jsonl):
     return tmp_path / "cache"
 
 
-def trainer_at(step: int, dataset, sampler, collate_fn, micro: int, accumulation: int = 2) -> Trainer:
-    trainer = Trainer.__new__(Trainer)  # only what batches() reads
-    trainer.plan = SimpleNamespace(micro_batches_per_epoch=(len(dataset) // 2) // micro)
-    trainer.step, trainer.accumulation, trainer.micro_batch_size = step, accumulation, micro
-    trainer.dataset, trainer.sampler, trainer.collate = dataset, sampler, collate_fn
-    return trainer
+def batches_from(step: int, dataset, sampler, collate_fn, micro: int, accumulation: int = 2):
+    """What a rank's task yields from optimizer step ``step`` on (2 ranks, this is rank 1)."""
+    return sampler_batches(sampler, dataset, collate_fn, micro, (len(dataset) // 2) // micro, step * accumulation)
 
 
 @pytest.mark.parametrize("layout", ["packed", "grouped"])
@@ -47,9 +43,9 @@ def test_resume_continues_with_the_same_batches_across_epochs(cache, layout):
         collate_fn = partial(collate, pad_token_id=0)
     per_epoch = (len(dataset) // 2) // micro
     total_micro = per_epoch * 2 + 3  # into the third epoch
-    reference = list(itertools.islice(trainer_at(0, dataset, make_sampler(), collate_fn, micro).batches(), total_micro))
+    reference = list(itertools.islice(batches_from(0, dataset, make_sampler(), collate_fn, micro), total_micro))
     resume_step = per_epoch // 2 + 1  # mid-epoch, then across the epoch boundary
-    resumed = list(itertools.islice(trainer_at(resume_step, dataset, make_sampler(), collate_fn, micro).batches(), total_micro - 2 * resume_step))
+    resumed = list(itertools.islice(batches_from(resume_step, dataset, make_sampler(), collate_fn, micro), total_micro - 2 * resume_step))
     assert len(resumed) == total_micro - 2 * resume_step
     for (epoch_a, a), (epoch_b, b) in zip(reference[2 * resume_step :], resumed):
         assert epoch_a == epoch_b and a.keys() == b.keys()

@@ -241,7 +241,7 @@ def test_collate_pads_text_and_stacks_images(llava_processor, gemma3_processor):
 
 def test_generation_pairs_default_to_held_out_shapes_and_pair_prompts(tmp_path):
     from zeropipe.config.schema import RunConfig
-    from zeropipe.data.vlm import generation_pairs
+    from zeropipe.families.vlm import generation_pairs
     from zeropipe.rundir import RunDir
 
     run = RunDir(tmp_path / "run")

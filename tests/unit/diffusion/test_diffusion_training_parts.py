@@ -12,7 +12,8 @@ from zeropipe.config.load import validate_config
 from zeropipe.config.schema import DiffusionSection
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
-from zeropipe.diffusion.pipelines import DDPM_SCHEDULE, architecture_of, build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
+from zeropipe.diffusion.architectures.base import DDPM_SCHEDULE
+from zeropipe.diffusion.pipelines import architecture_of, build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
 from zeropipe.errors import ConfigError
 
 
@@ -96,7 +97,7 @@ def test_random_crop_with_cached_latents_is_refused_up_front():
 
 
 def test_plan_drops_cached_encoders_from_the_ranks():
-    from zeropipe.plan.model_spec import spec_from_config
+    from zeropipe.families import model_spec as spec_from_config
 
     raw = {"model": {"config": {"pipeline": "tiny-sdxl"}}, "data": {"synthetic": {"task": "shapes"}, "images": {"resolution": 32}}}
     cached = spec_from_config(validate_config(raw))

@@ -11,7 +11,7 @@ import torch
 
 from zeropipe.cli.main import main
 from zeropipe.errors import CheckpointError, ZeroPipeError
-from zeropipe.export.generate import generate, load_model, resolve_source
+from zeropipe.families import generate, load_model, resolve_source
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 

@@ -97,7 +97,7 @@ def test_resume_needs_the_same_stages_and_something_left_to_train(tmp_path):
 def test_commands_given_the_curriculum_directory_use_the_latest_stage_with_a_checkpoint(tmp_path):
     from zeropipe.checkpoint.manager import mark_complete, resolve_checkpoint
     from zeropipe.errors import CheckpointError
-    from zeropipe.export.generate import resolve_source
+    from zeropipe.families import resolve_source
 
     curriculum = Curriculum.open(curriculum_config(tmp_path))
     top = curriculum.top.path

@@ -200,7 +200,7 @@ def test_pretrained_vlm_loads_tensor_by_tensor_like_from_pretrained(tmp_path):
 
 
 def test_planner_counts_the_frozen_tower_and_the_trainable_parts():
-    from zeropipe.plan.model_spec import spec_from_config
+    from zeropipe.families import model_spec as spec_from_config
 
     text = {k: v for k, v in TINY_LLAVA["text_config"].items() if k != "vocab_size"}
     run = RunConfig.model_validate({"model": {"config": {**TINY_LLAVA, "text_config": text}, "trainable": ["projector"]}})

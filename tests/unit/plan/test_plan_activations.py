@@ -20,7 +20,7 @@ import torch
 
 from zeropipe.config.schema import LoraSection, ModelSection, RunConfig
 from zeropipe.plan.memory import Choice, saved_activation_bytes
-from zeropipe.plan.model_spec import spec_from_config
+from zeropipe.families import model_spec as spec_from_config
 
 TOLERANCE = 0.15
 SEQ_LEN, BATCH = 256, 2

@@ -8,7 +8,8 @@ import pytest
 
 from zeropipe.config.schema import LoraSection, ModelSection, RunConfig
 from zeropipe.errors import ZeroPipeError
-from zeropipe.plan.model_spec import catalog_names, spec_from_catalog, spec_from_config, spec_from_params, spec_from_path
+from zeropipe.families import model_spec as spec_from_config
+from zeropipe.plan.model_spec import catalog_names, spec_from_catalog, spec_from_params, spec_from_path
 
 
 def test_catalog_has_the_architectures_users_train():

@@ -9,6 +9,7 @@ import yaml
 
 from zeropipe.config.schema import DataSection, DeepSpeedSection, ModelSection, RunConfig, SyntheticSection, TrainSection
 from zeropipe.errors import ZeroPipeError
+from zeropipe.families import model_spec
 from zeropipe.plan import Choice, evaluate, knobs_from_config, parse_hardware, plan_run, recommend
 from zeropipe.plan.model_spec import spec_from_params
 from zeropipe.plan.search import batch_shapes, candidate_choices
@@ -114,7 +115,7 @@ def tiny_run_config(**deepspeed) -> RunConfig:
 
 def test_plan_run_evaluates_the_configs_own_choice():
     config = tiny_run_config(zero_stage=3)
-    result = plan_run(config, parse_hardware("2x24GB", "64GB"))
+    result = plan_run(config, parse_hardware("2x24GB", "64GB"), model_spec(config))
     assert result.configured is not None and result.configured.fits
     assert result.configured.choice.zero_stage == 3
     assert result.configured.choice.micro_batch_size == 4 and result.configured.choice.seq_len == 128
@@ -126,7 +127,7 @@ def test_plan_run_fills_auto_knobs_and_holds_the_others():
     config = tiny_run_config(zero_stage="auto", offload_optimizer="auto")
     config.model.gradient_checkpointing = "auto"
     assert knobs_from_config(config)["zero_stage"] == "auto"
-    result = plan_run(config, parse_hardware("2x24GB", "64GB"))
+    result = plan_run(config, parse_hardware("2x24GB", "64GB"), model_spec(config))
     assert result.configured is None
     best = result.require_best()
     assert best.choice.micro_batch_size == 4 and best.choice.gradient_accumulation_steps == 2
@@ -139,5 +140,5 @@ def test_plan_run_with_auto_batch_shape_uses_the_default_examples_per_gpu():
     config = tiny_run_config(zero_stage=2)
     config.train.micro_batch_size = "auto"
     config.train.gradient_accumulation_steps = "auto"
-    best = plan_run(config, parse_hardware("2x24GB", "64GB")).require_best()
+    best = plan_run(config, parse_hardware("2x24GB", "64GB"), model_spec(config)).require_best()
     assert best.choice.micro_batch_size * best.choice.gradient_accumulation_steps == 16

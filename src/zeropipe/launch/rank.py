@@ -1,4 +1,8 @@
-"""Entry point of one rank: ``python -m zeropipe.engine.worker RUN_DIR``.
+"""Entry point of one rank: ``python -m zeropipe.launch.rank RUN_DIR``.
+
+The other side of the launcher's process boundary: the supervisor starts one of these per
+GPU. It builds the :class:`~zeropipe.engine.trainer.Trainer` with the task of the run's
+family (from the registry) and runs it.
 
 The launcher sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A failure is
 written to ``errors/rank{N}.json`` so the launcher can name it in its diagnosis instead of
@@ -21,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     try:
-        from zeropipe.engine.trainer import trainer_for
+        from zeropipe.engine.trainer import Trainer
+        from zeropipe.families import family_named
+        from zeropipe.rundir import RunDir
 
-        trainer_for(run_dir).run_all()
+        family = family_named(RunDir(run_dir).read_config().model.family)
+        Trainer(run_dir, family.rank_task).run_all()
     except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis
         from zeropipe.errors import ZeroPipeError
 

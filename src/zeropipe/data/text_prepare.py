@@ -1,0 +1,117 @@
+"""The launcher's data preparation for causal language models: records read, validated and tokenized once.
+
+The records (data.path, a mixture or a generated task) are read and checked, the tokenizer
+loaded or trained on them, and everything tokenized into the run's memory-mapped cache
+(``RUN/cache``; held-out data into ``RUN/cache/eval``; packed sequences indexed there too),
+so that bad data stops the run before the ranks start and every rank reads the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zeropipe.config.schema import RunConfig
+from zeropipe.rundir import RunDir
+
+
+def prepare_data_file(config: RunConfig, run: RunDir) -> Path:
+    if config.data.mixture:
+        from zeropipe.data.mixture import build_mixture
+
+        return build_mixture(config.data, run.data, config.run.seed)
+    if config.data.synthetic is None:
+        return Path(config.data.path).expanduser()
+    from zeropipe.data.synthetic import generate_dataset
+
+    path = run.data / "train.jsonl"
+    if not path.is_file():
+        run.data.mkdir(exist_ok=True)
+        synthetic = config.data.synthetic
+        generate_dataset(synthetic.task, synthetic.examples, synthetic.seed, path)
+    return path
+
+
+def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse: bool):
+    from transformers import AutoTokenizer
+
+    if reuse and run.tokenizer.is_dir():
+        return AutoTokenizer.from_pretrained(str(run.tokenizer))
+    source = config.model.tokenizer or config.model.path
+    if source:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        if tokenizer.pad_token is None:
+            # Padding is masked out of attention and loss, so the EOS token can stand in.
+            tokenizer.pad_token = tokenizer.eos_token
+    else:
+        from zeropipe.data.formats import detect_format, read_records
+        from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
+
+        records, _ = read_records(records_path)
+        fmt = detect_format(records, config.data.format)
+        tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
+    tokenizer.save_pretrained(str(run.tokenizer))
+    return tokenizer
+
+
+def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> dict:
+    from zeropipe.data.tokenize import build_token_cache
+
+    info_file = run.cache / "cache.json"
+    if reuse and info_file.is_file():
+        return json.loads(info_file.read_text())
+    build_token_cache(
+        records_path,
+        tokenizer,
+        run.cache,
+        fmt=config.data.format,
+        max_seq_len=config.data.max_seq_len,
+        max_bad_fraction=config.data.max_bad_fraction,
+        max_bad_records=config.data.max_bad_records,
+        split=record_split(config, held_out=False),
+    )
+    return json.loads(info_file.read_text())
+
+
+def record_split(config: RunConfig, held_out: bool):
+    """The data.eval_fraction split of data.path (None without one); drawn with run.seed."""
+    from zeropipe.data.split import RecordSplit
+
+    if not config.data.eval_fraction:
+        return None
+    return RecordSplit(config.data.eval_fraction, config.run.seed, held_out=held_out)
+
+
+def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> list[str]:
+    """Tokenize the held-out data (data.eval_path, or data.eval_fraction of data.path) into RUN/cache/eval."""
+    from zeropipe.data.tokenize import build_token_cache
+
+    data = config.data
+    if not (data.eval_path or data.eval_fraction):
+        return []
+    info_file = run.eval_cache / "cache.json"
+    if not (reuse and info_file.is_file()):
+        build_token_cache(
+            Path(data.eval_path).expanduser() if data.eval_path else records_path,
+            tokenizer,
+            run.eval_cache,
+            fmt=data.format,
+            max_seq_len=data.max_seq_len,
+            max_bad_fraction=data.max_bad_fraction,
+            max_bad_records=data.max_bad_records,
+            split=record_split(config, held_out=True),
+        )
+    info = json.loads(info_file.read_text())
+    source = data.eval_path or f"{100 * data.eval_fraction:.3g}% of the records of {records_path}, drawn with run.seed"
+    when = f"every {config.train.eval_every} steps and " if config.train.eval_every else ""
+    return [f"evaluation: {info['examples']} held-out examples ({source}), {when}at the end"]
+
+
+def prepare_packs(config: RunConfig, run: RunDir, reuse: bool) -> dict:
+    """Decide once which examples share a packed sequence, so every rank and every resume agrees."""
+    from zeropipe.data.packing import build_pack_index, read_pack_info
+
+    info = read_pack_info(run.cache)
+    if reuse and info is not None and info.get("max_seq_len") == config.data.max_seq_len:
+        return info
+    return build_pack_index(run.cache, config.data.max_seq_len)

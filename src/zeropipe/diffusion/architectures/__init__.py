@@ -1,0 +1,113 @@
+"""Diffusion architectures: one module each, and the registry that finds them.
+
+An architecture says everything that differs between, say, SDXL and Flux: which diffusers
+pipeline class it is, which component is trained (UNet or transformer) and how it is called,
+how prompts are encoded, which objective it trains with, how its latents are packed, which
+arguments its pipeline takes when sampling, and its tiny preset for tests and demos.
+Everything else (caches, buckets, training loop, export) is shared and asks the
+architecture. Adding one is a module here plus a line in :data:`BUILTIN`; see
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from zeropipe.diffusion.architectures.base import Architecture, PredictContext
+from zeropipe.errors import ConfigError
+
+# The modules that hold the built-in architectures, each defining ARCHITECTURE.
+BUILTIN = ("sdxl", "sd15", "sd3", "flux")
+
+_REGISTRY: dict[str, Architecture] = {}
+_loaded = False
+
+
+def register(architecture: Architecture) -> Architecture:
+    """Make an architecture known by its name, its pipeline class and its preset.
+
+    Architectures outside this package register from a plug-in module (see zeropipe.families).
+    """
+    _load_builtin()
+    _REGISTRY[architecture.name] = architecture
+    return architecture
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            arch = importlib.import_module(f"{__name__}.{module}").ARCHITECTURE
+            _REGISTRY.setdefault(arch.name, arch)
+
+
+def architectures() -> dict[str, Architecture]:
+    _load_builtin()
+    return dict(_REGISTRY)
+
+
+def architecture_named(name: str) -> Architecture:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ConfigError([("model.path", f"unknown diffusion architecture {name!r}: ZeRO-Pipe trains {', '.join(_REGISTRY)}")])
+    return _REGISTRY[name]
+
+
+def architecture_for_pipeline(class_name: str | None) -> Architecture | None:
+    """The architecture a diffusers pipeline class name (``model_index.json``'s ``_class_name``) belongs to.
+
+    The latest registered entry wins, so a plug-in can replace a built-in for its pipeline class.
+    """
+    _load_builtin()
+    for arch in reversed(list(_REGISTRY.values())):
+        if class_name == arch.pipeline_class or class_name in arch.related_pipelines:
+            return arch
+    return None
+
+
+def architecture_for_preset(preset: str) -> Architecture | None:
+    _load_builtin()
+    return next((arch for arch in _REGISTRY.values() if arch.preset_name == preset), None)
+
+
+def presets() -> dict[str, Architecture]:
+    _load_builtin()
+    return {arch.preset_name: arch for arch in _REGISTRY.values() if arch.preset_name}
+
+
+def architecture_of(pipeline_dir: Path) -> Architecture:
+    """The architecture of a diffusers pipeline directory, from its model_index.json."""
+    index_file = Path(pipeline_dir) / "model_index.json"
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError([("model.path", f"{index_file} cannot be read ({err}): point model.path at a diffusers pipeline directory")]) from None
+    name = index.get("_class_name")
+    arch = architecture_for_pipeline(name)
+    if arch is None:
+        known = ", ".join(sorted(a.pipeline_class for a in architectures().values()))
+        raise ConfigError([("model.path", f"{index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
+    if not (Path(pipeline_dir) / arch.denoiser).is_dir():
+        raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.denoiser}/ folder, which a {name} needs")])
+    return arch
+
+
+__all__ = [
+    "Architecture",
+    "PredictContext",
+    "architecture_for_pipeline",
+    "architecture_for_preset",
+    "architecture_named",
+    "architecture_of",
+    "architectures",
+    "presets",
+    "register",
+    "unregister",
+]

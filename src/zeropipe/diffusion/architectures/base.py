@@ -1,0 +1,129 @@
+"""What a diffusion architecture is: the interface every architecture module fills in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# LoRA's default targets in diffusers models: the attention projections.
+DIFFUSERS_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+@dataclass(frozen=True)
+class PredictContext:
+    """What a denoiser call needs besides its inputs: the rank's device and dtype, and the run's settings."""
+
+    device: torch.device
+    dtype: torch.dtype
+    vae_factor: int  # pixels per latent along each side
+    guidance: float  # model.diffusion.guidance, for guidance-distilled models
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One diffusion architecture. Subclasses override the methods whose behaviour differs.
+
+    Attributes:
+        name: the short name used in configs, caches and exports (``sdxl``).
+        pipeline_class: the diffusers pipeline class that loads and samples it.
+        denoiser: the trained component of the pipeline directory (``unet`` or ``transformer``).
+        denoiser_class: its diffusers model class.
+        objective: ``ddpm`` (noise/velocity prediction) or ``flow`` (rectified flow).
+        text_encoders, tokenizers: the components whose outputs the text cache holds.
+        related_pipelines: other pipeline class names saved with the same components (img2img...).
+        patch_factor: latent pixels per denoiser token along a side (buckets must be multiples of it).
+        shifted_latents: the VAE has a shift factor (latents are (z - shift) * scale).
+        preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
+        lora_targets: module names LoRA adapts by default.
+    """
+
+    name: str
+    pipeline_class: str
+    denoiser: str
+    denoiser_class: str
+    objective: str
+    text_encoders: tuple[str, ...]
+    tokenizers: tuple[str, ...]
+    related_pipelines: tuple[str, ...] = ()
+    patch_factor: int = 1
+    shifted_latents: bool = False
+    preset_name: str | None = None
+    preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    lora_targets: tuple[str, ...] = DIFFUSERS_LORA_TARGETS
+
+    @property
+    def frozen_components(self) -> tuple[str, ...]:
+        return ("vae", *self.text_encoders)
+
+    # -------------------------------------------------------------- classes
+    def pipeline(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
+    def model_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.denoiser_class)
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """Constructor arguments the pipeline needs besides its components (safety checkers off...)."""
+        return {}
+
+    def tokenizer_length(self, tokenizer: str) -> int:
+        """model_max_length of a tiny preset's tokenizer."""
+        return 77
+
+    def image_processor_factor(self, vae_factor: int) -> int:
+        """The factor the pipeline's image processor rounds sizes to."""
+        return vae_factor
+
+    # -------------------------------------------------------------- conditioning
+    def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
+        raise NotImplementedError
+
+    def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
+        """The denoiser's output for a batch of latents, called as the pipeline calls it."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- sampling
+    def sample_kwargs(self, condition: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], guidance_scale: float, guidance: float) -> dict[str, Any]:
+        """The pipeline call's conditioning and guidance arguments (classifier-free guidance by default)."""
+        kwargs: dict[str, Any] = {"prompt_embeds": condition["prompt_embeds"], "guidance_scale": guidance_scale, "negative_prompt_embeds": negative["prompt_embeds"]}
+        if "pooled_prompt_embeds" in condition:
+            kwargs["pooled_prompt_embeds"] = condition["pooled_prompt_embeds"]
+        if "pooled_prompt_embeds" in negative:
+            kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
+        return kwargs
+
+    def unpack_latents(self, pipeline, latents: torch.Tensor, size: int, vae_factor: int) -> torch.Tensor:
+        """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""
+        return latents
+
+
+# ------------------------------------------------------------------ tiny preset parts
+def clip_text(hidden: int = 32, projection: int = 32, vocab: int = 128) -> dict[str, Any]:
+    return {
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": vocab, "projection_dim": projection,
+        "max_position_embeddings": 77, "hidden_act": "gelu",
+    }
+
+
+def tiny_t5() -> dict[str, Any]:
+    return {"class": "T5EncoderModel", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
+            "pad_token_id": 1, "eos_token_id": 1, "decoder_start_token_id": 0}
+
+
+def tiny_vae(latent_channels: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "in_channels": 3, "out_channels": 3, "latent_channels": latent_channels, "block_out_channels": [32, 64],
+        "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
+        "layers_per_block": 1, "norm_num_groups": 32, **extra,
+    }
+
+
+DDPM_SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1}

@@ -1,0 +1,153 @@
+"""The causal language model's part of a rank: token cache, model, loss, held-out evaluation and answers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import partial
+from typing import Any
+
+import torch
+
+from zeropipe.engine.task import TaskDefaults, sampler_batches
+
+log = logging.getLogger("zeropipe")
+
+
+class CausalLMTask(TaskDefaults):
+    """Examples (or packed sequences) from the launcher's token cache, trained with the model's own LM loss."""
+
+    def setup_data(self) -> None:
+        from transformers import AutoTokenizer
+
+        from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
+        from zeropipe.data.tokenize import TokenDataset, collate, pad_token_id
+
+        trainer = self.trainer
+        self.tokenizer = AutoTokenizer.from_pretrained(str(trainer.run.tokenizer))
+        pad_id = pad_token_id(self.tokenizer)
+        data = trainer.config.data
+        if data.packing:
+            from zeropipe.data.packing import PackedDataset, collate_packed
+
+            # The sampler deals packed sequences (built by the launcher), not examples.
+            self.dataset = PackedDataset(trainer.run.cache)
+            self.collate = partial(collate_packed, pad_token_id=pad_id)
+        else:
+            self.dataset = TokenDataset(trainer.run.cache)
+            self.collate = partial(collate, pad_token_id=pad_id)
+        seed = trainer.config.run.seed
+        if data.group_by_length:
+            self.sampler = LengthGroupedSampler(self.dataset.lengths(), trainer.rank, trainer.world_size, seed, trainer.micro_batch_size)
+        else:
+            self.sampler = ResumableDistributedSampler(len(self.dataset), trainer.rank, trainer.world_size, seed=seed, shuffle=True)
+        # Held-out data is always evaluated padded, example by example, whatever the training batches look like.
+        self.eval_dataset = TokenDataset(trainer.run.eval_cache) if (data.eval_path or data.eval_fraction) else None
+        self.eval_collate = partial(collate, pad_token_id=pad_id)
+
+    def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
+        from zeropipe.models.causal_lm import build_model, model_config
+        from zeropipe.models.common import count_parameters, hf_zero3_config, log_partitioning
+
+        trainer = self.trainer
+        config = model_config(trainer.config.model)
+        # Alive for the whole run: transformers builds the model inside zero.Init, and generate() under ZeRO-3 needs it too.
+        self.hf_ds_config = hf_zero3_config(trainer.ds_config, trainer.plan.zero_stage)
+        model = build_model(trainer.config.model, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage)
+        if trainer.plan.zero_stage == 3:
+            log_partitioning(model)
+        trainable, total = count_parameters(model)
+        log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+        return model, {"trainable": trainable, "total": total}
+
+    def batches(self, start_step: int):
+        trainer = self.trainer
+        return sampler_batches(
+            self.sampler, self.dataset, self.collate, trainer.micro_batch_size, trainer.plan.micro_batches_per_epoch, start_step * trainer.accumulation
+        )
+
+    def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
+        """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""
+        engine, device = self.trainer.engine, self.trainer.device
+        batch = {key: value.to(device) for key, value in batch.items()}
+        if "num_tokens" not in batch:
+            return engine(**batch).loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+        # Packed batches: no attention mask to count real tokens from, and several examples
+        # per row; the collator counts both. transformers reads the boundaries between
+        # examples from position_ids only when there is no KV cache.
+        num_tokens, num_examples = batch.pop("num_tokens"), batch.pop("num_examples")
+        loss = engine(**batch, use_cache=False).loss
+        return loss, float(num_tokens), float(num_examples)
+
+    def after_step(self) -> None:
+        trainer = self.trainer
+        every = trainer.config.train.eval_every
+        if self.eval_dataset is not None and ((every and trainer.step % every == 0) or trainer.step == trainer.plan.total_steps):
+            self.evaluate()
+
+    def evaluate(self) -> dict[str, Any] | None:
+        """Eval loss and perplexity on the held-out data; a collective, every rank evaluates its share."""
+        import deepspeed.comm as dist
+
+        from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
+
+        trainer = self.trainer
+        started = time.perf_counter()
+        batches = eval_batch_indices(self.eval_dataset.lengths(), trainer.rank, trainer.world_size, trainer.micro_batch_size)
+        trainer.engine.eval()
+        sums = eval_sums(lambda batch: trainer.engine(**batch, use_cache=False).loss, self.eval_dataset, batches, self.eval_collate, trainer.device)
+        trainer.engine.train()
+        total = torch.tensor(sums, dtype=torch.float64, device=trainer.device)
+        dist.all_reduce(total)
+        record = eval_record(trainer.step, *total.tolist(), time.perf_counter() - started)
+        if trainer.rank == 0:
+            record["time"] = time.time()
+            with open(trainer.run.metrics, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            trainer.sinks.log(record)
+            log.info("step %d eval loss %.4f perplexity %.4g (%d tokens, %.1f s)", trainer.step, record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_time_s"])
+        return record
+
+    def generate_samples(self) -> None:
+        """Answer the configured prompts with the trained weights (all ranks take part under ZeRO-3)."""
+        from zeropipe.data.tokenize import render_prompt
+
+        trainer = self.trainer
+        prompts = trainer.plan.generate_prompts
+        if not prompts:
+            return
+        inputs = []
+        for prompt in prompts:
+            ids = render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
+            inputs.append(({"input_ids": torch.tensor([ids], device=trainer.device)}, {"prompt": prompt}))
+        write_generations(trainer, self.tokenizer, inputs)
+
+
+def write_generations(trainer, tokenizer, inputs: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> None:
+    """Greedy answers of the trained model, one per input, written to RUN/generations.jsonl by rank 0.
+
+    Every rank runs generate: under ZeRO-3 each forward pass gathers parameters from all
+    ranks, so they must run the same number of them (``synced_gpus``).
+    """
+    model = trainer.engine.module
+    model.eval()
+    rows = []
+    with torch.no_grad():
+        for tensors, row in inputs:
+            output = model.generate(
+                **tensors,
+                attention_mask=torch.ones_like(tensors["input_ids"]),
+                max_new_tokens=trainer.config.generate.max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                synced_gpus=trainer.plan.zero_stage == 3 and trainer.world_size > 1,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            answer = tokenizer.decode(output[0, tensors["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+            rows.append({**row, "output": answer, "step": trainer.step})
+    model.train()
+    if trainer.rank == 0:
+        with open(trainer.run.generations, "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)

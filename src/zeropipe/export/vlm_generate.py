@@ -1,0 +1,95 @@
+"""``zeropipe generate`` for vision-language models: a run's checkpoint, an export or an adapter, prompted with images."""
+
+from __future__ import annotations
+
+import torch
+
+from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
+from zeropipe.errors import ZeroPipeError
+from zeropipe.export.generate import Generation, LoadedModel, read_run_config
+from zeropipe.rundir import RunDir
+
+
+
+def load_for_generation(source, device: torch.device, dtype: torch.dtype):
+    """The model and processor of ``source`` (see :func:`zeropipe.export.generate.resolve_source`), ready to generate.
+
+    Raises:
+        ZeroPipeError: a run without its processor, a QLoRA run, or a directory without one.
+    """
+    import contextlib
+    import sys
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from zeropipe.models.vlm import build_vlm_for_export
+
+    default_tokens = None
+    if source.kind == "run":
+        config = read_run_config(source.path)
+        if config.model.quantization is not None:
+            raise ZeroPipeError(f"{source.path} is a QLoRA run: export the adapter (zeropipe export) and generate from it on a CUDA machine")
+        processor_dir = RunDir(source.path).processor
+        if not processor_dir.is_dir():
+            raise ZeroPipeError(f"{source.path} has no processor/ directory: the run did not finish preparing; generate from another run")
+        model = build_vlm_for_export(config.model)
+        # zero_to_fp32 reports its progress on stdout, which is where --json writes the result.
+        with contextlib.redirect_stdout(sys.stderr):
+            state = consolidated_state_dict(source.checkpoint)
+        load_checked(model, state, source.checkpoint)
+        default_tokens = config.generate.max_new_tokens
+    elif source.kind == "adapter":
+        from peft import PeftModel
+
+        base = AutoModelForImageTextToText.from_pretrained(str(source.base), dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, str(source.path))
+        processor_dir = source.path if (source.path / "processor_config.json").is_file() or (source.path / "preprocessor_config.json").is_file() else source.base
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(str(source.path), dtype=torch.float32)
+        processor_dir = source.path
+    try:
+        processor = AutoProcessor.from_pretrained(str(processor_dir))
+    except (OSError, ValueError) as error:
+        raise ZeroPipeError(f"no usable processor in {processor_dir} ({error}): save the model's AutoProcessor there (processor.save_pretrained)") from error
+    model = model.to(device=device, dtype=dtype).eval()
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.use_cache = True
+    loaded = LoadedModel(model, processor, source, device)
+    if default_tokens:
+        loaded.default_max_new_tokens = default_tokens
+    return loaded
+
+
+def generate_with_images(loaded, prompts: list[str], images: list[str | None], max_new_tokens: int, temperature: float, top_p: float, seed: int):
+    """Answer each prompt about its image (or as text alone), rendered as in training.
+
+    Raises:
+        ZeroPipeError: an image that cannot be read.
+    """
+    from zeropipe.data.tokenize import pad_token_id
+    from zeropipe.data.vlm import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
+
+    for image in images:
+        if image is not None and (problem := image_problem(image)) is not None:
+            raise ZeroPipeError(f"--image {image}: {problem}")
+    encoder = VlmEncoder(loaded.tokenizer)
+    tokenizer = encoder.tokenizer
+    pad_id = pad_token_id(tokenizer)
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    dtype = next(loaded.model.parameters()).dtype
+    results = []
+    with torch.no_grad():
+        for prompt, image in zip(prompts, images):
+            torch.manual_seed(seed)
+            content = f"{IMAGE_MARKER}\n{prompt}" if image is not None else prompt
+            example = encoder.encode([{"role": "user", "content": content}], [load_rgb(image)] if image is not None else [], for_generation=True)
+            inputs = {key: value[None].to(loaded.device) for key, value in example.items() if key not in ("images", "labels")}
+            inputs.update({key: value.to(loaded.device, dtype=dtype if value.is_floating_point() else value.dtype) for key, value in example["images"].items()})
+            output = loaded.model.generate(
+                **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=max_new_tokens,
+                pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, **sampling,
+            )
+            answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+            results.append(Generation(prompt, answer, image))
+    return results

@@ -1,0 +1,87 @@
+"""What a model family is: the interface every family module fills in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from zeropipe.config.schema import ModelSection, RunConfig
+    from zeropipe.engine.task import RankTask
+    from zeropipe.engine.trainer import Trainer
+    from zeropipe.export.generate import Generation, LoadedModel, ModelSource
+    from zeropipe.export.hf import ExportJob
+    from zeropipe.plan.model_spec import ModelSpec
+    from zeropipe.rundir import PreparedData, RunDir
+
+# Data features implemented for the token pipeline of causal language models only.
+TEXT_ONLY_DATA_KEYS = ("packing", "group_by_length", "eval_path", "eval_fraction", "mixture")
+
+
+class Family(Protocol):
+    """One model family (causal LM, vision-language, diffusion...): everything that differs by what is trained.
+
+    Every place that used to ask "which family is this?" calls one of these instead. The
+    registry (:mod:`zeropipe.families`) finds the family of a config or a directory.
+    """
+
+    name: str  # written into config.yaml as model.family
+    trains_tokenizer: bool  # a model without a tokenizer gets one trained on the data (curricula train one for all stages)
+
+    def detect(self, section: "ModelSection") -> bool:
+        """Whether model.path / model.config holds a model of this family (model.family: auto)."""
+
+    def detect_dir(self, path: Path) -> bool:
+        """Whether an exported or downloaded model directory holds a model of this family."""
+
+    def config_problems(self, config: "RunConfig") -> list[tuple[str, str]]:
+        """(key, message with the fix) for settings this family cannot run; checked before any process starts."""
+
+    def curriculum_problems(self, config: "RunConfig") -> list[tuple[str, str]]:
+        """The same, for a multi-stage curriculum of this family."""
+
+    def hidden_size(self, config: "RunConfig") -> int | None:
+        """The model's hidden size (DeepSpeed's bucket sizes), or None where it has none."""
+
+    def prepare_data(self, config: "RunConfig", run: "RunDir", reuse: bool) -> "PreparedData":
+        """In the launcher: read, check and cache the data; write what the ranks read into the run directory."""
+
+    def rank_task(self, trainer: "Trainer") -> "RankTask":
+        """Inside a rank: the family's part of training."""
+
+    def model_spec(self, config: "RunConfig") -> "ModelSpec":
+        """The planner's description of the configured model (counted on the meta device)."""
+
+    def export(self, job: "ExportJob") -> Path:
+        """Write a checkpoint as what this family's libraries load (transformers, peft, diffusers)."""
+
+    def load_for_generate(self, source: "ModelSource", device: torch.device, dtype: torch.dtype) -> "LoadedModel":
+        """The model of a run, export or adapter, ready for :meth:`generate`."""
+
+    def generate(
+        self, loaded: "LoadedModel", prompts: list[str], images: list[str | None], tokens: int, temperature: float, top_p: float, seed: int, raw: bool
+    ) -> list["Generation"]:
+        """Answers to prompts (with an image each, for families that take them)."""
+
+
+def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:
+    """The causal-LM data features a run of another family set."""
+    return [
+        (f"data.{key}", f"is implemented for causal language models only, and this is a {family} run: remove it")
+        for key in TEXT_ONLY_DATA_KEYS
+        if getattr(config.data, key)
+    ]
+
+
+def read_model_config_json(section: "ModelSection") -> dict[str, Any] | None:
+    """model.path's config.json (None when unreadable), or the inline model.config."""
+    import json
+
+    if section.path:
+        try:
+            return json.loads((Path(section.path).expanduser() / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+    return section.config or {}

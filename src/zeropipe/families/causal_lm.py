@@ -1,0 +1,102 @@
+"""Causal language models (Llama, Qwen, Gemma, Mistral...) through transformers' Auto classes.
+
+The fallback family: a model that no other family claims is a causal LM. Its data is
+tokenized once by the launcher (:mod:`zeropipe.data.text_prepare`), its rank task is
+:class:`~zeropipe.engine.causal_lm.CausalLMTask`, it exports a transformers directory or a
+peft adapter, and ``zeropipe generate`` answers prompts with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zeropipe.config.schema import ModelSection, RunConfig
+from zeropipe.data.mixture import mixture_note
+from zeropipe.data.synthetic import sample_prompts
+from zeropipe.data.text_prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
+from zeropipe.engine.causal_lm import CausalLMTask
+from zeropipe.errors import ConfigError
+from zeropipe.export import generate as text_generation
+from zeropipe.export.hf import ExportJob, causal_lm_for_export, write_transformers_export
+from zeropipe.models.causal_lm import hidden_size_of, model_config
+from zeropipe.plan.model_spec import causal_lm_config_spec
+from zeropipe.rundir import PreparedData, RunDir
+
+
+class CausalLM:
+    name = "causal_lm"
+    trains_tokenizer = True
+
+    def detect(self, section: ModelSection) -> bool:
+        return True  # what no other family claims
+
+    def detect_dir(self, path: Path) -> bool:
+        return (Path(path) / "config.json").is_file()
+
+    def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
+        return []
+
+    def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
+        return []
+
+    def hidden_size(self, config: RunConfig) -> int | None:
+        return hidden_size_of(model_config(config.model))
+
+    def prepare_data(self, config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
+        """The records read, validated and tokenized into the run's token cache; the tokenizer fixes the vocabulary."""
+        records_path = prepare_data_file(config, run)
+        tokenizer = prepare_tokenizer(config, run, records_path, reuse=reuse)
+        cache = prepare_cache(config, run, records_path, tokenizer, reuse=reuse)
+        notes = []
+        if config.data.mixture:
+            notes += [note for note in [mixture_note(run.data)] if note]
+        if cache.get("bad_records"):
+            shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
+            notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
+        if config.model.config is not None and config.model.config.get("vocab_size") in (None, "auto"):
+            config.model.config = {**config.model.config, "vocab_size": len(tokenizer)}
+            notes.append(f"model.config.vocab_size = {len(tokenizer)} (from the tokenizer)")
+        hf_config = model_config(config.model)
+        if getattr(hf_config, "vocab_size", None) is not None and len(tokenizer) > hf_config.vocab_size:
+            raise ConfigError([("model.config.vocab_size", f"{hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens: raise it or remove it")])
+        examples = int(cache["examples"])
+        notes += prepare_eval_cache(config, run, records_path, tokenizer, reuse=reuse)
+        # What the sampler deals out: examples, or packed sequences of several examples.
+        units = examples
+        if config.data.packing:
+            packs = prepare_packs(config, run, reuse=reuse)
+            units = int(packs["packs"])
+            notes.append(
+                f"packing: {examples} examples in {units} sequences of up to {config.data.max_seq_len} tokens ({100 * packs['fill']:.0f}% real tokens); "
+                "train.micro_batch_size counts packed sequences"
+            )
+        prompts = list(config.generate.prompts or [])
+        if config.generate.prompts is None and config.data.synthetic is not None:
+            prompts = sample_prompts(config.data.synthetic.task, 4, seed=config.data.synthetic.seed + 1)
+        return PreparedData(
+            examples=examples,
+            hidden_size=hidden_size_of(hf_config),
+            micro_batches_per_epoch=lambda micro, world_size: (units // world_size) // micro,
+            prompts=prompts,
+            notes=notes,
+        )
+
+    def rank_task(self, trainer) -> CausalLMTask:
+        return CausalLMTask(trainer)
+
+    def model_spec(self, config: RunConfig):
+        return causal_lm_config_spec(config)
+
+    def export(self, job: ExportJob) -> Path:
+        return write_transformers_export(job, causal_lm_for_export(job.config))
+
+    def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
+        return text_generation.load_causal_lm(source, device, dtype)
+
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
+        return text_generation.generate_text(loaded, prompts, images, tokens, temperature, top_p, seed, raw)
+
+
+FAMILY = CausalLM()

@@ -1,0 +1,96 @@
+"""Diffusion models (SDXL, SD 1.x, SD3, Flux...): a denoiser trained from a diffusers pipeline directory.
+
+Detected by ``model_index.json`` in model.path or ``pipeline:`` in an inline model.config.
+What differs between diffusion architectures is not here but in their entries
+(:mod:`zeropipe.diffusion.architectures`); this module is the family's side: config
+problems checked before any process starts, the launcher's data and cache plan
+(:mod:`zeropipe.diffusion.prepare`), the rank task
+(:class:`~zeropipe.engine.diffusion.DiffusionTask`), the planner's spec and the export.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zeropipe.config.schema import ModelSection, RunConfig
+from zeropipe.diffusion.architectures import architecture_for_pipeline
+from zeropipe.diffusion.pipelines import preset_components
+from zeropipe.diffusion.prepare import prepare_diffusion_data
+from zeropipe.engine.diffusion import DiffusionTask
+from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.export.diffusion import export_diffusion
+from zeropipe.export.hf import ExportJob
+from zeropipe.families.base import text_only_problems
+from zeropipe.plan.model_spec import diffusion_config_spec
+from zeropipe.rundir import PreparedData, RunDir
+
+
+class Diffusion:
+    name = "diffusion"
+    trains_tokenizer = False
+
+    def detect(self, section: ModelSection) -> bool:
+        if section.path:
+            return (Path(section.path).expanduser() / "model_index.json").is_file()
+        return "pipeline" in (section.config or {})
+
+    def detect_dir(self, path: Path) -> bool:
+        return (Path(path) / "model_index.json").is_file()
+
+    def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
+        problems = text_only_problems(config, self.name)
+        # The objective raises these inside the ranks too; said here, nothing starts first.
+        objective, prediction = self.objective(config), config.model.diffusion.prediction_type
+        if objective == "flow" and prediction not in ("auto", "flow"):
+            problems.append(("model.diffusion.prediction_type", f"this pipeline's transformer is trained with flow matching, not {prediction}: set auto or flow"))
+        if objective == "ddpm" and prediction == "flow":
+            problems.append(("model.diffusion.prediction_type", "flow does not apply to a UNet on a DDPM schedule: use auto, epsilon or v_prediction"))
+        return problems
+
+    def objective(self, config: RunConfig) -> str | None:
+        """The objective of the configured architecture (ddpm or flow), or None when it cannot be told yet."""
+        section = config.model
+        if section.config is not None and "pipeline" in section.config:
+            try:
+                return preset_components(section.config)[0].objective
+            except ConfigError:
+                return None
+        if section.path:
+            try:
+                index = json.loads((Path(section.path).expanduser() / "model_index.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                return None
+            arch = architecture_for_pipeline(index.get("_class_name"))
+            return arch.objective if arch else None
+        return None
+
+    def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
+        return [("stages", "curricula are implemented for language and vision-language models; train a diffusion model's stages as separate runs")]
+
+    def hidden_size(self, config: RunConfig) -> int | None:
+        return None  # DeepSpeed's bucket sizes keep their defaults
+
+    def prepare_data(self, config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
+        return prepare_diffusion_data(config, run, reuse)
+
+    def rank_task(self, trainer) -> DiffusionTask:
+        return DiffusionTask(trainer)
+
+    def model_spec(self, config: RunConfig):
+        return diffusion_config_spec(config)
+
+    def export(self, job: ExportJob) -> Path:
+        return export_diffusion(job)
+
+    def load_for_generate(self, source, device, dtype):
+        raise ZeroPipeError(
+            f"{source.path} is a diffusion model: zeropipe generate writes text. A diffusion run draws its "
+            "generate.prompts into RUN/samples/ during training (generate.sample_every)"
+        )
+
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
+        raise ZeroPipeError("zeropipe generate writes text; diffusion runs draw samples during training (generate.sample_every)")
+
+
+FAMILY = Diffusion()

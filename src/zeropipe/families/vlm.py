@@ -1,0 +1,242 @@
+"""Vision-language models (LLaVA-, Qwen2-VL-, Gemma 3-style) through AutoModelForImageTextToText.
+
+Detected by a ``vision_config`` in the model's config. The launcher reads and checks the
+image-text data and builds (or copies) the processor here; the rank task is
+:class:`~zeropipe.engine.vlm.VisionLanguageTask`; export writes the model with its
+processor; generation takes an image with each prompt (:mod:`zeropipe.export.vlm_generate`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from zeropipe.checkpoint.manager import write_atomic
+from zeropipe.config.schema import ModelSection, RunConfig
+from zeropipe.data.vlm import (
+    GENERATE_FILE,
+    HELD_OUT_IMAGES,
+    IMAGE_MARKER,
+    MANIFEST,
+    SYNTHETIC_RESOLUTION,
+    VlmEncoder,
+    VlmExample,
+    describe_bad,
+    image_problem,
+    load_rgb,
+    load_vlm_data,
+    read_manifest,
+    write_manifest,
+)
+from zeropipe.diffusion.images import generate_shapes_dataset, scan_image_folder
+from zeropipe.engine.vlm import VisionLanguageTask
+from zeropipe.errors import ConfigError
+from zeropipe.export import vlm_generate
+from zeropipe.export.hf import ExportJob, write_transformers_export
+from zeropipe.families.base import read_model_config_json, text_only_problems
+from zeropipe.models.causal_lm import hidden_size_of
+from zeropipe.models.vlm import build_processor, build_vlm_for_export, check_trainable, resolve_inline_config, vlm_config
+from zeropipe.plan.model_spec import vlm_config_spec
+from zeropipe.rundir import PreparedData, RunDir
+
+
+class VisionLanguage:
+    name = "vlm"
+    trains_tokenizer = False
+
+    def detect(self, section: ModelSection) -> bool:
+        config = read_model_config_json(section)
+        return config is not None and "vision_config" in config
+
+    def detect_dir(self, path: Path) -> bool:
+        try:
+            return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
+        return text_only_problems(config, self.name)
+
+    def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
+        if config.model.path or config.model.processor:
+            return []
+        # Each stage tokenizes its data before the first starts: they must all use one processor.
+        return [("model.processor", "a vision-language curriculum built from model.config needs one processor for every stage: set model.processor to a saved processor directory, or use model.path")]
+
+    def hidden_size(self, config: RunConfig) -> int | None:
+        return hidden_size_of(vlm_config(config.model))
+
+    def prepare_data(self, config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
+        return prepare_vlm_data(config, run, reuse)
+
+    def rank_task(self, trainer) -> VisionLanguageTask:
+        return VisionLanguageTask(trainer)
+
+    def model_spec(self, config: RunConfig):
+        return vlm_config_spec(config)
+
+    def export(self, job: ExportJob) -> Path:
+        # AutoModelForImageTextToText, with adapters only on the parts that trained.
+        return write_transformers_export(job, build_vlm_for_export(job.config.model))
+
+    def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
+        return vlm_generate.load_for_generation(source, device, dtype)
+
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
+        return vlm_generate.generate_with_images(loaded, prompts, images, tokens, temperature, top_p, seed)
+
+
+FAMILY = VisionLanguage()
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher's part
+
+
+
+def prepare_vlm_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
+    """Read and check the image-text data, build or copy the processor, complete the model config.
+
+    Writes RUN/processor (what ranks and export load), RUN/data/vlm_examples.jsonl (the good
+    examples) and RUN/data/vlm_generate.json (the end-of-run image prompts).
+
+    Raises:
+        ConfigError, DataError: with the key and the fix.
+    """
+    from transformers import AutoProcessor
+
+    section, data_section = config.model, config.data
+    notes: list[str] = []
+    run.data.mkdir(exist_ok=True)
+    manifest = run.data / MANIFEST
+    processor_dir = run.processor
+
+    if data_section.synthetic is not None:
+        if data_section.synthetic.task != "shapes":
+            raise ConfigError([("data.synthetic.task", f"{data_section.synthetic.task!r} is a text task; vision-language models train on 'shapes'")])
+        source = run.data / "shapes"
+        if not (reuse and manifest.is_file()):
+            generate_shapes_dataset(source, data_section.synthetic.examples, data_section.synthetic.seed, SYNTHETIC_RESOLUTION)
+    else:
+        if not data_section.path:
+            raise ConfigError([("data.path", "no training data: set data.path (captions file or image folder) or data.synthetic.task: shapes")])
+        source = Path(data_section.path).expanduser()
+    if reuse and manifest.is_file():
+        examples = read_manifest(manifest)
+    else:
+        vision = data_section.vision
+        found = load_vlm_data(source, vision.image_root, vision.caption_prompt, data_section.max_bad_fraction, data_section.max_bad_records)
+        examples = found.examples
+        notes.append(f"{len(examples)} image-text examples from {source} ({found.layout}); images are loaded and processed in the ranks, not cached")
+        if found.bad_count:
+            notes.append(f"skipped: {describe_bad(found)}")
+        write_manifest(manifest, examples)
+
+    # The processor: the run's own copy is what the ranks and export read.
+    if reuse and processor_dir.is_dir():
+        processor = AutoProcessor.from_pretrained(str(processor_dir))
+    elif section.processor or section.path:
+        source_dir = Path(section.processor or section.path).expanduser()
+        if not any((source_dir / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
+            message = f"{source_dir} holds no saved processor (processor_config.json or preprocessor_config.json): set model.processor"
+            raise ConfigError([("model.processor", message)])
+        processor = AutoProcessor.from_pretrained(str(source_dir))
+        processor.save_pretrained(str(processor_dir))
+    else:
+        texts = [m["content"].replace(IMAGE_MARKER, " ") for ex in examples for m in ex.messages]
+        texts += [data_section.vision.caption_prompt, *(config.generate.prompts or [])]
+        processor = build_processor(section.config or {}, texts, section.tokenizer_vocab_size, processor_dir)
+        notes.append(
+            f"processor built for {section.config.get('model_type')}: "
+            f"image processor + tokenizer of {len(processor.tokenizer)} tokens trained on the data"
+        )
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token is None:
+        # Padding is masked out of attention and loss, so the EOS token can stand in.
+        tokenizer.pad_token = tokenizer.eos_token
+        processor.save_pretrained(str(processor_dir))
+
+    if section.config is not None:
+        resolved = resolve_inline_config(section.config, tokenizer)
+        section.config = resolved.fields
+        notes += resolved.filled
+    hf_config = vlm_config(section)
+    text_config = hf_config.get_text_config()
+    if getattr(text_config, "vocab_size", None) is not None and len(tokenizer) > text_config.vocab_size:
+        message = f"its tokenizer has {len(tokenizer)} tokens, the language model's vocabulary {text_config.vocab_size}: use the model's processor"
+        raise ConfigError([("model.processor", message)])
+    notes += _probe(processor, hf_config, examples[0], data_section.max_seq_len)
+    parts = check_trainable(section, hf_config)
+    how = "LoRA" if section.lora is not None else "full"
+    trained = [f"{part} ({how}, {c['total']:,} parameters)" for part, c in parts.items() if c["trainable"]]
+    frozen = [f"{part} ({c['total']:,})" for part, c in parts.items() if not c["trainable"] and c["total"]]
+    notes.append(f"trains: {', '.join(trained)}; frozen: {', '.join(frozen) or 'nothing'}")
+
+    pairs = generation_pairs(config, run)
+    write_atomic(run.data / GENERATE_FILE, json.dumps(pairs, indent=2))
+    count = len(examples)
+    return PreparedData(
+        examples=count,
+        hidden_size=hidden_size_of(hf_config),
+        micro_batches_per_epoch=lambda micro, world_size: (count // world_size) // micro,
+        prompts=[pair["prompt"] for pair in pairs],
+        notes=notes,
+    )
+
+
+def _probe(processor, hf_config, example: VlmExample, max_seq_len: int) -> list[str]:
+    """Encode one image: its tokens must be the model's image tokens and fit in data.max_seq_len."""
+    encoder = VlmEncoder(processor)
+    piece = encoder.encode_image(load_rgb(example.images[0]))
+    image_token_id = getattr(hf_config, "image_token_id", None)
+    if image_token_id is None:
+        image_token_id = getattr(hf_config, "image_token_index", None)
+    if image_token_id is not None and image_token_id not in piece.ids:
+        message = (
+            f"the processor expands an image to token ids without the model's image_token_id {image_token_id}: "
+            "the processor and the model do not belong together"
+        )
+        raise ConfigError([("model.processor", message)])
+    if len(piece.ids) >= max_seq_len:
+        message = f"{max_seq_len} leaves no room for text: one image takes {len(piece.ids)} tokens. Raise it above {len(piece.ids) + 32}"
+        raise ConfigError([("data.max_seq_len", message)])
+    return [f"each image takes {len(piece.ids)} tokens of data.max_seq_len {max_seq_len}"]
+
+
+def generation_pairs(config, run) -> list[dict[str, str]]:
+    """The (prompt, image) pairs answered at the end of the run; held-out synthetic shapes by default.
+
+    Raises:
+        ConfigError: prompts and images that cannot be paired, or a missing image.
+    """
+    if config.generate.prompts == []:
+        return []  # nothing to answer at the end of the run
+    prompts, images = list(config.generate.prompts or []), list(config.generate.images)
+    default_prompt = config.data.vision.caption_prompt
+    expected: list[str | None] = []
+    if not images:
+        seed = (config.data.synthetic.seed if config.data.synthetic else config.run.seed) + 1_000_003
+        folder = run.data / "heldout"
+        generate_shapes_dataset(folder, HELD_OUT_IMAGES, seed, SYNTHETIC_RESOLUTION)
+        items = scan_image_folder(folder).items
+        images = [str(item.path) for item in items]
+        expected = [item.caption for item in items]
+    if not prompts:
+        prompts = [default_prompt] * len(images)
+    elif len(prompts) == 1:
+        prompts = prompts * len(images)
+    elif len(prompts) != len(images):
+        message = f"{len(images)} image(s) for {len(prompts)} prompts: give one image per prompt, or one prompt for all images"
+        raise ConfigError([("generate.images", message)])
+    missing = [image for image in images if image_problem(image) is not None]
+    if missing:
+        raise ConfigError([("generate.images", f"cannot read {', '.join(missing[:3])}: {image_problem(missing[0])}")])
+    pairs = []
+    for index, (prompt, image) in enumerate(zip(prompts, images)):
+        pair = {"prompt": prompt, "image": str(Path(image).expanduser().resolve())}
+        if index < len(expected) and expected[index] is not None:
+            pair["expected"] = expected[index]
+        pairs.append(pair)
+    return pairs

@@ -1,0 +1,50 @@
+"""A fourth model family through the registry alone: one module, loaded as a plug-in by the launcher and both ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import assert_ok, metrics, write_config, zeropipe
+
+pytestmark = pytest.mark.integration
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+def test_a_plugin_family_trains_checks_and_exports(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEROPIPE_PLUGINS", "toy_family")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    (tmp_path / "unused.jsonl").write_text('{"text": "the toy generates its own points"}\n')
+    config = {
+        "run": {"name": "toy", "output_dir": str(tmp_path / "runs"), "seed": 3},
+        "model": {"config": {"model_type": "toy_regression"}},
+        "data": {"path": str(tmp_path / "unused.jsonl")},
+        "train": {"max_steps": 40, "micro_batch_size": 16, "lr": 2e-2, "warmup_steps": 0, "log_every": 10},
+        "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+        "hardware": {"gpus": 2},
+    }
+    path = write_config(tmp_path, config)
+    too_big = zeropipe("check", path, "train.micro_batch_size=128")
+    assert too_big.returncode != 0 and "the toy deals 512 points" in too_big.stdout + too_big.stderr
+
+    result = zeropipe("train", path)
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / "toy"
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert rows[-1]["loss"] < rows[0]["loss"] / 4, [r["loss"] for r in rows]
+    assert "toy: 512 generated points" in result.stderr
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["world_size"] == 2
+
+    assert_ok(zeropipe("export", run_dir, "--out", tmp_path / "export"))
+    state = torch.load(tmp_path / "export" / "toy.pt")
+    model = torch.nn.Sequential(torch.nn.Linear(1, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model.load_state_dict(state)
+    x = torch.linspace(-1, 1, 9).unsqueeze(1)
+    assert torch.nn.functional.mse_loss(model(x), 3 * x - 1) < 0.1

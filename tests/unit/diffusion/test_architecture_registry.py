@@ -1,0 +1,59 @@
+"""A diffusion architecture is one registered entry: preset, pipeline detection, conditioning and the denoiser call come from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from zeropipe.diffusion import architectures
+from zeropipe.diffusion.architectures import PredictContext, architecture_of, register, unregister
+from zeropipe.diffusion.architectures.sd15 import ARCHITECTURE as SD15
+from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, preset_components, text_pipeline
+from zeropipe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ToyUNet(type(SD15)):
+    """SD 1.x's layout with wider attention and LoRA on the feed-forward too: a variant a plug-in might add."""
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        self.calls.append(tuple(model_input.shape))
+        return super().predict(model, model_input, timesteps, condition, context)
+
+
+@pytest.fixture
+def toy():
+    preset = {name: dict(fields) for name, fields in SD15.preset.items()}
+    preset["unet"]["attention_head_dim"] = 8
+    arch = ToyUNet(**{**SD15.__dict__, "name": "toy-unet", "preset_name": "tiny-toy-unet", "preset": preset, "lora_targets": ("to_q", "to_v", "ff.net.2")})
+    object.__setattr__(arch, "calls", [])
+    register(arch)
+    yield arch
+    unregister("toy-unet")
+
+
+def test_a_registered_architecture_is_found_built_and_called(tmp_path, toy):
+    assert architectures.presets()["tiny-toy-unet"] is toy
+    built = build_tiny_pipeline({"pipeline": "tiny-toy-unet"}, tmp_path / "pipeline", seed=1)
+    assert built is toy and architecture_of(tmp_path / "pipeline") is toy  # the latest entry for its pipeline class wins
+    encoders = text_pipeline(tmp_path / "pipeline", toy, torch.float32, torch.device("cpu"))
+    condition = encode_prompts(encoders, toy, ["a red circle", "a blue square"], torch.device("cpu"))
+    assert condition[0]["prompt_embeds"].shape == (77, 32)
+    unet = toy.model_class().from_pretrained(str(tmp_path / "pipeline" / "unet"))
+    assert unet.config.attention_head_dim == 8
+    batch = {"prompt_embeds": torch.stack([row["prompt_embeds"] for row in condition])}
+    out = toy.predict(unet, torch.randn(2, 4, 16, 16), torch.tensor([10, 500]), batch, PredictContext(torch.device("cpu"), torch.float32, 2, 1.0))
+    assert out.shape == (2, 4, 16, 16) and toy.calls == [(2, 4, 16, 16)]
+
+
+def test_an_unknown_preset_names_the_registered_ones(toy):
+    with pytest.raises(ConfigError, match="tiny-toy-unet"):
+        preset_components({"pipeline": "tiny-nothing"})
+
+
+def test_unregistered_the_builtin_is_found_again(tmp_path, toy):
+    build_tiny_pipeline({"pipeline": "tiny-sd15"}, tmp_path / "pipeline", seed=1)
+    unregister("toy-unet")
+    assert architecture_of(tmp_path / "pipeline") is SD15
