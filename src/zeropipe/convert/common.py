@@ -44,6 +44,8 @@ class Conversion:
     # Why the converted config cannot train yet (an architecture ZeRO-Pipe does not have): `zeropipe
     # train` refuses with these; `zeropipe convert` still writes the file, for when support lands.
     blocking: list[str] = field(default_factory=list)
+    # Source keys whose value is already what ZeRO-Pipe does (train_on_inputs: false): no key to write.
+    already: list[str] = field(default_factory=list)
 
     def set(self, key: str, value: Any, comment: str) -> None:
         self.entries[key] = Entry(value, comment)
@@ -75,6 +77,8 @@ class Conversion:
             lines.append(f"# CANNOT TRAIN YET: {reason}")
         if self.links:
             lines.append(f"# data.path is a folder of links in the kohya layout (<repeats>_<name>) made by the conversion: {self.links_dir}")
+        if self.already:
+            lines.append(f"# Already ZeRO-Pipe's behaviour, nothing to set: {', '.join(self.already)}")
         if self.unmapped:
             lines.append("#")
             lines.append(f"# Not mapped ({len(self.unmapped)}):")
@@ -176,3 +180,158 @@ def write_links(conversion: Conversion) -> list[str]:
         if stale.is_symlink() and stale.name not in conversion.links:
             stale.unlink()
     return made
+
+
+# ------------------------------------------------------------------ keys HF Trainer tools share
+# axolotl and LLaMA-Factory both pass most training keys to Hugging Face's Trainer, so these
+# mean the same in both: source key -> (ZeRO-Pipe key, type).
+TRAINER_KEYS: dict[str, tuple[str, type]] = {
+    "learning_rate": ("train.lr", float),
+    "weight_decay": ("train.weight_decay", float),
+    "max_grad_norm": ("train.grad_clip", float),
+    "adam_beta1": ("train.adam_beta1", float),
+    "adam_beta2": ("train.adam_beta2", float),
+    "adam_epsilon": ("train.adam_eps", float),
+    "warmup_steps": ("train.warmup_steps", int),
+    "max_steps": ("train.max_steps", int),
+    "gradient_accumulation_steps": ("train.gradient_accumulation_steps", int),
+    "logging_steps": ("train.log_every", int),
+    "save_steps": ("train.save_every", int),
+    "save_total_limit": ("train.keep_last", int),
+    "seed": ("run.seed", int),
+    "group_by_length": ("data.group_by_length", bool),
+}
+SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine_with_min_lr": "cosine"}
+ADAMW_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_apex_fused", "adamw")
+
+
+def is_unset(value: Any) -> bool:
+    """Keys left empty (``wandb_project:``) or off are simply not set, in every tool."""
+    return value is None or value == "" or value == [] or value == {} or value is False
+
+
+def map_trainer_keys(conversion: Conversion, rest: dict[str, Any], extra: dict[str, tuple[str, type]] | None = None) -> None:
+    for key, (target, kind) in {**TRAINER_KEYS, **(extra or {})}.items():
+        if key not in rest:
+            continue
+        value = rest.pop(key)
+        if value is None or value == "":
+            continue
+        number = as_number(value) if kind in (int, float) else value
+        if number is None:
+            conversion.skip(key, f"{value!r} is not a number: left out")
+            continue
+        conversion.set(target, kind(number), f"from {key}")
+
+
+def map_output_dir(conversion: Conversion, value: Any, key: str = "output_dir") -> None:
+    """``saves/llama3/lora`` is the run folder itself: output_dir saves, run.name lora."""
+    if is_unset(value):
+        return
+    folder = Path(str(value))
+    conversion.set("run.output_dir", str(folder.parent) if str(folder.parent) else ".", f"from {key} ({value}: the run is written to output_dir/name)")
+    conversion.set("run.name", folder.name, f"from {key}")
+
+
+def map_schedule(conversion: Conversion, key: str, value: Any) -> None:
+    if is_unset(value):
+        return
+    if value in SCHEDULES:
+        conversion.set("train.schedule", SCHEDULES[value], f"from {key}: {value}")
+        if SCHEDULES[value] != "constant" and "train.min_lr_ratio" not in conversion.entries:
+            conversion.set("train.min_lr_ratio", 0.0, f"Hugging Face's {value} schedule decays to 0")
+    else:
+        conversion.skip(key, f"{value!r}: ZeRO-Pipe has cosine, linear and constant schedules (after a linear warm-up)")
+
+
+def map_optimizer(conversion: Conversion, key: str, value: Any) -> None:
+    if is_unset(value):
+        return
+    if str(value) in ADAMW_OPTIMIZERS:
+        if str(value) != "adamw_torch":
+            conversion.skip(key, f"{value!r}: DeepSpeed builds AdamW (its CPU Adam under offload); 8-bit and paged states are not used: `zeropipe plan` shows what fits")
+    else:
+        conversion.skip(key, f"{value!r}: ZeRO-Pipe lets DeepSpeed build AdamW; other optimizers are not supported")
+
+
+def map_warmup_ratio(conversion: Conversion, key: str, value: Any) -> None:
+    ratio = as_number(value)
+    if not ratio or "train.warmup_steps" in conversion.entries:
+        return
+    steps = conversion.entries.get("train.max_steps")
+    if steps is not None:
+        conversion.set("train.warmup_steps", int(round(ratio * steps.value)), f"from {key} = {ratio} x max_steps {steps.value}")
+    else:
+        conversion.skip(
+            key,
+            f"{ratio}: ZeRO-Pipe takes warm-up in steps (train.warmup_steps); the step count is known at launch (`zeropipe train` prints it): "
+            f"set warmup_steps to {ratio} x that",
+        )
+
+
+def map_precision(conversion: Conversion, rest: dict[str, Any], tool: str) -> None:
+    bf16, fp16 = rest.pop("bf16", None), rest.pop("fp16", None)
+    if bf16 in (True, "auto", "true"):
+        conversion.set("deepspeed.precision", "bf16", f"from bf16: {str(bf16).lower()}")
+    elif fp16 in (True, "true"):
+        conversion.set("deepspeed.precision", "fp16", "from fp16: true")
+    else:
+        conversion.set("deepspeed.precision", "fp32", f"neither bf16 nor fp16 is set: {tool} trains in fp32 then")
+
+
+def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Path, ...]) -> None:
+    """A DeepSpeed JSON named by the config becomes deepspeed.config_file, its ZeRO stage and offload read from it."""
+    import json
+    import re
+
+    if is_unset(value):
+        return
+    if isinstance(value, dict):
+        conversion.set("deepspeed.overrides", value, f"from {key} (an inline DeepSpeed config, merged over the generated one)")
+        return
+    found = find_path(str(value), *bases)
+    if found is None or not found.is_file():
+        match = re.search(r"z(?:ero)?_?(\d)", Path(str(value)).name)
+        if match and int(match[1]) in (0, 1, 2, 3):
+            conversion.set("deepspeed.zero_stage", int(match[1]), f"from {key}: {value} (the file is not here; its name says ZeRO-{match[1]})")
+        conversion.skip(key, f"{value} not found (looked relative to {', '.join(map(str, bases))}): set deepspeed.config_file to it, or keep the generated DeepSpeed config")
+        return
+    conversion.set("deepspeed.config_file", str(found), f"from {key}: its \"auto\" values are filled from this config")
+    try:
+        zero = json.loads(found.read_text()).get("zero_optimization", {})
+    except (json.JSONDecodeError, AttributeError):
+        conversion.skip(key, f"{found} is not a JSON object: fix it before training")
+        return
+    if isinstance(zero.get("stage"), int):
+        conversion.set("deepspeed.zero_stage", zero["stage"], f"read from {found.name}, so that `zeropipe plan` and `check` see the same stage")
+    for part in ("optimizer", "param"):
+        device = (zero.get(f"offload_{part}") or {}).get("device")
+        if device == "cpu":
+            conversion.set(f"deepspeed.offload_{part}", "cpu", f"read from {found.name}")
+        elif device == "nvme":
+            conversion.skip(f"{key} offload_{part}", "NVMe offload is not planned or checked by ZeRO-Pipe; the JSON keeps it")
+
+
+def count_records(path: Path) -> int | None:
+    from zeropipe.data.formats import read_records
+    from zeropipe.errors import DataError
+
+    try:
+        records, _ = read_records(path)
+    except DataError:
+        return None
+    return len(records)
+
+
+def map_sources(conversion: Conversion, sources: list[tuple[str, Path, str]], why: str) -> None:
+    """One dataset -> data.path and data.format; several -> data.mixture weighted by their sizes, as concatenation does."""
+    if len(sources) == 1:
+        key, path, fmt = sources[0]
+        conversion.set("data.path", str(path), f"from {key}")
+        conversion.set("data.format", fmt, why)
+        return
+    mixture = []
+    for key, path, fmt in sources:
+        mixture.append({"path": str(path), "format": fmt, "weight": float(count_records(path) or 1)})
+    names = ", ".join(key for key, _, _ in sources)
+    conversion.set("data.mixture", mixture, f"from {names}: weights are the datasets' record counts, so the mixture holds them as concatenated")
