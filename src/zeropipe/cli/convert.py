@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         validate_config(raw)
     except ConfigError as err:
         say(f"the converted config does not validate yet: {err}")
+        return 0
     if out is not None and not conversion.blocking:
         say(f"train it: zeropipe train {out}")
     return 0
