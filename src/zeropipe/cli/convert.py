@@ -61,3 +61,42 @@ def report(conversion) -> None:
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def convert_for_train(path: str) -> str:
+    """The config ``zeropipe train`` should load: ``path`` itself, or its conversion written beside it.
+
+    A ZeRO-Pipe YAML (or one whose tool cannot be told, which load_config then reports on) is
+    returned as it is. A diffusion-pipe, axolotl or LLaMA-Factory file is converted, written to
+    NAME.zeropipe.yaml beside it, and that path returned, so that the run records the config it ran.
+
+    Raises:
+        ConversionError: the file asks for what ZeRO-Pipe cannot train, or cannot be converted.
+    """
+    from zeropipe.convert import ConversionError, convert_file, detect_tool, read_source, write_links
+
+    source = Path(path)
+    if not source.is_file():
+        return path  # load_config says the file does not exist
+    if source.suffix != ".toml":
+        try:
+            tool = detect_tool(source, read_source(source))
+        except ConversionError:
+            return path  # broken YAML: load_config reports it as for any run config
+        if tool in ("zeropipe", None):
+            return path
+    conversion = convert_file(source)
+    if conversion.blocking:
+        raise ConversionError(f"{source} cannot train yet: " + "; ".join(conversion.blocking))
+    if "run.name" not in conversion.entries:
+        conversion.set("run.name", source.stem, f"named after {source.name}")
+    out = source.with_name(source.stem + ".zeropipe.yaml")
+    for made in write_links(conversion):
+        say(f"linked {made}")
+    try:
+        out.write_text(conversion.to_yaml(str(out)))
+    except OSError as err:
+        raise ConversionError(f"cannot write the converted config {out} ({err}): run `zeropipe convert {source} --out SOMEWHERE.yaml` and train that") from None
+    say(f"{source} is a {conversion.tool} config: converted it to {out} ({len(conversion.entries)} key(s) mapped, each with a comment there)")
+    report(conversion)
+    return str(out)
