@@ -128,7 +128,7 @@ special_tokens:
     result = zeropipe("train", config, "generate.max_new_tokens=4", cwd=tmp_path)
     assert_ok(result)
     converted = tmp_path / "lora.zeropipe.yaml"
-    assert f"{config} is a axolotl config: converted it to {converted}" in result.stderr
+    assert f"{config} is written for axolotl: converted it to {converted}" in result.stderr
     assert "special_tokens: the tokenizer's own special tokens are used" in result.stderr
     written = yaml.safe_load(converted.read_text())
     assert written["data"]["mixture"] == [

@@ -97,6 +97,6 @@ def convert_for_train(path: str) -> str:
         out.write_text(conversion.to_yaml(str(out)))
     except OSError as err:
         raise ConversionError(f"cannot write the converted config {out} ({err}): run `zeropipe convert {source} --out SOMEWHERE.yaml` and train that") from None
-    say(f"{source} is a {conversion.tool} config: converted it to {out} ({len(conversion.entries)} key(s) mapped, each with a comment there)")
+    say(f"{source} is written for {conversion.tool}: converted it to {out} ({len(conversion.entries)} key(s) mapped, each with a comment there)")
     report(conversion)
     return str(out)
