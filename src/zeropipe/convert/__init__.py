@@ -85,6 +85,15 @@ def convert_file(path: str | Path, links_dir: Path | None = None) -> Conversion:
     path = Path(path).expanduser().resolve()
     raw = read_source(path)
     tool = detect_tool(path, raw)
+    try:
+        return _convert(path, raw, tool, links_dir)
+    except (TypeError, ValueError, AttributeError) as err:
+        # A key holding a list where a table belongs, and the like: the tool itself would refuse the
+        # file too. Say so in one line rather than with a traceback.
+        raise ConversionError(f"{path}: a value has a type {tool or 'the tool'} does not accept ({err}): check the file against the tool's examples") from None
+
+
+def _convert(path: Path, raw: dict[str, Any], tool: str | None, links_dir: Path | None) -> Conversion:
     if tool == "diffusion-pipe":
         from zeropipe.convert import diffusion_pipe
 

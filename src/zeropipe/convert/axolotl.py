@@ -20,6 +20,8 @@ from zeropipe.convert.common import (
     map_sources,
     map_trainer_keys,
     map_warmup_ratio,
+    to_float,
+    to_int,
 )
 
 # Keys that only steer axolotl's own machinery, and why ZeRO-Pipe needs no counterpart.
@@ -103,25 +105,25 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     _datasets(conversion, rest, bases)
 
     if "sequence_len" in rest:
-        conversion.set("data.max_seq_len", int(rest.pop("sequence_len")), "from sequence_len")
+        conversion.set("data.max_seq_len", to_int(rest.pop("sequence_len"), "sequence_len"), "from sequence_len")
     if rest.pop("sample_packing", False):
         conversion.set("data.packing", True, "from sample_packing (examples never attend to each other, as axolotl's multipack)")
     val = as_number(rest.pop("val_set_size", None))
     if val:
         if val < 1:
-            conversion.set("data.eval_fraction", float(val), "from val_set_size")
+            conversion.set("data.eval_fraction", to_float(val, "val_set_size"), "from val_set_size")
         else:
             conversion.skip("val_set_size", f"{val}: a count of records; ZeRO-Pipe holds out a fraction: set data.eval_fraction")
     eval_steps = as_number(rest.pop("eval_steps", None))
     if eval_steps:
         if "data.eval_fraction" in conversion.entries:
-            conversion.set("train.eval_every", int(eval_steps), "from eval_steps")
+            conversion.set("train.eval_every", to_int(eval_steps, "eval_steps"), "from eval_steps")
         else:
             conversion.skip("eval_steps", "no held-out data (val_set_size) to evaluate on")
     if "micro_batch_size" in rest:
-        conversion.set("train.micro_batch_size", int(rest.pop("micro_batch_size")), "from micro_batch_size")
+        conversion.set("train.micro_batch_size", to_int(rest.pop("micro_batch_size"), "micro_batch_size"), "from micro_batch_size")
     if "num_epochs" in rest:
-        conversion.set("train.epochs", float(rest.pop("num_epochs")), "from num_epochs")
+        conversion.set("train.epochs", to_float(rest.pop("num_epochs"), "num_epochs"), "from num_epochs")
     map_trainer_keys(conversion, rest, {"cosine_min_lr_ratio": ("train.min_lr_ratio", float)})
     map_schedule(conversion, "lr_scheduler", rest.pop("lr_scheduler", None))
     map_optimizer(conversion, "optimizer", rest.pop("optimizer", None))
@@ -157,12 +159,12 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         return
     if adapter not in ("lora", "qlora"):
         conversion.skip("adapter", f"{adapter!r}: ZeRO-Pipe trains LoRA and QLoRA adapters; converted as LoRA")
-    conversion.set("model.lora.r", int(rest.pop("lora_r", 8) or 8), "from lora_r")
+    conversion.set("model.lora.r", to_int(rest.pop("lora_r", 8) or 8, "lora_r"), "from lora_r")
     alpha = rest.pop("lora_alpha", None)
     if alpha is not None:
-        conversion.set("model.lora.alpha", float(alpha), "from lora_alpha")
+        conversion.set("model.lora.alpha", to_float(alpha, "lora_alpha"), "from lora_alpha")
     dropout = rest.pop("lora_dropout", None)
-    conversion.set("model.lora.dropout", float(dropout or 0.0), "from lora_dropout" if dropout is not None else "axolotl's default lora_dropout is 0")
+    conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "axolotl's default lora_dropout is 0")
     modules = rest.pop("lora_target_modules", None)
     if rest.pop("lora_target_linear", False):
         conversion.set("model.lora.target_modules", "all-linear", "from lora_target_linear: true")

@@ -335,3 +335,18 @@ def map_sources(conversion: Conversion, sources: list[tuple[str, Path, str]], wh
         mixture.append({"path": str(path), "format": fmt, "weight": float(count_records(path) or 1)})
     names = ", ".join(key for key, _, _ in sources)
     conversion.set("data.mixture", mixture, f"from {names}: weights are the datasets' record counts, so the mixture holds them as concatenated")
+
+
+def to_int(value: Any, key: str) -> int:
+    """``value`` as an int, or a ConversionError naming the source key (never a bare ValueError)."""
+    number = as_number(value)
+    if number is None or number != int(number):
+        raise ConversionError(f"{key} = {value!r} is not a whole number: fix it in the source file")
+    return int(number)
+
+
+def to_float(value: Any, key: str) -> float:
+    number = as_number(value)
+    if number is None:
+        raise ConversionError(f"{key} = {value!r} is not a number: fix it in the source file")
+    return float(number)

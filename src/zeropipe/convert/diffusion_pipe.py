@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path
+from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
 
 # diffusion-pipe [model] type -> ZeRO-Pipe architecture, and the key that names the model.
 IMAGE_ARCHITECTURES = {"sdxl": "sdxl", "flux": "flux", "sd3": "sd3"}
@@ -182,10 +182,10 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         conversion.set("model.diffusion.prediction_type", "v_prediction", "from [model] v_pred = true")
     gamma = model.pop("min_snr_gamma", None)
     if gamma is not None:
-        conversion.set("model.diffusion.min_snr_gamma", float(gamma), "from [model] min_snr_gamma")
+        conversion.set("model.diffusion.min_snr_gamma", to_float(gamma, "model.min_snr_gamma"), "from [model] min_snr_gamma")
     unet_lr = model.pop("unet_lr", None)
     if unet_lr is not None:
-        conversion.set("train.lr", float(unet_lr), "from [model] unet_lr (the UNet is what trains)")
+        conversion.set("train.lr", to_float(unet_lr, "model.unet_lr"), "from [model] unet_lr (the UNet is what trains)")
     for key, value in model.items():
         conversion.skip(f"model.{key}", MODEL_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
 
@@ -199,9 +199,9 @@ def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
     rank = int(rank or 16)
     conversion.set("model.lora.r", rank, "from [adapter] rank")
     alpha = adapter.pop("alpha", None)
-    conversion.set("model.lora.alpha", float(alpha if alpha is not None else rank), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
+    conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else rank, "adapter.alpha"), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
     dropout = adapter.pop("dropout", None)
-    conversion.set("model.lora.dropout", float(dropout or 0.0), "from [adapter] dropout" if dropout is not None else "diffusion-pipe's default dropout is 0")
+    conversion.set("model.lora.dropout", to_float(dropout or 0.0, "adapter.dropout"), "from [adapter] dropout" if dropout is not None else "diffusion-pipe's default dropout is 0")
     conversion.skip(
         "adapter (target modules)",
         "diffusion-pipe adapts every linear layer of the transformer blocks; model.lora.target_modules: auto adapts the attention "
@@ -226,17 +226,17 @@ def _optimizer(conversion: Conversion, optimizer: dict[str, Any]) -> None:
             conversion.skip(f"optimizer.{key}", f"belongs to {kind}, not used")
         return
     if "lr" in optimizer and "train.lr" not in conversion.entries:
-        conversion.set("train.lr", float(optimizer.pop("lr")), f"from [optimizer] lr; type {kind!r} becomes DeepSpeed's AdamW (its 8-bit and Kahan-summation variants are not used)")
+        conversion.set("train.lr", to_float(optimizer.pop("lr"), "optimizer.lr"), f"from [optimizer] lr; type {kind!r} becomes DeepSpeed's AdamW (its 8-bit and Kahan-summation variants are not used)")
     elif "lr" in optimizer:
         conversion.skip("optimizer.lr", f"{optimizer.pop('lr')!r}: [model] unet_lr is used instead")
     betas = optimizer.pop("betas", None)
     if isinstance(betas, list) and len(betas) == 2:
-        conversion.set("train.adam_beta1", float(betas[0]), f"from [optimizer] betas; type {kind!r} becomes DeepSpeed's AdamW")
-        conversion.set("train.adam_beta2", float(betas[1]), "from [optimizer] betas")
+        conversion.set("train.adam_beta1", to_float(betas[0], "optimizer.betas"), f"from [optimizer] betas; type {kind!r} becomes DeepSpeed's AdamW")
+        conversion.set("train.adam_beta2", to_float(betas[1], "optimizer.betas"), "from [optimizer] betas")
     if "weight_decay" in optimizer:
-        conversion.set("train.weight_decay", float(optimizer.pop("weight_decay")), "from [optimizer] weight_decay")
+        conversion.set("train.weight_decay", to_float(optimizer.pop("weight_decay"), "optimizer.weight_decay"), "from [optimizer] weight_decay")
     if "eps" in optimizer:
-        conversion.set("train.adam_eps", float(optimizer.pop("eps")), "from [optimizer] eps")
+        conversion.set("train.adam_eps", to_float(optimizer.pop("eps"), "optimizer.eps"), "from [optimizer] eps")
     for key, value in optimizer.items():
         conversion.skip(f"optimizer.{key}", f"{value!r}: not an AdamW setting ZeRO-Pipe has (gradient release and 8-bit states are not used)")
 
@@ -258,34 +258,36 @@ def _monitoring(conversion: Conversion, monitoring: dict[str, Any]) -> None:
 
 def _training(conversion: Conversion, rest: dict[str, Any]) -> None:
     if "epochs" in rest:
-        conversion.set("train.epochs", float(rest.pop("epochs")), "from epochs")
+        conversion.set("train.epochs", to_float(rest.pop("epochs"), "epochs"), "from epochs")
     if "max_steps" in rest:
-        conversion.set("train.max_steps", int(rest.pop("max_steps")), "from max_steps (wins over train.epochs)")
+        conversion.set("train.max_steps", to_int(rest.pop("max_steps"), "max_steps"), "from max_steps (wins over train.epochs)")
     micro = rest.pop("micro_batch_size_per_gpu", None)
     if isinstance(micro, int):
         conversion.set("train.micro_batch_size", micro, "from micro_batch_size_per_gpu")
-    elif isinstance(micro, list) and micro:
+    elif isinstance(micro, list) and micro and isinstance(micro[0], list) and len(micro[0]) == 2:
         first = micro[0]
-        conversion.set("train.micro_batch_size", int(first[1]), f"from micro_batch_size_per_gpu (the first entry, {first})")
+        conversion.set("train.micro_batch_size", to_int(first[1], "micro_batch_size_per_gpu"), f"from micro_batch_size_per_gpu (the first entry, {first})")
         conversion.skip("micro_batch_size_per_gpu", f"{micro}: one micro-batch size per resolution is not supported; the first entry is used")
+    elif micro is not None:
+        raise ConversionError(f"micro_batch_size_per_gpu = {micro!r} is neither a number nor [[resolution, size], ...]: fix it in the source file")
     if "gradient_accumulation_steps" in rest:
-        conversion.set("train.gradient_accumulation_steps", int(rest.pop("gradient_accumulation_steps")), "from gradient_accumulation_steps")
+        conversion.set("train.gradient_accumulation_steps", to_int(rest.pop("gradient_accumulation_steps"), "gradient_accumulation_steps"), "from gradient_accumulation_steps")
     if "gradient_clipping" in rest:
-        conversion.set("train.grad_clip", float(rest.pop("gradient_clipping")), "from gradient_clipping")
+        conversion.set("train.grad_clip", to_float(rest.pop("gradient_clipping"), "gradient_clipping"), "from gradient_clipping")
     if "warmup_steps" in rest:
-        conversion.set("train.warmup_steps", int(rest.pop("warmup_steps")), "from warmup_steps")
+        conversion.set("train.warmup_steps", to_int(rest.pop("warmup_steps"), "warmup_steps"), "from warmup_steps")
     given = "lr_scheduler" in rest
     schedule = rest.pop("lr_scheduler", "constant")
     if schedule in SCHEDULES:
         conversion.set("train.schedule", schedule, "from lr_scheduler" if given else "diffusion-pipe's default lr_scheduler is constant")
-        eta_min = float(rest.pop("lr_scheduler_eta_min", 0.0) or 0.0)
+        eta_min = to_float(rest.pop("lr_scheduler_eta_min", 0.0) or 0.0, "lr_scheduler_eta_min")
         if schedule != "constant":
             lr = conversion.entries["train.lr"].value if "train.lr" in conversion.entries else LR_DEFAULT
             conversion.set("train.min_lr_ratio", eta_min / lr, f"diffusion-pipe's {schedule} schedule decays to lr_scheduler_eta_min (here {eta_min})")
     else:
         conversion.skip("lr_scheduler", f"{schedule!r}: ZeRO-Pipe has constant, linear and cosine")
     if "save_every_n_steps" in rest:
-        conversion.set("train.save_every", int(rest.pop("save_every_n_steps")), "from save_every_n_steps")
+        conversion.set("train.save_every", to_int(rest.pop("save_every_n_steps"), "save_every_n_steps"), "from save_every_n_steps")
 
     activation = rest.pop("activation_checkpointing", None)
     if activation is not None:
@@ -313,8 +315,8 @@ def _training(conversion: Conversion, rest: dict[str, Any]) -> None:
 
 def _resolution(value: Any) -> int:
     if isinstance(value, list) and len(value) == 2:
-        return int(round(math.sqrt(float(value[0]) * float(value[1]))))
-    return int(value)
+        return int(round(math.sqrt(to_float(value[0], "resolutions") * to_float(value[1], "resolutions"))))
+    return to_int(value, "resolutions")
 
 
 def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
@@ -338,7 +340,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
         aspect = max(float(max_ar or 1.0), 1.0 / float(min_ar or 1.0))
         conversion.set("data.images.max_aspect", round(aspect, 3), f"from {where} min_ar = {min_ar}, max_ar = {max_ar}: the most elongated bucket either way")
     frames = rest.pop("frame_buckets", None)
-    if frames is not None and [int(f) for f in frames] != [1]:
+    if frames is not None and [to_int(f, "frame_buckets") for f in (frames if isinstance(frames, list) else [frames])] != [1]:
         conversion.skip("dataset.frame_buckets", f"{frames}: video is not supported yet; images (frame bucket 1) train")
 
     directories = rest.pop("directory", [])
@@ -355,7 +357,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
         folder = find_path(folder_name, Path.cwd(), path.parent)
         if folder is None or not folder.is_dir():
             raise ConversionError(f"{path}: [[directory]] path = {folder_name!r} is not a folder (looked relative to {Path.cwd()} and {path.parent}): fix the path")
-        repeats = int(directory.pop("num_repeats", 1))
+        repeats = to_int(directory.pop("num_repeats", 1), f"{key}.num_repeats")
         if repeats < 1:
             conversion.skip(key, f"num_repeats = {repeats}: never used, left out")
             continue

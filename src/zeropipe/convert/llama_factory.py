@@ -21,6 +21,8 @@ from zeropipe.convert.common import (
     map_sources,
     map_trainer_keys,
     map_warmup_ratio,
+    to_float,
+    to_int,
 )
 
 STAGES = {"sft": "supervised fine-tuning", "pt": "pre-training on plain text"}
@@ -102,7 +104,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if "eval_dataset" in rest:
         conversion.skip("eval_dataset", f"{rest.pop('eval_dataset')!r}: set data.eval_path to its file (or use val_size)")
     cutoff = rest.pop("cutoff_len", None)
-    conversion.set("data.max_seq_len", int(cutoff or DEFAULT_CUTOFF_LEN), "from cutoff_len" if cutoff else f"LLaMA-Factory's default cutoff_len is {DEFAULT_CUTOFF_LEN}")
+    conversion.set("data.max_seq_len", to_int(cutoff or DEFAULT_CUTOFF_LEN, "cutoff_len"), "from cutoff_len" if cutoff else f"LLaMA-Factory's default cutoff_len is {DEFAULT_CUTOFF_LEN}")
     packing, neat = rest.pop("packing", None), rest.pop("neat_packing", None)
     if neat or packing:
         note = "from neat_packing" if neat else "from packing (ZeRO-Pipe's packing is always 'neat': examples never attend to each other)"
@@ -110,13 +112,13 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     val = as_number(rest.pop("val_size", None))
     if val:
         if val < 1:
-            conversion.set("data.eval_fraction", float(val), "from val_size")
+            conversion.set("data.eval_fraction", to_float(val, "val_size"), "from val_size")
         else:
             conversion.skip("val_size", f"{val}: a count of records; ZeRO-Pipe holds out a fraction: set data.eval_fraction")
     eval_steps = as_number(rest.pop("eval_steps", None))
     if eval_steps:
         if "data.eval_fraction" in conversion.entries:
-            conversion.set("train.eval_every", int(eval_steps), "from eval_steps")
+            conversion.set("train.eval_every", to_int(eval_steps, "eval_steps"), "from eval_steps")
         else:
             conversion.skip("eval_steps", "no held-out data (val_size) to evaluate on")
     if rest.get("train_on_prompt"):
@@ -126,9 +128,9 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     rest.pop("train_on_prompt", None)
 
     if "per_device_train_batch_size" in rest:
-        conversion.set("train.micro_batch_size", int(rest.pop("per_device_train_batch_size")), "from per_device_train_batch_size")
+        conversion.set("train.micro_batch_size", to_int(rest.pop("per_device_train_batch_size"), "per_device_train_batch_size"), "from per_device_train_batch_size")
     epochs = rest.pop("num_train_epochs", None)
-    conversion.set("train.epochs", float(epochs if epochs is not None else DEFAULT_EPOCHS), "from num_train_epochs" if epochs is not None else "Hugging Face's default num_train_epochs is 3")
+    conversion.set("train.epochs", to_float(epochs if epochs is not None else DEFAULT_EPOCHS, "num_train_epochs"), "from num_train_epochs" if epochs is not None else "Hugging Face's default num_train_epochs is 3")
     map_trainer_keys(conversion, rest)
     map_schedule(conversion, "lr_scheduler_type", rest.pop("lr_scheduler_type", "linear"))
     map_optimizer(conversion, "optim", rest.pop("optim", None))
@@ -168,12 +170,12 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
             rest.pop(key)
     elif method == "lora":
         given = {key for key in lora_keys if key in rest}
-        rank = int(rest.pop("lora_rank", 8))
+        rank = to_int(rest.pop("lora_rank", 8), "lora_rank")
         conversion.set("model.lora.r", rank, "from lora_rank" if "lora_rank" in given else "LLaMA-Factory's default lora_rank is 8")
         alpha = rest.pop("lora_alpha", None)
-        conversion.set("model.lora.alpha", float(alpha if alpha is not None else 2 * rank), "from lora_alpha" if alpha is not None else "LLaMA-Factory's default lora_alpha is 2 x lora_rank")
+        conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else 2 * rank, "lora_alpha"), "from lora_alpha" if alpha is not None else "LLaMA-Factory's default lora_alpha is 2 x lora_rank")
         dropout = rest.pop("lora_dropout", None)
-        conversion.set("model.lora.dropout", float(dropout or 0.0), "from lora_dropout" if dropout is not None else "LLaMA-Factory's default lora_dropout is 0")
+        conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "LLaMA-Factory's default lora_dropout is 0")
         target = rest.pop("lora_target", "all")
         if target == "all":
             conversion.set("model.lora.target_modules", "all-linear", "from lora_target: all" if "lora_target" in given else "LLaMA-Factory's default lora_target is all")
@@ -184,7 +186,7 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
         raise ConversionError(f"{conversion.source}: finetuning_type: {method} is not one ZeRO-Pipe knows (lora, full, freeze)")
     bits = rest.pop("quantization_bit", None)
     if bits is not None:
-        if int(bits) == 4 and method == "lora":
+        if to_int(bits, "quantization_bit") == 4 and method == "lora":
             conversion.set("model.quantization.load_in_4bit", True, "from quantization_bit: 4 (QLoRA: nf4 with double quantization, as LLaMA-Factory's default)")
         else:
             conversion.skip("quantization_bit", f"{bits}: ZeRO-Pipe quantizes only for QLoRA: 4-bit with finetuning_type: lora")

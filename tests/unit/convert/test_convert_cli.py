@@ -117,3 +117,20 @@ def test_train_refuses_an_architecture_that_is_not_supported_yet(tmp_path, capsy
     # `zeropipe convert` still writes it, for when the architecture lands.
     assert main(["convert", str(tmp_path / "wan.toml"), "--out", str(tmp_path / "wan.yaml")]) == 0
     assert "# CANNOT TRAIN YET" in (tmp_path / "wan.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    "name,text,key",
+    [
+        ("a.yml", "base_model: x\nmicro_batch_size: lots\n", "micro_batch_size = 'lots'"),
+        ("b.yaml", "model_name_or_path: x\nstage: sft\nfinetuning_type: lora\nlora_rank: eight\n", "lora_rank = 'eight'"),
+        ("c.toml", "dataset = 'd.toml'\nepochs = 'many'\n[model]\ntype = 'flux'\n", "epochs = 'many'"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_its_key(tmp_path, capsys, name, text, key):
+    (tmp_path / "d.toml").write_text("[[directory]]\npath = '.'\n")
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["convert", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} is not a" in err and "Traceback" not in err
