@@ -192,11 +192,11 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
 
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
     kind = adapter.pop("type", "lora")
-    rank = as_number(adapter.pop("rank", None))
+    rank = to_int(adapter.pop("rank"), "adapter.rank") if "rank" in adapter else 16
     if kind != "lora":
-        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains LoRA adapters only; converted as LoRA of rank {int(rank or 16)}: check model.lora")
-        rank = 16 if rank is None or rank > 1024 else rank
-    rank = int(rank or 16)
+        # LoKr's "very high rank" (1e6) means a full-matrix LoKr: no LoRA rank corresponds to it.
+        rank = 16 if rank > 1024 else rank
+        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains LoRA adapters only; converted as LoRA of rank {rank}: check model.lora")
     conversion.set("model.lora.r", rank, "from [adapter] rank")
     alpha = adapter.pop("alpha", None)
     conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else rank, "adapter.alpha"), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
