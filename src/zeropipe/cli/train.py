@@ -12,7 +12,7 @@ from zeropipe.rundir import RunDir
 
 def register(commands) -> None:
     parser = commands.add_parser("train", help="train a model from a run config", description=__doc__)
-    parser.add_argument("config", help="run config (YAML)")
+    parser.add_argument("config", help="run config (YAML); a diffusion-pipe TOML, axolotl or LLaMA-Factory YAML is converted first (as zeropipe convert)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override config keys, e.g. train.lr=2e-5 deepspeed.zero_stage=3")
     parser.add_argument(
         "--resume",
@@ -41,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
         resume = True
     if args.nproc is not None:
         overrides.append(f"hardware.gpus={args.nproc}")
-    config = load_config(args.config, overrides)
+    from zeropipe.cli.convert import convert_for_train
+
+    config = load_config(convert_for_train(args.config), overrides)
     config, auto_notes = resolve_auto_knobs(config)
     for note in auto_notes:
         say(note)

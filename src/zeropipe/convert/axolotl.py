@@ -1,0 +1,272 @@
+"""axolotl (github.com/axolotl-ai-cloud/axolotl) YAML configs: supervised fine-tuning, LoRA and QLoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zeropipe.convert.common import (
+    Conversion,
+    ConversionError,
+    as_number,
+    find_path,
+    is_unset,
+    local_model,
+    map_deepspeed,
+    map_optimizer,
+    map_output_dir,
+    map_precision,
+    map_schedule,
+    map_sources,
+    map_trainer_keys,
+    map_warmup_ratio,
+    to_float,
+    to_int,
+)
+
+# Keys that only steer axolotl's own machinery, and why ZeRO-Pipe needs no counterpart.
+NOT_MAPPED = {
+    "model_type": "the model class is read from config.json",
+    "tokenizer_type": "the tokenizer class is read from the tokenizer's files",
+    "base_model_config": "the config is read from model.path",
+    "chat_template": "ZeRO-Pipe renders conversations with the tokenizer's own chat template (a plain role-tagged layout when it has none)",
+    "special_tokens": "the tokenizer's own special tokens are used; add tokens to the tokenizer folder itself",
+    "tokens": "the tokenizer's own tokens are used; add tokens to the tokenizer folder itself",
+    "dataset_prepared_path": "the data is tokenized once into the run's memory-mapped cache (RUN/cache)",
+    "eval_sample_packing": "evaluation batches follow data.packing",
+    "pad_to_sequence_len": "batches are padded to their longest example (or packed with data.packing)",
+    "evals_per_epoch": "ZeRO-Pipe evaluates every N optimizer steps: set train.eval_every",
+    "saves_per_epoch": "ZeRO-Pipe saves every N optimizer steps: set train.save_every (a final checkpoint is always saved)",
+    "eval_table_size": "no generation table during evaluation; generate.prompts are answered at the end",
+    "eval_max_new_tokens": "see generate.max_new_tokens",
+    "loss_watchdog_threshold": "no loss watchdog; the run stops on a non-finite loss",
+    "loss_watchdog_patience": "no loss watchdog",
+    "tf32": "TF32 matmuls follow PyTorch's defaults on the GPU",
+    "strict": "unknown keys are always errors in ZeRO-Pipe configs",
+    "resume_from_checkpoint": "resume with `zeropipe train FILE --resume [PATH]`",
+    "auto_resume_from_checkpoints": "resume with `zeropipe train FILE --resume`",
+    "hub_model_id": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
+    "hub_strategy": "nothing is uploaded",
+    "push_dataset_to_hub": "nothing is uploaded",
+    "early_stopping_patience": "no early stopping; watch eval loss in metrics.jsonl or `zeropipe ui`",
+    "lora_model_dir": "starting from a saved adapter is not supported: merge it into the base first (`zeropipe export --merge` does for its own runs)",
+    "lora_modules_to_save": "only LoRA adapters train in a LoRA run",
+    "lora_fan_in_fan_out": "peft detects the layout",
+    "gradient_checkpointing_kwargs": "ZeRO-Pipe picks the checkpointing implementation",
+    "load_in_8bit": "8-bit bases are not supported; QLoRA (load_in_4bit) is, or LoRA on a base in deepspeed.precision",
+    "fsdp": "ZeRO-Pipe uses DeepSpeed ZeRO, not FSDP: FSDP's full_shard is ZeRO-3 (deepspeed.zero_stage: 3)",
+    "fsdp_config": "ZeRO-Pipe uses DeepSpeed ZeRO, not FSDP: FSDP's full_shard is ZeRO-3 (deepspeed.zero_stage: 3), cpu offload is deepspeed.offload_param: cpu",
+    "xformers_attention": "attention runs on PyTorch's sdpa kernels",
+    "s2_attention": "not supported",
+    "sdp_attention": "attention runs on PyTorch's sdpa kernels (the default)",
+    "debug": "see logs/rank*.log",
+    "local_rank": "ranks are started by ZeRO-Pipe",
+    "wandb_entity": "set WANDB_ENTITY in the environment",
+    "wandb_name": "the W&B run is named after run.name",
+    "wandb_watch": "not supported",
+    "wandb_log_model": "models are not uploaded",
+    "train_on_inputs": "loss is on the responses only: training on prompts is not supported",
+}
+RL_NAMES = {"dpo": "DPO", "ipo": "IPO", "kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "grpo": "GRPO", "gdpo": "GDPO", "ppo": "PPO"}
+ATTENTION_KEYS = ("flash_attention", "attn_implementation")
+
+
+def convert(path: Path, raw: dict[str, Any]) -> Conversion:
+    conversion = Conversion("axolotl", path)
+    rest = dict(raw)
+    bases = (Path.cwd(), path.parent)
+    rl = rest.pop("rl", None)
+    if not is_unset(rl):
+        name = RL_NAMES.get(str(rl).lower(), str(rl))
+        raise ConversionError(
+            f"{path}: rl: {rl} asks for {name} preference/RL training, which ZeRO-Pipe does not do (it trains supervised: "
+            "full, LoRA, QLoRA): convert the SFT stage of your recipe instead (remove rl: and give instruction data)"
+        )
+    if rest.get("reward_model") or rest.get("process_reward_model"):
+        raise ConversionError(f"{path}: reward-model training is not supported by ZeRO-Pipe (it trains supervised fine-tunes)")
+
+    local_model(conversion, "base_model", str(rest.pop("base_model", "")), bases)
+    tokenizer = rest.pop("tokenizer_config", None)
+    if not is_unset(tokenizer):
+        found = find_path(str(tokenizer), *bases)
+        if found is not None and found.is_dir():
+            conversion.set("model.tokenizer", str(found), "from tokenizer_config")
+        else:
+            conversion.skip("tokenizer_config", f"{tokenizer!r} is not a local folder: the tokenizer is read from model.path")
+    if rest.pop("trust_remote_code", False):
+        conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
+    if rest.pop("gradient_checkpointing", False):
+        conversion.set("model.gradient_checkpointing", True, "from gradient_checkpointing")
+    attention = [key for key in ATTENTION_KEYS if not is_unset(rest.get(key))]
+    for key in attention:
+        conversion.set("model.attn_implementation", "sdpa", f"from {key}: {rest.pop(key)} (PyTorch's sdpa uses flash kernels where it can)")
+
+    _adapter(conversion, rest)
+    _datasets(conversion, rest, bases)
+
+    if "sequence_len" in rest:
+        conversion.set("data.max_seq_len", to_int(rest.pop("sequence_len"), "sequence_len"), "from sequence_len")
+    if rest.pop("sample_packing", False):
+        conversion.set("data.packing", True, "from sample_packing (examples never attend to each other, as axolotl's multipack)")
+    val = as_number(rest.pop("val_set_size", None))
+    if val:
+        if val < 1:
+            conversion.set("data.eval_fraction", to_float(val, "val_set_size"), "from val_set_size")
+        else:
+            conversion.skip("val_set_size", f"{val}: a count of records; ZeRO-Pipe holds out a fraction: set data.eval_fraction")
+    eval_steps = as_number(rest.pop("eval_steps", None))
+    if eval_steps:
+        if "data.eval_fraction" in conversion.entries:
+            conversion.set("train.eval_every", to_int(eval_steps, "eval_steps"), "from eval_steps")
+        else:
+            conversion.skip("eval_steps", "no held-out data (val_set_size) to evaluate on")
+    if "micro_batch_size" in rest:
+        conversion.set("train.micro_batch_size", to_int(rest.pop("micro_batch_size"), "micro_batch_size"), "from micro_batch_size")
+    if "num_epochs" in rest:
+        conversion.set("train.epochs", to_float(rest.pop("num_epochs"), "num_epochs"), "from num_epochs")
+    map_trainer_keys(conversion, rest, {"cosine_min_lr_ratio": ("train.min_lr_ratio", float)})
+    map_schedule(conversion, "lr_scheduler", rest.pop("lr_scheduler", None))
+    map_optimizer(conversion, "optimizer", rest.pop("optimizer", None))
+    map_warmup_ratio(conversion, "warmup_ratio", rest.pop("warmup_ratio", None))
+    map_precision(conversion, rest, "axolotl")
+    map_deepspeed(conversion, "deepspeed", rest.pop("deepspeed", None), bases)
+    map_output_dir(conversion, rest.pop("output_dir", None))
+    project = rest.pop("wandb_project", None)
+    if not is_unset(project):
+        conversion.set("logging.wandb", True, "from wandb_project")
+        conversion.set("logging.wandb_project", str(project), "from wandb_project")
+    if rest.get("train_on_inputs") is False:
+        rest.pop("train_on_inputs")
+        conversion.already.append("train_on_inputs: false (loss on responses only)")
+
+    for key, value in rest.items():
+        if is_unset(value):
+            continue
+        conversion.skip(key, NOT_MAPPED.get(key) or f"{value!r}: no ZeRO-Pipe equivalent, left out")
+    return conversion
+
+
+def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
+    adapter = rest.pop("adapter", None)
+    four_bit = bool(rest.pop("load_in_4bit", False))
+    if is_unset(adapter):
+        if four_bit:
+            conversion.skip("load_in_4bit", "a 4-bit base can only train adapters: set adapter: qlora")
+        for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear"):
+            if not is_unset(rest.get(key)):
+                conversion.skip(key, "no adapter: set, so this is a full fine-tune and LoRA settings do not apply")
+            rest.pop(key, None)
+        return
+    if adapter not in ("lora", "qlora"):
+        conversion.skip("adapter", f"{adapter!r}: ZeRO-Pipe trains LoRA and QLoRA adapters; converted as LoRA")
+    conversion.set("model.lora.r", to_int(rest.pop("lora_r", 8) or 8, "lora_r"), "from lora_r")
+    alpha = rest.pop("lora_alpha", None)
+    if alpha is not None:
+        conversion.set("model.lora.alpha", to_float(alpha, "lora_alpha"), "from lora_alpha")
+    dropout = rest.pop("lora_dropout", None)
+    conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "axolotl's default lora_dropout is 0")
+    modules = rest.pop("lora_target_modules", None)
+    if rest.pop("lora_target_linear", False):
+        conversion.set("model.lora.target_modules", "all-linear", "from lora_target_linear: true")
+        if not is_unset(modules):
+            conversion.skip("lora_target_modules", "lora_target_linear: true already adapts every linear layer")
+    elif not is_unset(modules):
+        conversion.set("model.lora.target_modules", [modules] if isinstance(modules, str) else list(modules), "from lora_target_modules")
+    if adapter == "qlora" or four_bit:
+        conversion.set("model.quantization.load_in_4bit", True, f"from {'adapter: qlora' if adapter == 'qlora' else 'load_in_4bit'} (nf4 with double quantization, as axolotl's default)")
+
+
+def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, ...]) -> None:
+    datasets = rest.pop("datasets", None)
+    if is_unset(datasets):
+        conversion.skip("datasets", "no datasets: set data.path to a local .jsonl/.json file")
+        return
+    if not isinstance(datasets, list):
+        datasets = [datasets]
+    sources: list[tuple[str, Path, str]] = []
+    for number, dataset in enumerate(datasets):
+        key = f"datasets[{number}]"
+        if not isinstance(dataset, dict):
+            conversion.skip(key, f"{dataset!r} is not a mapping with path: and type:")
+            continue
+        source = _dataset(conversion, key, dict(dataset), bases)
+        if source is not None:
+            sources.append(source)
+    if sources:
+        map_sources(conversion, sources, "from the datasets' type")
+
+
+def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: tuple[Path, ...]) -> tuple[str, Path, str] | None:
+    name = dataset.pop("path", None)
+    files = dataset.pop("data_files", None)
+    if isinstance(files, list):
+        files = files[0] if len(files) == 1 else files
+    local = find_path(str(files if isinstance(files, str) else name or ""), *bases) if (files or name) else None
+    kind = str(dataset.pop("type", "alpaca"))
+    if isinstance(kind, str) and ":" in kind:
+        base, _, style = kind.partition(":")
+        conversion.skip(f"{key}.type", f"{kind!r}: read as {base}; the prompt style {style!r} is replaced by the tokenizer's chat template")
+        kind = base
+    fmt = _format(conversion, key, kind, dataset)
+    for option in ("ds_type", "split", "shards", "name", "train_on_split"):
+        value = dataset.pop(option, None)
+        if option == "split" and value in (None, "train"):
+            continue
+        if option == "ds_type" and value in (None, "json"):
+            continue
+        if value is not None:
+            conversion.skip(f"{key}.{option}", f"{value!r}: the local file is read whole")
+    for option, value in dataset.items():
+        if not is_unset(value):
+            conversion.skip(f"{key}.{option}", f"{value!r}: not supported for {kind} data")
+    if local is None:
+        conversion.skip(
+            key,
+            f"{name!r} is not a local file or folder; ZeRO-Pipe reads local .jsonl/.json files and downloads nothing: "
+            f"`huggingface-cli download --repo-type dataset {name} --local-dir DIR`, then point data.path at its .jsonl/.json file",
+        )
+        return None
+    if fmt is None:
+        return None
+    return (f"{key}.path", local, fmt)
+
+
+def _format(conversion: Conversion, key: str, kind: str, dataset: dict[str, Any]) -> str | None:
+    """ZeRO-Pipe's data.format for an axolotl dataset type and its field options, or None (listed)."""
+    if kind in ("alpaca", "alpaca_chat", "alpaca_w_system"):
+        return "alpaca"
+    if kind in ("completion", "pretrain"):
+        field = dataset.pop("field", "text") or "text"
+        if field != "text":
+            conversion.skip(f"{key}.field", f"{field!r}: plain-text records are read from a 'text' key: rename the key in the file")
+            return None
+        return "text"
+    if kind == "sharegpt":
+        return "sharegpt"
+    if kind == "chat_template":
+        field = dataset.pop("field_messages", "messages") or "messages"
+        mappings = dict(dataset.pop("message_property_mappings", None) or {})
+        role = dataset.pop("message_field_role", None) or mappings.pop("role", "role")
+        content = dataset.pop("message_field_content", None) or mappings.pop("content", "content")
+        roles = dataset.pop("roles", None) or {}
+        for option in ("roles_to_train", "train_on_eos", "chat_template", "drop_system_message"):
+            value = dataset.pop(option, None)
+            if value is not None and not (option == "roles_to_train" and value == ["assistant"]):
+                conversion.skip(f"{key}.{option}", f"{value!r}: loss is on every assistant turn; the tokenizer's chat template is used")
+        known = {"user", "assistant", "system", "human", "gpt"}
+        names = {str(alias) for aliases in roles.values() for alias in (aliases if isinstance(aliases, list) else [aliases])}
+        if names - known:
+            conversion.skip(f"{key}.roles", f"{roles}: speaker names other than {', '.join(sorted(known))} are not read: rename them in the file")
+            return None
+        if (field, role, content) == ("messages", "role", "content"):
+            return "chat"
+        if (field, role, content) == ("conversations", "from", "value"):
+            return "sharegpt"
+        conversion.skip(
+            f"{key}.field_messages",
+            f"messages in {field!r} with keys {role!r}/{content!r}: ZeRO-Pipe reads messages/role/content (chat) or conversations/from/value "
+            "(ShareGPT): rename the keys in the file",
+        )
+        return None
+    conversion.skip(f"{key}.type", f"{kind!r}: ZeRO-Pipe reads alpaca, chat_template, sharegpt and completion data")
+    return None

@@ -1,0 +1,352 @@
+"""What every converter shares: the result it builds, path lookup, and the YAML it writes.
+
+A converter reads another tool's config and fills a :class:`Conversion`: each ZeRO-Pipe key it
+sets comes with the source key(s) it came from and why, and each source key it cannot carry
+over is listed with the reason. Nothing is dropped silently: a key is either mapped or listed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from zeropipe.errors import ZeroPipeError
+
+SECTION_ORDER = ("run", "model", "data", "train", "deepspeed", "hardware", "generate", "logging")
+
+
+class ConversionError(ZeroPipeError):
+    """A file that cannot be converted (unreadable, or asking for training ZeRO-Pipe does not do)."""
+
+
+@dataclass
+class Entry:
+    value: Any
+    comment: str
+
+
+@dataclass
+class Conversion:
+    """A converted config: ZeRO-Pipe keys with the reason for each, and what could not be mapped."""
+
+    tool: str  # "diffusion-pipe", "axolotl", "llama-factory"
+    source: Path
+    entries: dict[str, Entry] = field(default_factory=dict)  # dotted ZeRO-Pipe key -> value and why
+    unmapped: list[tuple[str, str]] = field(default_factory=list)  # (source key, why not mapped)
+    # Folder name -> target folder: a kohya-layout folder of links the caller creates (diffusion-pipe
+    # [[directory]] entries with repeats); see :func:`write_links`.
+    links: dict[str, Path] = field(default_factory=dict)
+    links_dir: Path | None = None
+    # Why the converted config cannot train yet (an architecture ZeRO-Pipe does not have): `zeropipe
+    # train` refuses with these; `zeropipe convert` still writes the file, for when support lands.
+    blocking: list[str] = field(default_factory=list)
+    # Source keys whose value is already what ZeRO-Pipe does (train_on_inputs: false): no key to write.
+    already: list[str] = field(default_factory=list)
+
+    def set(self, key: str, value: Any, comment: str) -> None:
+        self.entries[key] = Entry(value, comment)
+
+    def skip(self, key: str, why: str) -> None:
+        self.unmapped.append((key, why))
+
+    def ordered(self) -> list[tuple[str, Entry]]:
+        """Entries in the order of the schema's sections (run, model, data, train, ...), as the examples read."""
+        rank = {name: index for index, name in enumerate(SECTION_ORDER)}
+        return sorted(self.entries.items(), key=lambda item: rank.get(item[0].split(".")[0], len(rank)))
+
+    def raw(self) -> dict[str, Any]:
+        """The converted config as the nested dict the schema validates."""
+        tree: dict[str, Any] = {}
+        for dotted, entry in self.ordered():
+            node = tree
+            *parents, last = dotted.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = entry.value
+        return tree
+
+    def to_yaml(self, command_path: str | None = None) -> str:
+        """ZeRO-Pipe YAML with a comment on every key and the unmapped keys listed at the top."""
+        lines = [f"# Converted by `zeropipe convert` from the {self.tool} config {self.source}."]
+        lines.append(f"# Run it:  zeropipe train {command_path or 'THIS_FILE.yaml'}")
+        for reason in self.blocking:
+            lines.append(f"# CANNOT TRAIN YET: {reason}")
+        if self.links:
+            lines.append(f"# data.path is a folder of links in the kohya layout (<repeats>_<name>) made by the conversion: {self.links_dir}")
+        if self.already:
+            lines.append(f"# Already ZeRO-Pipe's behaviour, nothing to set: {', '.join(self.already)}")
+        if self.unmapped:
+            lines.append("#")
+            lines.append(f"# Not mapped ({len(self.unmapped)}):")
+            for key, why in self.unmapped:
+                lines.append(f"#   - {key}: {why}")
+        lines.append("")
+        tree: dict[str, Any] = {}
+        for dotted, entry in self.ordered():
+            node = tree
+            *parents, last = dotted.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = entry
+        _emit(tree, 0, lines)
+        return "\n".join(lines) + "\n"
+
+
+def _emit(node: dict[str, Any], depth: int, lines: list[str]) -> None:
+    indent = "  " * depth
+    for key, value in node.items():
+        if isinstance(value, Entry):
+            lines.append(f"{indent}{key}: {_flow(value.value)}  # {value.comment}")
+        else:
+            lines.append(f"{indent}{key}:")
+            _emit(value, depth + 1, lines)
+
+
+def _flow(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf, allow_unicode=True).strip()
+    return text[: -len("...")].strip() if text.endswith("...") else text
+
+
+def find_path(name: str, *bases: Path) -> Path | None:
+    """``name`` as an existing path: absolute, or relative to one of ``bases`` (first match), else None."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path if path.exists() else None
+    for base in bases:
+        candidate = (base / path).resolve()
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def local_model(conversion: Conversion, key: str, name: str, bases: tuple[Path, ...]) -> None:
+    """Map a model named by path or Hub id onto model.path; a Hub id is listed with how to fetch it."""
+    found = find_path(name, *bases)
+    if found is not None and found.is_dir():
+        conversion.set("model.path", str(found), f"from {key}")
+        return
+    conversion.set("model.path", name, f"from {key}: not a local folder, see the list above")
+    conversion.skip(
+        key,
+        f"{name!r} is not a local folder; ZeRO-Pipe loads local folders and downloads nothing: "
+        f"`huggingface-cli download {name} --local-dir DIR`, then set model.path: DIR",
+    )
+
+
+def as_number(value: Any) -> float | None:
+    """YAML 1.1 reads 1e-4 (no dot) as a string; configs written for these tools are full of them."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def write_links(conversion: Conversion) -> list[str]:
+    """Create the kohya-layout folder of links a diffusion-pipe conversion asks for; return what was made.
+
+    Raises:
+        ConversionError: the folder cannot be written, or a name there is already something else.
+    """
+    if not conversion.links:
+        return []
+    assert conversion.links_dir is not None
+    made = []
+    try:
+        conversion.links_dir.mkdir(parents=True, exist_ok=True)
+        for name, target in conversion.links.items():
+            link = conversion.links_dir / name
+            if link.is_symlink():
+                if link.resolve() == target.resolve():
+                    continue
+                link.unlink()
+            elif link.exists():
+                raise ConversionError(f"{link} exists and is not a link made by zeropipe convert: move it away or remove it")
+            link.symlink_to(target, target_is_directory=True)
+            made.append(f"{link} -> {target}")
+    except OSError as err:
+        raise ConversionError(f"cannot create the image folder links in {conversion.links_dir} ({err}): make that folder writable") from None
+    # A link left over from an earlier conversion of a dataset that has since lost a directory.
+    for stale in conversion.links_dir.iterdir():
+        if stale.is_symlink() and stale.name not in conversion.links:
+            stale.unlink()
+    return made
+
+
+# ------------------------------------------------------------------ keys HF Trainer tools share
+# axolotl and LLaMA-Factory both pass most training keys to Hugging Face's Trainer, so these
+# mean the same in both: source key -> (ZeRO-Pipe key, type).
+TRAINER_KEYS: dict[str, tuple[str, type]] = {
+    "learning_rate": ("train.lr", float),
+    "weight_decay": ("train.weight_decay", float),
+    "max_grad_norm": ("train.grad_clip", float),
+    "adam_beta1": ("train.adam_beta1", float),
+    "adam_beta2": ("train.adam_beta2", float),
+    "adam_epsilon": ("train.adam_eps", float),
+    "warmup_steps": ("train.warmup_steps", int),
+    "max_steps": ("train.max_steps", int),
+    "gradient_accumulation_steps": ("train.gradient_accumulation_steps", int),
+    "logging_steps": ("train.log_every", int),
+    "save_steps": ("train.save_every", int),
+    "save_total_limit": ("train.keep_last", int),
+    "seed": ("run.seed", int),
+    "group_by_length": ("data.group_by_length", bool),
+}
+SCHEDULES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant", "cosine_with_min_lr": "cosine"}
+ADAMW_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_apex_fused", "adamw")
+
+
+def is_unset(value: Any) -> bool:
+    """Keys left empty (``wandb_project:``) or off are simply not set, in every tool."""
+    return value is None or value == "" or value == [] or value == {} or value is False
+
+
+def map_trainer_keys(conversion: Conversion, rest: dict[str, Any], extra: dict[str, tuple[str, type]] | None = None) -> None:
+    for key, (target, kind) in {**TRAINER_KEYS, **(extra or {})}.items():
+        if key not in rest:
+            continue
+        value = rest.pop(key)
+        if value is None or value == "":
+            continue
+        number = as_number(value) if kind in (int, float) else value
+        if number is None:
+            conversion.skip(key, f"{value!r} is not a number: left out")
+            continue
+        conversion.set(target, kind(number), f"from {key}")
+
+
+def map_output_dir(conversion: Conversion, value: Any, key: str = "output_dir") -> None:
+    """``saves/llama3/lora`` is the run folder itself: output_dir saves, run.name lora."""
+    if is_unset(value):
+        return
+    folder = Path(str(value))
+    conversion.set("run.output_dir", str(folder.parent) if str(folder.parent) else ".", f"from {key} ({value}: the run is written to output_dir/name)")
+    conversion.set("run.name", folder.name, f"from {key}")
+
+
+def map_schedule(conversion: Conversion, key: str, value: Any) -> None:
+    if is_unset(value):
+        return
+    if value in SCHEDULES:
+        conversion.set("train.schedule", SCHEDULES[value], f"from {key}: {value}")
+        if SCHEDULES[value] != "constant" and "train.min_lr_ratio" not in conversion.entries:
+            conversion.set("train.min_lr_ratio", 0.0, f"Hugging Face's {value} schedule decays to 0")
+    else:
+        conversion.skip(key, f"{value!r}: ZeRO-Pipe has cosine, linear and constant schedules (after a linear warm-up)")
+
+
+def map_optimizer(conversion: Conversion, key: str, value: Any) -> None:
+    if is_unset(value):
+        return
+    if str(value) in ADAMW_OPTIMIZERS:
+        if str(value) != "adamw_torch":
+            conversion.skip(key, f"{value!r}: DeepSpeed builds AdamW (its CPU Adam under offload); 8-bit and paged states are not used: `zeropipe plan` shows what fits")
+    else:
+        conversion.skip(key, f"{value!r}: ZeRO-Pipe lets DeepSpeed build AdamW; other optimizers are not supported")
+
+
+def map_warmup_ratio(conversion: Conversion, key: str, value: Any) -> None:
+    ratio = as_number(value)
+    if not ratio or "train.warmup_steps" in conversion.entries:
+        return
+    steps = conversion.entries.get("train.max_steps")
+    if steps is not None:
+        conversion.set("train.warmup_steps", int(round(ratio * steps.value)), f"from {key} = {ratio} x max_steps {steps.value}")
+    else:
+        conversion.skip(
+            key,
+            f"{ratio}: ZeRO-Pipe takes warm-up in steps (train.warmup_steps); the step count is known at launch (`zeropipe train` prints it): "
+            f"set warmup_steps to {ratio} x that",
+        )
+
+
+def map_precision(conversion: Conversion, rest: dict[str, Any], tool: str) -> None:
+    bf16, fp16 = rest.pop("bf16", None), rest.pop("fp16", None)
+    if bf16 in (True, "auto", "true"):
+        conversion.set("deepspeed.precision", "bf16", f"from bf16: {str(bf16).lower()}")
+    elif fp16 in (True, "true"):
+        conversion.set("deepspeed.precision", "fp16", "from fp16: true")
+    else:
+        conversion.set("deepspeed.precision", "fp32", f"neither bf16 nor fp16 is set: {tool} trains in fp32 then")
+
+
+def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Path, ...]) -> None:
+    """A DeepSpeed JSON named by the config becomes deepspeed.config_file, its ZeRO stage and offload read from it."""
+    import json
+    import re
+
+    if is_unset(value):
+        return
+    if isinstance(value, dict):
+        conversion.set("deepspeed.overrides", value, f"from {key} (an inline DeepSpeed config, merged over the generated one)")
+        return
+    found = find_path(str(value), *bases)
+    if found is None or not found.is_file():
+        match = re.search(r"z(?:ero)?_?(\d)", Path(str(value)).name)
+        if match and int(match[1]) in (0, 1, 2, 3):
+            conversion.set("deepspeed.zero_stage", int(match[1]), f"from {key}: {value} (the file is not here; its name says ZeRO-{match[1]})")
+        conversion.skip(key, f"{value} not found (looked relative to {', '.join(map(str, bases))}): set deepspeed.config_file to it, or keep the generated DeepSpeed config")
+        return
+    conversion.set("deepspeed.config_file", str(found), f"from {key}: its \"auto\" values are filled from this config")
+    try:
+        zero = json.loads(found.read_text()).get("zero_optimization", {})
+    except (json.JSONDecodeError, AttributeError):
+        conversion.skip(key, f"{found} is not a JSON object: fix it before training")
+        return
+    if isinstance(zero.get("stage"), int):
+        conversion.set("deepspeed.zero_stage", zero["stage"], f"read from {found.name}, so that `zeropipe plan` and `check` see the same stage")
+    for part in ("optimizer", "param"):
+        device = (zero.get(f"offload_{part}") or {}).get("device")
+        if device == "cpu":
+            conversion.set(f"deepspeed.offload_{part}", "cpu", f"read from {found.name}")
+        elif device == "nvme":
+            conversion.skip(f"{key} offload_{part}", "NVMe offload is not planned or checked by ZeRO-Pipe; the JSON keeps it")
+
+
+def count_records(path: Path) -> int | None:
+    from zeropipe.data.formats import read_records
+    from zeropipe.errors import DataError
+
+    try:
+        records, _ = read_records(path)
+    except DataError:
+        return None
+    return len(records)
+
+
+def map_sources(conversion: Conversion, sources: list[tuple[str, Path, str]], why: str) -> None:
+    """One dataset -> data.path and data.format; several -> data.mixture weighted by their sizes, as concatenation does."""
+    if len(sources) == 1:
+        key, path, fmt = sources[0]
+        conversion.set("data.path", str(path), f"from {key}")
+        conversion.set("data.format", fmt, why)
+        return
+    mixture = []
+    for key, path, fmt in sources:
+        mixture.append({"path": str(path), "format": fmt, "weight": float(count_records(path) or 1)})
+    names = ", ".join(key for key, _, _ in sources)
+    conversion.set("data.mixture", mixture, f"from {names}: weights are the datasets' record counts, so the mixture holds them as concatenated")
+
+
+def to_int(value: Any, key: str) -> int:
+    """``value`` as an int, or a ConversionError naming the source key (never a bare ValueError)."""
+    number = as_number(value)
+    if number is None or number != int(number):
+        raise ConversionError(f"{key} = {value!r} is not a whole number: fix it in the source file")
+    return int(number)
+
+
+def to_float(value: Any, key: str) -> float:
+    number = as_number(value)
+    if number is None:
+        raise ConversionError(f"{key} = {value!r} is not a number: fix it in the source file")
+    return float(number)

@@ -1,0 +1,411 @@
+"""diffusion-pipe (github.com/tdrussell/diffusion-pipe): the main TOML and the dataset TOML it names.
+
+diffusion-pipe trains with DeepSpeed's pipeline engine: `pipeline_stages` splits the model
+across GPUs, and `blocks_to_swap` keeps blocks in host RAM. ZeRO-Pipe uses the standard engine
+instead: ZeRO-3 shards the parameters across GPUs (what pipeline stages are for) and
+`offload_param` keeps them in host RAM (what block swapping is for), for LoRA and full
+fine-tunes alike.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
+
+# diffusion-pipe [model] type -> ZeRO-Pipe architecture, and the key that names the model.
+IMAGE_ARCHITECTURES = {"sdxl": "sdxl", "flux": "flux", "sd3": "sd3"}
+VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack")
+MODEL_PATH_KEYS = ("diffusers_path", "checkpoint_path", "ckpt_path")
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+ADAMW_TYPES = ("adamw", "adamw_optimi", "adamw8bit", "adamw8bitkahan", "adamw_kahan", "adamw8bit_kahan")
+SCHEDULES = ("constant", "linear", "cosine")
+# diffusion-pipe rounds every bucket side to a multiple of this (utils/dataset.py, IMAGE_SIZE_ROUND_TO_MULTIPLE).
+SIZE_MULTIPLE = 32
+LR_DEFAULT = 2e-5  # ZeRO-Pipe's train.lr when the file sets none
+VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
+
+# Keys with no ZeRO-Pipe counterpart, and why.
+NOT_MAPPED = {
+    "pipeline_stages": "ZeRO-Pipe runs the standard DeepSpeed engine, not the pipeline engine: ZeRO-3 (deepspeed.zero_stage: 3) shards the "
+    "parameters across the GPUs instead, which is what pipeline stages are for",
+    "partition_method": "pipeline parallelism only; ZeRO partitions every parameter evenly",
+    "partition_split": "pipeline parallelism only; ZeRO partitions every parameter evenly",
+    "eval_every_n_epochs": "diffusion runs report the loss on a fixed batch with fixed noise and timesteps (summary.json) instead of a held-out evaluation",
+    "eval_every_n_steps": "diffusion runs report the loss on a fixed batch with fixed noise and timesteps (summary.json) instead of a held-out evaluation",
+    "eval_every_n_examples": "diffusion runs report the loss on a fixed batch (summary.json) instead of a held-out evaluation",
+    "eval_before_first_step": "the fixed-batch loss is measured before and after training (summary.json)",
+    "eval_micro_batch_size_per_gpu": "no held-out evaluation for diffusion runs",
+    "image_eval_micro_batch_size_per_gpu": "no held-out evaluation for diffusion runs",
+    "eval_gradient_accumulation_steps": "no held-out evaluation for diffusion runs",
+    "eval_datasets": "no held-out evaluation for diffusion runs",
+    "disable_block_swap_for_eval": "no block swap and no held-out evaluation",
+    "save_every_n_epochs": "ZeRO-Pipe saves every N optimizer steps: set train.save_every (a final checkpoint is always saved)",
+    "save_every_n_examples": "ZeRO-Pipe saves every N optimizer steps: set train.save_every",
+    "checkpoint_every_n_epochs": "ZeRO-Pipe checkpoints every train.save_every steps (a final one always); `zeropipe train FILE --resume` continues from the latest",
+    "checkpoint_every_n_minutes": "ZeRO-Pipe checkpoints every train.save_every steps, not by the clock; `zeropipe train FILE --resume` continues from the latest",
+    "save_dtype": "chosen at export: `zeropipe export RUN --out DIR --dtype bf16`",
+    "caching_batch_size": "caches are filled by every rank, one micro-batch at a time",
+    "map_num_proc": "images are decoded once by the launcher; no worker pool to size",
+    "compile": "torch.compile is not used",
+    "steps_per_print": "rank 0 logs every train.log_every steps; metrics.jsonl has every step",
+    "video_clip_mode": "video is not supported yet",
+    "x_axis_examples": "metrics.jsonl records both the step and the samples per second",
+    "reentrant_activation_checkpointing": "ZeRO-Pipe picks the checkpointing implementation",
+    "pseudo_huber_c": "ZeRO-Pipe trains with the mean squared error",
+    "force_constant_lr": "set train.lr and train.schedule: constant",
+    "image_micro_batch_size_per_gpu": "mixed image/video batches: video is not supported yet, images use train.micro_batch_size",
+    "upload_hf_from_epoch": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
+    "huggingface_repo": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
+    "lr_scheduler_eta_min": "the schedule decays to train.min_lr_ratio x lr",
+}
+MODEL_NOT_MAPPED = {
+    "transformer_dtype": "fp8/nf4 base weights are not supported for diffusion models; the base is held in deepspeed.precision",
+    "flux_shift": "ZeRO-Pipe's flow-matching shift is a fixed number (model.diffusion.shift), not resolution-dependent",
+    "debiased_estimation_loss": "not implemented; model.diffusion.min_snr_gamma is the loss weighting ZeRO-Pipe has",
+    "text_encoder_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
+    "text_encoder_1_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
+    "text_encoder_2_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
+    "bypass_guidance_embedding": "the guidance input of Flux is fed model.diffusion.guidance, not bypassed",
+    "llm_path": "text encoders come from the diffusers pipeline folder",
+    "clip_path": "text encoders come from the diffusers pipeline folder",
+    "vae_path": "the VAE comes from the diffusers pipeline folder",
+    "t5_path": "text encoders come from the diffusers pipeline folder",
+    "single_file_path": "ZeRO-Pipe loads diffusers pipeline folders; single files are not read",
+    "first_frame_conditioning_p": "video is not supported yet",
+}
+DATASET_NOT_MAPPED = {
+    "num_ar_buckets": "ZeRO-Pipe makes every bucket of about resolution^2 pixels whose sides are multiples of data.images.bucket_step, up to data.images.max_aspect",
+    "ar_buckets": "buckets are derived from data.images.resolution, bucket_step and max_aspect; a fixed list is not supported",
+    "cache_shuffle_num": "tag shuffling is not supported; each caption is encoded once as written",
+    "cache_shuffle_delimiter": "tag shuffling is not supported",
+    "shuffle_tags": "tag shuffling is not supported",
+    "caption_prefix": "not supported: put the prefix into the caption files",
+    "skip_empty_caption": "images without a caption file train with the empty caption (flat layout) or the folder's concept (kohya layout)",
+}
+
+
+def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> Conversion:
+    conversion = Conversion("diffusion-pipe", path)
+    rest = dict(raw)
+    conversion.set("model.family", "diffusion", "diffusion-pipe trains diffusion models")
+    if "output_dir" in rest:
+        conversion.set("run.output_dir", str(rest.pop("output_dir")), "from output_dir (the run is written to output_dir/run.name)")
+
+    model = rest.pop("model", None)
+    if not isinstance(model, dict) or "type" not in model:
+        raise ConversionError(f"{path}: no [model] table with a type (e.g. type = 'flux'): this does not look like a diffusion-pipe config")
+    _model(conversion, dict(model), path.parent)
+    adapter = rest.pop("adapter", None)
+    if isinstance(adapter, dict):
+        _adapter(conversion, dict(adapter))
+    else:
+        conversion.set("model.lora", None, "no [adapter] table: a full fine-tune")
+    optimizer = rest.pop("optimizer", None)
+    if isinstance(optimizer, dict):
+        _optimizer(conversion, dict(optimizer))
+    monitoring = rest.pop("monitoring", None)
+    if isinstance(monitoring, dict):
+        _monitoring(conversion, dict(monitoring))
+
+    _training(conversion, rest)
+
+    dataset = rest.pop("dataset", None)
+    if not isinstance(dataset, str):
+        raise ConversionError(f"{path}: no dataset = 'path/to/dataset.toml': diffusion-pipe names its dataset TOML there; add it")
+    dataset_path = find_path(dataset, Path.cwd(), path.parent)
+    if dataset_path is None or not dataset_path.is_file():
+        raise ConversionError(
+            f"{path}: dataset = {dataset!r} not found (looked relative to {Path.cwd()} and {path.parent}): fix the path"
+        )
+    _dataset(conversion, dataset_path, links_dir or dataset_path.with_name(dataset_path.stem + ".zeropipe-images"))
+
+    for key, value in rest.items():
+        conversion.skip(key, NOT_MAPPED.get(key, f"not a diffusion-pipe key ZeRO-Pipe knows ({value!r}): left out"))
+    return conversion
+
+
+def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
+    kind = str(model.pop("type"))
+    arch = IMAGE_ARCHITECTURES.get(kind)
+    if arch is None:
+        what = "a video model" if kind in VIDEO_TYPES else "an image architecture"
+        reason = (
+            f"[model] type = {kind!r} is {what} ZeRO-Pipe does not train yet (it trains sdxl, sd1.5, sd3 and flux pipelines); "
+            "the rest of this file is converted so that it runs once the architecture is added"
+        )
+        conversion.blocking.append(reason)
+        conversion.skip("model.type", reason)
+    dtype = model.pop("dtype", None)
+    if dtype is not None:
+        if dtype in DTYPES:
+            conversion.set("deepspeed.precision", DTYPES[dtype], f"from [model] dtype = {dtype!r}")
+        else:
+            conversion.skip("model.dtype", f"{dtype!r} is not bfloat16, float16 or float32")
+
+    named = [key for key in MODEL_PATH_KEYS if key in model]
+    if not named:
+        conversion.skip("model", f"no {' / '.join(MODEL_PATH_KEYS)}: set model.path to a diffusers pipeline folder")
+    else:
+        key = named[0]
+        value = str(model.pop(key))
+        found = find_path(value, Path.cwd(), base)
+        if found is not None and (found / "model_index.json").is_file():
+            conversion.set("model.path", str(found), f"from [model] {key} (a diffusers pipeline folder)")
+        else:
+            conversion.set("model.path", value, f"from [model] {key}: see the list above")
+            if found is not None and found.is_file():
+                cls = {"sdxl": "StableDiffusionXLPipeline", "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}.get(kind, "DiffusionPipeline")
+                why = (
+                    f"{value} is a single-file checkpoint; ZeRO-Pipe loads diffusers pipeline folders: "
+                    f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
+                )
+            else:
+                why = f"{value} is not a diffusers pipeline folder (no model_index.json there): point model.path at one"
+            conversion.skip(f"model.{key}", why)
+        for other in named[1:]:
+            conversion.skip(f"model.{other}", f"model.path is taken from {key}; {other} = {model.pop(other)!r} is not used")
+    if "transformer_path" in model:
+        conversion.skip("model.transformer_path", f"{model.pop('transformer_path')!r}: single-file transformer overrides are not read; the denoiser comes from model.path")
+
+    sampling = model.pop("timestep_sample_method", None)
+    if sampling is not None:
+        if sampling in ("logit_normal", "uniform"):
+            conversion.set("model.diffusion.timestep_sampling", sampling, f"from [model] timestep_sample_method = {sampling!r}")
+        else:
+            conversion.skip("model.timestep_sample_method", f"{sampling!r}: ZeRO-Pipe samples timesteps uniform or logit_normal")
+    if model.pop("v_pred", False):
+        conversion.set("model.diffusion.prediction_type", "v_prediction", "from [model] v_pred = true")
+    gamma = model.pop("min_snr_gamma", None)
+    if gamma is not None:
+        conversion.set("model.diffusion.min_snr_gamma", to_float(gamma, "model.min_snr_gamma"), "from [model] min_snr_gamma")
+    unet_lr = model.pop("unet_lr", None)
+    if unet_lr is not None:
+        conversion.set("train.lr", to_float(unet_lr, "model.unet_lr"), "from [model] unet_lr (the UNet is what trains)")
+    for key, value in model.items():
+        conversion.skip(f"model.{key}", MODEL_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
+
+
+def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
+    kind = adapter.pop("type", "lora")
+    rank = to_int(adapter.pop("rank"), "adapter.rank") if "rank" in adapter else 16
+    if kind != "lora":
+        # LoKr's "very high rank" (1e6) means a full-matrix LoKr: no LoRA rank corresponds to it.
+        rank = 16 if rank > 1024 else rank
+        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains LoRA adapters only; converted as LoRA of rank {rank}: check model.lora")
+    conversion.set("model.lora.r", rank, "from [adapter] rank")
+    alpha = adapter.pop("alpha", None)
+    conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else rank, "adapter.alpha"), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
+    dropout = adapter.pop("dropout", None)
+    conversion.set("model.lora.dropout", to_float(dropout or 0.0, "adapter.dropout"), "from [adapter] dropout" if dropout is not None else "diffusion-pipe's default dropout is 0")
+    conversion.skip(
+        "adapter (target modules)",
+        "diffusion-pipe adapts every linear layer of the transformer blocks; model.lora.target_modules: auto adapts the attention "
+        "projections (to_q, to_k, to_v, to_out.0): list more module names there to match",
+    )
+    if "dtype" in adapter:
+        conversion.skip("adapter.dtype", f"{adapter.pop('dtype')!r}: adapters train in deepspeed.precision with fp32 master weights")
+    if "init_from_existing" in adapter:
+        conversion.skip("adapter.init_from_existing", "starting from a saved LoRA is not supported: fuse it into the pipeline first, or start fresh")
+    for key, value in adapter.items():
+        conversion.skip(f"adapter.{key}", f"{value!r}: no ZeRO-Pipe equivalent, left out")
+
+
+def _optimizer(conversion: Conversion, optimizer: dict[str, Any]) -> None:
+    kind = str(optimizer.pop("type", "adamw"))
+    if kind.lower() not in ADAMW_TYPES:
+        conversion.skip(
+            "optimizer.type",
+            f"{kind!r}: ZeRO-Pipe lets DeepSpeed build AdamW; its lr and betas are left at ZeRO-Pipe's defaults because {kind}'s do not carry over",
+        )
+        for key in list(optimizer):
+            conversion.skip(f"optimizer.{key}", f"belongs to {kind}, not used")
+        return
+    if "lr" in optimizer and "train.lr" not in conversion.entries:
+        conversion.set("train.lr", to_float(optimizer.pop("lr"), "optimizer.lr"), f"from [optimizer] lr; type {kind!r} becomes DeepSpeed's AdamW (its 8-bit and Kahan-summation variants are not used)")
+    elif "lr" in optimizer:
+        conversion.skip("optimizer.lr", f"{optimizer.pop('lr')!r}: [model] unet_lr is used instead")
+    betas = optimizer.pop("betas", None)
+    if isinstance(betas, list) and len(betas) == 2:
+        conversion.set("train.adam_beta1", to_float(betas[0], "optimizer.betas"), f"from [optimizer] betas; type {kind!r} becomes DeepSpeed's AdamW")
+        conversion.set("train.adam_beta2", to_float(betas[1], "optimizer.betas"), "from [optimizer] betas")
+    if "weight_decay" in optimizer:
+        conversion.set("train.weight_decay", to_float(optimizer.pop("weight_decay"), "optimizer.weight_decay"), "from [optimizer] weight_decay")
+    if "eps" in optimizer:
+        conversion.set("train.adam_eps", to_float(optimizer.pop("eps"), "optimizer.eps"), "from [optimizer] eps")
+    for key, value in optimizer.items():
+        conversion.skip(f"optimizer.{key}", f"{value!r}: not an AdamW setting ZeRO-Pipe has (gradient release and 8-bit states are not used)")
+
+
+def _monitoring(conversion: Conversion, monitoring: dict[str, Any]) -> None:
+    if monitoring.pop("enable_wandb", False):
+        conversion.set("logging.wandb", True, "from [monitoring] enable_wandb")
+        if monitoring.get("wandb_tracker_name"):
+            conversion.set("logging.wandb_project", str(monitoring.pop("wandb_tracker_name")), "from [monitoring] wandb_tracker_name")
+    if monitoring.get("wandb_api_key"):
+        conversion.skip("monitoring.wandb_api_key", "not written into run configs: export WANDB_API_KEY instead")
+    monitoring.pop("wandb_api_key", None)
+    if monitoring.get("wandb_run_name"):
+        conversion.skip("monitoring.wandb_run_name", "the W&B run is named after run.name")
+    for key, value in monitoring.items():
+        if value not in ("", None, False) and key not in ("wandb_run_name",):
+            conversion.skip(f"monitoring.{key}", f"{value!r}: no ZeRO-Pipe equivalent")
+
+
+def _training(conversion: Conversion, rest: dict[str, Any]) -> None:
+    if "epochs" in rest:
+        conversion.set("train.epochs", to_float(rest.pop("epochs"), "epochs"), "from epochs")
+    if "max_steps" in rest:
+        conversion.set("train.max_steps", to_int(rest.pop("max_steps"), "max_steps"), "from max_steps (wins over train.epochs)")
+    micro = rest.pop("micro_batch_size_per_gpu", None)
+    if isinstance(micro, int):
+        conversion.set("train.micro_batch_size", micro, "from micro_batch_size_per_gpu")
+    elif isinstance(micro, list) and micro and isinstance(micro[0], list) and len(micro[0]) == 2:
+        first = micro[0]
+        conversion.set("train.micro_batch_size", to_int(first[1], "micro_batch_size_per_gpu"), f"from micro_batch_size_per_gpu (the first entry, {first})")
+        conversion.skip("micro_batch_size_per_gpu", f"{micro}: one micro-batch size per resolution is not supported; the first entry is used")
+    elif micro is not None:
+        raise ConversionError(f"micro_batch_size_per_gpu = {micro!r} is neither a number nor [[resolution, size], ...]: fix it in the source file")
+    if "gradient_accumulation_steps" in rest:
+        conversion.set("train.gradient_accumulation_steps", to_int(rest.pop("gradient_accumulation_steps"), "gradient_accumulation_steps"), "from gradient_accumulation_steps")
+    if "gradient_clipping" in rest:
+        conversion.set("train.grad_clip", to_float(rest.pop("gradient_clipping"), "gradient_clipping"), "from gradient_clipping")
+    if "warmup_steps" in rest:
+        conversion.set("train.warmup_steps", to_int(rest.pop("warmup_steps"), "warmup_steps"), "from warmup_steps")
+    given = "lr_scheduler" in rest
+    schedule = rest.pop("lr_scheduler", "constant")
+    if schedule in SCHEDULES:
+        conversion.set("train.schedule", schedule, "from lr_scheduler" if given else "diffusion-pipe's default lr_scheduler is constant")
+        eta_min = to_float(rest.pop("lr_scheduler_eta_min", 0.0) or 0.0, "lr_scheduler_eta_min")
+        if schedule != "constant":
+            lr = conversion.entries["train.lr"].value if "train.lr" in conversion.entries else LR_DEFAULT
+            conversion.set("train.min_lr_ratio", eta_min / lr, f"diffusion-pipe's {schedule} schedule decays to lr_scheduler_eta_min (here {eta_min})")
+    else:
+        conversion.skip("lr_scheduler", f"{schedule!r}: ZeRO-Pipe has constant, linear and cosine")
+    if "save_every_n_steps" in rest:
+        conversion.set("train.save_every", to_int(rest.pop("save_every_n_steps"), "save_every_n_steps"), "from save_every_n_steps")
+
+    activation = rest.pop("activation_checkpointing", None)
+    if activation is not None:
+        conversion.set("model.gradient_checkpointing", bool(activation), f"from activation_checkpointing = {str(activation).lower()}")
+        if activation == "unsloth":
+            conversion.skip("activation_checkpointing", "'unsloth' (checkpoints offloaded to RAM) is not supported: plain gradient checkpointing is used")
+
+    stages = rest.pop("pipeline_stages", 1)
+    swap = rest.pop("blocks_to_swap", None)
+    if swap:
+        conversion.set("deepspeed.zero_stage", 3, f"blocks_to_swap = {swap}: parameters offloaded to host RAM need ZeRO-3")
+        conversion.set("deepspeed.offload_param", "cpu", f"from blocks_to_swap = {swap}: every block lives in host RAM between uses")
+        conversion.skip(
+            "blocks_to_swap",
+            f"{swap}: ZeRO-Pipe does not swap a count of blocks; deepspeed.offload_param: cpu keeps all parameters in host RAM and streams them "
+            "in per layer (ZeRO-3), for LoRA and full fine-tunes and any number of GPUs. `zeropipe plan FILE` says whether it is needed at all",
+        )
+    elif isinstance(stages, int) and stages > 1:
+        conversion.set("deepspeed.zero_stage", 3, f"from pipeline_stages = {stages}: ZeRO-3 spreads the parameters over the GPUs instead")
+    if isinstance(stages, int) and stages > 1:
+        conversion.skip("pipeline_stages", f"{stages}: {NOT_MAPPED['pipeline_stages']}")
+    elif not swap:
+        conversion.set("deepspeed.zero_stage", 2, "pipeline_stages = 1 is data parallel: ZeRO-2 also shards gradients and optimizer states")
+
+
+def _resolution(value: Any) -> int:
+    if isinstance(value, list) and len(value) == 2:
+        return int(round(math.sqrt(to_float(value[0], "resolutions") * to_float(value[1], "resolutions"))))
+    return to_int(value, "resolutions")
+
+
+def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except tomllib.TOMLDecodeError as err:
+        raise ConversionError(f"{path} (the dataset TOML) is not valid TOML: {err}; fix the syntax") from None
+    rest = dict(raw)
+    where = f"{path.name}"
+    resolutions = rest.pop("resolutions", [512])
+    if not isinstance(resolutions, list) or not resolutions:
+        resolutions = [resolutions]
+    conversion.set("data.images.resolution", _resolution(resolutions[0]), f"from {where} resolutions = {resolutions}")
+    if len(resolutions) > 1:
+        conversion.skip("dataset.resolutions", f"{resolutions}: one resolution per run; the first is used (train again with data.images.resolution for the others)")
+    conversion.set("data.images.bucket_step", SIZE_MULTIPLE, f"diffusion-pipe rounds bucket sides to multiples of {SIZE_MULTIPLE}")
+    if "enable_ar_bucket" in rest:
+        conversion.set("data.images.bucketing", bool(rest.pop("enable_ar_bucket")), f"from {where} enable_ar_bucket")
+    min_ar, max_ar = as_number(rest.pop("min_ar", None)), as_number(rest.pop("max_ar", None))
+    if min_ar or max_ar:
+        aspect = max(float(max_ar or 1.0), 1.0 / float(min_ar or 1.0))
+        conversion.set("data.images.max_aspect", round(aspect, 3), f"from {where} min_ar = {min_ar}, max_ar = {max_ar}: the most elongated bucket either way")
+    frames = rest.pop("frame_buckets", None)
+    if frames is not None and [to_int(f, "frame_buckets") for f in (frames if isinstance(frames, list) else [frames])] != [1]:
+        conversion.skip("dataset.frame_buckets", f"{frames}: video is not supported yet; images (frame bucket 1) train")
+
+    directories = rest.pop("directory", [])
+    if not directories:
+        raise ConversionError(f"{path}: no [[directory]] entries: add one with path = '/folder/of/images'")
+    kept: list[tuple[Path, int, str, str]] = []  # folder, repeats, concept name, source key
+    for number, directory in enumerate(directories):
+        key = f"dataset.directory[{number}]"
+        directory = dict(directory)
+        folder_name = directory.pop("path", None)
+        if not isinstance(folder_name, str):
+            conversion.skip(key, "no path = '...': left out")
+            continue
+        folder = find_path(folder_name, Path.cwd(), path.parent)
+        if folder is None or not folder.is_dir():
+            raise ConversionError(f"{path}: [[directory]] path = {folder_name!r} is not a folder (looked relative to {Path.cwd()} and {path.parent}): fix the path")
+        repeats = to_int(directory.pop("num_repeats", 1), f"{key}.num_repeats")
+        if repeats < 1:
+            conversion.skip(key, f"num_repeats = {repeats}: never used, left out")
+            continue
+        for special, why in (("mask_path", "masked loss is not supported: the whole image trains"), ("control_path", "control/edit image pairs are not supported: only the target images train")):
+            if special in directory:
+                conversion.skip(f"{key}.{special}", f"{directory.pop(special)!r}: {why}")
+        for override, value in directory.items():
+            conversion.skip(f"{key}.{override}", f"{value!r}: per-directory settings are not supported; the top-level ones apply to every folder")
+        kept.append((folder, repeats, _concept(folder, {concept for _, _, concept, _ in kept}), key))
+
+    linked = not (len(kept) == 1 and kept[0][1] == 1)
+    for folder, repeats, concept, key in kept:
+        _check_folder(conversion, key, folder, concept if linked else None)
+    if not linked:
+        conversion.set("data.path", str(kept[0][0]), f"from {where} [[directory]] path: images with .txt captions beside them")
+    elif kept:
+        # Several folders or repeats: the kohya layout expresses both as <repeats>_<name> subfolders.
+        conversion.links_dir = links_dir
+        conversion.links = {f"{repeats}_{concept}": folder for folder, repeats, concept, _ in kept}
+        listing = ", ".join(f"{repeats}_{concept} -> {folder}" for folder, repeats, concept, _ in kept)
+        conversion.set("data.path", str(links_dir), f"from {where} [[directory]] entries with num_repeats, as kohya-layout links: {listing}")
+    for key, value in rest.items():
+        conversion.skip(f"dataset.{key}", DATASET_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
+
+
+def _concept(folder: Path, taken: set[str]) -> str:
+    """The kohya concept name of a linked folder: its own name, made unique among the others."""
+    name = re.sub(r"[^\w .-]", "_", folder.name).strip() or "images"
+    candidate, number = name, 2
+    while candidate in taken:
+        candidate, number = f"{name}-{number}", number + 1
+    return candidate
+
+
+def _check_folder(conversion: Conversion, key: str, folder: Path, concept: str | None) -> None:
+    """Say what the kohya/flat layouts read differently from diffusion-pipe in this folder."""
+    from zeropipe.diffusion.images import IMAGE_SUFFIXES
+
+    files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    videos = [p for p in files if p.suffix.lower() in VIDEO_SUFFIXES]
+    if videos:
+        conversion.skip(f"{key} (videos)", f"{len(videos)} video file(s) in {folder}: video is not supported yet; only its {len(images)} image(s) train")
+    uncaptioned = [p for p in images if not p.with_suffix(".txt").is_file()]
+    if uncaptioned and concept is not None:
+        # Only the kohya layout differs: a flat folder also trains uncaptioned images with the empty caption.
+        conversion.skip(
+            f"{key} (captions)",
+            f"{len(uncaptioned)} image(s) in {folder} have no .txt caption (e.g. {uncaptioned[0].name}): diffusion-pipe trains them with "
+            f"the empty caption, ZeRO-Pipe's kohya layout with the folder's concept name '{concept}': add caption files to keep them apart",
+        )

@@ -1,0 +1,308 @@
+"""LLaMA-Factory (github.com/hiyouga/LLaMA-Factory) training YAMLs, with datasets from dataset_info.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from zeropipe.convert.common import (
+    Conversion,
+    ConversionError,
+    as_number,
+    find_path,
+    is_unset,
+    local_model,
+    map_deepspeed,
+    map_optimizer,
+    map_output_dir,
+    map_precision,
+    map_schedule,
+    map_sources,
+    map_trainer_keys,
+    map_warmup_ratio,
+    to_float,
+    to_int,
+)
+
+STAGES = {"sft": "supervised fine-tuning", "pt": "pre-training on plain text"}
+REFUSED_STAGES = {"rm": "reward-model", "ppo": "PPO", "dpo": "DPO", "kto": "KTO"}
+# LLaMA-Factory's defaults where they differ from ZeRO-Pipe's (hparams/finetuning_args.py, data_args.py).
+DEFAULT_CUTOFF_LEN = 2048
+DEFAULT_EPOCHS = 3.0
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}
+SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system"}
+OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "system_tag": "system"}
+
+NOT_MAPPED = {
+    "template": "ZeRO-Pipe renders conversations with the tokenizer's own chat template (a plain role-tagged layout when it has none)",
+    "overwrite_cache": "the data is tokenized once per run into its memory-mapped cache",
+    "preprocessing_num_workers": "the fast tokenizer batches the data itself",
+    "dataloader_num_workers": "the token cache is memory-mapped; no loader workers",
+    "plot_loss": "metrics.jsonl has every step; `zeropipe ui` plots it",
+    "overwrite_output_dir": "a new run directory is made per run name; `--resume` continues one",
+    "ddp_timeout": "ZeRO-Pipe sets the rendezvous itself",
+    "max_samples": "every record of the file is used: cut the file to train on fewer",
+    "resume_from_checkpoint": "resume with `zeropipe train FILE --resume [PATH]`",
+    "adapter_name_or_path": "starting from a saved adapter is not supported: merge it into the base first",
+    "eval_strategy": "evaluation runs every train.eval_every steps (from eval_steps)",
+    "per_device_eval_batch_size": "evaluation uses train.micro_batch_size",
+    "do_eval": "evaluation runs when held-out data is set (val_size)",
+    "do_predict": "prediction is not part of training; `zeropipe generate RUN --prompt ...` answers prompts",
+    "save_only_model": "checkpoints always hold the optimizer state so that --resume continues exactly",
+    "report_to": "TensorBoard is always written; set logging.wandb / logging.mlflow",
+    "flash_attn": "attention runs on PyTorch's sdpa kernels, which use flash kernels where they can",
+    "image_max_pixels": "images are resized by the model's own image processor",
+    "image_min_pixels": "images are resized by the model's own image processor",
+    "video_max_pixels": "video is not supported",
+    "quantization_method": "QLoRA uses bitsandbytes",
+    "mask_history": "loss is on every assistant turn",
+    "additional_target": "only LoRA adapters train in a LoRA run",
+    "create_new_adapter": "a LoRA run starts fresh adapters",
+    "use_dora": "DoRA is not supported: plain LoRA",
+    "use_rslora": "rank-stabilised LoRA is not supported: plain LoRA (set model.lora.alpha to r x sqrt(r) for the same scale)",
+    "pissa_init": "PiSSA initialisation is not supported: plain LoRA",
+    "use_unsloth": "unsloth kernels are not used",
+    "enable_liger_kernel": "liger kernels are not used",
+    "tokenized_path": "the data is tokenized into the run's memory-mapped cache (RUN/cache)",
+    "streaming": "files are read whole, then memory-mapped",
+    "mix_strategy": "several datasets become data.mixture, weighted by their sizes",
+    "interleave_probs": "several datasets become data.mixture, weighted by their sizes",
+}
+
+
+def convert(path: Path, raw: dict[str, Any]) -> Conversion:
+    conversion = Conversion("llama-factory", path)
+    rest = dict(raw)
+    bases = (Path.cwd(), path.parent)
+    stage = str(rest.pop("stage", "sft"))
+    if stage in REFUSED_STAGES:
+        raise ConversionError(
+            f"{path}: stage: {stage} is {REFUSED_STAGES[stage]} training, which ZeRO-Pipe does not do (it trains supervised: "
+            "stage: sft, full, LoRA or QLoRA, and stage: pt): convert the sft stage of your recipe instead"
+        )
+    if stage not in STAGES:
+        raise ConversionError(f"{path}: stage: {stage} is not one ZeRO-Pipe knows (it converts sft and pt)")
+    if rest.pop("do_train", True) is False:
+        conversion.skip("do_train", "false: this config does not train; the conversion is a training config anyway")
+
+    local_model(conversion, "model_name_or_path", str(rest.pop("model_name_or_path", "")), bases)
+    if rest.pop("trust_remote_code", False):
+        conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
+    # LLaMA-Factory checkpoints activations unless told not to.
+    no_checkpointing = rest.pop("disable_gradient_checkpointing", False)
+    conversion.set(
+        "model.gradient_checkpointing",
+        not no_checkpointing,
+        "from disable_gradient_checkpointing" if no_checkpointing else "LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing is set",
+    )
+    _method(conversion, rest)
+    _vision(conversion, rest)
+
+    fmt_stage = "text" if stage == "pt" else None
+    _datasets(conversion, rest, path, fmt_stage)
+    if "eval_dataset" in rest:
+        conversion.skip("eval_dataset", f"{rest.pop('eval_dataset')!r}: set data.eval_path to its file (or use val_size)")
+    cutoff = rest.pop("cutoff_len", None)
+    conversion.set("data.max_seq_len", to_int(cutoff or DEFAULT_CUTOFF_LEN, "cutoff_len"), "from cutoff_len" if cutoff else f"LLaMA-Factory's default cutoff_len is {DEFAULT_CUTOFF_LEN}")
+    packing, neat = rest.pop("packing", None), rest.pop("neat_packing", None)
+    if neat or packing:
+        note = "from neat_packing" if neat else "from packing (ZeRO-Pipe's packing is always 'neat': examples never attend to each other)"
+        conversion.set("data.packing", True, note)
+    val = as_number(rest.pop("val_size", None))
+    if val:
+        if val < 1:
+            conversion.set("data.eval_fraction", to_float(val, "val_size"), "from val_size")
+        else:
+            conversion.skip("val_size", f"{val}: a count of records; ZeRO-Pipe holds out a fraction: set data.eval_fraction")
+    eval_steps = as_number(rest.pop("eval_steps", None))
+    if eval_steps:
+        if "data.eval_fraction" in conversion.entries:
+            conversion.set("train.eval_every", to_int(eval_steps, "eval_steps"), "from eval_steps")
+        else:
+            conversion.skip("eval_steps", "no held-out data (val_size) to evaluate on")
+    if rest.get("train_on_prompt"):
+        conversion.skip("train_on_prompt", "true: loss is on the responses only; training on prompts is not supported")
+    elif "train_on_prompt" in rest:
+        conversion.already.append("train_on_prompt: false (loss on responses only)")
+    rest.pop("train_on_prompt", None)
+
+    if "per_device_train_batch_size" in rest:
+        conversion.set("train.micro_batch_size", to_int(rest.pop("per_device_train_batch_size"), "per_device_train_batch_size"), "from per_device_train_batch_size")
+    epochs = rest.pop("num_train_epochs", None)
+    conversion.set("train.epochs", to_float(epochs if epochs is not None else DEFAULT_EPOCHS, "num_train_epochs"), "from num_train_epochs" if epochs is not None else "Hugging Face's default num_train_epochs is 3")
+    map_trainer_keys(conversion, rest)
+    map_schedule(conversion, "lr_scheduler_type", rest.pop("lr_scheduler_type", "linear"))
+    map_optimizer(conversion, "optim", rest.pop("optim", None))
+    map_warmup_ratio(conversion, "warmup_ratio", rest.pop("warmup_ratio", None))
+    map_precision(conversion, rest, "LLaMA-Factory")
+    map_deepspeed(conversion, "deepspeed", rest.pop("deepspeed", None), bases)
+    map_output_dir(conversion, rest.pop("output_dir", None))
+    report_to = rest.get("report_to")
+    if report_to == "wandb" or (isinstance(report_to, list) and "wandb" in report_to):
+        rest.pop("report_to")
+        conversion.set("logging.wandb", True, "from report_to: wandb")
+    elif report_to in ("none", "tensorboard", None):
+        rest.pop("report_to", None)
+
+    for key, value in rest.items():
+        if is_unset(value):
+            continue
+        conversion.skip(key, NOT_MAPPED.get(key) or f"{value!r}: no ZeRO-Pipe equivalent, left out")
+    return conversion
+
+
+def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
+    method = str(rest.pop("finetuning_type", "lora"))
+    lora_keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
+    if method == "full":
+        for key in lora_keys:
+            if key in rest:
+                conversion.skip(key, "finetuning_type: full trains every weight; LoRA settings do not apply")
+                rest.pop(key)
+    elif method == "freeze":
+        conversion.skip(
+            "finetuning_type",
+            "freeze (only the last layers train) is not supported: converted as a full fine-tune; LoRA (finetuning_type: lora) trains far fewer weights",
+        )
+        for key in [k for k in rest if k.startswith("freeze_trainable") or k == "freeze_extra_modules"]:
+            conversion.skip(key, "belongs to finetuning_type: freeze")
+            rest.pop(key)
+    elif method == "lora":
+        given = {key for key in lora_keys if key in rest}
+        rank = to_int(rest.pop("lora_rank", 8), "lora_rank")
+        conversion.set("model.lora.r", rank, "from lora_rank" if "lora_rank" in given else "LLaMA-Factory's default lora_rank is 8")
+        alpha = rest.pop("lora_alpha", None)
+        conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else 2 * rank, "lora_alpha"), "from lora_alpha" if alpha is not None else "LLaMA-Factory's default lora_alpha is 2 x lora_rank")
+        dropout = rest.pop("lora_dropout", None)
+        conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "LLaMA-Factory's default lora_dropout is 0")
+        target = rest.pop("lora_target", "all")
+        if target == "all":
+            conversion.set("model.lora.target_modules", "all-linear", "from lora_target: all" if "lora_target" in given else "LLaMA-Factory's default lora_target is all")
+        else:
+            names = [name.strip() for name in (target.split(",") if isinstance(target, str) else target) if str(name).strip()]
+            conversion.set("model.lora.target_modules", names, "from lora_target")
+    else:
+        raise ConversionError(f"{conversion.source}: finetuning_type: {method} is not one ZeRO-Pipe knows (lora, full, freeze)")
+    bits = rest.pop("quantization_bit", None)
+    if bits is not None:
+        if to_int(bits, "quantization_bit") == 4 and method == "lora":
+            conversion.set("model.quantization.load_in_4bit", True, "from quantization_bit: 4 (QLoRA: nf4 with double quantization, as LLaMA-Factory's default)")
+        else:
+            conversion.skip("quantization_bit", f"{bits}: ZeRO-Pipe quantizes only for QLoRA: 4-bit with finetuning_type: lora")
+
+
+def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
+    """LLaMA-Factory's freeze_* switches for multimodal models become model.trainable."""
+    keys = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
+    given = {key: rest.pop(key) for key in keys if key in rest}
+    path = conversion.entries.get("model.path")
+    config_file = Path(str(path.value)) / "config.json" if path else None
+    is_vlm = False
+    if config_file is not None and config_file.is_file():
+        try:
+            is_vlm = "vision_config" in json.loads(config_file.read_text())
+        except json.JSONDecodeError:
+            is_vlm = False
+    if not is_vlm:
+        for key in given:
+            conversion.skip(key, "the model is not a vision-language model (no vision_config in its config.json)")
+        return
+    # LLaMA-Factory's defaults: tower and projector frozen, language model trained.
+    frozen = {"vision_tower": given.get("freeze_vision_tower", True), "projector": given.get("freeze_multi_modal_projector", True), "language_model": given.get("freeze_language_model", False)}
+    trainable = [part for part, is_frozen in frozen.items() if not is_frozen]
+    conversion.set("model.trainable", trainable, "from freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model (LLaMA-Factory's defaults where unset)")
+
+
+def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_format: str | None) -> None:
+    names = rest.pop("dataset", None)
+    if is_unset(names):
+        conversion.skip("dataset", "no dataset: set data.path to a local .jsonl/.json file")
+        return
+    names = [name.strip() for name in (names.split(",") if isinstance(names, str) else names) if str(name).strip()]
+    folder_name = str(rest.pop("dataset_dir", "data"))
+    folder = find_path(folder_name, Path.cwd(), path.parent)
+    info_file = folder / "dataset_info.json" if folder is not None else None
+    if info_file is None or not info_file.is_file():
+        raise ConversionError(
+            f"{path}: dataset: {', '.join(names)} is described in dataset_dir/dataset_info.json, but {folder_name}/dataset_info.json "
+            f"was not found (looked relative to {Path.cwd()} and {path.parent}): set dataset_dir to the folder that holds it"
+        )
+    try:
+        info = json.loads(info_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ConversionError(f"{info_file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}): fix it") from None
+    if not isinstance(info, dict):
+        raise ConversionError(f"{info_file} must hold a JSON object of dataset descriptions")
+    sources: list[tuple[str, Path, str]] = []
+    for name in names:
+        entry = info.get(name)
+        key = f"dataset {name}"
+        if not isinstance(entry, dict):
+            close = ", ".join(sorted(info)[:8])
+            conversion.skip(key, f"not described in {info_file} (it describes {close}{', ...' if len(info) > 8 else ''})")
+            continue
+        source = _source(conversion, key, dict(entry), info_file.parent, forced_format)
+        if source is not None:
+            sources.append(source)
+    if sources:
+        map_sources(conversion, sources, "from dataset_info.json's formatting and columns")
+
+
+def _source(conversion: Conversion, key: str, entry: dict[str, Any], folder: Path, forced_format: str | None) -> tuple[str, Path, str] | None:
+    for remote in ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name"):
+        if entry.get(remote):
+            conversion.skip(
+                key,
+                f"{remote}: {entry[remote]}: ZeRO-Pipe reads local files and downloads nothing: download it, add a .jsonl/.json file "
+                "and point data.path at it",
+            )
+            return None
+    file_name = entry.get("file_name")
+    data_file = folder / str(file_name) if file_name else None
+    if data_file is None or not data_file.exists():
+        conversion.skip(key, f"file_name {file_name!r} not found in {folder}")
+        return None
+    if entry.get("ranking"):
+        conversion.skip(key, "a preference dataset (ranking: true) is for rm/dpo stages, which ZeRO-Pipe does not train")
+        return None
+    formatting = entry.get("formatting", "alpaca")
+    columns = dict(entry.get("columns") or {})
+    tags = dict(entry.get("tags") or {})
+    for column in ("system", "tools", "history", "videos", "audios", "kto_tag"):
+        if columns.pop(column, None):
+            conversion.skip(f"{key} columns.{column}", f"the {column} column is not read: records train on their {'instruction/input/output' if formatting == 'alpaca' else 'messages'}")
+    if columns.pop("images", None) not in (None, "images"):
+        conversion.skip(f"{key} columns.images", "images are read from an 'images' key: rename the column in the file")
+    if forced_format == "text":
+        prompt = columns.get("prompt", "text")
+        if prompt != "text":
+            conversion.skip(f"{key} columns.prompt", f"{prompt!r}: plain-text records are read from a 'text' key: rename the key in the file")
+            return None
+        return (f"{key} (file_name {file_name})", data_file, "text")
+    if formatting == "alpaca":
+        wanted = {name: columns.get(name, default) for name, default in ALPACA_COLUMNS.items()}
+        if wanted != ALPACA_COLUMNS:
+            conversion.skip(
+                f"{key} columns",
+                f"{wanted}: ZeRO-Pipe reads alpaca records from instruction/input/output: rename the keys in {data_file.name}",
+            )
+            return None
+        return (f"{key} (file_name {file_name})", data_file, "alpaca")
+    if formatting == "sharegpt":
+        messages = columns.get("messages", "conversations")
+        merged = {**SHAREGPT_TAGS, **tags}
+        relevant = ("role_tag", "content_tag", "user_tag", "assistant_tag")
+        if messages == "conversations" and all(merged[t] == SHAREGPT_TAGS[t] for t in relevant):
+            return (f"{key} (file_name {file_name})", data_file, "sharegpt")
+        if messages == "messages" and all(merged[t] == OPENAI_TAGS[t] for t in relevant):
+            return (f"{key} (file_name {file_name})", data_file, "chat")
+        conversion.skip(
+            f"{key} columns/tags",
+            f"messages in {messages!r} with {merged['role_tag']}/{merged['content_tag']} and speakers {merged['user_tag']}/{merged['assistant_tag']}: "
+            "ZeRO-Pipe reads conversations with from/value and human/gpt (sharegpt) or messages with role/content and user/assistant "
+            f"(chat): rename them in {data_file.name}",
+        )
+        return None
+    conversion.skip(f"{key} formatting", f"{formatting!r}: ZeRO-Pipe reads alpaca and sharegpt formatting")
+    return None

@@ -1,0 +1,301 @@
+"""diffusion-pipe TOMLs -> ZeRO-Pipe keys, key by key; what cannot be mapped is listed with why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zeropipe.config.load import validate_config
+from zeropipe.convert import ConversionError, convert_file, write_links
+
+
+def pipeline_dir(root: Path, name: str = "flux-dev") -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    return folder
+
+
+def image_dir(root: Path, name: str, images: int = 2, captions: bool = True, videos: int = 0) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    for i in range(images):
+        (folder / f"{i}.png").write_bytes(b"png")
+        if captions:
+            (folder / f"{i}.txt").write_text("a caption")
+    for i in range(videos):
+        (folder / f"clip{i}.mp4").write_bytes(b"mp4")
+    return folder
+
+
+def write(tmp_path: Path, main: str, dataset: str, name: str = "main.toml") -> Path:
+    (tmp_path / "dataset.toml").write_text(dataset)
+    path = tmp_path / name
+    path.write_text(main)
+    return path
+
+
+def values(conversion) -> dict:
+    return {key: entry.value for key, entry in conversion.entries.items()}
+
+
+def unmapped(conversion) -> dict:
+    return dict(conversion.unmapped)
+
+
+def test_flux_lora_maps_key_by_key(tmp_path):
+    flux = pipeline_dir(tmp_path)
+    images = image_dir(tmp_path, "photos")
+    path = write(
+        tmp_path,
+        f"""
+output_dir = '{tmp_path / "runs"}'
+dataset = 'dataset.toml'
+epochs = 50
+micro_batch_size_per_gpu = 2
+pipeline_stages = 1
+gradient_accumulation_steps = 4
+gradient_clipping = 0.5
+warmup_steps = 20
+lr_scheduler = 'cosine'
+save_every_n_steps = 100
+activation_checkpointing = true
+[model]
+type = 'flux'
+diffusers_path = '{flux}'
+dtype = 'bfloat16'
+timestep_sample_method = 'logit_normal'
+[adapter]
+type = 'lora'
+rank = 16
+alpha = 8
+dropout = 0.1
+[optimizer]
+type = 'adamw_optimi'
+lr = 1e-4
+betas = [0.9, 0.99]
+weight_decay = 0.01
+eps = 1e-8
+[monitoring]
+enable_wandb = true
+wandb_tracker_name = 'my-loras'
+wandb_api_key = 'secret'
+""",
+        f"""
+resolutions = [[1280, 720]]
+enable_ar_bucket = true
+min_ar = 0.25
+max_ar = 3.0
+[[directory]]
+path = '{images}'
+num_repeats = 1
+""",
+    )
+    conversion = convert_file(path)
+    assert conversion.tool == "diffusion-pipe"
+    assert values(conversion) == {
+        "model.family": "diffusion",
+        "run.output_dir": str(tmp_path / "runs"),
+        "deepspeed.precision": "bf16",
+        "model.path": str(flux),
+        "model.diffusion.timestep_sampling": "logit_normal",
+        "model.lora.r": 16,
+        "model.lora.alpha": 8.0,
+        "model.lora.dropout": 0.1,
+        "train.lr": 1e-4,
+        "train.adam_beta1": 0.9,
+        "train.adam_beta2": 0.99,
+        "train.weight_decay": 0.01,
+        "train.adam_eps": 1e-8,
+        "logging.wandb": True,
+        "logging.wandb_project": "my-loras",
+        "train.epochs": 50.0,
+        "train.micro_batch_size": 2,
+        "train.gradient_accumulation_steps": 4,
+        "train.grad_clip": 0.5,
+        "train.warmup_steps": 20,
+        "train.schedule": "cosine",
+        "train.min_lr_ratio": 0.0,
+        "train.save_every": 100,
+        "model.gradient_checkpointing": True,
+        "deepspeed.zero_stage": 2,
+        "data.images.resolution": 960,  # the area of 1280 x 720
+        "data.images.bucket_step": 32,
+        "data.images.bucketing": True,
+        "data.images.max_aspect": 4.0,  # 1 / min_ar wins over max_ar
+        "data.path": str(images),
+    }
+    assert conversion.links == {} and conversion.blocking == []
+    # The API key is never copied into a config file.
+    assert "secret" not in conversion.to_yaml()
+    assert "WANDB_API_KEY" in unmapped(conversion)["monitoring.wandb_api_key"]
+
+
+def test_every_mapped_key_has_a_comment_and_the_yaml_validates(tmp_path):
+    flux = pipeline_dir(tmp_path)
+    images = image_dir(tmp_path, "photos")
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\nmax_steps = 5\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\ndtype = 'float32'\n",
+        f"resolutions = [512]\n[[directory]]\npath = '{images}'\n",
+    )
+    text = convert_file(path).to_yaml("out.yaml")
+    assert text.startswith("# Converted by `zeropipe convert` from the diffusion-pipe config")
+    assert "# Run it:  zeropipe train out.yaml" in text
+    leaves = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#") and not line.rstrip().endswith(":")]
+    assert leaves and all("  # " in line for line in leaves), leaves
+    raw = yaml.safe_load(text)
+    raw["run"] = {"name": "x"}
+    config = validate_config(raw)
+    assert config.model.family == "diffusion" and config.data.images.resolution == 512 and config.deepspeed.precision == "fp32"
+    # No [adapter] table: a full fine-tune, said so.
+    assert "  lora: null  # no [adapter] table: a full fine-tune" in text
+
+
+def test_pipeline_stages_and_block_swap_become_zero3_and_offload_with_reasons(tmp_path):
+    flux = pipeline_dir(tmp_path)
+    images = image_dir(tmp_path, "photos")
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\npipeline_stages = 2\nblocks_to_swap = 20\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\ndtype = 'bfloat16'\n",
+        f"[[directory]]\npath = '{images}'\n",
+    )
+    conversion = convert_file(path)
+    assert values(conversion)["deepspeed.zero_stage"] == 3
+    assert values(conversion)["deepspeed.offload_param"] == "cpu"
+    why = unmapped(conversion)
+    assert "ZeRO-3 (deepspeed.zero_stage: 3) shards the parameters across the GPUs" in why["pipeline_stages"]
+    assert "deepspeed.offload_param: cpu keeps all parameters in host RAM" in why["blocks_to_swap"]
+
+    stages_only = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\npipeline_stages = 4\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\n",
+        f"[[directory]]\npath = '{images}'\n",
+        name="stages.toml",
+    )
+    conversion = convert_file(stages_only)
+    assert values(conversion)["deepspeed.zero_stage"] == 3 and "deepspeed.offload_param" not in values(conversion)
+
+
+def test_several_directories_and_repeats_become_kohya_links(tmp_path):
+    flux = pipeline_dir(tmp_path)
+    style = image_dir(tmp_path / "data", "style")
+    subject = image_dir(tmp_path / "data", "subject", images=3, captions=False, videos=2)
+    other_subject = image_dir(tmp_path / "other", "subject")
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\n",
+        f"""
+frame_buckets = [1, 33]
+[[directory]]
+path = '{style}'
+num_repeats = 1
+[[directory]]
+path = '{subject}'
+num_repeats = 5
+mask_path = '/masks'
+resolutions = [256]
+[[directory]]
+path = '{other_subject}'
+num_repeats = 2
+""",
+    )
+    conversion = convert_file(path)
+    links_dir = tmp_path / "dataset.zeropipe-images"
+    assert values(conversion)["data.path"] == str(links_dir)
+    # Same folder names get distinct concept names; repeats go into the kohya prefix.
+    assert conversion.links == {"1_style": style, "5_subject": subject, "2_subject-2": other_subject}
+    why = unmapped(conversion)
+    assert "masked loss is not supported" in why["dataset.directory[1].mask_path"]
+    assert "per-directory settings are not supported" in why["dataset.directory[1].resolutions"]
+    assert "2 video file(s)" in why["dataset.directory[1] (videos)"]
+    assert "3 image(s)" in why["dataset.directory[1] (captions)"] and "concept name 'subject'" in why["dataset.directory[1] (captions)"]
+    assert "video is not supported yet" in why["dataset.frame_buckets"]
+
+    assert len(write_links(conversion)) == 3
+    assert {link.name: link.resolve() for link in links_dir.iterdir()} == conversion.links
+    # Converting again is idempotent; a directory dropped from the dataset loses its link.
+    assert write_links(conversion) == []
+    conversion.links.pop("2_subject-2")
+    write_links(conversion)
+    assert sorted(link.name for link in links_dir.iterdir()) == ["1_style", "5_subject"]
+
+
+def test_video_architecture_is_converted_but_blocked(tmp_path):
+    images = image_dir(tmp_path, "clips", videos=1)
+    wan = tmp_path / "Wan2.1-T2V-1.3B"
+    wan.mkdir()
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{wan}'\ndtype = 'bfloat16'\ntransformer_dtype = 'float8'\n",
+        f"frame_buckets = [1, 33]\n[[directory]]\npath = '{images}'\n",
+    )
+    conversion = convert_file(path)
+    assert conversion.blocking and "'wan' is a video model ZeRO-Pipe does not train yet" in conversion.blocking[0]
+    text = conversion.to_yaml()
+    assert "# CANNOT TRAIN YET: [model] type = 'wan' is a video model" in text
+    why = unmapped(conversion)
+    assert "not a diffusers pipeline folder" in why["model.ckpt_path"]
+    assert "fp8/nf4 base weights are not supported" in why["model.transformer_dtype"]
+
+
+def test_sdxl_single_file_checkpoint_says_how_to_make_a_pipeline_folder(tmp_path):
+    checkpoint = tmp_path / "sd_xl_base_1.0.safetensors"
+    checkpoint.write_bytes(b"weights")
+    images = image_dir(tmp_path, "photos")
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\n[model]\ntype = 'sdxl'\ncheckpoint_path = '{checkpoint}'\nv_pred = true\nmin_snr_gamma = 5\nunet_lr = 4e-5\ntext_encoder_1_lr = 2e-5\n"
+        "[optimizer]\ntype = 'adamw_optimi'\nlr = 1e-5\n",
+        f"[[directory]]\npath = '{images}'\n",
+    )
+    conversion = convert_file(path)
+    got = values(conversion)
+    assert got["model.diffusion.prediction_type"] == "v_prediction" and got["model.diffusion.min_snr_gamma"] == 5.0
+    assert got["train.lr"] == 4e-5  # unet_lr: the UNet is what trains
+    why = unmapped(conversion)
+    assert "StableDiffusionXLPipeline.from_single_file" in why["model.checkpoint_path"]
+    assert "text encoders stay frozen" in why["model.text_encoder_1_lr"]
+    assert "unet_lr is used instead" in why["optimizer.lr"]
+
+
+def test_unknown_keys_are_listed_never_dropped(tmp_path):
+    flux = pipeline_dir(tmp_path)
+    images = image_dir(tmp_path, "photos")
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\nmy_new_option = 3\ncompile = true\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\nflux_shift = true\n[optimizer]\ntype = 'Prodigy'\nlr = 1\n",
+        f"cache_shuffle_num = 10\n[[directory]]\npath = '{images}'\n",
+    )
+    conversion = convert_file(path)
+    why = unmapped(conversion)
+    assert {"my_new_option", "compile", "model.flux_shift", "optimizer.type", "optimizer.lr", "dataset.cache_shuffle_num"} <= set(why)
+    assert "train.lr" not in values(conversion)  # Prodigy's lr of 1 must not become AdamW's
+
+
+def test_bad_toml_and_missing_files_are_clear(tmp_path):
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\ntype = 'flux'\n")
+    with pytest.raises(ConversionError, match=r"broken.toml is not valid TOML: .*line 1"):
+        convert_file(broken)
+    no_dataset = tmp_path / "no_dataset.toml"
+    no_dataset.write_text("dataset = 'missing.toml'\n[model]\ntype = 'flux'\n")
+    with pytest.raises(ConversionError, match=r"dataset = 'missing.toml' not found .*fix the path"):
+        convert_file(no_dataset)
+    (tmp_path / "bad_dataset.toml").write_text("resolutions = [512\n")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("dataset = 'bad_dataset.toml'\n[model]\ntype = 'flux'\n")
+    with pytest.raises(ConversionError, match=r"bad_dataset.toml \(the dataset TOML\) is not valid TOML"):
+        convert_file(bad)
+    (tmp_path / "nodirs.toml").write_text("resolutions = [512]\n")
+    nodirs = tmp_path / "nodirs_main.toml"
+    nodirs.write_text("dataset = 'nodirs.toml'\n[model]\ntype = 'flux'\n")
+    with pytest.raises(ConversionError, match=r"no \[\[directory\]\] entries"):
+        convert_file(nodirs)
+    (tmp_path / "gone.toml").write_text("[[directory]]\npath = '/no/such/folder'\n")
+    gone = tmp_path / "gone_main.toml"
+    gone.write_text("dataset = 'gone.toml'\n[model]\ntype = 'flux'\n")
+    with pytest.raises(ConversionError, match=r"path = '/no/such/folder' is not a folder"):
+        convert_file(gone)
