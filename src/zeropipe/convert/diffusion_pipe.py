@@ -16,9 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
+from zeropipe.diffusion.architectures import architectures
 
-# diffusion-pipe [model] type -> ZeRO-Pipe architecture, and the key that names the model.
-IMAGE_ARCHITECTURES = {"sdxl": "sdxl", "flux": "flux", "sd3": "sd3"}
+
+def trainable_architecture(kind: str) -> str | None:
+    """ZeRO-Pipe's architecture entry for a diffusion-pipe [model] type (the names coincide), or None."""
+    return kind if kind in architectures() else None
+
+
 VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack")
 MODEL_PATH_KEYS = ("diffusers_path", "checkpoint_path", "ckpt_path")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -131,7 +136,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
 
 def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
     kind = str(model.pop("type"))
-    arch = IMAGE_ARCHITECTURES.get(kind)
+    arch = trainable_architecture(kind)
     if arch is None:
         what = "a video model" if kind in VIDEO_TYPES else "an image architecture"
         reason = (
@@ -159,7 +164,7 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         else:
             conversion.set("model.path", value, f"from [model] {key}: see the list above")
             if found is not None and found.is_file():
-                cls = {"sdxl": "StableDiffusionXLPipeline", "sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline"}.get(kind, "DiffusionPipeline")
+                cls = architectures()[kind].pipeline_class if trainable_architecture(kind) else "DiffusionPipeline"
                 why = (
                     f"{value} is a single-file checkpoint; ZeRO-Pipe loads diffusers pipeline folders: "
                     f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
