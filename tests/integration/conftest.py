@@ -32,7 +32,7 @@ def tiny_run_config(tmp_path: Path, name: str = "tiny", **sections) -> dict:
         "model": {"config": dict(TINY_LLAMA), "tokenizer_vocab_size": 300},
         "data": {"synthetic": {"task": "arithmetic", "examples": 400}, "max_seq_len": 32},
         "train": {"max_steps": 12, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 2, "log_every": 4},
-        "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+        "deepspeed": {"zero_stage": 2, "precision": "auto"},
         "hardware": {"gpus": 2},
         "generate": {"prompts": ["What is 1 + 2?"], "max_new_tokens": 4},
     }

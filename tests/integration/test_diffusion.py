@@ -21,7 +21,7 @@ def diffusion_config(tmp_path: Path, name: str, pipeline: str = "tiny-sdxl", **s
         "model": {"config": {"pipeline": pipeline}},
         "data": {"synthetic": {"task": "shapes", "examples": 48}, "images": {"resolution": 32, "bucket_step": 8}},
         "train": {"max_steps": 12, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 1, "log_every": 4},
-        "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+        "deepspeed": {"zero_stage": 2, "precision": "auto"},
         "hardware": {"gpus": 2},
         "generate": {"prompts": ["a red circle on a blue background"], "sample_steps": 4},
     }

@@ -44,6 +44,7 @@ class CheckContext:
     plan: Any = None  # zeropipe.plan result for the config's own choice, when it could be computed
     problems: list[tuple[str, str]] = field(default_factory=list)  # errors found while building the context
     family_problems: list[tuple[str, str]] = field(default_factory=list)  # what the model family cannot run (its config_problems)
+    conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
 
     @property
     def zero_stage(self) -> int:
@@ -216,13 +217,22 @@ def deepspeed_schema(ctx: CheckContext):
 def precision_on_hardware(ctx: CheckContext):
     precision = ctx.config.deepspeed.precision
     if ctx.accelerator == "cpu" and (ctx.ds_config.get("fp16") or {}).get("enabled"):
-        return [("deepspeed.precision", "DeepSpeed does not support fp16 on CPU ranks", "use bf16 or fp32")]
+        if ((ctx.user_ds_config or {}).get("fp16") or {}).get("enabled") is True:
+            where = ctx.config.deepspeed.config_file
+            return [("deepspeed.config_file", f"{where} sets fp16.enabled: true, and DeepSpeed does not support fp16 on CPU ranks",
+                     f'set "fp16": {{"enabled": false}} in {where} (add "bf16": {{"enabled": true}} for bf16), or remove its fp16 block')]
+        return [("deepspeed.precision", "DeepSpeed does not support fp16 on CPU ranks", "set deepspeed.precision: auto, bf16 or fp32")]
     if ctx.accelerator == "cuda" and precision == "bf16":
         import torch
 
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return [("deepspeed.precision", f"bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(0)} is older)", "use fp16")]
     return []
+
+
+@rule("ZP014", "warning", "the YAML and the DeepSpeed JSON disagree", "docs/config.md")
+def yaml_and_json_disagree(ctx: CheckContext):
+    return [(key, message, "keep the setting in one place: the YAML, or deepspeed.config_file") for key, message in ctx.conflicts]
 
 
 @rule("ZP011", "error", "the plan exceeds GPU memory or host RAM", "docs/plan.md")

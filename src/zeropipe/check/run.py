@@ -9,6 +9,7 @@ from zeropipe.config.deepspeed import build_deepspeed_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
+from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run
 
 
 class CheckFailed(ZeroPipeError):
@@ -22,13 +23,19 @@ class CheckFailed(ZeroPipeError):
         super().__init__("\n".join(lines))
 
 
-def build_context(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> CheckContext:
-    from zeropipe.launch.prepare import detect_accelerator
-
-    detected_accelerator, detected_ranks = detect_accelerator(config)
-    accelerator = accelerator or detected_accelerator
-    world_size = world_size or detected_ranks
+def build_context(config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None) -> CheckContext:
+    """What the rules look at: the resolved config (resolved here unless it is), its DeepSpeed JSON and its plan."""
     problems: list[tuple[str, str]] = []
+    if isinstance(config, ResolvedRun):
+        resolved = config
+    else:
+        try:
+            resolved = resolve_run(config, world_size, accelerator, fill_auto_knobs=False)
+        except ConfigError as err:  # e.g. a train_batch_size that does not divide over the ranks (ZP008)
+            problems += err.problems
+            detected = detect_accelerator(config)
+            resolved = ResolvedRun(config, accelerator or detected[0], world_size or detected[1])
+    config, accelerator, world_size = resolved.config, resolved.accelerator, resolved.world_size
     hidden = None
     family_problems: list[tuple[str, str]] = []
     try:
@@ -43,7 +50,9 @@ def build_context(config: RunConfig, world_size: int | None = None, accelerator:
     except ConfigError as err:
         problems += err.problems
         ds_config = user_ds or {}
-    context = CheckContext(config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems)
+    context = CheckContext(
+        config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts
+    )
     context.plan = plan_for(context)
     return context
 
@@ -59,14 +68,15 @@ def plan_for(context: CheckContext):
         return None
 
 
-def check_config(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
-    """Every finding for this config, errors first; for a curriculum, every stage's."""
-    if config.stages:
-        findings = check_stages(config, world_size, accelerator)
+def check_config(config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
+    """Every finding for this config (or resolved run), errors first; for a curriculum, every stage's."""
+    plain = config.config if isinstance(config, ResolvedRun) else config
+    if plain.stages:
+        findings = check_stages(plain, world_size, accelerator)
     else:
         findings = run_rules(build_context(config, world_size, accelerator))
     # run.accept_warnings: a deliberate choice is not warned about again (errors always stand).
-    accepted = set(config.run.accept_warnings)
+    accepted = set(plain.run.accept_warnings)
     findings = [f for f in findings if f.severity == "error" or f.rule not in accepted]
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))
 
@@ -76,12 +86,11 @@ def check_stages(config: RunConfig, world_size: int | None = None, accelerator: 
     import dataclasses
 
     from zeropipe.config.stages import stage_configs, stage_key
-    from zeropipe.launch.auto import resolve_auto_knobs
 
     findings = []
     for index, stage in enumerate(stage_configs(config)):
         try:
-            stage, _ = resolve_auto_knobs(stage, world_size)
+            stage = resolve_run(stage, world_size, accelerator)
         except ZeroPipeError as err:
             findings.append(Finding("ZP011", "error", stage_key(index, "deepspeed"), str(err), "zeropipe plan on this stage's settings shows what fits", "docs/plan.md"))
             continue

@@ -19,11 +19,14 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from zeropipe.check import check_config
     from zeropipe.config.load import load_config
-    from zeropipe.launch.auto import resolve_auto_knobs
+    from zeropipe.launch.resolve import resolve_run
 
     config = load_config(args.config, args.overrides)
-    config, auto_notes = resolve_auto_knobs(config, world_size=args.nproc)
-    findings = check_config(config, world_size=args.nproc)
+    if config.stages:
+        auto_notes, findings = [], check_config(config, world_size=args.nproc)
+    else:
+        resolved = resolve_run(config, world_size=args.nproc)
+        auto_notes, findings = resolved.notes, check_config(resolved)
     errors = [f for f in findings if f.severity == "error"]
     if args.json:
         print(json.dumps({"auto": auto_notes, "findings": [f.to_dict() for f in findings]}, indent=2))

@@ -75,13 +75,14 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         from zeropipe.config.load import load_config
         from zeropipe.families import model_spec
+        from zeropipe.launch.resolve import resolve_run
 
         overrides = []
         if args.seq_len:
             overrides.append(f"data.max_seq_len={args.seq_len}")
         if args.lora_r is not None:
             overrides.append(f"model.lora.r={args.lora_r}")
-        config = load_config(args.config, overrides)
+        config = resolve_run(load_config(args.config, overrides), fill_auto_knobs=False).config
         spec = _spec(args, lora) if (args.model or args.params) else None
         if args.gpus is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
             hardware = hardware.with_gpus(config.hardware.gpus)

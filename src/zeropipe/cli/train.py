@@ -29,8 +29,8 @@ def register(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     from zeropipe.check import CheckFailed, check_config
     from zeropipe.config.load import load_config
-    from zeropipe.launch.auto import resolve_auto_knobs
     from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.resolve import resolve_run
     from zeropipe.launch.supervisor import Supervisor
 
     overrides = list(args.overrides)
@@ -44,11 +44,16 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.cli.convert import convert_for_train
 
     config = load_config(convert_for_train(args.config), overrides)
-    config, auto_notes = resolve_auto_knobs(config)
-    for note in auto_notes:
-        say(note)
+    resolved = None
+    if config.stages:
+        findings = check_config(config)  # each stage is resolved and checked as the run it will be
+    else:
+        # Decided once for this command: what the checks judge is what prepare_run writes.
+        resolved = resolve_run(config)
+        for note in resolved.notes:
+            say(note)
+        findings = check_config(resolved)
     # Refuse what cannot work before the run directory or any process exists.
-    findings = check_config(config)
     if any(f.severity == "error" for f in findings):
         raise CheckFailed(findings)
     for finding in findings:
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         from zeropipe.cli.train_stages import train_curriculum
 
         return train_curriculum(args, config, resume)
-    prepared = prepare_run(config, resume=resume)
+    prepared = prepare_run(resolved, resume=resume)
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")
     say(

@@ -149,12 +149,7 @@ def resolve_user_config(config: RunConfig, path: Path, world_size: int, total_st
     Explicit values in the file win over this config's defaults; the config's train.* fields
     are what the "auto" values become. Every filled value is listed so the user can see it.
     """
-    try:
-        user = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConfigError([("deepspeed.config_file", f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})")]) from None
-    if not isinstance(user, dict):
-        raise ConfigError([("deepspeed.config_file", f"{path} must hold a JSON object")])
+    user = read_user_config(path)
     train = config.train
     precision = config.deepspeed.precision
     micro = user.get("train_micro_batch_size_per_gpu")
@@ -217,6 +212,112 @@ def resolve_user_config(config: RunConfig, path: Path, world_size: int, total_st
         filled.append(f"scheduler = {user['scheduler']['type']} (from train.schedule; the file had none)")
     user.setdefault("steps_per_print", 10**9)
     return ResolvedDeepSpeed(user, filled)
+
+
+def read_user_config(path: Path) -> dict[str, Any]:
+    """deepspeed.config_file as a dict.
+
+    Raises:
+        ConfigError: naming the line of a JSON syntax error, or a file that is not an object.
+    """
+    try:
+        user = json.loads(Path(path).expanduser().read_text())
+    except OSError as err:
+        raise ConfigError([("deepspeed.config_file", f"{path} cannot be read ({err.strerror}): fix the path")]) from None
+    except json.JSONDecodeError as err:
+        raise ConfigError([("deepspeed.config_file", f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})")]) from None
+    if not isinstance(user, dict):
+        raise ConfigError([("deepspeed.config_file", f"{path} must hold a JSON object")])
+    return user
+
+
+def _explicit(node: dict[str, Any], *path: str) -> Any:
+    """A value of the JSON that is set and not "auto", else None."""
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return None if node == "auto" else node
+
+
+def fold_user_config(config: RunConfig, world_size: int) -> tuple[RunConfig, list[str], list[tuple[str, str]]]:
+    """The config with the explicit choices of its DeepSpeed JSON (and deepspeed.overrides) written into its typed fields.
+
+    DeepSpeed runs what the JSON says, so the JSON's explicit batch shape, ZeRO stage,
+    offload and precision become the run's: config.yaml, ds_config.json, the checks, the
+    plan and the model's dtype then agree. A batch the JSON gives as train_batch_size with
+    only one of micro-batch or accumulation has the other derived for this world size.
+
+    Returns:
+        (config, notes: what was taken from the JSON, conflicts: (key, message) where the
+        YAML set a different value itself).
+
+    Raises:
+        ConfigError: a train_batch_size that does not divide over the ranks.
+    """
+    if not config.deepspeed.config_file and not config.deepspeed.overrides:
+        return config, [], []
+    user = read_user_config(Path(config.deepspeed.config_file)) if config.deepspeed.config_file else {}
+    merge(user, copy.deepcopy(config.deepspeed.overrides))
+    source = f"{config.deepspeed.config_file}" if config.deepspeed.config_file else "deepspeed.overrides"
+    taken: dict[tuple[str, str], tuple[Any, str]] = {}  # (section, field) -> (value, JSON key)
+
+    micro = _explicit(user, "train_micro_batch_size_per_gpu")
+    accumulation = _explicit(user, "gradient_accumulation_steps")
+    total = _explicit(user, "train_batch_size")
+    if isinstance(total, int) and (micro is None) != (accumulation is None):
+        known, known_key = (accumulation, "gradient_accumulation_steps") if micro is None else (micro, "train_micro_batch_size_per_gpu")
+        if total % (known * world_size):
+            raise ConfigError(
+                [(
+                    "deepspeed.train_batch_size",
+                    f"{source}: train_batch_size {total} does not divide into {known_key} {known} x {world_size} ranks: "
+                    "set train_micro_batch_size_per_gpu and gradient_accumulation_steps (or \"auto\") for this number of ranks",
+                )]
+            )
+        derived = total // (known * world_size)
+        if micro is None:
+            micro = derived
+            taken[("train", "micro_batch_size")] = (micro, f"train_batch_size {total} / (gradient_accumulation_steps {known} x {world_size} ranks)")
+        else:
+            accumulation = derived
+            taken[("train", "gradient_accumulation_steps")] = (accumulation, f"train_batch_size {total} / (micro-batch {known} x {world_size} ranks)")
+    if isinstance(micro, int) and ("train", "micro_batch_size") not in taken:
+        taken[("train", "micro_batch_size")] = (micro, "train_micro_batch_size_per_gpu")
+    if isinstance(accumulation, int) and ("train", "gradient_accumulation_steps") not in taken:
+        taken[("train", "gradient_accumulation_steps")] = (accumulation, "gradient_accumulation_steps")
+    stage = _explicit(user, "zero_optimization", "stage")
+    if isinstance(stage, int):
+        taken[("deepspeed", "zero_stage")] = (stage, "zero_optimization.stage")
+    for block, field_name in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        device = _explicit(user, "zero_optimization", block, "device")
+        if isinstance(device, str):
+            taken[("deepspeed", field_name)] = ("cpu" if device in ("cpu", "nvme") else "none", f"zero_optimization.{block}.device")
+    fp16, bf16 = _explicit(user, "fp16", "enabled"), _explicit(user, "bf16", "enabled")
+    if fp16 is True:
+        taken[("deepspeed", "precision")] = ("fp16", "fp16.enabled")
+    elif bf16 is True:
+        taken[("deepspeed", "precision")] = ("bf16", "bf16.enabled")
+    elif fp16 is False or bf16 is False:
+        taken[("deepspeed", "precision")] = ("fp32", "bf16.enabled/fp16.enabled false")
+    clip = _explicit(user, "gradient_clipping")
+    if isinstance(clip, (int, float)):
+        taken[("train", "grad_clip")] = (float(clip), "gradient_clipping")
+
+    folded = config.model_copy(deep=True)
+    notes, conflicts = [], []
+    for (section, name), (value, json_key) in sorted(taken.items()):
+        part = getattr(folded, section)
+        before = getattr(part, name)
+        if before == value:
+            continue
+        if name in part.model_fields_set and before != "auto":
+            conflicts.append(
+                (f"{section}.{name}", f"the YAML says {before!r} but {source} sets {json_key} = {value!r}, which DeepSpeed would run: the JSON's value is used; remove one of the two")
+            )
+        setattr(part, name, value)
+        notes.append(f"{section}.{name} = {value!r} (from {source}: {json_key})")
+    return folded, notes, conflicts
 
 
 def effective_batch_shape(ds_config: dict[str, Any]) -> tuple[int, int]:

@@ -293,7 +293,11 @@ class DeepSpeedSection(Section):
     offload_param: Literal["none", "cpu", "auto"] = Field(
         "none", description="Keep parameters in host RAM between uses (stage 3 only); 'auto': the planner decides."
     )
-    precision: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Training precision; bf16 and fp16 keep fp32 master weights in the optimizer.")
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto",
+        description="Training precision; bf16 and fp16 keep fp32 master weights in the optimizer. 'auto': bf16 on GPUs that have it "
+        "(else fp16), and on CPU ranks bf16 only where the CPU runs it natively (avx512_bf16/AMX), else fp32.",
+    )
     config_file: str | None = Field(
         None,
         description="Your own DeepSpeed JSON (e.g. written for HF Trainer or axolotl); its \"auto\" values are filled in from this config.",

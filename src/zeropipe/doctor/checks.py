@@ -392,6 +392,23 @@ def check_cpu_adam_build(build: CpuAdamBuild) -> list[Finding]:
 # --- memory and disk --------------------------------------------------------------------------
 
 
+def check_cpu_precision(facts: MachineFacts) -> list[Finding]:
+    """Which precision deepspeed.precision: auto picks for CPU ranks on this machine, and why."""
+    if facts.gpus.cuda_available:
+        return []
+    if facts.cpu_bf16_native:
+        return [Finding("cpu.bf16", "bf16 runs natively on this CPU", "ok", "The CPU has avx512_bf16 or AMX: precision: auto trains CPU ranks in bf16.")]
+    return [
+        Finding(
+            "cpu.bf16",
+            "No bf16 in this CPU's hardware",
+            "warning",
+            "Without avx512_bf16 or AMX, PyTorch emulates bf16 on the CPU: 18-56x slower than fp32. precision: auto trains CPU ranks in fp32 here.",
+            "leave deepspeed.precision: auto (or set fp32); set bf16 only where bf16 itself is the point",
+        )
+    ]
+
+
 def check_host_memory(memory: MemoryFacts) -> list[Finding]:
     """Host RAM and swap: where ranks load weights and where offloaded optimizer states live."""
     ram_detail = f"{size(memory.ram_total_bytes)} total, {size(memory.ram_available_bytes)} available."
@@ -480,6 +497,7 @@ def examine(facts: MachineFacts) -> list[Finding]:
         *check_cuda_toolkit(facts.gpus.torch_cuda_version, facts.cuda_toolkit, facts.environment),
         *check_cpu_adam_build(facts.cpu_adam),
         *check_versions(facts.versions, facts.gpus.torch_cuda_version, torch_imports=facts.gpus.torch_import_error is None),
+        *check_cpu_precision(facts),
         *check_host_memory(facts.memory),
         *check_shared_memory(facts.memory),
         *check_disk(facts.disk),

@@ -160,7 +160,8 @@ def evaluate_checkpoint(
     config = load_config(run.config)
     if config.model.family not in ("causal_lm", "auto"):
         raise ZeroPipeError(f"zeropipe eval computes the loss of causal language models; {run.path} is a {config.model.family} run")
-    dtype = dtype or config.deepspeed.precision
+    # A run's saved precision is resolved; a hand-written config's auto is taken as fp32 (exact on any machine).
+    dtype = dtype or (config.deepspeed.precision if config.deepspeed.precision != "auto" else "fp32")
     if dtype not in DTYPES:
         raise ZeroPipeError(f"--dtype must be one of {', '.join(DTYPES)} (you gave {dtype})")
     if data is None and not (run.eval_cache / "cache.json").is_file():

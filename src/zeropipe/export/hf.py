@@ -57,7 +57,8 @@ def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     if out.exists() and any(out.iterdir()) and not force:
         raise ZeroPipeError(f"{out} already exists and is not empty: choose another --out or pass --force to replace it")
     config = run.read_config()
-    dtype = dtype or config.deepspeed.precision
+    # A run's saved precision is resolved; a hand-written config's auto is taken as fp32 (exact on any machine).
+    dtype = dtype or (config.deepspeed.precision if config.deepspeed.precision != "auto" else "fp32")
     if dtype not in TORCH_DTYPES:
         raise ZeroPipeError(f"--dtype must be one of {', '.join(TORCH_DTYPES)} (you gave {dtype})")
     return ExportJob(run, info, config, out, merge, dtype)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from zeropipe.config.schema import RunConfig
+from zeropipe.families import model_spec
+from zeropipe.plan import detect_hardware, plan_run
 
 AUTO_KNOBS = {
     ("deepspeed", "zero_stage"),
@@ -18,8 +20,10 @@ def auto_knobs(config: RunConfig) -> list[tuple[str, str]]:
     return sorted((section, key) for section, key in AUTO_KNOBS if getattr(getattr(config, section), key) == "auto")
 
 
-def resolve_auto_knobs(config: RunConfig, world_size: int | None = None) -> tuple[RunConfig, list[str]]:
-    """A copy of the config with every "auto" knob set to the planner's choice, and a note for each.
+def resolve_auto_knobs(config: RunConfig, world_size: int) -> tuple[RunConfig, list[str]]:
+    """A copy of the config with every "auto" knob set to the planner's choice for ``world_size`` ranks, and a note for each.
+
+    Called by :func:`zeropipe.launch.resolve.resolve_run`, once the precision is known.
 
     Raises:
         ZeroPipeError: when no combination fits the hardware (the plan's reason).
@@ -27,12 +31,7 @@ def resolve_auto_knobs(config: RunConfig, world_size: int | None = None) -> tupl
     wanted = auto_knobs(config)
     if not wanted:
         return config, []
-    from zeropipe.launch.prepare import detect_accelerator
-    from zeropipe.families import model_spec
-    from zeropipe.plan import detect_hardware, plan_run
-
-    accelerator, ranks = detect_accelerator(config)
-    hardware = detect_hardware(cpu_ranks=world_size or ranks)
+    hardware = detect_hardware(cpu_ranks=world_size)
     result = plan_run(config, hardware, model_spec(config))
     best = result.require_best()
     fragment = result.fragment()

@@ -43,6 +43,7 @@ from zeropipe.families import family_of
 from zeropipe.config.stages import stage_configs, stage_directory_name, stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.launch.prepare import Prepared, prepare_run, run_dir_for
+from zeropipe.launch.resolve import resolve_run
 from zeropipe.rundir import RunDir, RunPlan
 
 STAGES_FILE = "stages.json"
@@ -148,13 +149,13 @@ class Curriculum:
                     f"{top.path} already holds a run: continue it with --resume, or choose another run.name "
                     f"(e.g. run.name={top.path.name}-2); nothing was overwritten"
                 )
-        from zeropipe.launch.auto import resolve_auto_knobs
 
         curriculum = cls(config, top, make_stages(config, top))
         for stage in curriculum.stages:
             # Each stage plans its own "auto" knobs: a full stage may need ZeRO-3 where a LoRA stage fits with ZeRO-2.
-            stage.config, auto_notes = resolve_auto_knobs(stage.config)
-            curriculum.notes += [f"{stage.label}: {note}" for note in auto_notes]
+            resolved = resolve_run(stage.config)
+            stage.config = resolved.config
+            curriculum.notes += [f"{stage.label}: {note}" for note in resolved.notes]
         if resume:
             curriculum.reopen()
         else:

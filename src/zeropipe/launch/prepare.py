@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
-from zeropipe.config.deepspeed import build_deepspeed_config, effective_batch_shape, zero_stage_of
+from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
+from zeropipe.launch.resolve import ResolvedRun, resolve_run
 from zeropipe.rundir import RunDir, RunPlan
 
 
@@ -31,40 +32,26 @@ class Prepared:
     notes: list[str] = field(default_factory=list)  # what the user should read before training starts
 
 
-def detect_accelerator(config: RunConfig) -> tuple[str, int]:
-    """(accelerator, number of ranks) for this machine and config."""
-    import torch
-
-    wanted = config.hardware.accelerator
-    has_cuda = torch.cuda.is_available()
-    if wanted == "cuda" and not has_cuda:
-        raise ConfigError([("hardware.accelerator", "cuda was asked for but torch sees no CUDA device: set hardware.accelerator: auto or cpu")])
-    accelerator = "cuda" if (wanted == "cuda" or (wanted == "auto" and has_cuda)) else "cpu"
-    gpus = config.hardware.gpus
-    if gpus == "auto":
-        gpus = torch.cuda.device_count() if accelerator == "cuda" else 2
-    elif accelerator == "cuda" and gpus > torch.cuda.device_count():
-        raise ConfigError([("hardware.gpus", f"{gpus} ranks asked for but only {torch.cuda.device_count()} GPUs are visible: lower hardware.gpus")])
-    return accelerator, int(gpus)
-
-
 def run_dir_for(config: RunConfig) -> Path:
     return Path(config.run.output_dir) / (config.run.name or "run")
 
 
-def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size: int | None = None) -> Prepared:
+def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = None, world_size: int | None = None) -> Prepared:
     """Lay out (or reopen, for a resume) the run directory and write what the ranks read.
 
     Args:
+        config: the run's config, resolved here unless it already is (:func:`resolve_run`).
         resume: False/None for a new run; True to continue the run directory's latest
             checkpoint; a path to a run directory or checkpoint to continue from.
 
     Raises:
         ZeroPipeError: with the fix, for anything that would make the ranks fail.
     """
-    accelerator, detected = detect_accelerator(config)
-    world_size = world_size or detected
-    notes: list[str] = []
+    given_resolved = isinstance(config, ResolvedRun)
+    resolved = config if given_resolved else resolve_run(config, world_size)
+    config, accelerator, world_size = resolved.config.model_copy(deep=True), resolved.accelerator, resolved.world_size
+    # What resolving decided is said where it was done: by the caller when it resolved first.
+    notes: list[str] = [] if given_resolved else resolved.notes + [f"{key}: {message}" for key, message in resolved.conflicts]
     run = RunDir(run_dir_for(config))
     resume_tag = None
     if resume:
@@ -99,9 +86,10 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
 
-    # Resolve the batch shape first: a user's DeepSpeed JSON may set it explicitly.
-    probe = build_deepspeed_config(config, world_size, total_steps=1, hidden_size=data.hidden_size)
-    micro, accumulation = effective_batch_shape(probe.config)
+    # The batch shape is the config's own: a user's DeepSpeed JSON was folded into it (resolve_run).
+    micro, accumulation = config.train.micro_batch_size, config.train.gradient_accumulation_steps
+    if micro == "auto" or accumulation == "auto":
+        raise ConfigError([("train.micro_batch_size", "the batch shape is still auto: resolve the config first (zeropipe train does)")])
     micro_batches_per_epoch = data.micro_batches_per_epoch(micro, world_size)
     steps_per_epoch = micro_batches_per_epoch // accumulation
     if steps_per_epoch == 0:
@@ -121,8 +109,8 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
         total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
     if config.train.warmup_steps >= total_steps:
         notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
-    resolved = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
-    notes += [f"DeepSpeed {line}" for line in resolved.filled]
+    deepspeed = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
+    notes += [f"DeepSpeed {line}" for line in deepspeed.filled]
 
     plan = RunPlan(
         world_size=world_size,
@@ -133,13 +121,13 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
         examples=data.examples,
         micro_batch_size=micro,
         gradient_accumulation_steps=accumulation,
-        zero_stage=zero_stage_of(resolved.config),
+        zero_stage=zero_stage_of(deepspeed.config),
         resume_from=resume_tag,
         generate_prompts=data.prompts,
         created_at=time.time(),
     )
     write_atomic(run.config, dump_config(config))
-    write_atomic(run.ds_config, json.dumps(resolved.config, indent=2))
+    write_atomic(run.ds_config, json.dumps(deepspeed.config, indent=2))
     run.write_plan(plan)
     return Prepared(run, plan, notes)
 

@@ -64,11 +64,13 @@ def detected_hardware():
 def plan_of(config) -> dict[str, Any]:
     try:
         from zeropipe.families import model_spec
+        from zeropipe.launch.resolve import resolve_run
         from zeropipe.plan import plan_run
     except Exception as err:  # noqa: BLE001 - any import failure means the same to the page
         return {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
     try:
         hardware = detected_hardware()
+        config = resolve_run(config, fill_auto_knobs=False).config  # precision and the DeepSpeed JSON as train would resolve them
         result = plan_run(config, hardware, model_spec(config))
         return {"available": True, "result": to_plain(result), "hardware": to_plain(hardware)}
     except ZeroPipeError as err:

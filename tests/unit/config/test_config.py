@@ -78,7 +78,7 @@ def test_yaml_syntax_error_gives_line(tmp_path):
 def test_generated_deepspeed_config_is_consistent(tmp_path):
     config = load_config(
         write(tmp_path, minimal(tmp_path)),
-        ["train.micro_batch_size=3", "train.gradient_accumulation_steps=2", "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu"],
+        ["train.micro_batch_size=3", "train.gradient_accumulation_steps=2", "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu", "deepspeed.precision=bf16"],
     )
     ds = build_deepspeed_config(config, world_size=5, total_steps=100, hidden_size=64).config
     assert ds["train_batch_size"] == 3 * 2 * 5
@@ -155,3 +155,48 @@ def test_packing_and_evaluation_settings_that_cannot_work_together(tmp_path):
         load_config(write(tmp_path, minimal(tmp_path, train={"eval_every": 10})))
     loaded = load_config(write(tmp_path, minimal(tmp_path, data={"packing": True, "eval_fraction": 0.05}, train={"eval_every": 10})))
     assert loaded.data.packing and loaded.data.eval_fraction == 0.05 and loaded.train.eval_every == 10
+
+
+def test_deepspeed_json_choices_become_the_runs_and_conflicts_are_named(tmp_path):
+    """A stage-2, micro-batch-2 JSON on a stage-3, micro-16 YAML: the JSON is what DeepSpeed runs, so it is the run's, said twice."""
+    from zeropipe.check import check_config
+    from zeropipe.launch.resolve import resolve_run
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}}))
+    config = load_config(write(tmp_path, minimal(tmp_path)), ["train.micro_batch_size=16", "deepspeed.zero_stage=3", f"deepspeed.config_file={ds_json}", "deepspeed.precision=fp32"])
+    resolved = resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
+    assert (resolved.config.train.micro_batch_size, resolved.config.deepspeed.zero_stage) == (2, 2)
+    assert {key for key, _ in resolved.conflicts} == {"train.micro_batch_size", "deepspeed.zero_stage"}
+    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10).config
+    assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 2 * 1 * 2 and ds["bf16"]["enabled"] is False
+    warnings = [f for f in check_config(resolved) if f.rule == "ZP014"]
+    assert len(warnings) == 2 and "zero_optimization.stage = 2" in " ".join(f.message for f in warnings)
+
+
+def test_a_json_batch_without_micro_batch_is_derived_or_refused(tmp_path):
+    """DeepSpeed-CTO style: train_batch_size and accumulation only; the micro-batch follows from the world size."""
+    from zeropipe.check import check_config
+    from zeropipe.launch.resolve import resolve_run
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_batch_size": 32, "gradient_accumulation_steps": 8, "fp16": {"enabled": True}}))
+    config = load_config(write(tmp_path, minimal(tmp_path)), [f"deepspeed.config_file={ds_json}", "deepspeed.precision=bf16"])
+    resolved = resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
+    assert (resolved.config.train.micro_batch_size, resolved.config.train.gradient_accumulation_steps) == (2, 8)
+    fp16 = [f for f in check_config(resolved) if f.rule == "ZP010"]
+    assert fp16 and "fp16.enabled" in fp16[0].message and "\"fp16\": {\"enabled\": false}" in fp16[0].fix and str(ds_json) in fp16[0].fix, fp16
+    findings = check_config(config, world_size=3, accelerator="cpu")  # 32 / (8 x 3) is no whole micro-batch
+    assert any(f.rule == "ZP008" and "does not divide" in f.message for f in findings), [f.render() for f in findings]
+
+
+def test_precision_auto_follows_the_cpu(monkeypatch):
+    from zeropipe.launch import resolve
+
+    monkeypatch.setattr(resolve, "cpu_runs_bf16_natively", lambda: False)
+    assert resolve.auto_precision("cpu")[0] == "fp32"
+    monkeypatch.setattr(resolve, "cpu_runs_bf16_natively", lambda: True)
+    assert resolve.auto_precision("cpu")[0] == "bf16"
+    from zeropipe.doctor.facts import cpu_runs_bf16_natively
+
+    assert cpu_runs_bf16_natively({"avx2", "avx512_bf16"}) and not cpu_runs_bf16_natively({"avx2", "avx512f"})

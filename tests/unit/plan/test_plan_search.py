@@ -109,7 +109,7 @@ def tiny_run_config(**deepspeed) -> RunConfig:
         ),
         data=DataSection(synthetic=SyntheticSection(), max_seq_len=128),
         train=TrainSection(micro_batch_size=4, gradient_accumulation_steps=2),
-        deepspeed=DeepSpeedSection(**deepspeed),
+        deepspeed=DeepSpeedSection(**{"precision": "bf16", **deepspeed}),
     )
 
 

@@ -1,0 +1,90 @@
+"""One resolved run: everything a command decides about a config before it checks, plans or starts it.
+
+The accelerator and the number of ranks, the explicit choices of a user's DeepSpeed JSON
+(batch shape, ZeRO stage, offload, precision) written into the typed config, the precision
+``auto`` picks for this hardware, and the planner's values for the knobs left ``auto``. The
+result is one :class:`ResolvedRun`; ``check`` judges its config, ``prepare_run`` writes it as
+config.yaml and builds ds_config.json from it, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zeropipe.config.deepspeed import fold_user_config
+from zeropipe.config.schema import RunConfig
+from zeropipe.doctor.facts import cpu_runs_bf16_natively
+from zeropipe.errors import ConfigError
+from zeropipe.launch.auto import resolve_auto_knobs
+
+
+@dataclass
+class ResolvedRun:
+    config: RunConfig  # no "auto" precision; the DeepSpeed JSON's explicit choices folded in; auto knobs filled when asked
+    accelerator: str  # "cuda" or "cpu"
+    world_size: int
+    notes: list[str] = field(default_factory=list)  # what was decided, and from what
+    conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
+
+
+def detect_accelerator(config: RunConfig) -> tuple[str, int]:
+    """(accelerator, number of ranks) for this machine and config.
+
+    Raises:
+        ConfigError: CUDA asked for but absent, more GPUs than visible, or fewer than one rank.
+    """
+    import torch
+
+    wanted = config.hardware.accelerator
+    has_cuda = torch.cuda.is_available()
+    if wanted == "cuda" and not has_cuda:
+        raise ConfigError([("hardware.accelerator", "cuda was asked for but torch sees no CUDA device: set hardware.accelerator: auto or cpu")])
+    accelerator = "cuda" if (wanted == "cuda" or (wanted == "auto" and has_cuda)) else "cpu"
+    gpus = config.hardware.gpus
+    if gpus == "auto":
+        gpus = torch.cuda.device_count() if accelerator == "cuda" else 2
+    elif accelerator == "cuda" and gpus > torch.cuda.device_count():
+        raise ConfigError([("hardware.gpus", f"{gpus} ranks asked for but only {torch.cuda.device_count()} GPUs are visible: lower hardware.gpus")])
+    if int(gpus) < 1:
+        raise ConfigError([("hardware.gpus", f"{gpus} ranks cannot train: set hardware.gpus to 1 or more (or auto)")])
+    return accelerator, int(gpus)
+
+
+def auto_precision(accelerator: str) -> tuple[str, str]:
+    """(precision, why) for deepspeed.precision: auto on this hardware."""
+    if accelerator == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "bf16", "GPUs of Ampere or newer assumed (no GPU visible here to ask)"
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "the GPUs support bf16"
+        return "fp16", f"{torch.cuda.get_device_name(0)} has no bf16"
+    if cpu_runs_bf16_natively():
+        return "bf16", "this CPU runs bf16 natively (avx512_bf16/AMX)"
+    return "fp32", "this CPU has no bf16 in hardware (no avx512_bf16/AMX): bf16 would run 18-56x slower than fp32"
+
+
+def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: str | None = None, fill_auto_knobs: bool = True) -> ResolvedRun:
+    """Resolve a config for this machine.
+
+    Args:
+        world_size, accelerator: override what is detected (the UI and tests plan for other machines).
+        fill_auto_knobs: ask the planner for the knobs left "auto" (train does; check and plan judge them as "auto").
+
+    Raises:
+        ConfigError: with the key and the fix; ZeroPipeError when no choice of the auto knobs fits.
+    """
+    detected_accelerator, detected_ranks = detect_accelerator(config)
+    accelerator = accelerator or detected_accelerator
+    world_size = world_size or detected_ranks
+    config, notes, conflicts = fold_user_config(config, world_size)
+    if config.deepspeed.precision == "auto":
+        precision, why = auto_precision(accelerator)
+        config = config.model_copy(deep=True)
+        config.deepspeed.precision = precision
+        notes.append(f"deepspeed.precision = {precision} ({why})")
+    if fill_auto_knobs:
+        config, auto_notes = resolve_auto_knobs(config, world_size)
+        notes += auto_notes
+    return ResolvedRun(config, accelerator, world_size, notes, conflicts)
