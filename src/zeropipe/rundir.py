@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from zeropipe.checkpoint.manager import write_atomic
+from zeropipe.config.load import load_saved_config
 
 if TYPE_CHECKING:
     from zeropipe.config.schema import RunConfig
@@ -84,7 +85,6 @@ class RunDir:
 
     def read_config(self) -> "RunConfig":
         """The config the run was prepared with (config.yaml), without checking that its data paths still exist."""
-        from zeropipe.config.load import load_saved_config
 
         return load_saved_config(self.config)
 

@@ -35,8 +35,8 @@ def base_model(tmp_path):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_lora_trains_adapters_only_and_exports_for_peft(tmp_run, base_model, stage):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     tmp_path, make = tmp_run
     name = f"lora{stage}"

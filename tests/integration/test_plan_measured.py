@@ -171,9 +171,9 @@ def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
 
 def planned(stage: int, offload: bool, accumulation: int) -> dict[str, int]:
     from zeropipe.config.schema import ModelSection, RunConfig
+    from zeropipe.families import model_spec as spec_from_config
     from zeropipe.plan import Choice, parse_hardware
     from zeropipe.plan.memory import model_state_terms, per_node_terms
-    from zeropipe.families import model_spec as spec_from_config
 
     config = RunConfig(model=ModelSection(config=dict(TINY)))
     spec = spec_from_config(config)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from zeropipe.errors import ZeroPipeError
+from zeropipe.families import model_spec
+from zeropipe.plan import detect_hardware, plan_run
 
 GIB = 1024**3
 # Below this, activations are too small for gradient checkpointing's extra compute to pay (ZP013).
@@ -18,8 +20,6 @@ def readable_bytes(num_bytes: float) -> str:
 
 def plan_context(context):
     """The plan of the config's own choice on this machine's hardware, or None when it cannot be made."""
-    from zeropipe.families import model_spec
-    from zeropipe.plan import detect_hardware, plan_run
 
     try:
         hardware = detect_hardware(cpu_ranks=context.world_size)

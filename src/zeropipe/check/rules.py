@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from zeropipe.check.planning import activation_heavy, memory_problems, zero3_unneeded
 from zeropipe.config.schema import RunConfig
 
 DS_CONFIG_DOCS = "https://www.deepspeed.ai/docs/config-json/"
@@ -191,10 +192,9 @@ def batch_triple(ctx: CheckContext):
 @rule("ZP009", "error", "DeepSpeed rejects a key of its config", DS_CONFIG_DOCS)
 def deepspeed_schema(ctx: CheckContext):
     """Run DeepSpeed's own pydantic models on the blocks it validates, before any process starts."""
-    from pydantic import ValidationError
-
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
 
     found = []
     for block, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
@@ -237,21 +237,18 @@ def yaml_and_json_disagree(ctx: CheckContext):
 
 @rule("ZP011", "error", "the plan exceeds GPU memory or host RAM", "docs/plan.md")
 def plan_exceeds_memory(ctx: CheckContext):
-    from zeropipe.check.planning import memory_problems
 
     return memory_problems(ctx)
 
 
 @rule("ZP012", "warning", "ZeRO-3 for a model that fits with ZeRO-1/2", "https://www.deepspeed.ai/tutorials/zero/")
 def zero3_for_small_model(ctx: CheckContext):
-    from zeropipe.check.planning import zero3_unneeded
 
     return zero3_unneeded(ctx)
 
 
 @rule("ZP013", "warning", "activations dominate and gradient checkpointing is off", "https://huggingface.co/docs/transformers/main/en/perf_train_gpu_one#gradient-checkpointing")
 def activations_dominate(ctx: CheckContext):
-    from zeropipe.check.planning import activation_heavy
 
     return activation_heavy(ctx)
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 
+from zeropipe.check.planning import plan_context
 from zeropipe.check.rules import CheckContext, Finding, load_user_ds_config, run_rules
 from zeropipe.config.deepspeed import build_deepspeed_config
 from zeropipe.config.schema import RunConfig
+from zeropipe.config.stages import stage_configs, stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run
@@ -59,7 +61,6 @@ def build_context(config: RunConfig | ResolvedRun, world_size: int | None = None
 
 def plan_for(context: CheckContext):
     """The memory plan of the config's own choice, or None when it cannot be computed."""
-    from zeropipe.check.planning import plan_context
 
     try:
         return plan_context(context)
@@ -84,8 +85,6 @@ def check_config(config: RunConfig | ResolvedRun, world_size: int | None = None,
 def check_stages(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
     """A curriculum: each stage checked as the run it will be (its own ZeRO stage, LoRA, batch), keys prefixed stages[N]."""
     import dataclasses
-
-    from zeropipe.config.stages import stage_configs, stage_key
 
     findings = []
     for index, stage in enumerate(stage_configs(config)):

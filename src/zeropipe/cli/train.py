@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from zeropipe.cli.output import Progress, say
 from zeropipe.rundir import RunDir

@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints
 
-
 # The generated text tasks (data.synthetic.task); "shapes" is the image task of diffusion runs.
 TEXT_TASKS = ("arithmetic", "reverse", "mixed")
 

@@ -8,10 +8,10 @@ saying where each came from, and the source keys that could not be mapped, each 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
 import yaml
 
 from zeropipe.convert.common import Conversion, ConversionError, write_links

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from zeropipe.errors import ZeroPipeError
+from zeropipe.data.formats import read_records
+from zeropipe.errors import DataError, ZeroPipeError
 
 SECTION_ORDER = ("run", "model", "data", "train", "deepspeed", "hardware", "generate", "logging")
 
@@ -313,8 +314,6 @@ def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Pat
 
 
 def count_records(path: Path) -> int | None:
-    from zeropipe.data.formats import read_records
-    from zeropipe.errors import DataError
 
     try:
         records, _ = read_records(path)

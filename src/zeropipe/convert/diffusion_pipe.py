@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
 from zeropipe.diffusion.architectures import architectures
+from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
 
 def trainable_architecture(kind: str) -> str | None:
@@ -399,7 +401,6 @@ def _concept(folder: Path, taken: set[str]) -> str:
 
 def _check_folder(conversion: Conversion, key: str, folder: Path, concept: str | None) -> None:
     """Say what the kohya/flat layouts read differently from diffusion-pipe in this folder."""
-    from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
     files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
     images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]

@@ -16,7 +16,9 @@ import random
 from pathlib import Path
 from typing import Any
 
-from zeropipe.config.schema import TEXT_TASKS, DataSection
+from zeropipe.config.schema import DataSection
+from zeropipe.data.formats import RecordError, detect_format, read_located_records, to_conversation
+from zeropipe.data.synthetic import generate_dataset
 from zeropipe.errors import DataError
 
 MIXTURE_FILE = "mixture.jsonl"
@@ -70,8 +72,6 @@ def build_mixture(data: DataSection, out_dir: Path, seed: int) -> Path:
 
 
 def read_source(index: int, source, data: DataSection, out_dir: Path, seed: int) -> tuple[str, float, list]:
-    from zeropipe.data.formats import RecordError, detect_format, read_located_records, to_conversation
-    from zeropipe.data.synthetic import generate_dataset
 
     key = f"data.mixture[{index}]"
     if source.synthetic is not None:

@@ -12,17 +12,22 @@ import json
 from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
+from zeropipe.data.formats import detect_format, read_records
+from zeropipe.data.mixture import build_mixture
+from zeropipe.data.packing import build_pack_index, read_pack_info
+from zeropipe.data.split import RecordSplit
+from zeropipe.data.synthetic import generate_dataset
+from zeropipe.data.tokenize import build_token_cache
+from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.rundir import RunDir
 
 
 def prepare_data_file(config: RunConfig, run: RunDir) -> Path:
     if config.data.mixture:
-        from zeropipe.data.mixture import build_mixture
 
         return build_mixture(config.data, run.data, config.run.seed)
     if config.data.synthetic is None:
         return Path(config.data.path).expanduser()
-    from zeropipe.data.synthetic import generate_dataset
 
     path = run.data / "train.jsonl"
     if not path.is_file():
@@ -44,8 +49,6 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
             # Padding is masked out of attention and loss, so the EOS token can stand in.
             tokenizer.pad_token = tokenizer.eos_token
     else:
-        from zeropipe.data.formats import detect_format, read_records
-        from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 
         records, _ = read_records(records_path)
         fmt = detect_format(records, config.data.format)
@@ -55,7 +58,6 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
 
 
 def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> dict:
-    from zeropipe.data.tokenize import build_token_cache
 
     info_file = run.cache / "cache.json"
     if reuse and info_file.is_file():
@@ -75,7 +77,6 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
 
 def record_split(config: RunConfig, held_out: bool):
     """The data.eval_fraction split of data.path (None without one); drawn with run.seed."""
-    from zeropipe.data.split import RecordSplit
 
     if not config.data.eval_fraction:
         return None
@@ -84,7 +85,6 @@ def record_split(config: RunConfig, held_out: bool):
 
 def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> list[str]:
     """Tokenize the held-out data (data.eval_path, or data.eval_fraction of data.path) into RUN/cache/eval."""
-    from zeropipe.data.tokenize import build_token_cache
 
     data = config.data
     if not (data.eval_path or data.eval_fraction):
@@ -109,7 +109,6 @@ def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, token
 
 def prepare_packs(config: RunConfig, run: RunDir, reuse: bool) -> dict:
     """Decide once which examples share a packed sequence, so every rank and every resume agrees."""
-    from zeropipe.data.packing import build_pack_index, read_pack_info
 
     info = read_pack_info(run.cache)
     if reuse and info is not None and info.get("max_seq_len") == config.data.max_seq_len:

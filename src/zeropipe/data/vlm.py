@@ -47,9 +47,11 @@ from typing import Any
 
 import torch
 
+from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.data.formats import SHAREGPT_ROLES, BadRecord, RecordError, read_located_records, to_conversation
-from zeropipe.diffusion.images import BadImage
-from zeropipe.errors import ConfigError, DataError
+from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
+from zeropipe.diffusion.images import BadImage, scan_image_folder
+from zeropipe.errors import DataError
 
 IMAGE_MARKER = "<image>"
 IMAGE_COLUMNS = ("image", "file_name", "image_path", "filename", "path", "image_name")
@@ -297,7 +299,6 @@ def _place_images(messages: list[dict[str, str]], count: int) -> None:
 
 
 def _read_image_folder(root: Path, caption_prompt: str) -> VlmData:
-    from zeropipe.diffusion.images import scan_image_folder
 
     scan = scan_image_folder(root)
     data = VlmData(examples=[], bad_images=list(scan.bad), skipped=len(scan.bad), layout=f"image folder ({scan.layout} layout)")
@@ -411,7 +412,6 @@ def load_vlm_data(
 
 
 def write_manifest(path: Path, examples: list[VlmExample]) -> None:
-    from zeropipe.checkpoint.manager import write_atomic
 
     write_atomic(path, "".join(json.dumps({"images": ex.images, "messages": ex.messages, "where": ex.where}) + "\n" for ex in examples))
 
@@ -483,7 +483,6 @@ class VlmEncoder:
         Raises:
             DataError: the markers and the images do not match in number.
         """
-        from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
 
         marked = [{"role": m["role"], "content": m["content"].replace(IMAGE_MARKER, self.placeholder)} for m in messages]
         if for_generation:
@@ -543,7 +542,6 @@ class VlmDataset(torch.utils.data.Dataset):
 
 def collate_vlm(batch: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Pad the text on the right (padding carries no loss) and stack every example's images."""
-    from zeropipe.data.tokenize import IGNORE_INDEX
 
     if not batch:
         raise ValueError("cannot collate an empty batch")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from zeropipe.config.schema import DiffusionSection
+from zeropipe.errors import ConfigError
 
 
 @dataclass
@@ -35,7 +36,6 @@ class DDPMObjective:
         if prediction == "auto":
             prediction = self.scheduler.config.prediction_type
         if prediction not in ("epsilon", "v_prediction"):
-            from zeropipe.errors import ConfigError
 
             raise ConfigError([("model.diffusion.prediction_type", f"{prediction} does not apply to a UNet on a DDPM schedule: use epsilon or v_prediction")])
         self.prediction_type = prediction
@@ -71,7 +71,6 @@ class FlowObjective:
     def __init__(self, scheduler_config: dict, section: DiffusionSection):
         prediction = section.prediction_type
         if prediction not in ("auto", "flow"):
-            from zeropipe.errors import ConfigError
 
             raise ConfigError([("model.diffusion.prediction_type", f"SD3/Flux transformers are trained with flow matching, not {prediction}: set auto or flow")])
         self.section = section

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
+from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, presets
+from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
 from zeropipe.errors import ConfigError
 
 
@@ -60,10 +61,10 @@ def character_tokenizer(max_length: int = 77):
 
 def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Architecture:
     """Write a randomly initialised pipeline directory for an inline config; same config and seed, same weights."""
+    import shutil
+
     import diffusers
     import transformers
-
-    import shutil
 
     arch, components = preset_components(config)
     tmp = out.with_name(out.name + ".partial")
@@ -110,8 +111,6 @@ def fit_tiny_vae(vae, steps: int, seed: int, shifted: bool, batch: int = 16) -> 
     from the latents, as it was for the real VAEs, so that the denoiser sees unit variance.
     """
     import tempfile
-
-    from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
 
     size = int(vae.config.sample_size)
     with tempfile.TemporaryDirectory() as folder:

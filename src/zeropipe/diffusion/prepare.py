@@ -16,6 +16,7 @@ from typing import Any
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion import cache
+from zeropipe.diffusion.architectures import architecture_of
 from zeropipe.diffusion.images import (
     assign_bucket,
     generate_shapes_dataset,
@@ -24,7 +25,7 @@ from zeropipe.diffusion.images import (
     scan_image_folder,
     shape_prompts,
 )
-from zeropipe.diffusion.pipelines import architecture_of, build_tiny_pipeline, fingerprint_files, vae_scale_factor
+from zeropipe.diffusion.pipelines import build_tiny_pipeline, fingerprint_files, vae_scale_factor
 from zeropipe.errors import ConfigError, DataError
 from zeropipe.rundir import PreparedData, RunDir
 

@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
+from zeropipe.data.packing import PackedDataset, collate_packed
+from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
+from zeropipe.data.tokenize import TokenDataset, collate, pad_token_id, render_prompt
+from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
 from zeropipe.engine.task import TaskDefaults, sampler_batches
+from zeropipe.models.causal_lm import build_model, model_config
+from zeropipe.models.common import count_parameters, hf_zero3_config, log_partitioning
 
 log = logging.getLogger("zeropipe")
 
@@ -21,15 +27,11 @@ class CausalLMTask(TaskDefaults):
     def setup_data(self) -> None:
         from transformers import AutoTokenizer
 
-        from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
-        from zeropipe.data.tokenize import TokenDataset, collate, pad_token_id
-
         trainer = self.trainer
         self.tokenizer = AutoTokenizer.from_pretrained(str(trainer.run.tokenizer))
         pad_id = pad_token_id(self.tokenizer)
         data = trainer.config.data
         if data.packing:
-            from zeropipe.data.packing import PackedDataset, collate_packed
 
             # The sampler deals packed sequences (built by the launcher), not examples.
             self.dataset = PackedDataset(trainer.run.cache)
@@ -47,8 +49,6 @@ class CausalLMTask(TaskDefaults):
         self.eval_collate = partial(collate, pad_token_id=pad_id)
 
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
-        from zeropipe.models.causal_lm import build_model, model_config
-        from zeropipe.models.common import count_parameters, hf_zero3_config, log_partitioning
 
         trainer = self.trainer
         config = model_config(trainer.config.model)
@@ -90,8 +90,6 @@ class CausalLMTask(TaskDefaults):
         """Eval loss and perplexity on the held-out data; a collective, every rank evaluates its share."""
         import deepspeed.comm as dist
 
-        from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
-
         trainer = self.trainer
         started = time.perf_counter()
         batches = eval_batch_indices(self.eval_dataset.lengths(), trainer.rank, trainer.world_size, trainer.micro_batch_size)
@@ -111,7 +109,6 @@ class CausalLMTask(TaskDefaults):
 
     def generate_samples(self) -> None:
         """Answer the configured prompts with the trained weights (all ranks take part under ZeRO-3)."""
-        from zeropipe.data.tokenize import render_prompt
 
         trainer = self.trainer
         prompts = trainer.plan.generate_prompts

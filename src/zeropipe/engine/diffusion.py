@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from zeropipe.diffusion import cache
+from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.images import epoch_micro_batches, load_image_for_bucket
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
-from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.pipelines import (
     denoising_pipeline,
     encode_prompts,
@@ -43,7 +43,8 @@ from zeropipe.diffusion.pipelines import (
 from zeropipe.diffusion.prepare import read_plan
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
-from zeropipe.models.common import TORCH_DTYPES
+from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_targets
+from zeropipe.models.loading import load_pretrained
 
 log = logging.getLogger("zeropipe")
 
@@ -139,8 +140,6 @@ class DiffusionTask(TaskDefaults):
             log.info("caches filled: %d images and %d captions encoded by %d ranks", len(self.data.missing_latents), len(self.data.missing_texts), self.world_size)
 
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
-        from zeropipe.models.common import count_parameters
-        from zeropipe.models.loading import load_pretrained
 
         cls = self.arch.model_class()
         folder = self.pipeline_dir / self.arch.denoiser
@@ -156,8 +155,6 @@ class DiffusionTask(TaskDefaults):
             model.enable_gradient_checkpointing()
         if section.lora is not None:
             from peft import LoraConfig
-
-            from zeropipe.models.common import resolve_lora_targets
 
             model.requires_grad_(False)
             lora = section.lora

@@ -24,7 +24,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from zeropipe.data.tokenize import IGNORE_INDEX
+from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
+from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint
+from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset, build_token_cache, collate, pad_token_id
+from zeropipe.errors import CheckpointError, ZeroPipeError
+from zeropipe.models.causal_lm import add_lora, model_config
+from zeropipe.models.common import TORCH_DTYPES as DTYPES
+from zeropipe.rundir import RunDir
 
 EVAL_KIND = "eval"  # the "kind" of eval rows in metrics.jsonl; training rows have none
 
@@ -138,11 +144,6 @@ def evaluate_checkpoint(
         CheckpointError: no complete checkpoint, or it does not match the run's model.
         ZeroPipeError: the run has no held-out data and none was given, or is not a causal LM.
     """
-    from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint
-    from zeropipe.config.load import load_config
-    from zeropipe.errors import CheckpointError, ZeroPipeError
-    from zeropipe.models.common import TORCH_DTYPES as DTYPES
-    from zeropipe.rundir import RunDir
 
     source = Path(source)
     if not (source / "config.yaml").is_file() and not (source.parent.name == "checkpoints" and (source.parent.parent / "config.yaml").is_file()):
@@ -157,7 +158,7 @@ def evaluate_checkpoint(
     else:
         run_path, info = resolve_checkpoint(source)
     run = RunDir(run_path)
-    config = load_config(run.config)
+    config = run.read_config()
     if config.model.family not in ("causal_lm", "auto"):
         raise ZeroPipeError(f"zeropipe eval computes the loss of causal language models; {run.path} is a {config.model.family} run")
     # A run's saved precision is resolved; a hand-written config's auto is taken as fp32 (exact on any machine).
@@ -172,8 +173,6 @@ def evaluate_checkpoint(
     batch_size = batch_size or run.read_plan().micro_batch_size
 
     from transformers import AutoTokenizer
-
-    from zeropipe.data.tokenize import TokenDataset, build_token_cache, collate, pad_token_id
 
     tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer))
     pad_id = pad_token_id(tokenizer)
@@ -216,11 +215,7 @@ def load_checkpoint_model(run, info, dtype: torch.dtype):
     """The run's model with a checkpoint's consolidated weights, on CPU, in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    from zeropipe.config.load import load_config
-    from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
-    from zeropipe.models.causal_lm import add_lora, model_config
-
-    section = load_config(run.config).model
+    section = run.read_config().model
     attention = {"attn_implementation": section.attn_implementation}
     if section.path:
         model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32, **attention)

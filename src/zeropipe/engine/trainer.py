@@ -24,6 +24,7 @@ import torch
 
 from zeropipe.checkpoint import manager
 from zeropipe.engine.task import RankTask
+from zeropipe.metrics import MetricSinks
 from zeropipe.rundir import RunDir
 
 log = logging.getLogger("zeropipe")
@@ -72,7 +73,6 @@ class Trainer:
         import deepspeed
 
         self.configure_logging()
-        from zeropipe.metrics import MetricSinks
 
         # TensorBoard, W&B, MLflow: only rank 0 writes; a missing package turns its sink off.
         self.sinks = MetricSinks(self.run.path, self.config.logging, self.rank)

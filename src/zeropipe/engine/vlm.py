@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
+from zeropipe.data.sampler import ResumableDistributedSampler
+from zeropipe.data.tokenize import pad_token_id
+from zeropipe.data.vlm import GENERATE_FILE, MANIFEST, VlmDataset, VlmEncoder, caption_messages, collate_vlm, load_rgb
 from zeropipe.engine.causal_lm import write_generations
 from zeropipe.engine.task import TaskDefaults, sampler_batches
+from zeropipe.models.common import TORCH_DTYPES, count_parameters, hf_zero3_config, log_partitioning
+from zeropipe.models.vlm import build_vlm, part_counts, trainable_parts, vlm_config
 
 log = logging.getLogger("zeropipe")
 
@@ -26,10 +31,6 @@ class VisionLanguageTask(TaskDefaults):
     def setup_data(self) -> None:
         from transformers import AutoProcessor
 
-        from zeropipe.data.sampler import ResumableDistributedSampler
-        from zeropipe.data.tokenize import pad_token_id
-        from zeropipe.data.vlm import MANIFEST, VlmDataset, VlmEncoder, collate_vlm
-
         trainer = self.trainer
         self.processor = AutoProcessor.from_pretrained(str(trainer.run.processor))
         self.tokenizer = self.processor.tokenizer
@@ -39,8 +40,6 @@ class VisionLanguageTask(TaskDefaults):
         self.collate = partial(collate_vlm, pad_token_id=pad_token_id(self.tokenizer))
 
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
-        from zeropipe.models.common import TORCH_DTYPES, count_parameters, hf_zero3_config, log_partitioning
-        from zeropipe.models.vlm import build_vlm, part_counts, trainable_parts, vlm_config
 
         trainer = self.trainer
         section = trainer.config.model
@@ -106,7 +105,6 @@ class VisionLanguageTask(TaskDefaults):
 
     def generate_samples(self) -> None:
         """Answer each configured (prompt, image) pair with the trained weights (all ranks take part under ZeRO-3)."""
-        from zeropipe.data.vlm import GENERATE_FILE, caption_messages, load_rgb
 
         trainer = self.trainer
         path = trainer.run.data / GENERATE_FILE

@@ -28,8 +28,19 @@ from typing import Any
 
 import torch
 
-from zeropipe.checkpoint.manager import TAG_PATTERN, CheckpointInfo, is_complete, latest_stage_with_checkpoint, list_checkpoints, resolve_checkpoint, tag_for
+from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
+from zeropipe.checkpoint.manager import (
+    TAG_PATTERN,
+    CheckpointInfo,
+    is_complete,
+    latest_stage_with_checkpoint,
+    list_checkpoints,
+    resolve_checkpoint,
+    tag_for,
+)
+from zeropipe.data.tokenize import render_prompt
 from zeropipe.errors import CheckpointError, ZeroPipeError
+from zeropipe.models.causal_lm import add_lora, model_config
 from zeropipe.models.common import TORCH_DTYPES as DTYPES
 from zeropipe.rundir import RunDir
 
@@ -202,9 +213,6 @@ def causal_lm_from_run(source: ModelSource):
     """The run's model built from its config.yaml, with the checkpoint's consolidated weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
-    from zeropipe.models.causal_lm import add_lora, model_config
-
     assert source.checkpoint is not None
     config = read_run_config(source.path)
     section = config.model
@@ -285,7 +293,6 @@ def generate_text(
     """
     if any(image is not None for image in images):
         raise ZeroPipeError(f"--image needs a vision-language model; {loaded.source.describe()} is a text-only language model: drop --image")
-    from zeropipe.data.tokenize import render_prompt
 
     tokenizer, model = loaded.tokenizer, loaded.model
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}

@@ -22,6 +22,7 @@ from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checke
 from zeropipe.checkpoint.manager import CheckpointInfo, resolve_checkpoint
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ZeroPipeError
+from zeropipe.models.causal_lm import add_lora, model_config
 from zeropipe.models.common import TORCH_DTYPES
 from zeropipe.rundir import RunDir
 
@@ -67,8 +68,6 @@ def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: 
 def causal_lm_for_export(config: RunConfig):
     """The run's causal LM in fp32, with its LoRA adapters when it trained some."""
     from transformers import AutoModelForCausalLM
-
-    from zeropipe.models.causal_lm import add_lora, model_config
 
     section = config.model
     if section.path:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
+from zeropipe.data.tokenize import pad_token_id
+from zeropipe.data.vlm import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
 from zeropipe.errors import ZeroPipeError
 from zeropipe.export.generate import Generation, LoadedModel, read_run_config
+from zeropipe.models.vlm import build_vlm_for_export
 from zeropipe.rundir import RunDir
-
 
 
 def load_for_generation(source, device: torch.device, dtype: torch.dtype):
@@ -21,8 +23,6 @@ def load_for_generation(source, device: torch.device, dtype: torch.dtype):
     import sys
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from zeropipe.models.vlm import build_vlm_for_export
 
     default_tokens = None
     if source.kind == "run":
@@ -67,8 +67,6 @@ def generate_with_images(loaded, prompts: list[str], images: list[str | None], m
     Raises:
         ZeroPipeError: an image that cannot be read.
     """
-    from zeropipe.data.tokenize import pad_token_id
-    from zeropipe.data.vlm import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
 
     for image in images:
         if image is not None and (problem := image_problem(image)) is not None:

@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.export.generate import check_sampling, pair_images, pick_device, pick_dtype
+from zeropipe.export.generate import resolve_source as locate
+from zeropipe.export.hf import export_job
 from zeropipe.families.base import Family
+from zeropipe.rundir import RunDir
 
 if TYPE_CHECKING:
     from zeropipe.config.schema import ModelSection, RunConfig
@@ -127,7 +131,6 @@ def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     Raises:
         CheckpointError: no complete checkpoint, or it does not match the run's model.
     """
-    from zeropipe.export.hf import export_job
 
     job = export_job(source, out, merge, dtype, force)
     return family_of(job.config.model).export(job)
@@ -135,8 +138,6 @@ def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: 
 
 def resolve_source(path: str | Path, checkpoint: str | None = None) -> "ModelSource":
     """Where the weights of a run, export or adapter are, and their family."""
-    from zeropipe.export.generate import resolve_source as locate
-    from zeropipe.rundir import RunDir
 
     source = locate(path, checkpoint)
     if source.kind == "run":
@@ -153,7 +154,6 @@ def load_model(path: str | Path, checkpoint: str | None = None, device: str | No
         ZeroPipeError: an unusable source, a family that cannot generate text, or a
             checkpoint that does not match its run.
     """
-    from zeropipe.export.generate import pick_device, pick_dtype
 
     source = resolve_source(path, checkpoint)
     torch_device = pick_device(device)
@@ -179,7 +179,6 @@ def generate(
     Raises:
         ZeroPipeError: images for a text-only model, or bad sampling settings.
     """
-    from zeropipe.export.generate import check_sampling, pair_images
 
     check_sampling(prompts, temperature, top_p)
     tokens = max_new_tokens or loaded.default_max_new_tokens

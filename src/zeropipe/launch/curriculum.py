@@ -39,11 +39,15 @@ from typing import Any, Callable
 from zeropipe.checkpoint.manager import latest_checkpoint, list_checkpoints, write_atomic
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
-from zeropipe.families import family_of
 from zeropipe.config.stages import stage_configs, stage_directory_name, stage_key
+from zeropipe.data.formats import detect_format, read_records
+from zeropipe.data.text_prepare import prepare_data_file
+from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.families import export_run, family_of
 from zeropipe.launch.prepare import Prepared, prepare_run, run_dir_for
 from zeropipe.launch.resolve import resolve_run
+from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt
 from zeropipe.rundir import RunDir, RunPlan
 
 STAGES_FILE = "stages.json"
@@ -188,9 +192,6 @@ class Curriculum:
 
     def train_shared_tokenizer(self) -> str:
         """One tokenizer for every stage (their model is the same), trained on every stage's data."""
-        from zeropipe.data.formats import detect_format, read_records
-        from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
-        from zeropipe.data.text_prepare import prepare_data_file
 
         texts: list[str] = []
         for stage in self.stages:
@@ -311,7 +312,6 @@ class Curriculum:
             ("completed", summary), or ("failed" | "stopped", None); the stage that failed is
             recorded in the curriculum's status with its diagnosis.
         """
-        from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt
 
         # Between stages no supervisor is watching: a SIGTERM (the UI's stop button) must still end the run cleanly.
         previous = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
@@ -367,8 +367,6 @@ class Curriculum:
     def export(self, stage: Stage) -> Path:
         """The stage's final weights as a Hugging Face directory (LoRA merged), in the next stage's precision."""
         import contextlib
-
-        from zeropipe.families import export_run
 
         following = self.stages[stage.index + 1] if stage.index + 1 < len(self.stages) else stage
         self.top.logs.mkdir(exist_ok=True)

@@ -16,13 +16,13 @@ import torch
 
 from zeropipe.config.schema import ModelSection
 from zeropipe.errors import ConfigError
-from zeropipe.models.common import TORCH_DTYPES
-
+from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
+from zeropipe.models.loading import load_pretrained
 
 
 def model_config(section: ModelSection, vocab_size: int | None = None):
     """The transformers config of the model (inline or read from model.path)."""
-    from transformers import AutoConfig, CONFIG_MAPPING
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     if section.path:
         return AutoConfig.from_pretrained(section.path)
@@ -76,7 +76,6 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
 
     dtype = TORCH_DTYPES[precision]
     if section.path and section.quantization is None and not section.load_kwargs:
-        from zeropipe.models.loading import load_pretrained
 
         # Tensor by tensor from the memory-mapped checkpoint, each rank only what it keeps:
         # host RAM does not grow with the number of ranks (from_pretrained's does).
@@ -112,8 +111,6 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
 
 def add_lora(model, section: ModelSection):
     from peft import LoraConfig, get_peft_model
-
-    from zeropipe.models.common import TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
 
     lora = section.lora
     assert lora is not None

@@ -31,7 +31,11 @@ from typing import Any
 import torch
 
 from zeropipe.config.schema import LoraSection, ModelSection
+from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
+from zeropipe.models.causal_lm import model_config
+from zeropipe.models.common import TORCH_DTYPES
+from zeropipe.models.loading import load_pretrained
 
 PARTS = ("vision_tower", "projector", "language_model")
 DEFAULT_TRAINABLE = ("projector", "language_model")
@@ -222,7 +226,6 @@ def add_vlm_lora(model: torch.nn.Module, section: ModelSection) -> torch.nn.Modu
 
 def vlm_config(section: ModelSection, vocab_size: int | None = None):
     """The transformers config of the VLM; an inline text_config without vocab_size gets ``vocab_size``."""
-    from zeropipe.models.causal_lm import model_config
 
     if section.path or vocab_size is None or section.config is None:
         return model_config(section)
@@ -238,14 +241,11 @@ def build_vlm(section: ModelSection, config: Any, precision: str, zero_stage: in
     """The model with model.trainable applied (and LoRA); call with ``HfDeepSpeedConfig`` alive for ZeRO-3."""
     from transformers import AutoModelForImageTextToText
 
-    from zeropipe.models.common import TORCH_DTYPES
-
     if section.quantization is not None:
         raise ConfigError([("model.quantization", "4-bit loading is not supported for vision-language models yet: remove model.quantization")])
     dtype = dtype or TORCH_DTYPES[precision]
     attention = section.attn_implementation
     if section.path and not section.load_kwargs:
-        from zeropipe.models.loading import load_pretrained
 
         # Tensor by tensor from the memory-mapped checkpoint, as for causal LMs (host RAM stays flat).
         model = load_pretrained(
@@ -358,8 +358,6 @@ def build_processor(model_fields: dict[str, Any], texts: list[str], vocab_size: 
     """
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
-
-    from zeropipe.data.tokenizer import train_tokenizer
 
     model_type = model_fields.get("model_type")
     spec = offline_processor_spec(model_type)

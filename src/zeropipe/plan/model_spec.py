@@ -12,8 +12,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
-from zeropipe.plan.trace import ActivationTrace
+from zeropipe.models.causal_lm import model_config
+from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
+from zeropipe.models.vlm import OFFLINE_PROCESSORS, trainable_counts, vlm_config
+from zeropipe.plan.trace import ActivationTrace, trace_diffusion
 
 if TYPE_CHECKING:
     import torch
@@ -203,7 +207,6 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
     Raises:
         ConfigError: when transformers cannot build the configured architecture.
     """
-    from zeropipe.models.causal_lm import model_config
 
     section = run_config.model
     vocab = None
@@ -222,7 +225,6 @@ def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
     Activations are those of the language model at data.max_seq_len (image tokens included);
     the vision tower's own activations are not modelled.
     """
-    from zeropipe.models.vlm import OFFLINE_PROCESSORS, trainable_counts, vlm_config
 
     section = run_config.model
     text = (section.config or {}).get("text_config") or {}
@@ -388,7 +390,6 @@ def _count(model) -> dict[str, Any]:
 
 def lora_targets(lora: LoraSection, family: str) -> list[str] | str:
     """model.lora.target_modules resolved: "auto" is the attention projections as the model's library names them."""
-    from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
 
     return resolve_lora_targets(lora, DIFFUSERS_LORA_TARGETS if family.startswith("diffusion") else TRANSFORMERS_LORA_TARGETS)
 
@@ -516,8 +517,6 @@ def _inject_lora(model, lora: LoraSection) -> None:
 def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:
     import torch
 
-    from zeropipe.plan.trace import trace_diffusion
-
     config = model.config
     latent = resolution // int(entry.get("vae_factor", 8))
     dtype = torch.bfloat16
@@ -599,7 +598,6 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
     With both caches on, the ranks never load the VAE or the text encoders (they are encoded
     once before training), so they are not counted; with one cache off, its encoder is.
     """
-    from zeropipe.diffusion.pipelines import preset_components
 
     section, data = run_config.model, run_config.data
     if section.path:

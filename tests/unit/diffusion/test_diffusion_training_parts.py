@@ -11,9 +11,10 @@ import torch
 from zeropipe.config.load import validate_config
 from zeropipe.config.schema import DiffusionSection
 from zeropipe.diffusion import cache
-from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.diffusion.architectures import architecture_of
 from zeropipe.diffusion.architectures.base import DDPM_SCHEDULE
-from zeropipe.diffusion.pipelines import architecture_of, build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
+from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
 from zeropipe.errors import ConfigError
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
-
+import tomllib
 from doctor_machines import NVCC_13_0, environment, gpu_box, rtx_4090_box, toolkit
+from packaging.requirements import Requirement
 
 from zeropipe.doctor import checks
 from zeropipe.doctor.checks import GiB, MiB, examine

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from zeropipe.config.schema import LoraSection, ModelSection, RunConfig
-from zeropipe.plan.memory import Choice, saved_activation_bytes
 from zeropipe.families import model_spec as spec_from_config
+from zeropipe.plan.memory import Choice, saved_activation_bytes
 
 TOLERANCE = 0.15
 SEQ_LEN, BATCH = 256, 2
