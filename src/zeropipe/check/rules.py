@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from zeropipe.check.planning import activation_heavy, memory_problems, zero3_unneeded
+from zeropipe.config.load import offload_problems
 from zeropipe.config.schema import RunConfig
 
 DS_CONFIG_DOCS = "https://www.deepspeed.ai/docs/config-json/"
@@ -94,12 +95,14 @@ def pipeline_with_zero(ctx: CheckContext):
     return []
 
 
-@rule("ZP002", "error", "offload_param below ZeRO-3", DS_CONFIG_DOCS + "#parameter-offloading")
-def offload_param_below_stage3(ctx: CheckContext):
-    device = (ctx.ds_config.get("zero_optimization", {}).get("offload_param") or {}).get("device", "none")
-    if device not in (None, "none") and ctx.zero_stage != 3:
-        return [("deepspeed.offload_param", f"parameter offload needs ZeRO stage 3 (stage is {ctx.zero_stage})", "use ZeRO stage 3 (deepspeed.zero_stage: 3, or zero_optimization.stage: 3 in your JSON) or drop offload_param")]
-    return []
+@rule("ZP002", "error", "offload below the ZeRO stage that supports it", DS_CONFIG_DOCS + "#parameter-offloading")
+def offload_below_stage(ctx: CheckContext):
+    """The config loader's offload check, on the resolved run (the user's JSON included), where the YAML alone did not show it."""
+    zero = ctx.ds_config.get("zero_optimization", {})
+    devices = [(zero.get(block) or {}).get("device", "none") for block in ("offload_param", "offload_optimizer")]
+    found = offload_problems(ctx.zero_stage, *("cpu" if device not in (None, "none") else "none" for device in devices))
+    where = f" (or zero_optimization in {ctx.config.deepspeed.config_file})" if ctx.config.deepspeed.config_file else ""
+    return [(key, message, f"use ZeRO stage 3: deepspeed.zero_stage: 3{where}, or drop the offload") for key, message in found]
 
 
 CPU_OPTIMIZERS = {"adam", "adamw", "adagrad", "lion"}

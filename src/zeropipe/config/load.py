@@ -213,6 +213,16 @@ def section(raw: dict[str, Any], name: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def offload_problems(stage: Any, offload_param: Any, offload_optimizer: Any) -> list[tuple[str, str]]:
+    """Offload that DeepSpeed refuses at this ZeRO stage; checked on the YAML here and on the resolved run by rule ZP002."""
+    problems = []
+    if offload_param == "cpu" and stage not in (3, "auto"):
+        problems.append(("deepspeed.offload_param", f"needs zero_stage 3 (you set {stage}): set deepspeed.zero_stage: 3 or offload_param: none"))
+    if offload_optimizer == "cpu" and stage == 0:
+        problems.append(("deepspeed.offload_optimizer", "needs zero_stage 1, 2 or 3 (you set 0): raise deepspeed.zero_stage or set offload_optimizer: none"))
+    return problems
+
+
 def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     """Checks across fields, run on the raw dict so they are reported with the type errors."""
     problems: list[tuple[str, str]] = []
@@ -257,10 +267,7 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
         problems.append(("data.images.crop", "random crops cannot come from cached latents (each image is encoded once): set crop: center, or data.cache.latents: false"))
 
     stage = ds.get("zero_stage", 2)
-    if ds.get("offload_param", "none") == "cpu" and stage not in (3, "auto"):
-        problems.append(("deepspeed.offload_param", f"needs zero_stage 3 (you set {stage}): set deepspeed.zero_stage: 3 or offload_param: none"))
-    if ds.get("offload_optimizer", "none") == "cpu" and stage == 0:
-        problems.append(("deepspeed.offload_optimizer", "needs zero_stage 1, 2 or 3 (you set 0): raise deepspeed.zero_stage or set offload_optimizer: none"))
+    problems += offload_problems(stage, ds.get("offload_param", "none"), ds.get("offload_optimizer", "none"))
     if isinstance(ds.get("config_file"), str) and not Path(ds["config_file"]).expanduser().is_file():
         problems.append(("deepspeed.config_file", f"{ds['config_file']} does not exist: fix the path"))
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset
+from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset, pad_right
 from zeropipe.errors import DataError
 
 PACK_FILES = ("pack_members.npy", "pack_offsets.npy", "packs.json")
@@ -153,20 +153,14 @@ def collate_packed(batch: list[dict[str, torch.Tensor]], pad_token_id: int) -> d
     ``num_examples`` count the real (non-padding) tokens and the examples, which the trainer
     reports as tokens/s and samples/s and removes before the forward pass.
     """
-    if not batch:
-        raise ValueError("cannot collate an empty batch")
-    longest = max(len(sequence["input_ids"]) for sequence in batch)
-    input_ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
-    position_ids = torch.zeros((len(batch), longest), dtype=torch.long)
-    for row, sequence in enumerate(batch):
-        length = len(sequence["input_ids"])
-        input_ids[row, :length] = sequence["input_ids"]
-        labels[row, :length] = sequence["labels"]
+    input_ids, labels, lengths = pad_right(batch, pad_token_id)
+    longest = input_ids.shape[1]
+    position_ids = torch.zeros_like(input_ids)
+    for row, (sequence, length) in enumerate(zip(batch, lengths)):
         position_ids[row, :length] = sequence["position_ids"]
         position_ids[row, length:] = torch.arange(longest - length)
-    real_tokens = sum(len(sequence["input_ids"]) for sequence in batch)
-    examples = int((position_ids == 0).sum()) - sum(1 for sequence in batch if len(sequence["input_ids"]) < longest)
+    real_tokens = sum(lengths)
+    examples = int((position_ids == 0).sum()) - sum(1 for length in lengths if length < longest)
     return {
         "input_ids": input_ids,
         "labels": labels,

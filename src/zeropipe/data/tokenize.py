@@ -445,17 +445,24 @@ class TokenDataset(Dataset):
         self._open()
 
 
-def collate(batch: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Pad examples on the right to the longest one; padded labels carry no loss."""
+def pad_right(batch: list[dict[str, torch.Tensor]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``(input_ids, labels, lengths)`` of a batch padded on the right to its longest row; padded labels carry no loss."""
     if not batch:
         raise ValueError("cannot collate an empty batch")
-    longest = max(len(example["input_ids"]) for example in batch)
+    lengths = [len(example["input_ids"]) for example in batch]
+    longest = max(lengths)
     input_ids = torch.full((len(batch), longest), pad_token_id, dtype=torch.long)
     labels = torch.full((len(batch), longest), IGNORE_INDEX, dtype=torch.long)
-    attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
-    for row, example in enumerate(batch):
-        length = len(example["input_ids"])
+    for row, (example, length) in enumerate(zip(batch, lengths)):
         input_ids[row, :length] = example["input_ids"]
         labels[row, :length] = example["labels"]
+    return input_ids, labels, lengths
+
+
+def collate(batch: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Examples padded on the right to the longest one, with the attention mask of the real tokens."""
+    input_ids, labels, lengths = pad_right(batch, pad_token_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
         attention_mask[row, :length] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,5 +1,9 @@
 """Pretrained weights loaded tensor by tensor, so that host RAM does not grow with the number of ranks.
 
+(Over 600 lines: the four steps below are one path that every family's loading takes, and
+each step's guarantees depend on the others'; the checkpoint index, step 1, is the part that
+would stand alone.)
+
 Five ranks each calling ``from_pretrained`` hold five copies of the model in host RAM before
 DeepSpeed shards it, and the kernel kills rank 0 (USERS.md, failure 1). Here no rank ever
 holds the whole model:

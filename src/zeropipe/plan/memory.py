@@ -1,5 +1,8 @@
 """The memory model: pure functions from (model, hardware, choice) to named byte counts.
 
+(Over 600 lines on purpose: every term of the memory model, per GPU and per node, side by side,
+so that the formulas that must agree with each other and with DeepSpeed are read together.)
+
 Every figure the planner shows is a ``Term``: a name in the user's words, a number of bytes
 and the assumption behind it. Nothing here imports torch or touches a device.
 
