@@ -1,4 +1,4 @@
-"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T]``: the web UI.
+"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T] [--allow-remote-code]``: the web UI.
 
 Serves the runs under the runs folder (and any run started from the command line into it),
 a form to set up and launch new ones, live charts, logs, stop / resume / export, and the
@@ -22,6 +22,10 @@ def register(commands) -> None:
     parser.add_argument("--data-dir", action="append", default=None, metavar="DIR", help="folder the UI's configs may read data and models from (default: the current directory); repeatable")
     parser.add_argument("--db", default=os.environ.get("ZEROPIPE_DB"), metavar="PATH", help="run database (SQLite; default RUNS_DIR/.zeropipe/runs.sqlite3, or $ZEROPIPE_DB)")
     parser.add_argument("--token", default=os.environ.get("ZEROPIPE_UI_TOKEN"), help="token every request must carry (default: none on loopback, generated otherwise; or $ZEROPIPE_UI_TOKEN)")
+    parser.add_argument(
+        "--allow-remote-code", action="store_true",
+        help="accept trust_remote_code in configs submitted through the UI (it runs Python code from a model's folder: only for a UI nobody else can reach)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -35,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.store import Roots, RunStore
 
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
-    store = RunStore(roots, args.db)
+    store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code)
     token = args.token
     if token is None and not is_loopback(args.host):
         token = new_token()

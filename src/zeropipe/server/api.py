@@ -15,7 +15,6 @@ from zeropipe.errors import ConfigError
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
 from zeropipe.store import RunStore, parse_yaml_text
-from zeropipe.store.index import read_json
 
 router = APIRouter(prefix="/api")
 
@@ -81,17 +80,16 @@ async def runs_stream(request: Request, max_seconds: float = Query(300, ge=0.1, 
 def run_detail(request: Request, run_id: int = RunId):
     store = store_of(request)
     run = store.run(run_id)
-    run_dir = store.run_dir(run)
     return {
         "run": run,
-        "status": read_json(run_dir.status_file),
-        "plan": read_json(run_dir.plan_file),
-        "summary": read_json(run_dir.summary),
+        "status": store.read_run_json(run, "status.json"),
+        "plan": store.read_run_json(run, "run.json"),
+        "summary": store.read_run_json(run, "summary.json"),
         "logs": store.log_names(run),
         "checkpoints": store.checkpoints(run),
         "exports": store.exports(run),
         "generations": store.generations(run),
-        "tensorboard": (run_dir.path / "tensorboard").is_dir(),
+        "tensorboard": bool(store.own_or_none(run, "tensorboard")) and (FilePath(run["path"]) / "tensorboard").is_dir(),
     }
 
 
@@ -111,7 +109,7 @@ def run_metrics(
 def expand_keys(store: RunStore, run: dict, keys: str | None) -> list[str] | None:
     if not keys:
         return None
-    available = store.series.get(FilePath(run["path"]) / "metrics.jsonl").keys()
+    available = store.series.get(store.metrics_file(run)).keys()
     out = []
     for key in keys.split(","):
         key = key.strip()

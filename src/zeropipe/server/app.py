@@ -43,7 +43,7 @@ class Refresher:
                 self.store.refresh(scan=tick % 5 == 0)
                 for run in self.store.runs(state="running,starting,stopping"):
                     # Keep live runs' series warm: their pages and streams answer at once.
-                    self.store.series.get(Path(run["path"]) / "metrics.jsonl")
+                    self.store.series.get(self.store.metrics_file(run))
                 self.store.series.save_all()
             except Exception:  # noqa: BLE001 - one bad directory must not stop the refreshing
                 log.exception("refreshing the run store failed")

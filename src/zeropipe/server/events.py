@@ -55,7 +55,7 @@ def runs_stream(request: Request, store: RunStore, max_seconds: float) -> Stream
 
 
 def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_step: float, max_seconds: float) -> StreamingResponse:
-    metrics_path = Path(run["path"]) / "metrics.jsonl"
+    metrics_path = store.metrics_file(run)
 
     def poll(last_step: float, eval_version: int):
         current = store.run(run["id"])

@@ -26,7 +26,7 @@ from zeropipe.rundir import RunDir
 from zeropipe.store.db import Database
 from zeropipe.store.index import TERMINAL, eta_seconds, find_run_dirs, is_run_dir, process_alive, read_json, read_run, signature
 from zeropipe.store.processes import spawn, terminate, zeropipe_argv
-from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, resolve_inside
+from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, confined, resolve_inside, too_deep
 from zeropipe.store.series import SeriesCache
 
 LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher)$")
@@ -63,8 +63,12 @@ def parse_yaml_text(text: str, source: str = "the submitted config") -> dict[str
 
 
 class RunStore:
-    def __init__(self, roots: Roots, db_path: str | Path | None = None):
+    def __init__(self, roots: Roots, db_path: str | Path | None = None, allow_remote_code: bool = False):
+        """Args:
+            allow_remote_code: accept ``trust_remote_code`` in submitted configs (``zeropipe ui --allow-remote-code``).
+        """
         self.roots = roots
+        self.allow_remote_code = allow_remote_code
         for root in roots.runs:
             root.mkdir(parents=True, exist_ok=True)
         self.db_path = Path(db_path).expanduser().resolve() if db_path else roots.primary_runs / ".zeropipe" / "runs.sqlite3"
@@ -95,6 +99,12 @@ class RunStore:
 
     def refresh_run(self, row: dict[str, Any]) -> None:
         path = Path(row["path"])
+        if self.roots.runs_root_of(path) is None:
+            # Indexed by an older version through a symlink, or replaced by one since: what
+            # lies outside the runs folders is not served.
+            if not row["missing"]:
+                self.db.update_run(row["id"], missing=1)
+            return
         launch = self.last_launch(row["id"], ("train", "resume"))
         mark = (signature(path), launch and (launch["id"], launch["ended_at"]), row["stop_requested_at"])
         if row["state"] in TERMINAL and self.signatures.get(row["path"]) == mark:
@@ -166,28 +176,55 @@ class RunStore:
     def run_dir(self, run: dict[str, Any]) -> RunDir:
         return RunDir(run["path"])
 
+    def own(self, run: dict[str, Any], relative: str) -> Path:
+        """A path inside the run's directory, resolved.
+
+        Raises:
+            OutsideRoots: it leads out of the run (``..``, or a symlink to elsewhere).
+        """
+        return resolve_inside(Path(run["path"]), relative)
+
+    def own_or_none(self, run: dict[str, Any], relative: str) -> Path | None:
+        try:
+            return self.own(run, relative)
+        except OutsideRoots:
+            return None
+
+    def metrics_file(self, run: dict[str, Any]) -> Path:
+        # A metrics.jsonl that leads out of the run is read as no metrics (a name that never exists).
+        return self.own_or_none(run, "metrics.jsonl") or Path(run["path"]) / ".metrics-outside-the-run"
+
+    def read_run_json(self, run: dict[str, Any], name: str) -> Any:
+        return read_json(self.own_or_none(run, name))
+
     def log_names(self, run: dict[str, Any]) -> list[str]:
-        logs = self.run_dir(run).logs
-        names = sorted((p.stem for p in logs.glob("rank*.log") if LOG_NAME.match(p.stem)), key=lambda n: int(n[4:]))
-        return (["launcher"] if (logs / "launcher.log").is_file() else []) + names
+        logs = self.own_or_none(run, "logs")
+        if logs is None:
+            return []
+        names = sorted((p.stem for p in logs.glob("rank*.log") if LOG_NAME.match(p.stem) and self.own_or_none(run, f"logs/{p.name}")), key=lambda n: int(n[4:]))
+        return (["launcher"] if self.own_or_none(run, "logs/launcher.log") and (logs / "launcher.log").is_file() else []) + names
 
     def read_log(self, run: dict[str, Any], name: str, lines: int = 200) -> list[str]:
         if not LOG_NAME.match(name):
             raise RunNotFound(f"no log {name!r}: logs are named rank0, rank1, ... and launcher")
-        path = resolve_inside(self.run_dir(run).logs, f"{name}.log")
+        path = self.own(run, f"logs/{name}.log")
+        if not path.is_file():
+            raise RunNotFound(f"run {run['name']} has no log {name!r}: its logs are {', '.join(self.log_names(run)) or 'not written yet'}")
         return tail_lines(path, max(1, min(lines, 5000)))
 
     def config_text(self, run: dict[str, Any]) -> str | None:
-        path = self.run_dir(run).config
-        return path.read_text() if path.is_file() else None
+        path = self.own(run, "config.yaml")
+        return path.read_text(errors="replace") if path.is_file() else None
 
     def checkpoints(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         path = Path(run["path"])
         latest = latest_checkpoint(path)
         out = []
         for info in reversed(list_checkpoints(path, complete_only=False)):
+            if self.own_or_none(run, f"checkpoints/{info.tag}") is None:
+                continue  # a symlink to a folder elsewhere
             marker = read_json(info.path / COMPLETE_MARKER) or {}
-            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file())
+            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file() and not f.is_symlink())
             out.append(
                 {
                     "tag": info.tag,
@@ -202,13 +239,17 @@ class RunStore:
         return out
 
     def generations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
-        return read_jsonl(self.run_dir(run).generations)
+        path = self.own_or_none(run, "generations.jsonl")
+        return read_jsonl(path) if path else []
 
     def samples(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The sample images a diffusion run wrote, from samples/index.jsonl (step, prompt, file)."""
-        root = Path(run["path"]) / "samples"
+        root = self.own_or_none(run, "samples")
+        index = self.own_or_none(run, "samples/index.jsonl")
+        if root is None or index is None:
+            return []
         out = []
-        for row in read_jsonl(root / "index.jsonl"):
+        for row in read_jsonl(index):
             try:
                 file = self.sample_relative(root, row)
             except (OutsideRoots, TypeError, ValueError):
@@ -230,14 +271,14 @@ class RunStore:
         return resolve_inside(root, candidates[-1]).relative_to(root.resolve()).as_posix()
 
     def sample_file(self, run: dict[str, Any], relative: str) -> Path:
-        root = Path(run["path"]) / "samples"
+        root = self.own(run, "samples")
         path = resolve_inside(root, relative)
         if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
             raise RunNotFound(f"no sample image {relative!r} in this run")
         return path
 
     def metrics(self, run: dict[str, Any], keys: list[str] | None = None, width: int | None = None, after_step: float | None = None) -> dict[str, Any]:
-        series = self.series.get(self.run_dir(run).metrics)
+        series = self.series.get(self.metrics_file(run))
         available = series.keys()
         chosen = [key for key in (keys or available) if key in available]
         out = series.window(chosen, width, after_step)
@@ -261,7 +302,7 @@ class RunStore:
                     "started_at": launch["started_at"],
                     "ended_at": launch["ended_at"],
                     **(launch["detail"] or {}),
-                    "log_tail": tail_lines(Path(launch["log_path"]), 15) if state == "failed" else [],
+                    "log_tail": tail_lines(Path(launch["log_path"]), 15, within=Path(run["path"])) if state == "failed" else [],
                 }
             )
         return out
@@ -277,7 +318,9 @@ class RunStore:
         """
         from zeropipe.config.load import validate_config
 
-        problems = config_path_problems(raw, self.roots)
+        problems = config_path_problems(raw, self.roots, self.allow_remote_code)
+        if too_deep(raw):  # refused before anything walks it recursively
+            raise ConfigError(problems, source="the submitted config")
         absolute = absolutize(raw, self.roots)
         return validate_config(absolute, source="the submitted config", extra_problems=problems), absolute
 
@@ -319,6 +362,8 @@ class RunStore:
         return self.run(run_id)
 
     def start(self, run_id: int, action: str, argv: list[str], log_path: Path, **fields: Any) -> int:
+        if self.roots.runs_root_of(log_path) is None:
+            raise OutsideRoots(f"{log_path} leads out of the runs folders (a symlink?): nothing is started")
         proc = spawn(argv, log_path, self.roots.base)
         launch_id = self.db.insert_launch(run_id=run_id, action=action, pid=proc.pid, command=argv, log_path=str(log_path), started_at=time.time(), **fields)
         self.children[launch_id] = proc
@@ -337,7 +382,7 @@ class RunStore:
         launch = self.open_launch(run["id"])
         if launch is None:
             return None
-        status = read_json(self.run_dir(run).status_file) or {}
+        status = self.read_run_json(run, "status.json") or {}
         if status.get("state") in TERMINAL and (status.get("started_at") or 0) >= launch["started_at"]:
             deadline = time.time() + 15
             while time.time() < deadline and process_alive(launch["pid"], launch["started_at"]):
@@ -356,7 +401,7 @@ class RunStore:
         run = self.run(ref)
         if run["state"] not in ("running", "starting", "stopping"):
             raise ActionRefused(f"run {run['name']} is {run['state']}, not running: there is nothing to stop")
-        status = read_json(self.run_dir(run).status_file) or {}
+        status = self.read_run_json(run, "status.json") or {}
         launch = self.open_launch(run["id"])
         sent = False
         if status.get("state") == "running" and status.get("supervisor_pid"):
@@ -399,9 +444,9 @@ class RunStore:
         info = self.checkpoint_for(run, checkpoint)
         if run.get("total_steps") and info.step >= run["total_steps"]:
             raise ActionRefused(f"{info.tag} is the end of the run ({run['total_steps']} steps): there is nothing left to train; pick an earlier checkpoint")
-        config_file = self.run_dir(run).config
+        config_file = self.own(run, "config.yaml")
         raw = parse_yaml_text(config_file.read_text(), source=str(config_file)) if config_file.is_file() else {}
-        problems = [p for p in config_path_problems(raw, self.roots) if p[0] not in ("run.name", "run.output_dir")]
+        problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
         self.busy_launch(run)  # waits (outside the lock) for a launcher that is only exiting
@@ -467,7 +512,8 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:
-    lines = tail_lines(Path(launch["log_path"]), 30)
+    log_path = Path(launch["log_path"])
+    lines = tail_lines(log_path, 30, within=log_path.parent.parent)  # RUN/logs/launcher.log
     # `zeropipe train: error: ...` and the problem lines under it say why, with the fix.
     starts = [i for i, line in enumerate(lines) if ": error: " in line]
     code = launch["exit_code"]
@@ -480,7 +526,10 @@ def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:
     return {"text": text, "how": how, "cause": cause, "fix": "", "rank": None}
 
 
-def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024) -> list[str]:
+def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024, within: Path | None = None) -> list[str]:
+    """The last ``lines`` lines of a file; none when it resolves outside ``within``."""
+    if within is not None and confined(path, within) is None:
+        return []
     try:
         with open(path, "rb") as handle:
             handle.seek(0, 2)
