@@ -182,7 +182,7 @@ def compare(
     store = store_of(request)
     out = []
     for run_id in dict.fromkeys(int(i) for i in ids.split(",")):
-        run = store.run(run_id)
+        run = store.run(run_id)  # an id past any run's (even past SQLite's range) is "no run", a 404
         data = store.metrics(run, [key], width)
         out.append({"id": run["id"], "name": run["name"], "state": run["state"], "step": data["step"], "values": data["series"].get(key, [])})
     return {"key": key, "runs": out}

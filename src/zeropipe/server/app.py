@@ -148,6 +148,12 @@ def add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, err: StarletteHTTPException):
         return error(err.status_code, str(err.detail))
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, err: RecursionError):
+        # Only input nested thousands deep gets here (parsers recurse); its traceback is thousands of lines of nothing.
+        log.warning("refused %s %s: the request nests too deeply (RecursionError)", request.method, request.url.path)
+        return error(422, "the request nests too deeply to be read: a run config has a few levels of sections")
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception):
         log.exception("unexpected error serving %s %s", request.method, request.url.path)

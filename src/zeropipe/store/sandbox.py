@@ -34,6 +34,8 @@ FREE_FORM = {"model.config", "model.load_kwargs", "deepspeed.overrides"}
 PATH_LIKE_KEY = re.compile(r"(path|dir|directory|file|filename|folder|root|output)s?$", re.IGNORECASE)
 # Deeper than this, a config is not a config (and deep nesting exhausts recursive parsers).
 MAX_DEPTH = 40
+MAX_VALUES = 100_000
+TOO_DEEP = ("", f"the config nests more than {MAX_DEPTH} levels deep: a run config has a few levels of sections; send the config itself")
 REMOTE_CODE_KEY = "trust_remote_code"
 
 class OutsideRoots(ZeroPipeError):
@@ -109,28 +111,33 @@ def check_name(name: Any, what: str = "run.name") -> list[tuple[str, str]]:
     return []
 
 
-def nesting_depth(value: Any) -> int:
-    """How deeply mappings and lists nest in ``value`` (a scalar is 0), without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
+def config_shape(value: Any) -> tuple[int, int]:
+    """(how deeply mappings and lists nest, how many values there are), without recursion.
+
+    Stops counting past the limits: a YAML alias expanded a billion times is not walked.
+    """
+    deepest, count, stack = 0, 0, [(value, 0)]
+    while stack and deepest <= MAX_DEPTH and count <= MAX_VALUES:
         node, depth = stack.pop()
+        count += 1
         if isinstance(node, dict):
-            children = node.values()
+            children = list(node.values())
         elif isinstance(node, list):
             children = node
         else:
-            deepest = max(deepest, depth)
             continue
         deepest = max(deepest, depth + 1)
-        if depth + 1 > MAX_DEPTH:
-            break
         stack.extend((child, depth + 1) for child in children)
-    return deepest
+    return deepest, count
 
 
 def too_deep(value: Any) -> list[tuple[str, str]]:
-    if nesting_depth(value) > MAX_DEPTH:
-        return [("", f"the config nests more than {MAX_DEPTH} levels deep: a run config has a few levels of sections; send the config itself")]
+    """One problem when a config nests too deeply or holds too many values to be a run config."""
+    depth, count = config_shape(value)
+    if depth > MAX_DEPTH:
+        return [TOO_DEEP]
+    if count > MAX_VALUES:
+        return [("", f"the config holds more than {MAX_VALUES:,} values (YAML aliases count every time they are used): send the config itself")]
     return []
 
 

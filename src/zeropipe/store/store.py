@@ -26,7 +26,7 @@ from zeropipe.rundir import RunDir
 from zeropipe.store.db import Database
 from zeropipe.store.index import TERMINAL, eta_seconds, find_run_dirs, is_run_dir, process_alive, read_json, read_run, signature
 from zeropipe.store.processes import spawn, terminate, zeropipe_argv
-from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, confined, resolve_inside, too_deep
+from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, confined, resolve_inside, too_deep, MAX_DEPTH, TOO_DEEP
 from zeropipe.store.series import SeriesCache
 
 LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher)$")
@@ -48,6 +48,8 @@ def parse_yaml_text(text: str, source: str = "the submitted config") -> dict[str
     Raises:
         ConfigError: not YAML, or not a mapping of sections.
     """
+    if yaml_depth(text) > MAX_DEPTH:  # PyYAML composes recursively: refuse before it overflows the stack
+        raise ConfigError([TOO_DEEP], source=source)
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
@@ -57,9 +59,30 @@ def parse_yaml_text(text: str, source: str = "the submitted config") -> dict[str
         raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=source) from None
     if raw is None:
         return {}
+    if too_deep(raw):
+        raise ConfigError(too_deep(raw), source=source)
     if not isinstance(raw, dict):
         raise ConfigError([("", f"the top level must be a mapping of sections (model:, data:, train:, ...), not {type(raw).__name__}")], source=source)
     return raw
+
+
+def yaml_depth(text: str) -> int:
+    """How deeply the YAML text's collections nest, from its tokens (PyYAML's scanner does not recurse)."""
+    opening = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken, yaml.FlowSequenceStartToken)
+    closing = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+    depth = deepest = 0
+    try:
+        for token in yaml.scan(text, Loader=yaml.SafeLoader):
+            if isinstance(token, opening):
+                depth += 1
+                deepest = max(deepest, depth)
+                if deepest > MAX_DEPTH:
+                    break
+            elif isinstance(token, closing):
+                depth -= 1
+    except yaml.YAMLError:
+        pass  # safe_load reports the syntax error with its line
+    return deepest
 
 
 class RunStore:
@@ -162,7 +185,7 @@ class RunStore:
             RunNotFound: nothing matches (or a name matches several runs).
         """
         row = None
-        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        if (isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit())) and 0 < int(ref) < 2**63:  # SQLite's integer range
             row = self.db.run(int(ref))
         if row is None and isinstance(ref, str):
             named = self.db.runs_named(ref)
