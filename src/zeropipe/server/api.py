@@ -219,10 +219,21 @@ def config_check(request: Request, body: ConfigSubmission):
 
 
 # ------------------------------------------------------------ environment
-@router.get("/doctor", summary="The `zeropipe doctor` report of this machine")
-def doctor(request: Request, refresh: bool = Query(False), trial_build: bool = Query(False, description="also build DeepSpeed's CPU Adam (about a minute the first time)")):
+@router.get("/doctor", summary="The `zeropipe doctor` report of this machine (the last one; checked once if there is none)")
+def doctor(request: Request):
     store = store_of(request)
-    return checking.doctor_report(str(store.roots.primary_runs), trial_build=trial_build, max_age_seconds=0 if refresh else 120)
+    # Reading never builds anything: the CPU Adam trial build is a POST (below), which only this UI's own pages can send.
+    return checking.doctor_report(str(store.roots.primary_runs), trial_build=False, max_age_seconds=float("inf"))
+
+
+class DoctorRequest(Strict):
+    trial_build: bool = Field(False, description="also build DeepSpeed's CPU Adam in a child process (about a minute the first time)")
+
+
+@router.post("/doctor/check", summary="Examine this machine again (optionally with the CPU Adam trial build) and return the report")
+def doctor_check(request: Request, body: DoctorRequest):
+    store = store_of(request)
+    return checking.doctor_report(str(store.roots.primary_runs), trial_build=body.trial_build, max_age_seconds=0)
 
 
 @router.get("/health", summary="Liveness, version and the folders this server uses")

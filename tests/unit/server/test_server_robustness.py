@@ -4,6 +4,7 @@ in the log, and no side effect."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -95,3 +96,44 @@ def test_an_unexpected_recursion_error_is_not_logged_as_a_traceback(store, caplo
         response = client.get("/api/recurse")
     assert response.status_code == 422 and "nest" in response.json()["detail"]
     assert "Traceback" not in caplog.text and len(caplog.text.splitlines()) <= 2
+
+
+# ------------------------------------------------------------------ no GET changes anything
+def test_reading_the_doctor_report_never_starts_the_trial_build(client, monkeypatch):
+    """An <img src=".../api/doctor?refresh=true&trial_build=true"> on any website started a build."""
+    from zeropipe.server import checking
+
+    monkeypatch.setattr(checking, "_doctor", {})
+    response = client.get("/api/doctor", params={"refresh": "true", "trial_build": "true"}, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Dest": "image"})
+    report = response.json()
+    assert response.status_code == 200
+    if report["available"]:
+        assert report["facts"]["cpu_adam"]["skipped_reason"], report["facts"]["cpu_adam"]
+    assert checking._doctor.get("trial_build") is not True
+    again = client.get("/api/doctor", params={"refresh": "true"}).json()
+    assert again.get("checked_at") == report.get("checked_at"), "a GET does not even re-examine the machine"
+
+
+def test_examining_again_is_a_post_from_this_ui_only(client, monkeypatch):
+    from zeropipe.server import checking
+
+    monkeypatch.setattr(checking, "_doctor", {})
+    for headers in ({"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}, {"Sec-Fetch-Site": "cross-site"}):
+        response = client.post("/api/doctor/check", json={"trial_build": True}, headers=headers)
+        assert response.status_code == 403, (headers, response.text)
+    assert checking._doctor == {}
+    first = client.get("/api/doctor").json()
+    time.sleep(0.05)
+    response = client.post("/api/doctor/check", json={"trial_build": False}, headers={"Origin": "http://127.0.0.1", "Sec-Fetch-Site": "same-origin"})
+    assert response.status_code == 200
+    assert response.json().get("checked_at", 1) != first.get("checked_at", 0)
+
+
+@pytest.mark.parametrize("method", ["DELETE", "PUT", "PATCH"])
+def test_a_wrong_method_on_a_route_is_405(client, store, method):
+    write_run(store.roots.primary_runs, "done", steps=3, checkpoints=())
+    store.refresh()
+    for path in ["/api/runs/1/config", "/api/compare?ids=1", "/api/health"]:
+        response = client.request(method, path)
+        assert response.status_code == 405, (method, path, response.status_code, response.text)
+        assert response.json()["detail"]
