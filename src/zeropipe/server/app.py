@@ -77,6 +77,7 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
         try:
             yield
         finally:
+            app.state.stopping.set()
             if refresher:
                 refresher.stop()
             store.series.save_all(force=True)
@@ -89,6 +90,9 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     )
     app.state.store = store
     app.state.version = __version__
+    # Set when the server is asked to stop (Ctrl-C): event streams end at once, so the
+    # server is not left waiting for browser tabs that would hold them open for minutes.
+    app.state.stopping = threading.Event()
     from zeropipe.server.security import is_loopback
 
     allowed = None
