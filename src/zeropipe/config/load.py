@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def validate_config(raw: dict[str, Any], source: str | None = None, extra_proble
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as err:
-        problems += [describe_error(error) for error in err.errors()]
+        problems += describe_errors(err.errors())
     if raw.get("stages") is not None:
         from zeropipe.config.stages import curriculum_problems
 
@@ -143,9 +144,38 @@ ALIASES = {
 }
 
 
+UNION_MEMBER = re.compile(r"^(literal\[|function-|union\[|constrained-|int$|str$|float$|bool$|list\[str\]$|dict\[str,any\]$)")
+
+
+def describe_errors(errors: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One problem per key: a value that fits no member of a union (4 or 'auto') names every accepted form once."""
+    members: dict[str, list[dict[str, Any]]] = {}
+    order: list[tuple[str, str] | str] = []
+    for error in errors:
+        key, message = describe_error(error)
+        if error["loc"] and UNION_MEMBER.match(str(error["loc"][-1])):
+            if key not in members:
+                order.append(key)
+            members.setdefault(key, []).append(error)
+        else:
+            order.append((key, message))
+    out = []
+    for item in order:
+        if isinstance(item, tuple):
+            out.append(item)
+            continue
+        failed = members[item]
+        if len(failed) == 1:
+            out.append(describe_error(failed[0]))
+            continue
+        wanted = dict.fromkeys(e["msg"].removeprefix("Input should be ").removeprefix("Input should ").split(", unable")[0] for e in failed)
+        out.append((item, f"must be {', or '.join(wanted)} (you gave {failed[0].get('input')!r})"))
+    return out
+
+
 def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into (dotted key, message with the fix)."""
-    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union["))]
+    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union[", "constrained-"))]
     # pydantic appends the failing union member's type to the location; drop those parts.
     loc = [part for part in loc if part not in {"int", "str", "list[str]", "dict[str,any]", "float", "bool"}]
     key = dotted_key(loc)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -87,6 +88,8 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
         version=__version__,
         description="Set up, launch, watch, stop, resume and export DeepSpeed ZeRO training runs.",
         lifespan=lifespan,
+        docs_url=None,  # served below from the package's own copy of Swagger UI: FastAPI's default loads it from a CDN
+        redoc_url=None,
     )
     app.state.store = store
     app.state.version = __version__
@@ -106,6 +109,17 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     app.include_router(api.router)
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    @app.get("/docs", include_in_schema=False)
+    def api_docs():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title="ZeRO-Pipe API",
+            swagger_js_url=f"/static/vendor/swagger-ui-bundle.js?v={__version__}",
+            swagger_css_url=f"/static/vendor/swagger-ui.css?v={__version__}",
+            swagger_favicon_url="/favicon.ico",
+        )
+
     return app
 
 
@@ -115,13 +129,23 @@ def add_error_handlers(app: FastAPI) -> None:
     def error(status: int, detail: str, **extra) -> JSONResponse:
         return JSONResponse({"detail": detail, **extra}, status_code=status)
 
+    def wants_page(request: Request) -> bool:
+        """A browser opening a page (not the API, not a file): it gets a page, not JSON."""
+        path = request.url.path
+        return request.method == "GET" and not path.startswith(("/api/", "/static/")) and "text/html" in request.headers.get("accept", "")
+
+    def not_found_page(request: Request, detail: str):
+        from zeropipe.server.pages import page
+
+        return page(request, "not_found.html", "Not found", nav="", detail=detail, status_code=404)
+
     @app.exception_handler(ConfigError)
     async def config_error(request: Request, err: ConfigError):
         return error(422, str(err), problems=[{"key": k, "message": m} for k, m in err.problems])
 
     @app.exception_handler(RunNotFound)
     async def not_found(request: Request, err: RunNotFound):
-        return error(404, str(err))
+        return not_found_page(request, str(err)) if wants_page(request) else error(404, str(err))
 
     @app.exception_handler(OutsideRoots)
     async def outside(request: Request, err: OutsideRoots):
@@ -150,6 +174,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404 and wants_page(request):
+            return not_found_page(request, f"There is no page {request.url.path}.")
         return error(err.status_code, str(err.detail))
 
     @app.exception_handler(RecursionError)

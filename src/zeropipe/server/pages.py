@@ -12,8 +12,8 @@ router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=FilePath(__file__).parent / "templates")
 
 
-def page(request: Request, template: str, title: str, **context) -> HTMLResponse:
-    return templates.TemplateResponse(request, template, {"title": title, "version": request.app.state.version, **context})
+def page(request: Request, template: str, title: str, status_code: int = 200, **context) -> HTMLResponse:
+    return templates.TemplateResponse(request, template, {"title": title, "version": request.app.state.version, **context}, status_code=status_code)
 
 
 @router.get("/", response_class=HTMLResponse)

@@ -137,3 +137,73 @@ def test_a_wrong_method_on_a_route_is_405(client, store, method):
         response = client.request(method, path)
         assert response.status_code == 405, (method, path, response.status_code, response.text)
         assert response.json()["detail"]
+
+
+def test_the_api_docs_load_nothing_from_the_internet(client):
+    """/docs was blank offline: Swagger UI came from a CDN."""
+    import re
+
+    page = client.get("/docs")
+    assert page.status_code == 200
+    assets = re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", page.text) + re.findall(r"""url:\s*['"]([^'"]+)['"]""", page.text)
+    assert assets and not [a for a in assets if a.startswith(("http:", "https:", "//"))], assets
+    for asset in assets:
+        response = client.get(asset)
+        assert response.status_code == 200, asset
+    assert client.get("/redoc").status_code == 404  # ReDoc (also from a CDN) is not offered
+
+
+def test_number_or_auto_fields_are_one_line_inputs(client):
+    """micro_batch_size, gradient_accumulation_steps, shift, gradient_checkpointing were multi-line YAML text areas."""
+    schema = client.get("/api/config/schema").json()
+
+    def walk(fields):
+        for field in fields:
+            yield field
+            yield from walk(field.get("fields", []))
+
+    found = {f["key"]: f for section in schema["sections"] for f in walk(section["fields"])}
+    for key in ["train.micro_batch_size", "train.gradient_accumulation_steps", "model.diffusion.shift", "model.gradient_checkpointing", "hardware.gpus"]:
+        assert found[key]["kind"] == "scalar" and "auto" in found[key]["options"], (key, found[key])
+    assert found["train.micro_batch_size"]["min"] == 0 and found["train.micro_batch_size"]["exclusive_min"] is True
+    # What stays a YAML box holds lists or mappings.
+    assert {k for k, f in found.items() if f["kind"] == "yaml"} <= {
+        "model.config", "model.trainable", "model.load_kwargs", "model.lora.target_modules", "data.mixture", "generate.prompts",
+        "generate.images", "deepspeed.overrides", "stages",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("train.micro_batch_size", 0, "must be greater than 0, or 'auto' (you gave 0)"),
+    ("hardware.gpus", "many", "must be a valid integer, or 'auto' (you gave 'many')"),
+])  # fmt: skip
+def test_a_value_fitting_neither_a_number_nor_auto_is_one_problem(client, key, value, expected):
+    """micro_batch_size: 0 gave two messages, one naming pydantic's `constrained-int`."""
+    section, name = key.split(".")
+    result = client.post("/api/config/check", json={"config": {"run": {"name": "x"}, section: {name: value}}}).json()
+    mine = [p for p in result["problems"] if p["key"].startswith(key)]
+    assert mine == [{"key": key, "message": expected}], result["problems"]
+
+
+def test_a_missing_run_name_says_it_is_missing(client):
+    result = client.post("/api/config/check", json={"config": {"train": {"lr": 0.1}}}).json()
+    problem = next(p for p in result["problems"] if p["key"] == "run.name")
+    assert "missing" in problem["message"] and "None" not in problem["message"]
+
+
+def test_the_log_of_a_rank_that_does_not_exist_is_404(client, store):
+    write_run(store.roots.primary_runs, "done", steps=3, checkpoints=())
+    store.refresh()
+    run_id = store.run("done")["id"]
+    assert client.get(f"/api/runs/{run_id}/logs/rank0").status_code == 200
+    response = client.get(f"/api/runs/{run_id}/logs/rank9999")
+    assert response.status_code == 404 and "rank0" in response.json()["detail"]
+
+
+def test_an_unknown_run_page_is_a_page_not_json(client):
+    response = client.get("/runs/999", headers={"Accept": "text/html,application/xhtml+xml"})
+    assert response.status_code == 404
+    assert response.headers["content-type"].startswith("text/html")
+    assert "no run 999" in response.text and 'href="/"' in response.text
+    api = client.get("/api/runs/999", headers={"Accept": "text/html"})
+    assert api.status_code == 404 and api.headers["content-type"] == "application/json"

@@ -12,7 +12,8 @@
     loss: { title: "loss", keys: ["loss", "eval_loss"], sparse: ["eval_loss"] },
     lr: { title: "learning rate", keys: ["lr"] },
     // Language models report tokens/s; diffusion runs have no tokens and report samples (images)/s.
-    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"], fallback: { title: "throughput (images/s)", keys: ["samples_per_s"] } },
+    // Before the first step the family is not known from the metrics: the title says only "throughput".
+    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"], fallback: { title: "throughput (images/s)", keys: ["samples_per_s"] }, empty: "throughput" },
     host_ram: { title: "host RAM per rank (RSS)", prefix: "host_rss_bytes/", format: ZP.fmtBytes },
     gpu: { title: "GPU memory per rank (max allocated)", prefix: "gpu_max_allocated_bytes/", format: ZP.fmtBytes },
     grad_norm: { title: "gradient norm", keys: ["grad_norm"] },
@@ -28,6 +29,7 @@
   let logName = null;
   let logTimer = null;
   let exportTimer = null;
+  let watchedExport = null; // id of the export started from this page
   let detailTimer = null;
 
   // ------------------------------------------------------------ charts
@@ -44,13 +46,16 @@
 
   function drawCharts() {
     for (let [name, spec] of Object.entries(CHARTS)) {
+      const empty = spec.empty || spec.title;
       if (spec.fallback && !hasValues(chartKeys(spec))) spec = spec.fallback;
       const container = document.querySelector(`[data-chart="${name}"]`);
       const keys = chartKeys(spec);
       const hasData = keys.some((k) => columns[k].some((v) => v !== null));
       if (name === "gpu") container.hidden = !hasData;
       if (!hasData) {
-        if (!container.querySelector(".empty")) container.replaceChildren(el("div", { class: "empty" }, `${spec.title}: no data yet`));
+        const text = `${empty}: no data yet`;
+        const shown = container.querySelector(".empty");
+        if (!shown || shown.textContent !== text) container.replaceChildren(el("div", { class: "empty" }, text));
         container.dataset.points = "0";
         delete charts[name];
         continue;
@@ -233,12 +238,22 @@
     const merge = !!(document.getElementById("export-merge") || {}).checked;
     const dtype = (document.getElementById("export-dtype") || {}).value || null;
     try {
-      await api(`${base}/export`, { method: "POST", body: { checkpoint: tag, name, merge, dtype } });
-      say(`Exporting ${tag}…`, "info");
+      const data = await api(`${base}/export`, { method: "POST", body: { checkpoint: tag, name, merge, dtype } });
+      watchedExport = data.export.id;
       await loadDetail();
     } catch (error) {
-      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+      document.getElementById("export-message").replaceChildren(ZP.errorBox(error));
     }
+  }
+
+  // The line under the export form follows the export just started: running, then done or failed.
+  function renderExportMessage() {
+    const box = document.getElementById("export-message");
+    const watched = detail.exports.find((e) => e.id === watchedExport);
+    if (!watched) return;
+    if (watched.state === "running") ZP.message(box, `Exporting ${watched.checkpoint} to ${watched.out_path}…`, "info");
+    else if (watched.state === "done") ZP.message(box, `Exported ${watched.checkpoint} to ${watched.out_path}`, "ok");
+    else ZP.message(box, `The export of ${watched.checkpoint} failed: its log is in the table below`, "error");
   }
 
   function renderExports() {
@@ -252,6 +267,7 @@
       )
     );
     document.querySelector("#exports tbody").replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 3, class: "muted" }, "none yet"))]));
+    renderExportMessage();
     clearTimeout(exportTimer);
     if (detail.exports.some((e) => e.state === "running")) exportTimer = setTimeout(loadDetail, 2000);
   }
