@@ -218,6 +218,38 @@ def config_check(request: Request, body: ConfigSubmission):
     return checking.check_submission(store_of(request), raw)
 
 
+# ---------------------------------------------------------------- presets
+PresetKind = Path(pattern="^(example|saved|run)$", description="example (shipped), saved (by you) or run (a past run's config; name: its id)")
+PresetName = Path(max_length=100, description="the example's or preset's name, or the run's id")
+
+
+class PresetSubmission(Strict):
+    name: str = Field(..., max_length=100, description="the preset's name (letters, digits, '.', '_', '-')")
+    yaml: str = Field(..., max_length=MAX_YAML, description="the config as YAML text (need not be complete)")
+    overwrite: bool = Field(False, description="replace a saved preset of that name")
+
+
+@router.get("/presets", summary="Configs to start a new run from: the shipped examples, saved presets and past runs")
+def list_presets(request: Request):
+    return {"presets": store_of(request).presets.list()}
+
+
+@router.get("/presets/{kind}/{name}", summary="A preset as YAML ready to edit: a fresh run name, no output_dir, a past run's defaults left out")
+def load_preset(request: Request, kind: str = PresetKind, name: str = PresetName):
+    return store_of(request).presets.load(kind, name)
+
+
+@router.post("/presets", status_code=201, summary="Save a config as a preset")
+def save_preset(request: Request, body: PresetSubmission):
+    return {"preset": store_of(request).presets.save(body.name, body.yaml, body.overwrite)}
+
+
+@router.delete("/presets/saved/{name}", summary="Delete a saved preset")
+def delete_preset(request: Request, name: str = PresetName):
+    store_of(request).presets.delete(name)
+    return {"deleted": name}
+
+
 # ------------------------------------------------------------ environment
 @router.get("/doctor", summary="The `zeropipe doctor` report of this machine (the last one; checked once if there is none)")
 def doctor(request: Request):

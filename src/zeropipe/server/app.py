@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zeropipe import __version__
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.server.security import LOOPBACK_NAMES, Guard
-from zeropipe.store import ActionRefused, OutsideRoots, RunNotFound, RunStore
+from zeropipe.store import ActionRefused, OutsideRoots, PresetNotFound, RunNotFound, RunStore
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -146,6 +146,10 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RunNotFound)
     async def not_found(request: Request, err: RunNotFound):
         return not_found_page(request, str(err)) if wants_page(request) else error(404, str(err))
+
+    @app.exception_handler(PresetNotFound)
+    async def no_preset(request: Request, err: PresetNotFound):
+        return error(404, str(err))
 
     @app.exception_handler(OutsideRoots)
     async def outside(request: Request, err: OutsideRoots):

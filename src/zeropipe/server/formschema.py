@@ -20,6 +20,19 @@ from zeropipe.config.schema import RunConfig
 
 NONE = type(None)
 
+# The settings a run is set up with, in this order: what to train, on what, how (full, LoRA,
+# QLoRA), how long, on how many GPUs with which ZeRO stage and offload (the plan is beside
+# them). The page shows these first and folds every other field under "Advanced"; this list
+# is the one place the form names fields (a key missing from the schema is skipped).
+ESSENTIALS = [
+    "run.name",
+    "model.path", "model.config",
+    "data.path", "data.synthetic", "data.format", "data.max_seq_len",
+    "model.lora", "model.quantization",
+    "train.max_steps", "train.epochs", "train.micro_batch_size", "train.gradient_accumulation_steps", "train.lr",
+    "hardware.gpus", "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.precision",
+]  # fmt: skip
+
 
 def nested_model(annotation) -> type[BaseModel] | None:
     for candidate in (annotation, *typing.get_args(annotation)):
@@ -120,4 +133,4 @@ def form_schema() -> dict[str, Any]:
             sections.append({"name": name, "help": field.description or "", "fields": [describe_field(name, name, field)]})
             continue
         sections.append({"name": name, "help": field.description or "", "fields": [describe_field(f"{name}.{n}", n, f) for n, f in model.model_fields.items()]})
-    return {"sections": sections}
+    return {"sections": sections, "essentials": ESSENTIALS}

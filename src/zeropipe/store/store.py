@@ -100,6 +100,9 @@ class RunStore:
         self.signatures: dict[str, tuple] = {}
         self.children: dict[int, subprocess.Popen] = {}
         self.refresh_lock = threading.RLock()
+        from zeropipe.store.presets import Presets
+
+        self.presets = Presets(self)
 
     def close(self) -> None:
         self.series.save_all(force=True)

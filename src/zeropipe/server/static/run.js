@@ -145,6 +145,7 @@
       const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
       buttons.push(select, el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value) }, "Resume"));
     }
+    buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     actions.replaceChildren(...buttons);
   }
 
