@@ -134,3 +134,107 @@ def test_the_new_run_form_fits_a_screen(browser, ui):
     page.fill("#field-train-weight_decay", "0.01")
     expect(page.locator("#yaml")).to_have_value(re.compile(r"weight_decay: 0\.01"))
     context.close()
+
+
+# ------------------------------------------------------------------ a real trained run for the pages that need weights
+TRAINED_CONFIG = {
+    "run": {"name": "trained", "seed": 7},
+    "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}},
+    "data": {"synthetic": {"task": "arithmetic", "examples": 400}, "max_seq_len": 32},
+    "train": {"max_steps": 12, "micro_batch_size": 8, "lr": 0.01, "warmup_steps": 2, "save_every": 6},
+    "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+    "hardware": {"gpus": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def trained(ui):
+    """A tiny real run (2 CPU ranks, fp32, 12 steps: about 30 s), trained by `zeropipe train` into the UI's runs folder."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    config = json_copy(TRAINED_CONFIG)
+    config["run"]["output_dir"] = str(ui.runs)
+    path = ui.workdir / "trained.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ)
+    env.pop("DS_ACCELERATOR", None)
+    done = subprocess.run([sys.executable, "-m", "zeropipe", "train", str(path)], cwd=ui.workdir, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        runs = [r for r in ui.api("/api/runs")["runs"] if r["name"] == "trained" and r["state"] == "completed"]
+        if runs:
+            return runs[0]
+        time.sleep(0.5)
+    raise AssertionError("the UI did not index the trained run")
+
+
+def json_copy(value):
+    import json
+
+    return json.loads(json.dumps(value))
+
+
+# ------------------------------------------------------------------ run management
+def test_delete_a_run_with_its_checkpoints_after_confirming(page, ui):
+    write_run(ui.runs, "to-delete", steps=12, checkpoints=(6, 12))
+    page.goto(ui.url + "/")
+    row = page.locator("#runs tbody tr", has_text="to-delete")
+    expect(row).to_have_count(1, timeout=30_000)
+    row.locator("a").first.click()
+    dialogs = []
+    page.on("dialog", lambda d: dialogs.append(d.message))
+    page.click("#delete")
+    expect(page).to_have_url(ui.url + "/", timeout=30_000)
+    assert dialogs and "2 checkpoint(s)" in dialogs[0] and "cannot be undone" in dialogs[0]
+    expect(page.locator("#deleted-message")).to_contain_text("Run to-delete was deleted")
+    expect(page.locator("#runs tbody tr", has_text="to-delete")).to_have_count(0)
+    assert not (ui.runs / "to-delete").exists()
+    screenshot(page, "23-run-deleted", full_page=False)
+
+
+def test_rename_a_run(page, ui):
+    write_run(ui.runs, "first-try", steps=12, checkpoints=(12,))
+    deadline_ok = False
+    for _ in range(150):
+        if any(r["name"] == "first-try" for r in ui.api("/api/runs")["runs"]):
+            deadline_ok = True
+            break
+        page.wait_for_timeout(200)
+    assert deadline_ok
+    run = ui.run("first-try")
+    page.goto(f"{ui.url}/runs/{run['id']}")
+    page.click("#rename")
+    page.fill("#rename-name", "lr-sweep-1")
+    page.click("#rename-save")
+    expect(page.locator("#run-name")).to_contain_text("lr-sweep-1")
+    expect(page.locator("#action-message")).to_contain_text("the run is now lr-sweep-1")
+    assert (ui.runs / "lr-sweep-1" / "checkpoints").is_dir() and not (ui.runs / "first-try").exists()
+    assert yaml.safe_load((ui.runs / "lr-sweep-1" / "config.yaml").read_text())["run"]["name"] == "lr-sweep-1"
+
+
+def test_export_a_trained_run_and_download_the_archive(page, ui, trained, tmp_path):
+    import tarfile
+
+    page.goto(f"{ui.url}/runs/{trained['id']}")
+    page.fill("#export-name", "hf")
+    page.click("#export")
+    row = page.locator("#exports tbody tr", has_text="hf")
+    expect(row.locator(".badge")).to_have_text("completed", timeout=300_000)
+    # The message follows the export: no stale "Exporting…" once it is done.
+    expect(page.locator("#export-message")).to_contain_text("Exported step_00000012")
+    expect(page.locator("#export-message")).not_to_contain_text("Exporting")
+    with page.expect_download() as download:
+        row.locator("a.download").click()
+    saved = tmp_path / download.value.suggested_filename
+    download.value.save_as(saved)
+    assert saved.name == "trained-hf.tar"
+    with tarfile.open(saved) as archive:
+        names = archive.getnames()
+    exported = ui.runs / "trained" / "exports" / "hf"
+    assert "trained-hf/config.json" in names and any(n.endswith(".safetensors") for n in names)
+    assert len(names) == sum(1 for p in exported.rglob("*") if p.is_file())
+    screenshot(page, "24-export-downloaded", full_page=False)

@@ -8,13 +8,15 @@ from typing import Any, Literal
 
 import yaml
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import iterate_in_threadpool
 
 from zeropipe.errors import ConfigError
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
 from zeropipe.store import RunStore, parse_yaml_text
+from zeropipe.store.archive import tar_size, tar_stream
 
 router = APIRouter(prefix="/api")
 
@@ -170,6 +172,34 @@ def resume_run(request: Request, body: ResumeRequest, run_id: int = RunId):
 @router.post("/runs/{run_id}/export", status_code=202, summary="Export a checkpoint to a Hugging Face directory under RUN/exports")
 def export_run(request: Request, body: ExportRequest, run_id: int = RunId):
     return {"export": store_of(request).export(run_id, body.checkpoint, body.name, body.merge, body.dtype)}
+
+
+class DeleteRequest(Strict):
+    confirm: str = Field(..., max_length=100, description="the run's name: a delete must name what it deletes")
+
+
+class RenameRequest(Strict):
+    name: str = Field(..., max_length=100, description="the new name (letters, digits, '.', '_', '-'); the folder is renamed too")
+
+
+@router.delete("/runs/{run_id}", summary="Delete a run that has ended, with its checkpoints, exports and logs")
+def delete_run(request: Request, body: DeleteRequest, run_id: int = RunId):
+    return store_of(request).delete(run_id, body.confirm)
+
+
+@router.post("/runs/{run_id}/rename", summary="Rename a run that has ended (its folder and its config.yaml's run.name)")
+def rename_run(request: Request, body: RenameRequest, run_id: int = RunId):
+    return {"run": store_of(request).rename(run_id, body.name)}
+
+
+@router.get("/runs/{run_id}/exports/{name}/archive", summary="Download a finished export as a .tar archive", response_class=StreamingResponse)
+def export_archive(request: Request, run_id: int = RunId, name: str = Path(max_length=100)):
+    store = store_of(request)
+    run = store.run(run_id)
+    folder = store.export_folder(run_id, name)
+    top = f"{run['name']}-{name}"
+    headers = {"Content-Disposition": f'attachment; filename="{top}.tar"', "Content-Length": str(tar_size(folder, top))}
+    return StreamingResponse(iterate_in_threadpool(tar_stream(folder, top)), media_type="application/x-tar", headers=headers)
 
 
 @router.get("/compare", summary="Loss (or another metric) of several runs, each downsampled")

@@ -507,6 +507,105 @@ class RunStore:
         launch_id = self.start(run["id"], "export", argv, exports / f"{name}.log", out_path=str(out), detail={"checkpoint": info.tag, "merge": merge, "dtype": dtype, "name": name})
         return next(e for e in self.exports(run) if e["id"] == launch_id)
 
+    # ========================================================== management
+    def idle_or_refuse(self, run: dict[str, Any], doing: str) -> None:
+        """Refuse while a process writes into the run (training, resuming, exporting)."""
+        if run["state"] in ("running", "starting", "stopping"):
+            raise ActionRefused(f"run {run['name']} is {run['state']}: stop it before you {doing}")
+        if self.open_launch(run["id"], ("train", "resume", "export")):
+            raise ActionRefused(f"a process of run {run['name']} (training or an export) is still running: wait for it to end before you {doing}")
+
+    def own_run_dir(self, run: dict[str, Any]) -> Path:
+        """The run's directory, checked to be a folder of a runs root and not the root itself."""
+        path = Path(run["path"])
+        root = self.roots.runs_root_of(path)
+        if root is None or path.resolve().parent != root or path.is_symlink():
+            raise OutsideRoots(f"{path} is not a run folder directly under a runs folder: it is left alone")
+        return path
+
+    def delete(self, ref: int | str, confirm: str) -> dict[str, Any]:
+        """Delete a run that has ended: its directory (checkpoints, exports, logs) and its records.
+
+        Args:
+            confirm: the run's name, as the person confirming typed or saw it.
+
+        Raises:
+            ActionRefused: the run is still running, or ``confirm`` is not its name.
+        """
+        import shutil
+
+        self.refresh(scan=False)
+        run = self.run(ref)
+        if confirm != run["name"]:
+            raise ActionRefused(f"to delete run {run['name']}, confirm with its name (you sent {confirm!r})")
+        with self.refresh_lock:
+            self.idle_or_refuse(run, "delete it")
+            path = self.own_run_dir(run)
+            checkpoints = self.checkpoints(run) if path.exists() else []
+            if path.exists():
+                # Out of the runs folder first (one rename), so the index never sees a half-deleted run.
+                doomed = path.with_name(f".deleting-{path.name}-{int(time.time())}")
+                path.rename(doomed)
+                shutil.rmtree(doomed)
+            self.series.forget(path / "metrics.jsonl")
+            self.signatures.pop(str(path), None)
+            self.db.delete_run(run["id"])
+        return {"deleted": run["name"], "path": str(path), "checkpoints": len(checkpoints), "bytes": sum(c["size_bytes"] for c in checkpoints)}
+
+    def rename(self, ref: int | str, new_name: str) -> dict[str, Any]:
+        """Give a run that has ended another name: its folder moves, and its config.yaml says so (resume uses it).
+
+        Raises:
+            ActionRefused: the run is still running, the name is not a folder name, or it is taken.
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        problems = check_name(new_name, "name")
+        if problems:
+            raise ActionRefused(problems[0][1])
+        if new_name == run["name"]:
+            return run
+        with self.refresh_lock:
+            self.idle_or_refuse(run, "rename it")
+            old = self.own_run_dir(run)
+            new = old.parent / new_name
+            if new.exists() or self.db.run_by_path(new):
+                raise ActionRefused(f"{new} exists: choose another name")
+            config_file = self.own_or_none(run, "config.yaml")
+            config_text = config_file.read_text() if config_file and config_file.is_file() else None
+            old.rename(new)
+            if config_text is not None:
+                raw = parse_yaml_text(config_text, source=str(new / "config.yaml"))
+                raw.setdefault("run", {})["name"] = new_name
+                partial = new / "config.yaml.partial"
+                partial.write_text(yaml.safe_dump(raw, sort_keys=False))
+                partial.replace(new / "config.yaml")
+            self.db.update_run(run["id"], path=str(new), name=new_name)
+            for launch in self.db.launches(run["id"]):
+                moved = {k: str(new) + launch[k][len(str(old)) :] for k in ("log_path", "out_path") if launch[k] and launch[k].startswith(str(old) + "/")}
+                if moved:
+                    self.db.update_launch(launch["id"], **moved)
+            self.series.forget(old / "metrics.jsonl")
+            self.signatures.pop(str(old), None)
+        self.refresh(scan=False)
+        return self.run(run["id"])
+
+    def export_folder(self, ref: int | str, name: str) -> Path:
+        """A finished export's folder, for download.
+
+        Raises:
+            RunNotFound: no finished export of that name in this run.
+        """
+        run = self.run(ref)
+        if check_name(name, "name"):
+            raise RunNotFound(f"no export {name!r} in run {run['name']}")
+        folder = self.own_or_none(run, f"exports/{name}")
+        done = [e for e in self.exports(run) if e["state"] == "done" and Path(e["out_path"]).name == name]
+        if folder is None or not folder.is_dir() or not done:
+            finished = ", ".join(Path(e["out_path"]).name for e in self.exports(run) if e["state"] == "done") or "none yet"
+            raise RunNotFound(f"no finished export {name!r} in run {run['name']} (finished: {finished})")
+        return folder
+
 
 def public(row: dict[str, Any]) -> dict[str, Any]:
     """A run as the API and the CLI show it."""

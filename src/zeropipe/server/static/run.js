@@ -146,6 +146,10 @@
       buttons.push(select, el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value) }, "Resume"));
     }
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
+    if (ENDED.includes(run.state)) {
+      buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
+      buttons.push(el("button", { class: "danger", id: "delete", onclick: () => deleteRun(run) }, "Delete"));
+    }
     actions.replaceChildren(...buttons);
   }
 
@@ -167,6 +171,39 @@
       const data = await api(`${base}/stop`, { method: "POST", body: {} });
       say("Stop sent: the launcher is stopping every rank.", "info");
       onRun(data.run);
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  function showRename(run) {
+    const input = el("input", { id: "rename-name", type: "text", value: run.name, size: 24, "aria-label": "new name" });
+    const box = document.getElementById("action-message");
+    const submit = async () => {
+      try {
+        const data = await api(`${base}/rename`, { method: "POST", body: { name: input.value.trim() } });
+        say(`Renamed: the run is now ${data.run.name}, in ${data.run.path}.`, "ok");
+        onRun(data.run);
+        loadDetail();
+      } catch (error) {
+        box.replaceChildren(ZP.errorBox(error));
+      }
+    };
+    input.addEventListener("keydown", (event) => event.key === "Enter" && submit());
+    box.replaceChildren(el("div", { class: "toolbar" }, "New name:", input, el("button", { class: "primary", id: "rename-save", onclick: submit }, "Rename"), el("button", { onclick: () => box.replaceChildren() }, "Cancel")));
+    input.focus();
+    input.select();
+  }
+
+  async function deleteRun(run) {
+    const checkpoints = detail ? detail.checkpoints : [];
+    const bytes = checkpoints.reduce((n, c) => n + (c.size_bytes || 0), 0);
+    const exports = detail ? detail.exports.length : 0;
+    const what = [`its ${checkpoints.length} checkpoint(s) (${ZP.fmtBytes(bytes)})`, `${exports} export(s)`, "its logs and metrics"].join(", ");
+    if (!confirm(`Delete run ${run.name} with ${what}?\n\n${run.path} is removed from the disk. This cannot be undone.`)) return;
+    try {
+      await api(base, { method: "DELETE", body: { confirm: run.name } });
+      location.href = `/?deleted=${encodeURIComponent(run.name)}`;
     } catch (error) {
       document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
     }
@@ -264,7 +301,13 @@
         {},
         el("td", {}, el("code", { title: e.out_path }, e.name || e.out_path)),
         el("td", { class: "small" }, e.checkpoint, e.merge ? " · merged" : "", e.dtype ? ` · ${e.dtype}` : ""),
-        el("td", {}, ZP.badge(e.state === "done" ? "completed" : e.state), e.log_tail && e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : "")
+        el(
+          "td",
+          {},
+          ZP.badge(e.state === "done" ? "completed" : e.state),
+          e.state === "done" ? [" ", el("a", { class: "download", href: `${base}/exports/${encodeURIComponent(e.out_path.split("/").pop())}/archive`, download: "" }, "download .tar")] : "",
+          e.log_tail && e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : ""
+        )
       )
     );
     document.querySelector("#exports tbody").replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 3, class: "muted" }, "none yet"))]));
