@@ -238,3 +238,30 @@ def test_export_a_trained_run_and_download_the_archive(page, ui, trained, tmp_pa
     assert "trained-hf/config.json" in names and any(n.endswith(".safetensors") for n in names)
     assert len(names) == sum(1 for p in exported.rglob("*") if p.is_file())
     screenshot(page, "24-export-downloaded", full_page=False)
+
+
+# ------------------------------------------------------------------ dataset preview
+def test_preview_a_dataset_with_a_broken_record(page, ui):
+    import json
+
+    lines = [json.dumps({"instruction": f"What is {i} + 1?", "input": "", "output": str(i + 1)}) for i in range(30)]
+    lines.insert(2, '{"instruction": "half a record", ')
+    (ui.data / "broken.jsonl").write_text("\n".join(lines) + "\n")
+    page.goto(ui.url + "/new")
+    expect(page.locator("#check-status")).to_have_text(re.compile("ready to launch|problem"), timeout=120_000)
+    raw = yaml_of(page)
+    raw["data"] = {"path": str(ui.data / "broken.jsonl"), "max_seq_len": 32}
+    page.locator("#yaml").fill(yaml.safe_dump(raw))
+    expect(page.locator("#field-data-path")).to_have_value(str(ui.data / "broken.jsonl"))
+    page.click("#preview-data")
+    examples = page.locator("#preview .example")
+    expect(examples.first).to_be_visible(timeout=120_000)
+    expect(page.locator("#preview")).to_contain_text("alpaca (detected)")
+    first = examples.first
+    expect(first.locator(".prompt")).to_contain_text("What is 0 + 1?")
+    expect(first.locator(".learned")).to_contain_text("1")
+    expect(page.locator("#skipped")).to_contain_text("line 3")
+    expect(page.locator("#skipped")).to_contain_text("not valid JSON")
+    expect(page.locator("#preview-verdict")).to_contain_text("the run would refuse to start: 1 of 31 records")
+    page.locator("#preview-card").scroll_into_view_if_needed()
+    screenshot(page, "25-data-preview", full_page=False)

@@ -248,6 +248,18 @@ def config_check(request: Request, body: ConfigSubmission):
     return checking.check_submission(store_of(request), raw)
 
 
+class PreviewRequest(ConfigSubmission):
+    limit: int = Field(20, ge=1, le=200, description="examples shown")
+
+
+@router.post("/data/preview", summary="The first records of a config's data as the trainer will see them, and the records it would skip")
+def data_preview(request: Request, body: PreviewRequest):
+    from zeropipe.server.preview import preview
+
+    config, _ = store_of(request).validate(body.raw())  # every path confined, as for a launch
+    return preview(config, body.limit)
+
+
 # ---------------------------------------------------------------- presets
 PresetKind = Path(pattern="^(example|saved|run)$", description="example (shipped), saved (by you) or run (a past run's config; name: its id)")
 PresetName = Path(max_length=100, description="the example's or preset's name, or the run's id")

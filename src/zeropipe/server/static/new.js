@@ -482,6 +482,61 @@
     }
   });
 
+  // ------------------------------------------------------- data preview
+  const previewBox = document.getElementById("preview");
+
+  function renderPreview(data) {
+    if (!data.available) {
+      previewBox.replaceChildren(el("div", { class: "muted" }, data.reason));
+      return;
+    }
+    const facts = [
+      ["data", data.source],
+      ["format", data.format ? `${data.format}${data.format_detected ? " (detected)" : " (data.format)"}` : "–"],
+      ["records", `${data.records}, ${data.skipped_count} skipped`],
+      ["tokenizer", data.tokenizer || "–"],
+      ["max_seq_len", data.max_seq_len],
+    ];
+    const examples = data.examples.map((e) =>
+      el(
+        "div",
+        { class: "example", dataset: { line: e.line } },
+        el(
+          "div",
+          { class: "small muted" },
+          `${e.file ? e.file + " " : ""}line ${e.line} · ${e.tokens} tokens, ${e.loss_tokens} learned`,
+          e.truncated ? el("span", { class: "badge sev-warning" }, `cut at ${data.max_seq_len} tokens`) : "",
+          e.chunks > 1 ? ` · split into ${e.chunks} sequences (first shown)` : ""
+        ),
+        el("pre", { class: "pieces" }, e.pieces.map((p) => el("span", { class: p.loss ? "learned" : "prompt", title: `${p.tokens} tokens, ${p.loss ? "learned (loss)" : "prompt (masked: no loss)"}` }, p.text)))
+      )
+    );
+    const skipped = data.skipped.length
+      ? el(
+          "div",
+          { id: "skipped" },
+          el("h3", {}, `Skipped records (${data.skipped_count})`),
+          el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "where"), el("th", {}, "why"))), el("tbody", {}, data.skipped.map((b) => el("tr", {}, el("td", { class: "small" }, `${b.file ? b.file + " " : ""}line ${b.line}`), el("td", {}, b.reason)))))
+        )
+      : "";
+    previewBox.replaceChildren(
+      el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
+      el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      el("div", { class: "legend small" }, el("span", { class: "prompt" }, "prompt: no loss"), " ", el("span", { class: "learned" }, "learned")),
+      ...examples,
+      skipped
+    );
+  }
+
+  document.getElementById("preview-data").addEventListener("click", async () => {
+    previewBox.replaceChildren(el("div", { class: "muted" }, "reading the data…"));
+    try {
+      renderPreview(await api("/api/data/preview", { method: "POST", body: { yaml: yamlArea.value, limit: 10 } }));
+    } catch (error) {
+      previewBox.replaceChildren(ZP.errorBox(error));
+    }
+  });
+
   // ------------------------------------------------------------- start
   (async function start() {
     const wanted = new URLSearchParams(location.search).get("from") || "";
