@@ -265,3 +265,19 @@ def test_preview_a_dataset_with_a_broken_record(page, ui):
     expect(page.locator("#preview-verdict")).to_contain_text("the run would refuse to start: 1 of 31 records")
     page.locator("#preview-card").scroll_into_view_if_needed()
     screenshot(page, "25-data-preview", full_page=False)
+
+
+def test_preview_the_images_of_a_diffusion_example(page, ui):
+    page.goto(ui.url + "/new")
+    page.wait_for_selector("#preset option[value='example:diffusion-quickstart']", state="attached")
+    page.select_option("#preset", "example:diffusion-quickstart")
+    expect(page.locator("#yaml")).to_have_value(re.compile("tiny-sdxl"))
+    page.click("#preview-data")
+    thumbs = page.locator("#preview figure.thumb")
+    expect(thumbs.first).to_be_visible(timeout=120_000)
+    assert thumbs.count() == 10
+    expect(thumbs.first.locator("figcaption")).to_contain_text(re.compile(r"on a .* background"))
+    expect(thumbs.first.locator("figcaption")).to_contain_text("bucket")
+    assert thumbs.first.locator("img").evaluate("img => img.complete && img.naturalWidth > 0")
+    page.locator("#preview-card").scroll_into_view_if_needed()
+    screenshot(page, "26-image-preview", full_page=False)

@@ -150,5 +150,58 @@ def verdict(bad: int, total: int, data) -> dict[str, Any]:
 
 
 def image_preview(config, limit: int) -> dict[str, Any]:
-    """Thumbnails of a diffusion image folder with their caption and bucket."""
-    return {"family": "diffusion", "available": False, "reason": "the preview of image folders is not built yet"}
+    """Thumbnails of a diffusion image folder with caption, repeats and aspect-ratio bucket (as prepare assigns them)."""
+    from zeropipe.diffusion.images import assign_bucket, generate_shapes_dataset, make_buckets, scan_image_folder
+
+    data, images = config.data, config.data.images
+    with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch:
+        if data.synthetic is not None:
+            folder = generate_shapes_dataset(Path(scratch) / "shapes", min(data.synthetic.examples, 200), data.synthetic.seed, resolution=min(images.resolution, 256))
+            source = f"generated shapes (seed {data.synthetic.seed}; the first {min(data.synthetic.examples, 200)} shown here)"
+        elif data.path:
+            folder, source = Path(data.path), data.path
+        else:
+            raise ZeroPipeError("no data: set data.path to your image folder (or data.synthetic: {task: shapes})")
+        scan = scan_image_folder(folder, caption_ext=images.caption_ext)  # decodes every image, as training's preparation does
+        buckets = make_buckets(images.resolution, images.bucket_step, images.max_aspect) if images.bucketing else [(images.resolution, images.resolution)]
+        shown = []
+        for item in scan.items[:limit]:
+            width, height = assign_bucket(item.width, item.height, buckets)
+            shown.append({
+                "file": str(item.path.relative_to(Path(folder).resolve())), "caption": item.caption, "repeats": item.repeats,
+                "size": [item.width, item.height], "bucket": [width, height], "thumbnail": thumbnail(item.path),
+            })  # fmt: skip
+        problems = [{"file": str(bad.path), "line": None, "reason": bad.reason} for bad in scan.bad] + [{"file": "", "line": None, "reason": line} for line in scan.bad_lines]
+        total = len(scan.items) + len(problems)
+        counts: dict[str, int] = {}
+        for item in scan.items:
+            width, height = assign_bucket(item.width, item.height, buckets)
+            counts[f"{width}x{height}"] = counts.get(f"{width}x{height}", 0) + item.repeats
+        return {
+            "family": "diffusion",
+            "available": True,
+            "source": source,
+            "layout": scan.layout,
+            "records": total,
+            "images": shown,
+            "buckets": counts,
+            "missing_captions": len(scan.missing_captions),
+            "skipped": problems[:SHOWN_SKIPPED],
+            "skipped_count": len(problems),
+            "verdict": verdict(len(problems), total, data),
+        }
+
+
+def thumbnail(path: Path, side: int = 160) -> str:
+    """A small PNG of the image as a data: URL (the page needs no route to files in the data folders)."""
+    import base64
+    import io
+
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as image:
+        image = ImageOps.exif_transpose(image).convert("RGB")
+        image.thumbnail((side, side))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()

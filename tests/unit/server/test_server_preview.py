@@ -96,3 +96,27 @@ def test_generated_data_can_be_previewed(client):
 def test_data_the_preview_may_not_or_cannot_read_is_a_message(client, data, status, words):
     response = preview(client, **data)
     assert response.status_code == status and words in response.text, response.text
+
+
+def test_an_image_folder_shows_thumbnails_captions_buckets_and_broken_images(client, tmp_path):
+    from PIL import Image
+
+    folder = tmp_path / "data" / "pics"
+    folder.mkdir()
+    Image.new("RGB", (96, 48), "red").save(folder / "wide.png")
+    (folder / "wide.txt").write_text("a red banner")
+    Image.new("RGB", (48, 48), "blue").save(folder / "square.png")
+    (folder / "square.txt").write_text("a blue tile")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    (folder / "broken.txt").write_text("never seen")
+    config = {"run": {"name": "p"}, "model": {"config": {"pipeline": "tiny-sdxl"}}, "data": {"path": "data/pics", "images": {"resolution": 64, "bucket_step": 8}}}
+    response = client.post("/api/data/preview", json={"config": config})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["family"] == "diffusion" and data["layout"] == "flat" and data["records"] == 3
+    by_file = {image["file"]: image for image in data["images"]}
+    assert by_file["wide.png"]["caption"] == "a red banner" and by_file["wide.png"]["bucket"][0] > by_file["wide.png"]["bucket"][1]
+    assert by_file["square.png"]["bucket"][0] == by_file["square.png"]["bucket"][1]
+    assert by_file["wide.png"]["thumbnail"].startswith("data:image/png;base64,")
+    assert [s["file"].endswith("broken.png") for s in data["skipped"]] == [True] and data["skipped_count"] == 1
+    assert sum(data["buckets"].values()) == 2

@@ -490,6 +490,7 @@
       previewBox.replaceChildren(el("div", { class: "muted" }, data.reason));
       return;
     }
+    if (data.family === "diffusion") return renderImagePreview(data);
     const facts = [
       ["data", data.source],
       ["format", data.format ? `${data.format}${data.format_detected ? " (detected)" : " (data.format)"}` : "–"],
@@ -511,20 +512,51 @@
         el("pre", { class: "pieces" }, e.pieces.map((p) => el("span", { class: p.loss ? "learned" : "prompt", title: `${p.tokens} tokens, ${p.loss ? "learned (loss)" : "prompt (masked: no loss)"}` }, p.text)))
       )
     );
-    const skipped = data.skipped.length
-      ? el(
-          "div",
-          { id: "skipped" },
-          el("h3", {}, `Skipped records (${data.skipped_count})`),
-          el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "where"), el("th", {}, "why"))), el("tbody", {}, data.skipped.map((b) => el("tr", {}, el("td", { class: "small" }, `${b.file ? b.file + " " : ""}line ${b.line}`), el("td", {}, b.reason)))))
-        )
-      : "";
+    const skipped = skippedTable(data);
     previewBox.replaceChildren(
       el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
       el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
       el("div", { class: "legend small" }, el("span", { class: "prompt" }, "prompt: no loss"), " ", el("span", { class: "learned" }, "learned")),
       ...examples,
       skipped
+    );
+  }
+
+  function skippedTable(data) {
+    if (!data.skipped.length) return "";
+    const where = (b) => (b.line ? `${b.file ? b.file + " " : ""}line ${b.line}` : b.file);
+    return el(
+      "div",
+      { id: "skipped" },
+      el("h3", {}, `Skipped (${data.skipped_count})`),
+      el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "where"), el("th", {}, "why"))), el("tbody", {}, data.skipped.map((b) => el("tr", {}, el("td", { class: "small" }, where(b)), el("td", {}, b.reason)))))
+    );
+  }
+
+  function renderImagePreview(data) {
+    const buckets = Object.entries(data.buckets).map(([bucket, n]) => `${bucket}: ${n}`).join(" · ");
+    const facts = [
+      ["data", data.source],
+      ["layout", data.layout],
+      ["images", `${data.records}, ${data.skipped_count} skipped${data.missing_captions ? `, ${data.missing_captions} without a caption (trained on the empty caption)` : ""}`],
+      ["buckets (images × repeats)", buckets || "–"],
+    ];
+    previewBox.replaceChildren(
+      el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
+      el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      el(
+        "div",
+        { class: "thumbs" },
+        data.images.map((image) =>
+          el(
+            "figure",
+            { class: "thumb", dataset: { file: image.file } },
+            el("img", { src: image.thumbnail, alt: image.caption }),
+            el("figcaption", {}, el("div", { class: "small" }, image.caption || el("i", { class: "muted" }, "(no caption)")), el("div", { class: "small muted" }, `${image.file} · ${image.size.join("×")} → bucket ${image.bucket.join("×")}${image.repeats > 1 ? ` · ×${image.repeats}` : ""}`))
+          )
+        )
+      ),
+      skippedTable(data)
     );
   }
 
