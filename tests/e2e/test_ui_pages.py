@@ -281,3 +281,47 @@ def test_preview_the_images_of_a_diffusion_example(page, ui):
     assert thumbs.first.locator("img").evaluate("img => img.complete && img.naturalWidth > 0")
     page.locator("#preview-card").scroll_into_view_if_needed()
     screenshot(page, "26-image-preview", full_page=False)
+
+
+# ------------------------------------------------------------------ generate
+def test_generate_from_a_trained_run_and_see_the_answer_stream_in(page, ui, trained):
+    page.goto(f"{ui.url}/runs/{trained['id']}")
+    page.click("#generate-link")
+    expect(page).to_have_url(re.compile(rf"/generate\?run={trained['id']}$"))
+    expect(page.locator("#gen-run")).to_have_value(str(trained["id"]))
+    expect(page.locator("#gen-source")).to_have_value("checkpoint:step_00000012")
+    page.fill("#gen-prompt", "What is 4 + 2?")
+    page.fill("#gen-max-new-tokens", "8")
+    with page.expect_response(lambda r: r.url.endswith("/api/generate")) as answer:
+        page.click("#gen-send")
+    entry = page.locator("#gen-answers .answer").first
+    expect(entry).to_have_attribute("data-state", "done", timeout=180_000)
+    expect(entry.locator(".answer-prompt")).to_contain_text("What is 4 + 2?")
+    expect(entry).to_contain_text("checkpoint step_00000012 (consolidated) on cpu")
+    text = entry.locator(".answer-text").inner_text()
+    assert text.strip(), "an answer was written"
+    assert "event: done" in answer.value.text()
+    # The page's answer is what `zeropipe generate` prints for the same prompt.
+    import json as json_module
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("DS_ACCELERATOR", None)
+    cli = subprocess.run([sys.executable, "-m", "zeropipe", "generate", str(ui.runs / "trained"), "--prompt", "What is 4 + 2?", "--max-new-tokens", "8", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json_module.loads(cli.stdout)["generations"][0]["output"] == text.strip()
+
+    # A longer, sampled answer comes in pieces as it is written, not at once at the end.
+    page.fill("#gen-temperature", "1.5")
+    page.fill("#gen-max-new-tokens", "24")
+    with page.expect_response(lambda r: r.url.endswith("/api/generate")) as answer:
+        page.click("#gen-send")
+    entry = page.locator("#gen-answers .answer").first
+    expect(entry).to_have_attribute("data-state", "done", timeout=180_000)
+    body = answer.value.text()
+    assert body.count("event: token") >= 5, body
+    assert int(entry.get_attribute("data-tokens")) == body.count("event: token")
+    screenshot(page, "27-generate", full_page=False)

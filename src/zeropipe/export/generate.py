@@ -301,6 +301,7 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     raw: bool = False,
+    streamer: Any = None,
 ) -> list[Generation]:
     """Answer each prompt; greedy unless ``temperature`` > 0.
 
@@ -308,6 +309,8 @@ def generate(
         images: vision-language models: one image for every prompt, or one per prompt.
         raw: continue the prompt text as it is instead of rendering it as a user turn
             (for models trained on plain text).
+        streamer: text models: a transformers streamer (``TextIteratorStreamer``) given each
+            answer's tokens as they are made (the web UI streams them to the page).
 
     Raises:
         ZeroPipeError: images for a text-only model, or bad sampling settings.
@@ -338,6 +341,7 @@ def generate(
                 max_new_tokens=tokens,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                streamer=streamer,
                 **sampling,
             )
             text = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)

@@ -260,6 +260,33 @@ def data_preview(request: Request, body: PreviewRequest):
     return preview(config, body.limit)
 
 
+# --------------------------------------------------------------- generate
+class GenerateRequest(Strict):
+    run_id: int = Field(..., ge=1, le=2**53, description="the run whose model answers")
+    checkpoint: str | None = Field(None, max_length=64, description="a complete checkpoint of the run (default: the latest)")
+    export: str | None = Field(None, max_length=100, description="a finished export of the run instead of a checkpoint (its folder name)")
+    prompt: str = Field(..., min_length=1, max_length=8000, description="rendered as a user turn with the training template (unless raw)")
+    max_new_tokens: int | None = Field(None, ge=1, le=1024, description="default: the run's generate.max_new_tokens")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, ge=0, le=2**31)
+    raw: bool = Field(False, description="continue the prompt text as it is (models trained on plain text)")
+
+
+@router.post("/generate", summary="Answer a prompt with a run's checkpoint or export; server-sent events: source, token..., done (or error)")
+def generate_answer(request: Request, body: GenerateRequest):
+    store = store_of(request)
+    run = store.run(body.run_id)
+    if body.export is not None:
+        source, checkpoint = store.export_folder(run["id"], body.export), None
+    else:
+        source = store.own_run_dir(run)
+        checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
+    settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": body.raw}
+    stream = request.app.state.generator.stream(source, checkpoint, body.prompt, settings)
+    return events.streaming(iterate_in_threadpool(stream))
+
+
 # ---------------------------------------------------------------- presets
 PresetKind = Path(pattern="^(example|saved|run)$", description="example (shipped), saved (by you) or run (a past run's config; name: its id)")
 PresetName = Path(max_length=100, description="the example's or preset's name, or the run's id")

@@ -96,6 +96,9 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     # Set when the server is asked to stop (Ctrl-C): event streams end at once, so the
     # server is not left waiting for browser tabs that would hold them open for minutes.
     app.state.stopping = threading.Event()
+    from zeropipe.server.generation import Generator
+
+    app.state.generator = Generator()
     from zeropipe.server.security import is_loopback
 
     allowed = None

@@ -32,6 +32,11 @@ def run_page(request: Request, run_id: int = Path(ge=1, le=2**53)):
     return page(request, "run.html", f"Run {run_id}", nav="runs", run_id=run_id)
 
 
+@router.get("/generate", response_class=HTMLResponse)
+def generate_page(request: Request):
+    return page(request, "generate.html", "Generate", nav="generate")
+
+
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(request: Request):
     return page(request, "compare.html", "Compare", nav="compare")

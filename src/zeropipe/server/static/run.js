@@ -145,6 +145,7 @@
       const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
       buttons.push(select, el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value) }, "Resume"));
     }
+    if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
