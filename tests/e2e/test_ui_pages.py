@@ -140,7 +140,7 @@ def test_the_new_run_form_fits_a_screen(browser, ui):
 TRAINED_CONFIG = {
     "run": {"name": "trained", "seed": 7},
     "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}},
-    "data": {"synthetic": {"task": "arithmetic", "examples": 400}, "max_seq_len": 32},
+    "data": {"synthetic": {"task": "arithmetic", "examples": 400}, "max_seq_len": 32, "eval_fraction": 0.1},
     "train": {"max_steps": 12, "micro_batch_size": 8, "lr": 0.01, "warmup_steps": 2, "save_every": 6},
     "deepspeed": {"zero_stage": 2, "precision": "fp32"},
     "hardware": {"gpus": 2},
@@ -325,3 +325,31 @@ def test_generate_from_a_trained_run_and_see_the_answer_stream_in(page, ui, trai
     assert body.count("event: token") >= 5, body
     assert int(entry.get_attribute("data-tokens")) == body.count("event: token")
     screenshot(page, "27-generate", full_page=False)
+
+
+# ------------------------------------------------------------------ eval
+def test_evaluate_a_checkpoint_and_keep_the_result_with_the_run(page, ui, trained):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    page.goto(f"{ui.url}/runs/{trained['id']}")
+    page.select_option("#eval-checkpoint", "step_00000006")
+    page.click("#evaluate")
+    row = page.locator("#evaluations tbody tr").first
+    expect(row).to_have_attribute("data-state", "done", timeout=300_000)
+    expect(row).to_contain_text("step_00000006")
+    expect(row).to_contain_text("held-out data")
+    shown = float(row.locator(".eval-loss").inner_text())
+    kept = json.loads((ui.runs / "trained" / "evals" / "1.json").read_text())
+    env = dict(os.environ)
+    env.pop("DS_ACCELERATOR", None)
+    cli = subprocess.run([sys.executable, "-m", "zeropipe", "eval", str(ui.runs / "trained"), "--checkpoint", "step_00000006", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout)["loss"] == pytest.approx(kept["loss"]) and shown == pytest.approx(kept["loss"], rel=1e-3)
+    page.reload()  # kept with the run, not only on the page
+    expect(page.locator("#evaluations tbody tr").first.locator(".eval-loss")).to_have_text(row.locator(".eval-loss").inner_text())
+    page.locator("#evaluations-card").scroll_into_view_if_needed()
+    screenshot(page, "28-evaluation", full_page=False)

@@ -90,6 +90,8 @@ def run_detail(request: Request, run_id: int = RunId):
         "logs": store.log_names(run),
         "checkpoints": store.checkpoints(run),
         "exports": store.exports(run),
+        "evaluations": store.evaluations(run),
+        "held_out": store.has_held_out(run),
         "generations": store.generations(run),
         "tensorboard": bool(store.own_or_none(run, "tensorboard")) and (FilePath(run["path"]) / "tensorboard").is_dir(),
     }
@@ -200,6 +202,16 @@ def export_archive(request: Request, run_id: int = RunId, name: str = Path(max_l
     top = f"{run['name']}-{name}"
     headers = {"Content-Disposition": f'attachment; filename="{top}.tar"', "Content-Length": str(tar_size(folder, top))}
     return StreamingResponse(iterate_in_threadpool(tar_stream(folder, top)), media_type="application/x-tar", headers=headers)
+
+
+class EvalRequest(Strict):
+    checkpoint: str | None = Field(None, max_length=64, description="checkpoint tag; default: the latest complete one")
+    data: str | None = Field(None, max_length=1000, description="a data file inside the data folders; default: the run's held-out data")
+
+
+@router.post("/runs/{run_id}/eval", status_code=202, summary="Start `zeropipe eval` on a checkpoint: eval loss and perplexity, kept with the run")
+def evaluate_run(request: Request, body: EvalRequest, run_id: int = RunId):
+    return {"evaluation": store_of(request).evaluate(run_id, body.checkpoint, body.data)}
 
 
 @router.get("/compare", summary="Loss (or another metric) of several runs, each downsampled")

@@ -26,7 +26,7 @@ from zeropipe.rundir import RunDir
 from zeropipe.store.db import Database
 from zeropipe.store.index import TERMINAL, eta_seconds, find_run_dirs, is_run_dir, process_alive, read_json, read_run, signature
 from zeropipe.store.processes import spawn, terminate, zeropipe_argv
-from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, confined, resolve_inside, too_deep, MAX_DEPTH, TOO_DEEP
+from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, confined, is_inside, resolve_inside, too_deep, MAX_DEPTH, TOO_DEEP
 from zeropipe.store.series import SeriesCache
 
 LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher)$")
@@ -387,10 +387,10 @@ class RunStore:
             self.start(run_id, "train", argv, run_path / "logs" / "launcher.log", config_path=str(config_path))
         return self.run(run_id)
 
-    def start(self, run_id: int, action: str, argv: list[str], log_path: Path, **fields: Any) -> int:
-        if self.roots.runs_root_of(log_path) is None:
+    def start(self, run_id: int, action: str, argv: list[str], log_path: Path, stdout_path: Path | None = None, **fields: Any) -> int:
+        if any(self.roots.runs_root_of(p) is None for p in (log_path, stdout_path) if p is not None):
             raise OutsideRoots(f"{log_path} leads out of the runs folders (a symlink?): nothing is started")
-        proc = spawn(argv, log_path, self.roots.base)
+        proc = spawn(argv, log_path, self.roots.base, stdout_path)
         launch_id = self.db.insert_launch(run_id=run_id, action=action, pid=proc.pid, command=argv, log_path=str(log_path), started_at=time.time(), **fields)
         self.children[launch_id] = proc
         return launch_id
@@ -507,6 +507,61 @@ class RunStore:
         launch_id = self.start(run["id"], "export", argv, exports / f"{name}.log", out_path=str(out), detail={"checkpoint": info.tag, "merge": merge, "dtype": dtype, "name": name})
         return next(e for e in self.exports(run) if e["id"] == launch_id)
 
+    # ============================================================ evaluation
+    def evaluate(self, ref: int | str, checkpoint: str | None = None, data: str | None = None) -> dict[str, Any]:
+        """Start ``zeropipe eval`` on a checkpoint; its result is kept in RUN/evals/ID.json.
+
+        Args:
+            data: a file in the data folders to evaluate on; default: the run's held-out data.
+
+        Raises:
+            ActionRefused: no such checkpoint, or an evaluation of the run is still running.
+            OutsideRoots: ``data`` lies outside the data and runs folders.
+        """
+        run = self.run(ref)
+        info = self.checkpoint_for(run, checkpoint)
+        argv = ["eval", info.path.parent.parent, "--checkpoint", info.tag, "--json"]
+        if data:
+            resolved = self.roots.absolute(data)
+            if not any(is_inside(resolved, root) for root in self.roots.readable()):
+                raise OutsideRoots(f"{data} is outside the folders this UI may read ({', '.join(map(str, self.roots.readable()))})")
+            if not resolved.exists():
+                raise ActionRefused(f"{data} does not exist: give a data file inside {', '.join(map(str, self.roots.data))}")
+            argv += ["--data", resolved]
+        elif not self.has_held_out(run):
+            raise ActionRefused(f"run {run['name']} has no held-out data (it trained without data.eval_fraction or data.eval_path): give a data file to evaluate on")
+        if self.open_launch(run["id"], ("eval",)):
+            raise ActionRefused(f"an evaluation of run {run['name']} is still running: wait for its result")
+        evals = self.own(run, "evals")
+        number = 1 + max([int(p.stem) for p in evals.glob("*.json") if p.stem.isdigit()] or [0]) if evals.is_dir() else 1
+        launch_id = self.start(run["id"], "eval", zeropipe_argv(*argv), evals / f"{number}.log", stdout_path=evals / f"{number}.json",
+                               out_path=str(evals / f"{number}.json"), detail={"checkpoint": info.tag, "data": str(argv[-1]) if data else None})  # fmt: skip
+        return next(e for e in self.evaluations(run) if e["id"] == launch_id)
+
+    def has_held_out(self, run: dict[str, Any]) -> bool:
+        """Whether the run kept held-out data (data.eval_fraction or data.eval_path), tokenized, to evaluate on."""
+        info = self.own_or_none(run, "cache/eval/cache.json")
+        return info is not None and info.is_file()
+
+    def evaluations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        """The run's evaluations started here, newest first, with their result once written."""
+        out = []
+        for launch in self.db.launches(run["id"], "eval"):
+            result_file = self.own_or_none(run, f"evals/{Path(launch['out_path']).name}")
+            result = read_json(result_file) if launch["ended_at"] is not None and result_file else None
+            if launch["ended_at"] is None:
+                state = "running"
+            elif launch["exit_code"] == 0 and isinstance(result, dict):
+                state = "done"
+            else:
+                state = "failed"
+            out.append({
+                "id": launch["id"], "state": state, "started_at": launch["started_at"], "ended_at": launch["ended_at"], **(launch["detail"] or {}),
+                "result": result if state == "done" else None,
+                "log_tail": tail_lines(Path(launch["log_path"]), 15, within=Path(run["path"])) if state == "failed" else [],
+            })  # fmt: skip
+        return out
+
     # ========================================================== management
     def idle_or_refuse(self, run: dict[str, Any], doing: str) -> None:
         """Refuse while a process writes into the run (training, resuming, exporting)."""
@@ -514,6 +569,8 @@ class RunStore:
             raise ActionRefused(f"run {run['name']} is {run['state']}: stop it before you {doing}")
         if self.open_launch(run["id"], ("train", "resume", "export")):
             raise ActionRefused(f"a process of run {run['name']} (training or an export) is still running: wait for it to end before you {doing}")
+        if self.open_launch(run["id"], ("eval",)):
+            raise ActionRefused(f"an evaluation of run {run['name']} is still running: wait for it to end before you {doing}")
 
     def own_run_dir(self, run: dict[str, Any]) -> Path:
         """The run's directory, checked to be a folder of a runs root and not the root itself."""

@@ -129,3 +129,17 @@ def test_only_finished_exports_are_downloaded(client, store, name):
     finished_export(store, run)
     response = client.get(f"/api/runs/{run['id']}/exports/{name}/archive")
     assert response.status_code == 404, response.text
+
+
+# ------------------------------------------------------------------ evaluations
+def test_evaluation_refusals_say_why(client, store, tmp_path):
+    run = add(store, "done", steps=12)
+    response = client.post(f"/api/runs/{run['id']}/eval", json={})
+    assert response.status_code == 409 and "no held-out data" in response.json()["detail"]
+    response = client.post(f"/api/runs/{run['id']}/eval", json={"data": "/etc/passwd"})
+    assert response.status_code == 403 and "outside the folders" in response.json()["detail"]
+    response = client.post(f"/api/runs/{run['id']}/eval", json={"data": "data/missing.jsonl"})
+    assert response.status_code == 409 and "does not exist" in response.json()["detail"]
+    response = client.post(f"/api/runs/{run['id']}/eval", json={"checkpoint": "step_00000099", "data": "data/x.jsonl"})
+    assert response.status_code == 409 and "no complete checkpoint step_00000099" in response.json()["detail"]
+    assert store.db.launches() == []

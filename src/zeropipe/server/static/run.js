@@ -231,6 +231,7 @@
     renderHead(detail.run);
     renderCheckpoints();
     renderExports();
+    renderEvaluations();
     renderLogTabs();
     renderGenerations();
     const paths = [`run directory: ${detail.run.path}`];
@@ -315,6 +316,55 @@
     renderExportMessage();
     clearTimeout(exportTimer);
     if (detail.exports.some((e) => e.state === "running")) exportTimer = setTimeout(loadDetail, 2000);
+  }
+
+  // ------------------------------------------------------- evaluations
+  let evalTimer = null;
+
+  function renderEvaluations() {
+    const form = document.getElementById("eval-form");
+    const complete = detail.checkpoints.filter((c) => c.complete);
+    const signature = complete.map((c) => c.tag).join() + String(detail.held_out);
+    if (form.dataset.signature !== signature || !form.childElementCount) {
+      form.dataset.signature = signature;
+      form.replaceChildren(
+        ...(complete.length
+          ? [
+              el("select", { id: "eval-checkpoint", "aria-label": "checkpoint to evaluate" }, complete.map((c) => el("option", { value: c.tag }, c.tag))),
+              el("input", { id: "eval-data", type: "text", size: 34, placeholder: detail.held_out ? "data file (default: the run's held-out data)" : "data file to evaluate on (no held-out data)" }),
+              el("button", { class: "primary", id: "evaluate", onclick: startEval }, "Evaluate"),
+            ]
+          : [el("span", { class: "muted" }, "Evaluation needs a complete checkpoint.")])
+      );
+    }
+    const fmt = (v) => (v === undefined || v === null ? "–" : ZP.fmtNumber(v));
+    const rows = detail.evaluations.map((e) =>
+      el(
+        "tr",
+        { dataset: { state: e.state } },
+        el("td", {}, el("code", {}, e.checkpoint)),
+        el("td", { class: "small" }, e.data || "held-out data"),
+        el("td", { class: "num eval-loss" }, fmt(e.result && e.result.loss)),
+        el("td", { class: "num" }, fmt(e.result && e.result.perplexity)),
+        el("td", { class: "num" }, e.result ? e.result.tokens : "–"),
+        el("td", {}, ZP.badge(e.state === "done" ? "completed" : e.state), e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : "")
+      )
+    );
+    document.querySelector("#evaluations tbody").replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 6, class: "muted" }, "none yet"))]));
+    clearTimeout(evalTimer);
+    if (detail.evaluations.some((e) => e.state === "running")) evalTimer = setTimeout(loadDetail, 2000);
+  }
+
+  async function startEval() {
+    const checkpoint = document.getElementById("eval-checkpoint").value;
+    const data = document.getElementById("eval-data").value.trim() || null;
+    try {
+      await api(`${base}/eval`, { method: "POST", body: { checkpoint, data } });
+      ZP.message(document.getElementById("eval-message"), "");
+      await loadDetail();
+    } catch (error) {
+      document.getElementById("eval-message").replaceChildren(ZP.errorBox(error));
+    }
   }
 
   function renderGenerations() {
