@@ -115,7 +115,17 @@ def test_the_new_run_form_fits_a_screen(browser, ui):
     page.goto(ui.url + "/new")
     expect(page.locator("#check-status")).to_have_text(re.compile("ready to launch|problem"), timeout=120_000)
     essentials = page.locator("#essentials")
-    for key in ["run-name", "model-path", "data-path", "train-max_steps", "train-micro_batch_size", "train-lr", "hardware-gpus", "deepspeed-zero_stage", "deepspeed-offload_optimizer"]:
+    for key in [
+        "run-name",
+        "model-path",
+        "data-path",
+        "train-max_steps",
+        "train-micro_batch_size",
+        "train-lr",
+        "hardware-gpus",
+        "deepspeed-zero_stage",
+        "deepspeed-offload_optimizer",
+    ]:
         expect(essentials.locator(f"#field-{key}")).to_be_visible()
     box = essentials.bounding_box()
     assert box["y"] + box["height"] <= 900 + 100, f"the essentials end at {box['y'] + box['height']:.0f} px"
@@ -139,7 +149,17 @@ def test_the_new_run_form_fits_a_screen(browser, ui):
 # ------------------------------------------------------------------ a real trained run for the pages that need weights
 TRAINED_CONFIG = {
     "run": {"name": "trained", "seed": 7},
-    "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}},
+    "model": {
+        "config": {
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        }
+    },
     "data": {"synthetic": {"task": "arithmetic", "examples": 400}, "max_seq_len": 32, "eval_fraction": 0.1},
     "train": {"max_steps": 12, "micro_batch_size": 8, "lr": 0.01, "warmup_steps": 2, "save_every": 6},
     "deepspeed": {"zero_stage": 2, "precision": "fp32"},
@@ -161,7 +181,9 @@ def trained(ui):
     path.write_text(yaml.safe_dump(config))
     env = dict(os.environ)
     env.pop("DS_ACCELERATOR", None)
-    done = subprocess.run([sys.executable, "-m", "zeropipe", "train", str(path)], cwd=ui.workdir, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "zeropipe", "train", str(path)], cwd=ui.workdir, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     deadline = time.time() + 60
     while time.time() < deadline:

@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if len(urls) > 1:
         print(f"  also at: {'  '.join(urls[1:])}", file=sys.stderr, flush=True)
     print(f"  runs: {', '.join(map(str, roots.runs))}  data: {', '.join(map(str, roots.data))}  database: {store.db_path}", file=sys.stderr, flush=True)
+    if args.allow_remote_code:
+        print("  --allow-remote-code: configs sent from the UI may set trust_remote_code (Python code from model folders runs here)", file=sys.stderr, flush=True)
     if token and not args.token:
         print("  a token was generated because the server is reachable from other machines: keep the URL private", file=sys.stderr, flush=True)
     class Server(uvicorn.Server):

@@ -51,7 +51,12 @@ class Generator:
                 return
             yield sse("source", {"source": loaded.source.describe(), "device": loaded.device.type, "family": loaded.source.family})
             if loaded.source.family != "causal_lm":
-                yield sse("error", {"detail": f"this page answers with language models; {loaded.source.describe()} is a {loaded.source.family} model: use zeropipe generate --image for vision-language models"})
+                yield sse(
+                    "error",
+                    {
+                        "detail": f"this page answers with language models; {loaded.source.describe()} is a {loaded.source.family} model: use zeropipe generate --image for vision-language models"
+                    },
+                )
                 return
             streamer = TokenStreamer(loaded.tokenizer)
             outcome: dict[str, Any] = {}

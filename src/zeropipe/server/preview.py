@@ -36,7 +36,11 @@ def preview(config, limit: int = SHOWN_EXAMPLES) -> dict[str, Any]:
     if family == "diffusion":
         return image_preview(config, limit)
     if family == "vlm":
-        return {"family": "vlm", "available": False, "reason": "the preview of vision-language data is not built yet: `zeropipe train` reports its skipped records when it starts"}
+        return {
+            "family": "vlm",
+            "available": False,
+            "reason": "the preview of vision-language data is not built yet: `zeropipe train` reports its skipped records when it starts",
+        }
     return text_preview(config, limit)
 
 
@@ -116,7 +120,10 @@ def preview_tokenizer(config, records: list, fmt: str, scratch: Path):
             tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         except (OSError, ValueError) as err:
             raise ZeroPipeError(f"cannot load the tokenizer of {source}: {err}") from None
-        return tokenizer, f"{source} ({'its chat template' if getattr(tokenizer, 'chat_template', None) else 'the built-in template: it has no chat template'})"
+        return (
+            tokenizer,
+            f"{source} ({'its chat template' if getattr(tokenizer, 'chat_template', None) else 'the built-in template: it has no chat template'})",
+        )
     from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 
     tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, scratch / "tokenizer")
@@ -156,14 +163,18 @@ def image_preview(config, limit: int) -> dict[str, Any]:
     data, images = config.data, config.data.images
     with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch:
         if data.synthetic is not None:
-            folder = generate_shapes_dataset(Path(scratch) / "shapes", min(data.synthetic.examples, 200), data.synthetic.seed, resolution=min(images.resolution, 256))
+            folder = generate_shapes_dataset(
+                Path(scratch) / "shapes", min(data.synthetic.examples, 200), data.synthetic.seed, resolution=min(images.resolution, 256)
+            )
             source = f"generated shapes (seed {data.synthetic.seed}; the first {min(data.synthetic.examples, 200)} shown here)"
         elif data.path:
             folder, source = Path(data.path), data.path
         else:
             raise ZeroPipeError("no data: set data.path to your image folder (or data.synthetic: {task: shapes})")
         scan = scan_image_folder(folder, caption_ext=images.caption_ext)  # decodes every image, as training's preparation does
-        buckets = make_buckets(images.resolution, images.bucket_step, images.max_aspect) if images.bucketing else [(images.resolution, images.resolution)]
+        buckets = (
+            make_buckets(images.resolution, images.bucket_step, images.max_aspect) if images.bucketing else [(images.resolution, images.resolution)]
+        )
         shown = []
         for item in scan.items[:limit]:
             width, height = assign_bucket(item.width, item.height, buckets)
@@ -171,7 +182,9 @@ def image_preview(config, limit: int) -> dict[str, Any]:
                 "file": str(item.path.relative_to(Path(folder).resolve())), "caption": item.caption, "repeats": item.repeats,
                 "size": [item.width, item.height], "bucket": [width, height], "thumbnail": thumbnail(item.path),
             })  # fmt: skip
-        problems = [{"file": str(bad.path), "line": None, "reason": bad.reason} for bad in scan.bad] + [{"file": "", "line": None, "reason": line} for line in scan.bad_lines]
+        problems = [{"file": str(bad.path), "line": None, "reason": bad.reason} for bad in scan.bad] + [
+            {"file": "", "line": None, "reason": line} for line in scan.bad_lines
+        ]
         total = len(scan.items) + len(problems)
         counts: dict[str, int] = {}
         for item in scan.items:

@@ -72,11 +72,25 @@ class Presets:
         out = []
         for folder in examples_dirs():
             for path in sorted(folder.glob("*.yaml")):
-                out.append({"id": f"example:{path.stem}", "kind": "example", "name": path.stem, "description": description_of(path.read_text(errors="replace"))})
+                out.append(
+                    {
+                        "id": f"example:{path.stem}",
+                        "kind": "example",
+                        "name": path.stem,
+                        "description": description_of(path.read_text(errors="replace")),
+                    }
+                )
         if self.saved_dir.is_dir():
             for path in sorted(self.saved_dir.glob("*.yaml")):
                 if confined(path, self.saved_dir) and not check_name(path.stem):
-                    out.append({"id": f"saved:{path.stem}", "kind": "saved", "name": path.stem, "description": f"saved {time.strftime('%Y-%m-%d %H:%M', time.localtime(path.stat().st_mtime))}"})
+                    out.append(
+                        {
+                            "id": f"saved:{path.stem}",
+                            "kind": "saved",
+                            "name": path.stem,
+                            "description": f"saved {time.strftime('%Y-%m-%d %H:%M', time.localtime(path.stat().st_mtime))}",
+                        }
+                    )
         for run in self.store.runs():
             if run["state"] in ("completed", "failed", "stopped", "lost", "running"):
                 steps = f"{run['step']}/{run['total_steps']}" if run.get("total_steps") else f"{run['step']}"
@@ -93,7 +107,9 @@ class Presets:
         if kind == "example":
             path = next((folder / f"{name}.yaml" for folder in examples_dirs() if not check_name(name) and (folder / f"{name}.yaml").is_file()), None)
             if path is None:
-                raise PresetNotFound(f"no example {name!r}: the examples are {', '.join(p['name'] for p in self.list() if p['kind'] == 'example') or 'not shipped with this installation'}")
+                raise PresetNotFound(
+                    f"no example {name!r}: the examples are {', '.join(p['name'] for p in self.list() if p['kind'] == 'example') or 'not shipped with this installation'}"
+                )
             return self.ready(path.read_text(errors="replace"), name, keep_comments=True)
         if kind == "saved":
             path = self.saved_path(name)

@@ -43,9 +43,17 @@ def tiny(**sections):
 
 # Each of these was accepted without a word by /api/config/check (and the first wrote files into /some/dir).
 OUTSIDE = [
-    ("deepspeed__overrides", {"csv_monitor": {"enabled": True, "output_path": "OUT", "job_name": "x"}}, "deepspeed.overrides.csv_monitor.output_path"),
+    (
+        "deepspeed__overrides",
+        {"csv_monitor": {"enabled": True, "output_path": "OUT", "job_name": "x"}},
+        "deepspeed.overrides.csv_monitor.output_path",
+    ),
     ("deepspeed__overrides", {"tensorboard": {"enabled": True, "output_path": "OUT"}}, "deepspeed.overrides.tensorboard.output_path"),
-    ("deepspeed__overrides", {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "OUT"}}}, "deepspeed.overrides.zero_optimization.offload_optimizer.nvme_path"),
+    (
+        "deepspeed__overrides",
+        {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "OUT"}}},
+        "deepspeed.overrides.zero_optimization.offload_optimizer.nvme_path",
+    ),
     ("deepspeed__overrides", {"some_future_key": {"anything": "OUT/secret"}}, "deepspeed.overrides.some_future_key.anything"),
     ("data__cache__dir", "OUT", "data.cache.dir"),
     ("model__processor", "/etc", "model.processor"),
@@ -69,7 +77,10 @@ def test_every_path_a_config_names_is_confined(client, tmp_path, dotted, value, 
 
 def test_paths_inside_the_folders_pass(client, tmp_path):
     raw = tiny(
-        deepspeed__overrides={"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "runs" / "csv"), "job_name": "x"}, "zero_optimization": {"reduce_bucket_size": 5e7}},
+        deepspeed__overrides={
+            "csv_monitor": {"enabled": True, "output_path": str(tmp_path / "runs" / "csv"), "job_name": "x"},
+            "zero_optimization": {"reduce_bucket_size": 5e7},
+        },
         model__load_kwargs={"revision": "main", "cache_dir": "data/hf-cache"},
     )
     result = client.post("/api/config/check", json={"config": raw}).json()
@@ -86,7 +97,15 @@ def test_a_launch_with_a_monitor_writing_outside_starts_nothing_and_writes_nothi
 
 
 def test_paths_hidden_in_curriculum_stages_are_confined(client, tmp_path):
-    raw = tiny(stages=[{"name": "one", "model": {"load_kwargs": {"cache_dir": "/var/tmp"}}, "deepspeed": {"overrides": {"csv_monitor": {"output_path": "/tmp/x"}}}}])
+    raw = tiny(
+        stages=[
+            {
+                "name": "one",
+                "model": {"load_kwargs": {"cache_dir": "/var/tmp"}},
+                "deepspeed": {"overrides": {"csv_monitor": {"output_path": "/tmp/x"}}},
+            }
+        ]
+    )
     result = client.post("/api/config/check", json={"config": raw}).json()
     keys = {p["key"] for p in result["problems"]}
     assert {"stages[0].model.load_kwargs.cache_dir", "stages[0].deepspeed.overrides.csv_monitor.output_path"} <= keys
@@ -146,7 +165,9 @@ def test_a_run_folder_that_is_a_symlink_to_elsewhere_is_not_indexed(client, stor
 
 def test_a_run_indexed_at_an_outside_path_by_an_older_version_is_dropped(client, store, tmp_path):
     elsewhere = write_run(tmp_path / "elsewhere", "private", steps=3, checkpoints=())
-    run_id = store.db.insert_run(path=str(elsewhere), name="private", root=str(store.roots.primary_runs), origin="cli", state="completed", created_at=0)
+    run_id = store.db.insert_run(
+        path=str(elsewhere), name="private", root=str(store.roots.primary_runs), origin="cli", state="completed", created_at=0
+    )
     store.refresh()
     assert client.get(f"/api/runs/{run_id}/logs/rank0").status_code == 404
     assert client.get(f"/api/runs/{run_id}/config").status_code == 404

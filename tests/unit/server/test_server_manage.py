@@ -65,7 +65,9 @@ def test_a_running_run_is_neither_deleted_nor_renamed(client, store):
 
 def test_another_site_cannot_delete_a_run(client, store):
     run = add(store, "old", steps=3, checkpoints=())
-    response = client.request("DELETE", f"/api/runs/{run['id']}", json={"confirm": "old"}, headers={"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"})
+    response = client.request(
+        "DELETE", f"/api/runs/{run['id']}", json={"confirm": "old"}, headers={"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
+    )
     assert response.status_code == 403 and (store.roots.primary_runs / "old").is_dir()
 
 

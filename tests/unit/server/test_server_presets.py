@@ -81,7 +81,9 @@ def test_a_preset_name_cannot_lead_anywhere(client, store, name):
     assert not list(store.roots.primary_runs.parent.glob("**/escape.yaml"))
 
 
-@pytest.mark.parametrize("path", ["/api/presets/saved/..%2F..%2Fruns.sqlite3", "/api/presets/example/..%2Fpyproject", "/api/presets/run/424242", "/api/presets/other/x"])
+@pytest.mark.parametrize(
+    "path", ["/api/presets/saved/..%2F..%2Fruns.sqlite3", "/api/presets/example/..%2Fpyproject", "/api/presets/run/424242", "/api/presets/other/x"]
+)
 def test_unknown_or_crafted_presets_are_4xx(client, path):
     response = client.get(path)
     assert 400 <= response.status_code < 500 and response.json()["detail"]

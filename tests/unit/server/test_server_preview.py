@@ -10,7 +10,17 @@ from fastapi.testclient import TestClient
 from zeropipe.server import create_app
 from zeropipe.store import Roots, RunStore
 
-MODEL = {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}}
+MODEL = {
+    "config": {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+}
 
 
 @pytest.fixture
@@ -69,7 +79,9 @@ def test_a_tokenizers_chat_template_is_what_the_preview_renders(client, tmp_path
     tokenizer.save_pretrained(str(tmp_path / "data" / "tok"))
     chat = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]} for i in range(5)]
     (tmp_path / "data" / "chat.jsonl").write_text("\n".join(map(json.dumps, chat)) + "\n")
-    response = client.post("/api/data/preview", json={"config": {"run": {"name": "p"}, "model": {**MODEL, "tokenizer": "data/tok"}, "data": {"path": "data/chat.jsonl"}}})
+    response = client.post(
+        "/api/data/preview", json={"config": {"run": {"name": "p"}, "model": {**MODEL, "tokenizer": "data/tok"}, "data": {"path": "data/chat.jsonl"}}}
+    )
     data = response.json()
     assert response.status_code == 200 and data["format"] == "chat" and "its chat template" in data["tokenizer"]
     text = "".join(p["text"] for p in data["examples"][0]["pieces"])
@@ -109,7 +121,11 @@ def test_an_image_folder_shows_thumbnails_captions_buckets_and_broken_images(cli
     (folder / "square.txt").write_text("a blue tile")
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     (folder / "broken.txt").write_text("never seen")
-    config = {"run": {"name": "p"}, "model": {"config": {"pipeline": "tiny-sdxl"}}, "data": {"path": "data/pics", "images": {"resolution": 64, "bucket_step": 8}}}
+    config = {
+        "run": {"name": "p"},
+        "model": {"config": {"pipeline": "tiny-sdxl"}},
+        "data": {"path": "data/pics", "images": {"resolution": 64, "bucket_step": 8}},
+    }
     response = client.post("/api/data/preview", json={"config": config})
     assert response.status_code == 200, response.text
     data = response.json()

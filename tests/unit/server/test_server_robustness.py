@@ -104,7 +104,9 @@ def test_reading_the_doctor_report_never_starts_the_trial_build(client, monkeypa
     from zeropipe.server import checking
 
     monkeypatch.setattr(checking, "_doctor", {})
-    response = client.get("/api/doctor", params={"refresh": "true", "trial_build": "true"}, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Dest": "image"})
+    response = client.get(
+        "/api/doctor", params={"refresh": "true", "trial_build": "true"}, headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Dest": "image"}
+    )
     report = response.json()
     assert response.status_code == 200
     if report["available"]:
@@ -118,7 +120,11 @@ def test_examining_again_is_a_post_from_this_ui_only(client, monkeypatch):
     from zeropipe.server import checking
 
     monkeypatch.setattr(checking, "_doctor", {})
-    for headers in ({"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}, {"Sec-Fetch-Site": "cross-site"}):
+    for headers in (
+        {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Sec-Fetch-Site": "cross-site"},
+    ):
         response = client.post("/api/doctor/check", json={"trial_build": True}, headers=headers)
         assert response.status_code == 403, (headers, response.text)
     assert checking._doctor == {}
@@ -163,7 +169,13 @@ def test_number_or_auto_fields_are_one_line_inputs(client):
             yield from walk(field.get("fields", []))
 
     found = {f["key"]: f for section in schema["sections"] for f in walk(section["fields"])}
-    for key in ["train.micro_batch_size", "train.gradient_accumulation_steps", "model.diffusion.shift", "model.gradient_checkpointing", "hardware.gpus"]:
+    for key in [
+        "train.micro_batch_size",
+        "train.gradient_accumulation_steps",
+        "model.diffusion.shift",
+        "model.gradient_checkpointing",
+        "hardware.gpus",
+    ]:
         assert found[key]["kind"] == "scalar" and "auto" in found[key]["options"], (key, found[key])
     assert found["train.micro_batch_size"]["min"] == 0 and found["train.micro_batch_size"]["exclusive_min"] is True
     # What stays a YAML box holds lists or mappings.
