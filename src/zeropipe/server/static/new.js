@@ -516,9 +516,10 @@
     previewBox.replaceChildren(
       el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
       el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      skipped, // first: the records that would be lost are what a preview is most often for
+      el("h3", {}, `The first ${examples.length} examples`),
       el("div", { class: "legend small" }, el("span", { class: "prompt" }, "prompt: no loss"), " ", el("span", { class: "learned" }, "learned")),
-      ...examples,
-      skipped
+      ...examples
     );
   }
 
