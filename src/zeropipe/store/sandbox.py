@@ -54,6 +54,13 @@ class Roots:
         self.data = [self.absolute(p) for p in self.data]
 
     def absolute(self, path: str | Path) -> Path:
+        """``path`` made absolute (relative to ``base``) and resolved.
+
+        Raises:
+            OutsideRoots: a NUL character in it (no file has one; the OS refuses it).
+        """
+        if "\x00" in str(path):
+            raise OutsideRoots(f"{str(path)!r} contains a NUL character: no file is named that way")
         path = Path(path).expanduser()
         return (path if path.is_absolute() else self.base / path).resolve()
 
@@ -158,7 +165,7 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
         problems += check_name(run.get("name"))
     output_dir = run.get("output_dir")
     if output_dir is not None:
-        if not isinstance(output_dir, str) or roots.absolute(output_dir) not in roots.runs:
+        if not isinstance(output_dir, str) or "\x00" in output_dir or roots.absolute(output_dir) not in roots.runs:
             shown = ", ".join(str(r) for r in roots.runs)
             problems.append(("run.output_dir", f"the UI writes runs into its runs folder ({shown}), not {output_dir!r}: remove the key or set it to that folder"))
     allowed = roots.readable()
@@ -171,7 +178,7 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
             continue
         try:
             resolved = roots.absolute(found.value)
-        except (OSError, RuntimeError, ValueError):
+        except (OutsideRoots, OSError, RuntimeError, ValueError):
             resolved = None
         if resolved is None or not any(is_inside(resolved, root) for root in allowed):
             problems.append((found.key, f"{found.value} is outside the folders this UI may read and write ({shown}): "
@@ -245,8 +252,14 @@ def absolutize(raw: dict[str, Any], roots: Roots) -> dict[str, Any]:
     """The same config with every typed path made absolute, so the launcher's working directory does not matter."""
     out = copy.deepcopy(raw)
     run = out.setdefault("run", {})
-    run["output_dir"] = str(roots.absolute(run.get("output_dir") or roots.primary_runs))
+    if isinstance(run, dict):  # anything else is reported by the validation
+        output_dir = run.get("output_dir")
+        clean = isinstance(output_dir, str) and output_dir and "\x00" not in output_dir
+        run["output_dir"] = str(roots.absolute(output_dir) if clean else roots.primary_runs)
     for found in config_paths(out):
         if found.typed:
-            found.holder[found.slot] = str(roots.absolute(found.value))
+            try:
+                found.holder[found.slot] = str(roots.absolute(found.value))
+            except (OutsideRoots, OSError, RuntimeError, ValueError):
+                pass  # left as it is: config_path_problems reports it
     return out

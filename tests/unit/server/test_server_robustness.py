@@ -219,3 +219,29 @@ def test_an_unknown_run_page_is_a_page_not_json(client):
     assert "no run 999" in response.text and 'href="/"' in response.text
     api = client.get("/api/runs/999", headers={"Accept": "text/html"})
     assert api.status_code == 404 and api.headers["content-type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"run": {"name": "x"}, "data": {"path": "data/\x00"}},
+        {"run": {"name": "x", "output_dir": "runs\x00"}},
+        {"run": {"name": "x", "output_dir": 5}},
+        {"run": {"name": "x", "output_dir": ["a"]}},
+        {"run": 5},
+        {"run": {"name": "x"}, "deepspeed": {"overrides": {"csv_monitor": {"output_path": "\x00"}}}},
+    ],
+)
+def test_odd_paths_in_a_config_are_problems_not_errors(client, caplog, config):
+    for path in ("/api/config/check", "/api/data/preview", "/api/runs"):
+        response = client.post(path, json={"config": config})
+        assert response.status_code in (200, 400, 403, 409, 422), (path, response.status_code, response.text)
+        assert "internal error" not in response.text
+    assert "Traceback" not in caplog.text
+
+
+def test_a_nul_in_the_data_file_to_evaluate_on_is_refused(client, store):
+    write_run(store.roots.primary_runs, "done", steps=12)
+    store.refresh()
+    response = client.post(f"/api/runs/{store.run('done')['id']}/eval", json={"data": "data/\x00x"})
+    assert response.status_code == 403 and "NUL" in response.json()["detail"]
