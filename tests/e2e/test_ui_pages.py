@@ -375,3 +375,82 @@ def test_evaluate_a_checkpoint_and_keep_the_result_with_the_run(page, ui, traine
     expect(page.locator("#evaluations tbody tr").first.locator(".eval-loss")).to_have_text(row.locator(".eval-loss").inner_text())
     page.locator("#evaluations-card").scroll_into_view_if_needed()
     screenshot(page, "28-evaluation", full_page=False)
+
+
+VLM_CONFIG = {
+    "run": {"name": "tiny-vlm", "seed": 42},
+    "model": {
+        "config": {
+            "model_type": "llava",
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "image_size": 32,
+                "patch_size": 8,
+                "projection_dim": 32,
+            },
+            "text_config": {
+                "model_type": "llama",
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+            },
+        },
+        "tokenizer_vocab_size": 300,
+    },
+    "data": {"synthetic": {"task": "shapes", "examples": 64}, "max_seq_len": 64},
+    "train": {"max_steps": 4, "micro_batch_size": 4, "lr": 0.002},
+    "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+    "hardware": {"gpus": 2},
+    "generate": {"max_new_tokens": 8},
+}
+
+
+def test_ask_a_vision_language_run_about_an_image(page, ui):
+    """A tiny LLaVA-style run (4 steps, about 30 s) answers about a picture from its held-out data, as `zeropipe generate --image` does."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config = json_copy(VLM_CONFIG)
+    config["run"]["output_dir"] = str(ui.runs)
+    (ui.workdir / "vlm.yaml").write_text(yaml.safe_dump(config))
+    env = dict(os.environ)
+    env.pop("DS_ACCELERATOR", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "zeropipe", "train", str(ui.workdir / "vlm.yaml")],
+        cwd=ui.workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    image = ui.runs / "tiny-vlm" / "data" / "heldout" / "1_shapes" / "00000.png"
+    assert image.is_file()
+    page.goto(ui.url + "/generate")
+    page.wait_for_selector("#gen-run option:has-text('tiny-vlm')", state="attached", timeout=30_000)
+    page.select_option("#gen-run", label=next(o for o in page.locator("#gen-run option").all_inner_texts() if o.startswith("tiny-vlm")))
+    expect(page.locator("#gen-source")).to_have_value("checkpoint:step_00000004")
+    page.fill("#gen-prompt", "Describe the image.")
+    page.fill("#gen-image", str(image))
+    page.click("#gen-send")
+    entry = page.locator("#gen-answers .answer").first
+    expect(entry).to_have_attribute("data-state", "done", timeout=180_000)
+    expect(entry.locator(".answer-prompt")).to_contain_text("00000.png")
+    shown = entry.locator(".answer-text").inner_text().strip()
+    cli = subprocess.run([sys.executable, "-m", "zeropipe", "generate", str(ui.runs / "tiny-vlm"), "--prompt", "Describe the image.", "--image", str(image), "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout)["generations"][0]["output"] == shown
+    # An image outside the runs and data folders is refused with the reason.
+    page.fill("#gen-image", "/etc/hostname")
+    page.click("#gen-send")
+    expect(page.locator("#gen-answers .answer").first).to_contain_text("outside the folders this UI may read")

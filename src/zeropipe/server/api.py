@@ -283,6 +283,7 @@ class GenerateRequest(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(0, ge=0, le=2**31)
     raw: bool = Field(False, description="continue the prompt text as it is (models trained on plain text)")
+    image: str | None = Field(None, max_length=1000, description="vision-language models: an image file inside the runs or data folders")
 
 
 @router.post("/generate", summary="Answer a prompt with a run's checkpoint or export; server-sent events: source, token..., done (or error)")
@@ -295,7 +296,8 @@ def generate_answer(request: Request, body: GenerateRequest):
         source = store.own_run_dir(run)
         checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
     settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": body.raw}
-    stream = request.app.state.generator.stream(source, checkpoint, body.prompt, settings)
+    image = store.readable_file(body.image) if body.image else None
+    stream = request.app.state.generator.stream(source, checkpoint, body.prompt, settings, image)
     return events.streaming(iterate_in_threadpool(stream))
 
 

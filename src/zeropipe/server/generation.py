@@ -35,8 +35,12 @@ class Generator:
             self.key = key
         return self.loaded
 
-    def stream(self, path: Path, checkpoint: str | None, prompt: str, settings: dict[str, Any]) -> Iterator[str]:
-        """Server-sent events: ``source`` (what answers), ``token`` (text as it comes), then ``done`` or ``error``."""
+    def stream(self, path: Path, checkpoint: str | None, prompt: str, settings: dict[str, Any], image: Path | None = None) -> Iterator[str]:
+        """Server-sent events: ``source`` (what answers), ``token`` (text as it comes), then ``done`` or ``error``.
+
+        Args:
+            image: vision-language models: the picture the prompt asks about (already confined by the caller).
+        """
         from zeropipe.export.generate import generate
 
         started = time.monotonic()
@@ -50,13 +54,27 @@ class Generator:
                 yield sse("error", {"detail": str(err)})
                 return
             yield sse("source", {"source": loaded.source.describe(), "device": loaded.device.type, "family": loaded.source.family})
-            if loaded.source.family != "causal_lm":
+            family = loaded.source.family
+            if family == "diffusion":
                 yield sse(
                     "error",
                     {
-                        "detail": f"this page answers with language models; {loaded.source.describe()} is a {loaded.source.family} model: use zeropipe generate --image for vision-language models"
+                        "detail": f"{loaded.source.describe()} is a diffusion model: its pictures are in the run's sample gallery (generate.sample_every)"
                     },
                 )
+                return
+            if image is not None and family != "vlm":
+                yield sse("error", {"detail": f"an image needs a vision-language model; {loaded.source.describe()} reads text only: clear the image"})
+                return
+            if family == "vlm":
+                # The vision-language backend answers whole (it takes no streamer): one piece, then done.
+                try:
+                    result = generate(loaded, [prompt], images=[str(image)] if image is not None else None, **settings)[0]
+                except ZeroPipeError as err:
+                    yield sse("error", {"detail": str(err)})
+                    return
+                yield sse("token", {"text": result.output})
+                yield sse("done", {"output": result.output, "seconds": round(time.monotonic() - started, 2)})
                 return
             streamer = TokenStreamer(loaded.tokenizer)
             outcome: dict[str, Any] = {}

@@ -507,6 +507,20 @@ class RunStore:
         launch_id = self.start(run["id"], "export", argv, exports / f"{name}.log", out_path=str(out), detail={"checkpoint": info.tag, "merge": merge, "dtype": dtype, "name": name})
         return next(e for e in self.exports(run) if e["id"] == launch_id)
 
+    def readable_file(self, name: str) -> Path:
+        """A file the UI may read (inside the runs or data folders), resolved.
+
+        Raises:
+            OutsideRoots: it lies elsewhere (or names no file at all).
+            ActionRefused: it does not exist.
+        """
+        resolved = self.roots.absolute(name)
+        if not any(is_inside(resolved, root) for root in self.roots.readable()):
+            raise OutsideRoots(f"{name} is outside the folders this UI may read ({', '.join(map(str, self.roots.readable()))})")
+        if not resolved.is_file():
+            raise ActionRefused(f"{name} is not a file: give a file inside {', '.join(map(str, self.roots.readable()))}")
+        return resolved
+
     # ============================================================ evaluation
     def evaluate(self, ref: int | str, checkpoint: str | None = None, data: str | None = None) -> dict[str, Any]:
         """Start ``zeropipe eval`` on a checkpoint; its result is kept in RUN/evals/ID.json.
@@ -522,12 +536,7 @@ class RunStore:
         info = self.checkpoint_for(run, checkpoint)
         argv = ["eval", info.path.parent.parent, "--checkpoint", info.tag, "--json"]
         if data:
-            resolved = self.roots.absolute(data)
-            if not any(is_inside(resolved, root) for root in self.roots.readable()):
-                raise OutsideRoots(f"{data} is outside the folders this UI may read ({', '.join(map(str, self.roots.readable()))})")
-            if not resolved.exists():
-                raise ActionRefused(f"{data} does not exist: give a data file inside {', '.join(map(str, self.roots.data))}")
-            argv += ["--data", resolved]
+            argv += ["--data", self.readable_file(data)]
         elif not self.has_held_out(run):
             raise ActionRefused(f"run {run['name']} has no held-out data (it trained without data.eval_fraction or data.eval_path): give a data file to evaluate on")
         if self.open_launch(run["id"], ("eval",)):

@@ -42,3 +42,11 @@ def test_generating_is_a_post_from_this_ui(client):
     assert client.get("/api/generate").status_code == 405
     response = client.post("/api/generate", json={"run_id": 1, "prompt": "hi"}, headers={"Origin": "http://evil.example"})
     assert response.status_code == 403
+
+
+@pytest.mark.parametrize(
+    "image, status, words", [("/etc/hostname", 403, "outside the folders"), ("runs/none.png", 409, "is not a file"), ("x\x00.png", 403, "NUL")]
+)
+def test_an_image_must_be_a_file_in_the_folders(client, image, status, words):
+    response = client.post("/api/generate", json={"run_id": 1, "prompt": "hi", "image": image})
+    assert response.status_code == status and words in response.json()["detail"], response.text

@@ -141,7 +141,7 @@ def test_evaluation_refusals_say_why(client, store, tmp_path):
     response = client.post(f"/api/runs/{run['id']}/eval", json={"data": "/etc/passwd"})
     assert response.status_code == 403 and "outside the folders" in response.json()["detail"]
     response = client.post(f"/api/runs/{run['id']}/eval", json={"data": "data/missing.jsonl"})
-    assert response.status_code == 409 and "does not exist" in response.json()["detail"]
+    assert response.status_code == 409 and "is not a file" in response.json()["detail"]
     response = client.post(f"/api/runs/{run['id']}/eval", json={"checkpoint": "step_00000099", "data": "data/x.jsonl"})
     assert response.status_code == 409 and "no complete checkpoint step_00000099" in response.json()["detail"]
     assert store.db.launches() == []

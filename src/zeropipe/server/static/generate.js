@@ -69,12 +69,13 @@
       top_p: numberOf("gen-top-p") ?? 1,
       seed: numberOf("gen-seed") ?? 0,
       raw: document.getElementById("gen-raw").checked,
+      image: document.getElementById("gen-image").value.trim() || null,
       ...(kind === "export" ? { export: name } : { checkpoint: name }),
     };
     ZP.message(document.getElementById("gen-message"), "");
     const output = el("pre", { class: "answer-text" });
     const meta = el("div", { class: "small muted" }, "loading the model…");
-    const entry = el("div", { class: "answer", dataset: { state: "running" } }, el("div", { class: "answer-prompt" }, el("b", {}, "> "), prompt), output, meta);
+    const entry = el("div", { class: "answer", dataset: { state: "running" } }, el("div", { class: "answer-prompt" }, el("b", {}, "> "), prompt, body.image ? el("span", { class: "small" }, `  [${body.image}]`) : ""), output, meta);
     answers.prepend(entry);
     send.disabled = true;
     status.textContent = "generating…";
