@@ -1,4 +1,4 @@
-"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T]``: the web UI.
+"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T] [--allow-remote-code]``: the web UI.
 
 Serves the runs under the runs folder (and any run started from the command line into it),
 a form to set up and launch new ones, live charts, logs, stop / resume / export, and the
@@ -22,7 +22,33 @@ def register(commands) -> None:
     parser.add_argument("--data-dir", action="append", default=None, metavar="DIR", help="folder the UI's configs may read data and models from (default: the current directory); repeatable")
     parser.add_argument("--db", default=os.environ.get("ZEROPIPE_DB"), metavar="PATH", help="run database (SQLite; default RUNS_DIR/.zeropipe/runs.sqlite3, or $ZEROPIPE_DB)")
     parser.add_argument("--token", default=os.environ.get("ZEROPIPE_UI_TOKEN"), help="token every request must carry (default: none on loopback, generated otherwise; or $ZEROPIPE_UI_TOKEN)")
+    parser.add_argument(
+        "--allow-remote-code", action="store_true",
+        help="accept trust_remote_code in configs submitted through the UI (it runs Python code from a model's folder: only for a UI nobody else can reach)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
+
+
+def shown_hosts(host: str) -> list[str]:
+    """The addresses to print for a bind address: a wildcard (0.0.0.0, ::) is this machine's addresses, loopback last."""
+    if host not in ("0.0.0.0", "::", ""):
+        return [host]
+    import ipaddress
+    import socket
+
+    import psutil
+
+    families = (socket.AF_INET, socket.AF_INET6) if host == "::" else (socket.AF_INET,)
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family not in families:
+                continue
+            ip = ipaddress.ip_address(address.address.split("%")[0])
+            if not ip.is_link_local and not ip.is_unspecified:
+                found.append(ip)
+    found = sorted(set(found), key=lambda ip: (ip.is_loopback, ip.version, int(ip)))
+    return [str(ip) for ip in found] or [socket.gethostname()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.store import Roots, RunStore
 
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
-    store = RunStore(roots, args.db)
+    store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code)
     token = args.token
     if token is None and not is_loopback(args.host):
         token = new_token()
@@ -52,14 +78,23 @@ def run(args: argparse.Namespace) -> int:
 
         raise ZeroPipeError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose another --port") from None
     port = sock.getsockname()[1]
-    shown_host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{shown_host}:{port}/" + (f"?token={token}" if token else "")
-    print(f"zeropipe ui: {url}", flush=True)
+    urls = [f"http://{f'[{host}]' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "") for host in shown_hosts(args.host)]
+    print(f"zeropipe ui: {urls[0]}", flush=True)
+    if len(urls) > 1:
+        print(f"  also at: {'  '.join(urls[1:])}", file=sys.stderr, flush=True)
     print(f"  runs: {', '.join(map(str, roots.runs))}  data: {', '.join(map(str, roots.data))}  database: {store.db_path}", file=sys.stderr, flush=True)
+    if args.allow_remote_code:
+        print("  --allow-remote-code: configs sent from the UI may set trust_remote_code (Python code from model folders runs here)", file=sys.stderr, flush=True)
     if token and not args.token:
         print("  a token was generated because the server is reachable from other machines: keep the URL private", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.stopping.set()  # open event streams end now instead of holding the shutdown
+            super().handle_exit(sig, frame)
+
+    # timeout_graceful_shutdown: whatever request still runs 5 s after Ctrl-C is cancelled.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    server = Server(config)
     try:
         server.run(sockets=[sock])
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +56,26 @@ def load_saved_config(path: str | Path) -> RunConfig:
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError([("", f"config file {path} does not exist: check the path")], source=str(path))
+    return parse_yaml(path.read_text(), str(path))
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """A run config's sections from YAML text (a file's, or one submitted to the UI).
+
+    Raises:
+        ConfigError: not YAML (with the line and column), or not a mapping of sections.
+    """
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=str(path)) from None
+        raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=source) from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError([("", f"the top level must be a mapping of sections (model:, data:, train:, ...), not {type(raw).__name__}")], source=str(path))
+        raise ConfigError([("", f"the top level must be a mapping of sections (model:, data:, train:, ...), not {type(raw).__name__}")], source=source)
     return raw
 
 
@@ -116,7 +126,7 @@ def validate_config(raw: dict[str, Any], source: str | None = None, extra_proble
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as err:
-        problems += [describe_error(error) for error in err.errors()]
+        problems += describe_errors(err.errors())
     if raw.get("stages") is not None:
         # Every stage is validated as the config it will run with; problems are prefixed stages[N].
         problems = curriculum_problems(raw, problems)
@@ -162,9 +172,38 @@ ALIASES = {
 }
 
 
+UNION_MEMBER = re.compile(r"^(literal\[|function-|union\[|constrained-|int$|str$|float$|bool$|list\[str\]$|dict\[str,any\]$)")
+
+
+def describe_errors(errors: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One problem per key: a value that fits no member of a union (4 or 'auto') names every accepted form once."""
+    members: dict[str, list[dict[str, Any]]] = {}
+    order: list[tuple[str, str] | str] = []
+    for error in errors:
+        key, message = describe_error(error)
+        if error["loc"] and UNION_MEMBER.match(str(error["loc"][-1])):
+            if key not in members:
+                order.append(key)
+            members.setdefault(key, []).append(error)
+        else:
+            order.append((key, message))
+    out = []
+    for item in order:
+        if isinstance(item, tuple):
+            out.append(item)
+            continue
+        failed = members[item]
+        if len(failed) == 1:
+            out.append(describe_error(failed[0]))
+            continue
+        wanted = dict.fromkeys(e["msg"].removeprefix("Input should be ").removeprefix("Input should ").split(", unable")[0] for e in failed)
+        out.append((item, f"must be {', or '.join(wanted)} (you gave {failed[0].get('input')!r})"))
+    return out
+
+
 def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into (dotted key, message with the fix)."""
-    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union["))]
+    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union[", "constrained-"))]
     # pydantic appends the failing union member's type to the location; drop those parts.
     loc = [part for part in loc if part not in {"int", "str", "list[str]", "dict[str,any]", "float", "bool"}]
     key = dotted_key(loc)

@@ -280,13 +280,23 @@ def check_sampling(prompts: list[str], temperature: float, top_p: float) -> None
 
 
 def generate_text(
-    loaded: LoadedModel, prompts: list[str], images: list[str | None], tokens: int, temperature: float, top_p: float, seed: int, raw: bool
+    loaded: LoadedModel,
+    prompts: list[str],
+    images: list[str | None],
+    tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    raw: bool,
+    streamer: Any = None,
 ) -> list[Generation]:
     """A causal language model's answers; greedy unless ``temperature`` > 0.
 
     Args:
         raw: continue the prompt text as it is instead of rendering it as a user turn
             (for models trained on plain text).
+        streamer: a transformers streamer (``TextIteratorStreamer``) given each answer's tokens
+            as they are made (the web UI streams them to the page).
 
     Raises:
         ZeroPipeError: images given to a text-only model.
@@ -309,6 +319,7 @@ def generate_text(
                 max_new_tokens=tokens,
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
+                streamer=streamer,
                 **sampling,
             )
             text = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)

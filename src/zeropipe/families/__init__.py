@@ -17,7 +17,7 @@ import importlib
 import os
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.export.generate import check_sampling, pair_images, pick_device, pick_dtype
@@ -169,12 +169,14 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     raw: bool = False,
+    streamer: Any = None,
 ) -> list["Generation"]:
     """Answer each prompt; greedy unless ``temperature`` > 0.
 
     Args:
         images: vision-language models: one image for every prompt, or one per prompt.
         raw: continue the prompt text as it is instead of rendering it as a user turn.
+        streamer: text models: a transformers streamer given each answer's tokens as they are made.
 
     Raises:
         ZeroPipeError: images for a text-only model, or bad sampling settings.
@@ -183,7 +185,7 @@ def generate(
     check_sampling(prompts, temperature, top_p)
     tokens = max_new_tokens or loaded.default_max_new_tokens
     family = family_named(loaded.source.family)
-    return family.generate(loaded, prompts, pair_images(prompts, images), tokens, temperature, top_p, seed, raw)
+    return family.generate(loaded, prompts, pair_images(prompts, images), tokens, temperature, top_p, seed, raw, streamer)
 
 
 __all__ = [

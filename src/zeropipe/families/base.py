@@ -29,6 +29,9 @@ class Family(Protocol):
 
     name: str  # written into config.yaml as model.family
     trains_tokenizer: bool  # a model without a tokenizer gets one trained on the data (curricula train one for all stages)
+    answers_prompts: bool  # zeropipe generate and the UI's Generate page write its answers
+    takes_images: bool  # a prompt may come with an image
+    streams_answers: bool  # generate() passes answers token by token to a streamer
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""
@@ -61,9 +64,18 @@ class Family(Protocol):
         """The model of a run, export or adapter, ready for :meth:`generate`."""
 
     def generate(
-        self, loaded: "LoadedModel", prompts: list[str], images: list[str | None], tokens: int, temperature: float, top_p: float, seed: int, raw: bool
+        self,
+        loaded: "LoadedModel",
+        prompts: list[str],
+        images: list[str | None],
+        tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        raw: bool,
+        streamer: Any = None,
     ) -> list["Generation"]:
-        """Answers to prompts (with an image each, for families that take them)."""
+        """Answers to prompts (with an image each, for families that take them); ``streamer`` gets tokens as they come, where the family streams."""
 
 
 def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:

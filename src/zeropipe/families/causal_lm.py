@@ -28,6 +28,9 @@ from zeropipe.rundir import PreparedData, RunDir
 class CausalLM:
     name = "causal_lm"
     trains_tokenizer = True
+    answers_prompts = True
+    takes_images = False
+    streams_answers = True
 
     def detect(self, section: ModelSection) -> bool:
         return True  # what no other family claims
@@ -95,8 +98,8 @@ class CausalLM:
     def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
         return text_generation.load_causal_lm(source, device, dtype)
 
-    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
-        return text_generation.generate_text(loaded, prompts, images, tokens, temperature, top_p, seed, raw)
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
+        return text_generation.generate_text(loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer)
 
 
 FAMILY = CausalLM()

@@ -29,6 +29,9 @@ from zeropipe.rundir import PreparedData, RunDir
 class Diffusion:
     name = "diffusion"
     trains_tokenizer = False
+    answers_prompts = False
+    takes_images = False
+    streams_answers = False
 
     def detect(self, section: ModelSection) -> bool:
         if section.path:
@@ -89,7 +92,7 @@ class Diffusion:
             "generate.prompts into RUN/samples/ during training (generate.sample_every)"
         )
 
-    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
         raise ZeroPipeError("zeropipe generate writes text; diffusion runs draw samples during training (generate.sample_every)")
 
 

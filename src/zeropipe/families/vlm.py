@@ -45,6 +45,9 @@ from zeropipe.rundir import PreparedData, RunDir
 class VisionLanguage:
     name = "vlm"
     trains_tokenizer = False
+    answers_prompts = True
+    takes_images = True
+    streams_answers = False
 
     def detect(self, section: ModelSection) -> bool:
         config = read_model_config_json(section)
@@ -84,7 +87,7 @@ class VisionLanguage:
     def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
         return vlm_generate.load_for_generation(source, device, dtype)
 
-    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
         return vlm_generate.generate_with_images(loaded, prompts, images, tokens, temperature, top_p, seed)
 
 

@@ -8,14 +8,15 @@ from typing import Any, Literal
 
 import yaml
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import iterate_in_threadpool
 
 from zeropipe.errors import ConfigError
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
 from zeropipe.store import RunStore, parse_yaml_text
-from zeropipe.store.index import read_json
+from zeropipe.store.archive import tar_size, tar_stream
 
 router = APIRouter(prefix="/api")
 
@@ -81,17 +82,18 @@ async def runs_stream(request: Request, max_seconds: float = Query(300, ge=0.1, 
 def run_detail(request: Request, run_id: int = RunId):
     store = store_of(request)
     run = store.run(run_id)
-    run_dir = store.run_dir(run)
     return {
         "run": run,
-        "status": read_json(run_dir.status_file),
-        "plan": read_json(run_dir.plan_file),
-        "summary": read_json(run_dir.summary),
+        "status": store.read_run_json(run, "status.json"),
+        "plan": store.read_run_json(run, "run.json"),
+        "summary": store.read_run_json(run, "summary.json"),
         "logs": store.log_names(run),
         "checkpoints": store.checkpoints(run),
         "exports": store.exports(run),
+        "evaluations": store.evaluations(run),
+        "held_out": store.has_held_out(run),
         "generations": store.generations(run),
-        "tensorboard": (run_dir.path / "tensorboard").is_dir(),
+        "tensorboard": bool(store.own_or_none(run, "tensorboard")) and (FilePath(run["path"]) / "tensorboard").is_dir(),
     }
 
 
@@ -111,7 +113,7 @@ def run_metrics(
 def expand_keys(store: RunStore, run: dict, keys: str | None) -> list[str] | None:
     if not keys:
         return None
-    available = store.series.get(FilePath(run["path"]) / "metrics.jsonl").keys()
+    available = store.series.get(store.metrics_file(run)).keys()
     out = []
     for key in keys.split(","):
         key = key.strip()
@@ -174,6 +176,44 @@ def export_run(request: Request, body: ExportRequest, run_id: int = RunId):
     return {"export": store_of(request).export(run_id, body.checkpoint, body.name, body.merge, body.dtype)}
 
 
+class DeleteRequest(Strict):
+    confirm: str = Field(..., max_length=100, description="the run's name: a delete must name what it deletes")
+
+
+class RenameRequest(Strict):
+    name: str = Field(..., max_length=100, description="the new name (letters, digits, '.', '_', '-'); the folder is renamed too")
+
+
+@router.delete("/runs/{run_id}", summary="Delete a run that has ended, with its checkpoints, exports and logs")
+def delete_run(request: Request, body: DeleteRequest, run_id: int = RunId):
+    return store_of(request).delete(run_id, body.confirm)
+
+
+@router.post("/runs/{run_id}/rename", summary="Rename a run that has ended (its folder and its config.yaml's run.name)")
+def rename_run(request: Request, body: RenameRequest, run_id: int = RunId):
+    return {"run": store_of(request).rename(run_id, body.name)}
+
+
+@router.get("/runs/{run_id}/exports/{name}/archive", summary="Download a finished export as a .tar archive", response_class=StreamingResponse)
+def export_archive(request: Request, run_id: int = RunId, name: str = Path(max_length=100)):
+    store = store_of(request)
+    run = store.run(run_id)
+    folder = store.export_folder(run_id, name)
+    top = f"{run['name']}-{name}"
+    headers = {"Content-Disposition": f'attachment; filename="{top}.tar"', "Content-Length": str(tar_size(folder, top))}
+    return StreamingResponse(iterate_in_threadpool(tar_stream(folder, top)), media_type="application/x-tar", headers=headers)
+
+
+class EvalRequest(Strict):
+    checkpoint: str | None = Field(None, max_length=64, description="checkpoint tag; default: the latest complete one")
+    data: str | None = Field(None, max_length=1000, description="a data file inside the data folders; default: the run's held-out data")
+
+
+@router.post("/runs/{run_id}/eval", status_code=202, summary="Start `zeropipe eval` on a checkpoint: eval loss and perplexity, kept with the run")
+def evaluate_run(request: Request, body: EvalRequest, run_id: int = RunId):
+    return {"evaluation": store_of(request).evaluate(run_id, body.checkpoint, body.data)}
+
+
 @router.get("/compare", summary="Loss (or another metric) of several runs, each downsampled")
 def compare(
     request: Request,
@@ -184,7 +224,7 @@ def compare(
     store = store_of(request)
     out = []
     for run_id in dict.fromkeys(int(i) for i in ids.split(",")):
-        run = store.run(run_id)
+        run = store.run(run_id)  # an id past any run's (even past SQLite's range) is "no run", a 404
         data = store.metrics(run, [key], width)
         out.append({"id": run["id"], "name": run["name"], "state": run["state"], "step": data["step"], "values": data["series"].get(key, [])})
     return {"key": key, "runs": out}
@@ -220,11 +260,95 @@ def config_check(request: Request, body: ConfigSubmission):
     return checking.check_submission(store_of(request), raw)
 
 
-# ------------------------------------------------------------ environment
-@router.get("/doctor", summary="The `zeropipe doctor` report of this machine")
-def doctor(request: Request, refresh: bool = Query(False), trial_build: bool = Query(False, description="also build DeepSpeed's CPU Adam (about a minute the first time)")):
+class PreviewRequest(ConfigSubmission):
+    limit: int = Field(20, ge=1, le=200, description="examples shown")
+
+
+@router.post("/data/preview", summary="The first records of a config's data as the trainer will see them, and the records it would skip")
+def data_preview(request: Request, body: PreviewRequest):
+    from zeropipe.server.preview import preview
+
+    config, _ = store_of(request).validate(body.raw())  # every path confined, as for a launch
+    return preview(config, body.limit)
+
+
+# --------------------------------------------------------------- generate
+class GenerateRequest(Strict):
+    run_id: int = Field(..., ge=1, le=2**53, description="the run whose model answers")
+    checkpoint: str | None = Field(None, max_length=64, description="a complete checkpoint of the run (default: the latest)")
+    export: str | None = Field(None, max_length=100, description="a finished export of the run instead of a checkpoint (its folder name)")
+    prompt: str = Field(..., min_length=1, max_length=8000, description="rendered as a user turn with the training template (unless raw)")
+    max_new_tokens: int | None = Field(None, ge=1, le=1024, description="default: the run's generate.max_new_tokens")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, ge=0, le=2**31)
+    raw: bool = Field(False, description="continue the prompt text as it is (models trained on plain text)")
+    image: str | None = Field(None, max_length=1000, description="vision-language models: an image file inside the runs or data folders")
+
+
+@router.post("/generate", summary="Answer a prompt with a run's checkpoint or export; server-sent events: source, token..., done (or error)")
+def generate_answer(request: Request, body: GenerateRequest):
     store = store_of(request)
-    return checking.doctor_report(str(store.roots.primary_runs), trial_build=trial_build, max_age_seconds=0 if refresh else 120)
+    run = store.run(body.run_id)
+    if body.export is not None:
+        source, checkpoint = store.export_folder(run["id"], body.export), None
+    else:
+        source = store.own_run_dir(run)
+        checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
+    settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": body.raw}
+    image = store.readable_file(body.image) if body.image else None
+    stream = request.app.state.generator.stream(source, checkpoint, body.prompt, settings, image)
+    return events.streaming(iterate_in_threadpool(stream))
+
+
+# ---------------------------------------------------------------- presets
+PresetKind = Path(pattern="^(example|saved|run)$", description="example (shipped), saved (by you) or run (a past run's config; name: its id)")
+PresetName = Path(max_length=100, description="the example's or preset's name, or the run's id")
+
+
+class PresetSubmission(Strict):
+    name: str = Field(..., max_length=100, description="the preset's name (letters, digits, '.', '_', '-')")
+    yaml: str = Field(..., max_length=MAX_YAML, description="the config as YAML text (need not be complete)")
+    overwrite: bool = Field(False, description="replace a saved preset of that name")
+
+
+@router.get("/presets", summary="Configs to start a new run from: the shipped examples, saved presets and past runs")
+def list_presets(request: Request):
+    return {"presets": store_of(request).presets.list()}
+
+
+@router.get("/presets/{kind}/{name}", summary="A preset as YAML ready to edit: a fresh run name, no output_dir, a past run's defaults left out")
+def load_preset(request: Request, kind: str = PresetKind, name: str = PresetName):
+    return store_of(request).presets.load(kind, name)
+
+
+@router.post("/presets", status_code=201, summary="Save a config as a preset")
+def save_preset(request: Request, body: PresetSubmission):
+    return {"preset": store_of(request).presets.save(body.name, body.yaml, body.overwrite)}
+
+
+@router.delete("/presets/saved/{name}", summary="Delete a saved preset")
+def delete_preset(request: Request, name: str = PresetName):
+    store_of(request).presets.delete(name)
+    return {"deleted": name}
+
+
+# ------------------------------------------------------------ environment
+@router.get("/doctor", summary="The `zeropipe doctor` report of this machine (the last one; checked once if there is none)")
+def doctor(request: Request):
+    store = store_of(request)
+    # Reading never builds anything: the CPU Adam trial build is a POST (below), which only this UI's own pages can send.
+    return checking.doctor_report(str(store.roots.primary_runs), trial_build=False, max_age_seconds=float("inf"))
+
+
+class DoctorRequest(Strict):
+    trial_build: bool = Field(False, description="also build DeepSpeed's CPU Adam in a child process (about a minute the first time)")
+
+
+@router.post("/doctor/check", summary="Examine this machine again (optionally with the CPU Adam trial build) and return the report")
+def doctor_check(request: Request, body: DoctorRequest):
+    store = store_of(request)
+    return checking.doctor_report(str(store.roots.primary_runs), trial_build=body.trial_build, max_age_seconds=0)
 
 
 @router.get("/health", summary="Liveness, version and the folders this server uses")

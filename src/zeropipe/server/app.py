@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zeropipe import __version__
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.server.security import LOOPBACK_NAMES, Guard
-from zeropipe.store import ActionRefused, OutsideRoots, RunNotFound, RunStore
+from zeropipe.store import ActionRefused, OutsideRoots, PresetNotFound, RunNotFound, RunStore
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -43,7 +44,7 @@ class Refresher:
                 self.store.refresh(scan=tick % 5 == 0)
                 for run in self.store.runs(state="running,starting,stopping"):
                     # Keep live runs' series warm: their pages and streams answer at once.
-                    self.store.series.get(Path(run["path"]) / "metrics.jsonl")
+                    self.store.series.get(self.store.metrics_file(run))
                 self.store.series.save_all()
             except Exception:  # noqa: BLE001 - one bad directory must not stop the refreshing
                 log.exception("refreshing the run store failed")
@@ -77,6 +78,7 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
         try:
             yield
         finally:
+            app.state.stopping.set()
             if refresher:
                 refresher.stop()
             store.series.save_all(force=True)
@@ -86,9 +88,17 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
         version=__version__,
         description="Set up, launch, watch, stop, resume and export DeepSpeed ZeRO training runs.",
         lifespan=lifespan,
+        docs_url=None,  # served below from the package's own copy of Swagger UI: FastAPI's default loads it from a CDN
+        redoc_url=None,
     )
     app.state.store = store
     app.state.version = __version__
+    # Set when the server is asked to stop (Ctrl-C): event streams end at once, so the
+    # server is not left waiting for browser tabs that would hold them open for minutes.
+    app.state.stopping = threading.Event()
+    from zeropipe.server.generation import Generator
+
+    app.state.generator = Generator()
     from zeropipe.server.security import is_loopback
 
     allowed = None
@@ -102,6 +112,17 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     app.include_router(api.router)
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    @app.get("/docs", include_in_schema=False)
+    def api_docs():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title="ZeRO-Pipe API",
+            swagger_js_url=f"/static/vendor/swagger-ui-bundle.js?v={__version__}",
+            swagger_css_url=f"/static/vendor/swagger-ui.css?v={__version__}",
+            swagger_favicon_url="/favicon.ico",
+        )
+
     return app
 
 
@@ -111,12 +132,26 @@ def add_error_handlers(app: FastAPI) -> None:
     def error(status: int, detail: str, **extra) -> JSONResponse:
         return JSONResponse({"detail": detail, **extra}, status_code=status)
 
+    def wants_page(request: Request) -> bool:
+        """A browser opening a page (not the API, not a file): it gets a page, not JSON."""
+        path = request.url.path
+        return request.method == "GET" and not path.startswith(("/api/", "/static/")) and "text/html" in request.headers.get("accept", "")
+
+    def not_found_page(request: Request, detail: str):
+        from zeropipe.server.pages import page
+
+        return page(request, "not_found.html", "Not found", nav="", detail=detail, status_code=404)
+
     @app.exception_handler(ConfigError)
     async def config_error(request: Request, err: ConfigError):
         return error(422, str(err), problems=[{"key": k, "message": m} for k, m in err.problems])
 
     @app.exception_handler(RunNotFound)
     async def not_found(request: Request, err: RunNotFound):
+        return not_found_page(request, str(err)) if wants_page(request) else error(404, str(err))
+
+    @app.exception_handler(PresetNotFound)
+    async def no_preset(request: Request, err: PresetNotFound):
         return error(404, str(err))
 
     @app.exception_handler(OutsideRoots)
@@ -146,7 +181,15 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404 and wants_page(request):
+            return not_found_page(request, f"There is no page {request.url.path}.")
         return error(err.status_code, str(err.detail))
+
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, err: RecursionError):
+        # Only input nested thousands deep gets here (parsers recurse); its traceback is thousands of lines of nothing.
+        log.warning("refused %s %s: the request nests too deeply (RecursionError)", request.method, request.url.path)
+        return error(422, "the request nests too deeply to be read: a run config has a few levels of sections")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, err: Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -26,6 +25,24 @@ MAX_ROWS_PER_EVENT = 5000  # more than this and the page reloads the (downsample
 ENDED = {"completed", "failed", "stopped", "lost"}
 
 
+def open_while(request: Request, deadline: float):
+    """The stream's loop condition: not past its deadline, the server not stopping."""
+    stopping = request.app.state.stopping
+
+    async def still_open() -> bool:
+        return time.monotonic() < deadline and not stopping.is_set() and not await request.is_disconnected()
+
+    return still_open
+
+
+async def pause(request: Request, seconds: float = TICK_SECONDS) -> None:
+    """Sleep between polls, waking early when the server is stopping."""
+    stopping = request.app.state.stopping
+    end = time.monotonic() + seconds
+    while not stopping.is_set() and time.monotonic() < end:
+        await asyncio.sleep(min(0.1, end - time.monotonic()))
+
+
 def sse(event: str, data: Any) -> str:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -37,9 +54,9 @@ def streaming(generator: AsyncIterator[str]) -> StreamingResponse:
 def runs_stream(request: Request, store: RunStore, max_seconds: float) -> StreamingResponse:
     async def generate():
         yield "retry: 2000\n\n"
-        deadline = time.monotonic() + max_seconds
+        still_open = open_while(request, time.monotonic() + max_seconds)
         last, beat = None, time.monotonic()
-        while time.monotonic() < deadline and not await request.is_disconnected():
+        while await still_open():
             runs = await run_in_threadpool(store.runs)
             payload = json.dumps(runs, sort_keys=True)
             if payload != last:
@@ -49,13 +66,13 @@ def runs_stream(request: Request, store: RunStore, max_seconds: float) -> Stream
             elif time.monotonic() - beat > HEARTBEAT_SECONDS:
                 yield ": heartbeat\n\n"
                 beat = time.monotonic()
-            await asyncio.sleep(TICK_SECONDS)
+            await pause(request)
 
     return streaming(generate())
 
 
 def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_step: float, max_seconds: float) -> StreamingResponse:
-    metrics_path = Path(run["path"]) / "metrics.jsonl"
+    metrics_path = store.metrics_file(run)
 
     def poll(last_step: float, eval_version: int):
         current = store.run(run["id"])
@@ -68,10 +85,10 @@ def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_ste
 
     async def generate():
         yield "retry: 2000\n\n"
-        deadline = time.monotonic() + max_seconds
+        still_open = open_while(request, time.monotonic() + max_seconds)
         last_step, last_state, beat = after_step, None, time.monotonic()
         eval_version = -1
-        while time.monotonic() < deadline and not await request.is_disconnected():
+        while await still_open():
             try:
                 current, window, evals, eval_version = await run_in_threadpool(poll, last_step, eval_version)
             except RunNotFound:
@@ -102,6 +119,6 @@ def run_stream(request: Request, store: RunStore, run: dict[str, Any], after_ste
             elif time.monotonic() - beat > HEARTBEAT_SECONDS:
                 yield ": heartbeat\n\n"
                 beat = time.monotonic()
-            await asyncio.sleep(TICK_SECONDS)
+            await pause(request)
 
     return streaming(generate())

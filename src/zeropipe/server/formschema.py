@@ -20,6 +20,19 @@ from zeropipe.config.schema import RunConfig
 
 NONE = type(None)
 
+# The settings a run is set up with, in this order: what to train, on what, how (full, LoRA,
+# QLoRA), how long, on how many GPUs with which ZeRO stage and offload (the plan is beside
+# them). The page shows these first and folds every other field under "Advanced"; this list
+# is the one place the form names fields (a key missing from the schema is skipped).
+ESSENTIALS = [
+    "run.name",
+    "model.path", "model.config",
+    "data.path", "data.synthetic", "data.format", "data.max_seq_len",
+    "model.lora", "model.quantization",
+    "train.max_steps", "train.epochs", "train.micro_batch_size", "train.gradient_accumulation_steps", "train.lr",
+    "hardware.gpus", "deepspeed.zero_stage", "deepspeed.offload_optimizer", "deepspeed.offload_param", "deepspeed.precision",
+]  # fmt: skip
+
 
 def nested_model(annotation) -> type[BaseModel] | None:
     for candidate in (annotation, *typing.get_args(annotation)):
@@ -29,10 +42,26 @@ def nested_model(annotation) -> type[BaseModel] | None:
 
 
 def members(annotation) -> list:
-    """The alternatives of a union (``X | None`` gives [X, None]); [annotation] otherwise."""
+    """The alternatives of a union (``X | None`` gives [X, None]); [annotation] otherwise.
+
+    Constrained types (``PositiveInt`` is ``Annotated[int, Gt(0)]``) count as their base type.
+    """
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return list(typing.get_args(annotation))
-    return [annotation]
+        return [plain(a) for a in typing.get_args(annotation)]
+    return [plain(annotation)]
+
+
+def plain(annotation):
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Annotated else annotation
+
+
+def annotated_metadata(annotation) -> list:
+    """The constraints inside the members of a union (``PositiveInt | 'auto'`` has Gt(0))."""
+    found = []
+    for member in typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else [annotation]:
+        if typing.get_origin(member) is typing.Annotated:
+            found += list(typing.get_args(member)[1:])
+    return found
 
 
 def input_kind(annotation) -> tuple[str, dict[str, Any]]:
@@ -50,7 +79,7 @@ def input_kind(annotation) -> tuple[str, dict[str, Any]]:
             return "float", {}
         if only is str:
             return "text", {}
-    if all(typing.get_origin(a) is typing.Literal or a in (int, float, str) for a in options):
+    if all(typing.get_origin(a) is typing.Literal or a in (int, float, str, bool) for a in options):
         # e.g. gpus: int | "auto": one line, read as YAML so 4 is a number and auto a word.
         choices = [value for a in options if typing.get_origin(a) is typing.Literal for value in typing.get_args(a)]
         return "scalar", {"options": choices}
@@ -59,7 +88,7 @@ def input_kind(annotation) -> tuple[str, dict[str, Any]]:
 
 def bounds(field) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for item in field.metadata:
+    for item in [*field.metadata, *annotated_metadata(field.annotation)]:
         if isinstance(item, annotated_types.Ge):
             out["min"] = item.ge
         elif isinstance(item, annotated_types.Gt):
@@ -104,4 +133,4 @@ def form_schema() -> dict[str, Any]:
             sections.append({"name": name, "help": field.description or "", "fields": [describe_field(name, name, field)]})
             continue
         sections.append({"name": name, "help": field.description or "", "fields": [describe_field(f"{name}.{n}", n, f) for n, f in model.model_fields.items()]})
-    return {"sections": sections}
+    return {"sections": sections, "essentials": ESSENTIALS}

@@ -12,8 +12,8 @@ router = APIRouter(include_in_schema=False)
 templates = Jinja2Templates(directory=FilePath(__file__).parent / "templates")
 
 
-def page(request: Request, template: str, title: str, **context) -> HTMLResponse:
-    return templates.TemplateResponse(request, template, {"title": title, "version": request.app.state.version, **context})
+def page(request: Request, template: str, title: str, status_code: int = 200, **context) -> HTMLResponse:
+    return templates.TemplateResponse(request, template, {"title": title, "version": request.app.state.version, **context}, status_code=status_code)
 
 
 @router.get("/", response_class=HTMLResponse)
@@ -30,6 +30,11 @@ def new_run_page(request: Request):
 def run_page(request: Request, run_id: int = Path(ge=1, le=2**53)):
     request.app.state.store.run(run_id)  # 404 for an unknown run, before drawing a page for it
     return page(request, "run.html", f"Run {run_id}", nav="runs", run_id=run_id)
+
+
+@router.get("/generate", response_class=HTMLResponse)
+def generate_page(request: Request):
+    return page(request, "generate.html", "Generate", nav="generate")
 
 
 @router.get("/compare", response_class=HTMLResponse)

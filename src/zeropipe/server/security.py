@@ -71,14 +71,20 @@ class Guard:
             if verdict != "ok":
                 return await reply(send, 401, "this server needs its token: open the URL zeropipe ui printed (with ?token=...) or send 'Authorization: Bearer TOKEN'")
         method = scope["method"]
+        length = header(scope, b"content-length")
         if method not in SAFE_METHODS:
             origin = header(scope, b"origin")
             if origin is not None and origin.split("://", 1)[-1] != host:
                 return await reply(send, 403, f"cross-origin request from {origin} refused")
+            # Browsers say where a request comes from; another site (even another port of this host) may change nothing.
+            fetch_site = header(scope, b"sec-fetch-site")
+            if fetch_site is not None and fetch_site not in ("same-origin", "none"):
+                return await reply(send, 403, f"request from another site ({fetch_site}) refused")
             content_type = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
-            if content_type != "application/json":
+            # A request without a body (DELETE, a bodiless POST) goes on to the router, which answers 405 for a wrong method.
+            has_body = (length is not None and length != "0") or header(scope, b"transfer-encoding") is not None
+            if has_body and content_type != "application/json":
                 return await reply(send, 415, "send the request body as JSON (Content-Type: application/json)")
-        length = header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
             return await reply(send, 413, f"request body over {MAX_BODY_BYTES // 1024} KiB refused")
         if method in SAFE_METHODS:

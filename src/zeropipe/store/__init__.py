@@ -1,6 +1,7 @@
 """The run store: an embedded SQLite index of run directories, and the actions on runs."""
 
+from zeropipe.store.presets import PresetNotFound
 from zeropipe.store.sandbox import OutsideRoots, Roots
 from zeropipe.store.store import ActionRefused, RunNotFound, RunStore, parse_yaml_text
 
-__all__ = ["ActionRefused", "OutsideRoots", "Roots", "RunNotFound", "RunStore", "parse_yaml_text"]
+__all__ = ["ActionRefused", "OutsideRoots", "PresetNotFound", "Roots", "RunNotFound", "RunStore", "parse_yaml_text"]

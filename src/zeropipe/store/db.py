@@ -143,6 +143,17 @@ class Database:
         with self.lock:
             return [decode(row) for row in self.conn.execute(f"SELECT * FROM runs {where} ORDER BY COALESCE(started_at, created_at) DESC, id DESC")]
 
+    def delete_run(self, run_id: int) -> None:
+        with self.lock:
+            self.conn.execute("BEGIN")
+            try:
+                self.conn.execute("DELETE FROM launches WHERE run_id = ?", (run_id,))
+                self.conn.execute("DELETE FROM runs WHERE id = ?", (run_id,))
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+
     # -------------------------------------------------------------- launches
     def insert_launch(self, **fields: Any) -> int:
         fields = encode(fields)

@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 
 from zeropipe.rundir import RunDir
+from zeropipe.store.sandbox import confined
 
 TERMINAL = {"completed", "failed", "stopped", "lost"}
 PREVIEW_POINTS = 60
@@ -28,12 +29,16 @@ def is_run_dir(path: Path) -> bool:
 
 
 def find_run_dirs(root: Path) -> list[Path]:
-    """Run directories directly under a runs root (the layout ``zeropipe train`` writes)."""
+    """Run directories directly under a runs root (the layout ``zeropipe train`` writes).
+
+    A symlink to a folder elsewhere is no run of this root: what it leads to is not served.
+    """
     try:
         children = [child for child in Path(root).iterdir() if child.is_dir() and not child.name.startswith(".")]
     except OSError:
         return []
-    return sorted(child.resolve() for child in children if is_run_dir(child))
+    inside = (confined(child, root) for child in children if is_run_dir(child))
+    return sorted(path for path in inside if path is not None and path.parent == Path(root).resolve())
 
 
 def process_alive(pid: Any, created_before: float | None = None) -> bool:
@@ -50,11 +55,18 @@ def process_alive(pid: Any, created_before: float | None = None) -> bool:
         return False
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path | None) -> Any:
+    if path is None:
+        return None
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def own_file(run_path: Path, name: str) -> Path | None:
+    """A file of a run directory, or None when it is a symlink leading out of the run."""
+    return confined(Path(run_path) / name, run_path)
 
 
 def parse(line: bytes) -> dict[str, Any] | None:
@@ -65,9 +77,11 @@ def parse(line: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) and isinstance(value.get("step"), (int, float)) else None
 
 
-def metrics_glance(path: Path, points: int = PREVIEW_POINTS) -> dict[str, Any]:
+def metrics_glance(path: Path | None, points: int = PREVIEW_POINTS) -> dict[str, Any]:
     """First and last rows, a few rows spread over the file and the last ~20, without reading it all."""
     try:
+        if path is None:
+            raise FileNotFoundError
         size = path.stat().st_size
     except OSError:
         return {"rows": [], "tail": [], "first": None, "last": None}
@@ -98,10 +112,10 @@ def spread(rows: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
 def read_run(path: Path) -> dict[str, Any]:
     """The runs-table fields a run directory gives (everything but id, origin and the UI's own state)."""
     run = RunDir(path)
-    status = read_json(run.status_file) or {}
-    plan = read_json(run.plan_file) or {}
-    summary = read_json(run.summary) or {}
-    glance = metrics_glance(run.metrics)
+    status = read_json(own_file(path, "status.json")) or {}
+    plan = read_json(own_file(path, "run.json")) or {}
+    summary = read_json(own_file(path, "summary.json")) or {}
+    glance = metrics_glance(own_file(path, "metrics.jsonl"))
     last, first = glance["last"] or {}, glance["first"] or {}
     if last.get("kind") == "eval":  # an evaluation of the last step: the step's own row has its loss
         last = next((row for row in reversed(glance["tail"]) if row.get("kind") is None), last)

@@ -9,6 +9,7 @@ the store's launch records name it, and only while it is still the same process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,13 +22,17 @@ import psutil
 from zeropipe.store.index import process_alive
 
 
-def spawn(argv: list[str], log_path: Path, cwd: Path) -> subprocess.Popen:
+def spawn(argv: list[str], log_path: Path, cwd: Path, stdout_path: Path | None = None) -> subprocess.Popen:
+    """Start ``argv`` detached, its output appended to ``log_path`` (its stdout alone to ``stdout_path`` when given)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "a") as log:
         log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} zeropipe ui started: {' '.join(argv[2:])} ====\n")
         log.flush()
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(cwd), env=env, start_new_session=True)
+        with open(stdout_path, "w") if stdout_path else contextlib.nullcontext(log) as out:
+            return subprocess.Popen(
+                argv, stdout=out, stderr=log if stdout_path else subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(cwd), env=env, start_new_session=True
+            )  # fmt: skip
 
 
 def zeropipe_argv(*args: str | Path) -> list[str]:

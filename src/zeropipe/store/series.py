@@ -285,6 +285,14 @@ class SeriesCache:
             series.update()
         return series
 
+    def forget(self, metrics_path: Path) -> None:
+        """Drop a run's series and its cache file (the run was deleted or moved)."""
+        metrics_path = Path(metrics_path)
+        with self.lock:
+            self.items.pop(metrics_path, None)
+        if self.cache_dir is not None:
+            (self.cache_dir / cache_name(metrics_path)).unlink(missing_ok=True)
+
     def save_all(self, force: bool = False) -> None:
         with self.lock:
             items = list(self.items.values())

@@ -26,7 +26,18 @@ from zeropipe.rundir import RunDir
 from zeropipe.store.db import Database
 from zeropipe.store.index import TERMINAL, eta_seconds, find_run_dirs, is_run_dir, process_alive, read_json, read_run, signature
 from zeropipe.store.processes import spawn, terminate, zeropipe_argv
-from zeropipe.store.sandbox import OutsideRoots, Roots, absolutize, check_name, config_path_problems, resolve_inside
+from zeropipe.store.sandbox import (
+    OutsideRoots,
+    Roots,
+    absolutize,
+    check_name,
+    config_path_problems,
+    confined,
+    is_inside,
+    parse_yaml_text,
+    resolve_inside,
+    too_deep,
+)
 from zeropipe.store.series import SeriesCache
 
 LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher)$")
@@ -42,29 +53,15 @@ class ActionRefused(ZeroPipeError):
     """The action cannot be done in the run's current state; the message says why and what to do."""
 
 
-def parse_yaml_text(text: str, source: str = "the submitted config") -> dict[str, Any]:
-    """A run config from YAML text, with the same messages as a config file.
-
-    Raises:
-        ConfigError: not YAML, or not a mapping of sections.
-    """
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=source) from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError([("", f"the top level must be a mapping of sections (model:, data:, train:, ...), not {type(raw).__name__}")], source=source)
-    return raw
-
-
 class RunStore:
-    def __init__(self, roots: Roots, db_path: str | Path | None = None):
+    RunNotFound = RunNotFound  # for the store's parts (presets) that cannot import this module
+
+    def __init__(self, roots: Roots, db_path: str | Path | None = None, allow_remote_code: bool = False):
+        """Args:
+            allow_remote_code: accept ``trust_remote_code`` in submitted configs (``zeropipe ui --allow-remote-code``).
+        """
         self.roots = roots
+        self.allow_remote_code = allow_remote_code
         for root in roots.runs:
             root.mkdir(parents=True, exist_ok=True)
         self.db_path = Path(db_path).expanduser().resolve() if db_path else roots.primary_runs / ".zeropipe" / "runs.sqlite3"
@@ -73,6 +70,9 @@ class RunStore:
         self.signatures: dict[str, tuple] = {}
         self.children: dict[int, subprocess.Popen] = {}
         self.refresh_lock = threading.RLock()
+        from zeropipe.store.presets import Presets
+
+        self.presets = Presets(self)
 
     def close(self) -> None:
         self.series.save_all(force=True)
@@ -95,6 +95,12 @@ class RunStore:
 
     def refresh_run(self, row: dict[str, Any]) -> None:
         path = Path(row["path"])
+        if self.roots.runs_root_of(path) is None:
+            # Indexed by an older version through a symlink, or replaced by one since: what
+            # lies outside the runs folders is not served.
+            if not row["missing"]:
+                self.db.update_run(row["id"], missing=1)
+            return
         launch = self.last_launch(row["id"], ("train", "resume"))
         mark = (signature(path), launch and (launch["id"], launch["ended_at"]), row["stop_requested_at"])
         if row["state"] in TERMINAL and self.signatures.get(row["path"]) == mark:
@@ -152,7 +158,7 @@ class RunStore:
             RunNotFound: nothing matches (or a name matches several runs).
         """
         row = None
-        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        if (isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit())) and 0 < int(ref) < 2**63:  # SQLite's integer range
             row = self.db.run(int(ref))
         if row is None and isinstance(ref, str):
             named = self.db.runs_named(ref)
@@ -166,28 +172,55 @@ class RunStore:
     def run_dir(self, run: dict[str, Any]) -> RunDir:
         return RunDir(run["path"])
 
+    def own(self, run: dict[str, Any], relative: str) -> Path:
+        """A path inside the run's directory, resolved.
+
+        Raises:
+            OutsideRoots: it leads out of the run (``..``, or a symlink to elsewhere).
+        """
+        return resolve_inside(Path(run["path"]), relative)
+
+    def own_or_none(self, run: dict[str, Any], relative: str) -> Path | None:
+        try:
+            return self.own(run, relative)
+        except OutsideRoots:
+            return None
+
+    def metrics_file(self, run: dict[str, Any]) -> Path:
+        # A metrics.jsonl that leads out of the run is read as no metrics (a name that never exists).
+        return self.own_or_none(run, "metrics.jsonl") or Path(run["path"]) / ".metrics-outside-the-run"
+
+    def read_run_json(self, run: dict[str, Any], name: str) -> Any:
+        return read_json(self.own_or_none(run, name))
+
     def log_names(self, run: dict[str, Any]) -> list[str]:
-        logs = self.run_dir(run).logs
-        names = sorted((p.stem for p in logs.glob("rank*.log") if LOG_NAME.match(p.stem)), key=lambda n: int(n[4:]))
-        return (["launcher"] if (logs / "launcher.log").is_file() else []) + names
+        logs = self.own_or_none(run, "logs")
+        if logs is None:
+            return []
+        names = sorted((p.stem for p in logs.glob("rank*.log") if LOG_NAME.match(p.stem) and self.own_or_none(run, f"logs/{p.name}")), key=lambda n: int(n[4:]))
+        return (["launcher"] if self.own_or_none(run, "logs/launcher.log") and (logs / "launcher.log").is_file() else []) + names
 
     def read_log(self, run: dict[str, Any], name: str, lines: int = 200) -> list[str]:
         if not LOG_NAME.match(name):
             raise RunNotFound(f"no log {name!r}: logs are named rank0, rank1, ... and launcher")
-        path = resolve_inside(self.run_dir(run).logs, f"{name}.log")
+        path = self.own(run, f"logs/{name}.log")
+        if not path.is_file():
+            raise RunNotFound(f"run {run['name']} has no log {name!r}: its logs are {', '.join(self.log_names(run)) or 'not written yet'}")
         return tail_lines(path, max(1, min(lines, 5000)))
 
     def config_text(self, run: dict[str, Any]) -> str | None:
-        path = self.run_dir(run).config
-        return path.read_text() if path.is_file() else None
+        path = self.own(run, "config.yaml")
+        return path.read_text(errors="replace") if path.is_file() else None
 
     def checkpoints(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         path = Path(run["path"])
         latest = latest_checkpoint(path)
         out = []
         for info in reversed(list_checkpoints(path, complete_only=False)):
+            if self.own_or_none(run, f"checkpoints/{info.tag}") is None:
+                continue  # a symlink to a folder elsewhere
             marker = read_json(info.path / COMPLETE_MARKER) or {}
-            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file())
+            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file() and not f.is_symlink())
             out.append(
                 {
                     "tag": info.tag,
@@ -202,13 +235,17 @@ class RunStore:
         return out
 
     def generations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
-        return read_jsonl(self.run_dir(run).generations)
+        path = self.own_or_none(run, "generations.jsonl")
+        return read_jsonl(path) if path else []
 
     def samples(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The sample images a diffusion run wrote, from samples/index.jsonl (step, prompt, file)."""
-        root = Path(run["path"]) / "samples"
+        root = self.own_or_none(run, "samples")
+        index = self.own_or_none(run, "samples/index.jsonl")
+        if root is None or index is None:
+            return []
         out = []
-        for row in read_jsonl(root / "index.jsonl"):
+        for row in read_jsonl(index):
             try:
                 file = self.sample_relative(root, row)
             except (OutsideRoots, TypeError, ValueError):
@@ -230,14 +267,14 @@ class RunStore:
         return resolve_inside(root, candidates[-1]).relative_to(root.resolve()).as_posix()
 
     def sample_file(self, run: dict[str, Any], relative: str) -> Path:
-        root = Path(run["path"]) / "samples"
+        root = self.own(run, "samples")
         path = resolve_inside(root, relative)
         if path.suffix.lower() not in IMAGE_SUFFIXES or not path.is_file():
             raise RunNotFound(f"no sample image {relative!r} in this run")
         return path
 
     def metrics(self, run: dict[str, Any], keys: list[str] | None = None, width: int | None = None, after_step: float | None = None) -> dict[str, Any]:
-        series = self.series.get(self.run_dir(run).metrics)
+        series = self.series.get(self.metrics_file(run))
         available = series.keys()
         chosen = [key for key in (keys or available) if key in available]
         out = series.window(chosen, width, after_step)
@@ -261,7 +298,7 @@ class RunStore:
                     "started_at": launch["started_at"],
                     "ended_at": launch["ended_at"],
                     **(launch["detail"] or {}),
-                    "log_tail": tail_lines(Path(launch["log_path"]), 15) if state == "failed" else [],
+                    "log_tail": tail_lines(Path(launch["log_path"]), 15, within=Path(run["path"])) if state == "failed" else [],
                 }
             )
         return out
@@ -277,7 +314,9 @@ class RunStore:
         """
         from zeropipe.config.load import validate_config
 
-        problems = config_path_problems(raw, self.roots)
+        problems = config_path_problems(raw, self.roots, self.allow_remote_code)
+        if too_deep(raw):  # refused before anything walks it recursively
+            raise ConfigError(problems, source="the submitted config")
         absolute = absolutize(raw, self.roots)
         return validate_config(absolute, source="the submitted config", extra_problems=problems), absolute
 
@@ -318,8 +357,10 @@ class RunStore:
             self.start(run_id, "train", argv, run_path / "logs" / "launcher.log", config_path=str(config_path))
         return self.run(run_id)
 
-    def start(self, run_id: int, action: str, argv: list[str], log_path: Path, **fields: Any) -> int:
-        proc = spawn(argv, log_path, self.roots.base)
+    def start(self, run_id: int, action: str, argv: list[str], log_path: Path, stdout_path: Path | None = None, **fields: Any) -> int:
+        if any(self.roots.runs_root_of(p) is None for p in (log_path, stdout_path) if p is not None):
+            raise OutsideRoots(f"{log_path} leads out of the runs folders (a symlink?): nothing is started")
+        proc = spawn(argv, log_path, self.roots.base, stdout_path)
         launch_id = self.db.insert_launch(run_id=run_id, action=action, pid=proc.pid, command=argv, log_path=str(log_path), started_at=time.time(), **fields)
         self.children[launch_id] = proc
         return launch_id
@@ -337,7 +378,7 @@ class RunStore:
         launch = self.open_launch(run["id"])
         if launch is None:
             return None
-        status = read_json(self.run_dir(run).status_file) or {}
+        status = self.read_run_json(run, "status.json") or {}
         if status.get("state") in TERMINAL and (status.get("started_at") or 0) >= launch["started_at"]:
             deadline = time.time() + 15
             while time.time() < deadline and process_alive(launch["pid"], launch["started_at"]):
@@ -356,7 +397,7 @@ class RunStore:
         run = self.run(ref)
         if run["state"] not in ("running", "starting", "stopping"):
             raise ActionRefused(f"run {run['name']} is {run['state']}, not running: there is nothing to stop")
-        status = read_json(self.run_dir(run).status_file) or {}
+        status = self.read_run_json(run, "status.json") or {}
         launch = self.open_launch(run["id"])
         sent = False
         if status.get("state") == "running" and status.get("supervisor_pid"):
@@ -399,9 +440,9 @@ class RunStore:
         info = self.checkpoint_for(run, checkpoint)
         if run.get("total_steps") and info.step >= run["total_steps"]:
             raise ActionRefused(f"{info.tag} is the end of the run ({run['total_steps']} steps): there is nothing left to train; pick an earlier checkpoint")
-        config_file = self.run_dir(run).config
+        config_file = self.own(run, "config.yaml")
         raw = parse_yaml_text(config_file.read_text(), source=str(config_file)) if config_file.is_file() else {}
-        problems = [p for p in config_path_problems(raw, self.roots) if p[0] not in ("run.name", "run.output_dir")]
+        problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
         self.busy_launch(run)  # waits (outside the lock) for a launcher that is only exiting
@@ -436,6 +477,171 @@ class RunStore:
         launch_id = self.start(run["id"], "export", argv, exports / f"{name}.log", out_path=str(out), detail={"checkpoint": info.tag, "merge": merge, "dtype": dtype, "name": name})
         return next(e for e in self.exports(run) if e["id"] == launch_id)
 
+    def readable_file(self, name: str) -> Path:
+        """A file the UI may read (inside the runs or data folders), resolved.
+
+        Raises:
+            OutsideRoots: it lies elsewhere (or names no file at all).
+            ActionRefused: it does not exist.
+        """
+        resolved = self.roots.absolute(name)
+        if not any(is_inside(resolved, root) for root in self.roots.readable()):
+            raise OutsideRoots(f"{name} is outside the folders this UI may read ({', '.join(map(str, self.roots.readable()))})")
+        if not resolved.is_file():
+            raise ActionRefused(f"{name} is not a file: give a file inside {', '.join(map(str, self.roots.readable()))}")
+        return resolved
+
+    # ============================================================ evaluation
+    def evaluate(self, ref: int | str, checkpoint: str | None = None, data: str | None = None) -> dict[str, Any]:
+        """Start ``zeropipe eval`` on a checkpoint; its result is kept in RUN/evals/ID.json.
+
+        Args:
+            data: a file in the data folders to evaluate on; default: the run's held-out data.
+
+        Raises:
+            ActionRefused: no such checkpoint, or an evaluation of the run is still running.
+            OutsideRoots: ``data`` lies outside the data and runs folders.
+        """
+        run = self.run(ref)
+        info = self.checkpoint_for(run, checkpoint)
+        argv = ["eval", info.path.parent.parent, "--checkpoint", info.tag, "--json"]
+        if data:
+            argv += ["--data", self.readable_file(data)]
+        elif not self.has_held_out(run):
+            raise ActionRefused(f"run {run['name']} has no held-out data (it trained without data.eval_fraction or data.eval_path): give a data file to evaluate on")
+        if self.open_launch(run["id"], ("eval",)):
+            raise ActionRefused(f"an evaluation of run {run['name']} is still running: wait for its result")
+        evals = self.own(run, "evals")
+        number = 1 + max([int(p.stem) for p in evals.glob("*.json") if p.stem.isdigit()] or [0]) if evals.is_dir() else 1
+        launch_id = self.start(run["id"], "eval", zeropipe_argv(*argv), evals / f"{number}.log", stdout_path=evals / f"{number}.json",
+                               out_path=str(evals / f"{number}.json"), detail={"checkpoint": info.tag, "data": str(argv[-1]) if data else None})  # fmt: skip
+        return next(e for e in self.evaluations(run) if e["id"] == launch_id)
+
+    def has_held_out(self, run: dict[str, Any]) -> bool:
+        """Whether the run kept held-out data (data.eval_fraction or data.eval_path), tokenized, to evaluate on."""
+        info = self.own_or_none(run, "cache/eval/cache.json")
+        return info is not None and info.is_file()
+
+    def evaluations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
+        """The run's evaluations started here, newest first, with their result once written."""
+        out = []
+        for launch in self.db.launches(run["id"], "eval"):
+            result_file = self.own_or_none(run, f"evals/{Path(launch['out_path']).name}")
+            result = read_json(result_file) if launch["ended_at"] is not None and result_file else None
+            if launch["ended_at"] is None:
+                state = "running"
+            elif launch["exit_code"] == 0 and isinstance(result, dict):
+                state = "done"
+            else:
+                state = "failed"
+            out.append({
+                "id": launch["id"], "state": state, "started_at": launch["started_at"], "ended_at": launch["ended_at"], **(launch["detail"] or {}),
+                "result": result if state == "done" else None,
+                "log_tail": tail_lines(Path(launch["log_path"]), 15, within=Path(run["path"])) if state == "failed" else [],
+            })  # fmt: skip
+        return out
+
+    # ========================================================== management
+    def idle_or_refuse(self, run: dict[str, Any], doing: str) -> None:
+        """Refuse while a process writes into the run (training, resuming, exporting)."""
+        if run["state"] in ("running", "starting", "stopping"):
+            raise ActionRefused(f"run {run['name']} is {run['state']}: stop it before you {doing}")
+        if self.open_launch(run["id"], ("train", "resume", "export")):
+            raise ActionRefused(f"a process of run {run['name']} (training or an export) is still running: wait for it to end before you {doing}")
+        if self.open_launch(run["id"], ("eval",)):
+            raise ActionRefused(f"an evaluation of run {run['name']} is still running: wait for it to end before you {doing}")
+
+    def own_run_dir(self, run: dict[str, Any]) -> Path:
+        """The run's directory, checked to be a folder of a runs root and not the root itself."""
+        path = Path(run["path"])
+        root = self.roots.runs_root_of(path)
+        if root is None or path.resolve().parent != root or path.is_symlink():
+            raise OutsideRoots(f"{path} is not a run folder directly under a runs folder: it is left alone")
+        return path
+
+    def delete(self, ref: int | str, confirm: str) -> dict[str, Any]:
+        """Delete a run that has ended: its directory (checkpoints, exports, logs) and its records.
+
+        Args:
+            confirm: the run's name, as the person confirming typed or saw it.
+
+        Raises:
+            ActionRefused: the run is still running, or ``confirm`` is not its name.
+        """
+        import shutil
+
+        self.refresh(scan=False)
+        run = self.run(ref)
+        if confirm != run["name"]:
+            raise ActionRefused(f"to delete run {run['name']}, confirm with its name (you sent {confirm!r})")
+        with self.refresh_lock:
+            self.idle_or_refuse(run, "delete it")
+            path = self.own_run_dir(run)
+            checkpoints = self.checkpoints(run) if path.exists() else []
+            if path.exists():
+                # Out of the runs folder first (one rename), so the index never sees a half-deleted run.
+                doomed = path.with_name(f".deleting-{path.name}-{int(time.time())}")
+                path.rename(doomed)
+                shutil.rmtree(doomed)
+            self.series.forget(path / "metrics.jsonl")
+            self.signatures.pop(str(path), None)
+            self.db.delete_run(run["id"])
+        return {"deleted": run["name"], "path": str(path), "checkpoints": len(checkpoints), "bytes": sum(c["size_bytes"] for c in checkpoints)}
+
+    def rename(self, ref: int | str, new_name: str) -> dict[str, Any]:
+        """Give a run that has ended another name: its folder moves, and its config.yaml says so (resume uses it).
+
+        Raises:
+            ActionRefused: the run is still running, the name is not a folder name, or it is taken.
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        problems = check_name(new_name, "name")
+        if problems:
+            raise ActionRefused(problems[0][1])
+        if new_name == run["name"]:
+            return run
+        with self.refresh_lock:
+            self.idle_or_refuse(run, "rename it")
+            old = self.own_run_dir(run)
+            new = old.parent / new_name
+            if new.exists() or self.db.run_by_path(new):
+                raise ActionRefused(f"{new} exists: choose another name")
+            config_file = self.own_or_none(run, "config.yaml")
+            config_text = config_file.read_text() if config_file and config_file.is_file() else None
+            old.rename(new)
+            if config_text is not None:
+                raw = parse_yaml_text(config_text, source=str(new / "config.yaml"))
+                raw.setdefault("run", {})["name"] = new_name
+                partial = new / "config.yaml.partial"
+                partial.write_text(yaml.safe_dump(raw, sort_keys=False))
+                partial.replace(new / "config.yaml")
+            self.db.update_run(run["id"], path=str(new), name=new_name)
+            for launch in self.db.launches(run["id"]):
+                moved = {k: str(new) + launch[k][len(str(old)) :] for k in ("log_path", "out_path") if launch[k] and launch[k].startswith(str(old) + "/")}
+                if moved:
+                    self.db.update_launch(launch["id"], **moved)
+            self.series.forget(old / "metrics.jsonl")
+            self.signatures.pop(str(old), None)
+        self.refresh(scan=False)
+        return self.run(run["id"])
+
+    def export_folder(self, ref: int | str, name: str) -> Path:
+        """A finished export's folder, for download.
+
+        Raises:
+            RunNotFound: no finished export of that name in this run.
+        """
+        run = self.run(ref)
+        if check_name(name, "name"):
+            raise RunNotFound(f"no export {name!r} in run {run['name']}")
+        folder = self.own_or_none(run, f"exports/{name}")
+        done = [e for e in self.exports(run) if e["state"] == "done" and Path(e["out_path"]).name == name]
+        if folder is None or not folder.is_dir() or not done:
+            finished = ", ".join(Path(e["out_path"]).name for e in self.exports(run) if e["state"] == "done") or "none yet"
+            raise RunNotFound(f"no finished export {name!r} in run {run['name']} (finished: {finished})")
+        return folder
+
 
 def public(row: dict[str, Any]) -> dict[str, Any]:
     """A run as the API and the CLI show it."""
@@ -467,7 +673,8 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:
-    lines = tail_lines(Path(launch["log_path"]), 30)
+    log_path = Path(launch["log_path"])
+    lines = tail_lines(log_path, 30, within=log_path.parent.parent)  # RUN/logs/launcher.log
     # `zeropipe train: error: ...` and the problem lines under it say why, with the fix.
     starts = [i for i, line in enumerate(lines) if ": error: " in line]
     code = launch["exit_code"]
@@ -480,7 +687,10 @@ def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:
     return {"text": text, "how": how, "cause": cause, "fix": "", "rank": None}
 
 
-def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024) -> list[str]:
+def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024, within: Path | None = None) -> list[str]:
+    """The last ``lines`` lines of a file; none when it resolves outside ``within``."""
+    if within is not None and confined(path, within) is None:
+        return []
     try:
         with open(path, "rb") as handle:
             handle.seek(0, 2)

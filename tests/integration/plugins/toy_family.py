@@ -53,6 +53,9 @@ class ToyTask(TaskDefaults):
 class ToyRegression:
     name = "toy_regression"
     trains_tokenizer = False
+    answers_prompts = False
+    takes_images = False
+    streams_answers = False
 
     def detect(self, section) -> bool:
         return (section.config or {}).get("model_type") == "toy_regression"
@@ -89,7 +92,7 @@ class ToyRegression:
     def load_for_generate(self, source, device, dtype):
         raise ZeroPipeError("the toy family answers no prompts")
 
-    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw):
+    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
         raise ZeroPipeError("the toy family answers no prompts")
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 from tests.e2e.fake_runs import write_run
@@ -67,9 +68,11 @@ def test_ui_prints_its_url_serves_and_needs_a_token_off_loopback(runs, tmp_path)
     )  # fmt: skip
     try:
         line = proc.stdout.readline()
-        match = re.match(r"zeropipe ui: http://0\.0\.0\.0:(\d+)/\?token=(\S+)", line)
+        # Not http://0.0.0.0:PORT (no browser opens that): one of this machine's addresses.
+        match = re.match(r"zeropipe ui: http://(\d+\.\d+\.\d+\.\d+):(\d+)/\?token=(\S+)", line)
         assert match, line + proc.stderr.read()
-        port, token = match.groups()
+        address, port, token = match.groups()
+        assert address != "0.0.0.0" and address in {a.address for addresses in psutil.net_if_addrs().values() for a in addresses}
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 30
         while True:
@@ -95,3 +98,53 @@ def test_ui_prints_its_url_serves_and_needs_a_token_off_loopback(runs, tmp_path)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def start_ui(runs, tmp_path, *args):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zeropipe", "ui", "--port", "0", "--runs-dir", str(runs), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    match = re.match(r"zeropipe ui: (http://\S+?:\d+)/", line)
+    assert match, line + proc.stderr.read()
+    return proc, match.group(1)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_the_ui_while_a_browser_holds_event_streams(runs, tmp_path):
+    """The port closed but the process stayed while a tab held /api/runs/stream; a second Ctrl-C printed CancelledError tracebacks."""
+    import http.client
+    import signal
+
+    proc, url = start_ui(runs, tmp_path)
+    streams = []
+    try:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        for path in ["/api/runs/stream", "/api/runs/1/stream?after_step=0", "/api/runs/stream"]:
+            deadline = time.time() + 30
+            while True:
+                try:
+                    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+                    connection.request("GET", path, headers={"Accept": "text/event-stream"})
+                    response = connection.getresponse()
+                    break
+                except ConnectionRefusedError:
+                    assert time.time() < deadline
+                    time.sleep(0.2)
+            assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+            assert response.readline().startswith(b"retry:")  # the stream is open and sending
+            streams.append((connection, response))
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # one Ctrl-C
+        proc.wait(timeout=15)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for connection, _ in streams:
+            connection.close()
+    stderr = proc.stderr.read()
+    assert took < 5, f"zeropipe ui took {took:.1f} s to stop"
+    assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr

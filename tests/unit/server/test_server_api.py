@@ -364,7 +364,7 @@ def test_the_openapi_schema_documents_the_api(client):
     assert client.get("/docs").status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/", "/new", "/compare", "/environment"])
+@pytest.mark.parametrize("path", ["/", "/new", "/compare", "/environment", "/generate"])
 def test_pages_render(client, path):
     response = client.get(path)
     assert response.status_code == 200 and "ZeRO-Pipe" in response.text and "/static/common.js" in response.text

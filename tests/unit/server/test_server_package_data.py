@@ -28,3 +28,10 @@ def test_vendored_libraries_carry_their_license_and_are_listed_in_the_docs():
     for library, version in (("uPlot", "1.6.32"), ("js-yaml", "5.5.0")):
         assert (vendor / f"{library}.LICENSE").read_text().startswith(("The MIT License", "(The MIT License)"))
         assert f"| {version} | MIT" in docs
+
+
+def test_swagger_ui_is_vendored_with_its_license():
+    vendor = Path(zeropipe.server.__file__).parent / "static" / "vendor"
+    assert (vendor / "swagger-ui.LICENSE").read_text().lstrip().startswith("Apache License")
+    assert (vendor / "swagger-ui-bundle.js").stat().st_size > 1_000_000 and (vendor / "swagger-ui.css").is_file()
+    assert "| 5.35.0 | Apache-2.0" in (ROOT / "docs" / "ui.md").read_text()

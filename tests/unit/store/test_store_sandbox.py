@@ -59,3 +59,25 @@ def test_absolutize_pins_the_output_dir_and_paths(tmp_path):
     out = absolutize({"run": {"name": "x"}, "data": {"path": "data/t.jsonl"}}, roots)
     assert out["run"]["output_dir"] == str(tmp_path / "runs")
     assert out["data"]["path"] == str(tmp_path / "data" / "t.jsonl")
+
+
+def test_text_that_only_looks_like_a_path_is_not_refused(tmp_path):
+    """Prompts, model types and revisions are not paths, even with a slash in them."""
+    roots = Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path)
+    raw = {
+        "run": {"name": "ok"},
+        "generate": {"prompts": ["What is 1/2?", "/etc/passwd is a file name"]},
+        "model": {"config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "load_kwargs": {"revision": "refs/pr/1"}},
+    }
+    assert config_path_problems(raw, roots) == []
+
+
+def test_a_deeply_nested_config_is_one_problem_not_a_crash(tmp_path):
+    roots = Roots(runs=[tmp_path / "runs"], base=tmp_path)
+    deep: list = []
+    node = deep
+    for _ in range(5000):
+        node.append([])
+        node = node[0]
+    problems = config_path_problems({"run": {"name": "ok"}, "deepspeed": {"overrides": {"x": deep}}}, roots)
+    assert len(problems) == 1 and "nests more than" in problems[0][1]

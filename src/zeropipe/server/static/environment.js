@@ -39,16 +39,16 @@
     );
   }
 
-  async function load(query = "") {
-    root.replaceChildren(el("div", { class: "card muted" }, query.includes("trial_build") ? "checking, with the CPU Adam build (about a minute the first time)…" : "checking this machine…"));
+  async function load(check = null) {
+    root.replaceChildren(el("div", { class: "card muted" }, check && check.trial_build ? "checking, with the CPU Adam build (about a minute the first time)…" : "checking this machine…"));
     try {
-      render(await api(`/api/doctor${query}`));
+      render(check ? await api("/api/doctor/check", { method: "POST", body: check }) : await api("/api/doctor"));
     } catch (error) {
       root.replaceChildren(el("div", { class: "message error" }, error.message));
     }
   }
 
-  document.getElementById("recheck").addEventListener("click", () => load("?refresh=true"));
-  document.getElementById("trial-build").addEventListener("click", () => load("?refresh=true&trial_build=true"));
+  document.getElementById("recheck").addEventListener("click", () => load({ trial_build: false }));
+  document.getElementById("trial-build").addEventListener("click", () => load({ trial_build: true }));
   load();
 })();

@@ -55,22 +55,41 @@
   }
 
   // ------------------------------------------------------------ form
+  // The essentials first (model, data, method, length, GPUs, ZeRO and offload); every other
+  // field of the schema folded under "Advanced", by section.
   function buildForm(schema) {
+    const essential = new Set(schema.essentials || []);
+    const byKey = new Map(schema.sections.flatMap((section) => section.fields.map((field) => [field.key, field])));
+    const essentials = (schema.essentials || []).map((key) => byKey.get(key)).filter(Boolean);
+    const rest = schema.sections.map((section) => ({ ...section, fields: section.fields.filter((f) => !essential.has(f.key)) })).filter((section) => section.fields.length);
+    const count = (list) => list.reduce((n, f) => n + (f.kind === "section" ? count(f.fields) : 1), 0);
     formRoot.replaceChildren(
-      ...schema.sections.map((section) =>
-        el("fieldset", { dataset: { section: section.name } }, el("legend", {}, section.name, " ", el("span", { class: "help" }, section.help)), section.fields.map(buildField))
+      el(
+        "fieldset",
+        { class: "essentials", id: "essentials", dataset: { section: "essentials" } },
+        el("legend", {}, "Essentials ", el("span", { class: "help" }, "what, on what, how long, on which GPUs: the plan beside says if it fits")),
+        essentials.map((field) => buildField(field, true))
+      ),
+      el(
+        "details",
+        { class: "advanced", id: "advanced" },
+        el("summary", {}, `Advanced: every other setting (${count(rest.flatMap((s) => s.fields))} fields, each with its default)`),
+        rest.map((section) =>
+          el("details", { class: "section", dataset: { section: section.name } }, el("summary", {}, el("b", {}, section.name), " ", el("span", { class: "help" }, section.help)), section.fields.map((f) => buildField(f)))
+        )
       )
     );
   }
 
-  function buildField(field) {
+  // `full`: label the field by its whole key (model.path, data.path), as the essentials mix sections.
+  function buildField(field, full = false) {
     if (field.kind === "section") {
       const toggle = el("input", { type: "checkbox", id: `use-${field.key}`, dataset: { section: field.key } });
       const fieldset = el(
         "fieldset",
         { dataset: { key: field.key } },
         el("legend", {}, el("label", {}, toggle, " ", el("code", {}, field.key)), " ", el("span", { class: "help" }, field.help)),
-        field.fields.map(buildField)
+        field.fields.map((f) => buildField(f))
       );
       toggle.addEventListener("change", () => {
         if (toggle.checked) setAt(field.key, getAt(field.key) || {});
@@ -85,7 +104,7 @@
     const id = `field-${field.key.replace(/\./g, "-")}`;
     const input = makeInput(field, id);
     const errorBox = el("div", { class: "error" });
-    const row = el("div", { class: "field", dataset: { key: field.key } }, el("label", { for: id, title: field.key }, field.name), input, el("div", { class: "help" }, field.help), errorBox);
+    const row = el("div", { class: `field kind-${field.kind}`, dataset: { key: field.key } }, el("label", { for: id, title: field.key }, full ? field.key : field.name), input, el("div", { class: "help", title: field.help }, field.help), errorBox);
     fields.set(field.key, { field, input, row, errorBox });
     return row;
   }
@@ -401,13 +420,161 @@
     }
   });
 
-  // ------------------------------------------------------------- start
-  (async function start() {
-    const [schema, template] = await Promise.all([api("/api/config/schema"), api("/api/config/template")]);
-    buildForm(schema);
-    yamlArea.value = template.yaml;
-    config = jsyaml.load(template.yaml) || {};
+  // ----------------------------------------------------------- presets
+  // Start from a shipped example, a saved preset or a past run's config; save this one as a preset.
+  const presetSelect = document.getElementById("preset");
+  const presetMessage = document.getElementById("preset-message");
+  let loadedText = ""; // the YAML as last loaded: asking before replacing the user's edits
+
+  function showYaml(text) {
+    yamlArea.value = text;
+    loadedText = text;
+    config = jsyaml.load(text) || {};
+    yamlError.replaceChildren();
     fillForm();
     scheduleCheck();
+  }
+
+  async function loadPresets(selected = "") {
+    const { presets } = await api("/api/presets");
+    const groups = [["example", "Examples"], ["saved", "Saved presets"], ["run", "Past runs"]];
+    presetSelect.replaceChildren(
+      el("option", { value: "" }, "the small default config"),
+      ...groups
+        .filter(([kind]) => presets.some((p) => p.kind === kind))
+        .map(([kind, label]) => el("optgroup", { label }, presets.filter((p) => p.kind === kind).map((p) => el("option", { value: p.id, title: p.description }, p.kind === "run" ? `${p.name} (${p.description})` : p.name))))
+    );
+    presetSelect.value = selected;
+  }
+
+  async function startFrom(id) {
+    const [kind, ...rest] = id.split(":");
+    const data = id ? await api(`/api/presets/${kind}/${encodeURIComponent(rest.join(":"))}`) : await api("/api/config/template");
+    showYaml(data.yaml);
+    const shown = presetSelect.selectedOptions[0];
+    ZP.message(presetMessage, id ? `Started from ${shown ? shown.textContent : id}: the run is named ${data.name}.` : "", "info");
+  }
+
+  presetSelect.addEventListener("change", async () => {
+    if (yamlArea.value !== loadedText && !confirm("Replace the config you edited?")) return;
+    try {
+      await startFrom(presetSelect.value);
+    } catch (error) {
+      presetMessage.replaceChildren(ZP.errorBox(error));
+    }
+  });
+
+  document.getElementById("save-preset").addEventListener("click", async () => {
+    const input = document.getElementById("preset-name");
+    const name = input.value.trim() || (config.run && config.run.name) || "";
+    const save = (overwrite) => api("/api/presets", { method: "POST", body: { name, yaml: yamlArea.value, overwrite } });
+    try {
+      try {
+        await save(false);
+      } catch (error) {
+        if (!(error.status === 422 && /exists/.test(error.message) && confirm(`Replace the preset ${name}?`))) throw error;
+        await save(true);
+      }
+      await loadPresets(presetSelect.value);
+      ZP.message(presetMessage, `Saved as preset ${name}: pick it under "Start from" next time.`, "ok");
+    } catch (error) {
+      presetMessage.replaceChildren(ZP.errorBox(error));
+    }
+  });
+
+  // ------------------------------------------------------- data preview
+  const previewBox = document.getElementById("preview");
+
+  function renderPreview(data) {
+    if (!data.available) {
+      previewBox.replaceChildren(el("div", { class: "muted" }, data.reason));
+      return;
+    }
+    if (data.family === "diffusion") return renderImagePreview(data);
+    const facts = [
+      ["data", data.source],
+      ["format", data.format ? `${data.format}${data.format_detected ? " (detected)" : " (data.format)"}` : "–"],
+      ["records", `${data.records}, ${data.skipped_count} skipped`],
+      ["tokenizer", data.tokenizer || "–"],
+      ["max_seq_len", data.max_seq_len],
+    ];
+    const examples = data.examples.map((e) =>
+      el(
+        "div",
+        { class: "example", dataset: { line: e.line } },
+        el(
+          "div",
+          { class: "small muted" },
+          `${e.file ? e.file + " " : ""}line ${e.line} · ${e.tokens} tokens, ${e.loss_tokens} learned`,
+          e.truncated ? el("span", { class: "badge sev-warning" }, `cut at ${data.max_seq_len} tokens`) : "",
+          e.chunks > 1 ? ` · split into ${e.chunks} sequences (first shown)` : ""
+        ),
+        el("pre", { class: "pieces" }, e.pieces.map((p) => el("span", { class: p.loss ? "learned" : "prompt", title: `${p.tokens} tokens, ${p.loss ? "learned (loss)" : "prompt (masked: no loss)"}` }, p.text)))
+      )
+    );
+    const skipped = skippedTable(data);
+    previewBox.replaceChildren(
+      el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
+      el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      skipped, // first: the records that would be lost are what a preview is most often for
+      el("h3", {}, `The first ${examples.length} examples`),
+      el("div", { class: "legend small" }, el("span", { class: "prompt" }, "prompt: no loss"), " ", el("span", { class: "learned" }, "learned")),
+      ...examples
+    );
+  }
+
+  function skippedTable(data) {
+    if (!data.skipped.length) return "";
+    const where = (b) => (b.line ? `${b.file ? b.file + " " : ""}line ${b.line}` : b.file);
+    return el(
+      "div",
+      { id: "skipped" },
+      el("h3", {}, `Skipped (${data.skipped_count})`),
+      el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "where"), el("th", {}, "why"))), el("tbody", {}, data.skipped.map((b) => el("tr", {}, el("td", { class: "small" }, where(b)), el("td", {}, b.reason)))))
+    );
+  }
+
+  function renderImagePreview(data) {
+    const buckets = Object.entries(data.buckets).map(([bucket, n]) => `${bucket}: ${n}`).join(" · ");
+    const facts = [
+      ["data", data.source],
+      ["layout", data.layout],
+      ["images", `${data.records}, ${data.skipped_count} skipped${data.missing_captions ? `, ${data.missing_captions} without a caption (trained on the empty caption)` : ""}`],
+      ["buckets (images × repeats)", buckets || "–"],
+    ];
+    previewBox.replaceChildren(
+      el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
+      el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      el(
+        "div",
+        { class: "thumbs" },
+        data.images.map((image) =>
+          el(
+            "figure",
+            { class: "thumb", dataset: { file: image.file } },
+            el("img", { src: image.thumbnail, alt: image.caption }),
+            el("figcaption", {}, el("div", { class: "small" }, image.caption || el("i", { class: "muted" }, "(no caption)")), el("div", { class: "small muted" }, `${image.file} · ${image.size.join("×")} → bucket ${image.bucket.join("×")}${image.repeats > 1 ? ` · ×${image.repeats}` : ""}`))
+          )
+        )
+      ),
+      skippedTable(data)
+    );
+  }
+
+  document.getElementById("preview-data").addEventListener("click", async () => {
+    previewBox.replaceChildren(el("div", { class: "muted" }, "reading the data…"));
+    try {
+      renderPreview(await api("/api/data/preview", { method: "POST", body: { yaml: yamlArea.value, limit: 10 } }));
+    } catch (error) {
+      previewBox.replaceChildren(ZP.errorBox(error));
+    }
+  });
+
+  // ------------------------------------------------------------- start
+  (async function start() {
+    const wanted = new URLSearchParams(location.search).get("from") || "";
+    const [schema] = await Promise.all([api("/api/config/schema"), loadPresets(wanted)]);
+    buildForm(schema);
+    await startFrom(presetSelect.value === wanted ? wanted : "");
   })().catch((error) => formRoot.replaceChildren(el("div", { class: "message error" }, error.message)));
 })();

@@ -12,7 +12,8 @@
     loss: { title: "loss", keys: ["loss", "eval_loss"], sparse: ["eval_loss"] },
     lr: { title: "learning rate", keys: ["lr"] },
     // Language models report tokens/s; diffusion runs have no tokens and report samples (images)/s.
-    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"], fallback: { title: "throughput (images/s)", keys: ["samples_per_s"] } },
+    // Before the first step the family is not known from the metrics: the title says only "throughput".
+    throughput: { title: "throughput (tokens/s)", keys: ["tokens_per_s"], fallback: { title: "throughput (images/s)", keys: ["samples_per_s"] }, empty: "throughput" },
     host_ram: { title: "host RAM per rank (RSS)", prefix: "host_rss_bytes/", format: ZP.fmtBytes },
     gpu: { title: "GPU memory per rank (max allocated)", prefix: "gpu_max_allocated_bytes/", format: ZP.fmtBytes },
     grad_norm: { title: "gradient norm", keys: ["grad_norm"] },
@@ -28,6 +29,7 @@
   let logName = null;
   let logTimer = null;
   let exportTimer = null;
+  let watchedExport = null; // id of the export started from this page
   let detailTimer = null;
 
   // ------------------------------------------------------------ charts
@@ -44,13 +46,16 @@
 
   function drawCharts() {
     for (let [name, spec] of Object.entries(CHARTS)) {
+      const empty = spec.empty || spec.title;
       if (spec.fallback && !hasValues(chartKeys(spec))) spec = spec.fallback;
       const container = document.querySelector(`[data-chart="${name}"]`);
       const keys = chartKeys(spec);
       const hasData = keys.some((k) => columns[k].some((v) => v !== null));
       if (name === "gpu") container.hidden = !hasData;
       if (!hasData) {
-        if (!container.querySelector(".empty")) container.replaceChildren(el("div", { class: "empty" }, `${spec.title}: no data yet`));
+        const text = `${empty}: no data yet`;
+        const shown = container.querySelector(".empty");
+        if (!shown || shown.textContent !== text) container.replaceChildren(el("div", { class: "empty" }, text));
         container.dataset.points = "0";
         delete charts[name];
         continue;
@@ -140,6 +145,12 @@
       const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
       buttons.push(select, el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value) }, "Resume"));
     }
+    if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
+    if (ENDED.includes(run.state)) {
+      buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
+      buttons.push(el("button", { class: "danger", id: "delete", onclick: () => deleteRun(run) }, "Delete"));
+    }
     actions.replaceChildren(...buttons);
   }
 
@@ -166,6 +177,39 @@
     }
   }
 
+  function showRename(run) {
+    const input = el("input", { id: "rename-name", type: "text", value: run.name, size: 24, "aria-label": "new name" });
+    const box = document.getElementById("action-message");
+    const submit = async () => {
+      try {
+        const data = await api(`${base}/rename`, { method: "POST", body: { name: input.value.trim() } });
+        say(`Renamed: the run is now ${data.run.name}, in ${data.run.path}.`, "ok");
+        onRun(data.run);
+        loadDetail();
+      } catch (error) {
+        box.replaceChildren(ZP.errorBox(error));
+      }
+    };
+    input.addEventListener("keydown", (event) => event.key === "Enter" && submit());
+    box.replaceChildren(el("div", { class: "toolbar" }, "New name:", input, el("button", { class: "primary", id: "rename-save", onclick: submit }, "Rename"), el("button", { onclick: () => box.replaceChildren() }, "Cancel")));
+    input.focus();
+    input.select();
+  }
+
+  async function deleteRun(run) {
+    const checkpoints = detail ? detail.checkpoints : [];
+    const bytes = checkpoints.reduce((n, c) => n + (c.size_bytes || 0), 0);
+    const exports = detail ? detail.exports.length : 0;
+    const what = [`its ${checkpoints.length} checkpoint(s) (${ZP.fmtBytes(bytes)})`, `${exports} export(s)`, "its logs and metrics"].join(", ");
+    if (!confirm(`Delete run ${run.name} with ${what}?\n\n${run.path} is removed from the disk. This cannot be undone.`)) return;
+    try {
+      await api(base, { method: "DELETE", body: { confirm: run.name } });
+      location.href = `/?deleted=${encodeURIComponent(run.name)}`;
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
   async function resumeRun(tag) {
     try {
       const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag } });
@@ -187,6 +231,7 @@
     renderHead(detail.run);
     renderCheckpoints();
     renderExports();
+    renderEvaluations();
     renderLogTabs();
     renderGenerations();
     const paths = [`run directory: ${detail.run.path}`];
@@ -233,12 +278,22 @@
     const merge = !!(document.getElementById("export-merge") || {}).checked;
     const dtype = (document.getElementById("export-dtype") || {}).value || null;
     try {
-      await api(`${base}/export`, { method: "POST", body: { checkpoint: tag, name, merge, dtype } });
-      say(`Exporting ${tag}…`, "info");
+      const data = await api(`${base}/export`, { method: "POST", body: { checkpoint: tag, name, merge, dtype } });
+      watchedExport = data.export.id;
       await loadDetail();
     } catch (error) {
-      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+      document.getElementById("export-message").replaceChildren(ZP.errorBox(error));
     }
+  }
+
+  // The line under the export form follows the export just started: running, then done or failed.
+  function renderExportMessage() {
+    const box = document.getElementById("export-message");
+    const watched = detail.exports.find((e) => e.id === watchedExport);
+    if (!watched) return;
+    if (watched.state === "running") ZP.message(box, `Exporting ${watched.checkpoint} to ${watched.out_path}…`, "info");
+    else if (watched.state === "done") ZP.message(box, `Exported ${watched.checkpoint} to ${watched.out_path}`, "ok");
+    else ZP.message(box, `The export of ${watched.checkpoint} failed: its log is in the table below`, "error");
   }
 
   function renderExports() {
@@ -248,12 +303,68 @@
         {},
         el("td", {}, el("code", { title: e.out_path }, e.name || e.out_path)),
         el("td", { class: "small" }, e.checkpoint, e.merge ? " · merged" : "", e.dtype ? ` · ${e.dtype}` : ""),
-        el("td", {}, ZP.badge(e.state === "done" ? "completed" : e.state), e.log_tail && e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : "")
+        el(
+          "td",
+          {},
+          ZP.badge(e.state === "done" ? "completed" : e.state),
+          e.state === "done" ? [" ", el("a", { class: "download", href: `${base}/exports/${encodeURIComponent(e.out_path.split("/").pop())}/archive`, download: "" }, "download .tar")] : "",
+          e.log_tail && e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : ""
+        )
       )
     );
     document.querySelector("#exports tbody").replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 3, class: "muted" }, "none yet"))]));
+    renderExportMessage();
     clearTimeout(exportTimer);
     if (detail.exports.some((e) => e.state === "running")) exportTimer = setTimeout(loadDetail, 2000);
+  }
+
+  // ------------------------------------------------------- evaluations
+  let evalTimer = null;
+
+  function renderEvaluations() {
+    const form = document.getElementById("eval-form");
+    const complete = detail.checkpoints.filter((c) => c.complete);
+    const signature = complete.map((c) => c.tag).join() + String(detail.held_out);
+    if (form.dataset.signature !== signature || !form.childElementCount) {
+      form.dataset.signature = signature;
+      form.replaceChildren(
+        ...(complete.length
+          ? [
+              el("select", { id: "eval-checkpoint", "aria-label": "checkpoint to evaluate" }, complete.map((c) => el("option", { value: c.tag }, c.tag))),
+              el("input", { id: "eval-data", type: "text", size: 34, placeholder: detail.held_out ? "data file (default: the run's held-out data)" : "data file to evaluate on (no held-out data)" }),
+              el("button", { class: "primary", id: "evaluate", onclick: startEval }, "Evaluate"),
+            ]
+          : [el("span", { class: "muted" }, "Evaluation needs a complete checkpoint.")])
+      );
+    }
+    const fmt = (v) => (v === undefined || v === null ? "–" : ZP.fmtNumber(v));
+    const rows = detail.evaluations.map((e) =>
+      el(
+        "tr",
+        { dataset: { state: e.state } },
+        el("td", {}, el("code", {}, e.checkpoint)),
+        el("td", { class: "small" }, e.data || "held-out data"),
+        el("td", { class: "num eval-loss" }, fmt(e.result && e.result.loss)),
+        el("td", { class: "num" }, fmt(e.result && e.result.perplexity)),
+        el("td", { class: "num" }, e.result ? e.result.tokens : "–"),
+        el("td", {}, ZP.badge(e.state === "done" ? "completed" : e.state), e.log_tail.length ? el("pre", { class: "log small" }, e.log_tail.join("\n")) : "")
+      )
+    );
+    document.querySelector("#evaluations tbody").replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: 6, class: "muted" }, "none yet"))]));
+    clearTimeout(evalTimer);
+    if (detail.evaluations.some((e) => e.state === "running")) evalTimer = setTimeout(loadDetail, 2000);
+  }
+
+  async function startEval() {
+    const checkpoint = document.getElementById("eval-checkpoint").value;
+    const data = document.getElementById("eval-data").value.trim() || null;
+    try {
+      await api(`${base}/eval`, { method: "POST", body: { checkpoint, data } });
+      ZP.message(document.getElementById("eval-message"), "");
+      await loadDetail();
+    } catch (error) {
+      document.getElementById("eval-message").replaceChildren(ZP.errorBox(error));
+    }
   }
 
   function renderGenerations() {

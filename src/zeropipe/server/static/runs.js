@@ -9,6 +9,13 @@
   const empty = document.getElementById("empty");
   const selected = new Set();
   let runs = [];
+  const deleted = new URLSearchParams(location.search).get("deleted");
+  if (deleted) {
+    const note = el("div", { id: "deleted-message" });
+    document.querySelector("main").prepend(note);
+    ZP.message(note, `Run ${deleted} was deleted, with its checkpoints.`, "ok");
+    history.replaceState(null, "", "/");
+  }
 
   function visible() {
     const needle = search.value.trim().toLowerCase();

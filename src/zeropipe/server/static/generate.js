@@ -1,0 +1,119 @@
+// Generate page: pick a run and its checkpoint or export, send a prompt, read the answer as it streams in.
+"use strict";
+(function () {
+  const { el, api } = ZP;
+  const runSelect = document.getElementById("gen-run");
+  const sourceSelect = document.getElementById("gen-source");
+  const status = document.getElementById("gen-status");
+  const answers = document.getElementById("gen-answers");
+  const send = document.getElementById("gen-send");
+  const wanted = new URLSearchParams(location.search).get("run");
+
+  async function loadRuns() {
+    const { runs } = await api("/api/runs");
+    const usable = runs.filter((r) => !["starting"].includes(r.state));
+    runSelect.replaceChildren(...usable.map((r) => el("option", { value: r.id }, `${r.name} (${r.state})`)));
+    if (!usable.length) runSelect.append(el("option", { value: "" }, "no run yet"));
+    if (wanted && usable.some((r) => String(r.id) === wanted)) runSelect.value = wanted;
+    await loadSources();
+  }
+
+  async function loadSources() {
+    sourceSelect.replaceChildren();
+    if (!runSelect.value) return;
+    const detail = await api(`/api/runs/${runSelect.value}`);
+    const complete = detail.checkpoints.filter((c) => c.complete);
+    const exports = detail.exports.filter((e) => e.state === "done");
+    sourceSelect.append(
+      ...complete.map((c) => el("option", { value: `checkpoint:${c.tag}` }, `checkpoint ${c.tag}${c.latest ? " (latest)" : ""}`)),
+      ...exports.map((e) => el("option", { value: `export:${e.out_path.split("/").pop()}` }, `export ${e.out_path.split("/").pop()}${e.merge ? " (merged)" : ""}`))
+    );
+    if (!sourceSelect.options.length) sourceSelect.append(el("option", { value: "" }, "no complete checkpoint or export yet"));
+    send.disabled = !sourceSelect.value;
+  }
+
+  function numberOf(id) {
+    const text = document.getElementById(id).value.trim();
+    return text === "" ? null : Number(text);
+  }
+
+  // Server-sent events from a POST: fetch's body read chunk by chunk (EventSource only sends GETs).
+  async function* events(response) {
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const event = (block.match(/^event: (.*)$/m) || [])[1];
+        const data = (block.match(/^data: (.*)$/m) || [])[1];
+        if (event && data) yield { event, data: JSON.parse(data) };
+      }
+    }
+  }
+
+  async function generate() {
+    const prompt = document.getElementById("gen-prompt").value.trim();
+    if (!prompt) return ZP.message(document.getElementById("gen-message"), "Write a prompt first.", "error");
+    const [kind, name] = sourceSelect.value.split(/:(.*)/s);
+    const body = {
+      run_id: Number(runSelect.value),
+      prompt,
+      max_new_tokens: numberOf("gen-max-new-tokens"),
+      temperature: numberOf("gen-temperature") ?? 0,
+      top_p: numberOf("gen-top-p") ?? 1,
+      seed: numberOf("gen-seed") ?? 0,
+      raw: document.getElementById("gen-raw").checked,
+      image: document.getElementById("gen-image").value.trim() || null,
+      ...(kind === "export" ? { export: name } : { checkpoint: name }),
+    };
+    ZP.message(document.getElementById("gen-message"), "");
+    const output = el("pre", { class: "answer-text" });
+    const meta = el("div", { class: "small muted" }, "loading the model…");
+    const entry = el("div", { class: "answer", dataset: { state: "running" } }, el("div", { class: "answer-prompt" }, el("b", {}, "> "), prompt, body.image ? el("span", { class: "small" }, `  [${body.image}]`) : ""), output, meta);
+    answers.prepend(entry);
+    send.disabled = true;
+    status.textContent = "generating…";
+    let tokens = 0;
+    try {
+      const response = await fetch("/api/generate", { method: "POST", headers: { "Content-Type": "application/json", Accept: "text/event-stream" }, body: JSON.stringify(body) });
+      if (!response.ok) {
+        const data = await response.json().catch(() => ({ detail: response.statusText }));
+        throw Object.assign(new Error(data.detail || `HTTP ${response.status}`), { status: response.status, data });
+      }
+      for await (const { event, data } of events(response)) {
+        if (event === "source") meta.textContent = `${data.source} on ${data.device}`;
+        else if (event === "token") {
+          output.textContent += data.text;
+          entry.dataset.tokens = String(++tokens);
+        } else if (event === "done") {
+          output.textContent = data.output;
+          meta.textContent += ` · ${data.seconds} s`;
+          entry.dataset.state = "done";
+        } else if (event === "error") {
+          entry.dataset.state = "failed";
+          entry.append(el("div", { class: "message error" }, data.detail));
+        }
+      }
+    } catch (error) {
+      entry.dataset.state = "failed";
+      entry.append(ZP.errorBox(error));
+    } finally {
+      if (entry.dataset.state === "running") entry.dataset.state = "failed";
+      send.disabled = false;
+      status.textContent = "";
+    }
+  }
+
+  runSelect.addEventListener("change", () => loadSources().catch((e) => ZP.message(document.getElementById("gen-message"), e.message)));
+  send.addEventListener("click", generate);
+  document.getElementById("gen-prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) generate();
+  });
+  loadRuns().catch((error) => ZP.message(document.getElementById("gen-message"), error.message));
+})();
