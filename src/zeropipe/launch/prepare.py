@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
+from zeropipe.checkpoint.resume import prefer_exact_adam
 from zeropipe.config.deepspeed import build_deepspeed_config, effective_batch_shape, zero_stage_of
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
@@ -133,7 +134,7 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     if config.train.warmup_steps >= total_steps:
         notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
     resolved = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
-    notes += [f"DeepSpeed {line}" for line in resolved.filled]
+    notes += [f"DeepSpeed {line}" for line in resolved.filled + prefer_exact_adam(resolved.config, accelerator)]
 
     plan = RunPlan(
         world_size=world_size,
