@@ -86,3 +86,24 @@ def test_resume_from_any_checkpoint_matches_the_uninterrupted_run(uninterrupted,
     for row in resumed[step:]:
         # CPU ranks, fp32, no dropout: nothing but lost state can make these differ.
         assert (row["loss"], row["lr"], row["grad_norm"]) == (expected[row["step"]]["loss"], expected[row["step"]]["lr"], expected[row["step"]]["grad_norm"]), row["step"]
+
+
+def test_resume_with_another_run_length_asks_before_bending_the_schedule(uninterrupted, tmp_path):
+    config, reference_dir = uninterrupted(2)
+    run_dir = tmp_path / "longer"
+    shutil.copytree(reference_dir, run_dir)
+    checkpoint = run_dir / "checkpoints" / "step_00000020"
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir()), (run_dir / "metrics.jsonl").read_text()
+
+    refused = zeropipe("train", config, f"train.max_steps={RESUME_STEPS + 4}", "--resume", checkpoint)
+    assert refused.returncode == 2, refused.stderr
+    assert f"belongs to a run of {RESUME_STEPS} steps" in refused.stderr and "learning-rate schedule" in refused.stderr
+    assert f"train.max_steps={RESUME_STEPS}" in refused.stderr and "--new-schedule" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    # Refused means untouched: no checkpoint moved aside, no metrics row dropped.
+    assert (sorted(p.name for p in (run_dir / "checkpoints").iterdir()), (run_dir / "metrics.jsonl").read_text()) == before
+
+    accepted = zeropipe("train", config, f"train.max_steps={RESUME_STEPS + 4}", "--new-schedule", "--resume", run_dir / "checkpoints" / "step_00000030")
+    assert_ok(accepted)
+    assert "--new-schedule: recomputed" in accepted.stderr
+    assert [row["step"] for row in metrics(run_dir)] == list(range(1, RESUME_STEPS + 5))

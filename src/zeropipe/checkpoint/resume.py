@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeropipe.errors import ZeroPipeError
+from zeropipe.rundir import RunDir
 
 ADAM_TYPES = {"adam", "adamw"}
 
@@ -41,3 +42,34 @@ def prefer_exact_adam(ds_config: dict[str, Any], accelerator: str) -> list[str]:
     params["torch_adam"] = True
     return ["optimizer.params.torch_adam = true (CPU ranks: torch's AdamW resumes bit-exactly, DeepSpeed's CPU Adam does not)"]
 
+
+def check_resume_schedule(saved_total_steps: int | None, total_steps: int, tag: str, new_schedule: bool) -> list[str]:
+    """Refuse a resume whose run length would change the learning-rate schedule, unless asked for.
+
+    Args:
+        saved_total_steps: the run length the checkpoint was saved under (None for checkpoints
+            written before ZeRO-Pipe recorded it: nothing to compare).
+        new_schedule: the user passed ``--new-schedule``.
+
+    Raises:
+        ZeroPipeError: the lengths differ and ``new_schedule`` is false.
+    """
+    if saved_total_steps is None or saved_total_steps == total_steps:
+        return []
+    change = (
+        f"checkpoint {tag} belongs to a run of {saved_total_steps} steps and this resume would run {total_steps}: "
+        f"the learning-rate schedule (warm-up, decay and its end) is computed from the run length, "
+        f"so the rate would change from the first resumed step on"
+    )
+    if not new_schedule:
+        raise ZeroPipeError(
+            f"{change}. Resume with train.max_steps={saved_total_steps} to keep the original schedule, "
+            "or add --new-schedule to recompute it for the new length"
+        )
+    return [f"{change} (--new-schedule: recomputed for {total_steps} steps)"]
+
+
+def previous_total_steps(run: RunDir) -> int | None:
+    """The run length of the run's last attempt (for checkpoints that do not record their own)."""
+    plan = run.read_json(run.plan_file) or {}
+    return plan.get("total_steps")

@@ -21,6 +21,11 @@ def register(commands) -> None:
         metavar="PATH",
         help="continue from the latest complete checkpoint of the run (or of PATH: a run directory or checkpoint)",
     )
+    parser.add_argument(
+        "--new-schedule",
+        action="store_true",
+        help="with --resume and another run length (train.max_steps or epochs): recompute the learning-rate schedule for the new length",
+    )
     parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default: hardware.gpus)")
     parser.set_defaults(run=run)
 
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         from zeropipe.cli.train_stages import train_curriculum
 
         return train_curriculum(args, config, resume)
-    prepared = prepare_run(config, resume=resume)
+    prepared = prepare_run(config, resume=resume, new_schedule=args.new_schedule)
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")
     say(

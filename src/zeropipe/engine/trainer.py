@@ -311,7 +311,7 @@ class Trainer:
         torch.save(rng_state(), self.run.checkpoints / tag / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            manager.mark_complete(self.run.path, self.step, {"world_size": self.world_size, "zero_stage": self.plan.zero_stage})
+            manager.mark_complete(self.run.path, self.step, {"world_size": self.world_size, "zero_stage": self.plan.zero_stage, "total_steps": self.plan.total_steps})
             removed = manager.prune(self.run.path, self.config.train.keep_last)
             log.info("checkpoint %s saved%s", tag, f"; removed {', '.join(removed)}" if removed else "")
         dist.barrier()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
-from zeropipe.checkpoint.resume import prefer_exact_adam
+from zeropipe.checkpoint.resume import check_resume_schedule, prefer_exact_adam, previous_total_steps
 from zeropipe.config.deepspeed import build_deepspeed_config, effective_batch_shape, zero_stage_of
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
@@ -53,7 +53,7 @@ def run_dir_for(config: RunConfig) -> Path:
     return Path(config.run.output_dir) / (config.run.name or "run")
 
 
-def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size: int | None = None) -> Prepared:
+def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size: int | None = None, new_schedule: bool = False) -> Prepared:
     """Lay out (or reopen, for a resume) the run directory and write what the ranks read.
 
     Args:
@@ -79,7 +79,6 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
                 f"resume with hardware.gpus={saved['world_size']} (changing the rank count needs a universal checkpoint)"
             )
         notes.append(f"resuming {run.path} from {info.tag} (step {info.step})")
-        notes += set_aside_future(run, info.step)
     elif run.path.exists() and (list_checkpoints(run.path, complete_only=False) or run.metrics.exists()):
         raise ZeroPipeError(
             f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
@@ -131,6 +130,10 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
         total_steps = config.train.max_steps
     else:
         total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
+    if resume_tag:
+        # Before anything of the run is moved: a refused resume leaves the run as it was.
+        notes += check_resume_schedule(saved.get("total_steps", previous_total_steps(run)), total_steps, resume_tag, new_schedule)
+        notes += set_aside_future(run, info.step)
     if config.train.warmup_steps >= total_steps:
         notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
     resolved = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
