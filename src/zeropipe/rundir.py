@@ -1,13 +1,49 @@
-"""The layout of a run directory: one place that names every file a run writes."""
+"""The layout of a run directory: one place that names every file a run writes.
+
+A run directory has one owner at a time: the launcher that holds an exclusive ``flock`` on
+``RUN/.owner.lock`` for its whole life. The kernel drops the lock when that process ends,
+however it ends (``kill -9`` included), so a ``running`` status whose lock is free belongs
+to a launcher that is gone. A second ``zeropipe train`` or ``--resume`` of the same run
+directory is refused while the lock is held.
+"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zeropipe.checkpoint.manager import write_atomic
+from zeropipe.errors import ZeroPipeError
+
+OWNER_LOCK = ".owner.lock"
+# A reader marking a lost run holds the lock for a few milliseconds: a launcher waits that out.
+CLAIM_WAIT_SECONDS = 1.0
+
+# Lock files held by this process, by resolved run directory: open for the life of the process.
+_held: dict[str, int] = {}
+
+
+class RunDirBusy(ZeroPipeError):
+    """Another live launcher owns the run directory."""
+
+
+def lock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive flock on ``fd``, trying for up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 @dataclass
@@ -46,6 +82,7 @@ class RunDir:
     summary = property(lambda self: self.path / "summary.json")
     generations = property(lambda self: self.path / "generations.jsonl")
     checkpoints = property(lambda self: self.path / "checkpoints")
+    owner_lock = property(lambda self: self.path / OWNER_LOCK)
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank{rank}.log"
@@ -62,13 +99,131 @@ class RunDir:
     def read_json(self, path: Path, default: Any = None) -> Any:
         try:
             return json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError):
             return default
 
+    # ------------------------------------------------------------- ownership
+    def claim(self) -> None:
+        """Own this run directory until the process exits (creating it if needed).
+
+        Raises:
+            RunDirBusy: another live process owns it; the message names its pid.
+        """
+        key = str(self.path.resolve())
+        if key in _held:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if not lock_within(fd, CLAIM_WAIT_SECONDS):
+            os.close(fd)
+            pid = self.owner_pid()
+            who = f"launcher pid {pid}" if pid else "another launcher"
+            raise RunDirBusy(
+                f"{self.path} is in use by a live run ({who}): wait for it to end or stop it "
+                f"(zeropipe runs stop {self.path.name}, or kill -TERM {pid or 'PID'}), or choose another run.name; nothing was changed"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held[key] = fd
+
+    def release(self) -> None:
+        """Give up ownership before the process ends (the kernel does it at exit anyway)."""
+        fd = _held.pop(str(self.path.resolve()), None)
+        if fd is not None:
+            os.close(fd)
+
+    def owned_here(self) -> bool:
+        return str(self.path.resolve()) in _held
+
+    def owner_pid(self) -> int | None:
+        """The pid of the live process that owns the run directory, or None when nobody does."""
+        if self.owned_here():
+            return os.getpid()
+        try:
+            fd = os.open(self.owner_lock, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            try:
+                # A shared lock is granted only when no exclusive owner holds the file.
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                return int(text) if text.isdigit() else -1
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def require_owner(self) -> None:
+        """Raise unless this process owns the run directory: writers call it before writing.
+
+        Raises:
+            RunDirBusy: another process owns it, or nobody does.
+        """
+        if not self.owned_here():
+            pid = self.owner_pid()
+            holder = f"it is owned by pid {pid}" if pid else "no launcher owns it"
+            raise RunDirBusy(f"{self.path}: this process may not write into the run directory ({holder})")
+
+    def read_status(self) -> dict[str, Any]:
+        """status.json, with a ``running`` run whose launcher is gone (its lock free) reported as lost.
+
+        The lost state is also written back, so every later reader agrees; nothing is written
+        while a launcher owns the directory.
+        """
+        status = self.read_json(self.status_file, {}) or {}
+        if status.get("state") not in ("running", "starting") or self.owner_pid() is not None or not self.owner_lock.exists():
+            return status
+        pid = status.get("supervisor_pid")
+        lost = {
+            "state": "lost",
+            "ended_at": status.get("ended_at") or time.time(),
+            "diagnosis": {
+                "text": (
+                    f"the launcher{f' (pid {pid})' if pid else ''} ended without recording how the run ended "
+                    "(killed with SIGKILL, or the machine restarted); its ranks stopped with it. "
+                    "Resume from the last complete checkpoint with --resume"
+                ),
+                "cause": "the launcher process disappeared",
+                "fix": "resume from the last complete checkpoint with --resume",
+            },
+        }
+        status.update(lost)
+        try:
+            self.claim()
+        except RunDirBusy:
+            return self.read_json(self.status_file, {}) or {}  # a launcher took it meanwhile
+        try:
+            current = self.read_json(self.status_file, {}) or {}
+            if current.get("state") in ("running", "starting"):
+                self.write_status(**lost)
+        except OSError:
+            pass  # a read-only or full disk: the reader still gets the right state
+        finally:
+            self.release()
+        return status
+
     def write_status(self, **fields: Any) -> None:
+        """Merge ``fields`` into status.json.
+
+        Raises:
+            OSError: the disk refused even the in-place fallback (the caller says so).
+        """
         status = self.read_json(self.status_file, {}) or {}
         status.update(fields)
-        write_atomic(self.status_file, json.dumps(status, indent=2))
+        text = json.dumps(status, indent=2)
+        try:
+            write_atomic(self.status_file, text)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # A full disk: a new file cannot be written, but status.json's own blocks can be
+            # rewritten in place, so the run never stays "running" for want of a few bytes.
+            compact = json.dumps(status, separators=(",", ":"))
+            with open(self.status_file, "r+") as handle:
+                handle.write(compact)
+                handle.truncate()
 
     def read_metrics(self) -> list[dict[str, Any]]:
         rows = []

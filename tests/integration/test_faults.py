@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe
+from tests.integration.conftest import assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
 
 pytestmark = pytest.mark.integration
 
@@ -107,3 +108,78 @@ def test_resume_with_another_run_length_asks_before_bending_the_schedule(uninter
     assert_ok(accepted)
     assert "--new-schedule: recomputed" in accepted.stderr
     assert [row["step"] for row in metrics(run_dir)] == list(range(1, RESUME_STEPS + 5))
+
+
+# ------------------------------------------------------------ launcher and owner
+def start_long_run(tmp_path: Path, name: str, save_every: int | None = None) -> tuple[Path, Path, subprocess.Popen]:
+    train = {"max_steps": 100000, "save_every": save_every}
+    config = write_config(tmp_path, tiny_run_config(tmp_path, name=name, train=train, **FAST), f"{name}.yaml")
+    run_dir = tmp_path / "runs" / name
+    proc = start_zeropipe("train", config)
+    wait_for(lambda: len(metrics(run_dir)) >= 2 + (save_every or 0), 300, "the first training steps")
+    return config, run_dir, proc
+
+
+def test_killed_launcher_takes_its_ranks_with_it_and_the_run_reads_lost(tmp_path):
+    config, run_dir, launcher = start_long_run(tmp_path, "orphans")
+    ranks = json.loads((run_dir / "status.json").read_text())["pids"]
+    children = [c.pid for pid in ranks for c in psutil.Process(pid).children(recursive=True)]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=10)
+    started = time.time()
+    wait_for(lambda: not alive(ranks + children), 5, "the ranks to die with their launcher")
+    assert time.time() - started < 3
+
+    # Nobody recorded the end: the first reader finds the owner gone and says so, for everyone.
+    listed = zeropipe("runs", "ls", "--runs-dir", tmp_path / "runs", "--json")
+    assert_ok(listed)
+    assert [run["state"] for run in json.loads(listed.stdout) if run["name"] == "orphans"] == ["lost"]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "lost" and "launcher" in status["diagnosis"]["text"] and "--resume" in status["diagnosis"]["text"]
+    steps = len(metrics(run_dir))
+    time.sleep(1.5)
+    assert len(metrics(run_dir)) == steps, "something still trains into the run directory"
+
+
+def test_a_failing_supervisor_stops_its_ranks_and_marks_the_run_failed(tmp_path):
+    """The supervisor loop raising (a bug, an unreadable file) must not orphan the ranks."""
+    from zeropipe.config.load import load_config
+    from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.supervisor import Supervisor
+
+    path = write_config(tmp_path, tiny_run_config(tmp_path, name="broken", train={"max_steps": 100000, "save_every": None}, **FAST))
+    prepared = prepare_run(load_config(path))
+    run_dir = prepared.run.path
+
+    def tick():
+        if len(metrics(run_dir)) >= 2:
+            raise RuntimeError("a bug in the progress display")
+
+    supervisor = Supervisor(prepared.run, prepared.plan.world_size, prepared.plan.accelerator, on_tick=tick)
+    supervisor.start()
+    ranks = [proc.pid for proc in supervisor.procs]
+    with pytest.raises(RuntimeError, match="progress display"):
+        supervisor.wait()
+    assert alive(ranks) == []
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed"
+    assert "the launcher failed while watching the ranks (RuntimeError: a bug in the progress display)" in status["diagnosis"]["text"]
+    prepared.run.release()
+
+
+def test_a_run_directory_has_one_owner(tmp_path):
+    config, run_dir, first = start_long_run(tmp_path, "shared", save_every=2)
+    # Same name while the first runs, and --resume of the live run (which used to truncate its
+    # metrics.jsonl): both refused before anything is written, naming the live launcher.
+    second, resumer = start_zeropipe("train", config), start_zeropipe("train", config, "--resume")
+    for proc in (second, resumer):
+        output, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 2, output
+        assert f"is in use by a live run (launcher pid {first.pid})" in output
+        assert "Traceback" not in output
+    first.send_signal(signal.SIGINT)
+    output, _ = first.communicate(timeout=60)
+    assert first.returncode == 130, output
+    steps = [row["step"] for row in metrics(run_dir)]
+    assert steps == list(range(1, len(steps) + 1)), "metrics.jsonl holds one run's steps, in order"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"

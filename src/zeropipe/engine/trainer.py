@@ -11,7 +11,6 @@ import logging
 import os
 import random
 import time
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -83,8 +82,10 @@ class Trainer:
         logging.basicConfig(level=level, format=f"%(asctime)s rank{self.rank} %(levelname)s %(name)s: %(message)s", force=True)
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        # torch's gloo wrappers warn on every collective DeepSpeed makes; one warning is enough.
-        warnings.filterwarnings("once", message=".*is deprecated. Please use.*")
+        # torch's gloo wrappers warn on every collective DeepSpeed makes: noise, not news.
+        from zeropipe.engine.worker import quiet_known_noise
+
+        quiet_known_noise()
 
     def setup_tokenizer(self) -> None:
         from transformers import AutoTokenizer

@@ -71,6 +71,7 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
     if resume:
         run_path, info = resolve_checkpoint(run.path if resume is True else Path(resume))
         run = RunDir(run_path)
+        run.claim()  # refuses a run directory a live launcher owns, before anything is read or moved
         resume_tag = info.tag
         saved = json.loads((info.path / "zeropipe_complete.json").read_text())
         if saved.get("world_size") not in (None, world_size):
@@ -79,11 +80,13 @@ def prepare_run(config: RunConfig, resume: str | bool | None = None, world_size:
                 f"resume with hardware.gpus={saved['world_size']} (changing the rank count needs a universal checkpoint)"
             )
         notes.append(f"resuming {run.path} from {info.tag} (step {info.step})")
-    elif run.path.exists() and (list_checkpoints(run.path, complete_only=False) or run.metrics.exists()):
-        raise ZeroPipeError(
-            f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
-            f"(e.g. run.name={run.path.name}-2); nothing was overwritten"
-        )
+    else:
+        run.claim()  # refuses a run directory a live launcher owns, even one that has written nothing yet
+        if list_checkpoints(run.path, complete_only=False) or run.metrics.exists():
+            raise ZeroPipeError(
+                f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
+                f"(e.g. run.name={run.path.name}-2); nothing was overwritten"
+            )
     run.path.mkdir(parents=True, exist_ok=True)
     # Errors recorded by an earlier attempt would mislead this attempt's diagnosis.
     shutil.rmtree(run.errors, ignore_errors=True)

@@ -84,7 +84,7 @@ def run_detail(request: Request, run_id: int = RunId):
     run_dir = store.run_dir(run)
     return {
         "run": run,
-        "status": read_json(run_dir.status_file),
+        "status": run_dir.read_status() or None,
         "plan": read_json(run_dir.plan_file),
         "summary": read_json(run_dir.summary),
         "logs": store.log_names(run),

@@ -98,7 +98,7 @@ def spread(rows: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
 def read_run(path: Path) -> dict[str, Any]:
     """The runs-table fields a run directory gives (everything but id, origin and the UI's own state)."""
     run = RunDir(path)
-    status = read_json(run.status_file) or {}
+    status = run.read_status()  # a "running" run whose launcher's lock is free is lost
     plan = read_json(run.plan_file) or {}
     summary = read_json(run.summary) or {}
     glance = metrics_glance(run.metrics)

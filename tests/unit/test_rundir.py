@@ -1,0 +1,74 @@
+"""Ownership of a run directory: one live launcher at a time, and a lost run read as lost."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zeropipe.rundir import RunDir, RunDirBusy
+
+HOLD = """
+import sys, time
+from zeropipe.rundir import RunDir
+RunDir(sys.argv[1]).claim()
+print("claimed", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def other_owner(tmp_path):
+    """Another process that owns tmp_path/run until the test kills it."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "claimed"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_owner_is_named_and_keeps_the_directory(tmp_path, other_owner):
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(RunDirBusy) as caught:
+        run.claim()
+    assert f"launcher pid {other_owner.pid}" in str(caught.value) and "run.name" in str(caught.value)
+    assert run.owner_pid() == other_owner.pid
+    with pytest.raises(RunDirBusy):
+        run.require_owner()
+
+
+def test_the_lock_dies_with_its_owner_however_it_dies(tmp_path, other_owner):
+    run = RunDir(tmp_path / "run")
+    other_owner.kill()  # SIGKILL: no cleanup code runs, the kernel drops the lock
+    other_owner.wait()
+    assert run.owner_pid() is None
+    run.claim()
+    try:
+        assert run.owner_pid() == RunDir(tmp_path / "run").owner_pid()
+        run.require_owner()
+    finally:
+        run.release()
+
+
+def test_running_status_with_a_free_lock_reads_and_is_written_lost(tmp_path, other_owner):
+    run = RunDir(tmp_path / "run")
+    (run.path / "status.json").write_text(json.dumps({"state": "running", "supervisor_pid": other_owner.pid}))
+    assert run.read_status()["state"] == "running"  # the owner is alive
+    other_owner.kill()
+    other_owner.wait()
+    status = run.read_status()
+    assert status["state"] == "lost" and f"pid {other_owner.pid}" in status["diagnosis"]["text"]
+    assert json.loads(run.status_file.read_text())["state"] == "lost"
+    assert run.owner_pid() is None  # the reader let go again
+
+
+def test_claim_waits_out_a_readers_brief_hold(tmp_path):
+    run = RunDir(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-c", HOLD.replace("time.sleep(60)", "time.sleep(0.3)"), str(run.path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "claimed"
+    started = time.monotonic()
+    run.claim()
+    run.release()
+    proc.wait()
+    assert time.monotonic() - started < 1.0
