@@ -33,6 +33,18 @@ class RunDirBusy(ZeroPipeError):
     """Another live launcher owns the run directory."""
 
 
+def disk_problem(err: OSError, run_dir: Path) -> ZeroPipeError:
+    """What a refused write into a run directory means for the user, with the fix."""
+    where = Path(err.filename) if err.filename else Path(run_dir)
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ZeroPipeError(f"the disk holding {run_dir} is full (writing {where}): free space there, or set run.output_dir to a folder on another disk")
+    if err.errno == errno.EROFS:
+        return ZeroPipeError(f"{run_dir} is on a read-only file system: set run.output_dir to a writable folder")
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return ZeroPipeError(f"no permission to write {where}: set run.output_dir to a folder you can write to")
+    return ZeroPipeError(f"cannot write the run directory {run_dir} ({err.strerror or err} at {where}): set run.output_dir to a writable folder")
+
+
 def lock_within(fd: int, seconds: float) -> bool:
     """Take an exclusive flock on ``fd``, trying for up to ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -112,8 +124,11 @@ class RunDir:
         key = str(self.path.resolve())
         if key in _held:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise disk_problem(err, self.path) from None
         if not lock_within(fd, CLAIM_WAIT_SECONDS):
             os.close(fd)
             pid = self.owner_pid()
@@ -216,14 +231,34 @@ class RunDir:
         try:
             write_atomic(self.status_file, text)
         except OSError as err:
-            if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.status_file.is_file():
                 raise
-            # A full disk: a new file cannot be written, but status.json's own blocks can be
-            # rewritten in place, so the run never stays "running" for want of a few bytes.
-            compact = json.dumps(status, separators=(",", ":"))
-            with open(self.status_file, "r+") as handle:
-                handle.write(compact)
-                handle.truncate()
+            self.rewrite_status_in_place(status)
+
+    def rewrite_status_in_place(self, status: dict[str, Any]) -> None:
+        """A full disk: no new file can be written, but status.json's own first block can be.
+
+        The status is slimmed (no log tail) to fit the block the file already has, so the run
+        never stays "running" for want of a few bytes.
+        """
+        room = max(4096, -(-self.status_file.stat().st_size // 4096) * 4096)
+        slim = dict(status)
+        diagnosis = status.get("diagnosis")
+        if isinstance(diagnosis, dict):
+            text = str(diagnosis.get("text", "")).split("\nlast lines of", 1)[0]
+            slim["diagnosis"] = {key: diagnosis[key] for key in ("rank", "how", "cause", "fix") if key in diagnosis} | {"text": text}
+        for key in ("rank_rss_peak_bytes", "pids"):
+            encoded = json.dumps(slim, separators=(",", ":")).encode()
+            if len(encoded) <= room:
+                break
+            slim.pop(key, None)
+        encoded = json.dumps(slim, separators=(",", ":")).encode()
+        if len(encoded) > room and isinstance(slim.get("diagnosis"), dict):
+            slim["diagnosis"] = {"text": slim["diagnosis"]["text"][: room // 2]}
+            encoded = json.dumps(slim, separators=(",", ":")).encode()
+        with open(self.status_file, "r+b") as handle:
+            handle.write(encoded)
+            handle.truncate()
 
     def read_metrics(self) -> list[dict[str, Any]]:
         rows = []

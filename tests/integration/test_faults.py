@@ -8,6 +8,7 @@ the same run name, a disk that fills up, a resume from any checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -183,3 +184,72 @@ def test_a_run_directory_has_one_owner(tmp_path):
     steps = [row["step"] for row in metrics(run_dir)]
     assert steps == list(range(1, len(steps) + 1)), "metrics.jsonl holds one run's steps, in order"
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+
+
+# ------------------------------------------------------------------ full disks
+def mount_tmpfs(path: Path, options: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs: room for a tiny run and a few checkpoints, easy to fill."""
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "size=16m")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    disk = tmp_path / "readonly"
+    mount_tmpfs(disk, "ro,size=1m")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def outside_rank_logs(output: str) -> str:
+    """The launcher's own words: without the rank-log lines the diagnosis quotes ('  | ...')."""
+    return "\n".join(line for line in output.splitlines() if not line.startswith("  |"))
+
+
+def test_an_unwritable_output_dir_is_one_message(tmp_path, read_only_disk):
+    for output_dir, words in [("/proc/zeropipe-x", "set run.output_dir to a"), (str(read_only_disk), "read-only file system")]:
+        config = write_config(tmp_path, tiny_run_config(tmp_path, name="nowhere", **FAST) | {"run": {"name": "nowhere", "output_dir": output_dir}})
+        result = zeropipe("train", config)
+        assert result.returncode == 2, result.stderr
+        assert words in result.stderr and "run.output_dir" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_disk_filling_up_mid_run_is_diagnosed_and_keeps_the_last_checkpoint(tmp_path, small_disk):
+    config = tiny_run_config(tmp_path, name="full", train={"max_steps": 100000, "save_every": 2, "keep_last": 1}, **FAST)
+    config["run"]["output_dir"] = str(small_disk)
+    run_dir = small_disk / "full"
+    launcher = start_zeropipe("train", write_config(tmp_path, config))
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000002" / "zeropipe_complete.json").exists(), 300, "the first checkpoint")
+    filler = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(filler, b"\0" * 65536)
+    except OSError:
+        pass  # ENOSPC: the disk is full now
+    finally:
+        os.close(filler)
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1, output
+    assert "the disk holding the run directory is full" in output or "the disk is full" in output, output
+    assert "free space where the run directory lives" in output
+    assert "Traceback" not in outside_rank_logs(output), output
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed"
+    assert not list(small_disk.rglob(".*.tmp*")), "a temporary file was left behind"
+    assert all(path.stat().st_size > 0 for path in (run_dir / "errors").glob("*.json")), "an empty error record hides the cause"
+    # The newest complete checkpoint is intact and named by `latest`.
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest / "zeropipe_complete.json").is_file()

@@ -1,6 +1,7 @@
 """Ownership of a run directory: one live launcher at a time, and a lost run read as lost."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -72,3 +73,28 @@ def test_claim_waits_out_a_readers_brief_hold(tmp_path):
     run.release()
     proc.wait()
     assert time.monotonic() - started < 1.0
+
+
+def test_status_on_a_full_disk_is_rewritten_in_place_and_stays_json(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run = RunDir(disk / "run")
+        run.path.mkdir()
+        run.write_status(state="running", pids=[1, 2], supervisor_pid=3)
+        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError):
+            while True:
+                os.write(filler, b"\0" * 4096)
+        os.close(filler)
+        log_tail = "\n".join(f"  | line {i} of a long traceback" for i in range(200))
+        run.write_status(state="failed", diagnosis={"rank": 0, "cause": "the disk is full", "fix": "free space", "text": f"rank 0 exited\nlast lines of rank 0's log:\n{log_tail}"})
+        status = json.loads(run.status_file.read_text())
+        assert status["state"] == "failed" and status["diagnosis"]["cause"] == "the disk is full"
+        assert [p.name for p in run.path.iterdir() if ".tmp" in p.name] == []
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])

@@ -130,9 +130,14 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` all at once; on any failure the old file stays and no temporary is left."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

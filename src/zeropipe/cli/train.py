@@ -59,7 +59,14 @@ def run(args: argparse.Namespace) -> int:
         from zeropipe.cli.train_stages import train_curriculum
 
         return train_curriculum(args, config, resume)
-    prepared = prepare_run(config, resume=resume, new_schedule=args.new_schedule)
+    try:
+        prepared = prepare_run(config, resume=resume, new_schedule=args.new_schedule)
+    except OSError as err:
+        # A full, read-only or vanished disk under the run directory: a message, not a traceback.
+        from zeropipe.launch.prepare import run_dir_for
+        from zeropipe.rundir import disk_problem
+
+        raise disk_problem(err, run_dir_for(config)) from None
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")
     say(
@@ -71,11 +78,19 @@ def run(args: argparse.Namespace) -> int:
         say(f"  {note}")
     progress = Progress(run_dir, plan.total_steps)
     supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
-    supervisor.start()
-    say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
-    outcome = supervisor.wait()
+    try:
+        supervisor.start()
+        say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
+        outcome = supervisor.wait()
+    except OSError as err:
+        # The ranks were stopped and the run marked failed; the disk is the likely reason.
+        from zeropipe.rundir import disk_problem
+
+        raise disk_problem(err, run_dir.path) from None
     progress.update()
     progress.close()
+    if outcome.status_error:
+        say(f"warning: {outcome.status_error}")
     if outcome.state == "failed":
         assert outcome.diagnosis is not None
         say("")

@@ -10,6 +10,8 @@ import signal
 from dataclasses import asdict, dataclass, field
 
 GB = 1e9
+DISK_FULL_BYTES = 16 * 2**20
+DISK_FULL_FIX = "free space where the run directory lives (or set run.output_dir on another disk), or lower train.keep_last; then resume with --resume"
 
 # What survivors print when a peer disappears: never the cause, always an effect.
 SECONDARY_PATTERNS = [
@@ -28,7 +30,7 @@ SECONDARY_PATTERNS = [
 KNOWN_CAUSES = [
     (r"CUDA out of memory|OutOfMemoryError", "the GPU ran out of memory", "lower train.micro_batch_size, enable model.gradient_checkpointing, raise deepspeed.zero_stage or offload to CPU (zeropipe plan shows what fits)"),
     (r"Cannot copy out of meta tensor|meta tensor", "a parameter was used while still on the meta device (ZeRO-3 partitioning)", "report this with the log: ZeRO-Pipe builds models under zero.Init so this should not happen"),
-    (r"No space left on device", "the disk is full", "free space where the run directory lives, or lower train.keep_last"),
+    (r"No space left on device", "the disk is full", DISK_FULL_FIX),
     (r"Address already in use", "the rendezvous port is taken", "set hardware.master_port to a free port or leave it unset"),
     (r"CUDA_HOME|nvcc|error building extension|ninja: build stopped", "DeepSpeed failed to JIT-build one of its ops", "check that the CUDA toolkit matches torch's CUDA version; DS_SKIP_CUDA_CHECK=1 is the known escape for a minor mismatch"),
     (r"Extra inputs are not permitted", "DeepSpeed rejected a key of the DeepSpeed JSON", "remove the key it names from deepspeed.config_file or deepspeed.overrides"),
@@ -95,7 +97,13 @@ def choose_primary(exits: list[RankExit]) -> RankExit:
     return candidates[0]
 
 
-def diagnose(exits: list[RankExit], host_ram_peak_bytes: int, host_ram_total_bytes: int, primary: RankExit | None = None) -> Diagnosis:
+def diagnose(
+    exits: list[RankExit],
+    host_ram_peak_bytes: int,
+    host_ram_total_bytes: int,
+    primary: RankExit | None = None,
+    disk_free_bytes: int | None = None,
+) -> Diagnosis:
     primary = primary or choose_primary(exits)
     ram = f"host RAM peaked at {host_ram_peak_bytes / GB:.1f} of {host_ram_total_bytes / GB:.1f} GB"
     text = "\n".join(primary.log_tail) + "\n" + (primary.error or {}).get("traceback", "")
@@ -127,7 +135,11 @@ def diagnose(exits: list[RankExit], host_ram_peak_bytes: int, host_ram_total_byt
                 cause, fix = f"{known_cause} ({message})" if message else known_cause, known_fix
                 break
         else:
-            if primary.looks_secondary:
+            if disk_free_bytes is not None and disk_free_bytes < DISK_FULL_BYTES:
+                # A rank that cannot write cannot write down why either: its log is on the same disk.
+                cause = f"the disk holding the run directory is full ({disk_free_bytes / 2**20:.1f} MiB free){f'; {message}' if message else ''}"
+                fix = DISK_FULL_FIX
+            elif primary.looks_secondary:
                 cause = f"lost contact with another rank ({message}); the real failure is in another rank's log"
     others = [describe_exit(e) for e in exits if e.rank != primary.rank]
     return Diagnosis(primary.rank, how, cause, fix, host_ram_peak_bytes, host_ram_total_bytes, primary.log_tail, others)

@@ -16,6 +16,7 @@ asks the kernel for a parent-death signal and also watches ``ZEROPIPE_LAUNCHER_P
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -226,7 +227,7 @@ class Supervisor:
             e.log_tail = tail(self.run.rank_log(e.rank))
             e.error = self.run.read_json(self.run.rank_error(e.rank))
         ordered = [exits[r] for r in sorted(exits)]
-        diagnosis = diagnose(ordered, self.host_ram_peak, psutil.virtual_memory().total)
+        diagnosis = diagnose(ordered, self.host_ram_peak, psutil.virtual_memory().total, disk_free_bytes=disk_free(self.run.path))
         self.record(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
         return self.outcome("failed", diagnosis)
 
@@ -257,6 +258,14 @@ class Supervisor:
 
     def hurry_up(self, signum, frame) -> None:
         self.hurry = True
+
+
+def disk_free(path: Path) -> int | None:
+    """Free bytes on the disk of the run directory (a rank that cannot write may not say why: its log is there too)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def raise_keyboard_interrupt(signum, frame) -> None:

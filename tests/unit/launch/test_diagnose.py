@@ -42,3 +42,14 @@ def test_recorded_exception_message_is_the_cause():
 def test_only_secondary_errors_say_to_look_elsewhere():
     diagnosis = diagnose([RankExit(1, 1, 2.0, SURVIVOR_LOG)], 0, GB)
     assert "lost contact with another rank" in diagnosis.cause
+
+
+def test_a_rank_that_could_not_write_why_on_a_full_disk_is_blamed_on_the_disk():
+    # Its log is on the full disk too: only a torch.save error made it out.
+    log = ["RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 128 vs 0"]
+    diagnosis = diagnose([RankExit(1, 1, 2.0, log), RankExit(0, 1, 2.1, SURVIVOR_LOG)], 0, GB, disk_free_bytes=0)
+    assert diagnosis.rank == 1
+    assert diagnosis.cause.startswith("the disk holding the run directory is full (0.0 MiB free)")
+    assert "free space where the run directory lives" in diagnosis.fix
+    # With room on the disk the same error is just the error.
+    assert "disk" not in diagnose([RankExit(1, 1, 2.0, log)], 0, GB, disk_free_bytes=50 * GB).cause
