@@ -31,6 +31,7 @@ from typing import Callable
 import psutil
 
 from zeropipe.launch.diagnose import Diagnosis, RankExit, diagnose
+from zeropipe.errors import LaunchError
 from zeropipe.rundir import RunDir
 
 POLL_SECONDS = 0.2
@@ -84,6 +85,9 @@ def tail(path: Path, lines: int = 40) -> list[str]:
 
 class Supervisor:
     def __init__(self, run: RunDir, world_size: int, accelerator: str, master_port: int | None = None, on_tick: Callable[[], None] | None = None):
+        if world_size < 1:
+            # No rank would ever report back: wait() would wait forever.
+            raise LaunchError(f"{world_size} ranks cannot train: hardware.gpus must be at least 1")
         self.run = run
         self.world_size = world_size
         self.accelerator = accelerator
