@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def validate_config(raw: dict[str, Any], source: str | None = None, extra_proble
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as err:
-        problems += [describe_error(error) for error in err.errors()]
+        problems += describe_errors(err.errors())
     if raw.get("stages") is not None:
         from zeropipe.config.stages import curriculum_problems
 
@@ -143,11 +144,57 @@ ALIASES = {
 }
 
 
+# What pydantic's type errors expect, in the user's words.
+EXPECTED = {
+    "int_parsing": "a whole number",
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "text",
+    "list_type": "a list",
+    "dict_type": "a mapping (key: value lines)",
+    "model_type": "a mapping (key: value lines)",
+    "model_attributes_type": "a mapping (key: value lines)",
+}
+# pydantic names the member of a union that failed in the location ("constrained-int",
+# "literal['auto']", "function-after[...]"): internal names, never a key the user wrote.
+UNION_MEMBER = re.compile(r"^(constrained-\w+|[\w-]+\[.*\]|int|str|float|bool|none)$")
+
+
+def describe_errors(errors: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One (dotted key, message) per key: a value that fits no member of a union is one problem, not one per member."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for error in errors:
+        by_key.setdefault(dotted_key(user_loc(error)), []).append(error)
+    problems = []
+    for key, group in by_key.items():
+        expected = [expectation(error) for error in group]
+        if len(group) > 1 and all(expected):
+            alternatives = list(dict.fromkeys(e for e in expected if e))
+            shown = ", ".join(alternatives[:-1]) + f" or {alternatives[-1]}" if len(alternatives) > 1 else alternatives[0]
+            problems.append((key, f"must be {shown} (you gave {group[0].get('input')!r})"))
+        else:
+            problems += [describe_error(error) for error in group]
+    return problems
+
+
+def user_loc(error: dict[str, Any]) -> list[str]:
+    return [str(part) for part in error["loc"] if not UNION_MEMBER.match(str(part))]
+
+
+def expectation(error: dict[str, Any]) -> str | None:
+    """What a type error asks for ('a whole number', "'auto'"), or None for other errors."""
+    if error["type"] == "literal_error":
+        return str(error.get("ctx", {}).get("expected") or error["msg"].replace("Input should be ", ""))
+    return EXPECTED.get(error["type"])
+
+
 def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into (dotted key, message with the fix)."""
-    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union["))]
-    # pydantic appends the failing union member's type to the location; drop those parts.
-    loc = [part for part in loc if part not in {"int", "str", "list[str]", "dict[str,any]", "float", "bool"}]
+    loc = user_loc(error)
     key = dotted_key(loc)
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -157,7 +204,9 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str]:
         return key, f"unknown key; {hint}"
     if kind == "literal_error":
         return key, f"{error['msg'].replace('Input should be', 'must be')} (you gave {error.get('input')!r})"
-    message = error["msg"]
+    if kind in EXPECTED:
+        return key, f"must be {EXPECTED[kind]} (you gave {error.get('input')!r})"
+    message = error["msg"].replace("Input should be", "must be")
     if "input" in error and kind not in {"missing"}:
         message += f" (you gave {error['input']!r})"
     return key, message

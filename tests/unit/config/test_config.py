@@ -155,3 +155,19 @@ def test_packing_and_evaluation_settings_that_cannot_work_together(tmp_path):
         load_config(write(tmp_path, minimal(tmp_path, train={"eval_every": 10})))
     loaded = load_config(write(tmp_path, minimal(tmp_path, data={"packing": True, "eval_fraction": 0.05}, train={"eval_every": 10})))
     assert loaded.data.packing and loaded.data.eval_fraction == 0.05 and loaded.train.eval_every == 10
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.micro_batch_size=sixteen", "train.micro_batch_size: must be a whole number or 'auto' (you gave 'sixteen')"),
+        ("hardware.gpus=two", "hardware.gpus: must be a whole number or 'auto' (you gave 'two')"),
+        ("train.lr=fast", "train.lr: must be a number (you gave 'fast')"),
+        ("train.max_steps=1.5", "train.max_steps: must be a whole number (you gave 1.5)"),
+    ],
+)
+def test_a_wrong_type_is_one_problem_in_the_users_words(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, minimal(tmp_path)), [override])
+    assert caught.value.problems == [(expected.split(": ", 1)[0], expected.split(": ", 1)[1])]
+    assert "constrained-" not in str(caught.value) and "Input should" not in str(caught.value)
