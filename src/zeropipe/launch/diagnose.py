@@ -9,6 +9,8 @@ import re
 import signal
 from dataclasses import asdict, dataclass, field
 
+from zeropipe.launch.oom import OomEvidence
+
 GB = 1e9
 DISK_FULL_BYTES = 16 * 2**20
 DISK_FULL_FIX = "free space where the run directory lives (or set run.output_dir on another disk), or lower train.keep_last; then resume with --resume"
@@ -44,6 +46,7 @@ class RankExit:
     seen_at: float
     log_tail: list[str] = field(default_factory=list)
     error: dict | None = None  # errors/rank{N}.json when the rank recorded its exception
+    pid: int | None = None
 
     @property
     def signal_name(self) -> str | None:
@@ -97,22 +100,68 @@ def choose_primary(exits: list[RankExit]) -> RankExit:
     return candidates[0]
 
 
+@dataclass
+class RunSettings:
+    """The run's memory-relevant choices, so a fix never suggests what is already set."""
+
+    zero_stage: int | None = None
+    ranks: int | None = None
+    offload_optimizer: bool = False
+    offload_param: bool = False
+
+
+def host_ram_fixes(settings: RunSettings) -> str:
+    """Ways to need less host RAM that this run does not use yet."""
+    fixes = []
+    if settings.zero_stage != 3:
+        fixes.append("deepspeed.zero_stage: 3 (each rank loads only its share of the weights)")
+    if settings.ranks is None or settings.ranks > 1:
+        fixes.append(f"fewer ranks on this node (hardware.gpus{f', now {settings.ranks}' if settings.ranks else ''})")
+    if settings.offload_optimizer or settings.offload_param:
+        on = " and ".join(key for key, used in (("offload_optimizer", settings.offload_optimizer), ("offload_param", settings.offload_param)) if used)
+        fixes.append(f"less CPU offload (deepspeed.{on} keeps those states in host RAM)")
+    fixes.append("more RAM for the machine or container")
+    return "; ".join(fixes) + " (zeropipe plan shows each choice's host-RAM need)"
+
+
+def sigkill_cause(pid: int | None, ram: str, near_full: bool, oom: OomEvidence | None, settings: RunSettings) -> tuple[str, str]:
+    """(cause, fix) of a SIGKILL: the OOM killer only when the records or the RAM figures say so."""
+    verdict = oom.verdict(pid) if (oom is not None and pid is not None) else None
+    sources = " and ".join(oom.sources) if oom is not None else ""
+    if verdict is True:
+        return f"the kernel's OOM killer killed it ({sources} record it); {ram}", host_ram_fixes(settings)
+    elsewhere = "a user's kill -9, a job scheduler's hard limit or a container runtime"
+    resume = "find what sent it; then resume with --resume"
+    if verdict is False:
+        return f"not the OOM killer ({sources} record no OOM kill; {ram}): something outside ZeRO-Pipe sent SIGKILL ({elsewhere})", resume
+    if near_full:
+        return f"most likely the kernel's OOM killer: {ram} - the node ran out of memory", host_ram_fixes(settings) + "; `dmesg | grep -i oom` confirms an OOM kill"
+    return (
+        f"probably not the OOM killer: {ram}, far from full; something else sent SIGKILL ({elsewhere}). "
+        "A spike shorter than a second can escape the sampling: `dmesg | grep -i oom` tells for sure",
+        resume,
+    )
+
+
 def diagnose(
     exits: list[RankExit],
     host_ram_peak_bytes: int,
     host_ram_total_bytes: int,
     primary: RankExit | None = None,
     disk_free_bytes: int | None = None,
+    oom: OomEvidence | None = None,
+    settings: RunSettings | None = None,
 ) -> Diagnosis:
     primary = primary or choose_primary(exits)
+    if oom is not None and oom.memory_limit_bytes:
+        host_ram_total_bytes = oom.memory_limit_bytes  # a container's limit is the RAM that counts
     ram = f"host RAM peaked at {host_ram_peak_bytes / GB:.1f} of {host_ram_total_bytes / GB:.1f} GB"
     text = "\n".join(primary.log_tail) + "\n" + (primary.error or {}).get("traceback", "")
     sig = primary.signal_name
     if sig == "SIGKILL":
         how = "was killed by SIGKILL"
         near_full = host_ram_peak_bytes > 0.9 * host_ram_total_bytes
-        cause = f"the kernel's OOM killer is the usual cause; {ram}" + (" - the node ran out of memory" if near_full else "")
-        fix = "use deepspeed.zero_stage: 3 (partitioned loading), fewer ranks per node, or less CPU offload; `dmesg | grep -i oom` confirms an OOM kill"
+        cause, fix = sigkill_cause(primary.pid, ram, near_full, oom, settings or RunSettings())
     elif sig:
         how = f"was killed by {sig}"
         causes = {

@@ -16,6 +16,7 @@ asks the kernel for a parent-death signal and also watches ``ZEROPIPE_LAUNCHER_P
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +31,9 @@ from typing import Callable
 
 import psutil
 
-from zeropipe.launch.diagnose import Diagnosis, RankExit, diagnose
+from zeropipe.engine.worker import KNOWN_NOISE
+from zeropipe.launch import oom
+from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose
 from zeropipe.errors import LaunchError
 from zeropipe.rundir import RunDir
 
@@ -75,12 +78,31 @@ def rank_environment(rank: int, world_size: int, port: int, accelerator: str) ->
     return env
 
 
+NOISE = re.compile("|".join(KNOWN_NOISE))
+
+
 def tail(path: Path, lines: int = 40) -> list[str]:
+    """The last lines of a rank's log, without known third-party deprecation notices.
+
+    A warning is two lines: the notice, and the source line Python prints under it.
+    """
     try:
         with open(path, errors="replace") as handle:
-            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
+            recent = [line.rstrip("\n") for line in deque(handle, maxlen=lines * 20)]
     except FileNotFoundError:
         return []
+    kept: list[str] = []
+    skip_source_line = False
+    for line in recent:
+        if NOISE.search(line) and "Warning" in line:
+            skip_source_line = True
+            continue
+        if skip_source_line and line.startswith((" ", "\t")):
+            skip_source_line = False
+            continue
+        skip_source_line = False
+        kept.append(line)
+    return kept[-lines:]
 
 
 class Supervisor:
@@ -101,6 +123,7 @@ class Supervisor:
         self.rank_children: dict[int, list[psutil.Process]] = {}
         self.last_memory_sample = self.last_children_scan = float("-inf")
         self.status_error: str | None = None
+        self.oom_kills_at_start = oom.cgroup_oom_kills()
         self.hurry = False  # a second Ctrl-C while stopping: no grace period
 
     def record(self, **fields) -> None:
@@ -231,7 +254,18 @@ class Supervisor:
             e.log_tail = tail(self.run.rank_log(e.rank))
             e.error = self.run.read_json(self.run.rank_error(e.rank))
         ordered = [exits[r] for r in sorted(exits)]
-        diagnosis = diagnose(ordered, self.host_ram_peak, psutil.virtual_memory().total, disk_free_bytes=disk_free(self.run.path))
+        for e in ordered:
+            e.pid = self.procs[e.rank].pid
+        total = psutil.virtual_memory().total
+        killed = any(e.signal_name == "SIGKILL" for e in ordered)
+        diagnosis = diagnose(
+            ordered,
+            self.host_ram_peak,
+            total,
+            disk_free_bytes=disk_free(self.run.path),
+            oom=oom.gather(self.oom_kills_at_start, total) if killed else None,
+            settings=run_settings(self.run),
+        )
         self.record(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
         return self.outcome("failed", diagnosis)
 
@@ -262,6 +296,17 @@ class Supervisor:
 
     def hurry_up(self, signum, frame) -> None:
         self.hurry = True
+
+
+def run_settings(run: RunDir) -> RunSettings:
+    """The run's ZeRO stage, rank count and offload, from the files the launcher wrote."""
+    plan = run.read_json(run.plan_file, {}) or {}
+    zero = (run.read_json(run.ds_config, {}) or {}).get("zero_optimization") or {}
+
+    def offloads(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+    return RunSettings(plan.get("zero_stage"), plan.get("world_size"), offloads("offload_optimizer"), offloads("offload_param"))
 
 
 def disk_free(path: Path) -> int | None:
