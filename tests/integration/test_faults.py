@@ -271,3 +271,20 @@ def test_a_kill_9_on_a_roomy_zero3_run_is_not_called_an_oom_kill(tmp_path):
     # Torch's per-collective deprecation notices neither fill the rank logs nor the tail shown.
     assert "is deprecated" not in output
     assert not [line for rank in (0, 1) for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines() if "is deprecated" in line]
+
+
+def test_a_double_ctrl_c_stops_cleanly_and_the_hint_resumes_the_same_run(tmp_path):
+    config = write_config(tmp_path, tiny_run_config(tmp_path, name="base", train={"max_steps": 100000, "save_every": 2}, **FAST))
+    # The run's name comes from the command line: a hint without it would resume another run.
+    launcher = start_zeropipe("train", config, "run.name=renamed")
+    run_dir = tmp_path / "runs" / "renamed"
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000002" / "zeropipe_complete.json").exists(), 300, "the first checkpoint")
+    ranks = json.loads((run_dir / "status.json").read_text())["pids"]
+    launcher.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    launcher.send_signal(signal.SIGINT)
+    output, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, output
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+    assert alive(ranks) == []
+    assert f"continue with: zeropipe train {config} run.name=renamed --resume" in output

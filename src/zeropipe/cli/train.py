@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from zeropipe.rundir import RunDir
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         resume = True
     if args.nproc is not None:
         overrides.append(f"hardware.gpus={args.nproc}")
+    args.effective_overrides = overrides  # what a resume must repeat
     config = load_config(args.config, overrides)
     config, auto_notes = resolve_auto_knobs(config)
     for note in auto_notes:
@@ -95,17 +97,25 @@ def run(args: argparse.Namespace) -> int:
         assert outcome.diagnosis is not None
         say("")
         say("training failed: " + outcome.diagnosis.render())
-        say(f"resume after fixing it: zeropipe train {args.config} --resume")
+        say(f"resume after fixing it: {resume_command(args)}")
         return 1
     if outcome.state == "stopped":
         from zeropipe.checkpoint.manager import latest_checkpoint
 
         latest = latest_checkpoint(run_dir.path)
-        where = f"latest checkpoint: {latest.tag}; continue with: zeropipe train {args.config} --resume" if latest else "no checkpoint was saved"
+        where = f"latest checkpoint: {latest.tag}; continue with: {resume_command(args)}" if latest else "no checkpoint was saved"
         say(f"stopped; all ranks ended. {where}")
         return 130
     report(run_dir)
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: the same config and overrides (the run's name may be one)."""
+    parts = ["zeropipe", "train", args.config, *getattr(args, "effective_overrides", args.overrides)]
+    if args.new_schedule:
+        parts.append("--new-schedule")
+    return shlex.join(parts + ["--resume"])
 
 
 def say(text: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from zeropipe.cli.train import Progress, say
+from zeropipe.cli.train import Progress, resume_command, say
 from zeropipe.config.schema import RunConfig
 
 
@@ -60,18 +60,18 @@ def train_curriculum(args: argparse.Namespace, config: RunConfig, resume: str | 
                 curriculum.ended(stage, "failed", outcome.diagnosis.to_dict())
                 say("")
                 say(f"{stage.label} failed: " + outcome.diagnosis.render())
-                say(f"resume after fixing it: zeropipe train {args.config} --resume  (finished stages are not run again)")
+                say(f"resume after fixing it: {resume_command(args)}  (finished stages are not run again)")
                 return 1
             if outcome.state == "stopped":
                 curriculum.ended(stage, "stopped")
-                say(f"stopped in {stage.label}; all ranks ended. continue with: zeropipe train {args.config} --resume")
+                say(f"stopped in {stage.label}; all ranks ended. continue with: {resume_command(args)}")
                 return 130
             say(f"{stage.label} done; exporting its weights{' for the next stage' if stage is not curriculum.stages[-1] else ''}")
             curriculum.ended(stage, "completed")
         summary = curriculum.finish()
     except KeyboardInterrupt:
         curriculum.stopped(current)
-        say(f"stopped{f' in {current.label}' if current else ''}. continue with: zeropipe train {args.config} --resume")
+        say(f"stopped{f' in {current.label}' if current else ''}. continue with: {resume_command(args)}")
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -125,6 +125,7 @@ class Supervisor:
         self.status_error: str | None = None
         self.oom_kills_at_start = oom.cgroup_oom_kills()
         self.hurry = False  # a second Ctrl-C while stopping: no grace period
+        self.interrupted = False
 
     def record(self, **fields) -> None:
         """Write status.json; a disk that refuses it is remembered and said, never raised past the ranks' fate."""
@@ -145,7 +146,7 @@ class Supervisor:
         # must be the main thread, which lives as long as the launcher.
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Supervisor.start must run in the main thread: ranks die with the thread that started them")
-        self.previous_sigterm = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+        self.previous_handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for rank in range(self.world_size):
                 log = open(self.run.rank_log(rank), "a")
@@ -164,6 +165,8 @@ class Supervisor:
         except BaseException as err:
             self.stop_all()
             self.record(state="stopped" if isinstance(err, KeyboardInterrupt) else "failed", ended_at=time.time())
+            for sig, handler in self.previous_handlers.items():
+                signal.signal(sig, handler)
             raise
         self.record(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
 
@@ -232,7 +235,8 @@ class Supervisor:
             )
             raise
         finally:
-            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            for sig, handler in self.previous_handlers.items():
+                signal.signal(sig, handler)
 
     def memory_status(self) -> dict:
         return {"host_ram_peak_bytes": self.host_ram_peak, "rank_rss_peak_bytes": self.rank_rss_peak}
@@ -296,6 +300,18 @@ class Supervisor:
 
     def hurry_up(self, signum, frame) -> None:
         self.hurry = True
+
+    def interrupt(self, signum, frame) -> None:
+        """Ctrl-C or SIGTERM: the first stops the run; any later one only hurries the stop along.
+
+        A second KeyboardInterrupt raised while the first is being handled would escape the
+        stop and leave status.json at "running" (a double Ctrl-C 10 ms apart did).
+        """
+        if self.interrupted:
+            self.hurry = True
+            return
+        self.interrupted = True
+        raise KeyboardInterrupt
 
 
 def run_settings(run: RunDir) -> RunSettings:
