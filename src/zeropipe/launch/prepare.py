@@ -185,6 +185,9 @@ def prepare_text_data(config: RunConfig, run: RunDir, reuse: bool) -> FamilyData
         from zeropipe.data.mixture import mixture_note
 
         notes += [note for note in [mixture_note(run.data)] if note]
+    from zeropipe.data.tokenize import describe_cache
+
+    notes += describe_cache(cache, records_path, config.data.format)
     if cache.get("bad_records"):
         shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
         notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
@@ -275,8 +278,8 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
         from zeropipe.data.formats import detect_format, read_records
         from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 
-        records, _ = read_records(records_path)
-        fmt = detect_format(records, config.data.format)
+        records, bad = read_records(records_path)
+        fmt = detect_format(records, config.data.format, source=records_path, bad=bad)
         tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
     tokenizer.save_pretrained(str(run.tokenizer))
     return tokenizer
