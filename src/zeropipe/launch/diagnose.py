@@ -13,6 +13,7 @@ from zeropipe.launch.oom import OomEvidence
 
 GB = 1e9
 DISK_FULL_BYTES = 16 * 2**20
+GPU_OOM = "the GPU ran out of memory"
 DISK_FULL_FIX = "free space where the run directory lives (or set run.output_dir on another disk), or lower train.keep_last; then resume with --resume"
 
 # What survivors print when a peer disappears: never the cause, always an effect.
@@ -30,7 +31,7 @@ SECONDARY_PATTERNS = [
 
 # (pattern in the rank's log, likely cause, fix)
 KNOWN_CAUSES = [
-    (r"CUDA out of memory|OutOfMemoryError", "the GPU ran out of memory", "lower train.micro_batch_size, enable model.gradient_checkpointing, raise deepspeed.zero_stage or offload to CPU (zeropipe plan shows what fits)"),
+    (r"CUDA out of memory|OutOfMemoryError", GPU_OOM, "lower train.micro_batch_size, enable model.gradient_checkpointing, raise deepspeed.zero_stage or offload to CPU (zeropipe plan shows what fits)"),
     (r"Cannot copy out of meta tensor|meta tensor", "a parameter was used while still on the meta device (ZeRO-3 partitioning)", "report this with the log: ZeRO-Pipe builds models under zero.Init so this should not happen"),
     (r"No space left on device", "the disk is full", DISK_FULL_FIX),
     (r"Address already in use", "the rendezvous port is taken", "set hardware.master_port to a free port or leave it unset"),
@@ -108,6 +109,26 @@ class RunSettings:
     ranks: int | None = None
     offload_optimizer: bool = False
     offload_param: bool = False
+    micro_batch_size: int | None = None
+    gradient_checkpointing: bool | None = None
+
+
+def gpu_memory_fixes(settings: RunSettings) -> str:
+    """Ways to need less GPU memory that this run does not use yet."""
+    fixes = []
+    if settings.micro_batch_size is None or settings.micro_batch_size > 1:
+        fixes.append(f"lower train.micro_batch_size{f' (now {settings.micro_batch_size})' if settings.micro_batch_size else ''}")
+    if not settings.gradient_checkpointing:
+        fixes.append("model.gradient_checkpointing: true")
+    if settings.zero_stage is None or settings.zero_stage < 3:
+        fixes.append(f"a higher deepspeed.zero_stage{f' (now {settings.zero_stage})' if settings.zero_stage is not None else ''}")
+    if not settings.offload_optimizer:
+        fixes.append("deepspeed.offload_optimizer: cpu")
+    if settings.zero_stage == 3 and not settings.offload_param:
+        fixes.append("deepspeed.offload_param: cpu")
+    if not fixes:
+        fixes.append("more GPUs (hardware.gpus) or a shorter data.max_seq_len: this run already uses every memory saving")
+    return "; ".join(fixes) + " (zeropipe plan shows what fits)"
 
 
 def host_ram_fixes(settings: RunSettings) -> str:
@@ -182,6 +203,8 @@ def diagnose(
         for pattern, known_cause, known_fix in KNOWN_CAUSES:
             if re.search(pattern, text):
                 cause, fix = f"{known_cause} ({message})" if message else known_cause, known_fix
+                if known_cause == GPU_OOM and settings is not None:
+                    fix = gpu_memory_fixes(settings)
                 break
         else:
             if disk_free_bytes is not None and disk_free_bytes < DISK_FULL_BYTES:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+import yaml
 
 from zeropipe.engine.worker import KNOWN_NOISE
 from zeropipe.launch import oom
@@ -322,7 +323,19 @@ def run_settings(run: RunDir) -> RunSettings:
     def offloads(key: str) -> bool:
         return (zero.get(key) or {}).get("device", "none") not in ("none", None)
 
-    return RunSettings(plan.get("zero_stage"), plan.get("world_size"), offloads("offload_optimizer"), offloads("offload_param"))
+    try:
+        model = (yaml.safe_load(run.config.read_text()) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError):
+        model = {}
+    checkpointing = model.get("gradient_checkpointing")
+    return RunSettings(
+        plan.get("zero_stage"),
+        plan.get("world_size"),
+        offloads("offload_optimizer"),
+        offloads("offload_param"),
+        plan.get("micro_batch_size"),
+        checkpointing if isinstance(checkpointing, bool) else None,
+    )
 
 
 def disk_free(path: Path) -> int | None:

@@ -97,3 +97,14 @@ def test_the_tail_shown_skips_known_deprecation_noise(tmp_path):
     )
     log.write_text("\n".join(["step 1 loss 5.1"] + [warning, "  return func(*args, **kwargs)"] * 300 + ["step 2 loss 4.9", "RuntimeError: boom"]) + "\n")
     assert tail(log) == ["step 1 loss 5.1", "step 2 loss 4.9", "RuntimeError: boom"]
+
+
+def test_a_gpu_oom_fix_names_only_what_the_run_does_not_use_yet():
+    log = ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    saving_everything = RunSettings(zero_stage=3, ranks=4, offload_optimizer=True, offload_param=True, micro_batch_size=1, gradient_checkpointing=True)
+    fix = diagnose([RankExit(0, 1, 1.0, log)], 0, GB, settings=saving_everything).fix
+    assert "micro_batch_size" not in fix and "gradient_checkpointing" not in fix and "zero_stage" not in fix and "offload" not in fix
+    assert "already uses every memory saving" in fix
+    fix = diagnose([RankExit(0, 1, 1.0, log)], 0, GB, settings=RunSettings(zero_stage=2, micro_batch_size=8, gradient_checkpointing=True)).fix
+    assert "lower train.micro_batch_size (now 8)" in fix and "a higher deepspeed.zero_stage (now 2)" in fix
+    assert "gradient_checkpointing" not in fix and "offload_param" not in fix
