@@ -324,21 +324,18 @@ def _tokenize_batch(
 def _check_bad_records(
     path: Path, bad: list[BadRecord], total: int, max_bad_fraction: float, max_bad_records: int | None
 ) -> None:
+    # With the exact setting that would skip them: users should not have to do the arithmetic.
     if max_bad_records is not None:
         if len(bad) <= max_bad_records:
             return
-        limit, key = f"{len(bad)} > data.max_bad_records {max_bad_records}", "data.max_bad_records"
+        limit = f"{len(bad)} > data.max_bad_records {max_bad_records}"
+        enough = f"data.max_bad_records={len(bad)}"
     else:
         if len(bad) <= max_bad_fraction * total:
             return
         limit = f"{100 * len(bad) / total:.3g}% > data.max_bad_fraction {100 * max_bad_fraction:.3g}%"
-        key = "data.max_bad_fraction"
-    first = ", ".join(str(item) for item in bad[:BAD_RECORDS_SHOWN])
-    # The exact setting that would skip them: users should not have to do the arithmetic.
-    if max_bad_records is not None:
-        enough = f"data.max_bad_records={len(bad)}"
-    else:
         enough = f"data.max_bad_fraction={math.ceil(1000 * len(bad) / total) / 1000:g} (or data.max_bad_records={len(bad)})"
+    first = ", ".join(str(item) for item in bad[:BAD_RECORDS_SHOWN])
     raise DataError(
         f"data.path {path}: {len(bad)} of {total} records are malformed ({limit}); first ones: {first}. "
         f"Fix the file, or skip them with {enough}; each skipped record is listed when the run starts."

@@ -157,11 +157,11 @@ def sigkill_cause(pid: int | None, ram: str, near_full: bool, oom: OomEvidence |
         return f"not the OOM killer ({sources} record no OOM kill; {ram}): something outside ZeRO-Pipe sent SIGKILL ({elsewhere})", resume
     if near_full:
         return f"most likely the kernel's OOM killer: {ram} - the node ran out of memory", host_ram_fixes(settings) + "; `dmesg | grep -i oom` confirms an OOM kill"
-    return (
+    cause = (
         f"probably not the OOM killer: {ram}, far from full; something else sent SIGKILL ({elsewhere}). "
-        "A spike shorter than a second can escape the sampling: `dmesg | grep -i oom` tells for sure",
-        resume,
+        "A spike shorter than a second can escape the sampling: `dmesg | grep -i oom` tells for sure"
     )
+    return cause, resume
 
 
 def diagnose(

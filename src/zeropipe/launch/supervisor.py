@@ -33,9 +33,9 @@ import psutil
 import yaml
 
 from zeropipe.engine.worker import KNOWN_NOISE
+from zeropipe.errors import LaunchError
 from zeropipe.launch import oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose
-from zeropipe.errors import LaunchError
 from zeropipe.rundir import RunDir
 
 POLL_SECONDS = 0.2
