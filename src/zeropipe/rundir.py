@@ -209,6 +209,8 @@ class RunDir:
             self.claim()
         except RunDirBusy:
             return self.read_json(self.status_file, {}) or {}  # a launcher took it meanwhile
+        except ZeroPipeError:
+            return status  # a read-only disk: the reader still gets the right state
         try:
             current = self.read_json(self.status_file, {}) or {}
             if current.get("state") in ("running", "starting"):

@@ -98,3 +98,22 @@ def test_status_on_a_full_disk_is_rewritten_in_place_and_stays_json(tmp_path):
         assert [p.name for p in run.path.iterdir() if ".tmp" in p.name] == []
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_lost_run_on_a_read_only_disk_still_reads_lost(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], check=False).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        run = RunDir(disk / "run")
+        run.claim()
+        run.write_status(state="running", supervisor_pid=12345)
+        run.release()  # as if its launcher had been killed
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        assert run.read_status()["state"] == "lost"
+        assert json.loads(run.status_file.read_text())["state"] == "running"  # nothing could be written
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
