@@ -64,8 +64,10 @@ def plan_for(context: CheckContext):
 
     try:
         return plan_context(context)
-    except Exception:  # noqa: BLE001 - a planner failure must not block the other rules
-        logging.getLogger("zeropipe").warning("the memory planner failed; plan-based checks skipped", exc_info=True)
+    except Exception as err:  # noqa: BLE001 - a planner failure must not block the other rules
+        # One line for the user; the traceback only for whoever turns on debug logging.
+        logging.getLogger("zeropipe").warning("the memory planner failed (%s: %s); plan-based checks skipped", type(err).__name__, err)
+        logging.getLogger("zeropipe").debug("memory planner failure", exc_info=True)
         return None
 
 

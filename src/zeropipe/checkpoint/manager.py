@@ -21,6 +21,7 @@ from zeropipe.errors import CheckpointError
 
 COMPLETE_MARKER = "zeropipe_complete.json"
 TAG_PATTERN = re.compile(r"^step_(\d+)$")
+SUPERSEDED = "superseded-"  # checkpoints/superseded-DATE: newer checkpoints a resume set aside
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ def mark_complete(run_dir: Path, step: int, meta: dict) -> None:
 
 
 def prune(run_dir: Path, keep_last: int) -> list[str]:
-    """Delete complete checkpoints beyond the newest ``keep_last`` and leftovers of interrupted saves."""
+    """Delete complete checkpoints beyond the newest ``keep_last``, leftovers of interrupted saves,
+    and set-aside checkpoints the run has overtaken."""
     complete = list_checkpoints(run_dir)
     newest = complete[-1].step if complete else -1
     removed = []
@@ -126,13 +128,27 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
         if not is_complete(info.path) and info.step < newest:
             shutil.rmtree(info.path, ignore_errors=True)
             removed.append(info.tag)
+    for aside in checkpoints_dir(run_dir).glob(f"{SUPERSEDED}*"):
+        # Checkpoints a resume from an older one set aside: kept until the resumed run has got
+        # at least as far, then they are only an abandoned past taking disk space.
+        if not aside.is_dir():
+            continue
+        steps = [int(m.group(1)) for m in (TAG_PATTERN.match(child.name) for child in aside.iterdir()) if m]
+        if max(steps, default=-1) <= newest:
+            shutil.rmtree(aside, ignore_errors=True)
+            removed.append(aside.name)
     return removed
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` all at once; on any failure the old file stays and no temporary is left."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import sys
 
 from zeropipe.rundir import RunDir
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: the same config and overrides (the run's name may be one)."""
+    parts = ["zeropipe", "train", args.config, *getattr(args, "effective_overrides", args.overrides)]
+    if args.new_schedule:
+        parts.append("--new-schedule")
+    return shlex.join(parts + ["--resume"])
 
 
 def say(text: str) -> None:

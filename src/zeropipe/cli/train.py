@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from zeropipe.cli.output import Progress, say
+from zeropipe.cli.output import Progress, resume_command, say
 from zeropipe.rundir import RunDir
 
 
@@ -20,6 +20,11 @@ def register(commands) -> None:
         default=None,
         metavar="PATH",
         help="continue from the latest complete checkpoint of the run (or of PATH: a run directory or checkpoint)",
+    )
+    parser.add_argument(
+        "--new-schedule",
+        action="store_true",
+        help="with --resume and another run length (train.max_steps or epochs): recompute the learning-rate schedule for the new length",
     )
     parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default: hardware.gpus)")
     parser.set_defaults(run=run)
@@ -40,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         resume = True
     if args.nproc is not None:
         overrides.append(f"hardware.gpus={args.nproc}")
+    args.effective_overrides = overrides  # what a resume must repeat
     from zeropipe.cli.convert import convert_for_train
 
     config = load_config(convert_for_train(args.config), overrides)
@@ -61,7 +67,14 @@ def run(args: argparse.Namespace) -> int:
         from zeropipe.cli.train_stages import train_curriculum
 
         return train_curriculum(args, config, resume)
-    prepared = prepare_run(resolved, resume=resume)
+    try:
+        prepared = prepare_run(resolved, resume=resume, new_schedule=args.new_schedule)
+    except OSError as err:
+        # A full, read-only or vanished disk under the run directory: a message, not a traceback.
+        from zeropipe.launch.prepare import run_dir_for
+        from zeropipe.rundir import disk_problem
+
+        raise disk_problem(err, run_dir_for(config)) from None
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")
     say(
@@ -73,22 +86,30 @@ def run(args: argparse.Namespace) -> int:
         say(f"  {note}")
     progress = Progress(run_dir, plan.total_steps)
     supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
-    supervisor.start()
-    say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
-    outcome = supervisor.wait()
+    try:
+        supervisor.start()
+        say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
+        outcome = supervisor.wait()
+    except OSError as err:
+        # The ranks were stopped and the run marked failed; the disk is the likely reason.
+        from zeropipe.rundir import disk_problem
+
+        raise disk_problem(err, run_dir.path) from None
     progress.update()
     progress.close()
+    if outcome.status_error:
+        say(f"warning: {outcome.status_error}")
     if outcome.state == "failed":
         assert outcome.diagnosis is not None
         say("")
         say("training failed: " + outcome.diagnosis.render())
-        say(f"resume after fixing it: zeropipe train {args.config} --resume")
+        say(f"resume after fixing it: {resume_command(args)}")
         return 1
     if outcome.state == "stopped":
         from zeropipe.checkpoint.manager import latest_checkpoint
 
         latest = latest_checkpoint(run_dir.path)
-        where = f"latest checkpoint: {latest.tag}; continue with: zeropipe train {args.config} --resume" if latest else "no checkpoint was saved"
+        where = f"latest checkpoint: {latest.tag}; continue with: {resume_command(args)}" if latest else "no checkpoint was saved"
         say(f"stopped; all ranks ended. {where}")
         return 130
     report(run_dir)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from zeropipe.cli.output import Progress, say
+from zeropipe.cli.output import Progress, resume_command, say
 from zeropipe.config.schema import RunConfig
 from zeropipe.launch.curriculum import Curriculum
 
@@ -23,7 +23,7 @@ def train_curriculum(args: argparse.Namespace, config: RunConfig, resume: str | 
         say(f"  {stage.describe()}{done}")
     for note in curriculum.notes:
         say(f"  {note}")
-    hint = f"zeropipe train {args.config} --resume"
+    hint = resume_command(args)
     state, summary = curriculum.run(config.hardware.master_port, say, Progress, hint)
     if state == "failed":
         return 1

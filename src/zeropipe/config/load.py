@@ -172,40 +172,64 @@ ALIASES = {
 }
 
 
-UNION_MEMBER = re.compile(r"^(literal\[|function-|union\[|constrained-|int$|str$|float$|bool$|list\[str\]$|dict\[str,any\]$)")
+# What pydantic's type errors expect, in the user's words.
+EXPECTED = {
+    "int_parsing": "a whole number",
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "text",
+    "list_type": "a list",
+    "dict_type": "a mapping (key: value lines)",
+    "model_type": "a mapping (key: value lines)",
+    "model_attributes_type": "a mapping (key: value lines)",
+}
+# pydantic names the member of a union that failed in the location ("constrained-int",
+# "literal['auto']", "function-after[...]"): internal names, never a key the user wrote.
+UNION_MEMBER = re.compile(r"^(constrained-\w+|[\w-]+\[.*\]|int|str|float|bool|none)$")
 
 
 def describe_errors(errors: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """One problem per key: a value that fits no member of a union (4 or 'auto') names every accepted form once."""
-    members: dict[str, list[dict[str, Any]]] = {}
-    order: list[tuple[str, str] | str] = []
+    """One (dotted key, message) per key: a value that fits no member of a union is one problem, not one per member."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
     for error in errors:
-        key, message = describe_error(error)
-        if error["loc"] and UNION_MEMBER.match(str(error["loc"][-1])):
-            if key not in members:
-                order.append(key)
-            members.setdefault(key, []).append(error)
+        by_key.setdefault(dotted_key(user_loc(error)), []).append(error)
+    problems = []
+    for key, group in by_key.items():
+        expected = [expectation(error) or bound(error) for error in group]
+        if len(group) > 1 and all(expected):
+            alternatives = list(dict.fromkeys(e for e in expected if e))
+            shown = ", ".join(alternatives[:-1]) + f" or {alternatives[-1]}" if len(alternatives) > 1 else alternatives[0]
+            problems.append((key, f"must be {shown} (you gave {group[0].get('input')!r})"))
         else:
-            order.append((key, message))
-    out = []
-    for item in order:
-        if isinstance(item, tuple):
-            out.append(item)
-            continue
-        failed = members[item]
-        if len(failed) == 1:
-            out.append(describe_error(failed[0]))
-            continue
-        wanted = dict.fromkeys(e["msg"].removeprefix("Input should be ").removeprefix("Input should ").split(", unable")[0] for e in failed)
-        out.append((item, f"must be {', or '.join(wanted)} (you gave {failed[0].get('input')!r})"))
-    return out
+            problems += [describe_error(error) for error in group]
+    return problems
+
+
+def user_loc(error: dict[str, Any]) -> list[str]:
+    return [str(part) for part in error["loc"] if not UNION_MEMBER.match(str(part))]
+
+
+def bound(error: dict[str, Any]) -> str | None:
+    """A limit a value breaks ('greater than 0'), in pydantic's words without its 'Input should be'."""
+    if error["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return error["msg"].removeprefix("Input should be ")
+    return None
+
+
+def expectation(error: dict[str, Any]) -> str | None:
+    """What a type error asks for ('a whole number', "'auto'"), or None for other errors."""
+    if error["type"] == "literal_error":
+        return str(error.get("ctx", {}).get("expected") or error["msg"].replace("Input should be ", ""))
+    return EXPECTED.get(error["type"])
 
 
 def describe_error(error: dict[str, Any]) -> tuple[str, str]:
     """Turn one pydantic error into (dotted key, message with the fix)."""
-    loc = [str(part) for part in error["loc"] if not str(part).startswith(("literal[", "function-", "union[", "constrained-"))]
-    # pydantic appends the failing union member's type to the location; drop those parts.
-    loc = [part for part in loc if part not in {"int", "str", "list[str]", "dict[str,any]", "float", "bool"}]
+    loc = user_loc(error)
     key = dotted_key(loc)
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -215,7 +239,9 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str]:
         return key, f"unknown key; {hint}"
     if kind == "literal_error":
         return key, f"{error['msg'].replace('Input should be', 'must be')} (you gave {error.get('input')!r})"
-    message = error["msg"]
+    if kind in EXPECTED:
+        return key, f"must be {EXPECTED[kind]} (you gave {error.get('input')!r})"
+    message = error["msg"].replace("Input should be", "must be")
     if "input" in error and kind not in {"missing"}:
         message += f" (you gave {error['input']!r})"
     return key, message

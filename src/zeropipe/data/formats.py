@@ -117,6 +117,14 @@ def read_located_records(path: Path) -> tuple[list[Record], list[BadRecord]]:
 
 
 def _read_file(path: Path, label: str) -> tuple[list[Record], list[BadRecord]]:
+    with open(path, "rb") as handle:
+        head = handle.read(8192)
+    if b"\0" in head:
+        # Text never holds NUL bytes: every "line" would be a malformed record, which hides the point.
+        raise DataError(
+            f"data.path {path}: this is a binary file, not {path.suffix} text (it holds NUL bytes). "
+            "Point data.path at your JSONL, JSON or text data."
+        )
     if path.suffix == ".jsonl":
         return _read_jsonl(path, label)
     if path.suffix == ".json":
@@ -244,8 +252,12 @@ def _record_format(record: dict | str) -> str | None:
     return None
 
 
-def detect_format(records: list[dict | str], format: str = "auto") -> str:
+def detect_format(records: list[dict | str], format: str = "auto", source: Path | None = None, bad: list[BadRecord] | None = None) -> str:
     """The format of the dataset: ``format`` when forced, else the majority of the first records.
+
+    Args:
+        source: data.path, named in the messages.
+        bad: the malformed records read with ``records``, to say why there is nothing to detect from.
 
     Raises:
         DataError: ``format`` is not a known name, or no record looks like a supported format.
@@ -254,6 +266,11 @@ def detect_format(records: list[dict | str], format: str = "auto") -> str:
         if format not in FORMATS:
             raise DataError(f"data.format '{format}' is not supported. Use auto or one of {', '.join(FORMATS)}.")
         return format
+    where = f"data.path {source}: " if source is not None else ""
+    if not records and bad:
+        raise DataError(f"{where}all {len(bad)} records are malformed, so there is nothing to tell the format from; first: {bad[0]}. Fix the file.")
+    if not records:
+        raise DataError(f"{where}no records: the file is empty or holds only blank lines. Point data.path at your data.")
     sample = records[:DETECTION_SAMPLE]
     votes = Counter(fmt for fmt in map(_record_format, sample) if fmt is not None)
     if votes:
@@ -263,7 +280,7 @@ def detect_format(records: list[dict | str], format: str = "auto") -> str:
     shapes = "; ".join(f"{name}: {shape}" for name, shape in FORMAT_SHAPES.items())
     seen = ", ".join(keys_seen) if keys_seen else "none"
     raise DataError(
-        f"could not tell the data format from the first {len(sample)} records (keys seen: {seen}). "
+        f"{where}could not tell the data format from the first {len(sample)} records (keys seen: {seen}). "
         f"Supported forms are {shapes}. Rename the keys, or set data.format if the records match one."
     )
 

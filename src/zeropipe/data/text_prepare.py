@@ -50,8 +50,8 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
             tokenizer.pad_token = tokenizer.eos_token
     else:
 
-        records, _ = read_records(records_path)
-        fmt = detect_format(records, config.data.format)
+        records, bad = read_records(records_path)
+        fmt = detect_format(records, config.data.format, source=records_path, bad=bad)
         tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
     tokenizer.save_pretrained(str(run.tokenizer))
     return tokenizer

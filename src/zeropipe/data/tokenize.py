@@ -11,6 +11,7 @@ by one itself. ``IGNORE_INDEX`` marks tokens that carry no loss.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,7 +244,7 @@ def build_token_cache(
         # Say "malformed" rather than "unknown format": there was nothing to detect from.
         _check_bad_records(path, bad, total, max_bad_fraction, max_bad_records)
         raise DataError(f"data.path {path}: all {total} records are malformed, first: {bad[0]}. Fix the file.")
-    fmt = detect_format([record.value for record in records], fmt)
+    fmt = detect_format([record.value for record in records], fmt, source=path, bad=bad)
     if split is not None:
         records = split.select(records)
 
@@ -328,20 +329,40 @@ def _tokenize_batch(
 def _check_bad_records(
     path: Path, bad: list[BadRecord], total: int, max_bad_fraction: float, max_bad_records: int | None
 ) -> None:
+    # With the exact setting that would skip them: users should not have to do the arithmetic.
     if max_bad_records is not None:
         if len(bad) <= max_bad_records:
             return
-        limit, key = f"{len(bad)} > data.max_bad_records {max_bad_records}", "data.max_bad_records"
+        limit = f"{len(bad)} > data.max_bad_records {max_bad_records}"
+        enough = f"data.max_bad_records={len(bad)}"
     else:
         if len(bad) <= max_bad_fraction * total:
             return
         limit = f"{100 * len(bad) / total:.3g}% > data.max_bad_fraction {100 * max_bad_fraction:.3g}%"
-        key = "data.max_bad_fraction"
+        enough = f"data.max_bad_fraction={math.ceil(1000 * len(bad) / total) / 1000:g} (or data.max_bad_records={len(bad)})"
     first = ", ".join(str(item) for item in bad[:BAD_RECORDS_SHOWN])
     raise DataError(
         f"data.path {path}: {len(bad)} of {total} records are malformed ({limit}); first ones: {first}. "
-        f"Fix the file or raise {key}."
+        f"Fix the file, or skip them with {enough}; each skipped record is listed when the run starts."
     )
+
+
+def describe_cache(info: dict[str, Any], source: Path, format_setting: str) -> list[str]:
+    """What the launcher says about the data it prepared: the format, and what max_seq_len cut."""
+    detected = "detected" if format_setting == "auto" else "data.format"
+    notes = [f"data: {info['examples']} examples from {info.get('records', info['examples'])} records of {source} ({info['format']} format, {detected})"]
+    limit = info.get("max_seq_len")
+    if info.get("truncated"):
+        notes.append(
+            f"{info['truncated']} conversation(s) were longer than data.max_seq_len {limit} tokens and were cut there "
+            "(their ends are not trained on): raise data.max_seq_len to keep them whole"
+        )
+    if info.get("dropped_empty"):
+        notes.append(
+            f"{info['dropped_empty']} example(s) were dropped with nothing to learn from (an empty reply, or one that "
+            f"starts beyond data.max_seq_len {limit} tokens)"
+        )
+    return notes
 
 
 def _write_cache(out_dir: Path, tokens: np.ndarray, labels: np.ndarray, offsets: np.ndarray, info: CacheInfo) -> None:

@@ -14,7 +14,6 @@ import logging
 import os
 import random
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -92,8 +91,10 @@ class Trainer:
         logging.basicConfig(level=level, format=f"%(asctime)s rank{self.rank} %(levelname)s %(name)s: %(message)s", force=True)
         for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
-        # torch's gloo wrappers warn on every collective DeepSpeed makes; one warning is enough.
-        warnings.filterwarnings("once", message=".*is deprecated. Please use.*")
+        # torch's gloo wrappers warn on every collective DeepSpeed makes: noise, not news.
+        from zeropipe.engine.noise import quiet_known_noise
+
+        quiet_known_noise()
 
     def setup_model(self) -> None:
         import deepspeed
@@ -203,7 +204,7 @@ class Trainer:
         torch.save(rng_state(), self.run.checkpoints / tag / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            manager.mark_complete(self.run.path, self.step, {"world_size": self.world_size, "zero_stage": self.plan.zero_stage})
+            manager.mark_complete(self.run.path, self.step, {"world_size": self.world_size, "zero_stage": self.plan.zero_stage, "total_steps": self.plan.total_steps})
             removed = manager.prune(self.run.path, self.config.train.keep_last)
             log.info("checkpoint %s saved%s", tag, f"; removed {', '.join(removed)}" if removed else "")
         dist.barrier()

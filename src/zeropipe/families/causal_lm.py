@@ -16,6 +16,7 @@ from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.data.mixture import mixture_note
 from zeropipe.data.synthetic import sample_prompts
 from zeropipe.data.text_prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
+from zeropipe.data.tokenize import describe_cache
 from zeropipe.engine.causal_lm import CausalLMTask
 from zeropipe.errors import ConfigError
 from zeropipe.export import generate as text_generation
@@ -55,6 +56,7 @@ class CausalLM:
         notes = []
         if config.data.mixture:
             notes += [note for note in [mixture_note(run.data)] if note]
+        notes += describe_cache(cache, records_path, config.data.format)
         if cache.get("bad_records"):
             shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
             notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")

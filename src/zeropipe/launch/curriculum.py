@@ -177,6 +177,7 @@ class Curriculum:
         for stage in self.stages:
             try:
                 stage.prepared = prepare_run(stage.config)
+                stage.config = stage.prepared.config  # what preparation resolved (family, vocabulary) is what start() writes again
             except ConfigError as err:
                 problems += [(stage_key(stage.index, key), message) for key, message in err.problems]
                 continue

@@ -22,6 +22,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
+from zeropipe.launch.resume import check_resume_schedule, prefer_exact_adam, previous_total_steps
 from zeropipe.rundir import RunDir, RunPlan
 
 
@@ -29,6 +30,7 @@ from zeropipe.rundir import RunDir, RunPlan
 class Prepared:
     run: RunDir
     plan: RunPlan
+    config: RunConfig  # as written to config.yaml: resolved, with what preparation filled in (family, vocabulary size)
     notes: list[str] = field(default_factory=list)  # what the user should read before training starts
 
 
@@ -36,7 +38,7 @@ def run_dir_for(config: RunConfig) -> Path:
     return Path(config.run.output_dir) / (config.run.name or "run")
 
 
-def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = None, world_size: int | None = None) -> Prepared:
+def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = None, world_size: int | None = None, new_schedule: bool = False) -> Prepared:
     """Lay out (or reopen, for a resume) the run directory and write what the ranks read.
 
     Args:
@@ -57,6 +59,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     if resume:
         run_path, info = resolve_checkpoint(run.path if resume is True else Path(resume))
         run = RunDir(run_path)
+        run.claim()  # refuses a run directory a live launcher owns, before anything is read or moved
         resume_tag = info.tag
         saved = json.loads((info.path / "zeropipe_complete.json").read_text())
         if saved.get("world_size") not in (None, world_size):
@@ -65,12 +68,13 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
                 f"resume with hardware.gpus={saved['world_size']} (changing the rank count needs a universal checkpoint)"
             )
         notes.append(f"resuming {run.path} from {info.tag} (step {info.step})")
-        notes += set_aside_future(run, info.step)
-    elif run.path.exists() and (list_checkpoints(run.path, complete_only=False) or run.metrics.exists()):
-        raise ZeroPipeError(
-            f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
-            f"(e.g. run.name={run.path.name}-2); nothing was overwritten"
-        )
+    else:
+        run.claim()  # refuses a run directory a live launcher owns, even one that has written nothing yet
+        if list_checkpoints(run.path, complete_only=False) or run.metrics.exists():
+            raise ZeroPipeError(
+                f"{run.path} already holds a run: continue it with --resume, or choose another run.name "
+                f"(e.g. run.name={run.path.name}-2); nothing was overwritten"
+            )
     run.path.mkdir(parents=True, exist_ok=True)
     # Errors recorded by an earlier attempt would mislead this attempt's diagnosis.
     shutil.rmtree(run.errors, ignore_errors=True)
@@ -107,10 +111,14 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         total_steps = config.train.max_steps
     else:
         total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
+    if resume_tag:
+        # Before anything of the run is moved: a refused resume leaves the run as it was.
+        notes += check_resume_schedule(saved.get("total_steps", previous_total_steps(run)), total_steps, resume_tag, new_schedule)
+        notes += set_aside_future(run, info.step)
     if config.train.warmup_steps >= total_steps:
         notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
     deepspeed = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
-    notes += [f"DeepSpeed {line}" for line in deepspeed.filled]
+    notes += [f"DeepSpeed {line}" for line in deepspeed.filled + prefer_exact_adam(deepspeed.config, accelerator)]
 
     plan = RunPlan(
         world_size=world_size,
@@ -129,7 +137,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     write_atomic(run.config, dump_config(config))
     write_atomic(run.ds_config, json.dumps(deepspeed.config, indent=2))
     run.write_plan(plan)
-    return Prepared(run, plan, notes)
+    return Prepared(run, plan, config, notes)
 
 
 def set_aside_future(run: RunDir, step: int) -> list[str]:

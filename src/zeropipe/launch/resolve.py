@@ -41,12 +41,12 @@ def detect_accelerator(config: RunConfig) -> tuple[str, int]:
         raise ConfigError([("hardware.accelerator", "cuda was asked for but torch sees no CUDA device: set hardware.accelerator: auto or cpu")])
     accelerator = "cuda" if (wanted == "cuda" or (wanted == "auto" and has_cuda)) else "cpu"
     gpus = config.hardware.gpus
+    if gpus != "auto" and gpus < 1:
+        raise ConfigError([("hardware.gpus", f"must be at least 1 (you set {gpus}): the number of ranks to start, one per GPU, or auto")])
     if gpus == "auto":
         gpus = torch.cuda.device_count() if accelerator == "cuda" else 2
     elif accelerator == "cuda" and gpus > torch.cuda.device_count():
         raise ConfigError([("hardware.gpus", f"{gpus} ranks asked for but only {torch.cuda.device_count()} GPUs are visible: lower hardware.gpus")])
-    if int(gpus) < 1:
-        raise ConfigError([("hardware.gpus", f"{gpus} ranks cannot train: set hardware.gpus to 1 or more (or auto)")])
     return accelerator, int(gpus)
 
 

@@ -7,15 +7,22 @@ host-RAM sampling while they run (the figure the OOM diagnosis quotes), and the 
 which ranks died (the first death is the cause; the rest are ``Connection reset by peer``).
 The environment is the one torch.distributed expects (RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), so the code inside a rank is the same as under torchrun.
+
+The launcher owns the run directory (``RunDir.claim``) and the ranks die with it: each rank
+asks the kernel for a parent-death signal and also watches ``ZEROPIPE_LAUNCHER_PID`` (see
+``zeropipe.launch.rank``), so a launcher killed with SIGKILL leaves no rank training on.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,8 +30,12 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+import yaml
 
-from zeropipe.launch.diagnose import Diagnosis, RankExit, diagnose
+from zeropipe.engine.noise import KNOWN_NOISE
+from zeropipe.errors import LaunchError
+from zeropipe.launch import oom
+from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose
 from zeropipe.rundir import RunDir
 
 POLL_SECONDS = 0.2
@@ -39,6 +50,7 @@ class Outcome:
     diagnosis: Diagnosis | None = None
     host_ram_peak_bytes: int = 0
     rank_rss_peak_bytes: list[int] = field(default_factory=list)
+    status_error: str | None = None  # why status.json could not record the outcome (a full disk)
 
 
 def free_port() -> int:
@@ -57,6 +69,8 @@ def rank_environment(rank: int, world_size: int, port: int, accelerator: str) ->
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
+        # The rank exits when this process does (see zeropipe.launch.rank.die_with_launcher).
+        ZEROPIPE_LAUNCHER_PID=str(os.getpid()),
     )
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
@@ -65,16 +79,38 @@ def rank_environment(rank: int, world_size: int, port: int, accelerator: str) ->
     return env
 
 
+NOISE = re.compile("|".join(KNOWN_NOISE))
+
+
 def tail(path: Path, lines: int = 40) -> list[str]:
+    """The last lines of a rank's log, without known third-party deprecation notices.
+
+    A warning is two lines: the notice, and the source line Python prints under it.
+    """
     try:
         with open(path, errors="replace") as handle:
-            return [line.rstrip("\n") for line in deque(handle, maxlen=lines)]
+            recent = [line.rstrip("\n") for line in deque(handle, maxlen=lines * 20)]
     except FileNotFoundError:
         return []
+    kept: list[str] = []
+    skip_source_line = False
+    for line in recent:
+        if NOISE.search(line) and "Warning" in line:
+            skip_source_line = True
+            continue
+        if skip_source_line and line.startswith((" ", "\t")):
+            skip_source_line = False
+            continue
+        skip_source_line = False
+        kept.append(line)
+    return kept[-lines:]
 
 
 class Supervisor:
     def __init__(self, run: RunDir, world_size: int, accelerator: str, master_port: int | None = None, on_tick: Callable[[], None] | None = None):
+        if world_size < 1:
+            # No rank would ever report back: wait() would wait forever.
+            raise LaunchError(f"{world_size} ranks cannot train: hardware.gpus must be at least 1")
         self.run = run
         self.world_size = world_size
         self.accelerator = accelerator
@@ -87,11 +123,31 @@ class Supervisor:
         self.rank_processes: dict[int, psutil.Process] = {}
         self.rank_children: dict[int, list[psutil.Process]] = {}
         self.last_memory_sample = self.last_children_scan = float("-inf")
+        self.status_error: str | None = None
+        self.oom_kills_at_start = oom.cgroup_oom_kills()
+        self.hurry = False  # a second Ctrl-C while stopping: no grace period
+        self.interrupted = False
+
+    def record(self, **fields) -> None:
+        """Write status.json; a disk that refuses it is remembered and said, never raised past the ranks' fate."""
+        try:
+            self.run.write_status(**fields)
+        except OSError as err:
+            self.status_error = f"could not record {fields.get('state', 'the state')!r} in {self.run.status_file}: {err.strerror or err}"
+
+    def outcome(self, state: str, diagnosis: Diagnosis | None = None) -> Outcome:
+        return Outcome(state, diagnosis, self.host_ram_peak, self.rank_rss_peak, self.status_error)
 
     def start(self) -> None:
+        # Only the owner of the run directory starts ranks into it (prepare_run claimed it).
+        self.run.require_owner()
         # Installed before any rank exists: a SIGTERM to the launcher (a job scheduler, the UI's
         # stop button) must never leave ranks behind, even in the moment they are being started.
-        self.previous_sigterm = signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+        # The ranks ask the kernel for a signal when the thread that started them ends: that
+        # must be the main thread, which lives as long as the launcher.
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("Supervisor.start must run in the main thread: ranks die with the thread that started them")
+        self.previous_handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for rank in range(self.world_size):
                 log = open(self.run.rank_log(rank), "a")
@@ -107,11 +163,13 @@ class Supervisor:
                 )
                 log.close()
                 self.procs.append(proc)
-        except KeyboardInterrupt:
+        except BaseException as err:
             self.stop_all()
-            self.run.write_status(state="stopped", ended_at=time.time())
+            self.record(state="stopped" if isinstance(err, KeyboardInterrupt) else "failed", ended_at=time.time())
+            for sig, handler in self.previous_handlers.items():
+                signal.signal(sig, handler)
             raise
-        self.run.write_status(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
+        self.record(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
 
     def sample_memory(self) -> None:
         """Host RAM of the node and of each rank (with its children), at most once per MEMORY_SECONDS.
@@ -156,17 +214,30 @@ class Supervisor:
                 if failed:
                     return self.fail(exits)
                 if len(exits) == self.world_size:
-                    self.run.write_status(state="completed", ended_at=time.time(), **self.memory_status())
-                    return Outcome("completed", None, self.host_ram_peak, self.rank_rss_peak)
+                    self.record(state="completed", ended_at=time.time(), **self.memory_status())
+                    return self.outcome("completed")
                 if self.on_tick:
                     self.on_tick()
                 time.sleep(POLL_SECONDS)
         except KeyboardInterrupt:
             self.stop_all()
-            self.run.write_status(state="stopped", ended_at=time.time(), **self.memory_status())
-            return Outcome("stopped", None, self.host_ram_peak, self.rank_rss_peak)
+            self.record(state="stopped", ended_at=time.time(), **self.memory_status())
+            return self.outcome("stopped")
+        except BaseException as err:
+            # The supervisor itself failed (a bug, an unreadable file): its ranks must not train on
+            # unwatched, and the run must not stay "running".
+            self.stop_all()
+            text = f"the launcher failed while watching the ranks ({type(err).__name__}: {err}); every rank was stopped"
+            self.record(
+                state="failed",
+                ended_at=time.time(),
+                diagnosis={"text": text, "cause": f"{type(err).__name__}: {err}", "fix": "resume with --resume; report this with the traceback if it repeats"},
+                **self.memory_status(),
+            )
+            raise
         finally:
-            signal.signal(signal.SIGTERM, self.previous_sigterm)
+            for sig, handler in self.previous_handlers.items():
+                signal.signal(sig, handler)
 
     def memory_status(self) -> dict:
         return {"host_ram_peak_bytes": self.host_ram_peak, "rank_rss_peak_bytes": self.rank_rss_peak}
@@ -188,26 +259,91 @@ class Supervisor:
             e.log_tail = tail(self.run.rank_log(e.rank))
             e.error = self.run.read_json(self.run.rank_error(e.rank))
         ordered = [exits[r] for r in sorted(exits)]
-        diagnosis = diagnose(ordered, self.host_ram_peak, psutil.virtual_memory().total)
-        self.run.write_status(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
-        return Outcome("failed", diagnosis, self.host_ram_peak, self.rank_rss_peak)
+        for e in ordered:
+            e.pid = self.procs[e.rank].pid
+        total = psutil.virtual_memory().total
+        killed = any(e.signal_name == "SIGKILL" for e in ordered)
+        diagnosis = diagnose(
+            ordered,
+            self.host_ram_peak,
+            total,
+            disk_free_bytes=disk_free(self.run.path),
+            oom=oom.gather(self.oom_kills_at_start, total) if killed else None,
+            settings=run_settings(self.run),
+        )
+        self.record(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
+        return self.outcome("failed", diagnosis)
 
     def stop_all(self) -> None:
-        """SIGTERM every rank's process group, then SIGKILL what is left: no orphans."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.time() + STOP_GRACE_SECONDS
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs:
-            # Also the group: a rank's children (data-loader workers, compilers) die with it.
-            signal_group(proc.pid, signal.SIGKILL)
-            if proc.poll() is None:
-                proc.wait()
+        """SIGTERM every rank's process group, then SIGKILL what is left: no orphans.
+
+        A second Ctrl-C or SIGTERM meanwhile cuts the grace period short instead of
+        interrupting the stop (which left status.json at "running").
+        """
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self.hurry_up) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    signal_group(proc.pid, signal.SIGTERM)
+            deadline = time.time() + STOP_GRACE_SECONDS
+            while not self.hurry and time.time() < deadline and any(proc.poll() is None for proc in self.procs):
+                time.sleep(0.05)
+            for proc in self.procs:
+                # Also the group: a rank's children (data-loader workers, compilers) die with it.
+                signal_group(proc.pid, signal.SIGKILL)
+                if proc.poll() is None:
+                    proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def hurry_up(self, signum, frame) -> None:
+        self.hurry = True
+
+    def interrupt(self, signum, frame) -> None:
+        """Ctrl-C or SIGTERM: the first stops the run; any later one only hurries the stop along.
+
+        A second KeyboardInterrupt raised while the first is being handled would escape the
+        stop and leave status.json at "running" (a double Ctrl-C 10 ms apart did).
+        """
+        if self.interrupted:
+            self.hurry = True
+            return
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+
+def run_settings(run: RunDir) -> RunSettings:
+    """The run's ZeRO stage, rank count and offload, from the files the launcher wrote."""
+    plan = run.read_json(run.plan_file, {}) or {}
+    zero = (run.read_json(run.ds_config, {}) or {}).get("zero_optimization") or {}
+
+    def offloads(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+    try:
+        model = (yaml.safe_load(run.config.read_text()) or {}).get("model") or {}
+    except (OSError, yaml.YAMLError):
+        model = {}
+    checkpointing = model.get("gradient_checkpointing")
+    return RunSettings(
+        plan.get("zero_stage"),
+        plan.get("world_size"),
+        offloads("offload_optimizer"),
+        offloads("offload_param"),
+        plan.get("micro_batch_size"),
+        checkpointing if isinstance(checkpointing, bool) else None,
+    )
+
+
+def disk_free(path: Path) -> int | None:
+    """Free bytes on the disk of the run directory (a rank that cannot write may not say why: its log is there too)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def raise_keyboard_interrupt(signum, frame) -> None:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
 
 from zeropipe.errors import ConfigError
+from zeropipe.rundir import RunDir
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
 from zeropipe.store import RunStore, parse_yaml_text
@@ -84,7 +85,7 @@ def run_detail(request: Request, run_id: int = RunId):
     run = store.run(run_id)
     return {
         "run": run,
-        "status": store.read_run_json(run, "status.json"),
+        "status": (RunDir(run["path"]).read_status() if store.own_or_none(run, "status.json") else None) or None,
         "plan": store.read_run_json(run, "run.json"),
         "summary": store.read_run_json(run, "summary.json"),
         "logs": store.log_names(run),

@@ -112,7 +112,8 @@ def spread(rows: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
 def read_run(path: Path) -> dict[str, Any]:
     """The runs-table fields a run directory gives (everything but id, origin and the UI's own state)."""
     run = RunDir(path)
-    status = read_json(own_file(path, "status.json")) or {}
+    # A "running" run whose launcher's lock is free is lost (read_status); no file read through a symlink out of the run.
+    status = (run.read_status() if own_file(path, "status.json") else {}) or {}
     plan = read_json(own_file(path, "run.json")) or {}
     summary = read_json(own_file(path, "summary.json")) or {}
     glance = metrics_glance(own_file(path, "metrics.jsonl"))

@@ -55,3 +55,20 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         assert "has no complete checkpoint" in str(err)
     else:
         raise AssertionError("expected CheckpointError")
+
+
+def test_set_aside_checkpoints_go_once_the_resumed_run_has_overtaken_them(tmp_path):
+    for step in (10, 20, 30, 40):
+        fake_save(tmp_path, step)
+    # A resume from step 20 set 30 and 40 aside (launch.prepare.set_aside_future).
+    aside = manager.checkpoints_dir(tmp_path) / "superseded-20261124-101500"
+    aside.mkdir()
+    for step in (30, 40):
+        (manager.checkpoints_dir(tmp_path) / manager.tag_for(step)).rename(aside / manager.tag_for(step))
+    fake_save(tmp_path, 30)
+    assert "superseded-20261124-101500" not in manager.prune(tmp_path, keep_last=2)
+    assert aside.is_dir(), "the abandoned step 40 is still ahead of the resumed run"
+    fake_save(tmp_path, 40)
+    assert "superseded-20261124-101500" in manager.prune(tmp_path, keep_last=2)
+    assert not aside.exists()
+    assert [info.step for info in manager.list_checkpoints(tmp_path)] == [30, 40]

@@ -200,3 +200,19 @@ def test_precision_auto_follows_the_cpu(monkeypatch):
     from zeropipe.doctor.facts import cpu_runs_bf16_natively
 
     assert cpu_runs_bf16_natively({"avx2", "avx512_bf16"}) and not cpu_runs_bf16_natively({"avx2", "avx512f"})
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.micro_batch_size=sixteen", "train.micro_batch_size: must be a whole number or 'auto' (you gave 'sixteen')"),
+        ("hardware.gpus=two", "hardware.gpus: must be a whole number or 'auto' (you gave 'two')"),
+        ("train.lr=fast", "train.lr: must be a number (you gave 'fast')"),
+        ("train.max_steps=1.5", "train.max_steps: must be a whole number (you gave 1.5)"),
+    ],
+)
+def test_a_wrong_type_is_one_problem_in_the_users_words(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, minimal(tmp_path)), [override])
+    assert caught.value.problems == [(expected.split(": ", 1)[0], expected.split(": ", 1)[1])]
+    assert "constrained-" not in str(caught.value) and "Input should" not in str(caught.value)

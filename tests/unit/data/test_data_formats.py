@@ -211,3 +211,25 @@ def test_records_that_do_not_fit_the_format_say_why(record, fmt, reason):
     with pytest.raises(RecordError) as error:
         to_conversation(record, fmt)
     assert str(error.value) == reason
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"", "no records: the file is empty"),
+        (b"\n\n  \n", "no records: the file is empty"),
+        (b"\x7fELF\x02\x01\x01\x00\x00\x00" * 50, "this is a binary file, not .jsonl text"),
+        (b'{"a":\nnot json\n', "all 2 records are malformed, so there is nothing to tell the format from; first: line 1: not valid JSON"),
+    ],
+)
+def test_nothing_to_detect_from_says_which_file_and_why(tmp_path, content, expected):
+    from zeropipe.data.formats import detect_format, read_records
+
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as caught:
+        records, bad = read_records(path)
+        detect_format(records, "auto", source=path, bad=bad)
+    assert str(caught.value).startswith(f"data.path {path}: ")
+    assert expected in str(caught.value)
+    assert "first 0 records" not in str(caught.value)

@@ -227,7 +227,7 @@ def test_too_many_malformed_records_name_the_file_and_lines(tmp_path, tokenizer,
     assert message.startswith(f"data.path {path}: 2 of 20 records are malformed (10% > data.max_bad_fraction 5%)")
     assert "line 3: not valid JSON" in message
     assert "line 9: missing key 'output' (alpaca format)" in message
-    assert message.endswith("Fix the file or raise data.max_bad_fraction.")
+    assert "Fix the file, or skip them with data.max_bad_fraction=0.1 (or data.max_bad_records=2)" in message
     assert not (tmp_path / "cache" / "cache.json").exists()
 
 
@@ -237,7 +237,7 @@ def test_max_bad_records_replaces_the_fraction(tmp_path, tokenizer, write_jsonl)
     # 2 of 12 is far above 1%, but a count of 2 is allowed.
     info = build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=64, max_bad_records=2)
     assert len(info.bad_records) == 2
-    with pytest.raises(DataError, match=r"2 > data\.max_bad_records 1\).*line 11.*raise data\.max_bad_records"):
+    with pytest.raises(DataError, match=r"2 > data\.max_bad_records 1\).*line 11.*skip them with data\.max_bad_records=2;"):
         build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=64, max_bad_records=1)
 
 
@@ -307,3 +307,26 @@ def test_collate_pads_on_the_right(tmp_path):
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
+
+
+def test_what_max_seq_len_cut_and_the_detected_format_are_said(tmp_path, tokenizer, write_jsonl):
+    from zeropipe.data.tokenize import describe_cache
+
+    lines = [{"instruction": "Hi", "output": "Hello"}] * 6 + [{"instruction": "Hi", "output": "word " * 80}] * 2 + [{"instruction": "word " * 80, "output": "late"}]
+    path = write_jsonl(tmp_path / "data.jsonl", lines)
+    build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=24)
+    notes = describe_cache(json.loads((tmp_path / "cache" / "cache.json").read_text()), path, "auto")
+    assert notes[0] == f"data: 8 examples from 9 records of {path} (alpaca format, detected)"
+    assert any(note.startswith("3 conversation(s) were longer than data.max_seq_len 24 tokens") and "raise data.max_seq_len" in note for note in notes)
+    assert any(note.startswith("1 example(s) were dropped with nothing to learn from") for note in notes)
+
+
+def test_three_bad_lines_in_205_name_the_setting_that_would_skip_them(tmp_path, tokenizer, write_jsonl):
+    lines = [{"instruction": "Hi", "output": "Hello"}] * 202 + ["{broken"] * 3
+    path = write_jsonl(tmp_path / "data.jsonl", lines)
+    with pytest.raises(DataError) as caught:
+        build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=64)
+    assert "3 of 205 records are malformed (1.46% > data.max_bad_fraction 1%)" in str(caught.value)
+    assert "data.max_bad_fraction=0.015 (or data.max_bad_records=3)" in str(caught.value)
+    # The value it names is enough.
+    assert build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=64, max_bad_fraction=0.015).examples == 202

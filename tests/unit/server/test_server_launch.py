@@ -91,4 +91,4 @@ def test_a_launcher_that_fails_before_any_rank_starts_is_diagnosed(client, store
     assert run["state"] == "failed"
     text = run["diagnosis"]["text"]
     assert "zeropipe train exited with code 2 before any rank started" in text
-    assert "could not tell the data format" in text  # the data error itself, with its fix
+    assert "all 50 records are malformed" in text and "Fix the file" in text  # the data error itself, with its fix

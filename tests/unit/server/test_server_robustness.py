@@ -186,8 +186,8 @@ def test_number_or_auto_fields_are_one_line_inputs(client):
 
 
 @pytest.mark.parametrize("key, value, expected", [
-    ("train.micro_batch_size", 0, "must be greater than 0, or 'auto' (you gave 0)"),
-    ("hardware.gpus", "many", "must be a valid integer, or 'auto' (you gave 'many')"),
+    ("train.micro_batch_size", 0, "must be greater than 0 or 'auto' (you gave 0)"),
+    ("hardware.gpus", "many", "must be a whole number or 'auto' (you gave 'many')"),
 ])  # fmt: skip
 def test_a_value_fitting_neither_a_number_nor_auto_is_one_problem(client, key, value, expected):
     """micro_batch_size: 0 gave two messages, one naming pydantic's `constrained-int`."""
