@@ -29,13 +29,16 @@ from typing import Any
 import torch
 
 from zeropipe.diffusion import cache
-from zeropipe.diffusion.images import epoch_micro_batches, load_image_for_bucket
+from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches, load_image_for_bucket
+from zeropipe.diffusion.videos import load_clip_for_bucket, write_preview, write_video
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.pipelines import (
+    denormalize_latents,
     denoising_pipeline,
     encode_prompts,
     latent_scaling,
+    normalize_latents,
     load_component,
     text_pipeline,
     vae_scale_factor,
@@ -75,7 +78,7 @@ class DiffusionTask(TaskDefaults):
         self.arch = architecture_named(self.data.architecture)
         self.pipeline_dir = Path(self.data.pipeline_dir)
         self.cache_dir = Path(self.data.cache_dir)
-        self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir)
+        self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir, self.arch)
         self.vae_factor = vae_scale_factor(self.pipeline_dir)
         self.compute_dtype = TORCH_DTYPES[self.config.deepspeed.precision]
         self.images = self.config.data.images
@@ -110,7 +113,7 @@ class DiffusionTask(TaskDefaults):
                     for index, flip, key in entries[start : start + LATENT_BATCH]:
                         path = self.data.items[index]["path"]
                         try:
-                            prepared.append(load_image_for_bucket(Path(path), bucket, crop="center", flip=flip))
+                            prepared.append(self.load_pixels(index, bucket, crop="center", flip=flip))
                             keys.append(key)
                         except DataError as err:
                             log.warning("skipping %s: %s", path, err)
@@ -223,7 +226,7 @@ class DiffusionTask(TaskDefaults):
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         batch = torch.stack(latents).to(self.device)
-        return ((batch - self.latent_shift) * self.latent_scale).to(self.compute_dtype), condition
+        return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
     def image_source(self, index: int, flip: bool) -> tuple[Any, torch.Tensor]:
         """What one image contributes before its latents are drawn, and its SDXL size conditioning.
@@ -244,12 +247,19 @@ class DiffusionTask(TaskDefaults):
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
             return (entry["mean"], entry["std"]), sizes
         try:
-            prepared = load_image_for_bucket(Path(item["path"]), bucket, crop=self.images.crop, flip=flip, rng=random)
+            prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
         except DataError as err:
             self.skip_image(item["path"], str(err))
             return None, torch.zeros(6)
         sizes = torch.tensor([*prepared.original_size, *prepared.crop_top_left, *prepared.target_size], dtype=torch.float32)
         return prepared.pixels, sizes
+
+    def load_pixels(self, index: int, bucket: tuple[int, ...], crop: str, flip: bool, rng=None) -> PreparedImage:
+        """An item's pixels at its bucket: an image (3, H, W), or for video models a clip (3, T, H, W) (an image is one frame)."""
+        item = self.data.items[index]
+        if self.data.video:
+            return load_clip_for_bucket(Path(item["path"]), tuple(bucket), item["start"], item["fps"], self.data.fps, crop=crop, flip=flip, rng=rng)
+        return load_image_for_bucket(Path(item["path"]), tuple(bucket), crop=crop, flip=flip, rng=rng)
 
     def skip_image(self, path: str, reason: str) -> None:
         if path not in self.skipped_images:
@@ -333,7 +343,11 @@ class DiffusionTask(TaskDefaults):
     # ------------------------------------------------------------------ samples
     @torch.no_grad()
     def sample_images(self) -> None:
-        """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes."""
+        """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes.
+
+        Images are PNG files; videos are H.264 mp4 files (which browsers play) with an animated
+        WebP beside each, which the run page's gallery shows in place like an image.
+        """
         prompts = self.plan.generate_prompts
         if not prompts:
             return
@@ -347,11 +361,13 @@ class DiffusionTask(TaskDefaults):
         pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module)
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
-            "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent",
+            "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent", "return_dict": False,
             **self.arch.sample_kwargs(condition, negative, generate.guidance_scale, self.config.model.diffusion.guidance),
         }
+        if self.data.video:
+            kwargs["num_frames"] = self.data.sample_frames
         pipeline.set_progress_bar_config(disable=True)
-        latents = pipeline(**kwargs).images
+        latents = pipeline(**kwargs)[0]
         if was_training:
             module.train()
         if self.rank != 0:
@@ -359,20 +375,27 @@ class DiffusionTask(TaskDefaults):
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-        decoded = self.vae.decode(latents.float() / self.latent_scale + self.latent_shift).sample
-        pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        from PIL import Image
-
+        decoded = self.vae.decode(denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)).sample
+        pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         rows = []
-        for number, (prompt, image) in enumerate(zip(prompts, pixels)):
-            name = f"{number:02d}.png"
-            Image.fromarray(image).save(folder / name)
-            rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}"})
+        if self.data.video:  # (batch, 3, frames, height, width)
+            clips = pixels.permute(0, 2, 3, 4, 1).cpu().numpy()
+            for number, (prompt, frames) in enumerate(zip(prompts, clips)):
+                write_video(folder / f"{number:02d}.mp4", frames, self.data.fps or 16.0)
+                write_preview(folder / f"{number:02d}.webp", frames, self.data.fps or 16.0)
+                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames)})
+        else:
+            from PIL import Image
+
+            for number, (prompt, image) in enumerate(zip(prompts, pixels.permute(0, 2, 3, 1).cpu().numpy())):
+                name = f"{number:02d}.png"
+                Image.fromarray(image).save(folder / name)
+                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}"})
         with open(self.run.path / "samples" / "index.jsonl", "a") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
-        log.info("step %d: %d sample image(s) written to %s", self.step, len(rows), folder)
+        log.info("step %d: %d sample %s written to %s", self.step, len(rows), "video(s)" if self.data.video else "image(s)", folder)
         if self.config.data.cache.latents:
             # Loaded for the samples only: training goes on without it.
             self.vae = None
