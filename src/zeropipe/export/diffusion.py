@@ -6,6 +6,9 @@
 - LoRA: ``OUT/pytorch_lora_weights.safetensors`` in the diffusers key layout, written by the
   pipeline class's own ``save_lora_weights``, so ``pipeline.load_lora_weights(OUT)`` of the
   base pipeline accepts it (and so do ComfyUI-style loaders that read diffusers LoRAs).
+  Architectures with an original layout of their own (Wan) also get
+  ``OUT/lora_comfyui.safetensors`` in it (``diffusion_model.blocks.0.self_attn.q.lora_A.weight``),
+  the file ComfyUI users load; diffusers loads it too, through its converter for such LoRAs.
   With ``merge`` the adapter is fused into the denoiser and a full pipeline is written.
 
 As for language models, the directory is written under a temporary name and renamed.
@@ -25,6 +28,23 @@ from zeropipe.diffusion.prepare import read_plan
 from zeropipe.errors import CheckpointError
 from zeropipe.export.hf import ExportJob
 from zeropipe.models.common import resolve_lora_targets
+
+
+ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
+
+
+def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder: Path) -> None:
+    """The LoRA again in the architecture's original key layout (Wan: what ComfyUI and diffusion-pipe use), when it has one."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    layers = {key: value.to(dtype) for key, value in get_peft_model_state_dict(denoiser).items()}
+    try:
+        original = arch.original_lora_layout(layers, alpha)
+    except ValueError as err:
+        raise CheckpointError(f"cannot write the {arch.name} LoRA in its original key layout: {err}; the diffusers LoRA is unaffected, export without it is not offered yet") from None
+    if original is not None:
+        save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
 
 
 def export_diffusion(job: ExportJob) -> Path:
@@ -67,6 +87,7 @@ def export_diffusion(job: ExportJob) -> Path:
         # mode, and dropout would make every image random.
         metadata = {**denoiser.peft_config["default"].to_dict(), "lora_dropout": 0.0}
         arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
         kind = "lora"
     else:
         if lora is not None:

@@ -71,13 +71,26 @@ class Wan(Architecture):
         return {"latents_mean": [round(float(v), 5) for v in per_channel.mean(1)], "latents_std": [round(float(v), 5) for v in per_channel.std(1)]}
 
     def original_lora_layout(self, layers, alpha):
-        """``diffusion_model.<original module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: what ComfyUI loads for Wan."""
+        """``diffusion_model.<original module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: what ComfyUI loads for Wan.
+
+        Each name is checked against diffusers' converter of original Wan checkpoints
+        (``convert_wan_transformer_to_diffusers``): the original name must convert back to the
+        module the adapter was trained on, or the export stops rather than write a LoRA that
+        ComfyUI would load onto the wrong layers (or silently skip).
+        """
+        from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+        modules = sorted({key.partition(".lora_")[0] for key in layers})
+        originals = {module: original_module_name(module) for module in modules}
+        converted = convert_wan_transformer_to_diffusers({f"{original}.weight": torch.empty(0) for original in originals.values()})
+        wrong = [module for module, original in originals.items() if f"{module}.weight" not in converted]
+        if wrong:
+            raise ValueError(f"the original Wan names of {', '.join(wrong[:3])} do not convert back to them with diffusers' converter")
         out: dict[str, torch.Tensor] = {}
         for key, tensor in layers.items():
             module, _, part = key.partition(".lora_")
-            original = original_module_name(module)
-            out[f"{COMFY_PREFIX}{original}.lora_{part}"] = tensor
-            out[f"{COMFY_PREFIX}{original}.alpha"] = torch.tensor(float(alpha))
+            out[f"{COMFY_PREFIX}{originals[module]}.lora_{part}"] = tensor.contiguous()
+            out[f"{COMFY_PREFIX}{originals[module]}.alpha"] = torch.tensor(float(alpha))
         return out
 
 
@@ -116,7 +129,7 @@ ARCHITECTURE = Wan(
         },
         "vae": {
             "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True],
-            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
         },
         "text_encoder": tiny_umt5(),
         "scheduler": WAN_SCHEDULER,
