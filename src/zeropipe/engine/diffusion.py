@@ -85,6 +85,7 @@ class DiffusionTask(TaskDefaults):
         self.vae = None
         self.text_encoders = None  # a pipeline holding only the text encoders
         self.skipped_images: set[str] = set()
+        self.timesteps_drawn: list[torch.Tensor] = []  # since the last metrics row: what min_t/max_t restricted
         self.fill_caches()
         if not self.config.data.cache.latents:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
@@ -200,6 +201,7 @@ class DiffusionTask(TaskDefaults):
     def forward_loss(self, indices: list[int]) -> tuple[torch.Tensor, float, float]:
         latents, condition = self.assemble(indices)
         noised = self.objective.noise(latents)
+        self.timesteps_drawn.append(noised.timesteps.detach().float().cpu())
         prediction = self.predict(noised.model_input, noised.timesteps, condition)
         return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
 
@@ -330,7 +332,14 @@ class DiffusionTask(TaskDefaults):
 
     def extra_metrics(self) -> dict[str, Any]:
         loaded = [name for name, part in (("vae", self.vae), ("text_encoders", self.text_encoders)) if part is not None]
-        return {"frozen_components_loaded": loaded, "images_skipped": len(self.skipped_images)}
+        row: dict[str, Any] = {"frozen_components_loaded": loaded, "images_skipped": len(self.skipped_images)}
+        if self.timesteps_drawn:
+            # This rank's range of training timesteps since the last row (scheduler units: 0-1000):
+            # it shows that an expert's min_t/max_t range is the one trained.
+            drawn = torch.cat(self.timesteps_drawn)
+            row["timestep_min"], row["timestep_max"] = round(float(drawn.min()), 2), round(float(drawn.max()), 2)
+            self.timesteps_drawn = []
+        return row
 
     def after_step(self) -> None:
         every = self.config.generate.sample_every
