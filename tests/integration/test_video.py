@@ -110,7 +110,7 @@ def test_wan_full_finetune_of_the_low_noise_expert_with_checkpointing_reuses_cac
     data = clips(tmp_path, examples=12)
     config = video_config(
         tmp_path, "wan-full", data, model={"config": {"pipeline": "tiny-wan"}, "gradient_checkpointing": True, "diffusion": {"max_t": 0.875}},
-        deepspeed={"zero_stage": 2, "precision": "fp32"}, train={"max_steps": 8, "micro_batch_size": 2, "lr": 2e-3, "warmup_steps": 1, "log_every": 2},
+        deepspeed={"zero_stage": 2, "precision": "fp32"}, train={"max_steps": 16, "micro_batch_size": 2, "lr": 5e-3, "warmup_steps": 1, "log_every": 2},
     )
     result = zeropipe("train", config, cwd=tmp_path)
     assert_ok(result)

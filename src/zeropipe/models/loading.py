@@ -675,7 +675,15 @@ def _construct_from_factory(
 
             with deepspeed.zero.Init(config_dict_or_path=ds_config if ds_config is not None else deepspeed_config()):
                 return factory()
-        with torch.device("meta"):
+        if on_meta:
+            with torch.device("meta"):
+                return factory()
+        # Parameters on the meta device, buffers where they are computed (as diffusers'
+        # from_pretrained builds its models): a buffer the model computes in __init__ and does
+        # not save (Wan's rotary frequencies) keeps its values; the checkpoint fills the rest.
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
             return factory()
 
 
@@ -796,6 +804,10 @@ def _finish(model: nn.Module, path: Path, device: torch.device | str) -> None:
                 f"{type(model).__name__} has tensors the checkpoint does not hold and the meta device left empty: "
                 f"{', '.join(lost[:5])}; build this model with transformers, or load it with zero_stage=3"
             )
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != torch.device(device):
+                    module._buffers[name] = buffer.to(device)
         model.eval()
         return
     if "recompute_mapping" in inspect.signature(model.tie_weights).parameters:
@@ -855,8 +867,9 @@ def load_pretrained(
         model_cls_or_factory: a PreTrainedModel class or an Auto class (``AutoModelForCausalLM``):
             constructed as from_pretrained constructs it, from ``config``. Or a function that
             builds any ``nn.Module`` in the current dtype (a diffusers UNet from its config,
-            say): called under ``zero.Init`` (stage 3) or on the meta device; its modules must
-            not hold tensors the checkpoint lacks unless it is a transformers model.
+            say): called under ``zero.Init`` (stage 3), or with its parameters on the meta device
+            and its buffers computed (accelerate's init_empty_weights, as diffusers does); its
+            parameters must all be in the checkpoint unless it is a transformers model.
         path: local Hugging Face model directory (config.json + safetensors).
         dtype: dtype of the model's parameters; the checkpoint's are converted tensor by tensor.
         zero_stage: 3 constructs the model partitioned under ``deepspeed.zero.Init`` and fills
