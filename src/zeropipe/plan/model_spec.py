@@ -566,7 +566,7 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
 
     else:
         return None
-    return trace_diffusion(model, inputs, resolution)
+    return trace_diffusion(model, inputs, resolution, frames=int(entry.get("frames", 1)) if cls == "WanTransformer3DModel" else 1)
 
 
 def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8, vae_temporal_factor: int = 4) -> int:
