@@ -68,6 +68,8 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
     assert "skipped 2 unusable file(s)" in output and "truncated.mp4" in output and "notes.webm" in output
     assert "clips per length: 4 of 1 frame(s), 12 of 9 frame(s) at 16 fps" in output
     run_dir = tmp_path / "runs" / "wan-lora"
+    # Latents split across the ranks (8 of 16 here); all 18 captions (and the text encoder) on one rank of the node only.
+    assert "cached 8 image latent(s) and 18 caption embedding(s) on this rank" in (run_dir / "logs" / "rank0.log").read_text()
     result_summary = summary(run_dir)
     assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
     assert 0 < result_summary["parameters"]["trainable"] < 0.5 * result_summary["parameters"]["total"]

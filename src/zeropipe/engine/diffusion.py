@@ -3,9 +3,12 @@
 The :class:`~zeropipe.engine.trainer.Trainer` holding this task does the rest (DeepSpeed
 engine, optimizer steps, metrics, checkpoints, resume). What is particular here:
 
-- Before training, the cache entries the launcher found missing are encoded, each rank its
-  share (``missing[rank::world_size]``), and the VAE and text encoders are freed again. When
-  the caches are complete the ranks never load them: only the denoiser is in memory.
+- Before training, the cache entries the launcher found missing are encoded and the VAE and
+  text encoders are freed again. The latents are split across all ranks
+  (``missing[rank::world_size]``: the VAE is small and encoding videos is the slow part); the
+  captions only across the first rank of each node, so that a node holds one copy of the text
+  encoders (UMT5-XXL alone is about 11 GB in bf16) whatever its number of GPUs. When the
+  caches are complete the ranks never load them: only the denoiser is in memory.
   Each metrics row says which frozen components this rank holds (``frozen_components_loaded``).
 - What differs between architectures (how prompts are encoded, how the denoiser is called,
   the sampler's arguments) is asked of the run's architecture entry
@@ -22,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -100,7 +104,11 @@ class DiffusionTask(TaskDefaults):
         import deepspeed.comm as dist
 
         missing_latents = self.data.missing_latents[self.rank :: self.world_size]
-        missing_texts = self.data.missing_texts[self.rank :: self.world_size]
+        # One text-encoder copy per node: its first rank encodes the node's share of the captions.
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        nodes = max(1, self.world_size // ranks_per_node)
+        node_leader = self.trainer.local_rank == 0
+        missing_texts = self.data.missing_texts[self.rank // ranks_per_node :: nodes] if node_leader else []
         if missing_latents:
             vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
             # One VAE call per chunk of images of the same bucket and flip, as training batches them.
