@@ -100,3 +100,33 @@ def test_frame_buckets_are_the_lengths_the_vae_accepts():
 def test_clip_modes(available, length, mode, starts):
     assert clip_starts(available, length, mode) == starts
     assert all(0 <= start and start + length <= available for start in starts)
+
+
+def test_frame_buckets_the_vae_cannot_encode_are_refused_naming_the_key(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.prepare import video_clips
+    from zeropipe.errors import ConfigError
+
+    config = RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-wan"}}, "data": {"path": str(tmp_path), "video": {"frame_buckets": [1, 16]}}})
+    with pytest.raises(ConfigError) as raised:
+        video_clips(config, WAN, [], [])
+    assert "data.video.frame_buckets" in str(raised.value) and "4k+1" in str(raised.value)
+
+
+def test_videos_become_clips_of_the_longest_bucket_they_fill(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.prepare import video_clips
+
+    config = RunConfig.model_validate(
+        {"model": {"config": {"pipeline": "tiny-wan"}}, "data": {"path": str(tmp_path), "video": {"frame_buckets": [1, 9, 17], "clip_mode": "multiple"}}}
+    )
+    items = [
+        {"path": "a.mp4", "caption": "a", "repeats": 1, "width": 32, "height": 32, "frames": 40, "fps": 16.0},  # 40 frames: 3 clips of 17
+        {"path": "b.mp4", "caption": "b", "repeats": 1, "width": 32, "height": 32, "frames": 24, "fps": 24.0},  # 16 frames at 16 fps: 2 clips of 9
+        {"path": "c.png", "caption": "c", "repeats": 1, "width": 32, "height": 32, "frames": 1, "fps": 0.0},
+    ]
+    clips, buckets, fps, sample_frames, notes = video_clips(config, WAN, items, [(32, 32)] * 3)
+    assert [(clip["path"], clip["start"], bucket[2]) for clip, bucket in zip(clips, buckets)] == [
+        ("a.mp4", 0, 17), ("a.mp4", 12, 17), ("a.mp4", 23, 17), ("b.mp4", 0, 9), ("b.mp4", 7, 9), ("c.png", 0, 1)
+    ]
+    assert fps == 16.0 and sample_frames == 17 and "1 of 1 frame(s), 2 of 9 frame(s), 3 of 17 frame(s) at 16 fps (multiple)" in notes[-1]
