@@ -138,7 +138,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
 
     flips = [False, True] if images.flip > 0 else [False]
     latent_keys = [
-        [cache.latent_key(Path(item["path"]), bucket, f"center{'-flip' if flip else ''}", vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
+        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
         for item, bucket in zip(items, item_buckets)
     ]
     texts = sorted({item["caption"] for item in items} | {""} | set(prompts))
@@ -209,6 +209,11 @@ def prepare_image_folder(config: RunConfig, run: RunDir, video: bool = False) ->
     return folder.resolve()
 
 
+def crop_name(arch, flip: bool) -> str:
+    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition."""
+    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}"
+
+
 def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_buckets: list[tuple[int, int]]):
     """The clips a video model trains on: per video, clips of the longest frame bucket it fills, taken as data.video.clip_mode says.
 
@@ -220,6 +225,8 @@ def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_bucke
         frame_buckets = check_frame_buckets(video.frame_buckets, arch.accepts_frames, arch.frame_multiple)
     except ValueError as err:
         raise ConfigError([("data.video.frame_buckets", f"{err} for this {arch.name} pipeline")]) from None
+    if arch.frame_conditioned and frame_buckets[0] == 1:
+        raise ConfigError([("data.video.frame_buckets", f"a {arch.name} model is conditioned on the first frame, which is all a one-frame clip holds: remove 1 from {frame_buckets}")])
     fps = arch.frame_rate if video.fps == "auto" else float(video.fps)
     sample_frames = video.sample_frames or frame_buckets[-1]
     if not arch.accepts_frames(sample_frames):

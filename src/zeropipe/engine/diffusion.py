@@ -128,10 +128,13 @@ class DiffusionTask(TaskDefaults):
                             log.warning("skipping %s: %s", path, err)
                     if not prepared:
                         continue
-                    means, stds = cache.encode_latent_distribution(vae, torch.stack([image.pixels for image in prepared]))
-                    for key, image, mean, std in zip(keys, prepared, means, stds):
+                    pixels = torch.stack([image.pixels for image in prepared])
+                    means, stds = cache.encode_latent_distribution(vae, pixels)
+                    # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
+                    conditions = cache.encode_latent_distribution(vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(keys)
+                    for key, image, mean, std, first_frame in zip(keys, prepared, means, stds, conditions):
                         cache.save_entry(self.cache_dir, "latents", key, {
-                            "mean": mean, "std": std,
+                            "mean": mean, "std": std, **({"condition": first_frame} if first_frame is not None else {}),
                             "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
                             "target_size": torch.tensor(image.target_size),
                         })
@@ -230,11 +233,16 @@ class DiffusionTask(TaskDefaults):
             dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
-            means, stds = cache.encode_latent_distribution(self.vae, torch.stack(distributions))
-            distributions = list(zip(means, stds))
-        latents = [mean + std * torch.randn(mean.shape) for mean, std in distributions]
+            pixels = torch.stack(distributions)
+            means, stds = cache.encode_latent_distribution(self.vae, pixels)
+            conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
+            distributions = list(zip(means, stds, conditions))
+        latents = [mean + std * torch.randn(mean.shape) for mean, std, _ in distributions]
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
+        if self.arch.frame_conditioned:
+            first_frames = torch.stack([first_frame for _, _, first_frame in distributions]).to(self.device)
+            condition["first_frame_latents"] = normalize_latents(first_frames, self.latent_shift, self.latent_scale).to(self.compute_dtype)
         batch = torch.stack(latents).to(self.device)
         return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
@@ -255,7 +263,7 @@ class DiffusionTask(TaskDefaults):
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-            return (entry["mean"], entry["std"]), sizes
+            return (entry["mean"], entry["std"], entry.get("condition")), sizes
         try:
             prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
         except DataError as err:
@@ -367,6 +375,10 @@ class DiffusionTask(TaskDefaults):
         """
         prompts = self.plan.generate_prompts
         if not prompts:
+            return
+        if self.arch.frame_conditioned:
+            if self.rank == 0 and self.step == self.config.generate.sample_every:
+                log.info("no sample videos: %s draws from a first frame, and conditioning images for samples are not supported yet", self.arch.name)
             return
         generate = self.config.generate
         size = self.images.resolution

@@ -98,3 +98,34 @@ def test_lora_keys_in_the_original_layout_convert_back_with_diffusers_converter(
     for module in {key.rsplit(".lora_", 1)[0] for key in layers}:
         trained = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * 2.0
         assert torch.allclose(back[f"{module}.lora_B.weight"] @ back[f"{module}.lora_A.weight"], trained, atol=1e-5)
+
+
+def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_its_transformer(tmp_path):
+    """Mask and first-frame latents built from a clip as training builds them equal the pipeline's own prepare_latents."""
+    from diffusers import WanImageToVideoPipeline
+
+    from zeropipe.diffusion import cache
+    from zeropipe.diffusion.videos import moving_shape_frames
+
+    import random
+
+    i2v = architecture_named("wan-i2v")
+    build_tiny_pipeline({"pipeline": "tiny-wan-i2v"}, tmp_path / "pipeline", seed=2)
+    pipeline = WanImageToVideoPipeline.from_pretrained(str(tmp_path / "pipeline"))
+    frames = moving_shape_frames("circle", "red", "blue", "left", (32, 32), 9, random.Random(0))
+    clip = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]  # (1, 3, 9, 32, 32)
+    _, expected = pipeline.prepare_latents(clip[:, :, 0], 1, 16, 32, 32, 9, torch.float32, torch.device("cpu"))
+
+    shift, scale = latent_scaling(tmp_path / "pipeline", i2v)
+    first_frame = normalize_latents(cache.encode_latent_distribution(pipeline.vae, i2v.conditioning_pixels(clip))[0], shift, scale)
+    seen = {}
+
+    def transformer(hidden_states, timestep, encoder_hidden_states, return_dict):
+        seen["input"] = hidden_states
+        return (hidden_states[:, :16],)
+
+    noisy = torch.randn(1, 16, 3, 4, 4)
+    i2v.predict(transformer, noisy, torch.tensor([500.0]), {"prompt_embeds": torch.zeros(1, 64, 32), "first_frame_latents": first_frame}, None)
+    assert seen["input"].shape == (1, 36, 3, 4, 4)
+    assert torch.equal(seen["input"][:, :16], noisy)
+    assert torch.allclose(seen["input"][:, 16:], expected, atol=1e-5)

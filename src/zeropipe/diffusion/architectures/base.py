@@ -44,6 +44,9 @@ class Architecture:
             compression: 4 for Wan and HunyuanVideo, 8 for LTX-Video); 1 for image models.
         frame_rate: frames per second the model was trained at; clips are resampled to it.
         vae_class: the diffusers class of the VAE (what the tiny preset builds).
+        frame_conditioned: image-to-video: the denoiser also sees the clip's first frame, encoded by
+            the VAE with the other frames black (``conditioning_pixels``), which ``predict`` receives
+            as ``condition["first_frame_latents"]`` (cached with the clip's latents).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Architecture:
     frame_multiple: int = 1
     frame_rate: float | None = None
     vae_class: str = "AutoencoderKL"
+    frame_conditioned: bool = False
 
     @property
     def frozen_components(self) -> tuple[str, ...]:
@@ -98,6 +102,12 @@ class Architecture:
     def accepts_frames(self, frames: int) -> bool:
         """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
         return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
+
+    def conditioning_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """What the VAE encodes as an image-to-video condition: the first frame kept, the others black (0 in [-1, 1] is grey; Wan uses 0)."""
+        condition = torch.zeros_like(pixels)
+        condition[:, :, :1] = pixels[:, :, :1]
+        return condition
 
     # -------------------------------------------------------------- latents
     def latent_normalization(self, vae_config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
