@@ -190,3 +190,28 @@ def test_wan_image_to_video_lora_trains_on_first_frame_conditioning_and_exports(
     comfy = WanImageToVideoPipeline.from_pretrained(str(run_dir / "pipeline"))
     comfy.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")
     assert torch.allclose(draw_from_image(comfy), after, atol=1e-4)
+
+
+def test_a_single_file_original_layout_transformer_loads_under_zero3(tmp_path):
+    """model.diffusion.denoiser_file: an original-layout .safetensors (as ComfyUI users have) streamed into ZeRO-3 partitions."""
+    from tests.unit.diffusion.test_single_file import write_original_checkpoint
+
+    single_file = tmp_path / "wan2.1_t2v_tiny_bf16.safetensors"
+    expected = write_original_checkpoint(single_file, seed=11)
+    config = video_config(
+        tmp_path, "wan-single", clips(tmp_path, examples=8), model={"config": {"pipeline": "tiny-wan"}, "diffusion": {"denoiser_file": str(single_file)}},
+        train={"max_steps": 2, "micro_batch_size": 2, "lr": 1e-9, "warmup_steps": 1, "log_every": 1}, generate={"prompts": None},
+    )
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / "wan-single"
+    assert f"from {single_file}" in (run_dir / "logs" / "rank0.log").read_text() and "(its ZeRO-3 partitions)" in (run_dir / "logs" / "rank0.log").read_text()
+    out = tmp_path / "export"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import WanTransformer3DModel
+
+    trained = WanTransformer3DModel.from_pretrained(str(out / "transformer")).state_dict()
+    # The file's weights, not the pipeline directory's random ones (two steps at lr 1e-9 move nothing visible).
+    assert all(torch.allclose(trained[key], expected[key], atol=1e-5) for key in expected)
+    original = WanTransformer3DModel.from_pretrained(str(run_dir / "pipeline" / "transformer")).state_dict()
+    assert not torch.allclose(original["blocks.0.attn1.to_q.weight"], expected["blocks.0.attn1.to_q.weight"])

@@ -78,6 +78,11 @@ class DiffusionSection(Section):
     max_t: float = Field(
         1.0, ge=0, le=1, description="Flow matching: train only on noise levels t <= max_t. Wan 2.2 A14B's low-noise expert: max_t 0.875 (T2V; 0.9 for I2V)."
     )
+    denoiser_file: str | None = Field(
+        None,
+        description="A single-file checkpoint (.safetensors) of the transformer or UNet in its original or ComfyUI layout (e.g. wan2.1_t2v_14B_bf16.safetensors), "
+        "loaded instead of the pipeline directory's own weights (model.path still gives its config, VAE and text encoders); names converted with diffusers' converter.",
+    )
 
 
 class ModelSection(Section):

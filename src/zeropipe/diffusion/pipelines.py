@@ -17,7 +17,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -169,6 +169,43 @@ def fingerprint_files(folder: Path, cache_file: Path | None = None) -> str:
         tmp.write_text(json.dumps(remembered))
         tmp.replace(cache_file)
     return result
+
+
+# ------------------------------------------------------------------------------ single-file checkpoints
+def single_file_renamer(denoiser_class: str, checkpoint: Path) -> Callable[[str], str]:
+    """Checkpoint name -> model key for a single-file checkpoint in the original (or ComfyUI) layout.
+
+    The names are converted by diffusers' own single-file converter of the class (the one
+    ``from_single_file`` uses), applied to the names alone: no tensor is read here, so that
+    under ZeRO-3 each rank still reads only its partitions. Converters that compute tensors
+    (split or fused weights) cannot be applied this way and are refused with the fix.
+
+    Raises:
+        ConfigError: no converter for the class, one that changes tensors, or an unreadable file.
+    """
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from safetensors import safe_open
+
+    where = "model.diffusion.denoiser_file"
+    entry = SINGLE_FILE_LOADABLE_CLASSES.get(denoiser_class)
+    if entry is None:
+        raise ConfigError([(where, f"diffusers has no single-file converter for {denoiser_class}: give model.path a diffusers directory with its weights instead")])
+    try:
+        with safe_open(str(checkpoint), framework="pt") as handle:
+            names = list(handle.keys())
+    except Exception as err:  # missing file, not safetensors, damaged header: the same fix
+        raise ConfigError([(where, f"{checkpoint} cannot be read as a .safetensors checkpoint ({err})")]) from None
+    try:
+        converted = entry["checkpoint_mapping_fn"]({name: name for name in names}, config=None)
+    except Exception as err:
+        raise ConfigError(
+            [(where, f"diffusers converts {denoiser_class} single files by computing tensors ({type(err).__name__}: {err}), which cannot be streamed into ZeRO partitions: "
+                     f"convert it once with {denoiser_class}.from_single_file(...).save_pretrained(DIR) and point model.path at a pipeline holding DIR")]
+        ) from None
+    renames = {source: key for key, source in converted.items() if isinstance(source, str)}
+    if len(renames) != len(converted):
+        raise ConfigError([(where, f"diffusers' converter for {denoiser_class} changes tensors, not only names: convert it once with from_single_file and save_pretrained")])
+    return lambda name: renames.get(name, name)
 
 
 # ------------------------------------------------------------------------------ loading parts

@@ -43,6 +43,7 @@ from zeropipe.diffusion.pipelines import (
     encode_prompts,
     latent_scaling,
     normalize_latents,
+    single_file_renamer,
     load_component,
     text_pipeline,
     vae_scale_factor,
@@ -163,8 +164,13 @@ class DiffusionTask(TaskDefaults):
         def construct():
             return cls.from_config(cls.load_config(str(folder)))
 
+        weights, rename = folder, None
+        single_file = self.config.model.diffusion.denoiser_file
+        if single_file:  # an original/ComfyUI-layout file: the directory gives the config, the file the weights
+            weights = Path(single_file).expanduser()
+            rename = single_file_renamer(self.arch.denoiser_class, weights)
         model = load_pretrained(
-            construct, folder, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model"
+            construct, weights, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model", rename=rename
         )
         section = self.config.model
         if section.gradient_checkpointing:

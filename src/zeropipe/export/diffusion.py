@@ -33,6 +33,22 @@ from zeropipe.models.common import resolve_lora_targets
 ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
 
 
+def base_denoiser(arch, pipeline_dir: Path, single_file: str | None):
+    """The run's starting denoiser in fp32: the pipeline directory's, or a single-file checkpoint's weights with the directory's config."""
+    cls = arch.model_class()
+    folder = pipeline_dir / arch.denoiser
+    if not single_file:
+        return cls.from_pretrained(str(folder), torch_dtype=torch.float32)
+    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.models.loading import load_pretrained
+
+    weights = Path(single_file).expanduser()
+    return load_pretrained(
+        lambda: cls.from_config(cls.load_config(str(folder))), weights, dtype=torch.float32, zero_stage=0, device="cpu",
+        rename=single_file_renamer(arch.denoiser_class, weights),
+    )
+
+
 def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder: Path) -> None:
     """The LoRA again in the architecture's original key layout (Wan: what ComfyUI and diffusion-pipe use), when it has one."""
     from peft.utils import get_peft_model_state_dict
@@ -55,7 +71,7 @@ def export_diffusion(job: ExportJob) -> Path:
     pipeline_dir = Path(plan.pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
-    denoiser = arch.model_class().from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32)
+    denoiser = base_denoiser(arch, pipeline_dir, config.model.diffusion.denoiser_file)
     lora = config.model.lora
     if lora is not None:
         from peft import LoraConfig
@@ -65,7 +81,7 @@ def export_diffusion(job: ExportJob) -> Path:
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
         # bf16: keep the pipeline's own weights and take only the adapters from the checkpoint.
-        base = arch.model_class().from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32).state_dict()
+        base = base_denoiser(arch, pipeline_dir, config.model.diffusion.denoiser_file).state_dict()
         with torch.no_grad():
             for name, tensor in denoiser.named_parameters():
                 original = name.replace(".base_layer.", ".")

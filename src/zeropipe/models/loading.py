@@ -687,7 +687,7 @@ def _construct_from_factory(
             return factory()
 
 
-def _plan(model: nn.Module, index: CheckpointIndex, path: Path) -> dict[str, str]:
+def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable[[str], str] | None = None) -> dict[str, str]:
     """Model key -> checkpoint tensor for every tensor to load, or a CheckpointError listing every mismatch."""
     expected = _state_dict_shapes(model)
     tied = _tied_keys(model)
@@ -695,7 +695,7 @@ def _plan(model: nn.Module, index: CheckpointIndex, path: Path) -> dict[str, str
     sources = index.match(
         expected,
         model_name=type(model).__name__,
-        rename=_checkpoint_renamer(model, expected),
+        rename=rename or _checkpoint_renamer(model, expected),
         tied=tied,
         ignore_missing=ignore_missing,
         ignore_unexpected=ignore_unexpected,
@@ -860,6 +860,7 @@ def load_pretrained(
     attn_implementation: str | None = None,
     device: torch.device | str | None = None,
     stem: str = "model",
+    rename: Callable[[str], str] | None = None,
 ) -> nn.Module:
     """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
 
@@ -880,6 +881,9 @@ def load_pretrained(
         attn_implementation: attention kernel set on the config ("sdpa", "eager").
         device: where stage 0-2 parameters are materialised; the rank's accelerator by default.
         stem: file name of the weights without extension (diffusers: "diffusion_pytorch_model").
+        rename: checkpoint tensor name -> model key, for checkpoints in another layout (a
+            single-file original checkpoint, renamed with diffusers' converter); the tensors
+            are still read one by one, each rank only its partitions under ZeRO-3.
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -916,12 +920,12 @@ def load_pretrained(
         with _zero3_visible(zero_stage, ds_config):
             if zero_stage == 3:
                 # Checked on a meta skeleton first: a mismatch fails in seconds, not after zero.Init.
-                sources = _plan(construct(on_meta=True), index, path)
+                sources = _plan(construct(on_meta=True), index, path, rename)
             with _heap_returned(zero_stage == 3 and device.type == "cpu"):
                 model = construct()
         log.debug("constructed %s (%s)", type(model).__name__, "partitioned by zero.Init" if zero_stage == 3 else "on the meta device")
         if zero_stage != 3:
-            sources = _plan(model, index, path)
+            sources = _plan(model, index, path, rename)
         bytes_read = load_tensors(model, index, sources, device=device)
     except _StreamingUnsupported as reason:
         if not _is_model_class(model_cls_or_factory):
