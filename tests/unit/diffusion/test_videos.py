@@ -130,3 +130,21 @@ def test_videos_become_clips_of_the_longest_bucket_they_fill(tmp_path):
         ("a.mp4", 0, 17), ("a.mp4", 12, 17), ("a.mp4", 23, 17), ("b.mp4", 0, 9), ("b.mp4", 7, 9), ("c.png", 0, 1)
     ]
     assert fps == 16.0 and sample_frames == 17 and "1 of 1 frame(s), 2 of 9 frame(s), 3 of 17 frame(s) at 16 fps (multiple)" in notes[-1]
+
+
+@pytest.mark.parametrize("suffix", [".webm", ".mov", ".gif"])
+def test_webm_mov_and_gif_clips_are_read_like_mp4(tmp_path, suffix):
+    import random
+
+    from PIL import Image
+
+    frames = moving_shape_frames("circle", "red", "blue", "right", (32, 32), 9, random.Random(0))
+    path = tmp_path / f"clip{suffix}"
+    if suffix == ".gif":
+        images = [Image.fromarray(frame) for frame in frames]
+        images[0].save(path, save_all=True, append_images=images[1:], duration=62, loop=0)
+    else:
+        write_video(path, frames, fps=16)
+    width, height, count, fps = probe_video(path)
+    assert (width, height, count) == (32, 32, 9) and 15 < fps < 17
+    assert load_clip_for_bucket(path, (32, 32, 9), start=0, fps=fps, target_fps=fps).pixels.shape == (3, 9, 32, 32)
