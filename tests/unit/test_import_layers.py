@@ -22,7 +22,7 @@ def test_import_contracts_hold(capsys):
 
 def family_and_architecture_comparisons() -> list[str]:
     """Comparisons of a name against a family's or a diffusion architecture's literal name, outside their own modules."""
-    names = {"causal_lm", "vlm", "diffusion", "sdxl", "sd15", "sd3", "flux"}
+    names = {"causal_lm", "vlm", "diffusion", "sdxl", "sd15", "sd3", "flux", "wan"}
     found = []
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(PACKAGE).as_posix()

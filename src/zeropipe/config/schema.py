@@ -70,6 +70,18 @@ class DiffusionSection(Section):
         "auto", description="Timestep shift of flow matching (SD3 uses 3.0); 'auto': the scheduler config's shift, else 1.0 (no shift)."
     )
     guidance: float = Field(1.0, ge=0, description="Guidance value fed to guidance-distilled transformers (Flux dev: 1.0 for training); ignored otherwise.")
+    min_t: float = Field(
+        0.0, ge=0, le=1, description="Flow matching: train only on noise levels t >= min_t (t in [0, 1] after the shift, 1 is pure noise). "
+        "Wan 2.2 A14B's high-noise expert: min_t 0.875 (T2V; 0.9 for I2V)."
+    )
+    max_t: float = Field(
+        1.0, ge=0, le=1, description="Flow matching: train only on noise levels t <= max_t. Wan 2.2 A14B's low-noise expert: max_t 0.875 (T2V; 0.9 for I2V)."
+    )
+    denoiser_file: str | None = Field(
+        None,
+        description="A single-file checkpoint (.safetensors) of the transformer or UNet in its original or ComfyUI layout (e.g. wan2.1_t2v_14B_bf16.safetensors), "
+        "loaded instead of the pipeline directory's own weights (model.path still gives its config, VAE and text encoders); names converted with diffusers' converter.",
+    )
 
 
 class ModelSection(Section):
@@ -124,7 +136,7 @@ class SyntheticSection(Section):
     task: Literal["arithmetic", "reverse", "mixed", "shapes"] = Field(
         "mixed",
         description="Generated task the model can visibly learn: instructions (arithmetic, reverse, mixed) or captioned images of "
-        "coloured shapes (shapes: diffusion and vision-language models).",
+        "coloured shapes (shapes: diffusion and vision-language models; for video models, mp4 clips of moving shapes with a few stills).",
     )
     examples: int = Field(4000, ge=10, description="Number of generated examples.")
     seed: int = Field(0, description="Seed of the generator.")
@@ -151,6 +163,21 @@ class CacheSection(Section):
     dir: str | None = Field(
         None, description="Cache folder shared by runs; entries are keyed by a fingerprint of what they depend on. Default: OUTPUT_DIR/.zeropipe-cache."
     )
+
+
+class VideoSection(Section):
+    """How videos become training clips (video diffusion models such as Wan)."""
+
+    frame_buckets: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1, 33],
+        description="Clip lengths in frames; each must be one the VAE accepts (4k+1 for Wan: 1, 17, 33, 49, 65, 81). A video trains as clips of the "
+        "longest bucket it fills; 1 lets images train as one-frame clips.",
+    )
+    clip_mode: Literal["start", "middle", "multiple"] = Field(
+        "start", description="Which clips of a longer video train: start (one from the first frame), middle (one centred) or multiple (as many as fit, spread evenly)."
+    )
+    fps: float | Literal["auto"] = Field("auto", description="Frame rate clips are taken at; 'auto': the model's (16 for Wan).")
+    sample_frames: int | None = Field(None, ge=1, description="Length of the sample videos drawn during training; default: the longest frame bucket.")
 
 
 class VisionDataSection(Section):
@@ -216,6 +243,7 @@ class DataSection(Section):
     )
     images: ImagesSection = Field(default_factory=ImagesSection, description="Bucketing, cropping, flips and caption dropout (diffusion).")
     cache: CacheSection = Field(default_factory=CacheSection, description="Latent and text-embedding caches (diffusion).")
+    video: VideoSection = Field(default_factory=VideoSection, description="Frame buckets, clips and frame rate (video diffusion models).")
     vision: VisionDataSection = Field(default_factory=VisionDataSection, description="Image paths and caption prompt (vision-language models).")
     mixture: list[MixtureSource] | None = Field(
         None,

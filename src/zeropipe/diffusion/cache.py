@@ -2,8 +2,9 @@
 
 Each entry is one safetensors file named by a key that hashes everything it depends on:
 
-- a latent entry: the image file (absolute path, size, modification time), its bucket and
-  crop, and the VAE's fingerprint (a hash of its weights and config);
+- a latent entry: the image or video file (absolute path, size, modification time), its
+  bucket (with the clip length for videos), crop, the clip's first frame and frame rate, and
+  the VAE's fingerprint (a hash of its weights and config);
 - a text entry: the caption and the fingerprint of the text encoders and tokenizers.
 
 So a later run with the same inputs finds every entry and encodes nothing, and a changed
@@ -30,9 +31,11 @@ def _digest(*parts: object) -> str:
     return hashlib.sha256(json.dumps([CACHE_VERSION, *parts], default=str).encode()).hexdigest()[:32]
 
 
-def latent_key(image: Path, bucket: tuple[int, int], crop: str, vae_fingerprint: str) -> str:
+def latent_key(image: Path, bucket: tuple[int, ...], crop: str, vae_fingerprint: str, clip: tuple[int, float] | None = None) -> str:
+    """The key of one image's (or one video clip's: its first frame and frame rate) latents."""
     stat = Path(image).stat()
-    return _digest("latent", str(Path(image).resolve()), stat.st_size, stat.st_mtime_ns, list(bucket), crop, vae_fingerprint)
+    parts = ["latent", str(Path(image).resolve()), stat.st_size, stat.st_mtime_ns, list(bucket), crop, vae_fingerprint]
+    return _digest(*parts, list(clip)) if clip is not None else _digest(*parts)
 
 
 def text_key(text: str, text_fingerprint: str) -> str:
@@ -61,7 +64,7 @@ def load_entry(cache_dir: Path, kind: str, key: str) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def encode_latent_distribution(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) of the VAE's latent distribution for a batch of images in [-1, 1].
+    """(mean, std) of the VAE's latent distribution for a batch of images (or clips, (B, 3, T, H, W)) in [-1, 1].
 
     The distribution is stored, not one sample of it, so that training still draws a fresh
     sample each time it sees the image (as it would without a cache).

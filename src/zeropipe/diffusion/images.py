@@ -29,6 +29,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -79,6 +80,8 @@ class ImageItem:
     repeats: int  # kohya repeat count (1 when not given)
     width: int  # size in pixels, after the EXIF orientation is applied (as load_image_for_bucket sees it)
     height: int
+    frames: int = 1  # a video's decodable frames (an image is one frame)
+    fps: float = 0.0  # a video's frame rate (0 for images)
 
 
 @dataclass
@@ -119,7 +122,9 @@ class PreparedImage:
 # Scanning a folder
 
 
-def scan_image_folder(root: Path, caption_ext: str = ".txt") -> ImageScan:
+def scan_image_folder(
+    root: Path, caption_ext: str = ".txt", video_probe: Callable[[Path], tuple[int, int, int, float] | str] | None = None, video_suffixes: tuple[str, ...] = ()
+) -> ImageScan:
     """Find the captioned images under ``root`` and check that each one decodes.
 
     Every image is decoded in full once (``Image.open`` then ``load``): ``verify()`` alone
@@ -130,6 +135,9 @@ def scan_image_folder(root: Path, caption_ext: str = ".txt") -> ImageScan:
     Args:
         root: the image folder, in one of the layouts described in this module's docstring.
         caption_ext: suffix of the caption file beside each image (kohya and flat layouts).
+        video_probe: for video models, reads a video file (``video_suffixes``) in full and returns
+            (width, height, frames, frames per second) or the reason it cannot be used; videos
+            and images are then scanned together (an image is a one-frame video).
 
     Returns:
         The usable images sorted by path, and the files and metadata lines that were skipped.
@@ -151,6 +159,7 @@ def scan_image_folder(root: Path, caption_ext: str = ".txt") -> ImageScan:
             f"{root} has both metadata.jsonl and metadata.csv and it is not clear which one holds the captions: "
             "remove or rename one of them."
         )
+    suffixes = IMAGE_SUFFIXES + (tuple(video_suffixes) if video_probe is not None else ())
     kohya_folders = [child for child in sorted(root.iterdir()) if child.is_dir() and KOHYA_FOLDER.match(child.name)]
 
     bad: list[BadImage] = []
@@ -161,19 +170,21 @@ def scan_image_folder(root: Path, caption_ext: str = ".txt") -> ImageScan:
         candidates = _metadata_candidates(root, metadata_files[0], bad, bad_lines)
     elif kohya_folders:
         layout = "kohya"
-        candidates = _kohya_candidates(root, kohya_folders, caption_ext, bad)
+        candidates = _kohya_candidates(root, kohya_folders, caption_ext, bad, suffixes)
     else:
         layout = "flat"
-        candidates = _flat_candidates(root, caption_ext, bad, missing_captions)
+        candidates = _flat_candidates(root, caption_ext, bad, missing_captions, suffixes)
 
     items = []
     for path, caption, repeats in candidates:
-        size_or_reason = _decoded_size(path)
-        if isinstance(size_or_reason, str):
-            bad.append(BadImage(path, size_or_reason))
+        is_video = video_probe is not None and path.suffix.lower() in video_suffixes
+        found = video_probe(path) if is_video else _decoded_size(path)
+        if isinstance(found, str):
+            bad.append(BadImage(path, found))
             continue
-        width, height = size_or_reason
-        items.append(ImageItem(path=path, caption=caption, repeats=repeats, width=width, height=height))
+        width, height, *timing = found
+        frames, fps = timing if timing else (1, 0.0)
+        items.append(ImageItem(path=path, caption=caption, repeats=repeats, width=width, height=height, frames=frames, fps=fps))
 
     if not items:
         problems = ""
@@ -183,7 +194,7 @@ def scan_image_folder(root: Path, caption_ext: str = ".txt") -> ImageScan:
             problems += f" {len(bad_lines)} metadata line(s) could not be used, the first: {bad_lines[0]}."
         raise DataError(
             f"found no usable image in {root} (layout read as {layout}).{problems} Accepted layouts: {LAYOUT_HELP}. "
-            f"Image types: {' '.join(IMAGE_SUFFIXES)}."
+            f"File types: {' '.join(suffixes)}."
         )
     items.sort(key=lambda item: item.path)
     bad.sort(key=lambda problem: problem.path)
@@ -191,11 +202,11 @@ def scan_image_folder(root: Path, caption_ext: str = ".txt") -> ImageScan:
     return ImageScan(items=items, bad=bad, layout=layout, bad_lines=bad_lines, missing_captions=missing_captions)
 
 
-def _is_image_name(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_SUFFIXES
+def _is_image_name(path: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> bool:
+    return path.suffix.lower() in suffixes
 
 
-def _walk_images(top: Path) -> list[Path]:
+def _walk_images(top: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[Path]:
     """Image files under ``top`` (recursively, following symlinks once), skipping hidden names."""
     found = []
     seen_folders = set()
@@ -206,7 +217,7 @@ def _walk_images(top: Path) -> list[Path]:
             continue
         seen_folders.add(real_folder)
         subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
-        found += [Path(folder) / name for name in files if not name.startswith(".") and _is_image_name(Path(name))]
+        found += [Path(folder) / name for name in files if not name.startswith(".") and _is_image_name(Path(name), suffixes)]
     return sorted(found)
 
 
@@ -219,12 +230,12 @@ def _read_caption(path: Path, bad: list[BadImage], image: Path) -> str | None:
         return None
 
 
-def _kohya_candidates(root: Path, kohya_folders: list[Path], caption_ext: str, bad: list[BadImage]) -> list[tuple[Path, str, int]]:
+def _kohya_candidates(root: Path, kohya_folders: list[Path], caption_ext: str, bad: list[BadImage], suffixes: tuple[str, ...]) -> list[tuple[Path, str, int]]:
     candidates = []
     for folder in kohya_folders:
         match = KOHYA_FOLDER.match(folder.name)
         repeats, concept = int(match[1]), match[2]
-        for image in _walk_images(folder):
+        for image in _walk_images(folder, suffixes):
             if repeats == 0:
                 bad.append(BadImage(image, f"folder '{folder.name}' has 0 repeats, so it is never used: rename it to 1_{concept} or more"))
                 continue
@@ -237,15 +248,15 @@ def _kohya_candidates(root: Path, kohya_folders: list[Path], caption_ext: str, b
     for child in sorted(root.iterdir()):
         if child.name.startswith(".") or child in kohya_set:
             continue
-        strays = _walk_images(child) if child.is_dir() else ([child] if _is_image_name(child) else [])
+        strays = _walk_images(child, suffixes) if child.is_dir() else ([child] if _is_image_name(child, suffixes) else [])
         for image in strays:
             bad.append(BadImage(image, "not inside a <repeats>_<concept> folder, so the kohya layout skips it: move it into one such as '1_concept'"))
     return candidates
 
 
-def _flat_candidates(root: Path, caption_ext: str, bad: list[BadImage], missing_captions: list[Path]) -> list[tuple[Path, str, int]]:
+def _flat_candidates(root: Path, caption_ext: str, bad: list[BadImage], missing_captions: list[Path], suffixes: tuple[str, ...]) -> list[tuple[Path, str, int]]:
     candidates = []
-    for image in _walk_images(root):
+    for image in _walk_images(root, suffixes):
         caption_file = image.with_suffix(caption_ext)
         if caption_file.is_file():
             caption = _read_caption(caption_file, bad, image)
@@ -423,15 +434,36 @@ def load_image_for_bucket(
         raise ValueError(f"crop '{crop}' is not one of {', '.join(CROPS)}")
     if crop == "random" and rng is None:
         raise ValueError("crop='random' needs rng (a random.Random) so the crops can be reproduced")
-    bucket_width, bucket_height = bucket
-    if bucket_width < 1 or bucket_height < 1:
-        raise ValueError(f"bucket {bucket} must have a positive width and height")
     try:
         with Image.open(path) as opened:
             opened.load()
             image = _to_rgb(ImageOps.exif_transpose(opened))
     except Exception as error:  # same reasoning as in _decoded_size: every failure means "skip this file"
         raise DataError(f"{path} cannot be decoded ({error}): remove or replace the file, then scan the folder again") from error
+    return fit_to_bucket(image, bucket, crop=crop, flip=flip, rng=rng, path=path)
+
+
+def fit_to_bucket(
+    image: Image.Image,
+    bucket: tuple[int, int],
+    crop: str = "center",
+    flip: bool = False,
+    rng: random.Random | None = None,
+    path: Path | str = "the image",
+) -> PreparedImage:
+    """Resize a decoded RGB image (or video frame) to cover ``bucket`` (width, height) keeping its aspect, and crop to it.
+
+    Raises:
+        DataError: a zero-size image.
+        ValueError: an unknown ``crop``, ``crop="random"`` without ``rng``, or a bucket without area.
+    """
+    if crop not in CROPS:
+        raise ValueError(f"crop '{crop}' is not one of {', '.join(CROPS)}")
+    if crop == "random" and rng is None:
+        raise ValueError("crop='random' needs rng (a random.Random) so the crops can be reproduced")
+    bucket_width, bucket_height = bucket[:2]
+    if bucket_width < 1 or bucket_height < 1:
+        raise ValueError(f"bucket {bucket} must have a positive width and height")
     width, height = image.size
     if width == 0 or height == 0:
         raise DataError(f"{path} is a zero-size image ({width}x{height} pixels): remove it from the data folder")

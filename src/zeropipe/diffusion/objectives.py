@@ -7,6 +7,7 @@ they define (add_noise, get_velocity, the alphas), so the trained model matches 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,12 @@ class DDPMObjective:
 
 
 class FlowObjective:
-    """Rectified flow: x_t = (1 - s) x0 + s noise, predict noise - x0; logit-normal timesteps with a shift (SD3 paper)."""
+    """Rectified flow: x_t = (1 - s) x0 + s noise, predict noise - x0; logit-normal timesteps with a shift (SD3 paper).
+
+    ``min_t`` / ``max_t`` restrict the noise levels to a range of the shifted distribution (its
+    conditional distribution there, as diffusion-pipe slices it): the way Wan 2.2's high-noise
+    and low-noise experts are trained each on its own side of the boundary.
+    """
 
     def __init__(self, scheduler_config: dict, section: DiffusionSection):
         prediction = section.prediction_type
@@ -75,15 +81,47 @@ class FlowObjective:
             raise ConfigError([("model.diffusion.prediction_type", f"SD3/Flux transformers are trained with flow matching, not {prediction}: set auto or flow")])
         self.section = section
         self.num_train_timesteps = int(scheduler_config.get("num_train_timesteps", 1000))
-        self.shift = float(scheduler_config.get("shift", 1.0)) if section.shift == "auto" else float(section.shift)
+        # FlowMatchEuler schedulers call it shift, the UniPC flow schedulers Wan ships flow_shift.
+        configured = scheduler_config.get("shift", scheduler_config.get("flow_shift", 1.0)) if scheduler_config.get("use_flow_sigmas", True) else 1.0
+        self.shift = float(configured) if section.shift == "auto" else float(section.shift)
+        self.min_t, self.max_t = float(section.min_t), float(section.max_t)
+        if self.min_t >= self.max_t:
+            raise ConfigError([("model.diffusion.min_t", f"{self.min_t} must be below model.diffusion.max_t ({self.max_t})")])
 
     def sigmas(self, batch: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        if self.section.timestep_sampling in ("auto", "logit_normal"):
-            u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.randn((batch,), generator=generator))
+        """Noise levels drawn by inverse transform: a quantile in [F(min_t), F(max_t)] mapped through F's inverse.
+
+        F is the distribution of the shifted noise level; without a range this is the plain draw.
+        """
+        if self.min_t == 0 and self.max_t == 1:  # the whole range: the direct draw (the same stream as before ranges existed)
+            if self.logit_normal:
+                u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.randn((batch,), generator=generator))
+            else:
+                u = torch.rand((batch,), generator=generator)
+            return self.shift * u / (1 + (self.shift - 1) * u)
+        low, high = self.quantile(self.min_t), self.quantile(self.max_t)
+        q = (low + (high - low) * torch.rand((batch,), generator=generator, dtype=torch.float64)).clamp(1e-7, 1 - 1e-7)
+        if self.logit_normal:
+            u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.special.ndtri(q))
         else:
-            u = torch.rand((batch,), generator=generator)
+            u = q
         # The shift spends more training on high noise levels, as the sampler's schedule does.
-        return self.shift * u / (1 + (self.shift - 1) * u)
+        sigmas = self.shift * u / (1 + (self.shift - 1) * u)
+        return sigmas.clamp(self.min_t, self.max_t).float()
+
+    @property
+    def logit_normal(self) -> bool:
+        return self.section.timestep_sampling in ("auto", "logit_normal")
+
+    def quantile(self, sigma: float) -> float:
+        """F(sigma): the probability that a drawn (shifted) noise level is at most sigma."""
+        if sigma <= 0 or sigma >= 1:
+            return float(sigma >= 1)
+        u = sigma / (self.shift - (self.shift - 1) * sigma)  # the shift's inverse
+        if not self.logit_normal:
+            return u
+        z = (math.log(u / (1 - u)) - self.section.logit_mean) / self.section.logit_std
+        return float(torch.special.ndtr(torch.tensor(z, dtype=torch.float64)))
 
     def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> NoisedBatch:
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents)

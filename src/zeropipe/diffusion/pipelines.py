@@ -16,13 +16,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import string
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, presets
+from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
 from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
 from zeropipe.errors import ConfigError
 
@@ -43,20 +43,6 @@ def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, d
             raise ConfigError([(f"model.config.{key}", "must be a mapping of config fields to override")])
         components[key].update(overrides)
     return arch, components
-
-
-def character_tokenizer(max_length: int = 77):
-    """A CLIP tokenizer whose tokens are single characters: enough for captions of a tiny model, built without a download."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    chars = sorted(set(string.ascii_lowercase + string.digits + ",.-'"))
-    for suffix in ("", "</w>"):
-        for char in chars:
-            vocab[char + suffix] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
-    tokenizer.model_max_length = max_length
-    return tokenizer
 
 
 def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Architecture:
@@ -82,13 +68,13 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
             cls = getattr(transformers, fields.pop("class"))
             parts[name] = cls(cls.config_class(**fields))
         elif name == "vae":
-            parts[name] = diffusers.AutoencoderKL(**fields)
+            parts[name] = getattr(diffusers, arch.vae_class)(**fields)
             if config.get("vae_fit_steps"):
-                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, shifted=arch.shifted_latents)
+                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch)
         else:
             parts[name] = arch.model_class()(**fields)
     for tokenizer_name in arch.tokenizers:
-        parts[tokenizer_name] = character_tokenizer(arch.tokenizer_length(tokenizer_name))
+        parts[tokenizer_name] = arch.tiny_tokenizer(tokenizer_name)
     cls = arch.pipeline()
     expected = set(cls._get_signature_keys(cls)[0]) if hasattr(cls, "_get_signature_keys") else set()
     optional = {name: None for name in expected if name not in parts and name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
@@ -101,25 +87,21 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
     return arch
 
 
-def fit_tiny_vae(vae, steps: int, seed: int, shifted: bool, batch: int = 16) -> None:
-    """Teach a random tiny VAE to reconstruct generated shape images, so that samples show shapes.
+def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16) -> None:
+    """Teach a random tiny VAE to reconstruct generated shape images (clips, for video VAEs), so that samples show shapes.
 
     A randomly initialised decoder turns any latent into noise, so the sample images of a
     tiny demo pipeline would say nothing about whether the denoiser learned. A few hundred
     steps of reconstruction on the same kind of images the demo trains on fix that (about
-    a minute on 2 CPU cores). The scaling (and for SD3/Flux the shift) factor is then set
-    from the latents, as it was for the real VAEs, so that the denoiser sees unit variance.
+    a minute on 2 CPU cores). The latent normalization (scaling and shift factors, or Wan's
+    per-channel means and deviations) is then set from the latents, as it was for the real
+    VAEs, so that the denoiser sees unit variance.
     """
-    import tempfile
-
-    size = int(vae.config.sample_size)
-    with tempfile.TemporaryDirectory() as folder:
-        generate_shapes_dataset(Path(folder), 256, seed=seed + 7, resolution=size)
-        items = scan_image_folder(Path(folder)).items
-        pixels = torch.stack([load_image_for_bucket(Path(item.path), (size, size), crop="center", flip=False).pixels for item in items])
+    pixels = _fitting_pixels(vae, seed, arch)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
     vae.train()
+    batch = batch if not arch.video else max(2, batch // 4)
     for _ in range(steps):
         images = pixels[torch.randint(0, len(pixels), (batch,), generator=generator)]
         posterior = vae.encode(images).latent_dist
@@ -130,11 +112,30 @@ def fit_tiny_vae(vae, steps: int, seed: int, shifted: bool, batch: int = 16) -> 
         optimizer.zero_grad(set_to_none=True)
     vae.eval()
     with torch.no_grad():
-        latents = vae.encode(pixels).latent_dist.mean
-    shift = float(latents.mean()) if shifted else 0.0
-    vae.register_to_config(scaling_factor=round(1.0 / float((latents - shift).std()), 5))
-    if shifted:
-        vae.register_to_config(shift_factor=round(shift, 5))
+        latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(32)])
+    vae.register_to_config(**arch.latent_statistics_config(latents))
+
+
+def _fitting_pixels(vae, seed: int, arch: Architecture) -> torch.Tensor:
+    """Shape images (N, 3, H, W) or moving-shape clips (N, 3, T, H, W) in [-1, 1], at the tiny VAE's size."""
+    import random
+    import tempfile
+
+    if arch.video:
+        import numpy as np
+
+        from zeropipe.diffusion.videos import moving_example, moving_shape_frames
+
+        rng = random.Random(seed + 7)
+        size, frames = 32, 1 + 2 * arch.frame_multiple
+        clips = [moving_shape_frames(*moving_example(rng)[:3], direction, (size, size), frames, rng) for direction in ("left", "right", "up", "down", None) * 24]
+        return torch.from_numpy(np.stack(clips)).float().div(127.5).sub(1.0).permute(0, 4, 1, 2, 3).contiguous()
+
+    size = int(vae.config.sample_size)
+    with tempfile.TemporaryDirectory() as folder:
+        generate_shapes_dataset(Path(folder), 256, seed=seed + 7, resolution=size)
+        items = scan_image_folder(Path(folder)).items
+        return torch.stack([load_image_for_bucket(Path(item.path), (size, size), crop="center", flip=False).pixels for item in items])
 
 
 # ------------------------------------------------------------------------------ fingerprints
@@ -170,6 +171,43 @@ def fingerprint_files(folder: Path, cache_file: Path | None = None) -> str:
     return result
 
 
+# ------------------------------------------------------------------------------ single-file checkpoints
+def single_file_renamer(denoiser_class: str, checkpoint: Path) -> Callable[[str], str]:
+    """Checkpoint name -> model key for a single-file checkpoint in the original (or ComfyUI) layout.
+
+    The names are converted by diffusers' own single-file converter of the class (the one
+    ``from_single_file`` uses), applied to the names alone: no tensor is read here, so that
+    under ZeRO-3 each rank still reads only its partitions. Converters that compute tensors
+    (split or fused weights) cannot be applied this way and are refused with the fix.
+
+    Raises:
+        ConfigError: no converter for the class, one that changes tensors, or an unreadable file.
+    """
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from safetensors import safe_open
+
+    where = "model.diffusion.denoiser_file"
+    entry = SINGLE_FILE_LOADABLE_CLASSES.get(denoiser_class)
+    if entry is None:
+        raise ConfigError([(where, f"diffusers has no single-file converter for {denoiser_class}: give model.path a diffusers directory with its weights instead")])
+    try:
+        with safe_open(str(checkpoint), framework="pt") as handle:
+            names = list(handle.keys())
+    except Exception as err:  # missing file, not safetensors, damaged header: the same fix
+        raise ConfigError([(where, f"{checkpoint} cannot be read as a .safetensors checkpoint ({err})")]) from None
+    try:
+        converted = entry["checkpoint_mapping_fn"]({name: name for name in names}, config=None)
+    except Exception as err:
+        raise ConfigError(
+            [(where, f"diffusers converts {denoiser_class} single files by computing tensors ({type(err).__name__}: {err}), which cannot be streamed into ZeRO partitions: "
+                     f"convert it once with {denoiser_class}.from_single_file(...).save_pretrained(DIR) and point model.path at a pipeline holding DIR")]
+        ) from None
+    renames = {source: key for key, source in converted.items() if isinstance(source, str)}
+    if len(renames) != len(converted):
+        raise ConfigError([(where, f"diffusers' converter for {denoiser_class} changes tensors, not only names: convert it once with from_single_file and save_pretrained")])
+    return lambda name: renames.get(name, name)
+
+
 # ------------------------------------------------------------------------------ loading parts
 def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: torch.device):
     """One frozen component (VAE or text encoder) of a pipeline directory, in eval mode without gradients."""
@@ -197,13 +235,34 @@ def vae_config(pipeline_dir: Path) -> dict[str, Any]:
 
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
-    return 2 ** (len(vae_config(pipeline_dir)["block_out_channels"]) - 1)
-
-
-def latent_scaling(pipeline_dir: Path) -> tuple[float, float]:
-    """(shift, scale): latents the denoiser sees are (VAE mean or sample - shift) * scale."""
+    """Pixels per latent along each side: a video VAE says it (scale_factor_spatial), an image VAE has one halving per block."""
     config = vae_config(pipeline_dir)
-    return float(config.get("shift_factor") or 0.0), float(config.get("scaling_factor") or 1.0)
+    return int(config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1))
+
+
+def vae_temporal_factor(pipeline_dir: Path) -> int:
+    """Frames per latent frame (after the first): 1 for image VAEs."""
+    return int(vae_config(pipeline_dir).get("scale_factor_temporal") or 1)
+
+
+def latent_scaling(pipeline_dir: Path, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shift, scale): latents the denoiser sees are (VAE mean or sample - shift) * scale; scalars or per channel."""
+    return arch.latent_normalization(vae_config(pipeline_dir))
+
+
+def normalize_latents(latents: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(latents - shift) * scale, a per-channel shift and scale broadcast over (batch, channels, [frames,] height, width)."""
+    return (latents - _per_channel(shift, latents)) * _per_channel(scale, latents)
+
+
+def denormalize_latents(latents: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the VAE decodes: the inverse of normalize_latents."""
+    return latents / _per_channel(scale, latents) + _per_channel(shift, latents)
+
+
+def _per_channel(value: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    value = torch.as_tensor(value, dtype=latents.dtype, device=latents.device)
+    return value.view(1, -1, *([1] * (latents.dim() - 2))) if value.dim() == 1 else value
 
 
 def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device):
@@ -229,7 +288,13 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     pipeline = cls(**kwargs)
     # The VAE is not loaded: the pipeline's default factor (8) would size latents wrongly.
     pipeline.vae_scale_factor = vae_scale_factor(pipeline_dir)
-    if hasattr(pipeline, "image_processor"):
+    if hasattr(pipeline, "vae_scale_factor_spatial"):  # video pipelines keep a spatial and a temporal factor
+        from diffusers.video_processor import VideoProcessor
+
+        pipeline.vae_scale_factor_spatial = pipeline.vae_scale_factor
+        pipeline.vae_scale_factor_temporal = vae_temporal_factor(pipeline_dir)
+        pipeline.video_processor = VideoProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
+    if hasattr(pipeline, "image_processor") and not hasattr(pipeline, "video_processor"):
         from diffusers.image_processor import VaeImageProcessor
 
         pipeline.image_processor = VaeImageProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))

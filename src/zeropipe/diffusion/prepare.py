@@ -9,6 +9,7 @@ missing (the ranks encode those, each its share, before training).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,15 @@ from zeropipe.diffusion.images import (
     shape_prompts,
 )
 from zeropipe.diffusion.pipelines import build_tiny_pipeline, fingerprint_files, vae_scale_factor
+from zeropipe.diffusion.videos import (
+    VIDEO_SUFFIXES,
+    check_frame_buckets,
+    clip_starts,
+    generate_moving_shapes_dataset,
+    moving_shapes_prompts,
+    probe_video,
+    resampled_frames,
+)
 from zeropipe.errors import ConfigError, DataError
 from zeropipe.rundir import PreparedData, RunDir
 
@@ -49,8 +59,8 @@ class DiffusionPlan:
     architecture: str
     image_dir: str
     cache_dir: str
-    items: list[dict[str, Any]]  # ImageItem fields: path, caption, width, height, repeats
-    buckets: list[list[int]]  # per item: (width, height) of its bucket
+    items: list[dict[str, Any]]  # ImageItem fields: path, caption, width, height, repeats, frames, fps; video clips add start
+    buckets: list[list[int]]  # per item: (width, height) of its bucket, and (width, height, frames) for video models
     repeats: list[int]
     flips: list[bool]
     latent_keys: list[list[str]]  # per item, per flip
@@ -59,6 +69,9 @@ class DiffusionPlan:
     missing_texts: list[str]
     prompts: list[str]
     bad_images: list[str]
+    video: bool = False  # latents have a time axis; items are clips
+    fps: float | None = None  # frame rate clips are taken at
+    sample_frames: int = 1  # length of the sample videos
 
     def write(self, run: RunDir) -> None:
         run.data.mkdir(exist_ok=True)
@@ -80,8 +93,11 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     if images.crop == "random" and config.data.cache.latents:
         raise ConfigError([("data.images.crop", "random crops cannot come from cached latents: set crop: center, or data.cache.latents: false")])
 
-    image_dir = prepare_image_folder(config, run)
-    scan = scan_image_folder(image_dir, caption_ext=images.caption_ext)
+    image_dir = prepare_image_folder(config, run, video=arch.video)
+    if arch.video:
+        scan = scan_image_folder(image_dir, caption_ext=images.caption_ext, video_probe=probe_video, video_suffixes=VIDEO_SUFFIXES)
+    else:
+        scan = scan_image_folder(image_dir, caption_ext=images.caption_ext)
     problems = [f"{bad.path}: {bad.reason}" for bad in scan.bad] + list(scan.bad_lines)
     total = len(scan.items) + len(problems)
     if problems:
@@ -89,10 +105,10 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         shown = "; ".join(problems[:BAD_SHOWN])
         if len(problems) > allowed:
             raise DataError(
-                f"{len(problems)} of {total} images in {image_dir} cannot be used ({shown}{' ...' if len(problems) > BAD_SHOWN else ''}): "
+                f"{len(problems)} of {total} {'files' if arch.video else 'images'} in {image_dir} cannot be used ({shown}{' ...' if len(problems) > BAD_SHOWN else ''}): "
                 "fix or remove them, or raise data.max_bad_fraction"
             )
-        notes.append(f"skipped {len(problems)} unusable image(s) in {image_dir} ({shown})")
+        notes.append(f"skipped {len(problems)} unusable {'file' if arch.video else 'image'}(s) in {image_dir} ({shown})")
     if scan.missing_captions:
         notes.append(f"{len(scan.missing_captions)} image(s) have no caption file and train on the empty caption (e.g. {scan.missing_captions[0]})")
 
@@ -103,9 +119,13 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
             [("data.images.bucket_step", f"{images.bucket_step} (and the resolution {images.resolution}) must be multiples of {factor} for this {arch.name} pipeline")]
         )
     buckets = make_buckets(images.resolution, images.bucket_step, images.max_aspect) if images.bucketing else [(images.resolution, images.resolution)]
-    items = scan.items
-    item_buckets = [assign_bucket(item.width, item.height, buckets) for item in items]
-    repeats = [item.repeats for item in items]
+    items = [{**asdict(item), "path": str(item.path)} for item in scan.items]
+    item_buckets = [assign_bucket(item["width"], item["height"], buckets) for item in items]
+    fps, sample_frames = None, 1
+    if arch.video:
+        items, item_buckets, fps, sample_frames, clip_notes = video_clips(config, arch, items, item_buckets)
+        notes += clip_notes
+    repeats = [item["repeats"] for item in items]
 
     cache_dir = cache_dir_for(config).resolve()
     fingerprints = cache_dir / "fingerprints.json"
@@ -114,11 +134,15 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     text_fp = cache._digest(text_fp)
     prompts = list(config.generate.prompts or [])
     if config.generate.prompts is None:
-        prompts = shape_prompts(4, seed=config.run.seed + 1) if config.data.synthetic is not None else sorted({item.caption for item in items})[:4]
+        synthetic_prompts = moving_shapes_prompts if arch.video else shape_prompts
+        prompts = synthetic_prompts(4, seed=config.run.seed + 1) if config.data.synthetic is not None else sorted({item["caption"] for item in items})[:4]
 
     flips = [False, True] if images.flip > 0 else [False]
-    latent_keys = [[cache.latent_key(item.path, bucket, f"center{'-flip' if flip else ''}", vae_fp) for flip in flips] for item, bucket in zip(items, item_buckets)]
-    texts = sorted({item.caption for item in items} | {""} | set(prompts))
+    latent_keys = [
+        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
+        for item, bucket in zip(items, item_buckets)
+    ]
+    texts = sorted({item["caption"] for item in items} | {""} | set(prompts))
     text_keys = {text: cache.text_key(text, text_fp) for text in texts}
     missing_latents = [i for i, keys in enumerate(latent_keys) if not all(cache.has_entry(cache_dir, "latents", k) for k in keys)] if config.data.cache.latents else []
     # Sample prompts and the empty caption are always cached: sampling then needs no text encoder.
@@ -126,7 +150,8 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     missing_texts = [t for t in cached_texts if not cache.has_entry(cache_dir, "text", text_keys[t])]
     if config.data.cache.latents:
         reused = len(items) - len(missing_latents)
-        notes.append(f"latent cache {cache_dir}: {reused} of {len(items)} image(s) cached already, {len(missing_latents)} to encode")
+        what = "clip(s)" if arch.video else "image(s)"
+        notes.append(f"latent cache {cache_dir}: {reused} of {len(items)} {what} cached already, {len(missing_latents)} to encode")
     if config.data.cache.text:
         notes.append(f"text cache: {len(texts) - len(missing_texts)} of {len(texts)} caption(s) cached already, {len(missing_texts)} to encode")
     if config.data.cache.latents and config.data.cache.text and not missing_latents and not missing_texts:
@@ -137,7 +162,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         architecture=arch.name,
         image_dir=str(image_dir),
         cache_dir=str(cache_dir),
-        items=[{**asdict(item), "path": str(item.path)} for item in items],
+        items=items,
         buckets=[list(bucket) for bucket in item_buckets],
         repeats=repeats,
         flips=flips,
@@ -147,6 +172,9 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         missing_texts=missing_texts,
         prompts=prompts,
         bad_images=problems,
+        video=arch.video,
+        fps=fps,
+        sample_frames=sample_frames,
     ).write(run)
     return PreparedData(
         examples=sum(repeats),
@@ -154,11 +182,11 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         micro_batches_per_epoch=lambda micro, world_size: micro_batches_per_rank(item_buckets, repeats, micro, world_size),
         prompts=prompts,
         notes=notes,
-        batching_note="a micro-batch takes images of one bucket only",
+        batching_note="a micro-batch takes clips of one bucket (size and length) only" if arch.video else "a micro-batch takes images of one bucket only",
     )
 
 
-def prepare_image_folder(config: RunConfig, run: RunDir) -> Path:
+def prepare_image_folder(config: RunConfig, run: RunDir, video: bool = False) -> Path:
     synthetic = config.data.synthetic
     if synthetic is None:
         return Path(config.data.path).expanduser().resolve()
@@ -166,9 +194,61 @@ def prepare_image_folder(config: RunConfig, run: RunDir) -> Path:
         raise ConfigError([("data.synthetic.task", f"{synthetic.task} is a text task; a diffusion model trains on images: use task: shapes")])
     # In the shared cache folder, not the run: a second run with the same settings then finds
     # the same files (same modification times) and reuses their cached latents.
-    folder = cache_dir_for(config) / "synthetic" / f"shapes-n{synthetic.examples}-seed{synthetic.seed}-res{config.data.images.resolution}"
+    resolution = config.data.images.resolution
+    if video:
+        frames = max(config.data.video.frame_buckets)
+        folder = cache_dir_for(config) / "synthetic" / f"moving-shapes-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}"
+    else:
+        folder = cache_dir_for(config) / "synthetic" / f"shapes-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}"
     if not folder.is_dir():
         partial = folder.with_name(folder.name + ".partial")
-        generate_shapes_dataset(partial, synthetic.examples, synthetic.seed, resolution=config.data.images.resolution)
+        if video:
+            generate_moving_shapes_dataset(partial, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames)
+        else:
+            generate_shapes_dataset(partial, synthetic.examples, synthetic.seed, resolution=resolution)
         partial.rename(folder)
     return folder.resolve()
+
+
+def crop_name(arch, flip: bool) -> str:
+    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition."""
+    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}"
+
+
+def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_buckets: list[tuple[int, int]]):
+    """The clips a video model trains on: per video, clips of the longest frame bucket it fills, taken as data.video.clip_mode says.
+
+    Returns:
+        (clip items, their (width, height, frames) buckets, the frame rate, the sample length, notes)
+    """
+    video = config.data.video
+    try:
+        frame_buckets = check_frame_buckets(video.frame_buckets, arch.accepts_frames, arch.frame_multiple)
+    except ValueError as err:
+        raise ConfigError([("data.video.frame_buckets", f"{err} for this {arch.name} pipeline")]) from None
+    if arch.frame_conditioned and frame_buckets[0] == 1:
+        raise ConfigError([("data.video.frame_buckets", f"a {arch.name} model is conditioned on the first frame, which is all a one-frame clip holds: remove 1 from {frame_buckets}")])
+    fps = arch.frame_rate if video.fps == "auto" else float(video.fps)
+    sample_frames = video.sample_frames or frame_buckets[-1]
+    if not arch.accepts_frames(sample_frames):
+        raise ConfigError([("data.video.sample_frames", f"{sample_frames} frames cannot be decoded by this {arch.name} pipeline's VAE: use {arch.frame_multiple}k+1 (e.g. {frame_buckets[-1]})")])
+    clips, clip_buckets, too_short = [], [], []
+    for item, (width, height) in zip(items, item_buckets):
+        available = resampled_frames(item["frames"], item["fps"], fps)
+        fitting = [count for count in frame_buckets if count <= available]
+        if not fitting:
+            too_short.append(f"{item['path']} ({available} frame(s))")
+            continue
+        length = fitting[-1]
+        for start in clip_starts(available, length, video.clip_mode):
+            clips.append({**item, "start": start})
+            clip_buckets.append((width, height, length))
+    notes = []
+    if too_short:
+        smallest = frame_buckets[0]
+        notes.append(f"{len(too_short)} file(s) are shorter than the shortest frame bucket ({smallest}) and do not train (e.g. {too_short[0]}): add 1 to data.video.frame_buckets to train images and short clips")
+    if not clips:
+        raise DataError(f"no video or image fills a frame bucket of {frame_buckets}: lower data.video.frame_buckets (1 trains images, 17 clips of a second at 16 fps)")
+    counts = Counter(bucket[2] for bucket in clip_buckets)
+    notes.append("clips per length: " + ", ".join(f"{count} of {frames} frame(s)" for frames, count in sorted(counts.items())) + f" at {fps:g} fps ({video.clip_mode})")
+    return clips, clip_buckets, fps, sample_frames, notes

@@ -3,9 +3,12 @@
 The :class:`~zeropipe.engine.trainer.Trainer` holding this task does the rest (DeepSpeed
 engine, optimizer steps, metrics, checkpoints, resume). What is particular here:
 
-- Before training, the cache entries the launcher found missing are encoded, each rank its
-  share (``missing[rank::world_size]``), and the VAE and text encoders are freed again. When
-  the caches are complete the ranks never load them: only the denoiser is in memory.
+- Before training, the cache entries the launcher found missing are encoded and the VAE and
+  text encoders are freed again. The latents are split across all ranks
+  (``missing[rank::world_size]``: the VAE is small and encoding videos is the slow part); the
+  captions only across the first rank of each node, so that a node holds one copy of the text
+  encoders (UMT5-XXL alone is about 11 GB in bf16) whatever its number of GPUs. When the
+  caches are complete the ranks never load them: only the denoiser is in memory.
   Each metrics row says which frozen components this rank holds (``frozen_components_loaded``).
 - What differs between architectures (how prompts are encoded, how the denoiser is called,
   the sampler's arguments) is asked of the run's architecture entry
@@ -22,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -30,17 +34,21 @@ import torch
 
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.images import epoch_micro_batches, load_image_for_bucket
+from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches, load_image_for_bucket
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
 from zeropipe.diffusion.pipelines import (
     denoising_pipeline,
+    denormalize_latents,
     encode_prompts,
     latent_scaling,
     load_component,
+    normalize_latents,
+    single_file_renamer,
     text_pipeline,
     vae_scale_factor,
 )
 from zeropipe.diffusion.prepare import read_plan
+from zeropipe.diffusion.videos import load_clip_for_bucket, write_preview, write_video
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_targets
@@ -76,13 +84,14 @@ class DiffusionTask(TaskDefaults):
         self.arch = architecture_named(self.data.architecture)
         self.pipeline_dir = Path(self.data.pipeline_dir)
         self.cache_dir = Path(self.data.cache_dir)
-        self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir)
+        self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir, self.arch)
         self.vae_factor = vae_scale_factor(self.pipeline_dir)
         self.compute_dtype = TORCH_DTYPES[self.config.deepspeed.precision]
         self.images = self.config.data.images
         self.vae = None
         self.text_encoders = None  # a pipeline holding only the text encoders
         self.skipped_images: set[str] = set()
+        self.timesteps_drawn: list[torch.Tensor] = []  # since the last metrics row: what min_t/max_t restricted
         self.fill_caches()
         if not self.config.data.cache.latents:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
@@ -97,7 +106,11 @@ class DiffusionTask(TaskDefaults):
         import deepspeed.comm as dist
 
         missing_latents = self.data.missing_latents[self.rank :: self.world_size]
-        missing_texts = self.data.missing_texts[self.rank :: self.world_size]
+        # One text-encoder copy per node: its first rank encodes the node's share of the captions.
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        nodes = max(1, self.world_size // ranks_per_node)
+        node_leader = self.trainer.local_rank == 0
+        missing_texts = self.data.missing_texts[self.rank // ranks_per_node :: nodes] if node_leader else []
         if missing_latents:
             vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
             # One VAE call per chunk of images of the same bucket and flip, as training batches them.
@@ -111,16 +124,19 @@ class DiffusionTask(TaskDefaults):
                     for index, flip, key in entries[start : start + LATENT_BATCH]:
                         path = self.data.items[index]["path"]
                         try:
-                            prepared.append(load_image_for_bucket(Path(path), bucket, crop="center", flip=flip))
+                            prepared.append(self.load_pixels(index, bucket, crop="center", flip=flip))
                             keys.append(key)
                         except DataError as err:
                             log.warning("skipping %s: %s", path, err)
                     if not prepared:
                         continue
-                    means, stds = cache.encode_latent_distribution(vae, torch.stack([image.pixels for image in prepared]))
-                    for key, image, mean, std in zip(keys, prepared, means, stds):
+                    pixels = torch.stack([image.pixels for image in prepared])
+                    means, stds = cache.encode_latent_distribution(vae, pixels)
+                    # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
+                    conditions = cache.encode_latent_distribution(vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(keys)
+                    for key, image, mean, std, first_frame in zip(keys, prepared, means, stds, conditions):
                         cache.save_entry(self.cache_dir, "latents", key, {
-                            "mean": mean, "std": std,
+                            "mean": mean, "std": std, **({"condition": first_frame} if first_frame is not None else {}),
                             "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
                             "target_size": torch.tensor(image.target_size),
                         })
@@ -147,8 +163,13 @@ class DiffusionTask(TaskDefaults):
         def construct():
             return cls.from_config(cls.load_config(str(folder)))
 
+        weights, rename = folder, None
+        single_file = self.config.model.diffusion.denoiser_file
+        if single_file:  # an original/ComfyUI-layout file: the directory gives the config, the file the weights
+            weights = Path(single_file).expanduser()
+            rename = single_file_renamer(self.arch.denoiser_class, weights)
         model = load_pretrained(
-            construct, folder, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model"
+            construct, weights, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model", rename=rename
         )
         section = self.config.model
         if section.gradient_checkpointing:
@@ -194,6 +215,7 @@ class DiffusionTask(TaskDefaults):
     def forward_loss(self, indices: list[int]) -> tuple[torch.Tensor, float, float]:
         latents, condition = self.assemble(indices)
         noised = self.objective.noise(latents)
+        self.timesteps_drawn.append(noised.timesteps.detach().float().cpu())
         prediction = self.predict(noised.model_input, noised.timesteps, condition)
         return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
 
@@ -214,13 +236,18 @@ class DiffusionTask(TaskDefaults):
             dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
-            means, stds = cache.encode_latent_distribution(self.vae, torch.stack(distributions))
-            distributions = list(zip(means, stds))
-        latents = [mean + std * torch.randn(mean.shape) for mean, std in distributions]
+            pixels = torch.stack(distributions)
+            means, stds = cache.encode_latent_distribution(self.vae, pixels)
+            conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
+            distributions = list(zip(means, stds, conditions))
+        latents = [mean + std * torch.randn(mean.shape) for mean, std, _ in distributions]
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
+        if self.arch.frame_conditioned:
+            first_frames = torch.stack([first_frame for _, _, first_frame in distributions]).to(self.device)
+            condition["first_frame_latents"] = normalize_latents(first_frames, self.latent_shift, self.latent_scale).to(self.compute_dtype)
         batch = torch.stack(latents).to(self.device)
-        return ((batch - self.latent_shift) * self.latent_scale).to(self.compute_dtype), condition
+        return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
     def image_source(self, index: int, flip: bool) -> tuple[Any, torch.Tensor]:
         """What one image contributes before its latents are drawn, and its SDXL size conditioning.
@@ -239,14 +266,21 @@ class DiffusionTask(TaskDefaults):
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-            return (entry["mean"], entry["std"]), sizes
+            return (entry["mean"], entry["std"], entry.get("condition")), sizes
         try:
-            prepared = load_image_for_bucket(Path(item["path"]), bucket, crop=self.images.crop, flip=flip, rng=random)
+            prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
         except DataError as err:
             self.skip_image(item["path"], str(err))
             return None, torch.zeros(6)
         sizes = torch.tensor([*prepared.original_size, *prepared.crop_top_left, *prepared.target_size], dtype=torch.float32)
         return prepared.pixels, sizes
+
+    def load_pixels(self, index: int, bucket: tuple[int, ...], crop: str, flip: bool, rng=None) -> PreparedImage:
+        """An item's pixels at its bucket: an image (3, H, W), or for video models a clip (3, T, H, W) (an image is one frame)."""
+        item = self.data.items[index]
+        if self.data.video:
+            return load_clip_for_bucket(Path(item["path"]), tuple(bucket), item["start"], item["fps"], self.data.fps, crop=crop, flip=flip, rng=rng)
+        return load_image_for_bucket(Path(item["path"]), tuple(bucket), crop=crop, flip=flip, rng=rng)
 
     def skip_image(self, path: str, reason: str) -> None:
         if path not in self.skipped_images:
@@ -317,7 +351,14 @@ class DiffusionTask(TaskDefaults):
 
     def extra_metrics(self) -> dict[str, Any]:
         loaded = [name for name, part in (("vae", self.vae), ("text_encoders", self.text_encoders)) if part is not None]
-        return {"frozen_components_loaded": loaded, "images_skipped": len(self.skipped_images)}
+        row: dict[str, Any] = {"frozen_components_loaded": loaded, "images_skipped": len(self.skipped_images)}
+        if self.timesteps_drawn:
+            # This rank's range of training timesteps since the last row (scheduler units: 0-1000):
+            # it shows that an expert's min_t/max_t range is the one trained.
+            drawn = torch.cat(self.timesteps_drawn)
+            row["timestep_min"], row["timestep_max"] = round(float(drawn.min()), 2), round(float(drawn.max()), 2)
+            self.timesteps_drawn = []
+        return row
 
     def after_step(self) -> None:
         every = self.config.generate.sample_every
@@ -330,9 +371,17 @@ class DiffusionTask(TaskDefaults):
     # ------------------------------------------------------------------ samples
     @torch.no_grad()
     def sample_images(self) -> None:
-        """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes."""
+        """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes.
+
+        Images are PNG files; videos are H.264 mp4 files (which browsers play) with an animated
+        WebP beside each, which the run page's gallery shows in place like an image.
+        """
         prompts = self.plan.generate_prompts
         if not prompts:
+            return
+        if self.arch.frame_conditioned:
+            if self.rank == 0 and self.step == self.config.generate.sample_every:
+                log.info("no sample videos: %s draws from a first frame, and conditioning images for samples are not supported yet", self.arch.name)
             return
         generate = self.config.generate
         size = self.images.resolution
@@ -344,11 +393,13 @@ class DiffusionTask(TaskDefaults):
         pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module)
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
-            "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent",
+            "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent", "return_dict": False,
             **self.arch.sample_kwargs(condition, negative, generate.guidance_scale, self.config.model.diffusion.guidance),
         }
+        if self.data.video:
+            kwargs["num_frames"] = self.data.sample_frames
         pipeline.set_progress_bar_config(disable=True)
-        latents = pipeline(**kwargs).images
+        latents = pipeline(**kwargs)[0]
         if was_training:
             module.train()
         if self.rank != 0:
@@ -356,20 +407,27 @@ class DiffusionTask(TaskDefaults):
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-        decoded = self.vae.decode(latents.float() / self.latent_scale + self.latent_shift).sample
-        pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        from PIL import Image
-
+        decoded = self.vae.decode(denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)).sample
+        pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         rows = []
-        for number, (prompt, image) in enumerate(zip(prompts, pixels)):
-            name = f"{number:02d}.png"
-            Image.fromarray(image).save(folder / name)
-            rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}"})
+        if self.data.video:  # (batch, 3, frames, height, width)
+            clips = pixels.permute(0, 2, 3, 4, 1).cpu().numpy()
+            for number, (prompt, frames) in enumerate(zip(prompts, clips)):
+                write_video(folder / f"{number:02d}.mp4", frames, self.data.fps or 16.0)
+                write_preview(folder / f"{number:02d}.webp", frames, self.data.fps or 16.0)
+                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames)})
+        else:
+            from PIL import Image
+
+            for number, (prompt, image) in enumerate(zip(prompts, pixels.permute(0, 2, 3, 1).cpu().numpy())):
+                name = f"{number:02d}.png"
+                Image.fromarray(image).save(folder / name)
+                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}"})
         with open(self.run.path / "samples" / "index.jsonl", "a") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
-        log.info("step %d: %d sample image(s) written to %s", self.step, len(rows), folder)
+        log.info("step %d: %d sample %s written to %s", self.step, len(rows), "video(s)" if self.data.video else "image(s)", folder)
         if self.config.data.cache.latents:
             # Loaded for the samples only: training goes on without it.
             self.vae = None

@@ -6,6 +6,9 @@
 - LoRA: ``OUT/pytorch_lora_weights.safetensors`` in the diffusers key layout, written by the
   pipeline class's own ``save_lora_weights``, so ``pipeline.load_lora_weights(OUT)`` of the
   base pipeline accepts it (and so do ComfyUI-style loaders that read diffusers LoRAs).
+  Architectures with an original layout of their own (Wan) also get
+  ``OUT/lora_comfyui.safetensors`` in it (``diffusion_model.blocks.0.self_attn.q.lora_A.weight``),
+  the file ComfyUI users load; diffusers loads it too, through its converter for such LoRAs.
   With ``merge`` the adapter is fused into the denoiser and a full pipeline is written.
 
 As for language models, the directory is written under a temporary name and renamed.
@@ -26,6 +29,38 @@ from zeropipe.errors import CheckpointError
 from zeropipe.export.hf import ExportJob
 from zeropipe.models.common import resolve_lora_targets
 
+ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
+
+
+def base_denoiser(arch, pipeline_dir: Path, single_file: str | None):
+    """The run's starting denoiser in fp32: the pipeline directory's, or a single-file checkpoint's weights with the directory's config."""
+    cls = arch.model_class()
+    folder = pipeline_dir / arch.denoiser
+    if not single_file:
+        return cls.from_pretrained(str(folder), torch_dtype=torch.float32)
+    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.models.loading import load_pretrained
+
+    weights = Path(single_file).expanduser()
+    return load_pretrained(
+        lambda: cls.from_config(cls.load_config(str(folder))), weights, dtype=torch.float32, zero_stage=0, device="cpu",
+        rename=single_file_renamer(arch.denoiser_class, weights),
+    )
+
+
+def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder: Path) -> None:
+    """The LoRA again in the architecture's original key layout (Wan: what ComfyUI and diffusion-pipe use), when it has one."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    layers = {key: value.to(dtype) for key, value in get_peft_model_state_dict(denoiser).items()}
+    try:
+        original = arch.original_lora_layout(layers, alpha)
+    except ValueError as err:
+        raise CheckpointError(f"cannot write the {arch.name} LoRA in its original key layout: {err}; the diffusers LoRA is unaffected, export without it is not offered yet") from None
+    if original is not None:
+        save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
+
 
 def export_diffusion(job: ExportJob) -> Path:
     run, config, info, out, merge, dtype = job.run, job.config, job.info, job.out, job.merge, job.dtype
@@ -35,7 +70,7 @@ def export_diffusion(job: ExportJob) -> Path:
     pipeline_dir = Path(plan.pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
-    denoiser = arch.model_class().from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32)
+    denoiser = base_denoiser(arch, pipeline_dir, config.model.diffusion.denoiser_file)
     lora = config.model.lora
     if lora is not None:
         from peft import LoraConfig
@@ -45,7 +80,7 @@ def export_diffusion(job: ExportJob) -> Path:
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
         # bf16: keep the pipeline's own weights and take only the adapters from the checkpoint.
-        base = arch.model_class().from_pretrained(str(pipeline_dir / arch.denoiser), torch_dtype=torch.float32).state_dict()
+        base = base_denoiser(arch, pipeline_dir, config.model.diffusion.denoiser_file).state_dict()
         with torch.no_grad():
             for name, tensor in denoiser.named_parameters():
                 original = name.replace(".base_layer.", ".")
@@ -67,6 +102,7 @@ def export_diffusion(job: ExportJob) -> Path:
         # mode, and dropout would make every image random.
         metadata = {**denoiser.peft_config["default"].to_dict(), "lora_dropout": 0.0}
         arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
         kind = "lora"
     else:
         if lora is not None:

@@ -1,4 +1,4 @@
-"""Diffusion models (SDXL, SD 1.x, SD3, Flux...): a denoiser trained from a diffusers pipeline directory.
+"""Diffusion models (SDXL, SD 1.x, SD3, Flux, Wan video...): a denoiser trained from a diffusers pipeline directory.
 
 Detected by ``model_index.json`` in model.path or ``pipeline:`` in an inline model.config.
 What differs between diffusion architectures is not here but in their entries
@@ -49,6 +49,11 @@ class Diffusion:
             problems.append(("model.diffusion.prediction_type", f"this pipeline's transformer is trained with flow matching, not {prediction}: set auto or flow"))
         if objective == "ddpm" and prediction == "flow":
             problems.append(("model.diffusion.prediction_type", "flow does not apply to a UNet on a DDPM schedule: use auto, epsilon or v_prediction"))
+        section = config.model.diffusion
+        if section.min_t >= section.max_t:
+            problems.append(("model.diffusion.min_t", f"{section.min_t} must be below max_t ({section.max_t}): the range of noise levels the run trains on would be empty"))
+        elif objective == "ddpm" and (section.min_t > 0 or section.max_t < 1):
+            problems.append(("model.diffusion.min_t", "a timestep range (min_t/max_t) applies to flow-matching transformers (Wan, SD3, Flux), not to a UNet on a DDPM schedule: remove min_t and max_t"))
         return problems
 
     def objective(self, config: RunConfig) -> str | None:

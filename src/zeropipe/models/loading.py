@@ -679,11 +679,19 @@ def _construct_from_factory(
 
             with deepspeed.zero.Init(config_dict_or_path=ds_config if ds_config is not None else deepspeed_config()):
                 return factory()
-        with torch.device("meta"):
+        if on_meta:
+            with torch.device("meta"):
+                return factory()
+        # Parameters on the meta device, buffers where they are computed (as diffusers'
+        # from_pretrained builds its models): a buffer the model computes in __init__ and does
+        # not save (Wan's rotary frequencies) keeps its values; the checkpoint fills the rest.
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
             return factory()
 
 
-def _plan(model: nn.Module, index: CheckpointIndex, path: Path) -> dict[str, str]:
+def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable[[str], str] | None = None) -> dict[str, str]:
     """Model key -> checkpoint tensor for every tensor to load, or a CheckpointError listing every mismatch."""
     expected = _state_dict_shapes(model)
     tied = _tied_keys(model)
@@ -691,7 +699,7 @@ def _plan(model: nn.Module, index: CheckpointIndex, path: Path) -> dict[str, str
     sources = index.match(
         expected,
         model_name=type(model).__name__,
-        rename=_checkpoint_renamer(model, expected),
+        rename=rename or _checkpoint_renamer(model, expected),
         tied=tied,
         ignore_missing=ignore_missing,
         ignore_unexpected=ignore_unexpected,
@@ -800,6 +808,10 @@ def _finish(model: nn.Module, path: Path, device: torch.device | str) -> None:
                 f"{type(model).__name__} has tensors the checkpoint does not hold and the meta device left empty: "
                 f"{', '.join(lost[:5])}; build this model with transformers, or load it with zero_stage=3"
             )
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != torch.device(device):
+                    module._buffers[name] = buffer.to(device)
         model.eval()
         return
     if "recompute_mapping" in inspect.signature(model.tie_weights).parameters:
@@ -852,6 +864,7 @@ def load_pretrained(
     attn_implementation: str | None = None,
     device: torch.device | str | None = None,
     stem: str = "model",
+    rename: Callable[[str], str] | None = None,
 ) -> nn.Module:
     """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
 
@@ -859,8 +872,9 @@ def load_pretrained(
         model_cls_or_factory: a PreTrainedModel class or an Auto class (``AutoModelForCausalLM``):
             constructed as from_pretrained constructs it, from ``config``. Or a function that
             builds any ``nn.Module`` in the current dtype (a diffusers UNet from its config,
-            say): called under ``zero.Init`` (stage 3) or on the meta device; its modules must
-            not hold tensors the checkpoint lacks unless it is a transformers model.
+            say): called under ``zero.Init`` (stage 3), or with its parameters on the meta device
+            and its buffers computed (accelerate's init_empty_weights, as diffusers does); its
+            parameters must all be in the checkpoint unless it is a transformers model.
         path: local Hugging Face model directory (config.json + safetensors).
         dtype: dtype of the model's parameters; the checkpoint's are converted tensor by tensor.
         zero_stage: 3 constructs the model partitioned under ``deepspeed.zero.Init`` and fills
@@ -871,6 +885,9 @@ def load_pretrained(
         attn_implementation: attention kernel set on the config ("sdpa", "eager").
         device: where stage 0-2 parameters are materialised; the rank's accelerator by default.
         stem: file name of the weights without extension (diffusers: "diffusion_pytorch_model").
+        rename: checkpoint tensor name -> model key, for checkpoints in another layout (a
+            single-file original checkpoint, renamed with diffusers' converter); the tensors
+            are still read one by one, each rank only its partitions under ZeRO-3.
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -907,12 +924,12 @@ def load_pretrained(
         with _zero3_visible(zero_stage, ds_config):
             if zero_stage == 3:
                 # Checked on a meta skeleton first: a mismatch fails in seconds, not after zero.Init.
-                sources = _plan(construct(on_meta=True), index, path)
+                sources = _plan(construct(on_meta=True), index, path, rename)
             with _heap_returned(zero_stage == 3 and device.type == "cpu"):
                 model = construct()
         log.debug("constructed %s (%s)", type(model).__name__, "partitioned by zero.Init" if zero_stage == 3 else "on the meta device")
         if zero_stage != 3:
-            sources = _plan(model, index, path)
+            sources = _plan(model, index, path, rename)
         bytes_read = load_tensors(model, index, sources, device=device)
     except _StreamingUnsupported as reason:
         if not _is_model_class(model_cls_or_factory):

@@ -414,7 +414,8 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
     elif spec.activation_trace is not None:
         trace = spec.activation_trace
         scale = b * _trace_scale(trace, choice)
-        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px, x {b} samples"
+        clip = f" x {trace.frames} frames" if trace.frames > 1 else ""
+        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px{clip}, x {b} samples"
         if choice.gradient_checkpointing:
             terms.append(Term("activations (checkpointed block inputs)", trace.checkpointed_bytes * scale, where, FORWARD_BACKWARD))
             terms.append(

@@ -554,19 +554,53 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
                 "guidance": torch.tensor([3.5], dtype=dtype) if config.guidance_embeds else None,
             }
 
+    elif cls == "WanTransformer3DModel":
+        # Video: tokens = latent frames x latent height x latent width / patch volume.
+        frames = int(entry.get("frames", 81))
+        latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", 4)) + 1
+        text_tokens = int(entry.get("text_tokens", 512))
+
+        def inputs():
+            return {
+                "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent, latent, dtype=dtype),
+                "timestep": torch.tensor([500.0]),
+                "encoder_hidden_states": torch.randn(1, text_tokens, config.text_dim, dtype=dtype),
+            }
+
     else:
         return None
-    return trace_diffusion(model, inputs, resolution)
+    return trace_diffusion(model, inputs, resolution, frames=int(entry.get("frames", 1)) if cls == "WanTransformer3DModel" else 1)
+
+
+def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8, vae_temporal_factor: int = 4) -> int:
+    """The tokens a video transformer attends over: latent frames x latent height x latent width / patch volume."""
+    patch_t, patch_h, patch_w = config.patch_size
+    latent_frames = (frames - 1) // vae_temporal_factor + 1
+    latent = resolution // vae_factor
+    return (latent_frames // patch_t) * (latent // patch_h) * (latent // patch_w)
 
 
 def _vae_factor(path: Path) -> int:
     try:
-        return 2 ** (len(json.loads((path / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+        return vae_factors(json.loads((path / "vae" / "config.json").read_text()))[0]
     except (OSError, KeyError, json.JSONDecodeError):
         return 8
 
 
-def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024) -> ModelSpec:
+def _vae_temporal_factor(path: Path) -> int:
+    try:
+        return vae_factors(json.loads((path / "vae" / "config.json").read_text()))[1]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return 1
+
+
+def vae_factors(config: dict[str, Any]) -> tuple[int, int]:
+    """(pixels per latent along a side, frames per latent frame) of a VAE config: video VAEs say both, image VAEs halve per block."""
+    spatial = config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1)
+    return int(spatial), int(config.get("scale_factor_temporal") or 1)
+
+
+def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
     """A diffusers pipeline directory: train the UNet or transformer, keep text encoders and VAE frozen."""
     index = json.loads((path / "model_index.json").read_text())
     trained_name = "transformer" if "transformer" in index else "unet"
@@ -590,6 +624,8 @@ def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024)
         "family": family,
         "resolution": resolution,
         "vae_factor": _vae_factor(path),
+        "vae_temporal_factor": _vae_temporal_factor(path),
+        "frames": frames,
         "trained": trained,
         "frozen": [c for c in components if c is not trained and c["name"] in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")],
     }
@@ -605,18 +641,21 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
 
     section, data = run_config.model, run_config.data
     if section.path:
-        spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution)
+        spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
     else:
         arch, components = preset_components(section.config or {})
         trained = {"name": arch.denoiser, "library": "diffusers", "class": arch.denoiser_class, "config": components[arch.denoiser]}
-        frozen = [{"name": "vae", "library": "diffusers", "class": "AutoencoderKL", "config": components["vae"]}]
+        frozen = [{"name": "vae", "library": "diffusers", "class": arch.vae_class, "config": components["vae"]}]
         for name in arch.text_encoders:
             fields = dict(components[name])
             cls = fields.pop("class")
-            fields["model_type"] = "t5" if cls.startswith("T5") else "clip_text_model"
+            fields["model_type"] = {"T5": "t5", "UMT5": "umt5"}.get(cls.split("Encoder")[0], "clip_text_model")
             frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
-        factor = 2 ** (len(components["vae"]["block_out_channels"]) - 1)
+        factor, temporal = vae_factors(components["vae"])
         entry = {
+            "frames": max(data.video.frame_buckets) if arch.video else 1,
+            "vae_temporal_factor": temporal,
+            **({"text_tokens": arch.tokenizer_length(arch.tokenizers[-1])} if arch.video else {}),
             "name": section.config["pipeline"],
             "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
             "resolution": data.images.resolution,

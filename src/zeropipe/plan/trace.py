@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 @dataclass(frozen=True)
 class ActivationTrace:
-    """Bytes one sample's forward saves for backward, at one resolution."""
+    """Bytes one sample's forward saves for backward, at one resolution (and, for video models, one clip length)."""
 
     resolution: int
     saved_bytes: int
@@ -30,6 +30,7 @@ class ActivationTrace:
     largest_block_bytes: int  # what recomputing the largest checkpointed block holds
     forward_flops: int  # per sample, for the cost model
     precision: str = "bf16"
+    frames: int = 1  # video models: the clip length traced (tokens = latent frames x latent height x width / patch volume)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -115,7 +116,7 @@ def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool 
     return sum(saved.values()), max(block_bytes.values(), default=0), int(flops.get_total_flops()) + attention.flops
 
 
-def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, Any]], resolution: int) -> ActivationTrace:
+def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, Any]], resolution: int, frames: int = 1) -> ActivationTrace:
     """Trace a diffusers model (built on meta, 16-bit) without and with gradient checkpointing."""
     model.train()
     with torch.device("meta"):
@@ -128,4 +129,4 @@ def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, 
             checkpointed, _, _ = count_saved(model, lambda: model(**inputs))
         finally:
             model.disable_gradient_checkpointing()
-    return ActivationTrace(resolution, saved, checkpointed, largest, flops)
+    return ActivationTrace(resolution, saved, checkpointed, largest, flops, frames=frames)

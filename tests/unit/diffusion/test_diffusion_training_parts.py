@@ -127,7 +127,9 @@ def test_fitting_the_tiny_vae_teaches_it_to_reconstruct_and_sets_its_scale(tmp_p
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(**components["vae"])
     before = reconstruction_error(vae)
-    fit_tiny_vae(vae, 80, seed=0, shifted=True)
+    from zeropipe.diffusion.architectures import architecture_named
+
+    fit_tiny_vae(vae, 80, seed=0, arch=architecture_named("sd3"))  # an architecture with shifted latents
     assert reconstruction_error(vae) < 0.6 * before
     with torch.no_grad():
         latents = vae.encode(images).latent_dist.mean

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,15 @@ class Architecture:
         shifted_latents: the VAE has a shift factor (latents are (z - shift) * scale).
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
         lora_targets: module names LoRA adapts by default.
+        video: the latents have a time axis, (batch, channels, frames, height, width); clips and images
+            (one-frame clips) train together, and samples are videos.
+        frame_multiple: the clip lengths the VAE accepts are ``frame_multiple * k + 1`` frames (its temporal
+            compression: 4 for Wan and HunyuanVideo, 8 for LTX-Video); 1 for image models.
+        frame_rate: frames per second the model was trained at; clips are resampled to it.
+        vae_class: the diffusers class of the VAE (what the tiny preset builds).
+        frame_conditioned: image-to-video: the denoiser also sees the clip's first frame, encoded by
+            the VAE with the other frames black (``conditioning_pixels``), which ``predict`` receives
+            as ``condition["first_frame_latents"]`` (cached with the clip's latents).
     """
 
     name: str
@@ -52,6 +62,11 @@ class Architecture:
     preset_name: str | None = None
     preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     lora_targets: tuple[str, ...] = DIFFUSERS_LORA_TARGETS
+    video: bool = False
+    frame_multiple: int = 1
+    frame_rate: float | None = None
+    vae_class: str = "AutoencoderKL"
+    frame_conditioned: bool = False
 
     @property
     def frozen_components(self) -> tuple[str, ...]:
@@ -80,6 +95,38 @@ class Architecture:
         """The factor the pipeline's image processor rounds sizes to."""
         return vae_factor
 
+    def tiny_tokenizer(self, tokenizer: str):
+        """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
+        return character_tokenizer(self.tokenizer_length(tokenizer))
+
+    def accepts_frames(self, frames: int) -> bool:
+        """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
+        return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
+
+    def conditioning_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """What the VAE encodes as an image-to-video condition: the first frame kept, the others black (0 in [-1, 1] is grey; Wan uses 0)."""
+        condition = torch.zeros_like(pixels)
+        condition[:, :, :1] = pixels[:, :, :1]
+        return condition
+
+    # -------------------------------------------------------------- latents
+    def latent_normalization(self, vae_config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel."""
+        return torch.tensor(float(vae_config.get("shift_factor") or 0.0)), torch.tensor(float(vae_config.get("scaling_factor") or 1.0))
+
+    def latent_statistics_config(self, latents: torch.Tensor) -> dict[str, Any]:
+        """The VAE config fields that normalise these latents (of a fitted tiny VAE) to zero mean and unit variance."""
+        shift = float(latents.mean()) if self.shifted_latents else 0.0
+        fields: dict[str, Any] = {"scaling_factor": round(1.0 / float((latents - shift).std()), 5)}
+        if self.shifted_latents:
+            fields["shift_factor"] = round(shift, 5)
+        return fields
+
+    # -------------------------------------------------------------- export
+    def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:
+        """The LoRA in the original (ComfyUI) key layout, from its diffusers layout; None when the architecture has none."""
+        return None
+
     # -------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
@@ -105,6 +152,38 @@ class Architecture:
 
 
 # ------------------------------------------------------------------ tiny preset parts
+TOKENIZER_CHARACTERS = sorted(set(string.ascii_lowercase + string.digits + ",.-'"))
+
+
+def character_tokenizer(max_length: int = 77):
+    """A CLIP tokenizer whose tokens are single characters: enough for captions of a tiny model, built without a download."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        for char in TOKENIZER_CHARACTERS:
+            vocab[char + suffix] = len(vocab)
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
+    tokenizer.model_max_length = max_length
+    return tokenizer
+
+
+def character_t5_tokenizer(max_length: int = 64):
+    """A T5 (sentencepiece unigram) tokenizer of single characters, the kind UMT5 and T5 encoders use, built without a download."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    word_start = "\u2581"  # sentencepiece's marker of a word's first piece
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (word_start, -1.0)]
+    vocab += [(char, -2.0) for char in TOKENIZER_CHARACTERS] + [(word_start + char, -2.5) for char in TOKENIZER_CHARACTERS]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    cls = getattr(transformers, "T5TokenizerFast", None) or transformers.T5Tokenizer
+    return cls(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0, model_max_length=max_length)
+
+
 def clip_text(hidden: int = 32, projection: int = 32, vocab: int = 128) -> dict[str, Any]:
     return {
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "hidden_size": hidden, "intermediate_size": 2 * hidden,

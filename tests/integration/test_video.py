@@ -1,0 +1,217 @@
+"""Video diffusion end to end: tiny Wan pipelines trained by 2 real DeepSpeed CPU ranks on real mp4 files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import pytest
+import torch
+import yaml
+
+from tests.integration.conftest import assert_ok, metrics, zeropipe
+from zeropipe.diffusion.videos import generate_moving_shapes_dataset
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "a red circle moving left on a blue background"
+
+
+def video_config(tmp_path: Path, name: str, data_dir: Path, **sections) -> Path:
+    config = {
+        "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 3},
+        "model": {"config": {"pipeline": "tiny-wan"}},
+        "data": {
+            "path": str(data_dir), "max_bad_fraction": 0.2, "images": {"resolution": 32, "bucket_step": 16},
+            "video": {"frame_buckets": [1, 9]}, "cache": {"dir": str(tmp_path / "cache")},
+        },
+        "train": {"max_steps": 10, "micro_batch_size": 2, "lr": 2e-3, "warmup_steps": 1, "log_every": 2},
+        "deepspeed": {"zero_stage": 3, "precision": "fp32"},
+        "hardware": {"gpus": 2},
+        "generate": {"prompts": [PROMPT], "sample_steps": 3},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("# Run it: zeropipe train " + path.name + "\n" + yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def clips(tmp_path: Path, examples: int = 16, broken: bool = False) -> Path:
+    folder = generate_moving_shapes_dataset(tmp_path / "videos", examples, seed=1, resolution=32, frames=9)
+    if broken:
+        (folder / "truncated.mp4").write_bytes((folder / "clip_00000.mp4").read_bytes()[:400])
+        (folder / "truncated.txt").write_text("a clip cut short")
+        (folder / "notes.webm").write_text("not a video")
+    return folder
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def draw(pipeline) -> torch.Tensor:
+    pipeline.set_progress_bar_config(disable=True)
+    return torch.from_numpy(pipeline(PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).frames)
+
+
+def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_lora_layouts(tmp_path):
+    """T2V LoRA on 2 ranks, ZeRO-3: broken videos named and skipped, loss falls, mp4 samples, diffusers and ComfyUI LoRAs load."""
+    config = video_config(
+        tmp_path, "wan-lora", clips(tmp_path, broken=True), model={"config": {"pipeline": "tiny-wan"}, "lora": {"r": 8, "alpha": 16}},
+        train={"max_steps": 10, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 1, "log_every": 2}, generate={"prompts": [PROMPT], "sample_steps": 3, "sample_every": 5},
+    )
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    output = result.stdout + result.stderr
+    assert "skipped 2 unusable file(s)" in output and "truncated.mp4" in output and "notes.webm" in output
+    assert "clips per length: 4 of 1 frame(s), 12 of 9 frame(s) at 16 fps" in output
+    run_dir = tmp_path / "runs" / "wan-lora"
+    # Latents split across the ranks (8 of 16 here); all 18 captions (and the text encoder) on one rank of the node only.
+    assert "cached 8 image latent(s) and 18 caption embedding(s) on this rank" in (run_dir / "logs" / "rank0.log").read_text()
+    result_summary = summary(run_dir)
+    assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
+    assert 0 < result_summary["parameters"]["trainable"] < 0.5 * result_summary["parameters"]["total"]
+
+    # Samples at step 5 and 10: H.264 mp4 files of 9 frames, and an animated WebP the gallery shows.
+    rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [5, 10]
+    for row in rows:
+        with av.open(str(run_dir / "samples" / row["video"])) as container:
+            stream = container.streams.video[0]
+            assert stream.codec_context.name == "h264" and sum(1 for _ in container.decode(stream)) == row["frames"] == 9
+        from PIL import Image
+
+        assert Image.open(run_dir / "samples" / row["file"]).n_frames == 9
+
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from safetensors.torch import load_file
+
+    comfy = load_file(str(out / "lora_comfyui.safetensors"))
+    assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in comfy and "diffusion_model.blocks.1.ffn.2.lora_B.weight" in comfy
+    assert all(key.startswith("diffusion_model.blocks.") for key in comfy)
+    assert float(comfy["diffusion_model.blocks.0.cross_attn.k.alpha"]) == 16.0
+
+    from diffusers import WanPipeline
+
+    base = WanPipeline.from_pretrained(str(run_dir / "pipeline"))
+    before = draw(base)
+    base.load_lora_weights(str(out))
+    with_diffusers_lora = draw(base)
+    comfy_pipeline = WanPipeline.from_pretrained(str(run_dir / "pipeline"))
+    comfy_pipeline.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")  # diffusers' converter for non-diffusers Wan LoRAs
+    with_comfy_lora = draw(comfy_pipeline)
+    assert (with_diffusers_lora - before).abs().max() > 1e-3
+    assert torch.allclose(with_comfy_lora, with_diffusers_lora, atol=1e-4)
+
+
+def test_wan_full_finetune_of_the_low_noise_expert_with_checkpointing_reuses_caches_and_exports_a_pipeline(tmp_path):
+    """Full fine-tune, ZeRO-2, gradient checkpointing, max_t 0.875 (Wan 2.2's low-noise expert); a second run loads no encoder."""
+    data = clips(tmp_path, examples=12)
+    config = video_config(
+        tmp_path, "wan-full", data, model={"config": {"pipeline": "tiny-wan"}, "gradient_checkpointing": True, "diffusion": {"max_t": 0.875}},
+        deepspeed={"zero_stage": 2, "precision": "fp32"}, train={"max_steps": 16, "micro_batch_size": 2, "lr": 5e-3, "warmup_steps": 1, "log_every": 2},
+    )
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / "wan-full"
+    result_summary = summary(run_dir)
+    assert result_summary["fixed_batch_loss_end"] < 0.9 * result_summary["fixed_batch_loss_start"], result_summary
+    rows = metrics(run_dir)
+    assert rows and all(row["timestep_max"] <= 875.0 for row in rows) and min(row["timestep_min"] for row in rows) < 500
+
+    # Same files, same model: every latent and caption comes from the cache, no rank loads the VAE or UMT5.
+    again = tmp_path / "again.yaml"
+    again.write_text(config.read_text().replace("name: wan-full", "name: wan-again"))
+    second = zeropipe("train", again, "train.max_steps=2", "generate.prompts=null", cwd=tmp_path)
+    assert_ok(second)
+    assert "caches complete: the training ranks will not load the VAE or the text encoders" in second.stdout + second.stderr
+    assert all(row["frozen_components_loaded"] == [] for row in metrics(tmp_path / "runs" / "wan-again"))
+    assert "cached" not in (tmp_path / "runs" / "wan-again" / "logs" / "rank1.log").read_text()
+
+    out = tmp_path / "export"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import WanPipeline
+
+    pipeline = WanPipeline.from_pretrained(str(out))
+    initial = WanPipeline.from_pretrained(str(run_dir / "pipeline")).transformer.state_dict()
+    trained = pipeline.transformer.state_dict()
+    assert any(not torch.equal(trained[key], initial[key]) for key in trained)
+    assert draw(pipeline).shape == (1, 5, 32, 32, 3)
+
+
+def test_a_mostly_broken_video_folder_is_refused_before_any_rank_starts(tmp_path):
+    folder = tmp_path / "videos"
+    generate_moving_shapes_dataset(folder, 3, seed=1, resolution=32, frames=9, still_every=0)
+    for number in range(4):
+        (folder / f"broken_{number}.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(200))
+    config = video_config(tmp_path, "broken", folder)
+    result = zeropipe("train", config, cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in output
+    assert "4 of 7 files in" in output and "broken_0.mp4" in output and "raise data.max_bad_fraction" in output
+    assert not (tmp_path / "runs" / "broken" / "logs" / "rank0.log").exists()
+
+
+def test_wan_image_to_video_lora_trains_on_first_frame_conditioning_and_exports(tmp_path):
+    """I2V (Wan 2.2 I2V layout: 36 input channels): LoRA under ZeRO-3, loss falls, WanImageToVideoPipeline loads the LoRA."""
+    config = video_config(
+        tmp_path, "wan-i2v", clips(tmp_path, examples=12), model={"config": {"pipeline": "tiny-wan-i2v"}, "lora": {"r": 8, "alpha": 16}},
+        data={"video": {"frame_buckets": [9]}}, train={"max_steps": 10, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
+        generate={"prompts": None},
+    )
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    output = result.stdout + result.stderr
+    # Stills cannot train image-to-video (their only frame is the condition): with no 1-frame bucket they are left out, and said so.
+    assert "3 file(s) are shorter than the shortest frame bucket (9)" in output
+    run_dir = tmp_path / "runs" / "wan-i2v"
+    result_summary = summary(run_dir)
+    assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
+
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    def draw_from_image(pipeline):
+        pipeline.set_progress_bar_config(disable=True)
+        image = Image.new("RGB", (32, 32), (40, 80, 220))
+        frames = pipeline(image=image, prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).frames
+        return torch.from_numpy(frames)
+
+    pipeline = WanImageToVideoPipeline.from_pretrained(str(run_dir / "pipeline"))
+    before = draw_from_image(pipeline)
+    pipeline.load_lora_weights(str(out))
+    after = draw_from_image(pipeline)
+    assert after.shape == (1, 5, 32, 32, 3) and (after - before).abs().max() > 1e-3
+    comfy = WanImageToVideoPipeline.from_pretrained(str(run_dir / "pipeline"))
+    comfy.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")
+    assert torch.allclose(draw_from_image(comfy), after, atol=1e-4)
+
+
+def test_a_single_file_original_layout_transformer_loads_under_zero3(tmp_path):
+    """model.diffusion.denoiser_file: an original-layout .safetensors (as ComfyUI users have) streamed into ZeRO-3 partitions."""
+    from tests.unit.diffusion.test_single_file import write_original_checkpoint
+
+    single_file = tmp_path / "wan2.1_t2v_tiny_bf16.safetensors"
+    expected = write_original_checkpoint(single_file, seed=11)
+    config = video_config(
+        tmp_path, "wan-single", clips(tmp_path, examples=8), model={"config": {"pipeline": "tiny-wan"}, "diffusion": {"denoiser_file": str(single_file)}},
+        train={"max_steps": 2, "micro_batch_size": 2, "lr": 1e-9, "warmup_steps": 1, "log_every": 1}, generate={"prompts": None},
+    )
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / "wan-single"
+    assert f"from {single_file}" in (run_dir / "logs" / "rank0.log").read_text() and "(its ZeRO-3 partitions)" in (run_dir / "logs" / "rank0.log").read_text()
+    out = tmp_path / "export"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import WanTransformer3DModel
+
+    trained = WanTransformer3DModel.from_pretrained(str(out / "transformer")).state_dict()
+    # The file's weights, not the pipeline directory's random ones (two steps at lr 1e-9 move nothing visible).
+    assert all(torch.allclose(trained[key], expected[key], atol=1e-5) for key in expected)
+    original = WanTransformer3DModel.from_pretrained(str(run_dir / "pipeline" / "transformer")).state_dict()
+    assert not torch.allclose(original["blocks.0.attn1.to_q.weight"], expected["blocks.0.attn1.to_q.weight"])
