@@ -1,6 +1,9 @@
 """The image side of diffusion training: finding captioned images, bucketing them by aspect ratio,
 loading them at a bucket's size and dealing them to ranks as micro-batches.
 
+(Just over 600 lines with the generated shapes dataset the demos and tests use; videos have
+their own module, diffusion/videos.py.)
+
 Three folder layouts are accepted (:func:`scan_image_folder` picks one):
 
 - **metadata** (Hugging Face image folder): ``root/metadata.jsonl`` with one

@@ -1,5 +1,9 @@
 """The run store: the database, the run directories it indexes, and the actions on runs.
 
+(Over 600 lines: the actions on runs — launch, stop, resume, export, eval, delete, rename —
+share the store's locks and its confinement of paths; presets and archives already live in
+their own modules, and the actions are the next part to move out.)
+
 Run directories are the truth; the database is an index of them plus what only the UI
 knows (which processes it started, when a stop was asked for). Runs started from the
 command line appear on the next ``refresh``; runs started here keep going when the UI
