@@ -9,25 +9,8 @@ import time
 
 import pytest
 import yaml
-from fastapi.testclient import TestClient
 
 from tests.e2e.fake_runs import live_pid, write_run
-from zeropipe.server import create_app
-from zeropipe.store import Roots, RunStore
-
-
-@pytest.fixture
-def store(tmp_path):
-    (tmp_path / "data").mkdir()
-    store = RunStore(Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path))
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def client(store):
-    with TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1") as client:
-        yield client
 
 
 def add(store, name, **kwargs):

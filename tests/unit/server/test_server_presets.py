@@ -4,26 +4,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from fastapi.testclient import TestClient
 
 from tests.e2e.fake_runs import write_run
-from zeropipe.server import create_app
-from zeropipe.store import Roots, RunStore
 from zeropipe.store.presets import examples_dirs
-
-
-@pytest.fixture
-def store(tmp_path):
-    (tmp_path / "data").mkdir()
-    store = RunStore(Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path))
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def client(store):
-    with TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1") as client:
-        yield client
 
 
 def check(client, text):

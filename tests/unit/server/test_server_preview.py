@@ -5,10 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
-
-from zeropipe.server import create_app
-from zeropipe.store import Roots, RunStore
 
 MODEL = {
     "config": {
@@ -21,20 +17,6 @@ MODEL = {
         "max_position_embeddings": 64,
     }
 }
-
-
-@pytest.fixture
-def store(tmp_path):
-    (tmp_path / "data").mkdir()
-    store = RunStore(Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path))
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def client(store):
-    with TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1") as client:
-        yield client
 
 
 def alpaca_file(path, broken=True):
