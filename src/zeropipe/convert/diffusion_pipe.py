@@ -22,8 +22,13 @@ from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
 
 def trainable_architecture(kind: str) -> str | None:
-    """ZeRO-Pipe's architecture entry for a diffusion-pipe [model] type (the names coincide), or None."""
-    return kind if kind in architectures() else None
+    """ZeRO-Pipe's image architecture entry for a diffusion-pipe [model] type (the names coincide), or None.
+
+    Video entries (Wan) train in ZeRO-Pipe, but this converter does not map diffusion-pipe's
+    video dataset keys yet (frame_buckets, video_clip_mode...): their configs stay blocked.
+    """
+    arch = architectures().get(kind)
+    return kind if arch is not None and not arch.video else None
 
 
 VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack")
