@@ -233,7 +233,7 @@ def test_video_architecture_is_converted_but_blocked(tmp_path):
         f"frame_buckets = [1, 33]\n[[directory]]\npath = '{images}'\n",
     )
     conversion = convert_file(path)
-    assert conversion.blocking and "'wan' is a video model ZeRO-Pipe does not train yet" in conversion.blocking[0]
+    assert conversion.blocking and "'wan' is a video model ZeRO-Pipe trains, but this converter does not map" in conversion.blocking[0]
     text = conversion.to_yaml()
     assert "# CANNOT TRAIN YET: [model] type = 'wan' is a video model" in text
     why = unmapped(conversion)
