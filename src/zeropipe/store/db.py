@@ -81,19 +81,34 @@ def encode(fields: dict[str, Any]) -> dict[str, Any]:
     return {key: json.dumps(value) if key in JSON_COLUMNS and value is not None else value for key, value in fields.items()}
 
 
+# How long opening the database waits for another process that holds it.
+OPEN_TIMEOUT_SECONDS = 10
+
+
 class Database:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # isolation_level=None: we issue BEGIN/COMMIT ourselves (migrations) and every other
-            # statement commits on its own.
-            self.conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=10)
-            self.conn.row_factory = sqlite3.Row
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA foreign_keys=ON")
-        except sqlite3.DatabaseError as err:
-            raise StoreError(f"cannot open the run database {self.path}: {err}; point --db at another file") from None
+        deadline = time.monotonic() + OPEN_TIMEOUT_SECONDS
+        while True:
+            try:
+                # isolation_level=None: we issue BEGIN/COMMIT ourselves (migrations) and every other
+                # statement commits on its own.
+                self.conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=OPEN_TIMEOUT_SECONDS)
+                self.conn.row_factory = sqlite3.Row
+                # Switching a new file to WAL needs it alone; SQLite's busy timeout does not wait
+                # for that, so another process opening the same new database at the same moment
+                # is waited out here.
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA foreign_keys=ON")
+                break
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise StoreError(f"cannot open the run database {self.path}: {err}; point --db at another file") from None
+                self.conn.close()
+                time.sleep(0.05)
+            except sqlite3.DatabaseError as err:
+                raise StoreError(f"cannot open the run database {self.path}: {err}; point --db at another file") from None
         self.lock = threading.RLock()
         with self.lock:
             self.applied = migrate(self.conn)
