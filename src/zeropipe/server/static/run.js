@@ -146,7 +146,7 @@
       // The rank count to resume on: the checkpoint's by default; another one is converted to a
       // universal checkpoint and keeps the global batch (the server refuses counts that cannot).
       const savedRanks = () => (complete.find((c) => c.tag === select.value) || {}).world_size || run.world_size || 1;
-      const ranks = el("input", { id: "resume-ranks", type: "number", min: 1, step: 1, value: savedRanks(), size: 3, "aria-label": "ranks to resume on",
+      const ranks = el("input", { id: "resume-ranks", type: "number", min: 1, step: 1, value: savedRanks(), style: "width: 4.5em", "aria-label": "ranks to resume on",
         title: "ranks (GPUs) to resume on; another count than the checkpoint's keeps the global batch by recomputing the accumulation" });
       select.addEventListener("change", () => { ranks.value = savedRanks(); });
       const gpus = () => (/^[0-9]+$/.test(ranks.value) ? Number(ranks.value) : ranks.value === "" ? null : ranks.value);
