@@ -6,8 +6,8 @@ size. Its own converter, ``deepspeed.checkpoint.ds_to_universal``, merges the sh
 file per parameter and state (``zero/NAME/fp32.pt``, ``exp_avg.pt``...), which any number of
 ranks loads with ``checkpoint: {load_universal: true}``.
 
-The conversion runs once per checkpoint, in a child process (the converter prints and holds
-the whole optimizer state in memory; the launcher should do neither), into
+The conversion runs once per checkpoint, in a child process (the converter prints, and holds a
+rank's optimizer shard at a time in memory; the launcher should do neither), into
 ``checkpoints/universal/.converting-TAG-PID``; only a finished conversion gets its marker
 and is renamed to ``checkpoints/universal/TAG`` in one step. The original checkpoint is
 only read. A conversion that was interrupted leaves a ``.converting-`` folder that nothing

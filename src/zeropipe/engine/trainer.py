@@ -125,7 +125,7 @@ class Trainer:
         rng_file = self.run.checkpoints / tag / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             restore_rng_state(torch.load(rng_file, weights_only=False))
-        log.info("resumed from %s at step %d", tag, self.step)
+        log.info("resumed from %s at step %d%s", tag, self.step, f" (its universal copy, on {self.world_size} ranks)" if self.plan.resume_universal else "")
 
     # ------------------------------------------------------------------ train
     def train(self) -> None:
