@@ -91,7 +91,7 @@ def convert_to_universal(run_dir: Path, info: CheckpointInfo, log_dir: Path, acc
     started = time.time()
     try:
         with open(log_file, "w") as log:
-            result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir))
+            result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(run_dir), check=False)
         if result.returncode != 0:
             tail = "\n".join(log_file.read_text(errors="replace").strip().splitlines()[-8:])
             raise CheckpointError(

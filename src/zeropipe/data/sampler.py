@@ -36,13 +36,13 @@ class DataPosition:
     micro_batch_size: int
 
     @classmethod
-    def at_micro_step(cls, micro_steps: int, micro_batches_per_epoch: int, world_size: int, micro_batch_size: int) -> "DataPosition":
+    def at_micro_step(cls, micro_steps: int, micro_batches_per_epoch: int, world_size: int, micro_batch_size: int) -> DataPosition:
         """The position after ``micro_steps`` micro-steps of a run that never changed its rank count or micro-batch."""
         epoch, position = divmod(micro_steps, micro_batches_per_epoch)
         return cls(epoch, position * micro_batch_size * world_size, world_size, micro_batch_size)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "DataPosition":
+    def from_dict(cls, values: dict[str, Any]) -> DataPosition:
         return cls(int(values["epoch"]), int(values["consumed"]), int(values["world_size"]), int(values["micro_batch_size"]))
 
     def to_dict(self) -> dict[str, int]:

@@ -119,7 +119,7 @@ class SamplerBatches:
         self.position = start or DataPosition(0, 0, sampler.world_size, micro_batch_size)
         self._batches = self._generate()
 
-    def __iter__(self) -> "SamplerBatches":
+    def __iter__(self) -> SamplerBatches:
         return self
 
     def __next__(self) -> tuple[int, Any]:

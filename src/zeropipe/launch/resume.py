@@ -128,10 +128,11 @@ def keep_global_batch(saved_shape: tuple[int, int, int] | None, micro_batch_size
     kept = global_batch // per_micro_step
     if kept == accumulation:
         return kept, []
-    return kept, [
+    note = (
         f"train.gradient_accumulation_steps = {kept} (keeps checkpoint {tag}'s global batch of {global_batch}: "
         f"micro-batch {micro_batch_size} x {kept} x {world_size} ranks; it was trained as {saved_micro} x {saved_accumulation} x {saved_world})"
-    ]
+    )
+    return kept, [note]
 
 
 def saved_data_position(saved: dict[str, Any], previous_plan: dict[str, Any], step: int, saved_shape: tuple[int, int, int] | None) -> DataPosition | None:

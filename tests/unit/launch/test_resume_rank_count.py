@@ -18,8 +18,10 @@ def test_another_rank_count_gets_the_accumulation_that_keeps_the_global_batch(ra
     kept, notes = keep_global_batch((4, 3, 2), 4, 3, ranks, "step_00000003")
     assert kept == accumulation and 4 * kept * ranks == 24
     assert notes == [
-        f"train.gradient_accumulation_steps = {accumulation} (keeps checkpoint step_00000003's global batch of 24: "
-        f"micro-batch 4 x {accumulation} x {ranks} ranks; it was trained as 4 x 3 x 2)"
+        (
+            f"train.gradient_accumulation_steps = {accumulation} (keeps checkpoint step_00000003's global batch of 24: "
+            f"micro-batch 4 x {accumulation} x {ranks} ranks; it was trained as 4 x 3 x 2)"
+        )
     ]
 
 
