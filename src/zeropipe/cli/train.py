@@ -20,7 +20,7 @@ def register(commands) -> None:
         default=None,
         metavar="PATH",
         help="continue from the latest complete checkpoint of the run (or of PATH: a run directory or checkpoint); "
-        "with hardware.gpus=N (before --resume PATH) on another number of ranks: converted to a universal checkpoint, "
+        "with hardware.gpus=N on another number of ranks: converted to a universal checkpoint, "
         "the global batch kept (docs/resume.md)",
     )
     parser.add_argument(

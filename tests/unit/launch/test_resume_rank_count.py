@@ -57,3 +57,23 @@ def test_the_data_position_is_the_checkpoints_or_counted_from_its_step():
     assert saved_data_position(recorded, {}, 30, (4, 2, 3)) == DataPosition(1, 48, 3, 4)
     # An older checkpoint: step 30 x accumulation 1 = micro-step 30 of 25 per epoch on 2 ranks of micro-batch 8.
     assert saved_data_position({}, {"micro_batches_per_epoch": 25}, 30, (8, 1, 2)) == DataPosition(1, 5 * 16, 2, 8)
+
+
+def test_overrides_after_resume_path_are_read_as_overrides(tmp_path, capsys):
+    """`zeropipe train run.yaml --resume runs/NAME hardware.gpus=N`: the count is not an unrecognized argument."""
+    from tests.integration.conftest import tiny_run_config, write_config
+    from zeropipe.cli.main import main
+
+    config = write_config(tmp_path, tiny_run_config(tmp_path))
+    assert main(["train", str(config), "--resume", str(tmp_path / "runs" / "tiny"), "hardware.gpus=0"]) == 2
+    err = capsys.readouterr().err
+    assert "hardware.gpus: must be at least 1 (you set 0)" in err, err
+    assert "unrecognized arguments" not in err and not (tmp_path / "runs").exists()
+
+
+def test_other_stray_arguments_are_still_refused(tmp_path, capsys):
+    from zeropipe.cli.main import main
+
+    with pytest.raises(SystemExit) as raised:
+        main(["train", str(tmp_path / "run.yaml"), "--resume", "somewhere", "--frobnicate"])
+    assert raised.value.code == 2 and "unrecognized arguments: --frobnicate" in capsys.readouterr().err
