@@ -84,6 +84,8 @@ class RunPlan:
     gradient_accumulation_steps: int
     zero_stage: int
     resume_from: str | None = None  # checkpoint tag
+    resume_universal: bool = False  # read resume_from from its universal copy (checkpoints/universal): saved by another rank count
+    resume_data_position: dict | None = None  # DataPosition where the resumed run continues in its data, for all ranks together
     generate_prompts: list[str] = field(default_factory=list)
     created_at: float = 0.0
 

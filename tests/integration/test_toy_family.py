@@ -48,3 +48,10 @@ def test_a_plugin_family_trains_checks_and_exports(tmp_path, monkeypatch):
     model.load_state_dict(state)
     x = torch.linspace(-1, 1, 9).unsqueeze(1)
     assert torch.nn.functional.mse_loss(model(x), 3 * x - 1) < 0.1
+
+    # The toy deals its points per rank and reports no data position for the whole run: a
+    # resume on another rank count would repeat or skip points, so it is refused up front.
+    other = zeropipe("train", path, "--resume", "hardware.gpus=1")
+    assert other.returncode == 2, other.stderr
+    assert "toy_regression runs resume only on the rank count that saved them" in other.stderr and "hardware.gpus=2" in other.stderr
+    assert "Traceback" not in other.stderr and not (run_dir / "checkpoints" / "universal").exists()

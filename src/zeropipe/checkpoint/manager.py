@@ -22,6 +22,8 @@ from zeropipe.errors import CheckpointError
 COMPLETE_MARKER = "zeropipe_complete.json"
 TAG_PATTERN = re.compile(r"^step_(\d+)$")
 SUPERSEDED = "superseded-"  # checkpoints/superseded-DATE: newer checkpoints a resume set aside
+UNIVERSAL = "universal"  # checkpoints/universal/TAG: a checkpoint converted for another rank count (checkpoint/universal.py)
+UNIVERSAL_MARKER = "zeropipe_universal.json"  # a universal copy counts only once it holds this
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ def tag_for(step: int) -> str:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def universal_dir(run_dir: Path) -> Path:
+    """Where universal copies of a run's checkpoints live, one tag directory each (DeepSpeed's ``load_dir``)."""
+    return checkpoints_dir(run_dir) / UNIVERSAL
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -137,6 +144,17 @@ def prune(run_dir: Path, keep_last: int) -> list[str]:
         if max(steps, default=-1) <= newest:
             shutil.rmtree(aside, ignore_errors=True)
             removed.append(aside.name)
+    universal = universal_dir(run_dir)
+    if universal.is_dir():
+        # A universal copy served one resume on another rank count; once the run has saved a
+        # newer checkpoint of its own it is not needed (its original is kept or pruned as any
+        # checkpoint). Leftovers of an interrupted conversion (".converting-...") go too: no
+        # conversion runs while the ranks train.
+        for child in universal.iterdir():
+            match = TAG_PATTERN.match(child.name)
+            if (match and int(match.group(1)) < newest) or child.name.startswith("."):
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(f"{UNIVERSAL}/{child.name}")
     return removed
 
 

@@ -35,7 +35,14 @@ def quiet_deepspeed_autodetect() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # `train run.yaml --resume PATH key=value`: argparse has taken the positionals before the
+        # optional PATH, so overrides written after it come back unparsed; they are overrides still.
+        if getattr(args, "command", None) == "train" and all("=" in arg and not arg.startswith("-") for arg in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

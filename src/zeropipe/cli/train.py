@@ -19,7 +19,9 @@ def register(commands) -> None:
         const=True,
         default=None,
         metavar="PATH",
-        help="continue from the latest complete checkpoint of the run (or of PATH: a run directory or checkpoint)",
+        help="continue from the latest complete checkpoint of the run (or of PATH: a run directory or checkpoint); "
+        "with hardware.gpus=N on another number of ranks: converted to a universal checkpoint, "
+        "the global batch kept (docs/resume.md)",
     )
     parser.add_argument(
         "--new-schedule",

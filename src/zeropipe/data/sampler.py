@@ -1,13 +1,52 @@
-"""Splitting the examples between ranks, in an order that can be resumed mid-epoch."""
+"""Splitting the examples between ranks, in an order that can be resumed mid-epoch, on any number of ranks.
+
+Every epoch has one order of the examples, the same on every rank. Optimizer micro-step k of
+a run with W ranks and micro-batch m trains on the k-th slice of m x W examples of that order
+(each rank on every W-th of them), so the place a run has reached is one number for the
+whole run: how many examples of the epoch's order are behind it (:class:`DataPosition`).
+A run resumed on another number of ranks continues from that number: no example of the
+epoch is seen twice or skipped.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
 from zeropipe.errors import DataError
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a run stands in its data, for all ranks together (not per rank).
+
+    ``consumed`` examples (or packed sequences) of epoch ``epoch``'s order have been trained
+    on. ``world_size`` and ``micro_batch_size`` are the deal that epoch's order was cut for:
+    length grouping cuts it into global batches of micro-batch x ranks, so a run resumed on
+    another rank count mid-epoch must keep cutting that epoch the old way.
+    """
+
+    epoch: int
+    consumed: int
+    world_size: int
+    micro_batch_size: int
+
+    @classmethod
+    def at_micro_step(cls, micro_steps: int, micro_batches_per_epoch: int, world_size: int, micro_batch_size: int) -> DataPosition:
+        """The position after ``micro_steps`` micro-steps of a run that never changed its rank count or micro-batch."""
+        epoch, position = divmod(micro_steps, micro_batches_per_epoch)
+        return cls(epoch, position * micro_batch_size * world_size, world_size, micro_batch_size)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DataPosition:
+        return cls(int(values["epoch"]), int(values["consumed"]), int(values["world_size"]), int(values["micro_batch_size"]))
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -68,6 +107,18 @@ class ResumableDistributedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self.epoch_indices()[self.start :])
 
+    def epoch_order(self, epoch: int, world_size: int, micro_batch_size: int) -> list[int]:
+        """Epoch ``epoch``'s order of all examples, for a deal of ``world_size`` ranks x ``micro_batch_size``.
+
+        Micro-step k of that deal trains on ``order[k*m*W : (k+1)*m*W]``, rank r on every W-th
+        of them from r: exactly the micro-batches :meth:`epoch_indices` gives each rank.
+        """
+        if not self.shuffle:
+            return list(range(self.num_examples))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_examples, generator=generator).tolist()
+
     def __len__(self) -> int:
         return self.per_rank - self.start
 
@@ -101,19 +152,26 @@ class LengthGroupedSampler(ResumableDistributedSampler):
         self.group_batches = group_batches
 
     def epoch_indices(self) -> list[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(self.num_examples, generator=generator).tolist()
         global_batch = self.micro_batch_size * self.world_size
         full = (self.per_rank // self.micro_batch_size) * global_batch
+        order = self.epoch_order(self.epoch, self.world_size, self.micro_batch_size)
+        mine = [index for start in range(0, full, global_batch) for index in order[start : start + global_batch][self.rank :: self.world_size]]
+        # What does not fill a micro-batch: kept so every rank's list has per_rank entries,
+        # never trained on (the trainer runs whole micro-batches only).
+        rest = order[full : self.per_rank * self.world_size]
+        return mine + rest[self.rank :: self.world_size]
+
+    def epoch_order(self, epoch: int, world_size: int, micro_batch_size: int) -> list[int]:
+        """The global batches of ``world_size`` x ``micro_batch_size`` examples back to back, then the rest."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        order = torch.randperm(self.num_examples, generator=generator).tolist()
+        global_batch = micro_batch_size * world_size
+        full = (self.num_examples // global_batch) * global_batch
         batches = []
         group = global_batch * self.group_batches
         for start in range(0, full, group):
             chunk = sorted(order[start : min(start + group, full)], key=lambda index: (-self.lengths[index], index))
             batches += [chunk[i : i + global_batch] for i in range(0, len(chunk), global_batch)]
         shuffled = torch.randperm(len(batches), generator=generator).tolist()
-        mine = [index for b in shuffled for index in batches[b][self.rank :: self.world_size]]
-        # What does not fill a micro-batch: kept so every rank's list has per_rank entries,
-        # never trained on (the trainer runs whole micro-batches only).
-        rest = order[full : self.per_rank * self.world_size]
-        return mine + rest[self.rank :: self.world_size]
+        return [index for b in shuffled for index in batches[b]] + order[full:]

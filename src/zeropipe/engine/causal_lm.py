@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from zeropipe.data.packing import PackedDataset, collate_packed
-from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
+from zeropipe.data.sampler import DataPosition, LengthGroupedSampler, ResumableDistributedSampler
 from zeropipe.data.tokenize import TokenDataset, collate, pad_token_id, render_prompt
 from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
 from zeropipe.engine.task import TaskDefaults, sampler_batches
@@ -63,9 +63,11 @@ class CausalLMTask(TaskDefaults):
 
     def batches(self, start_step: int):
         trainer = self.trainer
-        return sampler_batches(
-            self.sampler, self.dataset, self.collate, trainer.micro_batch_size, trainer.plan.micro_batches_per_epoch, start_step * trainer.accumulation
+        # Where a resumed run stands in its data, for all ranks together: it may have had another rank count.
+        start = trainer.data_position or DataPosition.at_micro_step(
+            start_step * trainer.accumulation, trainer.plan.micro_batches_per_epoch, trainer.world_size, trainer.micro_batch_size
         )
+        return sampler_batches(self.sampler, self.dataset, self.collate, trainer.micro_batch_size, start)
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
         """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""

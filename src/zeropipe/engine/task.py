@@ -14,6 +14,8 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
+from zeropipe.data.sampler import DataPosition
+
 
 class RankTask(Protocol):
     """The family's part of one rank. Every method is called on every rank (collectives inside are safe)."""
@@ -28,7 +30,14 @@ class RankTask(Protocol):
         """Called once the DeepSpeed engine exists (trainer.engine)."""
 
     def batches(self, start_step: int) -> Iterator[tuple[int, Any]]:
-        """``(epoch, micro-batch)`` from optimizer step ``start_step`` on, epoch after epoch, endlessly."""
+        """``(epoch, micro-batch)`` from optimizer step ``start_step`` on, epoch after epoch, endlessly.
+
+        An iterator with a ``position`` attribute (:class:`SamplerBatches`) tells the trainer
+        where the run stands in its data, in examples of the whole run; the trainer saves it
+        with each checkpoint and hands it back as ``trainer.data_position`` on resume, which
+        lets the run resume on another number of ranks. Without one, a resume must keep the
+        rank count and batch shape (the family says so with ``resumes_on_other_rank_counts``).
+        """
 
     def forward_loss(self, batch: Any) -> tuple[torch.Tensor, float, float]:
         """``(loss, tokens, examples)`` of one micro-batch; tokens is 0 where the family has none."""
@@ -66,6 +75,7 @@ class TaskDefaults:
     step = property(lambda self: self.trainer.step)
     micro_batch_size = property(lambda self: self.trainer.micro_batch_size)
     accumulation = property(lambda self: self.trainer.accumulation)
+    data_position = property(lambda self: self.trainer.data_position)  # where a resumed run starts in its data (None: the beginning)
 
     def after_initialize(self) -> None:
         pass
@@ -89,19 +99,47 @@ class TaskDefaults:
         return {}
 
 
-def sampler_batches(sampler, dataset, collate, micro_batch_size: int, micro_batches_per_epoch: int, start_micro_step: int) -> Iterator[tuple[int, Any]]:
-    """Collated micro-batches of a resumable sampler from micro-step ``start_micro_step`` on, epoch after epoch.
+class SamplerBatches:
+    """Collated micro-batches of one rank from a :class:`~zeropipe.data.sampler.DataPosition` on, epoch after epoch.
 
-    The position inside an epoch is a count of micro-batches, so a resumed run continues
-    with exactly the batches the uninterrupted run would have seen.
+    Iterating yields ``(epoch, micro-batch)``; :attr:`position` is where the whole run stands
+    after the micro-batches yielded so far, which the trainer saves with every checkpoint.
+    Each micro-step takes the next micro-batch x ranks examples of the epoch's order, so a run
+    resumed from a position, on any number of ranks, trains on exactly the examples the
+    epoch has left (the last few that do not fill a micro-step of all ranks are dropped).
+
+    Args:
+        sampler: a ``ResumableDistributedSampler`` (or subclass) built for this rank and world size.
+        start: where to start; ``None`` for the beginning of the run.
     """
-    micro_step = start_micro_step
-    while True:
-        epoch, position = divmod(micro_step, micro_batches_per_epoch)
-        sampler.set_epoch(epoch)
-        sampler.set_start(position * micro_batch_size)
-        indices = list(iter(sampler))
-        for start in range(0, (micro_batches_per_epoch - position) * micro_batch_size, micro_batch_size):
-            chunk = indices[start : start + micro_batch_size]
-            yield epoch, collate([dataset[i] for i in chunk])
-            micro_step += 1
+
+    def __init__(self, sampler, dataset, collate, micro_batch_size: int, start: DataPosition | None = None):
+        self.sampler, self.dataset, self.collate = sampler, dataset, collate
+        self.micro_batch_size = micro_batch_size
+        self.position = start or DataPosition(0, 0, sampler.world_size, micro_batch_size)
+        self._batches = self._generate()
+
+    def __iter__(self) -> SamplerBatches:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        return next(self._batches)
+
+    def _generate(self) -> Iterator[tuple[int, Any]]:
+        rank, world_size, micro = self.sampler.rank, self.sampler.world_size, self.micro_batch_size
+        step_examples = micro * world_size
+        position = self.position
+        while True:
+            order = self.sampler.epoch_order(position.epoch, position.world_size, position.micro_batch_size)
+            for start in range(position.consumed, len(order) - step_examples + 1, step_examples):
+                chunk = order[start : start + step_examples][rank::world_size]
+                # Moved before the yield: once the trainer holds this micro-batch it counts as trained on.
+                self.position = DataPosition(position.epoch, start + step_examples, position.world_size, position.micro_batch_size)
+                yield position.epoch, self.collate([self.dataset[i] for i in chunk])
+            # A new epoch is cut for the ranks that start it.
+            position = DataPosition(position.epoch + 1, 0, world_size, micro)
+
+
+def sampler_batches(sampler, dataset, collate, micro_batch_size: int, start: DataPosition | None = None) -> SamplerBatches:
+    """The micro-batches a causal-LM or vision-language rank trains on, from ``start`` (see :class:`SamplerBatches`)."""
+    return SamplerBatches(sampler, dataset, collate, micro_batch_size, start)

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from zeropipe.checkpoint import manager
+from zeropipe.data.sampler import DataPosition
 from zeropipe.engine.task import RankTask
 from zeropipe.metrics import MetricSinks
 from zeropipe.rundir import RunDir
@@ -64,6 +65,10 @@ class Trainer:
         self.micro_batch_size = self.plan.micro_batch_size
         self.accumulation = self.plan.gradient_accumulation_steps
         self.step = 0
+        # Where a resumed run starts in its data, counted for the whole run (the launcher read it
+        # from the checkpoint); None: the beginning, or a family that counts in steps.
+        self.data_position = DataPosition.from_dict(self.plan.resume_data_position) if self.plan.resume_data_position else None
+        self.batches = None
         self.process = psutil.Process()
         self.task = make_task(self)
 
@@ -109,22 +114,24 @@ class Trainer:
         tag = self.plan.resume_from
         if not tag:
             return
-        load_path, client_state = self.engine.load_checkpoint(
-            str(self.run.checkpoints), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        # A checkpoint saved by another number of ranks is read from its universal copy
+        # (ds_config.json then has checkpoint.load_universal, set by the launcher).
+        load_dir = manager.universal_dir(self.run.path) if self.plan.resume_universal else self.run.checkpoints
+        load_path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {self.run.checkpoints}")
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
         self.step = int(client_state["step"])
+        # On more ranks than saved it, the new ranks keep the seed's streams.
         rng_file = self.run.checkpoints / tag / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             restore_rng_state(torch.load(rng_file, weights_only=False))
-        log.info("resumed from %s at step %d", tag, self.step)
+        log.info("resumed from %s at step %d%s", tag, self.step, f" (its universal copy, on {self.world_size} ranks)" if self.plan.resume_universal else "")
 
     # ------------------------------------------------------------------ train
     def train(self) -> None:
         total = self.plan.total_steps
         save_every = self.config.train.save_every
-        batches = self.task.batches(self.step)
+        batches = self.batches = self.task.batches(self.step)
         self.engine.train()
         log.info("training steps %d..%d of %d", self.step + 1, total, total)
         # A step's time runs from the end of the previous step, so that it includes the
@@ -199,12 +206,26 @@ class Trainer:
         tag = manager.tag_for(self.step)
         if (self.run.checkpoints / tag / manager.COMPLETE_MARKER).is_file():
             return
-        self.engine.save_checkpoint(str(self.run.checkpoints), tag=tag, client_state={"step": self.step}, save_latest=False)
+        # The data position for all ranks together, so that a resume on another rank count continues it.
+        position = getattr(self.batches, "position", None)
+        client_state = {"step": self.step}
+        if position is not None:
+            client_state["data_position"] = position.to_dict()
+        self.engine.save_checkpoint(str(self.run.checkpoints), tag=tag, client_state=client_state, save_latest=False)
         # Per-rank RNG: dropout and LoRA dropout must continue exactly after a resume.
         torch.save(rng_state(), self.run.checkpoints / tag / f"rng_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            manager.mark_complete(self.run.path, self.step, {"world_size": self.world_size, "zero_stage": self.plan.zero_stage, "total_steps": self.plan.total_steps})
+            meta = {
+                "world_size": self.world_size,
+                "zero_stage": self.plan.zero_stage,
+                "total_steps": self.plan.total_steps,
+                "micro_batch_size": self.micro_batch_size,
+                "gradient_accumulation_steps": self.accumulation,
+            }
+            if position is not None:
+                meta["data_position"] = position.to_dict()
+            manager.mark_complete(self.run.path, self.step, meta)
             removed = manager.prune(self.run.path, self.config.train.keep_last)
             log.info("checkpoint %s saved%s", tag, f"; removed {', '.join(removed)}" if removed else "")
         dist.barrier()

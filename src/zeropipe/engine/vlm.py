@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from zeropipe.data.sampler import ResumableDistributedSampler
+from zeropipe.data.sampler import DataPosition, ResumableDistributedSampler
 from zeropipe.data.tokenize import pad_token_id
 from zeropipe.data.vlm import GENERATE_FILE, MANIFEST, VlmDataset, VlmEncoder, caption_messages, collate_vlm, load_rgb
 from zeropipe.engine.causal_lm import write_generations
@@ -63,9 +63,11 @@ class VisionLanguageTask(TaskDefaults):
 
     def batches(self, start_step: int):
         trainer = self.trainer
-        return sampler_batches(
-            self.sampler, self.dataset, self.collate, trainer.micro_batch_size, trainer.plan.micro_batches_per_epoch, start_step * trainer.accumulation
+        # Where a resumed run stands in its data, for all ranks together: it may have had another rank count.
+        start = trainer.data_position or DataPosition.at_micro_step(
+            start_step * trainer.accumulation, trainer.plan.micro_batches_per_epoch, trainer.world_size, trainer.micro_batch_size
         )
+        return sampler_batches(self.sampler, self.dataset, self.collate, trainer.micro_batch_size, start)
 
     def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Tensors on the rank's device; pixel values in the model's dtype (DeepSpeed casts the weights, not the inputs)."""

@@ -32,6 +32,9 @@ class Family(Protocol):
     answers_prompts: bool  # zeropipe generate and the UI's Generate page write its answers
     takes_images: bool  # a prompt may come with an image
     streams_answers: bool  # generate() passes answers token by token to a streamer
+    # Optional (read with getattr, default False): its rank task's batches report a global data
+    # position (engine.task.SamplerBatches), so a run resumes on another number of ranks.
+    resumes_on_other_rank_counts: bool
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""

@@ -29,6 +29,7 @@ from zeropipe.rundir import PreparedData, RunDir
 class CausalLM:
     name = "causal_lm"
     trains_tokenizer = True
+    resumes_on_other_rank_counts = True  # its batches count the data for all ranks together (engine.task.SamplerBatches)
     answers_prompts = True
     takes_images = False
     streams_answers = True

@@ -45,6 +45,7 @@ from zeropipe.rundir import PreparedData, RunDir
 class VisionLanguage:
     name = "vlm"
     trains_tokenizer = False
+    resumes_on_other_rank_counts = True  # its batches count the data for all ranks together (engine.task.SamplerBatches)
     answers_prompts = True
     takes_images = True
     streams_answers = False

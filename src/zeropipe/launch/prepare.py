@@ -15,14 +15,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, write_atomic
+from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, universal_dir, write_atomic
+from zeropipe.checkpoint.universal import convert_to_universal, has_partitioned_state
 from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
-from zeropipe.launch.resume import check_resume_schedule, prefer_exact_adam, previous_total_steps
+from zeropipe.launch.resume import (
+    check_resume_schedule,
+    keep_global_batch,
+    prefer_exact_adam,
+    previous_total_steps,
+    saved_batch_shape,
+    saved_data_position,
+)
 from zeropipe.rundir import RunDir, RunPlan
 
 
@@ -62,12 +70,11 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         run.claim()  # refuses a run directory a live launcher owns, before anything is read or moved
         resume_tag = info.tag
         saved = json.loads((info.path / "zeropipe_complete.json").read_text())
-        if saved.get("world_size") not in (None, world_size):
-            raise ZeroPipeError(
-                f"checkpoint {info.tag} was saved by {saved['world_size']} ranks and this run has {world_size}: "
-                f"resume with hardware.gpus={saved['world_size']} (changing the rank count needs a universal checkpoint)"
-            )
-        notes.append(f"resuming {run.path} from {info.tag} (step {info.step})")
+        previous_plan = run.read_json(run.plan_file) or {}  # the last attempt's run.json, before this one replaces it
+        saved_shape = saved_batch_shape(saved, previous_plan)
+        saved_world = saved.get("world_size") or (saved_shape[2] if saved_shape else world_size)
+        other_rank_count = saved_world != world_size
+        notes.append(f"resuming {run.path} from {info.tag} (step {info.step})" + (f", saved by {saved_world} ranks, on {world_size}" if other_rank_count else ""))
     else:
         run.claim()  # refuses a run directory a live launcher owns, even one that has written nothing yet
         if list_checkpoints(run.path, complete_only=False) or run.metrics.exists():
@@ -87,13 +94,23 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     problems = family.config_problems(config)
     if problems:
         raise ConfigError(problems)
-    data = family.prepare_data(config, run, reuse=bool(resume_tag))
-    notes += data.notes
-
     # The batch shape is the config's own: a user's DeepSpeed JSON was folded into it (resolve_run).
     micro, accumulation = config.train.micro_batch_size, config.train.gradient_accumulation_steps
     if micro == "auto" or accumulation == "auto":
         raise ConfigError([("train.micro_batch_size", "the batch shape is still auto: resolve the config first (zeropipe train does)")])
+    if resume_tag:
+        if other_rank_count and not getattr(family, "resumes_on_other_rank_counts", False):
+            raise ZeroPipeError(
+                f"checkpoint {info.tag} was saved by {saved_world} ranks and {family.name} runs resume only on the rank count that saved them "
+                f"(their data order is dealt per rank): resume with hardware.gpus={saved_world}"
+            )
+        # A resume keeps the global batch: on another rank count the accumulation makes up the difference.
+        accumulation, shape_notes = keep_global_batch(saved_shape, micro, accumulation, world_size, info.tag)
+        config.train.gradient_accumulation_steps = accumulation
+        notes += shape_notes
+    data = family.prepare_data(config, run, reuse=bool(resume_tag))
+    notes += data.notes
+
     micro_batches_per_epoch = data.micro_batches_per_epoch(micro, world_size)
     steps_per_epoch = micro_batches_per_epoch // accumulation
     if steps_per_epoch == 0:
@@ -111,14 +128,33 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         total_steps = config.train.max_steps
     else:
         total_steps = max(1, math.ceil((config.train.epochs or 1) * steps_per_epoch))
+    resume_universal, resume_position = False, None
     if resume_tag:
+        saved_total = saved.get("total_steps", previous_total_steps(run))
+        if other_rank_count and not config.train.max_steps and saved_total and saved_total != total_steps:
+            # Counted from epochs, the length moves with how the examples round into steps of
+            # the new shape; the run's schedule was set for the checkpoint's length.
+            notes.append(f"run length kept at {saved_total} steps, the checkpoint's ({total_steps} counted for {world_size} ranks)")
+            total_steps = saved_total
         # Before anything of the run is moved: a refused resume leaves the run as it was.
-        notes += check_resume_schedule(saved.get("total_steps", previous_total_steps(run)), total_steps, resume_tag, new_schedule)
+        notes += check_resume_schedule(saved_total, total_steps, resume_tag, new_schedule)
+        position = saved_data_position(saved, previous_plan, info.step, saved_shape)
+        resume_position = position.to_dict() if position else None
+        if other_rank_count and has_partitioned_state(info.path):
+            _, converted = convert_to_universal(run.path, info, run.logs, accelerator)
+            resume_universal = True
+            notes.append(f"{'converted' if converted else 'reusing'} {info.tag} as a universal checkpoint in {universal_dir(run.path) / info.tag} (the original is unchanged)")
         notes += set_aside_future(run, info.step)
     if config.train.warmup_steps >= total_steps:
         notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
     deepspeed = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
     notes += [f"DeepSpeed {line}" for line in deepspeed.filled + prefer_exact_adam(deepspeed.config, accelerator)]
+    if resume_tag:
+        # A user's DeepSpeed JSON may name its own accumulation; the resume's global batch wins.
+        deepspeed.config["gradient_accumulation_steps"] = accumulation
+        deepspeed.config["train_batch_size"] = micro * accumulation * world_size
+    if resume_universal:
+        deepspeed.config.setdefault("checkpoint", {})["load_universal"] = True
 
     plan = RunPlan(
         world_size=world_size,
@@ -131,6 +167,8 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         gradient_accumulation_steps=accumulation,
         zero_stage=zero_stage_of(deepspeed.config),
         resume_from=resume_tag,
+        resume_universal=resume_universal,
+        resume_data_position=resume_position,
         generate_prompts=data.prompts,
         created_at=time.time(),
     )

@@ -14,12 +14,17 @@ checkpoint; two things are not state and still change a resumed run:
   recomputes it every step and is kept.
 - The length of the run: DeepSpeed's schedulers take it from the JSON, so a resume with
   another ``train.max_steps`` silently bends the learning-rate schedule.
+
+A resume on another number of ranks keeps the global batch (the accumulation is recomputed),
+continues the data from the checkpoint's position counted for all ranks together, and reads
+the checkpoint through its universal copy (``checkpoint/universal.py``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from zeropipe.data.sampler import DataPosition
 from zeropipe.errors import ZeroPipeError
 from zeropipe.rundir import RunDir
 
@@ -73,3 +78,73 @@ def previous_total_steps(run: RunDir) -> int | None:
     """The run length of the run's last attempt (for checkpoints that do not record their own)."""
     plan = run.read_json(run.plan_file) or {}
     return plan.get("total_steps")
+
+
+def saved_batch_shape(saved: dict[str, Any], previous_plan: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(micro-batch, accumulation, ranks) a checkpoint was trained with: from its marker, else from the run's last plan."""
+    values = []
+    for key in ("micro_batch_size", "gradient_accumulation_steps", "world_size"):
+        value = saved.get(key, previous_plan.get(key))
+        if not isinstance(value, int) or value < 1:
+            return None
+        values.append(value)
+    return values[0], values[1], values[2]
+
+
+def keep_global_batch(saved_shape: tuple[int, int, int] | None, micro_batch_size: int, accumulation: int, world_size: int, tag: str) -> tuple[int, list[str]]:
+    """The accumulation that keeps the checkpoint's global batch on ``world_size`` ranks with ``micro_batch_size``.
+
+    The global batch (micro-batch x accumulation x ranks) is what the optimizer, the learning
+    rate and the data position are counted in; a resume keeps it whatever the rank count.
+
+    Returns:
+        (accumulation, notes: said when it differs from the config's).
+
+    Raises:
+        ZeroPipeError: the global batch does not divide over ``micro_batch_size`` x ``world_size``,
+            naming the rank counts and micro-batch sizes that would keep it.
+    """
+    if saved_shape is None:
+        return accumulation, []
+    saved_micro, saved_accumulation, saved_world = saved_shape
+    global_batch = saved_micro * saved_accumulation * saved_world
+    per_micro_step = micro_batch_size * world_size
+    if global_batch % per_micro_step:
+        ranks_that_fit = [ranks for ranks in range(1, global_batch // micro_batch_size + 1) if global_batch % (micro_batch_size * ranks) == 0]
+        micros_that_fit = [micro for micro in range(micro_batch_size, 0, -1) if global_batch % (micro * world_size) == 0][:3]
+        fixes = []
+        if ranks_that_fit:
+            fixes.append(f"resume with hardware.gpus set to one of {', '.join(map(str, ranks_that_fit))} (they keep it with micro-batch {micro_batch_size})")
+        if micros_that_fit:
+            fixes.append(f"keep {world_size} ranks with train.micro_batch_size={micros_that_fit[0]}" + (f" (or {', '.join(map(str, micros_that_fit[1:]))})" if micros_that_fit[1:] else ""))
+        if not fixes:
+            fixes.append(f"no micro-batch keeps it on {world_size} ranks: choose a rank count that divides {global_batch}")
+        raise ZeroPipeError(
+            f"checkpoint {tag} was trained with a global batch of {global_batch} "
+            f"(micro-batch {saved_micro} x accumulation {saved_accumulation} x {saved_world} ranks), and a resume keeps it: "
+            f"on {world_size} ranks with micro-batch {micro_batch_size} it would need accumulation {global_batch}/{per_micro_step}, not a whole number. "
+            + "; or ".join(fixes)
+        )
+    kept = global_batch // per_micro_step
+    if kept == accumulation:
+        return kept, []
+    note = (
+        f"train.gradient_accumulation_steps = {kept} (keeps checkpoint {tag}'s global batch of {global_batch}: "
+        f"micro-batch {micro_batch_size} x {kept} x {world_size} ranks; it was trained as {saved_micro} x {saved_accumulation} x {saved_world})"
+    )
+    return kept, [note]
+
+
+def saved_data_position(saved: dict[str, Any], previous_plan: dict[str, Any], step: int, saved_shape: tuple[int, int, int] | None) -> DataPosition | None:
+    """Where the checkpoint's run stood in its data, for all ranks together.
+
+    Checkpoints record it (``data_position``); for older ones it is counted from the step,
+    exact as long as that run never changed its batch shape.
+    """
+    if isinstance(saved.get("data_position"), dict):
+        return DataPosition.from_dict(saved["data_position"])
+    per_epoch = previous_plan.get("micro_batches_per_epoch")
+    if saved_shape is None or not isinstance(per_epoch, int) or per_epoch < 1:
+        return None
+    micro, accumulation, world_size = saved_shape
+    return DataPosition.at_micro_step(step * accumulation, per_epoch, world_size, micro)

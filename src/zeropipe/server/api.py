@@ -46,6 +46,13 @@ class ConfigSubmission(Strict):
 
 class ResumeRequest(Strict):
     checkpoint: str | None = Field(None, max_length=64, description="checkpoint tag such as step_00000120; default: the latest complete one")
+    gpus: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="ranks to resume on (default: the config's hardware.gpus); another count than the checkpoint's converts it "
+        "to a universal checkpoint and keeps the global batch (the accumulation is recomputed)",
+    )
 
 
 class ExportRequest(Strict):
@@ -169,7 +176,7 @@ def stop_run(request: Request, run_id: int = RunId):
 
 @router.post("/runs/{run_id}/resume", summary="Continue a run from a complete checkpoint")
 def resume_run(request: Request, body: ResumeRequest, run_id: int = RunId):
-    return {"run": store_of(request).resume(run_id, body.checkpoint)}
+    return {"run": store_of(request).resume(run_id, body.checkpoint, body.gpus)}
 
 
 @router.post("/runs/{run_id}/export", status_code=202, summary="Export a checkpoint to a Hugging Face directory under RUN/exports")

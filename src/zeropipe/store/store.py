@@ -428,11 +428,17 @@ class RunStore:
                 return info
         raise ActionRefused(f"run {run['name']} has no complete checkpoint {tag}: pick one from its checkpoint list")
 
-    def resume(self, ref: int | str, checkpoint: str | None = None) -> dict[str, Any]:
+    def resume(self, ref: int | str, checkpoint: str | None = None, gpus: int | None = None) -> dict[str, Any]:
         """Continue a run that ended from one of its complete checkpoints (default: the latest).
 
+        Args:
+            gpus: the number of ranks to resume on (default: the config's ``hardware.gpus``);
+                another count than the checkpoint's is converted to a universal checkpoint
+                with the global batch kept.
+
         Raises:
-            ActionRefused: the run is still running, has no such checkpoint or nothing left to train.
+            ActionRefused: the run is still running, has no such checkpoint, nothing left to
+                train, or cannot resume on ``gpus`` ranks (named with the counts that work).
             ConfigError: its config no longer validates (a data file moved).
         """
         self.refresh(scan=False)
@@ -449,15 +455,54 @@ class RunStore:
         problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
+        if gpus is not None:
+            self.check_rank_count(run, info, raw, gpus)
         self.busy_launch(run)  # waits (outside the lock) for a launcher that is only exiting
         with self.refresh_lock:
             if self.busy_launch(run):
                 raise ActionRefused(f"run {run['name']} is already being started")
-            argv = zeropipe_argv("train", config_file, "--resume", info.path)
+            ranks = [f"hardware.gpus={gpus}"] if gpus is not None else []
+            argv = zeropipe_argv("train", config_file, *ranks, "--resume", info.path)
             self.db.update_run(run["id"], state="starting", stop_requested_at=None, diagnosis=None)
-            self.start(run["id"], "resume", argv, self.run_dir(run).logs / "launcher.log", config_path=str(config_file), detail={"checkpoint": info.tag})
+            detail = {"checkpoint": info.tag, **({"gpus": gpus} if gpus is not None else {})}
+            self.start(run["id"], "resume", argv, self.run_dir(run).logs / "launcher.log", config_path=str(config_file), detail=detail)
         self.refresh(scan=False)
         return self.run(run["id"])
+
+    def check_rank_count(self, run: dict[str, Any], info, raw: dict[str, Any], gpus: int) -> None:
+        """Refuse, before anything starts, a resume on ``gpus`` ranks that the launcher would refuse.
+
+        Raises:
+            ActionRefused: the family resumes only on the saving rank count, the checkpoint's
+                global batch does not divide over ``gpus`` ranks, or fewer GPUs are visible.
+        """
+        from zeropipe.families import family_named
+        from zeropipe.launch.resume import keep_global_batch, saved_batch_shape
+
+        marker = read_json(info.path / COMPLETE_MARKER) or {}
+        plan = self.read_run_json(run, "run.json") or {}
+        shape = saved_batch_shape(marker, plan)
+        saved_ranks = marker.get("world_size") or (shape[2] if shape else None)
+        family = str((raw.get("model") or {}).get("family") or "auto")
+        if saved_ranks not in (None, gpus) and family != "auto":
+            try:
+                other_counts = getattr(family_named(family), "resumes_on_other_rank_counts", False)
+            except ConfigError:
+                other_counts = True  # a plug-in family this server has not loaded: the launcher decides
+            if not other_counts:
+                raise ActionRefused(f"{family} runs resume only on the rank count that saved them: {info.tag} was saved by {saved_ranks} ranks, resume on {saved_ranks}")
+        micro = (raw.get("train") or {}).get("micro_batch_size")
+        if isinstance(micro, int) and micro > 0:
+            try:
+                keep_global_batch(shape, micro, 1, gpus, info.tag)
+            except ZeroPipeError as err:
+                raise ActionRefused(str(err).replace("resume with hardware.gpus set to one of", "resume on one of these rank counts:")) from None
+        if plan.get("accelerator") == "cuda":
+            import torch
+
+            visible = torch.cuda.device_count()
+            if gpus > visible:
+                raise ActionRefused(f"{gpus} ranks asked for but only {visible} GPUs are visible to this server's machine: choose at most {visible}")
 
     def export(self, ref: int | str, checkpoint: str | None = None, name: str | None = None, merge: bool = False, dtype: str | None = None) -> dict[str, Any]:
         """Start ``zeropipe export`` of a checkpoint into RUN/exports/NAME.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zeropipe.data.packing import PackedDataset, build_pack_index, collate_packed
-from zeropipe.data.sampler import LengthGroupedSampler, ResumableDistributedSampler
+from zeropipe.data.sampler import DataPosition, LengthGroupedSampler, ResumableDistributedSampler
 from zeropipe.data.tokenize import TokenDataset, build_token_cache, collate
 from zeropipe.engine.task import sampler_batches
 
@@ -27,7 +27,8 @@ def cache(tmp_path, tokenizer, write_jsonl):
 
 def batches_from(step: int, dataset, sampler, collate_fn, micro: int, accumulation: int = 2):
     """What a rank's task yields from optimizer step ``step`` on (2 ranks, this is rank 1)."""
-    return sampler_batches(sampler, dataset, collate_fn, micro, (len(dataset) // 2) // micro, step * accumulation)
+    start = DataPosition.at_micro_step(step * accumulation, (len(dataset) // 2) // micro, 2, micro)
+    return sampler_batches(sampler, dataset, collate_fn, micro, start)
 
 
 @pytest.mark.parametrize("layout", ["packed", "grouped"])

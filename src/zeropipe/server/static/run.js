@@ -143,7 +143,14 @@
     const complete = (detail ? detail.checkpoints : []).filter((c) => c.complete && (!run.total_steps || c.step < run.total_steps));
     if (ENDED.includes(run.state) && complete.length) {
       const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
-      buttons.push(select, el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value) }, "Resume"));
+      // The rank count to resume on: the checkpoint's by default; another one is converted to a
+      // universal checkpoint and keeps the global batch (the server refuses counts that cannot).
+      const savedRanks = () => (complete.find((c) => c.tag === select.value) || {}).world_size || run.world_size || 1;
+      const ranks = el("input", { id: "resume-ranks", type: "number", min: 1, step: 1, value: savedRanks(), style: "width: 4.5em", "aria-label": "ranks to resume on",
+        title: "ranks (GPUs) to resume on; another count than the checkpoint's keeps the global batch by recomputing the accumulation" });
+      select.addEventListener("change", () => { ranks.value = savedRanks(); });
+      const gpus = () => (/^[0-9]+$/.test(ranks.value) ? Number(ranks.value) : ranks.value === "" ? null : ranks.value);
+      buttons.push(select, el("label", { for: "resume-ranks" }, "on"), ranks, el("span", {}, "ranks"), el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value, gpus()) }, "Resume"));
     }
     if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
@@ -210,10 +217,10 @@
     }
   }
 
-  async function resumeRun(tag) {
+  async function resumeRun(tag, gpus) {
     try {
-      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag } });
-      say(`Resuming from ${tag}.`, "info");
+      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag, gpus } });
+      say(`Resuming from ${tag}${gpus ? ` on ${gpus} rank${gpus === 1 ? "" : "s"}` : ""}.`, "info");
       onRun(data.run);
       follow();
     } catch (error) {
