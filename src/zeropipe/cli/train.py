@@ -85,7 +85,14 @@ def run(args: argparse.Namespace) -> int:
     for note in prepared.notes:
         say(f"  {note}")
     progress = Progress(run_dir, plan.total_steps)
-    supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
+    if resolved is not None and resolved.nodes is not None:
+        from zeropipe.launch.multinode import MultiNodeSupervisor
+
+        layout = resolved.nodes
+        say(f"{len(layout.nodes)} nodes, world size {layout.world_size}: " + ", ".join(f"{n.host} ranks {layout.ranks_of(k)}" for k, n in enumerate(layout.nodes)))
+        supervisor = MultiNodeSupervisor(run_dir, layout, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
+    else:
+        supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
     try:
         supervisor.start()
         say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
