@@ -55,7 +55,8 @@ def free_port_on_both() -> int:
     raise RuntimeError("no port free on both 127.0.0.1 and 127.0.0.2")
 
 
-def start_sshd(directory: Path) -> SshServer:
+def start_sshd(directory: Path, force_command: str | None = None) -> SshServer:
+    """Start sshd; ``force_command`` (sshd's ForceCommand) wraps every remote command, the original one in $SSH_ORIGINAL_COMMAND."""
     directory.mkdir(parents=True, exist_ok=True)
     for name in ("host_key", "client_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(directory / name)], check=True)
@@ -78,6 +79,7 @@ def start_sshd(directory: Path) -> SshServer:
                 "KbdInteractiveAuthentication no",
                 "PermitRootLogin prohibit-password",
                 "LogLevel ERROR",
+                *([f"ForceCommand {force_command}"] if force_command else []),
                 "",
             ]
         )

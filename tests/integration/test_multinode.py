@@ -117,8 +117,14 @@ def test_remote_rank_killed_brings_every_node_down_and_is_named(tmp_path, sshd):
     assert "rank 0 on node 0 (127.0.0.1)" in diagnosis["text"] and "effects, not causes" in diagnosis["text"]
 
 
-@pytest.mark.parametrize("side", ["client", "server"])
+def remote_agent(run_dir: Path) -> psutil.Process:
+    (agent,) = [p for p in processes_of(run_dir) if "zeropipe.launch.node" in p.cmdline() and p.cmdline()[p.cmdline().index("--node-rank") + 1] == "1"]
+    return agent
+
+
+@pytest.mark.parametrize("side", ["client", "server", "agent"])
 def test_lost_ssh_connection_stops_every_node(tmp_path, sshd, side):
+    """The ssh client killed, sshd's processes for the connection killed, or the remote node agent killed with SIGKILL."""
     run_dir = tmp_path / "runs" / f"cut-{side}"
     launcher = start_zeropipe("train", write_config(tmp_path, node_config(tmp_path, sshd, f"cut-{side}", max_steps=400)))
     try:
@@ -126,7 +132,11 @@ def test_lost_ssh_connection_stops_every_node(tmp_path, sshd, side):
         ssh_client = psutil.Process(status["pids"][1])
         assert ssh_client.name() == "ssh"
         # The client's own process, or sshd's processes serving this connection (children of the listener).
-        victims = [ssh_client] if side == "client" else [p for p in psutil.Process(sshd.proc.pid).children(recursive=True) if p.name().startswith("sshd")]
+        victims = {
+            "client": lambda: [ssh_client],
+            "server": lambda: [p for p in psutil.Process(sshd.proc.pid).children(recursive=True) if p.name().startswith("sshd")],
+            "agent": lambda: [remote_agent(run_dir)],
+        }[side]()
         assert victims
         cut_at = time.time()
         for victim in victims:
@@ -138,5 +148,44 @@ def test_lost_ssh_connection_stops_every_node(tmp_path, sshd, side):
             launcher.kill()
     assert launcher.returncode == 1, out
     assert "rank 1 on node 1 (127.0.0.2) was lost with its node" in out
-    expected = "the ssh client" if side == "client" else "the SSH connection was lost"
+    expected = {"client": "the ssh client", "server": "the SSH connection was lost", "agent": "the remote node agent was killed (ssh exited with 255"}[side]
     assert expected in out, out
+
+
+def test_stop_reaches_every_node(tmp_path, sshd):
+    """SIGTERM to the launcher (the UI's Stop, a scheduler) stops the ranks of both nodes; the run ends "stopped"."""
+    run_dir = tmp_path / "runs" / "stop"
+    launcher = start_zeropipe("train", write_config(tmp_path, node_config(tmp_path, sshd, "stop", max_steps=400)))
+    try:
+        wait_training(run_dir, launcher)
+        stopped_at = time.time()
+        launcher.send_signal(signal.SIGTERM)
+        assert_all_gone_within(run_dir, stopped_at)
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, out
+    assert "stopped; all ranks ended" in out
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "stopped" and len(status["nodes"]) == 2
+
+
+def test_an_output_dir_the_remote_node_does_not_share_is_refused_before_any_rank_starts(tmp_path):
+    """127.0.0.2 sees its own empty disk at run.output_dir (a tmpfs mounted there in a private mount namespace)."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    node_local_disk = f"unshare -m sh -c 'mount -t tmpfs node-local-disk {runs} && eval \"$SSH_ORIGINAL_COMMAND\"'"
+    server = start_sshd(tmp_path / "sshd", force_command=node_local_disk)
+    try:
+        result = zeropipe("train", write_config(tmp_path, tiny_run_config(tmp_path, "unshared", deepspeed={"precision": "fp32"}, hardware=server.hardware())), timeout=300)
+    finally:
+        server.stop()
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "node 1 (127.0.0.2):" in out and "run.output_dir is not shared with the launching node" in out, out
+    assert "no rank was started" in out
+    run_dir = runs / "unshared"
+    assert not list((run_dir / "logs").glob("rank*.log"))
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
+    assert not processes_of(run_dir)

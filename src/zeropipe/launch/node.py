@@ -201,7 +201,9 @@ class Agent:
                 if parts[0] != "stop":
                     continue
                 grace = float(parts[1]) if len(parts) > 1 else 10.0
-                threading.Timer(grace, lambda: setattr(supervisor, "hurry", True)).start()
+                hurry = threading.Timer(grace, lambda: setattr(supervisor, "hurry", True))
+                hurry.daemon = True  # the agent exits once its ranks are gone, not when the timer would fire
+                hurry.start()
             supervisor.stop_all()
             self.report_exits(reported, stopped=True)
             self.emit("done", state="stopped", why=command, host_ram_peak_bytes=supervisor.host_ram_peak, rank_rss_peak_bytes=supervisor.rank_rss_peak)
