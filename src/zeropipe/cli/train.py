@@ -51,6 +51,14 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(convert_for_train(args.config), overrides)
     resolved = None
     if config.stages:
+        from zeropipe.launch.nodes import resolve_layout
+
+        layout = resolve_layout(config.hardware, 1)
+        if layout is not None and len(layout.nodes) > 1:
+            from zeropipe.errors import ConfigError
+
+            # The curriculum runner starts each stage's ranks on this machine: several nodes would be started here, all of them.
+            raise ConfigError([("stages", f"a curriculum runs on one node; this config names {len(layout.nodes)} ({layout.source}): run each stage as its own multi-node run, or train the curriculum on one node")])
         findings = check_config(config)  # each stage is resolved and checked as the run it will be
     else:
         # Decided once for this command: what the checks judge is what prepare_run writes.

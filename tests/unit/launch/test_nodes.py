@@ -120,3 +120,31 @@ def test_nodes_and_hostfile_together_or_twice_the_same_host_are_refused(tmp_path
         resolve_layout(HardwareSection(nodes=["a", "a"]), 1, {})
     with pytest.raises(ConfigError, match="cannot read"):
         resolve_layout(HardwareSection(hostfile=str(tmp_path / "missing")), 1, {})
+
+
+def test_a_curriculum_on_several_nodes_is_refused_before_anything_starts(tmp_path):
+    """The curriculum runner starts every stage's ranks on this machine: several nodes would all be started here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"output_dir": str(tmp_path / "runs")},
+                "model": {"config": {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}},
+                "data": {"synthetic": {"task": "arithmetic", "examples": 64}},
+                "hardware": {"gpus": 1, "nodes": ["box1", "box2"]},
+                "stages": [{"name": "a", "train": {"max_steps": 2}}],
+            }
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3] / "src"))
+    result = subprocess.run([sys.executable, "-m", "zeropipe", "train", str(config)], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0
+    assert "stages: a curriculum runs on one node; this config names 2 (hardware.nodes)" in result.stderr
+    assert not (tmp_path / "runs").exists()
