@@ -155,7 +155,13 @@ def test_lost_ssh_connection_stops_every_node(tmp_path, sshd, side):
 def test_stop_reaches_every_node(tmp_path, sshd):
     """SIGTERM to the launcher (the UI's Stop, a scheduler) stops the ranks of both nodes; the run ends "stopped"."""
     run_dir = tmp_path / "runs" / "stop"
-    launcher = start_zeropipe("train", write_config(tmp_path, node_config(tmp_path, sshd, "stop", max_steps=400)))
+    # The nodes from a DeepSpeed hostfile this time.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes on loopback\n127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    config = node_config(tmp_path, sshd, "stop", max_steps=400)
+    del config["hardware"]["nodes"]
+    config["hardware"]["hostfile"] = str(hostfile)
+    launcher = start_zeropipe("train", write_config(tmp_path, config))
     try:
         wait_training(run_dir, launcher)
         stopped_at = time.time()
@@ -189,3 +195,23 @@ def test_an_output_dir_the_remote_node_does_not_share_is_refused_before_any_rank
     assert not list((run_dir / "logs").glob("rank*.log"))
     assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
     assert not processes_of(run_dir)
+
+
+def test_a_node_with_other_versions_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    """127.0.0.2's Python finds another DeepSpeed first (a dist-info of version 0.0.1 ahead on its PYTHONPATH)."""
+    # PYTHONPATH is always forwarded to the other nodes: set, it is in the remote command for sshd to rewrite.
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[2] / "src"))
+    other = tmp_path / "other-site-packages"
+    (other / "deepspeed-0.0.1.dist-info").mkdir(parents=True)
+    (other / "deepspeed-0.0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.0.1\n")
+    other_environment = f"eval \"$(printf %s \"$SSH_ORIGINAL_COMMAND\" | sed 's|PYTHONPATH=|PYTHONPATH={other}:|')\""
+    server = start_sshd(tmp_path / "sshd", force_command=other_environment)
+    try:
+        result = zeropipe("train", write_config(tmp_path, tiny_run_config(tmp_path, "versions", deepspeed={"precision": "fp32"}, hardware=server.hardware())), timeout=300)
+    finally:
+        server.stop()
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "node 1 (127.0.0.2) runs deepspeed 0.0.1 (this node: " in out, out
+    assert "install the same versions on every node" in out and "no rank was started" in out
+    assert not list((tmp_path / "runs" / "versions" / "logs").glob("rank*.log"))
