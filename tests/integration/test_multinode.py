@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from tests.integration.conftest import assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
-from tests.integration.sshd import SSHD, start_sshd
+from tests.integration.sshd import SSHD, free_port_on_both, start_sshd
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(SSHD is None, reason="needs OpenSSH's server (apt-get install openssh-server; scripts/setup.sh installs it as root)")]
 
@@ -71,6 +71,7 @@ def assert_all_gone_within(run_dir: Path, since: float) -> float:
         time.sleep(0.1)
     left = processes_of(run_dir)
     took = time.time() - since
+    print(f"every rank and agent of {run_dir.name} gone {took:.2f} s after")
     assert not left, f"still alive {took:.1f} s later: {[p.cmdline() for p in left]}"
     assert took < TEARDOWN_SECONDS, f"ranks and agents took {took:.1f} s to go"
     return took
@@ -152,6 +153,27 @@ def test_lost_ssh_connection_stops_every_node(tmp_path, sshd, side):
     assert expected in out, out
 
 
+def test_launcher_killed_with_sigkill_leaves_nothing_on_any_node(tmp_path, sshd):
+    """Nobody stops anything: the agents' stdin ends with the launcher (the ssh client's too), and they end their ranks."""
+    run_dir = tmp_path / "runs" / "launcher-killed"
+    launcher = start_zeropipe("train", write_config(tmp_path, node_config(tmp_path, sshd, "launcher-killed", max_steps=400)))
+    try:
+        status = wait_training(run_dir, launcher)
+        transports = [psutil.Process(pid) for pid in status["pids"]]
+        killed_at = time.time()
+        launcher.kill()
+        assert_all_gone_within(run_dir, killed_at)
+        psutil.wait_procs(transports, timeout=5)
+        assert not [p for p in transports if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.communicate()
+    from zeropipe.rundir import RunDir
+
+    assert RunDir(run_dir).read_status()["state"] == "lost"
+
+
 def test_stop_reaches_every_node(tmp_path, sshd):
     """SIGTERM to the launcher (the UI's Stop, a scheduler) stops the ranks of both nodes; the run ends "stopped"."""
     run_dir = tmp_path / "runs" / "stop"
@@ -215,3 +237,15 @@ def test_a_node_with_other_versions_is_refused_before_any_rank_starts(tmp_path, 
     assert "node 1 (127.0.0.2) runs deepspeed 0.0.1 (this node: " in out, out
     assert "install the same versions on every node" in out and "no rank was started" in out
     assert not list((tmp_path / "runs" / "versions" / "logs").glob("rank*.log"))
+
+
+def test_an_unreachable_node_is_named_and_nothing_starts(tmp_path):
+    """127.0.0.2 on a port no sshd listens on: ssh's own message, the node, and no rank anywhere."""
+    hardware = {"gpus": 1, "accelerator": "cpu", "nodes": ["127.0.0.1", "127.0.0.2"], "ssh_port": free_port_on_both()}
+    result = zeropipe("train", write_config(tmp_path, tiny_run_config(tmp_path, "unreachable", deepspeed={"precision": "fp32"}, hardware=hardware)), timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "node 1 (127.0.0.2) is unreachable:" in out and "Connection refused" in out and "ssh 127.0.0.2 true" in out, out
+    run_dir = tmp_path / "runs" / "unreachable"
+    assert not list((run_dir / "logs").glob("rank*.log"))
+    assert not processes_of(run_dir)

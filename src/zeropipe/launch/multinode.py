@@ -255,6 +255,9 @@ class MultiNodeSupervisor:
                 fix = f"check `ssh {c.host} true` works without a password prompt" if c.transport == "ssh" else "check the node is up"
                 problems.append(f"{c.label} is unreachable: {how}; {fix}")
                 continue
+            if c.ended_at is not None:
+                problems.append(f"{c.label} ended before its ranks could start: {c.lost_how()}")
+                continue
             if c.hello.get("problem"):
                 problems.append(f"{c.label}: {c.hello['problem']}")
             theirs = c.hello.get("versions") or {}
@@ -306,6 +309,10 @@ class MultiNodeSupervisor:
             while True:
                 for node_rank, event in self.drain(POLL_SECONDS):
                     self.note(exits, node_rank, event)
+                for c in self.connections:
+                    # A stream that ended without "done" while its end was being read elsewhere (at start-up).
+                    if c.ended_at is not None and c.done is None and any(rank not in exits for rank in c.ranks):
+                        self.note(exits, c.node_rank, {"event": "eof"})
                 if any(e.returncode != 0 for e in exits.values()):
                     return self.fail(exits)
                 if len(exits) == self.world_size and all(c.done for c in self.connections):
