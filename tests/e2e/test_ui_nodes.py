@@ -45,6 +45,7 @@ def two_node_run(ui):
 def test_ranks_grouped_by_node_with_each_nodes_host_ram(page, ui, two_node_run):
     page.goto(ui.url + "/")
     page.locator("#runs tbody tr", has_text="two-boxes").locator("a").first.click()
+    expect(page.locator("#facts")).to_contain_text("ranks 4 × cpu on 2 nodes")
     card = page.locator("#nodes-card")
     expect(card).to_be_visible()
     rows = page.locator("#nodes tbody tr")

@@ -44,7 +44,7 @@ from zeropipe.launch import oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, choose_primary, diagnose
 from zeropipe.launch.node import TOKEN_FILE, versions
 from zeropipe.launch.nodes import NodeLayout, is_this_machine
-from zeropipe.launch.supervisor import Outcome, disk_free, free_port, run_settings, signal_group
+from zeropipe.launch.supervisor import Outcome, disk_free, free_port, run_settings, signal_group, tail
 from zeropipe.rundir import RunDir
 
 HELLO_SECONDS = 60.0  # an agent that has not said hello by then is unreachable
@@ -161,6 +161,7 @@ class MultiNodeSupervisor:
         self.status_error: str | None = None
         self.interrupted = False
         self.oom_kills_at_start = oom.cgroup_oom_kills()
+        self.stopping_events: list[tuple[int, dict]] = []
 
     # ------------------------------------------------------------------ start
     def agent_command(self, node_rank: int, token: str) -> list[str]:
@@ -370,7 +371,7 @@ class MultiNodeSupervisor:
                 self.note(exits, node_rank, event)
         first = min(e.seen_at for e in exits.values() if e.returncode != 0)
         self.stop_all(FAILURE_GRACE_SECONDS)
-        for node_rank, event in self.drain(0):
+        for node_rank, event in self.stopping_events + self.drain(0):
             self.note(exits, node_rank, event)
         for connection in self.connections:
             for rank in connection.ranks:
@@ -379,8 +380,6 @@ class MultiNodeSupervisor:
         ordered = [exits[rank] for rank in sorted(exits)]
         for e in ordered:
             if not e.log_tail and e.returncode != 0:
-                from zeropipe.launch.supervisor import tail
-
                 e.log_tail = tail(self.run.rank_log(e.rank))  # the shared run directory has every rank's log
 
         primary = choose_primary(ordered)
@@ -412,7 +411,7 @@ class MultiNodeSupervisor:
         deadline = time.monotonic() + grace + 5
         while time.monotonic() < deadline and any(c.done is None and c.ended_at is None for c in self.connections):
             try:
-                self.drain(0.1)
+                self.stopping_events += self.drain(0.1)  # the stopped ranks' exits, for the diagnosis
             except KeyboardInterrupt:
                 break  # a second Ctrl-C: cut them off now
         self.finish_transports(wait=2.0)

@@ -125,7 +125,7 @@
       fact("ETA", ZP.fmtDuration(run.eta_s)),
       fact("loss", `${ZP.fmtNumber(run.first_loss)} → ${ZP.fmtNumber(run.last_loss)}`),
       fact("step time", run.step_time_s ? `${ZP.fmtNumber(run.step_time_s, 3)} s` : "–"),
-      fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}` : "–"),
+      fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}${runNodes().length ? ` on ${runNodes().length} nodes` : ""}` : "–"),
       fact("ZeRO", run.zero_stage ?? "–"),
       fact("started", ZP.fmtTime(run.started_at || run.created_at)),
       run.ended_at ? fact("ended", ZP.fmtTime(run.ended_at)) : ""
