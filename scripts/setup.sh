@@ -21,3 +21,10 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = "0" ] && command -v apt-get >/de
     apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
         || echo "setup.sh: could not install chromium; the browser tests will be skipped" >&2
 fi
+# The multi-node tests (tests/integration/test_multinode.py) and scripts/multinode-demo.sh start a
+# real OpenSSH server on loopback as a second "node". Installed here when missing and we are root;
+# without it those tests are skipped.
+if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server >/dev/null \
+        || echo "setup.sh: could not install openssh-server; the multi-node tests will be skipped" >&2
+fi

@@ -47,6 +47,8 @@ class CheckContext:
     problems: list[tuple[str, str]] = field(default_factory=list)  # errors found while building the context
     family_problems: list[tuple[str, str]] = field(default_factory=list)  # what the model family cannot run (its config_problems)
     conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
+    nodes: Any = None  # the run's NodeLayout when it spans several machines
+    node_reports: list[dict] | None = None  # what each node's agent said when probed (zeropipe check), or None
 
     @property
     def zero_stage(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from zeropipe.check import multinode as _multinode_rules  # noqa: F401 - registers the multi-node rules
 from zeropipe.check.planning import plan_context
 from zeropipe.check.rules import CheckContext, Finding, load_user_ds_config, run_rules
 from zeropipe.config.deepspeed import build_deepspeed_config
@@ -25,8 +26,14 @@ class CheckFailed(ZeroPipeError):
         super().__init__("\n".join(lines))
 
 
-def build_context(config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None) -> CheckContext:
-    """What the rules look at: the resolved config (resolved here unless it is), its DeepSpeed JSON and its plan."""
+def build_context(
+    config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None, node_reports: list[dict] | None = None
+) -> CheckContext:
+    """What the rules look at: the resolved config (resolved here unless it is), its DeepSpeed JSON and its plan.
+
+    Args:
+        node_reports: what each node's agent said when probed (zeropipe check probes; train learns it at launch).
+    """
     problems: list[tuple[str, str]] = []
     if isinstance(config, ResolvedRun):
         resolved = config
@@ -53,7 +60,8 @@ def build_context(config: RunConfig | ResolvedRun, world_size: int | None = None
         problems += err.problems
         ds_config = user_ds or {}
     context = CheckContext(
-        config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts
+        config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts,
+        nodes=resolved.nodes, node_reports=node_reports,
     )
     context.plan = plan_for(context)
     return context
@@ -71,13 +79,15 @@ def plan_for(context: CheckContext):
         return None
 
 
-def check_config(config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
+def check_config(
+    config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None, node_reports: list[dict] | None = None
+) -> list[Finding]:
     """Every finding for this config (or resolved run), errors first; for a curriculum, every stage's."""
     plain = config.config if isinstance(config, ResolvedRun) else config
     if plain.stages:
         findings = check_stages(plain, world_size, accelerator)
     else:
-        findings = run_rules(build_context(config, world_size, accelerator))
+        findings = run_rules(build_context(config, world_size, accelerator, node_reports))
     # run.accept_warnings: a deliberate choice is not warned about again (errors always stand).
     accepted = set(plain.run.accept_warnings)
     findings = [f for f in findings if f.severity == "error" or f.rule not in accepted]

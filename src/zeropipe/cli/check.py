@@ -25,7 +25,13 @@ def run(args: argparse.Namespace) -> int:
         auto_notes, findings = [], check_config(config, world_size=args.nproc)
     else:
         resolved = resolve_run(config, world_size=args.nproc)
-        auto_notes, findings = resolved.notes, check_config(resolved)
+        reports = None
+        if resolved.nodes is not None:
+            from zeropipe.launch.multinode import probe_nodes
+
+            # Each node's agent says hello over the transport a launch would use: unreachable hosts and version drift show here.
+            reports = probe_nodes(resolved.nodes)
+        auto_notes, findings = resolved.notes, check_config(resolved, node_reports=reports)
     errors = [f for f in findings if f.severity == "error"]
     if args.json:
         print(json.dumps({"auto": auto_notes, "findings": [f.to_dict() for f in findings]}, indent=2))

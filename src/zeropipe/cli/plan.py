@@ -82,10 +82,20 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"data.max_seq_len={args.seq_len}")
         if args.lora_r is not None:
             overrides.append(f"model.lora.r={args.lora_r}")
-        config = resolve_run(load_config(args.config, overrides), fill_auto_knobs=False).config
+        resolved = resolve_run(load_config(args.config, overrides), fill_auto_knobs=False)
+        config = resolved.config
         spec = _spec(args, lora) if (args.model or args.params) else None
         if args.gpus is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
             hardware = hardware.with_gpus(config.hardware.gpus)
+        if args.gpus is None and resolved.nodes is not None:
+            import dataclasses
+
+            # Several nodes (hardware.nodes, a hostfile, SLURM): each planned like this machine, with the first node's rank count.
+            layout = resolved.nodes
+            hardware = dataclasses.replace(
+                hardware.with_gpus(layout.nodes[0].ranks), nodes=len(layout.nodes),
+                notes=hardware.notes + (f"{len(layout.nodes)} nodes from {layout.source}, each planned like this machine",),
+            )
         result = plan_run(config, hardware, spec or model_spec(config), margin=args.margin)
         if args.global_batch:
             result = recommend(

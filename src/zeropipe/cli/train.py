@@ -53,6 +53,14 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(convert_for_train(args.config), overrides)
     resolved = None
     if config.stages:
+        from zeropipe.launch.nodes import resolve_layout
+
+        layout = resolve_layout(config.hardware, 1)
+        if layout is not None and len(layout.nodes) > 1:
+            from zeropipe.errors import ConfigError
+
+            # The curriculum runner starts each stage's ranks on this machine: several nodes would be started here, all of them.
+            raise ConfigError([("stages", f"a curriculum runs on one node; this config names {len(layout.nodes)} ({layout.source}): run each stage as its own multi-node run, or train the curriculum on one node")])
         findings = check_config(config)  # each stage is resolved and checked as the run it will be
     else:
         # Decided once for this command: what the checks judge is what prepare_run writes.
@@ -87,7 +95,14 @@ def run(args: argparse.Namespace) -> int:
     for note in prepared.notes:
         say(f"  {note}")
     progress = Progress(run_dir, plan.total_steps)
-    supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
+    if resolved is not None and resolved.nodes is not None:
+        from zeropipe.launch.multinode import MultiNodeSupervisor
+
+        layout = resolved.nodes
+        say(f"{len(layout.nodes)} nodes, world size {layout.world_size}: " + ", ".join(f"{n.host} ranks {layout.ranks_of(k)}" for k, n in enumerate(layout.nodes)))
+        supervisor = MultiNodeSupervisor(run_dir, layout, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
+    else:
+        supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
     try:
         supervisor.start()
         say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")

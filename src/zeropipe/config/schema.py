@@ -338,6 +338,23 @@ class HardwareSection(Section):
     gpus: int | Literal["auto"] = Field("auto", description="Ranks to start: one per GPU; 'auto' uses every visible GPU, or 2 CPU ranks without CUDA.")
     accelerator: Literal["auto", "cuda", "cpu"] = Field("auto", description="'auto' uses CUDA when available, else CPU ranks (gloo).")
     master_port: int | None = Field(None, ge=1024, le=65535, description="TCP port of the rendezvous; a free one is picked when unset.")
+    nodes: list[str] | None = Field(
+        None,
+        description="Several machines: their host names, the first one hosting rank 0 (e.g. [box1, box2]); each runs hardware.gpus "
+        "ranks. localhost, 127.0.0.1 and this machine's name start here, the others over SSH. run.output_dir must be shared by all "
+        "(see docs/multinode.md). Unset: this machine only, or the nodes of the SLURM allocation the command runs in.",
+    )
+    hostfile: str | None = Field(
+        None, description="A DeepSpeed hostfile instead of hardware.nodes: one 'HOST slots=N' line per machine (N ranks there)."
+    )
+    master_addr: str | None = Field(
+        None, description="Address every node reaches the first node at for the rendezvous; unset: the first node's name."
+    )
+    launcher: Literal["auto", "ssh", "slurm"] = Field(
+        "auto", description="How other nodes are started: 'ssh' (OpenSSH), 'slurm' (srun inside an allocation); 'auto': srun inside SLURM, else SSH."
+    )
+    ssh_port: int | None = Field(None, ge=1, le=65535, description="SSH port of the other nodes (unset: ssh's own default or ~/.ssh/config).")
+    ssh_options: str = Field("", description="Extra ssh arguments for the other nodes, e.g. '-i ~/.ssh/cluster_key -l trainer'.")
 
 
 class StageSection(Section):

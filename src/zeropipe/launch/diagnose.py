@@ -48,6 +48,8 @@ class RankExit:
     log_tail: list[str] = field(default_factory=list)
     error: dict | None = None  # errors/rank{N}.json when the rank recorded its exception
     pid: int | None = None
+    node: str | None = None  # on several nodes: "node 1 (box2)"
+    lost: str | None = None  # its node was lost (agent killed, connection cut): how, in words
 
     @property
     def signal_name(self) -> str | None:
@@ -60,7 +62,7 @@ class RankExit:
 
     @property
     def looks_secondary(self) -> bool:
-        if self.signal_name:
+        if self.signal_name or self.lost:
             return False
         text = "\n".join(self.log_tail[-40:]) + (self.error or {}).get("message", "")
         return any(re.search(p, text) for p in SECONDARY_PATTERNS)
@@ -76,9 +78,11 @@ class Diagnosis:
     host_ram_total_bytes: int
     log_tail: list[str]
     other_ranks: list[str]
+    node: str | None = None  # on several nodes: the node the rank ran on
 
     def render(self) -> str:
-        lines = [f"rank {self.rank} {self.how}", f"likely cause: {self.cause}"]
+        where = f" on {self.node}" if self.node else ""
+        lines = [f"rank {self.rank}{where} {self.how}", f"likely cause: {self.cause}"]
         if self.fix:
             lines.append(f"fix: {self.fix}")
         if self.other_ranks:
@@ -179,7 +183,14 @@ def diagnose(
     ram = f"host RAM peaked at {host_ram_peak_bytes / GB:.1f} of {host_ram_total_bytes / GB:.1f} GB"
     text = "\n".join(primary.log_tail) + "\n" + (primary.error or {}).get("traceback", "")
     sig = primary.signal_name
-    if sig == "SIGKILL":
+    if primary.lost:
+        how = f"was lost with its node: {primary.lost}"
+        cause = (
+            f"{primary.node or 'its node'} stopped answering the launcher (the node agent was killed, the SSH connection or "
+            "the network dropped, or the machine went down); its ranks were stopped by its agent or died with it"
+        )
+        fix = "check that the node is up and reachable from this one (ssh HOST true), then resume with --resume"
+    elif sig == "SIGKILL":
         how = "was killed by SIGKILL"
         near_full = host_ram_peak_bytes > 0.9 * host_ram_total_bytes
         cause, fix = sigkill_cause(primary.pid, ram, near_full, oom, settings or RunSettings())
@@ -214,13 +225,16 @@ def diagnose(
             elif primary.looks_secondary:
                 cause = f"lost contact with another rank ({message}); the real failure is in another rank's log"
     others = [describe_exit(e) for e in exits if e.rank != primary.rank]
-    return Diagnosis(primary.rank, how, cause, fix, host_ram_peak_bytes, host_ram_total_bytes, primary.log_tail, others)
+    return Diagnosis(primary.rank, how, cause, fix, host_ram_peak_bytes, host_ram_total_bytes, primary.log_tail, others, primary.node)
 
 
 def describe_exit(e: RankExit) -> str:
+    name = f"rank {e.rank}" + (f" on {e.node}" if e.node else "")
     if e.returncode == 0:
-        return f"rank {e.rank} had finished"
-    return f"rank {e.rank} " + (f"got {e.signal_name}" if e.signal_name else f"exited {e.returncode}")
+        return f"{name} had finished"
+    if e.lost:
+        return f"{name} was lost with its node"
+    return f"{name} " + (f"got {e.signal_name}" if e.signal_name else f"exited {e.returncode}")
 
 
 def last_exception_line(lines: list[str]) -> str:

@@ -65,7 +65,9 @@ def check_owner(run_dir: Path) -> None:
     Raises:
         RunDirBusy: another process (or none) owns it.
     """
-    launcher = os.environ.get("ZEROPIPE_LAUNCHER_PID")
+    # On several nodes a rank's parent is its node's agent; the run directory's owner is the
+    # launcher on the first node, whose pid the agent passes on.
+    launcher = os.environ.get("ZEROPIPE_RUN_OWNER_PID") or os.environ.get("ZEROPIPE_LAUNCHER_PID")
     if not launcher:
         return
     from zeropipe.rundir import RunDir, RunDirBusy

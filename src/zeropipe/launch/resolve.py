@@ -16,6 +16,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.doctor.facts import cpu_runs_bf16_natively
 from zeropipe.errors import ConfigError
 from zeropipe.launch.auto import resolve_auto_knobs
+from zeropipe.launch.nodes import NodeLayout, resolve_layout
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ResolvedRun:
     world_size: int
     notes: list[str] = field(default_factory=list)  # what was decided, and from what
     conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
+    nodes: NodeLayout | None = None  # several machines (hardware.nodes, a hostfile, a SLURM allocation); None: this one
 
 
 def detect_accelerator(config: RunConfig) -> tuple[str, int]:
@@ -77,8 +79,19 @@ def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: s
     """
     detected_accelerator, detected_ranks = detect_accelerator(config)
     accelerator = accelerator or detected_accelerator
+    layout = resolve_layout(config.hardware, detected_ranks)
+    notes = []
+    if layout is not None:
+        notes += layout.notes
+        if len(layout.nodes) == 1 and layout.launcher == "slurm":
+            # A one-node allocation: the ranks run here, as without SLURM.
+            detected_ranks, layout = layout.nodes[0].ranks, None
+        else:
+            detected_ranks = layout.world_size
+            notes.append(f"{len(layout.nodes)} nodes from {layout.source}: {', '.join(f'{n.host} ({n.ranks} ranks)' for n in layout.nodes)}; world size {layout.world_size}")
     world_size = world_size or detected_ranks
-    config, notes, conflicts = fold_user_config(config, world_size)
+    config, fold_notes, conflicts = fold_user_config(config, world_size)
+    notes += fold_notes
     if config.deepspeed.precision == "auto":
         precision, why = auto_precision(accelerator)
         config = config.model_copy(deep=True)
@@ -87,4 +100,4 @@ def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: s
     if fill_auto_knobs:
         config, auto_notes = resolve_auto_knobs(config, world_size)
         notes += auto_notes
-    return ResolvedRun(config, accelerator, world_size, notes, conflicts)
+    return ResolvedRun(config, accelerator, world_size, notes, conflicts, layout)

@@ -59,14 +59,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def rank_environment(rank: int, world_size: int, port: int, accelerator: str) -> dict[str, str]:
+def rank_environment(
+    rank: int, world_size: int, port: int, accelerator: str, local_rank: int | None = None, local_world_size: int | None = None,
+    master_addr: str = "127.0.0.1", node_rank: int = 0,
+) -> dict[str, str]:
+    """torchrun's environment for one rank (on several nodes, with NODE_RANK and the first node's address)."""
+    local_world_size = local_world_size or world_size
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(rank if local_rank is None else local_rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
+        LOCAL_WORLD_SIZE=str(local_world_size),
+        NODE_RANK=str(node_rank),
+        GROUP_RANK=str(node_rank),
+        MASTER_ADDR=master_addr,
         MASTER_PORT=str(port),
         PYTHONUNBUFFERED="1",
         # The rank exits when this process does (see zeropipe.launch.rank.die_with_launcher).
@@ -75,7 +82,7 @@ def rank_environment(rank: int, world_size: int, port: int, accelerator: str) ->
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         # Ranks share the cores: without this each rank starts one thread per core and they thrash.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_world_size)))
     return env
 
 
@@ -107,7 +114,18 @@ def tail(path: Path, lines: int = 40) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, run: RunDir, world_size: int, accelerator: str, master_port: int | None = None, on_tick: Callable[[], None] | None = None):
+    """The ranks of one node: all of them on a single machine, or this node's share of a multi-node run.
+
+    On several nodes each node's agent (``zeropipe.launch.node``) runs one of these with
+    ``first_rank``/``local_ranks``/``master_addr``/``node_rank`` set, and uses only
+    :meth:`spawn_ranks`, :meth:`sample_memory` and :meth:`stop_all`: the launcher on the
+    first node watches them all (``zeropipe.launch.multinode``).
+    """
+
+    def __init__(
+        self, run: RunDir, world_size: int, accelerator: str, master_port: int | None = None, on_tick: Callable[[], None] | None = None,
+        first_rank: int = 0, local_ranks: int | None = None, master_addr: str = "127.0.0.1", node_rank: int = 0,
+    ):
         if world_size < 1:
             # No rank would ever report back: wait() would wait forever.
             raise LaunchError(f"{world_size} ranks cannot train: hardware.gpus must be at least 1")
@@ -116,10 +134,14 @@ class Supervisor:
         self.accelerator = accelerator
         self.port = master_port or free_port()
         self.on_tick = on_tick
+        self.local_ranks = local_ranks or world_size
+        self.ranks = list(range(first_rank, first_rank + self.local_ranks))  # the global ranks this node runs
+        self.master_addr = master_addr
+        self.node_rank = node_rank
         self.procs: list[subprocess.Popen] = []
         self.host_ram_peak = 0
         self.host_ram_baseline = psutil.virtual_memory().used
-        self.rank_rss_peak = [0] * world_size
+        self.rank_rss_peak = [0] * self.local_ranks
         self.rank_processes: dict[int, psutil.Process] = {}
         self.rank_children: dict[int, list[psutil.Process]] = {}
         self.last_memory_sample = self.last_children_scan = float("-inf")
@@ -149,20 +171,7 @@ class Supervisor:
             raise RuntimeError("Supervisor.start must run in the main thread: ranks die with the thread that started them")
         self.previous_handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for rank in range(self.world_size):
-                log = open(self.run.rank_log(rank), "a")
-                log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
-                log.flush()
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "zeropipe.launch.rank", str(self.run.path)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=rank_environment(rank, self.world_size, self.port, self.accelerator),
-                    start_new_session=True,
-                )
-                log.close()
-                self.procs.append(proc)
+            self.spawn_ranks()
         except BaseException as err:
             self.stop_all()
             self.record(state="stopped" if isinstance(err, KeyboardInterrupt) else "failed", ended_at=time.time())
@@ -170,6 +179,24 @@ class Supervisor:
                 signal.signal(sig, handler)
             raise
         self.record(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
+
+    def spawn_ranks(self, extra_env: dict[str, str] | None = None) -> None:
+        """One process per rank of this node, each in its own session (process group), logging to logs/rank{N}.log."""
+        for local_rank, rank in enumerate(self.ranks):
+            log = open(self.run.rank_log(rank), "a")
+            log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+            log.flush()
+            env = rank_environment(rank, self.world_size, self.port, self.accelerator, local_rank, self.local_ranks, self.master_addr, self.node_rank)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "zeropipe.launch.rank", str(self.run.path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env | (extra_env or {}),
+                start_new_session=True,
+            )
+            log.close()
+            self.procs.append(proc)
 
     def sample_memory(self) -> None:
         """Host RAM of the node and of each rank (with its children), at most once per MEMORY_SECONDS.
@@ -185,7 +212,7 @@ class Supervisor:
         if refresh_children:
             self.last_children_scan = now
         self.host_ram_peak = max(self.host_ram_peak, psutil.virtual_memory().used)
-        for rank, proc in enumerate(self.procs):
+        for rank, proc in enumerate(self.procs):  # local indices
             try:
                 process = self.rank_processes.setdefault(rank, psutil.Process(proc.pid))
                 if refresh_children:

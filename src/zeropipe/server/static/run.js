@@ -125,7 +125,7 @@
       fact("ETA", ZP.fmtDuration(run.eta_s)),
       fact("loss", `${ZP.fmtNumber(run.first_loss)} → ${ZP.fmtNumber(run.last_loss)}`),
       fact("step time", run.step_time_s ? `${ZP.fmtNumber(run.step_time_s, 3)} s` : "–"),
-      fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}` : "–"),
+      fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}${runNodes().length ? ` on ${runNodes().length} nodes` : ""}` : "–"),
       fact("ZeRO", run.zero_stage ?? "–"),
       fact("started", ZP.fmtTime(run.started_at || run.created_at)),
       run.ended_at ? fact("ended", ZP.fmtTime(run.ended_at)) : ""
@@ -239,6 +239,7 @@
     renderCheckpoints();
     renderExports();
     renderEvaluations();
+    renderNodes();
     renderLogTabs();
     renderGenerations();
     const paths = [`run directory: ${detail.run.path}`];
@@ -382,12 +383,44 @@
       .replaceChildren(...detail.generations.map((g) => el("tr", {}, el("td", {}, g.prompt), el("td", {}, el("code", {}, g.output)), el("td", { class: "num" }, g.step ?? ""))));
   }
 
+  // -------------------------------------------------------------- nodes
+  // A multi-node run's status.json lists its nodes (zeropipe.launch.multinode): ranks grouped by node, each node's host RAM.
+  function runNodes() {
+    return (detail && detail.status && Array.isArray(detail.status.nodes) && detail.status.nodes) || [];
+  }
+
+  function renderNodes() {
+    const nodes = runNodes();
+    document.getElementById("nodes-card").hidden = !nodes.length;
+    document.querySelector("#nodes tbody").replaceChildren(
+      ...nodes.map((n) =>
+        el(
+          "tr",
+          { dataset: { node: n.node_rank } },
+          el("td", { class: "num" }, `${n.node_rank}`),
+          el("td", {}, n.host, n.hostname && n.hostname !== n.host ? el("span", { class: "muted small" }, ` (${n.hostname})`) : "", el("span", { class: "muted small" }, ` · ${n.transport}`)),
+          el("td", { class: "node-ranks" }, (n.ranks || []).map((r) => `rank ${r}`).join(", ")),
+          el("td", { class: "num" }, ZP.fmtBytes(n.host_ram_used_bytes)),
+          el("td", { class: "num" }, ZP.fmtBytes(n.host_ram_peak_bytes)),
+          el("td", { class: "num" }, ZP.fmtBytes(n.host_ram_total_bytes)),
+          el("td", { class: "num small" }, (n.rank_rss_peak_bytes || []).map((b, i) => `${(n.ranks || [])[i] ?? i}: ${ZP.fmtBytes(b)}`).join(" · "))
+        )
+      )
+    );
+  }
+
   // -------------------------------------------------------------- logs
+  function nodeOfLog(name) {
+    const match = /^rank(\d+)$/.exec(name);
+    const node = match && runNodes().find((n) => (n.ranks || []).includes(Number(match[1])));
+    return node ? ` · node ${node.node_rank}` : "";
+  }
+
   function renderLogTabs() {
     const names = detail.logs;
     if (!logName || !names.includes(logName)) logName = names.includes("rank0") ? "rank0" : names[0] || null;
     document.getElementById("log-tabs").replaceChildren(
-      ...names.map((name) => el("button", { class: name === logName ? "active" : "", dataset: { log: name }, onclick: () => ((logName = name), renderLogTabs()) }, name))
+      ...names.map((name) => el("button", { class: name === logName ? "active" : "", dataset: { log: name }, onclick: () => ((logName = name), renderLogTabs()) }, name + nodeOfLog(name)))
     );
     loadLog();
   }
