@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, presets
+from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
 from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
 from zeropipe.errors import ConfigError
@@ -235,14 +235,13 @@ def vae_config(pipeline_dir: Path) -> dict[str, Any]:
 
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
-    """Pixels per latent along each side: a video VAE says it (scale_factor_spatial), an image VAE has one halving per block."""
-    config = vae_config(pipeline_dir)
-    return int(config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1))
+    """Pixels per latent along each side, as the pipeline's architecture reads its VAE config (see Architecture.vae_factors)."""
+    return architecture_of(pipeline_dir).vae_factors(vae_config(pipeline_dir))[0]
 
 
 def vae_temporal_factor(pipeline_dir: Path) -> int:
     """Frames per latent frame (after the first): 1 for image VAEs."""
-    return int(vae_config(pipeline_dir).get("scale_factor_temporal") or 1)
+    return architecture_of(pipeline_dir).vae_factors(vae_config(pipeline_dir))[1]
 
 
 def latent_scaling(pipeline_dir: Path, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:

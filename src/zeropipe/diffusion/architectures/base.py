@@ -37,7 +37,8 @@ class Architecture:
         patch_factor: latent pixels per denoiser token along a side (buckets must be multiples of it).
         shifted_latents: the VAE has a shift factor (latents are (z - shift) * scale).
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
-        lora_targets: module names LoRA adapts by default.
+        lora_targets: module names LoRA adapts by default (suffixes, as peft matches a list), or one regular
+            expression that peft matches against whole module names (where a suffix would also hit a layer outside the blocks).
         video: the latents have a time axis, (batch, channels, frames, height, width); clips and images
             (one-frame clips) train together, and samples are videos.
         frame_multiple: the clip lengths the VAE accepts are ``frame_multiple * k + 1`` frames (its temporal
@@ -61,7 +62,7 @@ class Architecture:
     shifted_latents: bool = False
     preset_name: str | None = None
     preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    lora_targets: tuple[str, ...] = DIFFUSERS_LORA_TARGETS
+    lora_targets: tuple[str, ...] | str = DIFFUSERS_LORA_TARGETS
     video: bool = False
     frame_multiple: int = 1
     frame_rate: float | None = None
@@ -98,6 +99,16 @@ class Architecture:
     def tiny_tokenizer(self, tokenizer: str):
         """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
         return character_tokenizer(self.tokenizer_length(tokenizer))
+
+    def vae_factors(self, vae_config: dict[str, Any]) -> tuple[int, int]:
+        """(pixels per latent along a side, frames per latent frame after the first) of the VAE, from its config.
+
+        Video VAEs say both (Wan: ``scale_factor_spatial``/``_temporal``, HunyuanVideo:
+        ``spatial_compression_ratio``/``temporal_compression_ratio``); an image VAE halves per block.
+        """
+        spatial = vae_config.get("scale_factor_spatial") or vae_config.get("spatial_compression_ratio") or 2 ** (len(vae_config["block_out_channels"]) - 1)
+        temporal = vae_config.get("scale_factor_temporal") or vae_config.get("temporal_compression_ratio") or 1
+        return int(spatial), int(temporal)
 
     def accepts_frames(self, frames: int) -> bool:
         """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
