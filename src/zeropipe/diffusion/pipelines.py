@@ -246,7 +246,7 @@ def vae_temporal_factor(pipeline_dir: Path) -> int:
 
 def latent_scaling(pipeline_dir: Path, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
     """(shift, scale): latents the denoiser sees are (VAE mean or sample - shift) * scale; scalars or per channel."""
-    return arch.latent_normalization(vae_config(pipeline_dir))
+    return arch.latent_normalization(vae_config(pipeline_dir), Path(pipeline_dir) / "vae")
 
 
 def normalize_latents(latents: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -293,6 +293,9 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
         pipeline.vae_scale_factor_spatial = pipeline.vae_scale_factor
         pipeline.vae_scale_factor_temporal = vae_temporal_factor(pipeline_dir)
         pipeline.video_processor = VideoProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
+    if hasattr(pipeline, "vae_spatial_compression_ratio"):  # LTX-Video's pipelines name the factors so
+        pipeline.vae_spatial_compression_ratio = pipeline.vae_scale_factor
+        pipeline.vae_temporal_compression_ratio = vae_temporal_factor(pipeline_dir)
     if hasattr(pipeline, "image_processor") and not hasattr(pipeline, "video_processor"):
         from diffusers.image_processor import VaeImageProcessor
 

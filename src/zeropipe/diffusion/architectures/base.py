@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,9 +122,16 @@ class Architecture:
         return condition
 
     # -------------------------------------------------------------- latents
-    def latent_normalization(self, vae_config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel."""
+    def latent_normalization(self, vae_config: dict[str, Any], vae_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel.
+
+        ``vae_dir`` is the VAE's folder, for VAEs that keep their statistics as weights (LTX-Video) rather than config.
+        """
         return torch.tensor(float(vae_config.get("shift_factor") or 0.0)), torch.tensor(float(vae_config.get("scaling_factor") or 1.0))
+
+    def decode_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] of (denormalised) latents, decoded as the architecture's pipeline decodes them."""
+        return vae.decode(latents).sample
 
     def latent_statistics_config(self, latents: torch.Tensor) -> dict[str, Any]:
         """The VAE config fields that normalise these latents (of a fitted tiny VAE) to zero mean and unit variance."""
