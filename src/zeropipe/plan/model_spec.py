@@ -568,7 +568,22 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
             }
 
     else:
-        return None
+        # Other architectures say what their denoiser takes (Architecture.trace_inputs).
+        from zeropipe.diffusion.architectures import architectures
+
+        arch = next((a for a in architectures().values() if a.denoiser_class == cls), None)
+        if arch is None:
+            return None
+        frames = int(entry.get("frames", 1)) if arch.video else 1
+        latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
+        text_tokens = int(entry.get("text_tokens", arch.tokenizer_length(arch.tokenizers[0])))
+
+        def inputs():
+            return arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
+
+        if arch.trace_inputs(config, 1, 1, 1, dtype) is None:
+            return None
+        return trace_diffusion(model, inputs, resolution, frames=frames)
     return trace_diffusion(model, inputs, resolution, frames=int(entry.get("frames", 1)) if cls == "WanTransformer3DModel" else 1)
 
 
@@ -675,7 +690,7 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
         entry = {
             "frames": max(data.video.frame_buckets) if arch.video else 1,
             "vae_temporal_factor": temporal,
-            **({"text_tokens": arch.tokenizer_length(arch.tokenizers[-1])} if arch.video else {}),
+            **({"text_tokens": arch.tokenizer_length(arch.tokenizers[0])} if arch.video else {}),
             "name": section.config["pipeline"],
             "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
             "resolution": data.images.resolution,

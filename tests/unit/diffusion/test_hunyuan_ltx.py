@@ -146,11 +146,12 @@ def test_ltx_denoiser_call_packs_tokens_as_the_pipeline_does(tiny_ltx):
     assert torch.allclose(out, LTXPipeline._unpack_latents(packed, 2, 4, 4), atol=1e-6)
 
 
-def test_ltx_original_lora_layout_is_diffusers_names_under_diffusion_model():
+def test_ltx_original_lora_layout_is_diffusers_names_under_diffusion_model_with_alpha_folded_in():
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltxv_lora_to_diffusers
 
     layers = {"transformer_blocks.0.attn1.to_q.lora_A.weight": torch.ones(2, 4), "transformer_blocks.0.attn1.to_q.lora_B.weight": torch.ones(4, 2)}
     original = LTX.original_lora_layout(layers, 8.0)
-    assert float(original["diffusion_model.transformer_blocks.0.attn1.to_q.alpha"]) == 8.0
+    assert set(original) == {"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight", "diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight"}
+    assert torch.equal(original["diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight"], torch.full((4, 2), 4.0))  # alpha / r = 8 / 2
     back = _convert_non_diffusers_ltxv_lora_to_diffusers(original)
     assert "transformer.transformer_blocks.0.attn1.to_q.lora_A.weight" in back

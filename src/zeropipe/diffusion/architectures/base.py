@@ -141,6 +141,14 @@ class Architecture:
             fields["shift_factor"] = round(shift, 5)
         return fields
 
+    # -------------------------------------------------------------- planner
+    def trace_inputs(self, config: Any, latent_side: int, latent_frames: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The denoiser's keyword arguments for one example (batch 1) of this size, made on the current (meta) device.
+
+        The planner runs the denoiser on them to count the activations it saves; None: the planner does not trace it.
+        """
+        return None
+
     # -------------------------------------------------------------- export
     def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:
         """The LoRA in the original (ComfyUI) key layout, from its diffusers layout; None when the architecture has none."""

@@ -164,6 +164,16 @@ class HunyuanVideo(Architecture):
             "prompt_attention_mask": condition["prompt_attention_mask"], "guidance_scale": guidance_scale,
         }
 
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        return {
+            "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
+            "timestep": torch.tensor([500.0], dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_embed_dim, dtype=dtype),
+            "encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype),
+            "pooled_projections": torch.randn(1, config.pooled_projection_dim, dtype=dtype),
+            "guidance": torch.tensor([1000.0], dtype=dtype) if config.guidance_embeds else None,
+        }
+
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight`` ...: what ComfyUI and diffusion-pipe load for HunyuanVideo."""
         return original_lora_layers(layers, alpha)

@@ -102,13 +102,29 @@ class LTXVideo(Architecture):
         frames = latents.shape[1] * patch * patch // (side * side)
         return pipeline._unpack_latents(latents, frames, side // patch, side // patch, patch, patch_t)
 
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        frames, side = latent_frames // config.patch_size_t, latent_side // config.patch_size
+        return {
+            "hidden_states": torch.randn(1, frames * side * side, config.in_channels * config.patch_size_t * config.patch_size**2, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.caption_channels, dtype=dtype),
+            "timestep": torch.tensor([500.0], dtype=dtype),
+            "encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype),
+            "num_frames": frames, "height": side, "width": side, "rope_interpolation_scale": (self.frame_multiple / self.frame_rate, 32, 32),
+        }
+
     def original_lora_layout(self, layers, alpha):
-        """``diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight`` ...: LTX-Video's original names are diffusers' own."""
+        """``diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight`` ...: LTX-Video's original names are diffusers' own.
+
+        The strength ``alpha / r`` is folded into ``lora_B`` and no ``.alpha`` keys are written, as
+        diffusion-pipe writes LTX-Video LoRAs: diffusers' converter of such LoRAs refuses keys
+        without ``lora`` in them, and ComfyUI applies a LoRA without alpha at strength 1.
+        """
         out: dict[str, torch.Tensor] = {}
         for key, tensor in layers.items():
             module, _, part = key.partition(".lora_")
+            if part.startswith("B"):
+                tensor = tensor * (alpha / layers[f"{module}.lora_A.weight"].shape[0])
             out[f"{COMFY_PREFIX}{module}.lora_{part}"] = tensor.contiguous()
-            out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
         return out
 
 
