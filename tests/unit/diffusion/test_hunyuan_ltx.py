@@ -155,3 +155,21 @@ def test_ltx_original_lora_layout_is_diffusers_names_under_diffusion_model_with_
     assert torch.equal(original["diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight"], torch.full((4, 2), 4.0))  # alpha / r = 8 / 2
     back = _convert_non_diffusers_ltxv_lora_to_diffusers(original)
     assert "transformer.transformer_blocks.0.attn1.to_q.lora_A.weight" in back
+
+
+def test_single_files_ltx_is_renamed_for_streaming_and_hunyuans_fused_qkv_is_refused_with_the_fix(tmp_path):
+    from safetensors.torch import save_file
+
+    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.errors import ConfigError
+
+    ltx_file = tmp_path / "ltx-video-2b-v0.9.safetensors"
+    save_file({"model.diffusion_model.transformer_blocks.0.attn1.to_q.weight": torch.zeros(2, 2), "model.diffusion_model.patchify_proj.weight": torch.zeros(2, 2)}, str(ltx_file))
+    rename = single_file_renamer("LTXVideoTransformer3DModel", ltx_file)
+    assert rename("model.diffusion_model.patchify_proj.weight") == "proj_in.weight"
+    assert rename("model.diffusion_model.transformer_blocks.0.attn1.to_q.weight") == "transformer_blocks.0.attn1.to_q.weight"
+
+    hunyuan_file = tmp_path / "hunyuan_video_720_cfgdistill_bf16.safetensors"
+    save_file({"double_blocks.0.img_attn_qkv.weight": torch.zeros(6, 2), "img_in.proj.weight": torch.zeros(2, 2)}, str(hunyuan_file))
+    with pytest.raises(ConfigError, match="from_single_file"):
+        single_file_renamer("HunyuanVideoTransformer3DModel", hunyuan_file)
