@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, presets
+from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
 from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
 from zeropipe.errors import ConfigError
@@ -235,19 +235,18 @@ def vae_config(pipeline_dir: Path) -> dict[str, Any]:
 
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
-    """Pixels per latent along each side: a video VAE says it (scale_factor_spatial), an image VAE has one halving per block."""
-    config = vae_config(pipeline_dir)
-    return int(config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1))
+    """Pixels per latent along each side, as the pipeline's architecture reads its VAE config (see Architecture.vae_factors)."""
+    return architecture_of(pipeline_dir).vae_factors(vae_config(pipeline_dir))[0]
 
 
 def vae_temporal_factor(pipeline_dir: Path) -> int:
     """Frames per latent frame (after the first): 1 for image VAEs."""
-    return int(vae_config(pipeline_dir).get("scale_factor_temporal") or 1)
+    return architecture_of(pipeline_dir).vae_factors(vae_config(pipeline_dir))[1]
 
 
 def latent_scaling(pipeline_dir: Path, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
     """(shift, scale): latents the denoiser sees are (VAE mean or sample - shift) * scale; scalars or per channel."""
-    return arch.latent_normalization(vae_config(pipeline_dir))
+    return arch.latent_normalization(vae_config(pipeline_dir), Path(pipeline_dir) / "vae")
 
 
 def normalize_latents(latents: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -294,6 +293,9 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
         pipeline.vae_scale_factor_spatial = pipeline.vae_scale_factor
         pipeline.vae_scale_factor_temporal = vae_temporal_factor(pipeline_dir)
         pipeline.video_processor = VideoProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
+    if hasattr(pipeline, "vae_spatial_compression_ratio"):  # LTX-Video's pipelines name the factors so
+        pipeline.vae_spatial_compression_ratio = pipeline.vae_scale_factor
+        pipeline.vae_temporal_compression_ratio = vae_temporal_factor(pipeline_dir)
     if hasattr(pipeline, "image_processor") and not hasattr(pipeline, "video_processor"):
         from diffusers.image_processor import VaeImageProcessor
 

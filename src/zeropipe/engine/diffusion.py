@@ -407,7 +407,7 @@ class DiffusionTask(TaskDefaults):
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-        decoded = self.vae.decode(denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)).sample
+        decoded = self.arch.decode_latents(self.vae, denormalize_latents(latents.float(), self.latent_shift, self.latent_scale))
         pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)

@@ -58,7 +58,8 @@ def log_partitioning(model) -> None:
 def resolve_lora_targets(lora, defaults: tuple[str, ...]) -> list[str] | str:
     """The target_modules argument of peft's LoraConfig: model.lora.target_modules, with "auto" meaning the family's defaults."""
     if lora.target_modules == "auto":
-        return list(defaults)
+        # A string is a regular expression peft matches against whole module names.
+        return defaults if isinstance(defaults, str) else list(defaults)
     if lora.target_modules == "all-linear":
         return "all-linear"
     return list(lora.target_modules)

@@ -568,7 +568,22 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
             }
 
     else:
-        return None
+        # Other architectures say what their denoiser takes (Architecture.trace_inputs).
+        from zeropipe.diffusion.architectures import architectures
+
+        arch = next((a for a in architectures().values() if a.denoiser_class == cls), None)
+        if arch is None:
+            return None
+        frames = int(entry.get("frames", 1)) if arch.video else 1
+        latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
+        text_tokens = int(entry.get("text_tokens", arch.tokenizer_length(arch.tokenizers[0])))
+
+        def inputs():
+            return arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
+
+        if arch.trace_inputs(config, 1, 1, 1, dtype) is None:
+            return None
+        return trace_diffusion(model, inputs, resolution, frames=frames)
     return trace_diffusion(model, inputs, resolution, frames=int(entry.get("frames", 1)) if cls == "WanTransformer3DModel" else 1)
 
 
@@ -582,22 +597,42 @@ def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8,
 
 def _vae_factor(path: Path) -> int:
     try:
-        return vae_factors(json.loads((path / "vae" / "config.json").read_text()))[0]
+        return vae_factors(json.loads((path / "vae" / "config.json").read_text()), _architecture(path))[0]
     except (OSError, KeyError, json.JSONDecodeError):
         return 8
 
 
 def _vae_temporal_factor(path: Path) -> int:
     try:
-        return vae_factors(json.loads((path / "vae" / "config.json").read_text()))[1]
+        return vae_factors(json.loads((path / "vae" / "config.json").read_text()), _architecture(path))[1]
     except (OSError, KeyError, json.JSONDecodeError):
         return 1
 
 
-def vae_factors(config: dict[str, Any]) -> tuple[int, int]:
-    """(pixels per latent along a side, frames per latent frame) of a VAE config: video VAEs say both, image VAEs halve per block."""
-    spatial = config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1)
-    return int(spatial), int(config.get("scale_factor_temporal") or 1)
+def _text_encoder_model_type(class_name: str) -> str:
+    """The transformers model_type of a text encoder class (T5EncoderModel: t5, LlamaModel: llama, CLIPTextModel: clip_text_model)."""
+    import transformers
+
+    return getattr(transformers, class_name).config_class.model_type
+
+
+def _architecture(path: Path):
+    """The diffusion architecture of a pipeline directory, or None when its model_index.json names none ZeRO-Pipe knows."""
+    from zeropipe.diffusion.architectures import architecture_for_pipeline
+
+    try:
+        return architecture_for_pipeline(json.loads((path / "model_index.json").read_text()).get("_class_name"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
+    """(pixels per latent along a side, frames per latent frame) of a VAE config, read as its architecture reads it."""
+    from zeropipe.diffusion.architectures.base import Architecture
+
+    if arch is not None:
+        return arch.vae_factors(config)
+    return Architecture.vae_factors(None, config)  # the generic reading: video VAEs say both, image VAEs halve per block
 
 
 def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
@@ -649,13 +684,13 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
         for name in arch.text_encoders:
             fields = dict(components[name])
             cls = fields.pop("class")
-            fields["model_type"] = {"T5": "t5", "UMT5": "umt5"}.get(cls.split("Encoder")[0], "clip_text_model")
+            fields["model_type"] = _text_encoder_model_type(cls)
             frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
-        factor, temporal = vae_factors(components["vae"])
+        factor, temporal = vae_factors(components["vae"], arch)
         entry = {
             "frames": max(data.video.frame_buckets) if arch.video else 1,
             "vae_temporal_factor": temporal,
-            **({"text_tokens": arch.tokenizer_length(arch.tokenizers[-1])} if arch.video else {}),
+            **({"text_tokens": arch.tokenizer_length(arch.tokenizers[0])} if arch.video else {}),
             "name": section.config["pipeline"],
             "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
             "resolution": data.images.resolution,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ class Architecture:
         patch_factor: latent pixels per denoiser token along a side (buckets must be multiples of it).
         shifted_latents: the VAE has a shift factor (latents are (z - shift) * scale).
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
-        lora_targets: module names LoRA adapts by default.
+        lora_targets: module names LoRA adapts by default (suffixes, as peft matches a list), or one regular
+            expression that peft matches against whole module names (where a suffix would also hit a layer outside the blocks).
         video: the latents have a time axis, (batch, channels, frames, height, width); clips and images
             (one-frame clips) train together, and samples are videos.
         frame_multiple: the clip lengths the VAE accepts are ``frame_multiple * k + 1`` frames (its temporal
@@ -61,7 +63,7 @@ class Architecture:
     shifted_latents: bool = False
     preset_name: str | None = None
     preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    lora_targets: tuple[str, ...] = DIFFUSERS_LORA_TARGETS
+    lora_targets: tuple[str, ...] | str = DIFFUSERS_LORA_TARGETS
     video: bool = False
     frame_multiple: int = 1
     frame_rate: float | None = None
@@ -99,6 +101,16 @@ class Architecture:
         """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
         return character_tokenizer(self.tokenizer_length(tokenizer))
 
+    def vae_factors(self, vae_config: dict[str, Any]) -> tuple[int, int]:
+        """(pixels per latent along a side, frames per latent frame after the first) of the VAE, from its config.
+
+        Video VAEs say both (Wan: ``scale_factor_spatial``/``_temporal``, HunyuanVideo:
+        ``spatial_compression_ratio``/``temporal_compression_ratio``); an image VAE halves per block.
+        """
+        spatial = vae_config.get("scale_factor_spatial") or vae_config.get("spatial_compression_ratio") or 2 ** (len(vae_config["block_out_channels"]) - 1)
+        temporal = vae_config.get("scale_factor_temporal") or vae_config.get("temporal_compression_ratio") or 1
+        return int(spatial), int(temporal)
+
     def accepts_frames(self, frames: int) -> bool:
         """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
         return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
@@ -110,9 +122,16 @@ class Architecture:
         return condition
 
     # -------------------------------------------------------------- latents
-    def latent_normalization(self, vae_config: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel."""
+    def latent_normalization(self, vae_config: dict[str, Any], vae_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel.
+
+        ``vae_dir`` is the VAE's folder, for VAEs that keep their statistics as weights (LTX-Video) rather than config.
+        """
         return torch.tensor(float(vae_config.get("shift_factor") or 0.0)), torch.tensor(float(vae_config.get("scaling_factor") or 1.0))
+
+    def decode_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """Pixels in [-1, 1] of (denormalised) latents, decoded as the architecture's pipeline decodes them."""
+        return vae.decode(latents).sample
 
     def latent_statistics_config(self, latents: torch.Tensor) -> dict[str, Any]:
         """The VAE config fields that normalise these latents (of a fitted tiny VAE) to zero mean and unit variance."""
@@ -121,6 +140,14 @@ class Architecture:
         if self.shifted_latents:
             fields["shift_factor"] = round(shift, 5)
         return fields
+
+    # -------------------------------------------------------------- planner
+    def trace_inputs(self, config: Any, latent_side: int, latent_frames: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The denoiser's keyword arguments for one example (batch 1) of this size, made on the current (meta) device.
+
+        The planner runs the denoiser on them to count the activations it saves; None: the planner does not trace it.
+        """
+        return None
 
     # -------------------------------------------------------------- export
     def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:

@@ -62,7 +62,7 @@ class Wan(Architecture):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {"prompt_embeds": condition["prompt_embeds"], "negative_prompt_embeds": negative["prompt_embeds"], "guidance_scale": guidance_scale}
 
-    def latent_normalization(self, vae_config):
+    def latent_normalization(self, vae_config, vae_dir=None):
         mean = torch.tensor(vae_config["latents_mean"], dtype=torch.float32)
         return mean, 1.0 / torch.tensor(vae_config["latents_std"], dtype=torch.float32)
 
