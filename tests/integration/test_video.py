@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import av
@@ -33,6 +34,8 @@ def video_config(tmp_path: Path, name: str, data_dir: Path, **sections) -> Path:
     }
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
+    if "path" in config["model"]:  # a pipeline directory instead of the tiny preset
+        config["model"].pop("config")
     path = tmp_path / f"{name}.yaml"
     path.write_text("# Run it: zeropipe train " + path.name + "\n" + yaml.safe_dump(config, sort_keys=False))
     return path
@@ -68,8 +71,15 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
     assert "skipped 2 unusable file(s)" in output and "truncated.mp4" in output and "notes.webm" in output
     assert "clips per length: 4 of 1 frame(s), 12 of 9 frame(s) at 16 fps" in output
     run_dir = tmp_path / "runs" / "wan-lora"
-    # Latents split across the ranks (8 of 16 here); all 18 captions (and the text encoder) on one rank of the node only.
-    assert "cached 8 image latent(s) and 18 caption embedding(s) on this rank" in (run_dir / "logs" / "rank0.log").read_text()
+    # One process per node filled the caches (one VAE and one text encoder, whatever the number of
+    # GPUs) and ended before the ranks started; the ranks encoded nothing.
+    node_log = (run_dir / "logs" / "node0.log").read_text()
+    assert "caches filled: 16 clip(s) and 18 caption(s) encoded on cpu (text encoders in float32)" in node_log
+    filled_at = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO caches filled", node_log)[1]
+    for rank in (0, 1):
+        rank_log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert "cached" not in rank_log and "caches filled" not in rank_log
+        assert re.search(rf"==== zeropipe rank {rank}/2 started (\S+ \S+) ====", rank_log)[1] >= filled_at
     result_summary = summary(run_dir)
     assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
     assert 0 < result_summary["parameters"]["trainable"] < 0.5 * result_summary["parameters"]["total"]
@@ -107,16 +117,21 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
     assert torch.allclose(with_comfy_lora, with_diffusers_lora, atol=1e-4)
 
 
-def test_wan_full_finetune_of_the_low_noise_expert_with_checkpointing_reuses_caches_and_exports_a_pipeline(tmp_path):
-    """Full fine-tune, ZeRO-2, gradient checkpointing, max_t 0.875 (Wan 2.2's low-noise expert); a second run loads no encoder."""
+def test_wan22_low_noise_expert_full_finetune_with_checkpointing_reuses_caches_and_exports_its_folder(tmp_path):
+    """Wan 2.2 A14B layout: model.diffusion.expert low_noise trains transformer_2/ on t <= the boundary (full, ZeRO-2, checkpointing); a second run loads no encoder."""
+    from tests.unit.diffusion.test_wan import two_expert_pipeline
+
+    a14b = two_expert_pipeline(tmp_path / "pipelines")
     data = clips(tmp_path, examples=12)
     config = video_config(
-        tmp_path, "wan-full", data, model={"config": {"pipeline": "tiny-wan"}, "gradient_checkpointing": True, "diffusion": {"max_t": 0.875}},
+        tmp_path, "wan-full", data, model={"path": str(a14b), "gradient_checkpointing": True, "diffusion": {"expert": "low_noise"}},
         deepspeed={"zero_stage": 2, "precision": "fp32"}, train={"max_steps": 16, "micro_batch_size": 2, "lr": 5e-3, "warmup_steps": 1, "log_every": 2},
     )
     result = zeropipe("train", config, cwd=tmp_path)
     assert_ok(result)
+    assert "training the low-noise expert (transformer_2/) on noise levels 0 to 0.875" in result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "wan-full"
+    assert f"from {a14b}/transformer_2 in" in (run_dir / "logs" / "rank0.log").read_text()
     result_summary = summary(run_dir)
     assert result_summary["fixed_batch_loss_end"] < 0.9 * result_summary["fixed_batch_loss_start"], result_summary
     rows = metrics(run_dir)
@@ -130,15 +145,20 @@ def test_wan_full_finetune_of_the_low_noise_expert_with_checkpointing_reuses_cac
     assert "caches complete: the training ranks will not load the VAE or the text encoders" in second.stdout + second.stderr
     assert all(row["frozen_components_loaded"] == [] for row in metrics(tmp_path / "runs" / "wan-again"))
     assert "cached" not in (tmp_path / "runs" / "wan-again" / "logs" / "rank1.log").read_text()
+    assert not (tmp_path / "runs" / "wan-again" / "logs" / "node0.log").exists()  # nothing to encode: no caching process
 
+    # The export replaces transformer_2/ (the trained low-noise expert) and keeps transformer/ (the high-noise one) as it was.
     out = tmp_path / "export"
     assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import WanPipeline
 
     pipeline = WanPipeline.from_pretrained(str(out))
-    initial = WanPipeline.from_pretrained(str(run_dir / "pipeline")).transformer.state_dict()
-    trained = pipeline.transformer.state_dict()
+    base = WanPipeline.from_pretrained(str(a14b))
+    assert pipeline.config.boundary_ratio == 0.875
+    trained, initial = pipeline.transformer_2.state_dict(), base.transformer_2.state_dict()
     assert any(not torch.equal(trained[key], initial[key]) for key in trained)
+    high_noise, initial_high = pipeline.transformer.state_dict(), base.transformer.state_dict()
+    assert all(torch.equal(high_noise[key], initial_high[key]) for key in high_noise)
     assert draw(pipeline).shape == (1, 5, 32, 32, 3)
 
 

@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
     try:
         supervisor.start()
+        if plan.node_setup:
+            say(f"filling the caches first (log: {run_dir.node_log}); the ranks start when it is done")
         say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
         outcome = supervisor.wait()
     except OSError as err:

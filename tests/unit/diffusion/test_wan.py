@@ -129,3 +129,46 @@ def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_i
     assert seen["input"].shape == (1, 36, 3, 4, 4)
     assert torch.equal(seen["input"][:, :16], noisy)
     assert torch.allclose(seen["input"][:, 16:], expected, atol=1e-5)
+
+
+def two_expert_pipeline(folder, boundary_ratio: float = 0.875, seed: int = 1):
+    """A tiny pipeline in Wan 2.2 A14B's layout (transformer/ the high-noise expert, transformer_2/ the low-noise one), written by diffusers."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    build_tiny_pipeline({"pipeline": "tiny-wan"}, folder / "base", seed=seed)
+    base = WanPipeline.from_pretrained(str(folder / "base"))
+    torch.manual_seed(seed + 100)
+    second = WanTransformer3DModel.from_config(base.transformer.config)
+    WanPipeline(
+        tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,
+        transformer=base.transformer, transformer_2=second, boundary_ratio=boundary_ratio,
+    ).save_pretrained(str(folder / "a14b"))
+    return folder / "a14b"
+
+
+def test_an_expert_key_picks_its_transformer_and_its_side_of_the_pipelines_boundary(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.prepare import resolve_expert
+    from zeropipe.errors import ConfigError
+
+    a14b = two_expert_pipeline(tmp_path)
+
+    def resolved(**diffusion):
+        config = RunConfig.model_validate({"model": {"path": str(a14b), "diffusion": diffusion}, "data": {"path": str(tmp_path)}})
+        notes: list[str] = []
+        folder = resolve_expert(config, WAN, a14b, notes)
+        return folder, config.model.diffusion.min_t, config.model.diffusion.max_t, notes
+
+    folder, low, high, notes = resolved(expert="low_noise")
+    assert (folder, low, high) == ("transformer_2", 0.0, 0.875)
+    assert notes == ["training the low-noise expert (transformer_2/) on noise levels 0 to 0.875 (the pipeline's boundary: 0.875)"]
+    assert resolved(expert="high_noise")[:3] == ("transformer", 0.875, 1.0)
+    assert resolved(expert="low_noise", min_t=0.2)[:3] == ("transformer_2", 0.2, 0.875)  # narrowed further, as asked
+    assert resolved()[:3] == ("transformer", 0.0, 1.0)
+    with pytest.raises(ConfigError, match=r"model.diffusion.max_t.*0.95 reaches above the boundary 0.875"):
+        resolved(expert="low_noise", max_t=0.95)
+    # A Wan 2.1 directory has one transformer: the key is refused with the fix.
+    single = tmp_path / "base"
+    config = RunConfig.model_validate({"model": {"path": str(single), "diffusion": {"expert": "low_noise"}}, "data": {"path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="no transformer_2/ folder and boundary_ratio"):
+        resolve_expert(config, WAN, single, [])
