@@ -34,7 +34,16 @@ from zeropipe.diffusion.images import (
     scan_image_folder,
     shape_prompts,
 )
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, fingerprint_files, load_component, text_pipeline, vae_scale_factor
+from zeropipe.diffusion.pipelines import (
+    build_tiny_pipeline,
+    encode_prompts,
+    fingerprint_files,
+    image_encoder_pipeline,
+    image_encoding,
+    load_component,
+    text_pipeline,
+    vae_scale_factor,
+)
 from zeropipe.diffusion.videos import (
     VIDEO_SUFFIXES,
     check_frame_buckets,
@@ -149,6 +158,12 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     cache_dir = cache_dir_for(config).resolve()
     fingerprints = cache_dir / "fingerprints.json"
     vae_fp = fingerprint_files(pipeline_dir / "vae", fingerprints)
+    first_frame_embeddings = image_encoding(pipeline_dir, arch)
+    if first_frame_embeddings:
+        # Wan 2.1 I2V: the first frame's image embeddings are cached with the latents, so they depend on its encoder too.
+        if not config.data.cache.latents:
+            raise ConfigError([("data.cache.latents", f"this {arch.name} pipeline's first-frame image embeddings ({arch.image_encoders[0]}) come from the latent cache: set data.cache.latents: true")])
+        vae_fp = cache._digest(vae_fp, *(fingerprint_files(pipeline_dir / name, fingerprints) for name in arch.image_encoders))
     text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers)) + f"/{arch.name}"
     text_fp = cache._digest(text_fp)
     prompts = list(config.generate.prompts or [])
@@ -158,7 +173,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
 
     flips = [False, True] if images.flip > 0 else [False]
     latent_keys = [
-        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
+        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip, first_frame_embeddings), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
         for item, bucket in zip(items, item_buckets)
     ]
     texts = sorted({item["caption"] for item in items} | {""} | set(prompts))
@@ -205,6 +220,14 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         batching_note="a micro-batch takes clips of one bucket (size and length) only" if arch.video else "a micro-batch takes images of one bucket only",
         node_setup="zeropipe.diffusion.prepare:fill_caches" if missing_latents or missing_texts else None,
     )
+
+
+def first_frame_image(pixels: torch.Tensor):
+    """The first frame of a clip (3, T, H, W) or an image (3, H, W) in [-1, 1], as the PIL image a pipeline takes."""
+    from PIL import Image
+
+    frame = pixels[:, 0] if pixels.dim() == 4 else pixels
+    return Image.fromarray(((frame.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy())
 
 
 def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]) -> str:
@@ -273,6 +296,8 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     skipped = 0
     if plan.missing_latents:
         vae = load_component(pipeline_dir, "vae", torch.float32, device)
+        # Wan 2.1 I2V: the first frame's image embeddings too, by the pipeline's own encode_image.
+        image_encoder = image_encoder_pipeline(pipeline_dir, arch, encoder_dtype, device) if image_encoding(pipeline_dir, arch) else None
         # One VAE call per chunk of items of the same bucket and flip, as training batches them.
         jobs: dict[tuple, list[tuple[int, bool, str]]] = {}
         for index in plan.missing_latents:
@@ -294,13 +319,18 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                 means, stds = cache.encode_latent_distribution(vae, pixels)
                 # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
                 conditions = cache.encode_latent_distribution(vae, arch.conditioning_pixels(pixels))[0] if arch.frame_conditioned else [None] * len(keys)
-                for key, image, mean, std, first_frame in zip(keys, prepared, means, stds, conditions):
+                embeddings = [None] * len(keys)
+                if image_encoder is not None:
+                    with torch.no_grad():
+                        embeddings = arch.encode_first_frames(image_encoder, [first_frame_image(p) for p in pixels], device).float().cpu()
+                for key, image, mean, std, first_frame, embedding in zip(keys, prepared, means, stds, conditions, embeddings):
                     cache.save_entry(cache_dir, "latents", key, {
                         "mean": mean, "std": std, **({"condition": first_frame} if first_frame is not None else {}),
+                        **({"image_embeds": embedding} if embedding is not None else {}),
                         "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
                         "target_size": torch.tensor(image.target_size),
                     })
-        del vae
+        del vae, image_encoder
     if plan.missing_texts:
         encoders = text_pipeline(pipeline_dir, arch, encoder_dtype, device)
         for start in range(0, len(plan.missing_texts), TEXT_BATCH):
@@ -340,9 +370,9 @@ def prepare_image_folder(config: RunConfig, run: RunDir, video: bool = False) ->
     return folder.resolve()
 
 
-def crop_name(arch, flip: bool) -> str:
-    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition."""
-    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}"
+def crop_name(arch, flip: bool, first_frame_embeddings: bool = False) -> str:
+    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition (and its image embeddings)."""
+    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}{'-image-embeds' if first_frame_embeddings else ''}"
 
 
 def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_buckets: list[tuple[int, int]]):

@@ -42,10 +42,12 @@ from zeropipe.diffusion.pipelines import (
     load_component,
     normalize_latents,
     single_file_renamer,
+    image_encoder_parts,
+    image_encoding,
     text_pipeline,
     vae_scale_factor,
 )
-from zeropipe.diffusion.prepare import load_item_pixels, read_plan
+from zeropipe.diffusion.prepare import first_frame_image, load_item_pixels, read_plan
 from zeropipe.diffusion.videos import write_preview, write_video
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
@@ -181,13 +183,15 @@ class DiffusionTask(TaskDefaults):
             pixels = torch.stack(distributions)
             means, stds = cache.encode_latent_distribution(self.vae, pixels)
             conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
-            distributions = list(zip(means, stds, conditions))
-        latents = [mean + std * torch.randn(mean.shape) for mean, std, _ in distributions]
+            distributions = list(zip(means, stds, conditions, [None] * len(means)))
+        latents = [mean + std * torch.randn(mean.shape) for mean, std, _, _ in distributions]
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         if self.arch.frame_conditioned:
-            first_frames = torch.stack([first_frame for _, _, first_frame in distributions]).to(self.device)
+            first_frames = torch.stack([first_frame for _, _, first_frame, _ in distributions]).to(self.device)
             condition["first_frame_latents"] = normalize_latents(first_frames, self.latent_shift, self.latent_scale).to(self.compute_dtype)
+        if distributions[0][3] is not None:  # Wan 2.1 I2V's first-frame image embeddings
+            condition["image_embeds"] = torch.stack([embeds for _, _, _, embeds in distributions]).to(self.device, self.compute_dtype)
         batch = torch.stack(latents).to(self.device)
         return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
@@ -208,7 +212,7 @@ class DiffusionTask(TaskDefaults):
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-            return (entry["mean"], entry["std"], entry.get("condition")), sizes
+            return (entry["mean"], entry["std"], entry.get("condition"), entry.get("image_embeds")), sizes
         try:
             prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
         except DataError as err:
@@ -307,6 +311,13 @@ class DiffusionTask(TaskDefaults):
         self.sample_images()
 
     # ------------------------------------------------------------------ samples
+    def sample_first_frame(self, size: int):
+        """(PIL image, its source file): the first frame of the first video clip of the data (else the first image), centre-cropped to the sample size."""
+        videos = [index for index, item in enumerate(self.data.items) if item.get("frames", 1) > 1]
+        index = videos[0] if videos else 0
+        pixels = self.load_pixels(index, (size, size, 1) if self.data.video else (size, size), crop="center", flip=False).pixels
+        return first_frame_image(pixels), self.data.items[index]["path"]
+
     @torch.no_grad()
     def sample_images(self) -> None:
         """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes.
@@ -317,10 +328,6 @@ class DiffusionTask(TaskDefaults):
         prompts = self.plan.generate_prompts
         if not prompts:
             return
-        if self.arch.frame_conditioned:
-            if self.rank == 0 and self.step == self.config.generate.sample_every:
-                log.info("no sample videos: %s draws from a first frame, and conditioning images for samples are not supported yet", self.arch.name)
-            return
         generate = self.config.generate
         size = self.images.resolution
         condition = self.text_condition(prompts)
@@ -328,7 +335,17 @@ class DiffusionTask(TaskDefaults):
         module = self.engine.module
         was_training = module.training
         module.eval()
-        pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module)
+        frozen, first_frame = {}, None
+        if self.arch.frame_conditioned:
+            # Image-to-video draws from a first frame: a dataset clip's, at the sample size. The
+            # pipeline encodes it with the VAE, on every rank (each runs the denoiser), for the samples only.
+            first_frame = self.sample_first_frame(size)
+            if self.vae is None:
+                self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+            frozen["vae"] = self.vae
+            if image_encoding(self.pipeline_dir, self.arch):  # Wan 2.1 I2V: the pipeline embeds the first frame with its CLIP encoder
+                frozen.update(image_encoder_parts(self.pipeline_dir, self.arch, torch.float32, self.device))
+        pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module, **frozen)
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
             "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent", "return_dict": False,
@@ -336,11 +353,16 @@ class DiffusionTask(TaskDefaults):
         }
         if self.data.video:
             kwargs["num_frames"] = self.data.sample_frames
+        if first_frame is not None:
+            kwargs["image"] = first_frame[0]
         pipeline.set_progress_bar_config(disable=True)
         latents = pipeline(**kwargs)[0]
         if was_training:
             module.train()
         if self.rank != 0:
+            if self.arch.frame_conditioned and self.config.data.cache.latents:
+                self.vae = None
+                release_memory()
             return
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
@@ -355,7 +377,10 @@ class DiffusionTask(TaskDefaults):
             for number, (prompt, frames) in enumerate(zip(prompts, clips)):
                 write_video(folder / f"{number:02d}.mp4", frames, self.data.fps or 16.0)
                 write_preview(folder / f"{number:02d}.webp", frames, self.data.fps or 16.0)
-                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames)})
+                rows.append({
+                    "step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames),
+                    **({"first_frame": first_frame[1]} if first_frame is not None else {}),
+                })
         else:
             from PIL import Image
 
