@@ -6,7 +6,7 @@
 diffusion-pipe loads the text encoder and the VAE in every GPU's process while it caches, so
 its caching peak grows with the GPUs (its maintainer measured 62 GB for Wan 1.3B on 4 GPUs;
 UMT5-XXL alone is about 11 GB in bf16). ZeRO-Pipe fills the caches in one process per node
-(``zeropipe.launch.node`` running ``diffusion.prepare.fill_caches``), which ends before the
+(``zeropipe.launch.node_setup`` running ``diffusion.prepare.fill_caches``), which ends before the
 node's ranks start: the node holds one VAE and one text encoder whatever its number of GPUs,
 and no rank's own baseline (Python, torch, DeepSpeed) is resident meanwhile.
 
@@ -123,7 +123,7 @@ def measure(folder: Path, ranks: int) -> dict:
     if process.returncode != 0:
         raise SystemExit(f"{ranks}-rank run failed:\n{output[-3000:]}")
     logs = folder / "runs" / f"caching-{ranks}" / "logs"
-    filled = caches_filled_at(logs / "node0.log") if (logs / "node0.log").is_file() else None
+    filled = caches_filled_at(logs / "node_setup.log") if (logs / "node_setup.log").is_file() else None
     if filled is None:
         raise SystemExit(f"{ranks}-rank run logged no 'caches filled' line: nothing was encoded?\n{output[-2000:]}")
     caching = [sample for sample in memory.samples if sample[0] <= filled]

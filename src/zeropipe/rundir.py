@@ -136,8 +136,8 @@ class RunDir:
         return self.errors / f"rank{rank}.json"
 
     # The node's setup process (RunPlan.node_setup): one per node, before its ranks start.
-    node_log = property(lambda self: self.logs / "node0.log")
-    node_error = property(lambda self: self.errors / "node0.json")
+    node_setup_log = property(lambda self: self.logs / "node_setup.log")
+    node_setup_error = property(lambda self: self.errors / "node_setup.json")
 
     def read_config(self) -> "RunConfig":
         """The config the run was prepared with (config.yaml), without checking that its data paths still exist."""

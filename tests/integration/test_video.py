@@ -73,9 +73,9 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
     run_dir = tmp_path / "runs" / "wan-lora"
     # One process per node filled the caches (one VAE and one text encoder, whatever the number of
     # GPUs) and ended before the ranks started; the ranks encoded nothing.
-    node_log = (run_dir / "logs" / "node0.log").read_text()
-    assert "caches filled: 16 clip(s) and 18 caption(s) encoded on cpu (text encoders in float32)" in node_log
-    filled_at = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO caches filled", node_log)[1]
+    setup_log = (run_dir / "logs" / "node_setup.log").read_text()
+    assert "caches filled: 16 clip(s) and 18 caption(s) encoded on cpu (text encoders in float32)" in setup_log
+    filled_at = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO caches filled", setup_log)[1]
     for rank in (0, 1):
         rank_log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert "cached" not in rank_log and "caches filled" not in rank_log
@@ -155,7 +155,7 @@ def test_wan22_low_noise_expert_from_a_comfyui_file_full_finetune_under_zero3_re
     assert "caches complete: the training ranks will not load the VAE or the text encoders" in second.stdout + second.stderr
     assert all(row["frozen_components_loaded"] == [] for row in metrics(tmp_path / "runs" / "wan-again"))
     assert "cached" not in (tmp_path / "runs" / "wan-again" / "logs" / "rank1.log").read_text()
-    assert not (tmp_path / "runs" / "wan-again" / "logs" / "node0.log").exists()  # nothing to encode: no caching process
+    assert not (tmp_path / "runs" / "wan-again" / "logs" / "node_setup.log").exists()  # nothing to encode: no caching process
 
     # The export replaces transformer_2/ with the trained low-noise expert, grown from the file's
     # weights (not the folder's), and keeps transformer/ (the high-noise expert) as it was.

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         supervisor.start()
         if plan.node_setup:
-            say(f"filling the caches first (log: {run_dir.node_log}); the ranks start when it is done")
+            say(f"filling the caches first (log: {run_dir.node_setup_log}); the ranks start when it is done")
         say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
         outcome = supervisor.wait()
     except OSError as err:

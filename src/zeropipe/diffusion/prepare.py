@@ -4,7 +4,7 @@ Everything here happens once, before any rank starts: an unreadable image or an 
 bucket is reported now, not hours in. The result is ``RUN/data/diffusion.json``, which every
 rank reads: the items with their buckets and cache keys, and which cache entries are
 missing. Those are encoded by :func:`fill_caches`, which one process per node runs before
-the node's ranks start (``PreparedData.node_setup``; ``zeropipe.launch.node``): the node
+the node's ranks start (``PreparedData.node_setup``; ``zeropipe.launch.node_setup``): the node
 holds one copy of the VAE and of the text encoders whatever its number of GPUs, and the
 ranks, started after, only read the caches and never load an encoder.
 """
@@ -280,7 +280,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     Args:
         device: the node's first GPU, or the CPU.
         encoder_dtype: what the text encoders are loaded in: bf16 where the device runs it
-            natively, else fp32 (``zeropipe.launch.node.encoder_precision``). The VAE stays in
+            natively, else fp32 (``zeropipe.launch.node_setup.encoder_precision``). The VAE stays in
             fp32, as diffusers' Wan and SDXL pipelines recommend (image VAEs overflow in half
             precision; it is small: 127M parameters for Wan).
     """

@@ -21,7 +21,7 @@ from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
-from zeropipe.launch.node import encoder_precision
+from zeropipe.launch.node_setup import encoder_precision
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
 from zeropipe.launch.resume import check_resume_schedule, prefer_exact_adam, previous_total_steps
 from zeropipe.rundir import RunDir, RunPlan

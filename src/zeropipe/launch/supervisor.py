@@ -162,11 +162,11 @@ class Supervisor:
     def start_setup(self) -> None:
         """Start the node's setup process; wait() starts the ranks once it has finished."""
         try:
-            log = open(self.run.node_log, "a")
+            log = open(self.run.node_setup_log, "a")
             log.write(f"==== zeropipe node setup ({self.node_setup}) started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
             log.flush()
             self.setup_proc = subprocess.Popen(
-                [sys.executable, "-m", "zeropipe.launch.node", str(self.run.path)],
+                [sys.executable, "-m", "zeropipe.launch.node_setup", str(self.run.path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -303,7 +303,7 @@ class Supervisor:
     def fail_setup(self, returncode: int) -> Outcome:
         """The node's setup process failed: no rank was started; say why as for a rank."""
         assert self.setup_proc is not None
-        failed = RankExit(0, returncode, time.time(), tail(self.run.node_log), self.run.read_json(self.run.node_error), self.setup_proc.pid, name="the node's setup process (caching)")
+        failed = RankExit(0, returncode, time.time(), tail(self.run.node_setup_log), self.run.read_json(self.run.node_setup_error), self.setup_proc.pid, name="the node's setup process (caching)")
         self.stop_all()
         total = psutil.virtual_memory().total
         settings = run_settings(self.run)

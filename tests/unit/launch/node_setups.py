@@ -1,4 +1,4 @@
-"""Node-setup functions the supervisor tests run in a real ``zeropipe.launch.node`` process."""
+"""Node-setup functions the supervisor tests run in a real ``zeropipe.launch.node_setup`` process."""
 
 import os
 import signal

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeropipe.launch.node import encoder_precision_for
+from zeropipe.launch.node_setup import encoder_precision_for
 from zeropipe.launch.supervisor import Supervisor
 from zeropipe.rundir import RunDir, RunPlan
 

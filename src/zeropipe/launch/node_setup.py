@@ -1,4 +1,4 @@
-"""Entry point of a node's setup process: ``python -m zeropipe.launch.node RUN_DIR``.
+"""Entry point of a node's setup process: ``python -m zeropipe.launch.node_setup RUN_DIR``.
 
 Some work is done once per node rather than once per rank: a diffusion run fills its latent
 and text-embedding caches there, so that a node holds one copy of each encoder (UMT5-XXL is
@@ -10,8 +10,8 @@ set by the family's data preparation), called with the run directory, the device
 node's first GPU, or the CPU) and the dtype to load frozen encoders in
 (:func:`encoder_precision`).
 
-Like a rank, it dies with its launcher and writes a failure to ``errors/node0.json`` for the
-launcher's diagnosis; its log is ``logs/node0.log``.
+Like a rank, it dies with its launcher and writes a failure to ``errors/node_setup.json`` for the
+launcher's diagnosis; its log is ``logs/node_setup.log``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("zeropipe").info("node setup (%s) on %s, text encoders in %s: %s", plan.node_setup, device, precision, why)
         setup(run, device, TORCH_DTYPES[precision])
     except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis
-        record_failure(run_dir, 0, err, stem="node0")
+        record_failure(run_dir, 0, err, stem="node_setup")
         traceback.print_exc()
         return 130 if isinstance(err, KeyboardInterrupt) else 1
     return 0
