@@ -41,7 +41,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diffusion_cache import smaps_rollup  # noqa: E402 - the PSS reader the diffusion cache benchmark uses
+from diffusion_cache import smaps_rollup  # the PSS reader the diffusion cache benchmark uses
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_ENCODER = {"d_model": 1024, "d_kv": 64, "d_ff": 2816, "num_layers": 24, "num_heads": 16, "vocab_size": 32128}
@@ -127,7 +127,6 @@ def measure(folder: Path, ranks: int) -> dict:
     if filled is None:
         raise SystemExit(f"{ranks}-rank run logged no 'caches filled' line: nothing was encoded?\n{output[-2000:]}")
     caching = [sample for sample in memory.samples if sample[0] <= filled]
-    training = [sample for sample in memory.samples if sample[0] > filled + 2]
     return {
         "ranks": ranks,
         "caching_pss_peak": max((pss for _, pss, _, _ in caching), default=0),

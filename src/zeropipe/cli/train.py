@@ -105,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
         assert outcome.diagnosis is not None
         say("")
         say("training failed: " + outcome.diagnosis.render())
-        say(f"resume after fixing it: {resume_command(args)}")
+        if outcome.diagnosis.process:  # the node's setup process: no rank ran, no checkpoint to resume from
+            say(f"run it again after fixing it (what was cached so far is kept): {resume_command(args).removesuffix(' --resume')}")
+        else:
+            say(f"resume after fixing it: {resume_command(args)}")
         return 1
     if outcome.state == "stopped":
         from zeropipe.checkpoint.manager import latest_checkpoint

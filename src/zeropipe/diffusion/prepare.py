@@ -246,8 +246,10 @@ def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]
     if boundary is None or not (index.get(second) or [None])[0] or not (pipeline_dir / second).is_dir():
         raise ConfigError([(
             "model.diffusion.expert",
-            f"{pipeline_dir} has one {arch.denoiser} (no {second}/ folder and boundary_ratio in model_index.json, as Wan 2.2 A14B has): "
-            "remove expert to train it on every timestep, or point model.path at a Wan 2.2 A14B directory",
+            (
+                f"{pipeline_dir} has one {arch.denoiser} (no {second}/ folder and boundary_ratio in model_index.json, as Wan 2.2 A14B has): "
+                "remove expert to train it on every timestep, or point model.path at a Wan 2.2 A14B directory"
+            ),
         )])
     boundary = float(boundary)
     if section.expert == "high_noise":

@@ -38,12 +38,12 @@ from zeropipe.diffusion.pipelines import (
     denoising_pipeline,
     denormalize_latents,
     encode_prompts,
+    image_encoder_parts,
+    image_encoding,
     latent_scaling,
     load_component,
     normalize_latents,
     single_file_renamer,
-    image_encoder_parts,
-    image_encoding,
     text_pipeline,
     vae_scale_factor,
 )
@@ -55,7 +55,6 @@ from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_
 from zeropipe.models.loading import load_pretrained
 
 log = logging.getLogger("zeropipe")
-
 
 
 def release_memory() -> None:

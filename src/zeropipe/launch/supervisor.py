@@ -319,7 +319,7 @@ class Supervisor:
             # Its memory does not depend on the ranks or ZeRO: it holds one copy of the frozen encoders.
             diagnosis.fix = (
                 "it holds one copy of the frozen encoders (text encoders and VAE) for the whole node: more RAM for the machine or container, "
-                "or fill the caches on a machine with a GPU (encoders load in bf16 there); then resume with --resume"
+                "or fill the caches on a machine with a GPU (encoders load in bf16 there); then start the run again"
             )
         self.record(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
         return self.outcome("failed", diagnosis)
