@@ -295,7 +295,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     plan = read_plan(run)
     arch = architecture_named(plan.architecture)
     pipeline_dir, cache_dir = Path(plan.pipeline_dir), Path(plan.cache_dir)
-    skipped = 0
+    skipped: set[int] = set()  # items unreadable now (they were readable when the launcher scanned them)
     if plan.missing_latents:
         vae = load_component(pipeline_dir, "vae", torch.float32, device)
         # Wan 2.1 I2V: the first frame's image embeddings too, by the pipeline's own encode_image.
@@ -313,7 +313,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                         prepared.append(load_item_pixels(plan, index, bucket, crop="center", flip=flip))
                         keys.append(key)
                     except DataError as err:
-                        skipped += 1
+                        skipped.add(index)
                         log.warning("skipping %s: %s", plan.items[index]["path"], err)
                 if not prepared:
                     continue
@@ -343,8 +343,8 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     what = "clip(s)" if plan.video else "image(s)"
     log.info(
         "caches filled: %d %s and %d caption(s) encoded on %s (text encoders in %s)%s",
-        len(plan.missing_latents) - skipped, what, len(plan.missing_texts), device, str(encoder_dtype).removeprefix("torch."),
-        f"; {skipped} unreadable now and skipped" if skipped else "",
+        len(plan.missing_latents) - len(skipped), what, len(plan.missing_texts), device, str(encoder_dtype).removeprefix("torch."),
+        f"; {len(skipped)} unreadable now and skipped" if skipped else "",
     )
 
 

@@ -220,3 +220,11 @@ def test_wan21_image_to_video_embeds_the_first_frame_as_its_pipeline_does_and_th
         )[0]
         got = i2v.predict(pipeline.transformer, noisy, timestep, {"prompt_embeds": prompt, "first_frame_latents": first_frame, "image_embeds": cached}, None)
     assert torch.equal(got, expected)
+
+
+def test_an_expert_key_on_a_unet_is_refused_before_anything_starts(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.families.diffusion import FAMILY
+
+    config = RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-sd15"}, "diffusion": {"expert": "high_noise"}}, "data": {"path": str(tmp_path)}})
+    assert ("model.diffusion.expert", "applies to Wan 2.2 A14B's two flow-matching transformers, not to a UNet: remove it") in FAMILY.config_problems(config)
