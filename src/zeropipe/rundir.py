@@ -88,6 +88,9 @@ class RunPlan:
     resume_data_position: dict | None = None  # DataPosition where the resumed run continues in its data, for all ranks together
     generate_prompts: list[str] = field(default_factory=list)
     created_at: float = 0.0
+    # "module:function" that one process per node runs, to the end, before the node's ranks start
+    # (a diffusion run fills its caches there); called with (RunDir, torch device, encoder dtype).
+    node_setup: str | None = None
 
 
 @dataclass
@@ -100,6 +103,8 @@ class PreparedData:
     prompts: list[str] = field(default_factory=list)  # generated (or drawn) at the end of the run
     notes: list[str] = field(default_factory=list)
     batching_note: str = ""  # why examples may not fill a step, said when they do not (e.g. one bucket per micro-batch)
+    # Work done once per node, in its own process, before the ranks start ("module:function", see RunPlan.node_setup).
+    node_setup: str | None = None
 
 
 class RunDir:
@@ -131,6 +136,10 @@ class RunDir:
 
     def rank_error(self, rank: int) -> Path:
         return self.errors / f"rank{rank}.json"
+
+    # The node's setup process (RunPlan.node_setup): one per node, before its ranks start.
+    node_setup_log = property(lambda self: self.logs / "node_setup.log")
+    node_setup_error = property(lambda self: self.errors / "node_setup.json")
 
     def read_config(self) -> "RunConfig":
         """The config the run was prepared with (config.yaml), without checking that its data paths still exist."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -249,3 +250,31 @@ def test_an_unreachable_node_is_named_and_nothing_starts(tmp_path):
     run_dir = tmp_path / "runs" / "unreachable"
     assert not list((run_dir / "logs").glob("rank*.log"))
     assert not processes_of(run_dir)
+
+
+def test_a_diffusion_run_on_two_nodes_fills_its_caches_once_before_any_node_starts_ranks(tmp_path, sshd):
+    """The caches are filled by one process on the launching node, into the shared run directory;
+    the node agents (and so every rank on every node) start after it and only read them."""
+    from zeropipe.diffusion.videos import generate_moving_shapes_dataset
+
+    clips = generate_moving_shapes_dataset(tmp_path / "videos", 4, seed=1, resolution=32, frames=5)
+    config = {
+        "run": {"name": "wan-nodes", "output_dir": str(tmp_path / "runs"), "seed": 3},
+        "model": {"config": {"pipeline": "tiny-wan"}, "lora": {"r": 4, "alpha": 4}},
+        "data": {"path": str(clips), "images": {"resolution": 32, "bucket_step": 16}, "video": {"frame_buckets": [1, 5]}},
+        "train": {"max_steps": 2, "micro_batch_size": 1, "log_every": 1},
+        "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+        "hardware": sshd.hardware(),
+    }
+    result = zeropipe("train", write_config(tmp_path, config, "wan-nodes.yaml"))
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / "wan-nodes"
+    setup_log = (run_dir / "logs" / "node_setup.log").read_text()
+    assert "caches filled" in setup_log
+    filled_at = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO caches filled", setup_log)[1]
+    for rank in (0, 1):
+        rank_log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert "caches filled" not in rank_log
+        assert re.search(rf"==== zeropipe rank {rank}/2 started (\S+ \S+) ====", rank_log)[1] >= filled_at
+    assert [row["step"] for row in metrics(run_dir) if "loss" in row] == [1, 2]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "completed"

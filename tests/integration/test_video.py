@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import av
@@ -33,6 +34,8 @@ def video_config(tmp_path: Path, name: str, data_dir: Path, **sections) -> Path:
     }
     for section, values in sections.items():
         config.setdefault(section, {}).update(values)
+    if "path" in config["model"]:  # a pipeline directory instead of the tiny preset
+        config["model"].pop("config")
     path = tmp_path / f"{name}.yaml"
     path.write_text("# Run it: zeropipe train " + path.name + "\n" + yaml.safe_dump(config, sort_keys=False))
     return path
@@ -68,8 +71,15 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
     assert "skipped 2 unusable file(s)" in output and "truncated.mp4" in output and "notes.webm" in output
     assert "clips per length: 4 of 1 frame(s), 12 of 9 frame(s) at 16 fps" in output
     run_dir = tmp_path / "runs" / "wan-lora"
-    # Latents split across the ranks (8 of 16 here); all 18 captions (and the text encoder) on one rank of the node only.
-    assert "cached 8 image latent(s) and 18 caption embedding(s) on this rank" in (run_dir / "logs" / "rank0.log").read_text()
+    # One process per node filled the caches (one VAE and one text encoder, whatever the number of
+    # GPUs) and ended before the ranks started; the ranks encoded nothing.
+    setup_log = (run_dir / "logs" / "node_setup.log").read_text()
+    assert "caches filled: 16 clip(s) and 18 caption(s) encoded on cpu (text encoders in float32)" in setup_log
+    filled_at = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO caches filled", setup_log)[1]
+    for rank in (0, 1):
+        rank_log = (run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert "cached" not in rank_log and "caches filled" not in rank_log
+        assert re.search(rf"==== zeropipe rank {rank}/2 started (\S+ \S+) ====", rank_log)[1] >= filled_at
     result_summary = summary(run_dir)
     assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
     assert 0 < result_summary["parameters"]["trainable"] < 0.5 * result_summary["parameters"]["total"]
@@ -107,16 +117,31 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
     assert torch.allclose(with_comfy_lora, with_diffusers_lora, atol=1e-4)
 
 
-def test_wan_full_finetune_of_the_low_noise_expert_with_checkpointing_reuses_caches_and_exports_a_pipeline(tmp_path):
-    """Full fine-tune, ZeRO-2, gradient checkpointing, max_t 0.875 (Wan 2.2's low-noise expert); a second run loads no encoder."""
+def test_wan22_low_noise_expert_from_a_comfyui_file_full_finetune_under_zero3_reuses_caches_and_exports_its_folder(tmp_path):
+    """Wan 2.2 A14B as its users have it: the diffusers folder plus the low-noise expert as a ComfyUI-layout file.
+
+    model.diffusion.expert low_noise trains transformer_2/ on t <= the boundary, its weights streamed
+    from the single file into ZeRO-3 partitions (full fine-tune, checkpointing); the export writes
+    transformer_2/; a second run loads no encoder.
+    """
+    from tests.unit.diffusion.test_single_file import write_original_checkpoint
+    from tests.unit.diffusion.test_wan import two_expert_pipeline
+
+    a14b = two_expert_pipeline(tmp_path / "pipelines")
+    low_noise_file = tmp_path / "wan2.2_t2v_low_noise_tiny_fp32.safetensors"
+    file_weights = write_original_checkpoint(low_noise_file, seed=11)
     data = clips(tmp_path, examples=12)
     config = video_config(
-        tmp_path, "wan-full", data, model={"config": {"pipeline": "tiny-wan"}, "gradient_checkpointing": True, "diffusion": {"max_t": 0.875}},
-        deepspeed={"zero_stage": 2, "precision": "fp32"}, train={"max_steps": 16, "micro_batch_size": 2, "lr": 5e-3, "warmup_steps": 1, "log_every": 2},
+        tmp_path, "wan-full", data,
+        model={"path": str(a14b), "gradient_checkpointing": True, "diffusion": {"expert": "low_noise", "denoiser_file": str(low_noise_file)}},
+        deepspeed={"zero_stage": 3, "precision": "fp32"}, train={"max_steps": 16, "micro_batch_size": 2, "lr": 5e-3, "warmup_steps": 1, "log_every": 2},
     )
     result = zeropipe("train", config, cwd=tmp_path)
     assert_ok(result)
+    assert "training the low-noise expert (transformer_2/) on noise levels 0 to 0.875" in result.stdout + result.stderr
     run_dir = tmp_path / "runs" / "wan-full"
+    rank_log = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"from {low_noise_file}" in rank_log and "(its ZeRO-3 partitions)" in rank_log
     result_summary = summary(run_dir)
     assert result_summary["fixed_batch_loss_end"] < 0.9 * result_summary["fixed_batch_loss_start"], result_summary
     rows = metrics(run_dir)
@@ -130,15 +155,26 @@ def test_wan_full_finetune_of_the_low_noise_expert_with_checkpointing_reuses_cac
     assert "caches complete: the training ranks will not load the VAE or the text encoders" in second.stdout + second.stderr
     assert all(row["frozen_components_loaded"] == [] for row in metrics(tmp_path / "runs" / "wan-again"))
     assert "cached" not in (tmp_path / "runs" / "wan-again" / "logs" / "rank1.log").read_text()
+    assert not (tmp_path / "runs" / "wan-again" / "logs" / "node_setup.log").exists()  # nothing to encode: no caching process
 
+    # The export replaces transformer_2/ with the trained low-noise expert, grown from the file's
+    # weights (not the folder's), and keeps transformer/ (the high-noise expert) as it was.
     out = tmp_path / "export"
     assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import WanPipeline
 
     pipeline = WanPipeline.from_pretrained(str(out))
-    initial = WanPipeline.from_pretrained(str(run_dir / "pipeline")).transformer.state_dict()
-    trained = pipeline.transformer.state_dict()
-    assert any(not torch.equal(trained[key], initial[key]) for key in trained)
+    base = WanPipeline.from_pretrained(str(a14b))
+    assert pipeline.config.boundary_ratio == 0.875
+    trained, folder_weights = pipeline.transformer_2.state_dict(), base.transformer_2.state_dict()
+
+    def distance(weights):
+        return sum(float((trained[key] - weights[key]).abs().sum()) for key in file_weights)
+
+    assert any(not torch.equal(trained[key], file_weights[key]) for key in file_weights)
+    assert distance(file_weights) < 0.5 * distance(folder_weights)
+    high_noise, initial_high = pipeline.transformer.state_dict(), base.transformer.state_dict()
+    assert all(torch.equal(high_noise[key], initial_high[key]) for key in high_noise)
     assert draw(pipeline).shape == (1, 5, 32, 32, 3)
 
 
@@ -155,12 +191,15 @@ def test_a_mostly_broken_video_folder_is_refused_before_any_rank_starts(tmp_path
     assert not (tmp_path / "runs" / "broken" / "logs" / "rank0.log").exists()
 
 
-def test_wan_image_to_video_lora_trains_on_first_frame_conditioning_and_exports(tmp_path):
-    """I2V (Wan 2.2 I2V layout: 36 input channels): LoRA under ZeRO-3, loss falls, WanImageToVideoPipeline loads the LoRA."""
+def test_wan21_image_to_video_lora_with_clip_embeddings_samples_from_a_first_frame_and_exports(tmp_path):
+    """I2V (Wan 2.1 I2V layout: first-frame latents and CLIP image embeddings): LoRA under ZeRO-3, loss falls, samples drawn from a dataset clip's first frame, the LoRA loads."""
+    from tests.unit.diffusion.test_wan import wan21_i2v_pipeline
+
+    folder = wan21_i2v_pipeline(tmp_path / "pipelines")
     config = video_config(
-        tmp_path, "wan-i2v", clips(tmp_path, examples=12), model={"config": {"pipeline": "tiny-wan-i2v"}, "lora": {"r": 8, "alpha": 16}},
+        tmp_path, "wan-i2v", clips(tmp_path, examples=12), model={"path": str(folder), "lora": {"r": 8, "alpha": 16}},
         data={"video": {"frame_buckets": [9]}}, train={"max_steps": 10, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
-        generate={"prompts": None},
+        generate={"prompts": [PROMPT], "sample_steps": 2, "sample_every": 10},
     )
     result = zeropipe("train", config, cwd=tmp_path)
     assert_ok(result)
@@ -170,6 +209,16 @@ def test_wan_image_to_video_lora_trains_on_first_frame_conditioning_and_exports(
     run_dir = tmp_path / "runs" / "wan-i2v"
     result_summary = summary(run_dir)
     assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
+    # The first frame's CLIP embeddings (the image encoder's penultimate hidden states) are cached with each clip's latents.
+    from safetensors.torch import load_file
+
+    entries = [load_file(str(path)) for path in (tmp_path / "cache" / "latents").rglob("*.safetensors")]
+    assert len(entries) == 9 and all(entry["image_embeds"].shape == (17, 32) and "condition" in entry for entry in entries)
+    # A sample video drawn from a dataset clip's first frame.
+    rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [10] and rows[0]["frames"] == 9 and rows[0]["first_frame"].endswith(".mp4")
+    with av.open(str(run_dir / "samples" / rows[0]["video"])) as container:
+        assert sum(1 for _ in container.decode(container.streams.video[0])) == 9
 
     out = tmp_path / "lora"
     assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
@@ -182,36 +231,11 @@ def test_wan_image_to_video_lora_trains_on_first_frame_conditioning_and_exports(
         frames = pipeline(image=image, prompt=PROMPT, num_frames=5, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0)).frames
         return torch.from_numpy(frames)
 
-    pipeline = WanImageToVideoPipeline.from_pretrained(str(run_dir / "pipeline"))
+    pipeline = WanImageToVideoPipeline.from_pretrained(str(folder))
     before = draw_from_image(pipeline)
     pipeline.load_lora_weights(str(out))
     after = draw_from_image(pipeline)
     assert after.shape == (1, 5, 32, 32, 3) and (after - before).abs().max() > 1e-3
-    comfy = WanImageToVideoPipeline.from_pretrained(str(run_dir / "pipeline"))
+    comfy = WanImageToVideoPipeline.from_pretrained(str(folder))
     comfy.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")
     assert torch.allclose(draw_from_image(comfy), after, atol=1e-4)
-
-
-def test_a_single_file_original_layout_transformer_loads_under_zero3(tmp_path):
-    """model.diffusion.denoiser_file: an original-layout .safetensors (as ComfyUI users have) streamed into ZeRO-3 partitions."""
-    from tests.unit.diffusion.test_single_file import write_original_checkpoint
-
-    single_file = tmp_path / "wan2.1_t2v_tiny_bf16.safetensors"
-    expected = write_original_checkpoint(single_file, seed=11)
-    config = video_config(
-        tmp_path, "wan-single", clips(tmp_path, examples=8), model={"config": {"pipeline": "tiny-wan"}, "diffusion": {"denoiser_file": str(single_file)}},
-        train={"max_steps": 2, "micro_batch_size": 2, "lr": 1e-9, "warmup_steps": 1, "log_every": 1}, generate={"prompts": None},
-    )
-    result = zeropipe("train", config, cwd=tmp_path)
-    assert_ok(result)
-    run_dir = tmp_path / "runs" / "wan-single"
-    assert f"from {single_file}" in (run_dir / "logs" / "rank0.log").read_text() and "(its ZeRO-3 partitions)" in (run_dir / "logs" / "rank0.log").read_text()
-    out = tmp_path / "export"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
-    from diffusers import WanTransformer3DModel
-
-    trained = WanTransformer3DModel.from_pretrained(str(out / "transformer")).state_dict()
-    # The file's weights, not the pipeline directory's random ones (two steps at lr 1e-9 move nothing visible).
-    assert all(torch.allclose(trained[key], expected[key], atol=1e-5) for key in expected)
-    original = WanTransformer3DModel.from_pretrained(str(run_dir / "pipeline" / "transformer")).state_dict()
-    assert not torch.allclose(original["blocks.0.attn1.to_q.weight"], expected["blocks.0.attn1.to_q.weight"])

@@ -31,7 +31,7 @@ def register(commands) -> None:
 
     logs = sub.add_parser("logs", parents=[common], help="the last lines of a rank's log (or the launcher's)")
     logs.add_argument("run_ref", metavar="RUN")
-    logs.add_argument("--rank", default="0", help="rank number, or 'launcher' (default 0)")
+    logs.add_argument("--rank", default="0", help="rank number, 'launcher', or 'node_setup' (the caching process run before the ranks) (default 0)")
     logs.add_argument("-n", "--lines", type=int, default=50, help="lines to show (default 50)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends (Ctrl-C to quit)")
     logs.set_defaults(run=run_logs)
@@ -106,7 +106,7 @@ def run_show(args: argparse.Namespace) -> int:
 def run_logs(args: argparse.Namespace) -> int:
     store = open_store(args)
     run = store.run(args.run_ref)
-    name = args.rank if args.rank == "launcher" else f"rank{args.rank}"
+    name = args.rank if args.rank in ("launcher", "node_setup") else f"rank{args.rank}"
     lines = store.read_log(run, name, args.lines)
     for line in lines:
         print(line)

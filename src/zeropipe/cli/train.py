@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         supervisor = Supervisor(run_dir, plan.world_size, plan.accelerator, config.hardware.master_port, on_tick=progress.update)
     try:
         supervisor.start()
+        if plan.node_setup:
+            say(f"filling the caches first (log: {run_dir.node_setup_log}); the ranks start when it is done")
         say(f"logs: {run_dir.logs}/rank*.log (the first start on a machine builds DeepSpeed's CPU ops: about a minute)")
         outcome = supervisor.wait()
     except OSError as err:
@@ -120,7 +122,10 @@ def run(args: argparse.Namespace) -> int:
         assert outcome.diagnosis is not None
         say("")
         say("training failed: " + outcome.diagnosis.render())
-        say(f"resume after fixing it: {resume_command(args)}")
+        if outcome.diagnosis.process:  # the node's setup process: no rank ran, no checkpoint to resume from
+            say(f"run it again after fixing it (what was cached so far is kept): {resume_command(args).removesuffix(' --resume')}")
+        else:
+            say(f"resume after fixing it: {resume_command(args)}")
         return 1
     if outcome.state == "stopped":
         from zeropipe.checkpoint.manager import latest_checkpoint

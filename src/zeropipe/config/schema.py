@@ -77,6 +77,12 @@ class DiffusionSection(Section):
     max_t: float = Field(
         1.0, ge=0, le=1, description="Flow matching: train only on noise levels t <= max_t. Wan 2.2 A14B's low-noise expert: max_t 0.875 (T2V; 0.9 for I2V)."
     )
+    expert: Literal["high_noise", "low_noise"] | None = Field(
+        None,
+        description="Wan 2.2 A14B (a pipeline with transformer/ and transformer_2/ and a boundary_ratio): the expert to train. "
+        "high_noise trains transformer/ on t >= the boundary (0.875 T2V, 0.9 I2V), low_noise trains transformer_2/ on t <= it; "
+        "min_t/max_t left at 0/1 are set to that side, and the export writes the expert's own folder.",
+    )
     denoiser_file: str | None = Field(
         None,
         description="A single-file checkpoint (.safetensors) of the transformer or UNet in its original or ComfyUI layout (e.g. wan2.1_t2v_14B_bf16.safetensors), "

@@ -22,13 +22,13 @@ from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
 
 def trainable_architecture(kind: str) -> str | None:
-    """ZeRO-Pipe's image architecture entry for a diffusion-pipe [model] type (the names coincide), or None.
+    """ZeRO-Pipe's architecture entry for a diffusion-pipe [model] type (the names coincide), or None."""
+    return kind if kind in architectures() else None
 
-    Video entries (Wan) train in ZeRO-Pipe, but this converter does not map diffusion-pipe's
-    video dataset keys yet (frame_buckets, video_clip_mode...): their configs stay blocked.
-    """
+
+def is_video(kind: str) -> bool:
     arch = architectures().get(kind)
-    return kind if arch is not None and not arch.video else None
+    return arch.video if arch is not None else kind in VIDEO_TYPES
 
 
 VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack")
@@ -40,6 +40,10 @@ SCHEDULES = ("constant", "linear", "cosine")
 SIZE_MULTIPLE = 32
 LR_DEFAULT = 2e-5  # ZeRO-Pipe's train.lr when the file sets none
 VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".gif")
+# diffusion-pipe's video_clip_mode -> data.video.clip_mode
+CLIP_MODES = {"single_beginning": "start", "single_middle": "middle", "multiple_overlapping": "multiple"}
+# Wan 2.2 A14B: diffusion-pipe names the expert by transformer_path (its subfolder or its ComfyUI file).
+EXPERT_NAMES = {"low_noise": "low_noise", "high_noise": "high_noise"}
 
 # Keys with no ZeRO-Pipe counterpart, and why.
 NOT_MAPPED = {
@@ -61,16 +65,15 @@ NOT_MAPPED = {
     "checkpoint_every_n_epochs": "ZeRO-Pipe checkpoints every train.save_every steps (a final one always); `zeropipe train FILE --resume` continues from the latest",
     "checkpoint_every_n_minutes": "ZeRO-Pipe checkpoints every train.save_every steps, not by the clock; `zeropipe train FILE --resume` continues from the latest",
     "save_dtype": "chosen at export: `zeropipe export RUN --out DIR --dtype bf16`",
-    "caching_batch_size": "caches are filled by every rank, one micro-batch at a time",
+    "caching_batch_size": "caches are filled by one process per node before the ranks start (8 images or clips per VAE call, 16 captions per text-encoder call)",
     "map_num_proc": "images are decoded once by the launcher; no worker pool to size",
     "compile": "torch.compile is not used",
     "steps_per_print": "rank 0 logs every train.log_every steps; metrics.jsonl has every step",
-    "video_clip_mode": "video is not supported yet",
     "x_axis_examples": "metrics.jsonl records both the step and the samples per second",
     "reentrant_activation_checkpointing": "ZeRO-Pipe picks the checkpointing implementation",
     "pseudo_huber_c": "ZeRO-Pipe trains with the mean squared error",
     "force_constant_lr": "set train.lr and train.schedule: constant",
-    "image_micro_batch_size_per_gpu": "mixed image/video batches: video is not supported yet, images use train.micro_batch_size",
+    "image_micro_batch_size_per_gpu": "one micro-batch size for clips and images alike (train.micro_batch_size); a micro-batch holds one bucket (size and length)",
     "upload_hf_from_epoch": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
     "huggingface_repo": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
     "lr_scheduler_eta_min": "the schedule decays to train.min_lr_ratio x lr",
@@ -88,7 +91,7 @@ MODEL_NOT_MAPPED = {
     "vae_path": "the VAE comes from the diffusers pipeline folder",
     "t5_path": "text encoders come from the diffusers pipeline folder",
     "single_file_path": "ZeRO-Pipe loads diffusers pipeline folders; single files are not read",
-    "first_frame_conditioning_p": "video is not supported yet",
+    "first_frame_conditioning_p": "image-to-video is trained from an image-to-video pipeline (WanImageToVideoPipeline, always conditioned on the first frame); there is no probability to set",
 }
 DATASET_NOT_MAPPED = {
     "num_ar_buckets": "ZeRO-Pipe makes every bucket of about resolution^2 pixels whose sides are multiples of data.images.bucket_step, up to data.images.max_aspect",
@@ -112,6 +115,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
     if not isinstance(model, dict) or "type" not in model:
         raise ConversionError(f"{path}: no [model] table with a type (e.g. type = 'flux'): this does not look like a diffusion-pipe config")
     _model(conversion, dict(model), path.parent)
+    video = is_video(str(model["type"]))
     adapter = rest.pop("adapter", None)
     if isinstance(adapter, dict):
         _adapter(conversion, dict(adapter))
@@ -125,6 +129,14 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
         _monitoring(conversion, dict(monitoring))
 
     _training(conversion, rest)
+    clip_mode = rest.pop("video_clip_mode", None)
+    if clip_mode is not None:
+        if not video:
+            conversion.skip("video_clip_mode", f"{clip_mode!r}: applies to video models only")
+        elif clip_mode in CLIP_MODES:
+            conversion.set("data.video.clip_mode", CLIP_MODES[clip_mode], f"from video_clip_mode = {clip_mode!r}")
+        else:
+            conversion.skip("video_clip_mode", f"{clip_mode!r}: ZeRO-Pipe takes {', '.join(CLIP_MODES)} (data.video.clip_mode start, middle, multiple)")
 
     dataset = rest.pop("dataset", None)
     if not isinstance(dataset, str):
@@ -134,7 +146,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
         raise ConversionError(
             f"{path}: dataset = {dataset!r} not found (looked relative to {Path.cwd()} and {path.parent}): fix the path"
         )
-    _dataset(conversion, dataset_path, links_dir or dataset_path.with_name(dataset_path.stem + ".zeropipe-images"))
+    _dataset(conversion, dataset_path, links_dir or dataset_path.with_name(dataset_path.stem + ".zeropipe-images"), video)
 
     for key, value in rest.items():
         conversion.skip(key, NOT_MAPPED.get(key, f"not a diffusion-pipe key ZeRO-Pipe knows ({value!r}): left out"))
@@ -146,16 +158,10 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
     arch = trainable_architecture(kind)
     if arch is None:
         what = "a video model" if kind in VIDEO_TYPES else "an image architecture"
-        if kind in architectures():
-            reason = (
-                f"[model] type = {kind!r} is {what} ZeRO-Pipe trains, but this converter does not map diffusion-pipe's video dataset "
-                "keys yet: write the data section by hand (docs/video.md)"
-            )
-        else:
-            reason = (
-                f"[model] type = {kind!r} is {what} ZeRO-Pipe does not train yet (it trains {', '.join(architectures())} pipelines); "
-                "the rest of this file is converted so that it runs once the architecture is added"
-            )
+        reason = (
+            f"[model] type = {kind!r} is {what} ZeRO-Pipe does not train yet (it trains {', '.join(architectures())} pipelines); "
+            "the rest of this file is converted so that it runs once the architecture is added"
+        )
         conversion.blocking.append(reason)
         conversion.skip("model.type", reason)
     dtype = model.pop("dtype", None)
@@ -182,13 +188,24 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
                     f"{value} is a single-file checkpoint; ZeRO-Pipe loads diffusers pipeline folders: "
                     f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
                 )
+            elif kind in DIFFUSERS_RELEASES:
+                why = (
+                    f"{value} is not a diffusers pipeline folder (no model_index.json there): ZeRO-Pipe reads it from the diffusers "
+                    f"release of the same model (e.g. {DIFFUSERS_RELEASES[kind].format(name=Path(value).name)}): point model.path at it"
+                )
             else:
                 why = f"{value} is not a diffusers pipeline folder (no model_index.json there): point model.path at one"
             conversion.skip(f"model.{key}", why)
         for other in named[1:]:
             conversion.skip(f"model.{other}", f"model.path is taken from {key}; {other} = {model.pop(other)!r} is not used")
     if "transformer_path" in model:
-        conversion.skip("model.transformer_path", f"{model.pop('transformer_path')!r}: single-file transformer overrides are not read; the denoiser comes from model.path")
+        if kind in TRANSFORMER_PATHS:
+            TRANSFORMER_PATHS[kind](conversion, str(model.pop("transformer_path")), base)
+        else:
+            conversion.skip("model.transformer_path", f"{model.pop('transformer_path')!r}: single-file transformer overrides are not read; the denoiser comes from model.path")
+    for bound in ("min_t", "max_t"):
+        if bound in model:
+            conversion.set(f"model.diffusion.{bound}", to_float(model.pop(bound), f"model.{bound}"), f"from [model] {bound} (the training timestep range, 0 no noise, 1 pure noise)")
 
     sampling = model.pop("timestep_sample_method", None)
     if sampling is not None:
@@ -206,6 +223,28 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         conversion.set("train.lr", to_float(unet_lr, "model.unet_lr"), "from [model] unet_lr (the UNet is what trains)")
     for key, value in model.items():
         conversion.skip(f"model.{key}", MODEL_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
+
+
+def _wan_transformer(conversion: Conversion, value: str, base: Path) -> None:
+    """diffusion-pipe's Wan transformer_path: a ComfyUI/original single file, or Wan 2.2 A14B's expert subfolder."""
+    found = find_path(value, Path.cwd(), base)
+    expert = next((name for marker, name in EXPERT_NAMES.items() if marker in Path(value).name.lower()), None)
+    if expert is not None:
+        conversion.set(
+            "model.diffusion.expert", expert,
+            f"from [model] transformer_path = {value!r}: Wan 2.2 A14B's {expert.replace('_', '-')} expert "
+            f"({'transformer_2' if expert == 'low_noise' else 'transformer'}/ of the diffusers pipeline; min_t/max_t default to its side of the boundary)",
+        )
+    if (found is not None and found.is_file()) or Path(value).suffix == ".safetensors":
+        conversion.set("model.diffusion.denoiser_file", str(found or value), f"from [model] transformer_path = {value!r}: a single-file transformer (original or ComfyUI layout) loaded over model.path's")
+    elif expert is None:
+        conversion.skip("model.transformer_path", f"{value!r}: neither a .safetensors file nor an expert subfolder (low_noise_model / high_noise_model): the transformer comes from model.path")
+
+
+# [model] types whose transformer_path ZeRO-Pipe reads, and how; types whose original checkpoint
+# folders have a diffusers release of their own on the Hub (the name it goes by there).
+TRANSFORMER_PATHS = {"wan": _wan_transformer}
+DIFFUSERS_RELEASES = {"wan": "Wan-AI/{name}-Diffusers"}
 
 
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
@@ -337,7 +376,7 @@ def _resolution(value: Any) -> int:
     return to_int(value, "resolutions")
 
 
-def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
+def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = False) -> None:
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8", errors="replace"))
     except tomllib.TOMLDecodeError as err:
@@ -358,8 +397,21 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
         aspect = max(float(max_ar or 1.0), 1.0 / float(min_ar or 1.0))
         conversion.set("data.images.max_aspect", round(aspect, 3), f"from {where} min_ar = {min_ar}, max_ar = {max_ar}: the most elongated bucket either way")
     frames = rest.pop("frame_buckets", None)
-    if frames is not None and [to_int(f, "frame_buckets") for f in (frames if isinstance(frames, list) else [frames])] != [1]:
-        conversion.skip("dataset.frame_buckets", f"{frames}: video is not supported yet; images (frame bucket 1) train")
+    buckets = sorted({to_int(f, "frame_buckets") for f in (frames if isinstance(frames, list) else [frames])}) if frames is not None else None
+    if video:
+        # diffusion-pipe always has the image bucket (1), and its default is images only.
+        buckets = sorted(set(buckets or []) | {1})
+        conversion.set(
+            "data.video.frame_buckets", buckets,
+            f"from {where} frame_buckets = {frames}" if frames is not None else "diffusion-pipe's default frame_buckets is [1] (images only)",
+        )
+        conversion.skip(
+            "dataset.frame_buckets (short videos)",
+            "a video shorter than the shortest bucket above 1 is dropped by diffusion-pipe, and trains as a one-frame clip (its first frame) in ZeRO-Pipe: "
+            "remove such videos to keep them out",
+        )
+    elif buckets is not None and buckets != [1]:
+        conversion.skip("dataset.frame_buckets", f"{frames}: this is an image model; images (frame bucket 1) train")
 
     directories = rest.pop("directory", [])
     if not directories:
@@ -388,7 +440,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path) -> None:
 
     linked = not (len(kept) == 1 and kept[0][1] == 1)
     for folder, repeats, concept, key in kept:
-        _check_folder(conversion, key, folder, concept if linked else None)
+        _check_folder(conversion, key, folder, concept if linked else None, video)
     if not linked:
         conversion.set("data.path", str(kept[0][0]), f"from {where} [[directory]] path: images with .txt captions beside them")
     elif kept:
@@ -410,14 +462,14 @@ def _concept(folder: Path, taken: set[str]) -> str:
     return candidate
 
 
-def _check_folder(conversion: Conversion, key: str, folder: Path, concept: str | None) -> None:
+def _check_folder(conversion: Conversion, key: str, folder: Path, concept: str | None, video: bool = False) -> None:
     """Say what the kohya/flat layouts read differently from diffusion-pipe in this folder."""
 
     files = [p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")]
     images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
     videos = [p for p in files if p.suffix.lower() in VIDEO_SUFFIXES]
-    if videos:
-        conversion.skip(f"{key} (videos)", f"{len(videos)} video file(s) in {folder}: video is not supported yet; only its {len(images)} image(s) train")
+    if videos and not video:
+        conversion.skip(f"{key} (videos)", f"{len(videos)} video file(s) in {folder}: this is an image model; only its {len(images)} image(s) train")
     uncaptioned = [p for p in images if not p.with_suffix(".txt").is_file()]
     if uncaptioned and concept is not None:
         # Only the kohya layout differs: a flat folder also trains uncaptioned images with the empty caption.

@@ -1,4 +1,4 @@
-"""Latent and text-embedding caches: encoded once, split across ranks, reused by later runs.
+"""Latent and text-embedding caches: encoded once per node before the ranks start, reused by later runs.
 
 Each entry is one safetensors file named by a key that hashes everything it depends on:
 

@@ -303,9 +303,36 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     return pipeline
 
 
-def denoising_pipeline(pipeline_dir: Path, arch: Architecture, denoiser):
-    """The architecture's pipeline around a (possibly ZeRO-3 partitioned) denoiser, without VAE or text encoders."""
-    return _assemble(arch.pipeline(), arch, pipeline_dir, {arch.denoiser: denoiser})
+def image_encoding(pipeline_dir: Path, arch: Architecture) -> bool:
+    """Whether this image-to-video pipeline also embeds the first frame with an image encoder (Wan 2.1 I2V's CLIP)."""
+    if not arch.image_encoders:
+        return False
+    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
+    return all((index.get(name) or [None])[0] for name in arch.image_encoders)
+
+
+def image_encoder_parts(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """The image encoder and its processor, as pipeline components (``arch.image_encoders``)."""
+    import transformers
+
+    encoder, processor = arch.image_encoders
+    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
+    processor_class = getattr(transformers, index[processor][1])
+    return {encoder: load_component(pipeline_dir, encoder, dtype, device), processor: processor_class.from_pretrained(str(Path(pipeline_dir) / processor))}
+
+
+def image_encoder_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device):
+    """The architecture's pipeline holding only its image encoder: its encode_image is the reference."""
+    return _assemble(arch.pipeline(), arch, pipeline_dir, image_encoder_parts(pipeline_dir, arch, dtype, device))
+
+
+def denoising_pipeline(pipeline_dir: Path, arch: Architecture, denoiser, **frozen):
+    """The architecture's pipeline around a (possibly ZeRO-3 partitioned) denoiser, without text encoders.
+
+    ``frozen`` adds the components a pipeline needs besides the denoiser to start sampling
+    (image-to-video: the VAE, which encodes the first frame); without, it has no VAE.
+    """
+    return _assemble(arch.pipeline(), arch, pipeline_dir, {arch.denoiser: denoiser, **frozen})
 
 
 @torch.no_grad()

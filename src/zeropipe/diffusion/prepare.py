@@ -1,37 +1,55 @@
-"""The launcher's part of a diffusion run: the pipeline, the images, the buckets and the cache plan.
+"""The launcher's part of a diffusion run: the pipeline, the images, the buckets and the caches.
 
 Everything here happens once, before any rank starts: an unreadable image or an impossible
 bucket is reported now, not hours in. The result is ``RUN/data/diffusion.json``, which every
 rank reads: the items with their buckets and cache keys, and which cache entries are
-missing (the ranks encode those, each its share, before training).
+missing. Those are encoded by :func:`fill_caches`, which one process per node runs before
+the node's ranks start (``PreparedData.node_setup``; ``zeropipe.launch.node_setup``): the node
+holds one copy of the VAE and of the text encoders whatever its number of GPUs, and the
+ranks, started after, only read the caches and never load an encoder.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion import cache
-from zeropipe.diffusion.architectures import architecture_of
+from zeropipe.diffusion.architectures import architecture_named, architecture_of
 from zeropipe.diffusion.images import (
+    PreparedImage,
     assign_bucket,
     generate_shapes_dataset,
+    load_image_for_bucket,
     make_buckets,
     micro_batches_per_rank,
     scan_image_folder,
     shape_prompts,
 )
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, fingerprint_files, vae_scale_factor
+from zeropipe.diffusion.pipelines import (
+    build_tiny_pipeline,
+    encode_prompts,
+    fingerprint_files,
+    image_encoder_pipeline,
+    image_encoding,
+    load_component,
+    text_pipeline,
+    vae_scale_factor,
+)
 from zeropipe.diffusion.videos import (
     VIDEO_SUFFIXES,
     check_frame_buckets,
     clip_starts,
     generate_moving_shapes_dataset,
+    load_clip_for_bucket,
     moving_shapes_prompts,
     probe_video,
     resampled_frames,
@@ -41,6 +59,10 @@ from zeropipe.rundir import PreparedData, RunDir
 
 PLAN_FILE = "diffusion.json"
 BAD_SHOWN = 3
+TEXT_BATCH = 16  # captions per text-encoder call while caching
+LATENT_BATCH = 8  # images or clips per VAE call while caching
+
+log = logging.getLogger("zeropipe")
 
 
 def pipeline_dir_for(config: RunConfig, run: RunDir) -> Path:
@@ -65,13 +87,18 @@ class DiffusionPlan:
     flips: list[bool]
     latent_keys: list[list[str]]  # per item, per flip
     text_keys: dict[str, str]  # caption -> cache key
-    missing_latents: list[int]  # items whose latents the ranks encode before training
+    missing_latents: list[int]  # items whose latents the node's setup process encodes before the ranks start (fill_caches)
     missing_texts: list[str]
     prompts: list[str]
     bad_images: list[str]
     video: bool = False  # latents have a time axis; items are clips
     fps: float | None = None  # frame rate clips are taken at
     sample_frames: int = 1  # length of the sample videos
+    denoiser: str = ""  # the pipeline folder trained: the architecture's denoiser, or Wan 2.2's transformer_2 (model.diffusion.expert)
+
+    def __post_init__(self):
+        if not self.denoiser:  # a plan written before experts: the architecture's own
+            self.denoiser = architecture_named(self.architecture).denoiser
 
     def write(self, run: RunDir) -> None:
         run.data.mkdir(exist_ok=True)
@@ -89,6 +116,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed)
         notes.append(f"built the {config.model.config['pipeline']} pipeline with random weights in {pipeline_dir}")
     arch = architecture_of(pipeline_dir)
+    denoiser = resolve_expert(config, arch, pipeline_dir, notes)
     images = config.data.images
     if images.crop == "random" and config.data.cache.latents:
         raise ConfigError([("data.images.crop", "random crops cannot come from cached latents: set crop: center, or data.cache.latents: false")])
@@ -130,6 +158,12 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     cache_dir = cache_dir_for(config).resolve()
     fingerprints = cache_dir / "fingerprints.json"
     vae_fp = fingerprint_files(pipeline_dir / "vae", fingerprints)
+    first_frame_embeddings = image_encoding(pipeline_dir, arch)
+    if first_frame_embeddings:
+        # Wan 2.1 I2V: the first frame's image embeddings are cached with the latents, so they depend on its encoder too.
+        if not config.data.cache.latents:
+            raise ConfigError([("data.cache.latents", f"this {arch.name} pipeline's first-frame image embeddings ({arch.image_encoders[0]}) come from the latent cache: set data.cache.latents: true")])
+        vae_fp = cache._digest(vae_fp, *(fingerprint_files(pipeline_dir / name, fingerprints) for name in arch.image_encoders))
     text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers)) + f"/{arch.name}"
     text_fp = cache._digest(text_fp)
     prompts = list(config.generate.prompts or [])
@@ -139,7 +173,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
 
     flips = [False, True] if images.flip > 0 else [False]
     latent_keys = [
-        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
+        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip, first_frame_embeddings), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
         for item, bucket in zip(items, item_buckets)
     ]
     texts = sorted({item["caption"] for item in items} | {""} | set(prompts))
@@ -175,6 +209,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         video=arch.video,
         fps=fps,
         sample_frames=sample_frames,
+        denoiser=denoiser,
     ).write(run)
     return PreparedData(
         examples=sum(repeats),
@@ -183,6 +218,133 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         prompts=prompts,
         notes=notes,
         batching_note="a micro-batch takes clips of one bucket (size and length) only" if arch.video else "a micro-batch takes images of one bucket only",
+        node_setup="zeropipe.diffusion.prepare:fill_caches" if missing_latents or missing_texts else None,
+    )
+
+
+def first_frame_image(pixels: torch.Tensor):
+    """The first frame of a clip (3, T, H, W) or an image (3, H, W) in [-1, 1], as the PIL image a pipeline takes."""
+    from PIL import Image
+
+    frame = pixels[:, 0] if pixels.dim() == 4 else pixels
+    return Image.fromarray(((frame.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy())
+
+
+def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]) -> str:
+    """The pipeline folder the run trains; for a Wan 2.2 A14B expert, min_t/max_t set to its side of the boundary.
+
+    The pipeline's ``transformer`` handles t >= ``boundary_ratio`` (the high-noise expert),
+    ``transformer_2`` the rest (WanPipeline's rule). The resolved range is written into the
+    run's config.yaml, so the ranks and the export read the same.
+    """
+    section = config.model.diffusion
+    if section.expert is None:
+        return arch.denoiser
+    index = json.loads((pipeline_dir / "model_index.json").read_text())
+    second = f"{arch.denoiser}_2"
+    boundary = index.get("boundary_ratio")
+    if boundary is None or not (index.get(second) or [None])[0] or not (pipeline_dir / second).is_dir():
+        raise ConfigError([(
+            "model.diffusion.expert",
+            (
+                f"{pipeline_dir} has one {arch.denoiser} (no {second}/ folder and boundary_ratio in model_index.json, as Wan 2.2 A14B has): "
+                "remove expert to train it on every timestep, or point model.path at a Wan 2.2 A14B directory"
+            ),
+        )])
+    boundary = float(boundary)
+    if section.expert == "high_noise":
+        if section.min_t == 0:
+            section.min_t = boundary
+        elif section.min_t < boundary:
+            raise ConfigError([("model.diffusion.min_t", f"{section.min_t} reaches below the boundary {boundary}, where the low-noise expert ({second}) denoises: raise it to {boundary} or leave it out")])
+        folder = arch.denoiser
+    else:
+        if section.max_t == 1:
+            section.max_t = boundary
+        elif section.max_t > boundary:
+            raise ConfigError([("model.diffusion.max_t", f"{section.max_t} reaches above the boundary {boundary}, where the high-noise expert ({arch.denoiser}) denoises: lower it to {boundary} or leave it out")])
+        folder = second
+    notes.append(f"training the {section.expert.replace('_', '-')} expert ({folder}/) on noise levels {section.min_t:g} to {section.max_t:g} (the pipeline's boundary: {boundary:g})")
+    return folder
+
+
+def load_item_pixels(plan: DiffusionPlan, index: int, bucket: tuple[int, ...], crop: str, flip: bool, rng=None) -> PreparedImage:
+    """An item's pixels at its bucket: an image (3, H, W), or for video models a clip (3, T, H, W) (an image is one frame)."""
+    item = plan.items[index]
+    if plan.video:
+        return load_clip_for_bucket(Path(item["path"]), tuple(bucket), item["start"], item["fps"], plan.fps, crop=crop, flip=flip, rng=rng)
+    return load_image_for_bucket(Path(item["path"]), tuple(bucket), crop=crop, flip=flip, rng=rng)
+
+
+def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -> None:
+    """Encode the cache entries the plan found missing, in one process for the node, before its ranks start.
+
+    Args:
+        device: the node's first GPU, or the CPU.
+        encoder_dtype: what the text encoders are loaded in: bf16 where the device runs it
+            natively, else fp32 (``zeropipe.launch.node_setup.encoder_precision``). The VAE stays in
+            fp32, as diffusers' Wan and SDXL pipelines recommend (image VAEs overflow in half
+            precision; it is small: 127M parameters for Wan).
+    """
+    import diffusers
+    import transformers
+
+    # Per-component progress bars in the log tell nothing the log lines do not.
+    transformers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.disable_progress_bar()
+    plan = read_plan(run)
+    arch = architecture_named(plan.architecture)
+    pipeline_dir, cache_dir = Path(plan.pipeline_dir), Path(plan.cache_dir)
+    skipped: set[int] = set()  # items unreadable now (they were readable when the launcher scanned them)
+    if plan.missing_latents:
+        vae = load_component(pipeline_dir, "vae", torch.float32, device)
+        # Wan 2.1 I2V: the first frame's image embeddings too, by the pipeline's own encode_image.
+        image_encoder = image_encoder_pipeline(pipeline_dir, arch, encoder_dtype, device) if image_encoding(pipeline_dir, arch) else None
+        # One VAE call per chunk of items of the same bucket and flip, as training batches them.
+        jobs: dict[tuple, list[tuple[int, bool, str]]] = {}
+        for index in plan.missing_latents:
+            for flip, key in zip(plan.flips, plan.latent_keys[index]):
+                jobs.setdefault((tuple(plan.buckets[index]), flip), []).append((index, flip, key))
+        for (bucket, _), entries in jobs.items():
+            for start in range(0, len(entries), LATENT_BATCH):
+                prepared, keys = [], []
+                for index, flip, key in entries[start : start + LATENT_BATCH]:
+                    try:
+                        prepared.append(load_item_pixels(plan, index, bucket, crop="center", flip=flip))
+                        keys.append(key)
+                    except DataError as err:
+                        skipped.add(index)
+                        log.warning("skipping %s: %s", plan.items[index]["path"], err)
+                if not prepared:
+                    continue
+                pixels = torch.stack([image.pixels for image in prepared])
+                means, stds = cache.encode_latent_distribution(vae, pixels)
+                # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
+                conditions = cache.encode_latent_distribution(vae, arch.conditioning_pixels(pixels))[0] if arch.frame_conditioned else [None] * len(keys)
+                embeddings = [None] * len(keys)
+                if image_encoder is not None:
+                    with torch.no_grad():
+                        embeddings = arch.encode_first_frames(image_encoder, [first_frame_image(p) for p in pixels], device).float().cpu()
+                for key, image, mean, std, first_frame, embedding in zip(keys, prepared, means, stds, conditions, embeddings):
+                    cache.save_entry(cache_dir, "latents", key, {
+                        "mean": mean, "std": std, **({"condition": first_frame} if first_frame is not None else {}),
+                        **({"image_embeds": embedding} if embedding is not None else {}),
+                        "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
+                        "target_size": torch.tensor(image.target_size),
+                    })
+        del vae, image_encoder
+    if plan.missing_texts:
+        encoders = text_pipeline(pipeline_dir, arch, encoder_dtype, device)
+        for start in range(0, len(plan.missing_texts), TEXT_BATCH):
+            texts = plan.missing_texts[start : start + TEXT_BATCH]
+            for text, tensors in zip(texts, encode_prompts(encoders, arch, texts, device)):
+                cache.save_entry(cache_dir, "text", plan.text_keys[text], tensors)
+        del encoders
+    what = "clip(s)" if plan.video else "image(s)"
+    log.info(
+        "caches filled: %d %s and %d caption(s) encoded on %s (text encoders in %s)%s",
+        len(plan.missing_latents) - len(skipped), what, len(plan.missing_texts), device, str(encoder_dtype).removeprefix("torch."),
+        f"; {len(skipped)} unreadable now and skipped" if skipped else "",
     )
 
 
@@ -210,9 +372,9 @@ def prepare_image_folder(config: RunConfig, run: RunDir, video: bool = False) ->
     return folder.resolve()
 
 
-def crop_name(arch, flip: bool) -> str:
-    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition."""
-    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}"
+def crop_name(arch, flip: bool, first_frame_embeddings: bool = False) -> str:
+    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition (and its image embeddings)."""
+    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}{'-image-embeds' if first_frame_embeddings else ''}"
 
 
 def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_buckets: list[tuple[int, int]]):

@@ -3,13 +3,12 @@
 The :class:`~zeropipe.engine.trainer.Trainer` holding this task does the rest (DeepSpeed
 engine, optimizer steps, metrics, checkpoints, resume). What is particular here:
 
-- Before training, the cache entries the launcher found missing are encoded and the VAE and
-  text encoders are freed again. The latents are split across all ranks
-  (``missing[rank::world_size]``: the VAE is small and encoding videos is the slow part); the
-  captions only across the first rank of each node, so that a node holds one copy of the text
-  encoders (UMT5-XXL alone is about 11 GB in bf16) whatever its number of GPUs. When the
-  caches are complete the ranks never load them: only the denoiser is in memory.
-  Each metrics row says which frozen components this rank holds (``frozen_components_loaded``).
+- The caches were filled before the ranks started, by one process per node
+  (:func:`zeropipe.diffusion.prepare.fill_caches`), so that a node holds one copy of the VAE
+  and the text encoders (UMT5-XXL alone is about 11 GB in bf16) whatever its number of GPUs.
+  With the caches on (the default) the ranks never load them: only the denoiser is in
+  memory (rank 0 loads the VAE for a moment to decode samples). Each metrics row says which
+  frozen components this rank holds (``frozen_components_loaded``).
 - What differs between architectures (how prompts are encoded, how the denoiser is called,
   the sampler's arguments) is asked of the run's architecture entry
   (``zeropipe.diffusion.architectures``); nothing here names an architecture.
@@ -25,7 +24,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -34,12 +32,14 @@ import torch
 
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches, load_image_for_bucket
+from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
 from zeropipe.diffusion.pipelines import (
     denoising_pipeline,
     denormalize_latents,
     encode_prompts,
+    image_encoder_parts,
+    image_encoding,
     latent_scaling,
     load_component,
     normalize_latents,
@@ -47,17 +47,14 @@ from zeropipe.diffusion.pipelines import (
     text_pipeline,
     vae_scale_factor,
 )
-from zeropipe.diffusion.prepare import read_plan
-from zeropipe.diffusion.videos import load_clip_for_bucket, write_preview, write_video
+from zeropipe.diffusion.prepare import first_frame_image, load_item_pixels, read_plan
+from zeropipe.diffusion.videos import write_preview, write_video
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
 
 log = logging.getLogger("zeropipe")
-
-TEXT_BATCH = 16
-LATENT_BATCH = 8  # images per VAE call while caching
 
 
 def release_memory() -> None:
@@ -92,7 +89,7 @@ class DiffusionTask(TaskDefaults):
         self.text_encoders = None  # a pipeline holding only the text encoders
         self.skipped_images: set[str] = set()
         self.timesteps_drawn: list[torch.Tensor] = []  # since the last metrics row: what min_t/max_t restricted
-        self.fill_caches()
+        # The caches were filled before this rank started (diffusion.prepare.fill_caches, one process per node).
         if not self.config.data.cache.latents:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
         if not self.config.data.cache.text:
@@ -101,64 +98,10 @@ class DiffusionTask(TaskDefaults):
         objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
         self.objective = objective(scheduler_config, self.config.model.diffusion)
 
-    def fill_caches(self) -> None:
-        """Encode this rank's share of the missing cache entries, then free the encoders."""
-        import deepspeed.comm as dist
-
-        missing_latents = self.data.missing_latents[self.rank :: self.world_size]
-        # One text-encoder copy per node: its first rank encodes the node's share of the captions.
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        nodes = max(1, self.world_size // ranks_per_node)
-        node_leader = self.trainer.local_rank == 0
-        missing_texts = self.data.missing_texts[self.rank // ranks_per_node :: nodes] if node_leader else []
-        if missing_latents:
-            vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-            # One VAE call per chunk of images of the same bucket and flip, as training batches them.
-            jobs: dict[tuple, list[tuple[int, bool, str]]] = {}
-            for index in missing_latents:
-                for flip, key in zip(self.data.flips, self.data.latent_keys[index]):
-                    jobs.setdefault((tuple(self.data.buckets[index]), flip), []).append((index, flip, key))
-            for (bucket, _), entries in jobs.items():
-                for start in range(0, len(entries), LATENT_BATCH):
-                    prepared, keys = [], []
-                    for index, flip, key in entries[start : start + LATENT_BATCH]:
-                        path = self.data.items[index]["path"]
-                        try:
-                            prepared.append(self.load_pixels(index, bucket, crop="center", flip=flip))
-                            keys.append(key)
-                        except DataError as err:
-                            log.warning("skipping %s: %s", path, err)
-                    if not prepared:
-                        continue
-                    pixels = torch.stack([image.pixels for image in prepared])
-                    means, stds = cache.encode_latent_distribution(vae, pixels)
-                    # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
-                    conditions = cache.encode_latent_distribution(vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(keys)
-                    for key, image, mean, std, first_frame in zip(keys, prepared, means, stds, conditions):
-                        cache.save_entry(self.cache_dir, "latents", key, {
-                            "mean": mean, "std": std, **({"condition": first_frame} if first_frame is not None else {}),
-                            "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
-                            "target_size": torch.tensor(image.target_size),
-                        })
-            del vae
-        if missing_texts:
-            encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
-            for start in range(0, len(missing_texts), TEXT_BATCH):
-                texts = missing_texts[start : start + TEXT_BATCH]
-                for text, tensors in zip(texts, encode_prompts(encoders, self.arch, texts, self.device)):
-                    cache.save_entry(self.cache_dir, "text", self.data.text_keys[text], tensors)
-            del encoders
-        if missing_latents or missing_texts:
-            log.info("cached %d image latent(s) and %d caption embedding(s) on this rank", len(missing_latents), len(missing_texts))
-            release_memory()
-        dist.barrier()
-        if self.rank == 0 and (self.data.missing_latents or self.data.missing_texts):
-            log.info("caches filled: %d images and %d captions encoded by %d ranks", len(self.data.missing_latents), len(self.data.missing_texts), self.world_size)
-
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
 
         cls = self.arch.model_class()
-        folder = self.pipeline_dir / self.arch.denoiser
+        folder = self.pipeline_dir / self.data.denoiser
 
         def construct():
             return cls.from_config(cls.load_config(str(folder)))
@@ -187,7 +130,7 @@ class DiffusionTask(TaskDefaults):
                     param.data = param.data.to(self.compute_dtype)
         model.train()
         trainable, total = count_parameters(model)
-        log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.name, self.arch.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+        log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.name, self.data.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         return model, {"trainable": trainable, "total": total}
 
     def after_initialize(self) -> None:
@@ -239,13 +182,15 @@ class DiffusionTask(TaskDefaults):
             pixels = torch.stack(distributions)
             means, stds = cache.encode_latent_distribution(self.vae, pixels)
             conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
-            distributions = list(zip(means, stds, conditions))
-        latents = [mean + std * torch.randn(mean.shape) for mean, std, _ in distributions]
+            distributions = list(zip(means, stds, conditions, [None] * len(means)))
+        latents = [mean + std * torch.randn(mean.shape) for mean, std, _, _ in distributions]
         condition = self.text_condition(texts)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         if self.arch.frame_conditioned:
-            first_frames = torch.stack([first_frame for _, _, first_frame in distributions]).to(self.device)
+            first_frames = torch.stack([first_frame for _, _, first_frame, _ in distributions]).to(self.device)
             condition["first_frame_latents"] = normalize_latents(first_frames, self.latent_shift, self.latent_scale).to(self.compute_dtype)
+        if distributions[0][3] is not None:  # Wan 2.1 I2V's first-frame image embeddings
+            condition["image_embeds"] = torch.stack([embeds for _, _, _, embeds in distributions]).to(self.device, self.compute_dtype)
         batch = torch.stack(latents).to(self.device)
         return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
@@ -266,7 +211,7 @@ class DiffusionTask(TaskDefaults):
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-            return (entry["mean"], entry["std"], entry.get("condition")), sizes
+            return (entry["mean"], entry["std"], entry.get("condition"), entry.get("image_embeds")), sizes
         try:
             prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
         except DataError as err:
@@ -276,11 +221,7 @@ class DiffusionTask(TaskDefaults):
         return prepared.pixels, sizes
 
     def load_pixels(self, index: int, bucket: tuple[int, ...], crop: str, flip: bool, rng=None) -> PreparedImage:
-        """An item's pixels at its bucket: an image (3, H, W), or for video models a clip (3, T, H, W) (an image is one frame)."""
-        item = self.data.items[index]
-        if self.data.video:
-            return load_clip_for_bucket(Path(item["path"]), tuple(bucket), item["start"], item["fps"], self.data.fps, crop=crop, flip=flip, rng=rng)
-        return load_image_for_bucket(Path(item["path"]), tuple(bucket), crop=crop, flip=flip, rng=rng)
+        return load_item_pixels(self.data, index, bucket, crop, flip, rng)
 
     def skip_image(self, path: str, reason: str) -> None:
         if path not in self.skipped_images:
@@ -369,6 +310,13 @@ class DiffusionTask(TaskDefaults):
         self.sample_images()
 
     # ------------------------------------------------------------------ samples
+    def sample_first_frame(self, size: int):
+        """(PIL image, its source file): the first frame of the first video clip of the data (else the first image), centre-cropped to the sample size."""
+        videos = [index for index, item in enumerate(self.data.items) if item.get("frames", 1) > 1]
+        index = videos[0] if videos else 0
+        pixels = self.load_pixels(index, (size, size, 1) if self.data.video else (size, size), crop="center", flip=False).pixels
+        return first_frame_image(pixels), self.data.items[index]["path"]
+
     @torch.no_grad()
     def sample_images(self) -> None:
         """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes.
@@ -379,10 +327,6 @@ class DiffusionTask(TaskDefaults):
         prompts = self.plan.generate_prompts
         if not prompts:
             return
-        if self.arch.frame_conditioned:
-            if self.rank == 0 and self.step == self.config.generate.sample_every:
-                log.info("no sample videos: %s draws from a first frame, and conditioning images for samples are not supported yet", self.arch.name)
-            return
         generate = self.config.generate
         size = self.images.resolution
         condition = self.text_condition(prompts)
@@ -390,7 +334,17 @@ class DiffusionTask(TaskDefaults):
         module = self.engine.module
         was_training = module.training
         module.eval()
-        pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module)
+        frozen, first_frame = {}, None
+        if self.arch.frame_conditioned:
+            # Image-to-video draws from a first frame: a dataset clip's, at the sample size. The
+            # pipeline encodes it with the VAE, on every rank (each runs the denoiser), for the samples only.
+            first_frame = self.sample_first_frame(size)
+            if self.vae is None:
+                self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+            frozen["vae"] = self.vae
+            if image_encoding(self.pipeline_dir, self.arch):  # Wan 2.1 I2V: the pipeline embeds the first frame with its CLIP encoder
+                frozen.update(image_encoder_parts(self.pipeline_dir, self.arch, torch.float32, self.device))
+        pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module, **frozen)
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
             "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent", "return_dict": False,
@@ -398,11 +352,16 @@ class DiffusionTask(TaskDefaults):
         }
         if self.data.video:
             kwargs["num_frames"] = self.data.sample_frames
+        if first_frame is not None:
+            kwargs["image"] = first_frame[0]
         pipeline.set_progress_bar_config(disable=True)
         latents = pipeline(**kwargs)[0]
         if was_training:
             module.train()
         if self.rank != 0:
+            if self.arch.frame_conditioned and self.config.data.cache.latents:
+                self.vae = None
+                release_memory()
             return
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
@@ -417,7 +376,10 @@ class DiffusionTask(TaskDefaults):
             for number, (prompt, frames) in enumerate(zip(prompts, clips)):
                 write_video(folder / f"{number:02d}.mp4", frames, self.data.fps or 16.0)
                 write_preview(folder / f"{number:02d}.webp", frames, self.data.fps or 16.0)
-                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames)})
+                rows.append({
+                    "step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames),
+                    **({"first_frame": first_frame[1]} if first_frame is not None else {}),
+                })
         else:
             from PIL import Image
 

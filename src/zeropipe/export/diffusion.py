@@ -32,10 +32,9 @@ from zeropipe.models.common import resolve_lora_targets
 ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
 
 
-def base_denoiser(arch, pipeline_dir: Path, single_file: str | None):
-    """The run's starting denoiser in fp32: the pipeline directory's, or a single-file checkpoint's weights with the directory's config."""
+def base_denoiser(arch, folder: Path, single_file: str | None):
+    """The run's starting denoiser in fp32: the pipeline folder's (``transformer``, Wan 2.2's ``transformer_2``...), or a single-file checkpoint's weights with the folder's config."""
     cls = arch.model_class()
-    folder = pipeline_dir / arch.denoiser
     if not single_file:
         return cls.from_pretrained(str(folder), torch_dtype=torch.float32)
     from zeropipe.diffusion.pipelines import single_file_renamer
@@ -70,7 +69,7 @@ def export_diffusion(job: ExportJob) -> Path:
     pipeline_dir = Path(plan.pipeline_dir)
     if not (pipeline_dir / "model_index.json").is_file():
         raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
-    denoiser = base_denoiser(arch, pipeline_dir, config.model.diffusion.denoiser_file)
+    denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file)
     lora = config.model.lora
     if lora is not None:
         from peft import LoraConfig
@@ -80,7 +79,7 @@ def export_diffusion(job: ExportJob) -> Path:
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
         # bf16: keep the pipeline's own weights and take only the adapters from the checkpoint.
-        base = base_denoiser(arch, pipeline_dir, config.model.diffusion.denoiser_file).state_dict()
+        base = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file).state_dict()
         with torch.no_grad():
             for name, tensor in denoiser.named_parameters():
                 original = name.replace(".base_layer.", ".")
@@ -108,13 +107,15 @@ def export_diffusion(job: ExportJob) -> Path:
         if lora is not None:
             denoiser.fuse_lora(lora_scale=1.0)
             denoiser.unload_lora()
-        shutil.copytree(pipeline_dir, tmp, ignore=shutil.ignore_patterns(arch.denoiser))
-        denoiser.to(dtype).save_pretrained(str(tmp / arch.denoiser), safe_serialization=True)
+        # The trained folder replaced; for a Wan 2.2 expert the other expert is copied as it was.
+        shutil.copytree(pipeline_dir, tmp, ignore=lambda folder, names: [plan.denoiser] if Path(folder) == pipeline_dir else [])
+        denoiser.to(dtype).save_pretrained(str(tmp / plan.denoiser), safe_serialization=True)
         kind = "merged" if lora is not None else "full"
     (tmp / "zeropipe_export.json").write_text(
         json.dumps(
             {"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "kind": kind, "architecture": arch.name,
-             "base_pipeline": str(pipeline_dir), "dtype": str(dtype).replace("torch.", "")},
+             "base_pipeline": str(pipeline_dir), "dtype": str(dtype).replace("torch.", ""), "denoiser": plan.denoiser,
+             **({"expert": config.model.diffusion.expert} if config.model.diffusion.expert else {})},
             indent=2,
         )
     )

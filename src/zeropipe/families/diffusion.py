@@ -52,6 +52,8 @@ class Diffusion:
         section = config.model.diffusion
         if section.min_t >= section.max_t:
             problems.append(("model.diffusion.min_t", f"{section.min_t} must be below max_t ({section.max_t}): the range of noise levels the run trains on would be empty"))
+        elif objective == "ddpm" and section.expert:
+            problems.append(("model.diffusion.expert", "applies to Wan 2.2 A14B's two flow-matching transformers, not to a UNet: remove it"))
         elif objective == "ddpm" and (section.min_t > 0 or section.max_t < 1):
             problems.append(("model.diffusion.min_t", "a timestep range (min_t/max_t) applies to flow-matching transformers (Wan, SD3, Flux), not to a UNet on a DDPM schedule: remove min_t and max_t"))
         return problems

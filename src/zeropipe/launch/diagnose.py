@@ -50,6 +50,11 @@ class RankExit:
     pid: int | None = None
     node: str | None = None  # on several nodes: "node 1 (box2)"
     lost: str | None = None  # its node was lost (agent killed, connection cut): how, in words
+    name: str = ""  # what the process was, when not a rank (the node's setup process)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"rank {self.rank}"
 
     @property
     def signal_name(self) -> str | None:
@@ -79,16 +84,18 @@ class Diagnosis:
     log_tail: list[str]
     other_ranks: list[str]
     node: str | None = None  # on several nodes: the node the rank ran on
+    process: str = ""  # what died when it was not a rank (the node's setup process)
 
     def render(self) -> str:
         where = f" on {self.node}" if self.node else ""
-        lines = [f"rank {self.rank}{where} {self.how}", f"likely cause: {self.cause}"]
+        who = self.process or f"rank {self.rank}"
+        lines = [f"{who}{where} {self.how}", f"likely cause: {self.cause}"]
         if self.fix:
             lines.append(f"fix: {self.fix}")
         if self.other_ranks:
             lines.append("the other ranks were then stopped (" + "; ".join(self.other_ranks) + ") - effects, not causes")
         if self.log_tail:
-            lines.append(f"last lines of rank {self.rank}'s log:")
+            lines.append(f"last lines of {who}'s log:")
             lines += [f"  | {line}" for line in self.log_tail[-15:]]
         return "\n".join(lines)
 
@@ -225,7 +232,7 @@ def diagnose(
             elif primary.looks_secondary:
                 cause = f"lost contact with another rank ({message}); the real failure is in another rank's log"
     others = [describe_exit(e) for e in exits if e.rank != primary.rank]
-    return Diagnosis(primary.rank, how, cause, fix, host_ram_peak_bytes, host_ram_total_bytes, primary.log_tail, others, primary.node)
+    return Diagnosis(primary.rank, how, cause, fix, host_ram_peak_bytes, host_ram_total_bytes, primary.log_tail, others, primary.node, process=primary.name)
 
 
 def describe_exit(e: RankExit) -> str:

@@ -44,7 +44,7 @@ from zeropipe.launch import oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, choose_primary, diagnose
 from zeropipe.launch.node import TOKEN_FILE, versions
 from zeropipe.launch.nodes import NodeLayout, is_this_machine
-from zeropipe.launch.supervisor import Outcome, disk_free, free_port, run_settings, signal_group, tail
+from zeropipe.launch.supervisor import Outcome, Supervisor, disk_free, free_port, run_settings, signal_group, tail
 from zeropipe.rundir import RunDir
 
 HELLO_SECONDS = 60.0  # an agent that has not said hello by then is unreachable
@@ -162,6 +162,7 @@ class MultiNodeSupervisor:
         self.interrupted = False
         self.oom_kills_at_start = oom.cgroup_oom_kills()
         self.stopping_events: list[tuple[int, dict]] = []
+        self.setup: Supervisor | None = None
 
     # ------------------------------------------------------------------ start
     def agent_command(self, node_rank: int, token: str) -> list[str]:
@@ -209,6 +210,9 @@ class MultiNodeSupervisor:
     def start(self) -> None:
         """Start every node's agent, check what they report, then let them start their ranks.
 
+        A run that fills its caches first starts only that setup process here, on this node, and
+        wait() starts the agents once it has finished (no rank anywhere holds an encoder).
+
         Raises:
             LaunchError: a node is unreachable, does not share the run directory, or runs other
                 versions of torch/DeepSpeed/transformers/ZeRO-Pipe; no rank has started anywhere.
@@ -216,6 +220,15 @@ class MultiNodeSupervisor:
         self.run.require_owner()
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("MultiNodeSupervisor.start must run in the main thread")
+        # A run that must fill its caches first (RunPlan.node_setup) fills them once, here, with one
+        # copy of each encoder, into the shared run directory; wait() starts the node agents after.
+        if (self.run.read_json(self.run.plan_file, {}) or {}).get("node_setup"):
+            self.setup = Supervisor(self.run, self.world_size, self.accelerator, self.port, on_tick=self.on_tick, setup_only=True)
+            self.setup.start()
+            return
+        self.start_agents()
+
+    def start_agents(self) -> None:
         self.previous_handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             token = secrets.token_hex(16)
@@ -304,6 +317,12 @@ class MultiNodeSupervisor:
 
     def wait(self) -> Outcome:
         """Block until every rank on every node has finished, one has failed, a node was lost, or the user stopped the run."""
+        if self.setup is not None:
+            setup, self.setup = self.setup, None
+            outcome = setup.wait()
+            if outcome.state != "completed":
+                return outcome
+            self.start_agents()
         exits: dict[int, RankExit] = {}
         last_ping = last_status = time.monotonic()
         try:

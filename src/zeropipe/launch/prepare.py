@@ -22,6 +22,7 @@ from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
+from zeropipe.launch.node_setup import encoder_precision
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
 from zeropipe.launch.resume import (
     check_resume_schedule,
@@ -171,7 +172,12 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         resume_data_position=resume_position,
         generate_prompts=data.prompts,
         created_at=time.time(),
+        node_setup=data.node_setup,
     )
+    if data.node_setup:
+        precision, why = encoder_precision(accelerator)
+        where = "the node's first GPU" if accelerator == "cuda" else "the CPU"
+        notes.append(f"one process fills the caches on {where} before the ranks start (one copy of each encoder per node); text encoders in {precision}: {why}")
     write_atomic(run.config, dump_config(config))
     write_atomic(run.ds_config, json.dumps(deepspeed.config, indent=2))
     run.write_plan(plan)

@@ -77,8 +77,8 @@ def check_owner(run_dir: Path) -> None:
         raise RunDirBusy(f"{run_dir} is not owned by this rank's launcher (pid {launcher}; owner: {owner or 'none'}): the rank writes nothing")
 
 
-def record_failure(run_dir: Path, rank: int, err: BaseException) -> None:
-    """errors/rank{N}.json for the launcher's diagnosis; on a full disk, nothing rather than an empty file."""
+def record_failure(run_dir: Path, rank: int, err: BaseException, stem: str | None = None) -> None:
+    """errors/rank{N}.json (or errors/{stem}.json) for the launcher's diagnosis; on a full disk, nothing rather than an empty file."""
     from zeropipe.errors import ZeroPipeError
 
     record = {
@@ -89,7 +89,7 @@ def record_failure(run_dir: Path, rank: int, err: BaseException) -> None:
         "traceback": traceback.format_exc(),
         "time": time.time(),
     }
-    path = run_dir / "errors" / f"rank{rank}.json"
+    path = run_dir / "errors" / f"{stem or f'rank{rank}'}.json"
     try:
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(record, indent=2))

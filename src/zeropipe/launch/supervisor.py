@@ -35,7 +35,7 @@ import yaml
 from zeropipe.engine.noise import KNOWN_NOISE
 from zeropipe.errors import LaunchError
 from zeropipe.launch import oom
-from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose
+from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose, host_ram_fixes
 from zeropipe.rundir import RunDir
 
 POLL_SECONDS = 0.2
@@ -125,6 +125,7 @@ class Supervisor:
     def __init__(
         self, run: RunDir, world_size: int, accelerator: str, master_port: int | None = None, on_tick: Callable[[], None] | None = None,
         first_rank: int = 0, local_ranks: int | None = None, master_addr: str = "127.0.0.1", node_rank: int = 0,
+        setup_only: bool = False,
     ):
         if world_size < 1:
             # No rank would ever report back: wait() would wait forever.
@@ -139,9 +140,18 @@ class Supervisor:
         self.master_addr = master_addr
         self.node_rank = node_rank
         self.procs: list[subprocess.Popen] = []
+        # The node's setup process (RunPlan.node_setup, e.g. a diffusion run filling its caches):
+        # it runs to the end before any rank starts, so no rank is resident while it holds encoders.
+        self.node_setup = (run.read_json(run.plan_file, {}) or {}).get("node_setup")
+        self.setup_proc: subprocess.Popen | None = None
+        self.ranks_started = False
+        # A multi-node launcher runs the setup on its own node first and starts the node agents after
+        # (the caches live in the shared run directory): wait() then returns once the setup is done.
+        self.setup_only = setup_only
         self.host_ram_peak = 0
         self.host_ram_baseline = psutil.virtual_memory().used
         self.rank_rss_peak = [0] * self.local_ranks
+        self.setup_rss_peak = 0
         self.rank_processes: dict[int, psutil.Process] = {}
         self.rank_children: dict[int, list[psutil.Process]] = {}
         self.last_memory_sample = self.last_children_scan = float("-inf")
@@ -170,6 +180,36 @@ class Supervisor:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Supervisor.start must run in the main thread: ranks die with the thread that started them")
         self.previous_handlers = {sig: signal.signal(sig, self.interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if self.node_setup:
+            self.start_setup()
+        else:
+            self.start_ranks()
+
+    def start_setup(self) -> None:
+        """Start the node's setup process; wait() starts the ranks once it has finished."""
+        try:
+            log = open(self.run.node_setup_log, "a")
+            log.write(f"==== zeropipe node setup ({self.node_setup}) started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+            log.flush()
+            self.setup_proc = subprocess.Popen(
+                [sys.executable, "-m", "zeropipe.launch.node_setup", str(self.run.path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=rank_environment(0, 1, self.port, self.accelerator),
+                start_new_session=True,
+            )
+            log.close()
+        except BaseException as err:
+            self.stop_all()
+            self.record(state="stopped" if isinstance(err, KeyboardInterrupt) else "failed", ended_at=time.time())
+            for sig, handler in self.previous_handlers.items():
+                signal.signal(sig, handler)
+            raise
+        self.record(state="running", pids=[self.setup_proc.pid], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None, phase="node setup")
+
+    def start_ranks(self) -> None:
+        self.ranks_started = True
         try:
             self.spawn_ranks()
         except BaseException as err:
@@ -178,7 +218,9 @@ class Supervisor:
             for sig, handler in self.previous_handlers.items():
                 signal.signal(sig, handler)
             raise
-        self.record(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), started_at=time.time(), diagnosis=None)
+        # After a node setup the run started with it: its start time stays.
+        started = {} if self.setup_proc is not None else {"started_at": time.time()}
+        self.record(state="running", pids=[p.pid for p in self.procs], supervisor_pid=os.getpid(), diagnosis=None, phase="training", **started)
 
     def spawn_ranks(self, extra_env: dict[str, str] | None = None) -> None:
         """One process per rank of this node, each in its own session (process group), logging to logs/rank{N}.log."""
@@ -212,6 +254,11 @@ class Supervisor:
         if refresh_children:
             self.last_children_scan = now
         self.host_ram_peak = max(self.host_ram_peak, psutil.virtual_memory().used)
+        if self.setup_proc is not None and not self.ranks_started:
+            try:
+                self.setup_rss_peak = max(self.setup_rss_peak, psutil.Process(self.setup_proc.pid).memory_info().rss)
+            except psutil.Error:
+                pass
         for rank, proc in enumerate(self.procs):  # local indices
             try:
                 process = self.rank_processes.setdefault(rank, psutil.Process(proc.pid))
@@ -233,6 +280,20 @@ class Supervisor:
         try:
             while True:
                 self.sample_memory()
+                if not self.ranks_started:
+                    assert self.setup_proc is not None
+                    code = self.setup_proc.poll()
+                    if code is not None and code != 0:
+                        return self.fail_setup(code)
+                    if code == 0 and self.setup_only:
+                        return self.outcome("completed")
+                    if code == 0:
+                        self.start_ranks()
+                    else:
+                        if self.on_tick:
+                            self.on_tick()
+                        time.sleep(POLL_SECONDS)
+                        continue
                 now = time.time()
                 for rank, proc in enumerate(self.procs):
                     if rank not in exits and proc.poll() is not None:
@@ -267,7 +328,34 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def memory_status(self) -> dict:
-        return {"host_ram_peak_bytes": self.host_ram_peak, "rank_rss_peak_bytes": self.rank_rss_peak}
+        status = {"host_ram_peak_bytes": self.host_ram_peak, "rank_rss_peak_bytes": self.rank_rss_peak}
+        if self.setup_proc is not None:
+            status["node_setup_rss_peak_bytes"] = self.setup_rss_peak
+        return status
+
+    def fail_setup(self, returncode: int) -> Outcome:
+        """The node's setup process failed: no rank was started; say why as for a rank."""
+        assert self.setup_proc is not None
+        failed = RankExit(0, returncode, time.time(), tail(self.run.node_setup_log), self.run.read_json(self.run.node_setup_error), self.setup_proc.pid, name="the node's setup process (caching)")
+        self.stop_all()
+        total = psutil.virtual_memory().total
+        settings = run_settings(self.run)
+        diagnosis = diagnose(
+            [failed],
+            self.host_ram_peak,
+            total,
+            disk_free_bytes=disk_free(self.run.path),
+            oom=oom.gather(self.oom_kills_at_start, total) if failed.signal_name == "SIGKILL" else None,
+            settings=settings,
+        )
+        if diagnosis.fix.startswith(host_ram_fixes(settings)):  # the diagnosis says the node ran out of host RAM
+            # Its memory does not depend on the ranks or ZeRO: it holds one copy of the frozen encoders.
+            diagnosis.fix = (
+                "it holds one copy of the frozen encoders (text encoders and VAE) for the whole node: more RAM for the machine or container, "
+                "or fill the caches on a machine with a GPU (encoders load in bf16 there); then start the run again"
+            )
+        self.record(state="failed", ended_at=time.time(), diagnosis=diagnosis.to_dict(), **self.memory_status())
+        return self.outcome("failed", diagnosis)
 
     def fail(self, exits: dict[int, RankExit]) -> Outcome:
         # A moment for ranks that fail on their own (a shared bad config) to record why.
@@ -311,13 +399,14 @@ class Supervisor:
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self.hurry_up) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for proc in self.procs:
+            processes = self.procs + ([self.setup_proc] if self.setup_proc is not None else [])
+            for proc in processes:
                 if proc.poll() is None:
                     signal_group(proc.pid, signal.SIGTERM)
             deadline = time.time() + STOP_GRACE_SECONDS
-            while not self.hurry and time.time() < deadline and any(proc.poll() is None for proc in self.procs):
+            while not self.hurry and time.time() < deadline and any(proc.poll() is None for proc in processes):
                 time.sleep(0.05)
-            for proc in self.procs:
+            for proc in processes:
                 # Also the group: a rank's children (data-loader workers, compilers) die with it.
                 signal_group(proc.pid, signal.SIGKILL)
                 if proc.poll() is None:

@@ -44,7 +44,7 @@ from zeropipe.store.sandbox import (
 )
 from zeropipe.store.series import SeriesCache
 
-LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher)$")
+LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher|node_setup)$")  # node_setup: the caching process run before the ranks
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
 STOPPING_SECONDS = 120  # how long "stopping" is shown before the launcher's own word is awaited no more
 
@@ -202,11 +202,12 @@ class RunStore:
         if logs is None:
             return []
         names = sorted((p.stem for p in logs.glob("rank*.log") if LOG_NAME.match(p.stem) and self.own_or_none(run, f"logs/{p.name}")), key=lambda n: int(n[4:]))
-        return (["launcher"] if self.own_or_none(run, "logs/launcher.log") and (logs / "launcher.log").is_file() else []) + names
+        named = [name for name in ("launcher", "node_setup") if self.own_or_none(run, f"logs/{name}.log") and (logs / f"{name}.log").is_file()]
+        return named + names
 
     def read_log(self, run: dict[str, Any], name: str, lines: int = 200) -> list[str]:
         if not LOG_NAME.match(name):
-            raise RunNotFound(f"no log {name!r}: logs are named rank0, rank1, ... and launcher")
+            raise RunNotFound(f"no log {name!r}: logs are named rank0, rank1, ..., launcher and node_setup")
         path = self.own(run, f"logs/{name}.log")
         if not path.is_file():
             raise RunNotFound(f"run {run['name']} has no log {name!r}: its logs are {', '.join(self.log_names(run)) or 'not written yet'}")

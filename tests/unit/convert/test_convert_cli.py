@@ -109,14 +109,14 @@ def test_train_loads_zeropipe_yaml_as_is_and_converts_the_others(tmp_path, capsy
 def test_train_refuses_an_architecture_that_is_not_supported_yet(tmp_path, capsys):
     (tmp_path / "clips").mkdir()
     (tmp_path / "dataset.toml").write_text(f"[[directory]]\npath = '{tmp_path / 'clips'}'\n")
-    (tmp_path / "wan.toml").write_text("dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '/models/Wan2.1-T2V-1.3B'\n")
-    with pytest.raises(ConversionError, match=r"wan.toml cannot train yet: \[model\] type = 'wan' is a video model"):
-        convert_for_train(str(tmp_path / "wan.toml"))
-    assert main(["train", str(tmp_path / "wan.toml")]) == 2
+    (tmp_path / "cosmos.toml").write_text("dataset = 'dataset.toml'\n[model]\ntype = 'cosmos'\ntransformer_path = '/models/cosmos-1.0-diffusion-7b-text2world.pt'\n")
+    with pytest.raises(ConversionError, match=r"cosmos.toml cannot train yet: \[model\] type = 'cosmos' is a video model"):
+        convert_for_train(str(tmp_path / "cosmos.toml"))
+    assert main(["train", str(tmp_path / "cosmos.toml")]) == 2
     assert "cannot train yet" in capsys.readouterr().err
     # `zeropipe convert` still writes it, for when the architecture lands.
-    assert main(["convert", str(tmp_path / "wan.toml"), "--out", str(tmp_path / "wan.yaml")]) == 0
-    assert "# CANNOT TRAIN YET" in (tmp_path / "wan.yaml").read_text()
+    assert main(["convert", str(tmp_path / "cosmos.toml"), "--out", str(tmp_path / "cosmos.yaml")]) == 0
+    assert "# CANNOT TRAIN YET" in (tmp_path / "cosmos.yaml").read_text()
 
 
 @pytest.mark.parametrize(

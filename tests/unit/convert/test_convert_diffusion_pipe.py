@@ -212,7 +212,7 @@ num_repeats = 2
     assert "per-directory settings are not supported" in why["dataset.directory[1].resolutions"]
     assert "2 video file(s)" in why["dataset.directory[1] (videos)"]
     assert "3 image(s)" in why["dataset.directory[1] (captions)"] and "concept name 'subject'" in why["dataset.directory[1] (captions)"]
-    assert "video is not supported yet" in why["dataset.frame_buckets"]
+    assert "this is an image model" in why["dataset.frame_buckets"]
 
     assert len(write_links(conversion)) == 3
     assert {link.name: link.resolve() for link in links_dir.iterdir()} == conversion.links
@@ -223,21 +223,52 @@ num_repeats = 2
     assert sorted(link.name for link in links_dir.iterdir()) == ["1_style", "5_subject"]
 
 
-def test_video_architecture_is_converted_but_blocked(tmp_path):
-    images = image_dir(tmp_path, "clips", videos=1)
+def test_a_wan22_expert_config_maps_its_video_keys_and_validates(tmp_path):
+    """diffusion-pipe's Wan keys: frame_buckets, video_clip_mode, the expert's transformer_path and min_t/max_t."""
+    clips = image_dir(tmp_path, "clips", images=1, videos=2)
+    wan = pipeline_dir(tmp_path, "Wan2.2-T2V-A14B-Diffusers")
+    (wan / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    comfy = tmp_path / "wan2.2_t2v_low_noise_14B_fp16.safetensors"
+    comfy.write_bytes(b"weights")
+    path = write(
+        tmp_path,
+        "dataset = 'dataset.toml'\nvideo_clip_mode = 'single_middle'\nimage_micro_batch_size_per_gpu = 4\n"
+        f"[model]\ntype = 'wan'\nckpt_path = '{wan}'\ntransformer_path = '{comfy}'\nllm_path = '/models/umt5_xxl_fp16.safetensors'\n"
+        "dtype = 'bfloat16'\nmin_t = 0\nmax_t = 0.875\n[adapter]\ntype = 'lora'\nrank = 32\n",
+        f"resolutions = [512]\nframe_buckets = [33]\n[[directory]]\npath = '{clips}'\n",
+    )
+    conversion = convert_file(path)
+    assert conversion.blocking == []
+    got = values(conversion)
+    assert got["model.path"] == str(wan) and got["model.diffusion.expert"] == "low_noise" and got["model.diffusion.denoiser_file"] == str(comfy)
+    assert (got["model.diffusion.min_t"], got["model.diffusion.max_t"]) == (0.0, 0.875)
+    # diffusion-pipe always has the image bucket; its clip modes have ZeRO-Pipe names.
+    assert got["data.video.frame_buckets"] == [1, 33] and got["data.video.clip_mode"] == "middle"
+    assert got["data.path"] == str(clips) and got["deepspeed.precision"] == "bf16"
+    why = unmapped(conversion)
+    assert not any("(videos)" in key for key in why)  # the clips train
+    assert "dropped by diffusion-pipe" in why["dataset.frame_buckets (short videos)"]
+    assert "one micro-batch size" in why["image_micro_batch_size_per_gpu"]
+    assert "text encoders come from the diffusers pipeline folder" in why["model.llm_path"]
+    config = validate_config(yaml.safe_load(conversion.to_yaml()))
+    assert config.data.video.frame_buckets == [1, 33] and config.model.diffusion.expert == "low_noise"
+
+
+def test_a_wan_original_checkpoint_folder_points_at_its_diffusers_release(tmp_path):
+    clips = image_dir(tmp_path, "clips", videos=1)
     wan = tmp_path / "Wan2.1-T2V-1.3B"
     wan.mkdir()
     path = write(
         tmp_path,
-        f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{wan}'\ndtype = 'bfloat16'\ntransformer_dtype = 'float8'\n",
-        f"frame_buckets = [1, 33]\n[[directory]]\npath = '{images}'\n",
+        f"dataset = 'dataset.toml'\nvideo_clip_mode = 'multiple_overlapping'\n[model]\ntype = 'wan'\nckpt_path = '{wan}'\ntransformer_dtype = 'float8'\n",
+        f"[[directory]]\npath = '{clips}'\n",
     )
     conversion = convert_file(path)
-    assert conversion.blocking and "'wan' is a video model ZeRO-Pipe trains, but this converter does not map" in conversion.blocking[0]
-    text = conversion.to_yaml()
-    assert "# CANNOT TRAIN YET: [model] type = 'wan' is a video model" in text
+    assert conversion.blocking == []
+    got = values(conversion)
+    assert got["data.video.frame_buckets"] == [1] and got["data.video.clip_mode"] == "multiple"  # diffusion-pipe's default buckets: images only
     why = unmapped(conversion)
-    assert "not a diffusers pipeline folder" in why["model.ckpt_path"]
+    assert "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in why["model.ckpt_path"]
     assert "fp8/nf4 base weights are not supported" in why["model.transformer_dtype"]
 
 

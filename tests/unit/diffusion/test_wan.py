@@ -120,7 +120,7 @@ def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_i
     first_frame = normalize_latents(cache.encode_latent_distribution(pipeline.vae, i2v.conditioning_pixels(clip))[0], shift, scale)
     seen = {}
 
-    def transformer(hidden_states, timestep, encoder_hidden_states, return_dict):
+    def transformer(hidden_states, timestep, encoder_hidden_states, return_dict, encoder_hidden_states_image=None):
         seen["input"] = hidden_states
         return (hidden_states[:, :16],)
 
@@ -129,3 +129,102 @@ def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_i
     assert seen["input"].shape == (1, 36, 3, 4, 4)
     assert torch.equal(seen["input"][:, :16], noisy)
     assert torch.allclose(seen["input"][:, 16:], expected, atol=1e-5)
+
+
+def two_expert_pipeline(folder, boundary_ratio: float = 0.875, seed: int = 1):
+    """A tiny pipeline in Wan 2.2 A14B's layout (transformer/ the high-noise expert, transformer_2/ the low-noise one), written by diffusers."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    build_tiny_pipeline({"pipeline": "tiny-wan"}, folder / "base", seed=seed)
+    base = WanPipeline.from_pretrained(str(folder / "base"))
+    torch.manual_seed(seed + 100)
+    second = WanTransformer3DModel.from_config(base.transformer.config)
+    WanPipeline(
+        tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,
+        transformer=base.transformer, transformer_2=second, boundary_ratio=boundary_ratio,
+    ).save_pretrained(str(folder / "a14b"))
+    return folder / "a14b"
+
+
+def test_an_expert_key_picks_its_transformer_and_its_side_of_the_pipelines_boundary(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.prepare import resolve_expert
+    from zeropipe.errors import ConfigError
+
+    a14b = two_expert_pipeline(tmp_path)
+
+    def resolved(**diffusion):
+        config = RunConfig.model_validate({"model": {"path": str(a14b), "diffusion": diffusion}, "data": {"path": str(tmp_path)}})
+        notes: list[str] = []
+        folder = resolve_expert(config, WAN, a14b, notes)
+        return folder, config.model.diffusion.min_t, config.model.diffusion.max_t, notes
+
+    folder, low, high, notes = resolved(expert="low_noise")
+    assert (folder, low, high) == ("transformer_2", 0.0, 0.875)
+    assert notes == ["training the low-noise expert (transformer_2/) on noise levels 0 to 0.875 (the pipeline's boundary: 0.875)"]
+    assert resolved(expert="high_noise")[:3] == ("transformer", 0.875, 1.0)
+    assert resolved(expert="low_noise", min_t=0.2)[:3] == ("transformer_2", 0.2, 0.875)  # narrowed further, as asked
+    assert resolved()[:3] == ("transformer", 0.0, 1.0)
+    with pytest.raises(ConfigError, match=r"model.diffusion.max_t.*0.95 reaches above the boundary 0.875"):
+        resolved(expert="low_noise", max_t=0.95)
+    # A Wan 2.1 directory has one transformer: the key is refused with the fix.
+    single = tmp_path / "base"
+    config = RunConfig.model_validate({"model": {"path": str(single), "diffusion": {"expert": "low_noise"}}, "data": {"path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="no transformer_2/ folder and boundary_ratio"):
+        resolve_expert(config, WAN, single, [])
+
+
+def wan21_i2v_pipeline(folder, seed: int = 3):
+    """A tiny pipeline in Wan 2.1 I2V's layout: a transformer with image_dim, a CLIP image encoder and its processor, written by diffusers."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    build_tiny_pipeline({"pipeline": "tiny-wan-i2v"}, folder / "base", seed=seed)
+    base = WanImageToVideoPipeline.from_pretrained(str(folder / "base"))
+    torch.manual_seed(seed + 100)
+    fields = {key: value for key, value in base.transformer.config.items() if not key.startswith("_")}
+    transformer = WanTransformer3DModel(**{**fields, "image_dim": 32, "added_kv_proj_dim": 32})
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8))
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    WanImageToVideoPipeline(
+        tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,
+        transformer=transformer, image_encoder=encoder, image_processor=processor,
+    ).save_pretrained(str(folder / "wan21-i2v"))
+    return folder / "wan21-i2v"
+
+
+def test_wan21_image_to_video_embeds_the_first_frame_as_its_pipeline_does_and_the_transformer_sees_it(tmp_path):
+    """Wan 2.1 I2V: the CLIP embeddings caching computes are the pipeline's encode_image; predict feeds them as the pipeline does."""
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    from zeropipe.diffusion.pipelines import image_encoder_pipeline, image_encoding
+
+    i2v = architecture_named("wan-i2v")
+    folder = wan21_i2v_pipeline(tmp_path)
+    assert architecture_of(folder) is i2v and image_encoding(folder, i2v)
+    assert not image_encoding(tmp_path / "base", i2v)  # Wan 2.2 I2V's layout has no image encoder
+    pipeline = WanImageToVideoPipeline.from_pretrained(str(folder))
+    image = Image.new("RGB", (32, 32), (200, 40, 40))
+    cached = i2v.encode_first_frames(image_encoder_pipeline(folder, i2v, torch.float32, torch.device("cpu")), [image], torch.device("cpu"))
+    assert torch.equal(cached, pipeline.encode_image(image, torch.device("cpu")))
+
+    noisy, first_frame, prompt = torch.randn(1, 16, 3, 4, 4), torch.randn(1, 16, 3, 4, 4), torch.randn(1, 64, 32)
+    mask = torch.zeros(1, 4, 3, 4, 4)
+    mask[:, :, 0] = 1
+    timestep = torch.tensor([500.0])
+    with torch.no_grad():
+        expected = pipeline.transformer(
+            hidden_states=torch.cat([noisy, mask, first_frame], dim=1), timestep=timestep, encoder_hidden_states=prompt,
+            encoder_hidden_states_image=cached, return_dict=False,
+        )[0]
+        got = i2v.predict(pipeline.transformer, noisy, timestep, {"prompt_embeds": prompt, "first_frame_latents": first_frame, "image_embeds": cached}, None)
+    assert torch.equal(got, expected)
+
+
+def test_an_expert_key_on_a_unet_is_refused_before_anything_starts(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.families.diffusion import FAMILY
+
+    config = RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-sd15"}, "diffusion": {"expert": "high_noise"}}, "data": {"path": str(tmp_path)}})
+    assert ("model.diffusion.expert", "applies to Wan 2.2 A14B's two flow-matching transformers, not to a UNet: remove it") in FAMILY.config_problems(config)

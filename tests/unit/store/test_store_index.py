@@ -127,6 +127,10 @@ def test_logs_checkpoints_generations_and_samples(store):
     assert run["has_samples"]
     assert store.log_names(run) == ["rank0", "rank1"]
     assert store.read_log(run, "rank0", 2)[-1].startswith("step 100/100")
+    # A diffusion run's caching process, run before the ranks, has a log of its own.
+    (run_path / "logs" / "node_setup.log").write_text("caches filled: 16 clip(s) and 18 caption(s) encoded on cpu\n")
+    assert store.log_names(run) == ["node_setup", "rank0", "rank1"]
+    assert store.read_log(run, "node_setup", 5) == ["caches filled: 16 clip(s) and 18 caption(s) encoded on cpu"]
     with pytest.raises(RunNotFound):
         store.read_log(run, "../../status", 10)
     tags = [c["tag"] for c in store.checkpoints(run)]

@@ -49,6 +49,11 @@ class Architecture:
         frame_conditioned: image-to-video: the denoiser also sees the clip's first frame, encoded by
             the VAE with the other frames black (``conditioning_pixels``), which ``predict`` receives
             as ``condition["first_frame_latents"]`` (cached with the clip's latents).
+        image_encoders: (image encoder, its processor): the component names of an image-to-video
+            pipeline that also embeds the first frame (Wan 2.1 I2V's CLIP), used when the pipeline
+            directory has them; ``encode_first_frames`` computes the embeddings as the pipeline
+            does, cached with the clip's latents, and ``predict`` receives them as
+            ``condition["image_embeds"]``.
     """
 
     name: str
@@ -69,6 +74,7 @@ class Architecture:
     frame_rate: float | None = None
     vae_class: str = "AutoencoderKL"
     frame_conditioned: bool = False
+    image_encoders: tuple[str, ...] = ()
 
     @property
     def frozen_components(self) -> tuple[str, ...]:
@@ -155,6 +161,10 @@ class Architecture:
         return None
 
     # -------------------------------------------------------------- conditioning
+    def encode_first_frames(self, pipeline, images: list, device: torch.device) -> torch.Tensor:
+        """Image embeddings of first frames (PIL images), by the pipeline's own image encoding (``image_encoders``)."""
+        raise NotImplementedError
+
     def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
         raise NotImplementedError

@@ -57,7 +57,11 @@ class Wan(Architecture):
 
     def predict(self, model, model_input, timesteps, condition, context):
         # Timesteps stay float32 as WanPipeline passes them: bf16 cannot tell 998 from 1000.
-        return model(hidden_states=model_input, timestep=timesteps.float(), encoder_hidden_states=condition["prompt_embeds"], return_dict=False)[0]
+        # Wan 2.1 I2V also attends to the first frame's CLIP embeddings (None for the others).
+        return model(
+            hidden_states=model_input, timestep=timesteps.float(), encoder_hidden_states=condition["prompt_embeds"],
+            encoder_hidden_states_image=condition.get("image_embeds"), return_dict=False,
+        )[0]
 
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {"prompt_embeds": condition["prompt_embeds"], "negative_prompt_embeds": negative["prompt_embeds"], "guidance_scale": guidance_scale}

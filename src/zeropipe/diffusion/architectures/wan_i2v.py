@@ -2,9 +2,11 @@
 
 The VAE encodes the clip with every frame but the first set to zero; a 4-channel mask marks
 the first latent frame; both are concatenated to the noisy latents on the channel axis (16 +
-4 + 16 = 36 input channels), as ``WanImageToVideoPipeline`` does. Wan 2.1 I2V also feeds CLIP
-image embeddings through added key/value projections (``image_dim``); that variant is not
-trained here yet (its pipeline needs the CLIP image encoder in the ranks or in the cache).
+4 + 16 = 36 input channels), as ``WanImageToVideoPipeline`` does. Wan 2.1 I2V also feeds the
+first frame's CLIP image embeddings (the penultimate hidden states of its ``image_encoder``)
+through added key/value projections (``image_dim``): when the pipeline directory has an image
+encoder, they are computed by the pipeline's own ``encode_image`` while caching and cached
+with the clip's latents.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class WanI2V(Wan):
         hidden = torch.cat([model_input, mask, condition["first_frame_latents"].to(model_input.dtype)], dim=1)
         return super().predict(model, hidden, timesteps, condition, context)
 
+    def encode_first_frames(self, pipeline, images, device):
+        return pipeline.encode_image(images, device)
+
 
 def _preset() -> dict:
     preset = copy.deepcopy(WAN_T2V.preset)
@@ -42,6 +47,7 @@ ARCHITECTURE = WanI2V(
         "pipeline_class": "WanImageToVideoPipeline",
         "related_pipelines": (),
         "frame_conditioned": True,
+        "image_encoders": ("image_encoder", "image_processor"),
         "preset_name": "tiny-wan-i2v",
         "preset": _preset(),
     }

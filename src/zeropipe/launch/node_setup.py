@@ -1,0 +1,85 @@
+"""Entry point of a node's setup process: ``python -m zeropipe.launch.node_setup RUN_DIR``.
+
+Some work is done once per node rather than once per rank: a diffusion run fills its latent
+and text-embedding caches there, so that a node holds one copy of each encoder (UMT5-XXL is
+11 GB in bf16) whatever its number of GPUs, and no rank's own baseline (Python, torch,
+DeepSpeed, a CUDA context: 0.4-2 GB each) is resident while the encoders are. The
+supervisor runs this process to the end before it starts the node's ranks; the ranks then
+only read what it wrote. What it runs is the run plan's ``node_setup`` (``module:function``,
+set by the family's data preparation), called with the run directory, the device (the
+node's first GPU, or the CPU) and the dtype to load frozen encoders in
+(:func:`encoder_precision`).
+
+Like a rank, it dies with its launcher and writes a failure to ``errors/node_setup.json`` for the
+launcher's diagnosis; its log is ``logs/node_setup.log``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from pathlib import Path
+
+from zeropipe.engine.noise import quiet_known_noise
+from zeropipe.launch.rank import check_owner, die_with_launcher, leave, record_failure
+
+
+def encoder_precision(accelerator: str) -> tuple[str, str]:
+    """(dtype name, why) frozen text encoders are loaded in to fill caches: what the device runs natively."""
+    from zeropipe.launch.resolve import auto_precision
+
+    return encoder_precision_for(accelerator, *auto_precision(accelerator))
+
+
+def encoder_precision_for(accelerator: str, device_precision: str, why: str) -> tuple[str, str]:
+    """bf16 where the device computes in it (UMT5-XXL then takes 11.4 GB instead of 22.7 GB), else fp32, never fp16 (T5 encoders overflow in it)."""
+    if device_precision == "bf16":
+        return "bf16", why
+    if accelerator == "cuda":
+        return "fp32", f"{why}, and text encoders such as T5 overflow in fp16"
+    return "fp32", why
+
+
+def setup_device(accelerator: str):
+    import torch
+
+    return torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = Path(argv[0])
+    die_with_launcher()
+    quiet_known_noise()
+    try:
+        check_owner(run_dir)
+        import logging
+
+        import torch
+
+        from zeropipe.models.common import TORCH_DTYPES
+        from zeropipe.rundir import RunDir
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+        run = RunDir(run_dir)
+        plan = run.read_plan()
+        if not plan.node_setup:
+            return 0
+        module, _, function = plan.node_setup.partition(":")
+        setup = getattr(importlib.import_module(module), function)
+        device = setup_device(plan.accelerator)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        precision, why = encoder_precision(plan.accelerator)
+        logging.getLogger("zeropipe").info("node setup (%s) on %s, text encoders in %s: %s", plan.node_setup, device, precision, why)
+        setup(run, device, TORCH_DTYPES[precision])
+    except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis
+        record_failure(run_dir, 0, err, stem="node_setup")
+        traceback.print_exc()
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    leave(main())
