@@ -60,6 +60,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -288,38 +289,172 @@ def mib(value: float) -> str:
     return f"{value / MIB:7.1f}"
 
 
-def real_sdxl_flops() -> tuple[float, float]:
-    """FLOPs of SDXL's VAE encoder and of its UNet's forward and backward for one 1024 px image.
+CATALOG = Path(__file__).resolve().parent.parent / "src" / "zeropipe" / "plan" / "catalog"
 
-    The models are built from SDXL's published component configs on the meta device (no
-    weights, no download) and counted with torch's FlopCounterMode.
+
+def real_model_flops() -> list[dict]:
+    """FLOPs per training sample of real SDXL and Wan 2.1: encoders against the denoiser.
+
+    Each model is built from its published component configs (``zeropipe/plan/catalog``) on
+    the meta device (no weights, no download, nothing allocated) and counted with torch's
+    FlopCounterMode: SDXL at 1024 px with 77-token captions, Wan 2.1 (1.3B and 14B) at 81
+    frames of 832x480 with 512-token captions. The denoiser is counted twice: a full
+    fine-tune (forward and backward, weight gradients included) and with its weights frozen
+    (forward and the backward to the inputs only: what a LoRA step costs, its small adapters
+    aside).
     """
     import diffusers
     import torch
+    import transformers
     from torch.utils.flop_counter import FlopCounterMode
 
+    def counted(work) -> float:
+        with FlopCounterMode(display=False) as counter:
+            work()
+        return counter.get_total_flops()
+
+    def empty(*shape, dtype=torch.float32, grad=False):
+        return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
+
+    def denoiser(call, model) -> tuple[float, float]:
+        full = counted(lambda: call().sum().backward())
+        model.requires_grad_(False)
+        frozen = counted(lambda: call().sum().backward())
+        return full, frozen
+
+    def component(entry: dict, library) -> Any:
+        config = {key: value for key, value in entry["config"].items() if key != "architectures"}
+        if library is diffusers:
+            return getattr(diffusers, entry["class"]).from_config(config)
+        model_config = transformers.AutoConfig.for_model(**config)
+        return getattr(transformers, entry["class"])(model_config)
+
+    rows = []
+    sdxl = json.loads((CATALOG / "sdxl.json").read_text())
     with torch.device("meta"):
-        vae = diffusers.AutoencoderKL(
-            block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=4,
-            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        )
-        unet = diffusers.UNet2DConditionModel(
-            sample_size=128, block_out_channels=[320, 640, 1280], layers_per_block=2,
-            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-            up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-            transformer_layers_per_block=[1, 2, 10], attention_head_dim=[5, 10, 20], cross_attention_dim=2048, use_linear_projection=True,
-            addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-        )
-        with FlopCounterMode(display=False) as counter:
-            vae.encode(torch.empty(1, 3, 1024, 1024))
-        vae_flops = counter.get_total_flops()
-        with FlopCounterMode(display=False) as counter:
-            prediction = unet(
-                torch.empty(1, 4, 128, 128, requires_grad=True), torch.tensor([500.0]), encoder_hidden_states=torch.empty(1, 77, 2048),
-                added_cond_kwargs={"text_embeds": torch.empty(1, 1280), "time_ids": torch.empty(1, 6)},
-            ).sample
-            prediction.sum().backward()
-        return vae_flops, counter.get_total_flops()
+        unet = component(sdxl["trained"], diffusers)
+        frozen = {entry["name"].split(" ")[0]: component(entry, diffusers if entry["library"] == "diffusers" else transformers) for entry in sdxl["frozen"]}
+    side = sdxl["resolution"]
+    vae = counted(lambda: frozen["vae"].encode(empty(1, 3, side, side)))
+    text = sum(counted(lambda: frozen[name](input_ids=torch.zeros(1, 77, dtype=torch.long, device="meta"))) for name in ("text_encoder", "text_encoder_2"))
+    full, lora = denoiser(
+        lambda: unet(
+            empty(1, 4, side // 8, side // 8, grad=True), empty(1), encoder_hidden_states=empty(1, 77, 2048),
+            added_cond_kwargs={"text_embeds": empty(1, 1280), "time_ids": empty(1, 6)},
+        ).sample,
+        unet,
+    )
+    rows.append({"model": "SDXL 1024 px", "vae": vae, "text": text, "full": full, "lora": lora})
+    del unet, frozen
+    frames, height, width = 81, 480, 832
+    for name in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b"):
+        entry = json.loads((CATALOG / f"{name}.json").read_text())
+        with torch.device("meta"):
+            transformer = component(entry["trained"], diffusers)
+            frozen = {item["name"].split(" ")[0]: component(item, diffusers if item["library"] == "diffusers" else transformers) for item in entry["frozen"]}
+        vae = counted(lambda: frozen["vae"].encode(empty(1, 3, frames, height, width)))
+        text = counted(lambda: frozen["text_encoder"](input_ids=torch.zeros(1, 512, dtype=torch.long, device="meta")))
+        latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+        full, lora = denoiser(lambda: transformer(empty(*latent, grad=True), empty(1), empty(1, 512, 4096)).sample, transformer)
+        rows.append({"model": f"{entry['name']} 81x832x480", "vae": vae, "text": text, "full": full, "lora": lora})
+        del transformer, frozen
+    return rows
+
+
+def denoiser_rank(run_dir: Path, out: Path, pairs: int, warmup: int) -> None:
+    """One rank of a torchrun job on a copy of a cached run: the trainer's step against the denoiser alone.
+
+    The rank builds the run's ``Trainer`` as ``zeropipe.launch.rank`` does (same DeepSpeed
+    engine, caches, seed), then alternates, in ABBA order within each pair:
+
+    * trainer step: ``Trainer.train_step`` (next micro-batch from the task's own iterator:
+      cache entries read, latents drawn, noise and timesteps drawn, denoiser forward,
+      backward, optimizer step) and ``record_metrics`` (the per-step gather of every rank's
+      figures and rank 0's metrics row), everything the training loop does per step;
+    * denoiser alone: the same micro-batch's denoiser inputs, prepared beforehand and held in
+      memory, through the same engine: forward (the architecture's ``predict``), loss,
+      backward, optimizer step.
+    """
+    import torch
+
+    from zeropipe.diffusion.objectives import weighted_mse
+    from zeropipe.engine.trainer import Trainer
+    from zeropipe.families import family_of
+    from zeropipe.rundir import RunDir
+
+    trainer = Trainer(run_dir, family_of(RunDir(run_dir).read_config().model).rank_task)
+    trainer.setup()
+    task, engine = trainer.task, trainer.engine
+    engine.train()
+    drawn: list[list[int]] = []
+
+    def recorded(batches):
+        for epoch, indices in batches:
+            drawn.append(indices)
+            yield epoch, indices
+
+    batches = recorded(task.batches(0))
+
+    def trainer_step() -> float:
+        started = time.perf_counter()
+        epoch, loss, lr, tokens, samples = trainer.train_step(batches)
+        trainer.record_metrics(epoch, loss, lr, tokens, samples, max(time.perf_counter() - started, 1e-9))
+        return time.perf_counter() - started
+
+    def denoiser_step(inputs) -> float:
+        model_input, timesteps, condition, target, weights = inputs
+        started = time.perf_counter()
+        loss = weighted_mse(task.predict(model_input, timesteps, condition), target, weights)
+        engine.backward(loss)
+        engine.step()
+        loss.detach().float().item()  # the trainer's step reads its loss too
+        return time.perf_counter() - started
+
+    def prepared(indices):
+        latents, condition = task.assemble(indices)
+        noised = task.objective.noise(latents)
+        return noised.model_input, noised.timesteps, condition, noised.target, noised.weights
+
+    times = {"trainer": [], "denoiser": []}
+    for pair in range(warmup + pairs):
+        # The denoiser-only step trains on the micro-batch the trainer step before it drew
+        # (same bucket shape); in odd pairs it goes first, on the inputs of the last pair.
+        if pair % 2 == 0 or not drawn:
+            a = trainer_step()
+            b = denoiser_step(prepared(drawn[-1]))
+        else:
+            b = denoiser_step(prepared(drawn[-1]))
+            a = trainer_step()
+        if pair >= warmup:
+            times["trainer"].append(a)
+            times["denoiser"].append(b)
+    out.write_text(json.dumps({"rank": trainer.rank, **times}))
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def denoiser_only(cached_run: Path, work: Path, pairs: int, warmup: int) -> dict:
+    """Run :func:`denoiser_rank` on 2 ranks (torchrun) on a copy of a cached run directory."""
+    from zeropipe.launch.supervisor import free_port
+
+    run_dir = work / "denoiser-only"
+    shutil.copytree(cached_run, run_dir, ignore=shutil.ignore_patterns("checkpoints", ".owner.lock", "samples"))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    world = 2
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)), PYTHONUNBUFFERED="1")
+    log = work / "denoiser-only.log"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port()),
+        __file__, "--denoiser-rank", str(run_dir), "--pairs", str(pairs), "--warmup", str(warmup),
+    ]  # fmt: skip
+    with open(log, "w") as handle, ForeignLoad() as load:
+        code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        sys.exit(f"the denoiser-only measurement failed (exit {code}); its output:\n{log.read_text()[-6000:]}")
+    ranks = [json.loads((run_dir / f"denoiser-rank{rank}.json").read_text()) for rank in range(world)]
+    return {"trainer": ranks[0]["trainer"], "denoiser": ranks[0]["denoiser"], "foreign": load.cores}
 
 
 def main() -> int:
@@ -338,7 +473,12 @@ def main() -> int:
     parser.add_argument(
         "--out-dir", type=Path, default=None, help="where configs, caches and run directories go (default: a temporary directory, removed at the end)"
     )
+    parser.add_argument("--pairs", type=int, default=40, help="trainer-step / denoiser-only pairs timed in one run (default 40)")
+    parser.add_argument("--denoiser-rank", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.denoiser_rank:
+        denoiser_rank(args.denoiser_rank, args.denoiser_rank / f"denoiser-rank{os.environ['RANK']}.json", args.pairs, args.warmup)
+        return 0
     if args.steps - args.warmup < 5:
         parser.error("--steps must exceed --warmup by at least 5")
 
