@@ -67,7 +67,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import ForeignLoad, wait_for_quiet  # noqa: E402 - the same "other processes" figure as the overhead benchmark
 
-TARGET = 3.0  # cached steps/s / uncached steps/s (issue 5)
+OVERHEAD_TARGET = 1.05  # cached trainer step / denoiser-only step, measured in one run (issue 20)
 QUIET_CORES = 0.1
 SAMPLE_SECONDS = 0.1
 LOSS_STEPS = 10
@@ -199,7 +199,7 @@ def run_train(config: dict, name: str, work: Path) -> dict:
         # From the ranks' start to the end of the last training step: no end-of-run sample or checkpoint.
         "sampled": memory.peaks(until=rows[-1]["time"]),
         "setup_s": first_step_start - status["started_at"],
-        "missing": (len(plan.missing_latents), len(plan.missing_texts)),
+        "missing": (len(plan["missing_latents"]), len(plan["missing_texts"])),
     }
 
 
@@ -335,6 +335,7 @@ def real_model_flops() -> list[dict]:
         unet = component(sdxl["trained"], diffusers)
         frozen = {entry["name"].split(" ")[0]: component(entry, diffusers if entry["library"] == "diffusers" else transformers) for entry in sdxl["frozen"]}
     side = sdxl["resolution"]
+    frozen_bytes = 4 * sum(p.numel() for part in frozen.values() for p in part.parameters())
     vae = counted(lambda: frozen["vae"].encode(empty(1, 3, side, side)))
     text = sum(counted(lambda: frozen[name](input_ids=torch.zeros(1, 77, dtype=torch.long, device="meta"))) for name in ("text_encoder", "text_encoder_2"))
     full, lora = denoiser(
@@ -344,20 +345,19 @@ def real_model_flops() -> list[dict]:
         ).sample,
         unet,
     )
-    rows.append({"model": "SDXL 1024 px", "vae": vae, "text": text, "full": full, "lora": lora})
-    del unet, frozen
+    rows.append({"model": "SDXL 1024 px", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes})
     frames, height, width = 81, 480, 832
     for name in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b"):
         entry = json.loads((CATALOG / f"{name}.json").read_text())
         with torch.device("meta"):
             transformer = component(entry["trained"], diffusers)
             frozen = {item["name"].split(" ")[0]: component(item, diffusers if item["library"] == "diffusers" else transformers) for item in entry["frozen"]}
+        frozen_bytes = 4 * sum(p.numel() for part in frozen.values() for p in part.parameters())
         vae = counted(lambda: frozen["vae"].encode(empty(1, 3, frames, height, width)))
         text = counted(lambda: frozen["text_encoder"](input_ids=torch.zeros(1, 512, dtype=torch.long, device="meta")))
         latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
         full, lora = denoiser(lambda: transformer(empty(*latent, grad=True), empty(1), empty(1, 512, 4096)).sample, transformer)
-        rows.append({"model": f"{entry['name']} 81x832x480", "vae": vae, "text": text, "full": full, "lora": lora})
-        del transformer, frozen
+        rows.append({"model": f"{entry['name']} 81x832x480", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes})
     return rows
 
 
@@ -375,8 +375,6 @@ def denoiser_rank(run_dir: Path, out: Path, pairs: int, warmup: int) -> None:
       memory, through the same engine: forward (the architecture's ``predict``), loss,
       backward, optimizer step.
     """
-    import torch
-
     from zeropipe.diffusion.objectives import weighted_mse
     from zeropipe.engine.trainer import Trainer
     from zeropipe.families import family_of
@@ -612,21 +610,46 @@ def main() -> int:
         print(f"  {label:<58}{seconds * 1e3:7.1f} ms   {note}")
     print(
         f"  -> added per step {added * 1e3:.1f} ms on a cached step of {pooled_on * 1e3:.1f} ms: expected ratio {1 + added / pooled_on:.2f}x "
-        f"({1 + each / pooled_on:.2f}x if the uncached path encoded one image and one caption per call); "
-        f"{TARGET:.0f}x needs {(TARGET - 1) * pooled_on * 1e3:.0f} ms of encoding per step"
+        f"({1 + each / pooled_on:.2f}x if the uncached path encoded one image and one caption per call)"
     )
 
-    vae_flops, unet_flops = real_sdxl_flops()
+    # ------------------------------------------------------------------ (a) the trainer's step against the denoiser alone
+    alone = denoiser_only(measured_on[0]["run_dir"], work, args.pairs, args.warmup)
+    trainer_s, denoiser_s = statistics.median(alone["trainer"]), statistics.median(alone["denoiser"])
+    paired = sorted(a / b for a, b in zip(alone["trainer"], alone["denoiser"]))
+    quartiles = statistics.quantiles(paired, n=4)
+    overhead = trainer_s / denoiser_s
     print(
-        f"\nfor comparison, real SDXL at 1024 px (FLOPs counted on the meta device: nothing downloaded or allocated): VAE encode "
-        f"{vae_flops / 1e12:.1f} TFLOP per image, UNet forward + backward {unet_flops / 1e12:.1f} TFLOP; at equal speed caching saves "
-        f"{vae_flops / (vae_flops + unet_flops) * 100:.0f}% of a full fine-tune step's compute ({1 + vae_flops / unet_flops:.2f}x), "
-        f"{1 + 2 * vae_flops / unet_flops:.2f}x if the VAE runs at half the UNet's FLOP rate (fp32 against bf16)"
+        f"\ncached trainer step against the denoiser alone, in one run ({args.pairs} interleaved pairs on 2 ranks after {args.warmup} warm-up pairs, "
+        f"a copy of {measured_on[0]['name']}; other processes {alone['foreign']:.2f} cores):"
+    )
+    print(f"  trainer step (data from the caches, noise, denoiser forward + backward + optimizer step, metrics row)  median {trainer_s * 1e3:7.1f} ms")
+    print(f"  denoiser alone (the same micro-batches' inputs held in memory: forward + backward + optimizer step)     median {denoiser_s * 1e3:7.1f} ms")
+    print(
+        f"  -> ratio of the medians {overhead:.3f}; per-pair ratios median {statistics.median(paired):.3f}, "
+        f"middle half {quartiles[0]:.3f}-{quartiles[2]:.3f} -> target <= {OVERHEAD_TARGET} {'MET' if overhead <= OVERHEAD_TARGET else 'MISSED'}"
+    )
+
+    # ------------------------------------------------------------------ (c) real models
+    print(
+        "\nreal models, FLOPs per training sample (counted on the meta device from the catalog's configs: nothing downloaded or allocated); "
+        "predicted cached / uncached speed-up = (encoders + denoiser) / denoiser:"
+    )
+    print(f"  {'model':<28}{'VAE encode':>11}{'text enc.':>10}{'denoiser full':>15}{'denoiser LoRA':>15}{'full':>7}{'LoRA':>7}{'full*':>7}{'LoRA*':>7}{'encoders':>11}")
+    for row in real_model_flops():
+        encoders = row["vae"] + row["text"]
+        print(
+            f"  {row['model']:<28}{row['vae'] / 1e12:9.1f} T{row['text'] / 1e12:8.2f} T{row['full'] / 1e12:13.1f} T{row['lora'] / 1e12:13.1f} T"
+            f"{1 + encoders / row['full']:6.2f}x{1 + encoders / row['lora']:6.2f}x{1 + 2 * encoders / row['full']:6.2f}x{1 + 2 * encoders / row['lora']:6.2f}x"
+            f"{row['frozen_bytes'] / 2**30:8.1f} GiB"
+        )
+    print(
+        "  full / LoRA: encoders at the denoiser's FLOP rate; full* / LoRA*: at half of it (ZeRO-Pipe's uncached ranks run the encoders in fp32, "
+        "the denoiser in bf16 on GPUs). encoders: their fp32 weights, what each rank does not hold with caches on"
     )
 
     ratio = statistics.median(ratios)
-    verdict = "MET" if ratio >= TARGET else "MISSED"
-    print(f"\ncached / uncached steps/s (median of the {len(ratios)} repeat ratio(s)): {ratio:.2f}x -> target >= {TARGET:.1f}x {verdict}")
+    print(f"\ncached / uncached steps/s here (median of the {len(ratios)} repeat ratio(s)): {ratio:.2f}x (depends on the tiny model's proportions; see the real models above)")
     busy = [r["name"] for r in results if r["foreign"] >= QUIET_CORES]
     if busy:
         print(f"note: other processes used >= {QUIET_CORES} cores during {len(busy)} of {len(results)} runs ({', '.join(busy)})")

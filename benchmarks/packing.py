@@ -1,38 +1,55 @@
-"""Useful tokens/s with packing: ZeRO-Pipe packed, ZeRO-Pipe padded, and the Hugging Face Trainer.
+"""Useful tokens/s: ZeRO-Pipe padded, grouped and packed against the Hugging Face Trainer padded, grouped and padding-free.
 
-    .venv/bin/python benchmarks/packing.py                    # the full comparison: about 8 minutes on 2 idle CPU cores
+    .venv/bin/python benchmarks/packing.py                    # the full comparison: 6 systems x 2 runs, about 10 minutes on 2 idle CPU cores
     .venv/bin/python benchmarks/packing.py --quiet-wait 120   # on a shared machine: wait for quiet before each run
-    .venv/bin/python benchmarks/packing.py --quick            # smoke run, about 3 minutes
+    .venv/bin/python benchmarks/packing.py --quick            # smoke run, about 5 minutes
+    .venv/bin/python benchmarks/packing.py --systems zeropipe-packed,hf-flatten   # a subset (a padded ZeRO-Pipe run is added first)
 
 One instruction set with a realistic spread of lengths (alpaca records, lengths drawn
 log-normally between 16 and max_seq_len tokens, generated deterministically), one model
-(a random-init Llama, hidden 256 x 4 layers, the same seed for the three) and one DeepSpeed
-config, trained for one epoch by three systems on 2 CPU ranks (gloo):
+(a random-init Llama, hidden 256 x 4 layers, the same seed for all) and one DeepSpeed
+config (ZeRO-2, ``deepspeed.precision: auto``: fp32 on CPUs without native bf16), trained
+for one epoch by six systems on 2 CPU ranks (gloo):
 
-* ``zeropipe``: ``zeropipe train`` without packing (micro-batches of 8 examples, padded);
-* ``hf-trainer``: ``transformers.Trainer`` started with ``torchrun --nproc_per_node 2``
-  (``--hf-rank``, this file), with the ``ds_config.json`` the padded ZeRO-Pipe run wrote, the
-  same model config and seed, and the same tokenized examples (the padded run's token cache:
-  the same token ids and labels), batched by HF's padding collator for inputs with labels
-  (``DataCollatorForSeq2Seq``) in HF's default shuffled order. On CPU, ``TrainingArguments``
-  needs ``use_cpu=True`` for bf16; DeepSpeed is still the engine (``trainer.is_deepspeed_enabled``).
-  A subclass only counts each step's non-padding tokens (``training_step``) and a callback
-  notes when each step ends;
-* ``zeropipe-packed``: ``zeropipe train`` with ``data.packing: true``, with as many packed
-  sequences of 512 tokens per micro-batch as hold about 8 examples (2 on this data), so the
-  three take about the same number of optimizer steps per epoch.
+* ``zeropipe``: ``zeropipe train``, micro-batches of 8 examples in random order, padded;
+* ``zeropipe-grouped``: the same with ``data.group_by_length: true``;
+* ``zeropipe-packed``: ``data.packing: true``, with as many packed sequences of 512 tokens
+  per micro-batch as hold about 8 examples (2 on this data), so all take about the same
+  number of optimizer steps per epoch;
+* ``hf-padded``: ``transformers.Trainer`` started with ``torchrun --nproc_per_node 2``
+  (``--hf-rank``, this file), with the ``ds_config.json`` the first padded ZeRO-Pipe run
+  wrote, the same model config and seed, and the same tokenized examples (that run's token
+  cache: the same token ids and labels), batched by HF's padding collator for inputs with
+  labels (``DataCollatorForSeq2Seq``) in HF's default shuffled order. On CPU,
+  ``TrainingArguments`` needs ``use_cpu=True`` for bf16; DeepSpeed is still the engine
+  (``trainer.is_deepspeed_enabled``). A subclass only counts each step's non-padding tokens
+  (``training_step``) and a callback notes when each step ends;
+* ``hf-grouped``: the same with ``train_sampling_strategy="group_by_length"`` (HF's
+  length-grouped sampler);
+* ``hf-flatten``: the same with ``DataCollatorWithFlattening``, HF's padding-free collator:
+  each micro-batch of 8 examples end to end in one row, position ids restarting at 0 per
+  example, no attention mask.
+
+Attention masking is the same on both sides: ZeRO-Pipe's packed rows and HF's flattened
+rows both carry position ids that restart per example and no attention mask, and
+transformers (``masking_utils.find_packed_sequence_indices``, with ``use_cache=False``, the
+Trainer's default and what ZeRO-Pipe passes) turns them into a block-diagonal causal mask
+for sdpa: no token attends to another example. On CPU sdpa has no variable-length kernel,
+so both compute attention over the whole row under that mask. Each example's first token
+is no target on both sides (HF's ``separator_id``, ZeRO-Pipe's pack builder).
 
 *Useful* tokens are the examples' own tokens, padding excluded. Throughput is measured on
-rank 0 from the end of step 3 to the end of the last step (start-up and the first steps
-left out), with the useful tokens of every rank in those steps. Each system runs twice, in
-ABCCBA order so that slow drift of a shared machine cancels, and the figures are pooled;
-the CPU other processes used during each run is shown beside it. The second run of each
-system uses seed 43 (model init and data order) instead of 42, which measures how far the
-eval loss moves with the seed alone: the noise the three systems' losses are compared
-against. Each run trains every
-training example once; afterwards each computes the eval loss on the same held-out examples
-with the same code (``zeropipe.engine.evaluation``: mean over loss tokens, in bf16 on the
-trained DeepSpeed engine), so the losses differ only by what the runs learned.
+rank 0's clock from the end of step 3 to the end of the last step (start-up and the first
+steps left out; ZeRO-Pipe's from the ``time`` of its metrics rows, HF's from a callback),
+with the useful tokens of every rank in those steps. Each system runs ``--repeats`` times
+(default 2) in ABC..CBA order so that slow drift of a shared machine cancels; the figures
+are pooled, the spread of each system's runs and the ratio within each repeat are printed
+as the noise band. The second run of each system uses seed 43 (model init and data order)
+instead of 42, which measures how far the eval loss moves with the seed alone: the noise
+the systems' losses are compared against. Each run trains every training example once;
+afterwards each computes the eval loss on the same held-out examples with the same code
+(``zeropipe.engine.evaluation``: mean over loss tokens, on the trained DeepSpeed engine),
+so the losses differ only by what the runs learned.
 """
 
 from __future__ import annotations
