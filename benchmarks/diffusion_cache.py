@@ -1,11 +1,11 @@
-"""Diffusion caches: training steps/s and host RAM of the ranks with and without the latent and text caches.
+"""Diffusion caches: the cached step against the denoiser alone, host RAM with and without the caches, real models' FLOPs.
 
-    .venv/bin/python benchmarks/diffusion_cache.py                          # 5 runs of 40 steps: 4-8 min on 2 shared CPU cores
-    .venv/bin/python benchmarks/diffusion_cache.py --steps 10 --warmup 3 --repeats 1    # smoke run, ~3 min
+    .venv/bin/python benchmarks/diffusion_cache.py                          # 5 runs of 40 steps + 40 trainer/denoiser pairs: 6-10 min on 2 idle CPU cores
+    .venv/bin/python benchmarks/diffusion_cache.py --steps 10 --warmup 3 --repeats 1 --pairs 10    # smoke run
 
 The model, data and settings are examples/diffusion-quickstart.yaml's (tiny SDXL-layout
 pipeline built from config, generated shape images with captions, 2 CPU ranks, ZeRO-2,
-bf16), read from that file so the benchmark follows it. Every run trains the same steps
+its precision), read from that file so the benchmark follows it. Every run trains the same steps
 with the same seed and batch shape, through ``zeropipe train`` as a user runs it:
 
 * fill: caches on, empty cache folder. The ranks encode the images (VAE) and captions (text
@@ -38,9 +38,13 @@ is printed for comparison.
 After the runs, the script times in its own process (one thread, as a rank) what an uncached
 rank adds to a micro-batch: reading and VAE-encoding its images and encoding its captions,
 one call each for the micro-batch as ``DiffusionTask`` does, against reading the cache entries. Added to the
-cached step time this gives the ratio to expect, and says how much encoding the target needs.
-Last, for comparison with real hardware, it counts the FLOPs of SDXL's own VAE encoder and
-UNet (built on the meta device from their configs) for one 1024 px image.
+cached step time this gives the ratio to expect.
+
+Then, in one 2-rank job on a copy of a cached run (``denoiser_rank``), it times the trainer's
+cached step against the denoiser alone on the same inputs, interleaved (target: <= 1.05).
+Last, for real hardware, it counts the FLOPs of the encoders and denoisers of real SDXL and
+Wan 2.1 (built on the meta device from the catalog's configs) and predicts the speed-up of
+caching from them (``real_model_flops``).
 
 Losses of the first steps are compared across all runs: caches change where latents and
 embeddings come from, not their values, so every run must train identically. Exit code 0
