@@ -341,7 +341,8 @@ def real_model_flops() -> list[dict]:
     side = sdxl["resolution"]
     frozen_bytes = 4 * sum(p.numel() for part in frozen.values() for p in part.parameters())
     vae = counted(lambda: frozen["vae"].encode(empty(1, 3, side, side)))
-    text = sum(counted(lambda: frozen[name](input_ids=torch.zeros(1, 77, dtype=torch.long, device="meta"))) for name in ("text_encoder", "text_encoder_2"))
+    captions = torch.zeros(1, 77, dtype=torch.long, device="meta")
+    text = counted(lambda: [frozen[name](input_ids=captions) for name in ("text_encoder", "text_encoder_2")])
     full, lora = denoiser(
         lambda: unet(
             empty(1, 4, side // 8, side // 8, grad=True), empty(1), encoder_hidden_states=empty(1, 77, 2048),
@@ -351,7 +352,8 @@ def real_model_flops() -> list[dict]:
     )
     rows.append({"model": "SDXL 1024 px", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes})
     frames, height, width = 81, 480, 832
-    for name in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b"):
+
+    def wan(name: str) -> dict:
         entry = json.loads((CATALOG / f"{name}.json").read_text())
         with torch.device("meta"):
             transformer = component(entry["trained"], diffusers)
@@ -361,7 +363,9 @@ def real_model_flops() -> list[dict]:
         text = counted(lambda: frozen["text_encoder"](input_ids=torch.zeros(1, 512, dtype=torch.long, device="meta")))
         latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
         full, lora = denoiser(lambda: transformer(empty(*latent, grad=True), empty(1), empty(1, 512, 4096)).sample, transformer)
-        rows.append({"model": f"{entry['name']} 81x832x480", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes})
+        return {"model": f"{entry['name']} 81x832x480", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes}
+
+    rows += [wan(name) for name in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b")]
     return rows
 
 
