@@ -1,8 +1,8 @@
 """Useful tokens/s: ZeRO-Pipe padded, grouped and packed against the Hugging Face Trainer padded, grouped and padding-free.
 
-    .venv/bin/python benchmarks/packing.py                    # the full comparison: 6 systems x 2 runs, about 10 minutes on 2 idle CPU cores
+    .venv/bin/python benchmarks/packing.py                    # the full comparison: 6 systems x 2 runs (an earlier 3 x 2 took 8 min on 2 idle cores)
     .venv/bin/python benchmarks/packing.py --quiet-wait 120   # on a shared machine: wait for quiet before each run
-    .venv/bin/python benchmarks/packing.py --quick            # smoke run, about 5 minutes
+    .venv/bin/python benchmarks/packing.py --quick            # smoke run: the small model, 6 runs
     .venv/bin/python benchmarks/packing.py --systems zeropipe-packed,hf-flatten   # a subset (a padded ZeRO-Pipe run is added first)
 
 One instruction set with a realistic spread of lengths (alpaca records, lengths drawn
