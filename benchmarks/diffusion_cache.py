@@ -1,11 +1,11 @@
-"""Diffusion caches: training steps/s and host RAM of the ranks with and without the latent and text caches.
+"""Diffusion caches: the cached step against the denoiser alone, host RAM with and without the caches, real models' FLOPs.
 
-    .venv/bin/python benchmarks/diffusion_cache.py                          # 5 runs of 40 steps: 4-8 min on 2 shared CPU cores
-    .venv/bin/python benchmarks/diffusion_cache.py --steps 10 --warmup 3 --repeats 1    # smoke run, ~3 min
+    .venv/bin/python benchmarks/diffusion_cache.py                          # 5 runs of 40 steps + 40 trainer/denoiser pairs: 6-10 min on 2 idle CPU cores
+    .venv/bin/python benchmarks/diffusion_cache.py --steps 10 --warmup 3 --repeats 1 --pairs 10    # smoke run
 
 The model, data and settings are examples/diffusion-quickstart.yaml's (tiny SDXL-layout
 pipeline built from config, generated shape images with captions, 2 CPU ranks, ZeRO-2,
-bf16), read from that file so the benchmark follows it. Every run trains the same steps
+its precision), read from that file so the benchmark follows it. Every run trains the same steps
 with the same seed and batch shape, through ``zeropipe train`` as a user runs it:
 
 * fill: caches on, empty cache folder. The ranks encode the images (VAE) and captions (text
@@ -38,9 +38,13 @@ is printed for comparison.
 After the runs, the script times in its own process (one thread, as a rank) what an uncached
 rank adds to a micro-batch: reading and VAE-encoding its images and encoding its captions,
 one call each for the micro-batch as ``DiffusionTask`` does, against reading the cache entries. Added to the
-cached step time this gives the ratio to expect, and says how much encoding the target needs.
-Last, for comparison with real hardware, it counts the FLOPs of SDXL's own VAE encoder and
-UNet (built on the meta device from their configs) for one 1024 px image.
+cached step time this gives the ratio to expect.
+
+Then, in one 2-rank job on a copy of a cached run (``denoiser_rank``), it times the trainer's
+cached step against the denoiser alone on the same inputs, interleaved (target: <= 1.05).
+Last, for real hardware, it counts the FLOPs of the encoders and denoisers of real SDXL and
+Wan 2.1 (built on the meta device from the catalog's configs) and predicts the speed-up of
+caching from them (``real_model_flops``).
 
 Losses of the first steps are compared across all runs: caches change where latents and
 embeddings come from, not their values, so every run must train identically. Exit code 0
@@ -60,13 +64,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import ForeignLoad, wait_for_quiet  # noqa: E402 - the same "other processes" figure as the overhead benchmark
 
-TARGET = 3.0  # cached steps/s / uncached steps/s (issue 5)
+OVERHEAD_TARGET = 1.05  # cached trainer step / denoiser-only step, measured in one run (issue 20)
 QUIET_CORES = 0.1
 SAMPLE_SECONDS = 0.1
 LOSS_STEPS = 10
@@ -198,7 +203,7 @@ def run_train(config: dict, name: str, work: Path) -> dict:
         # From the ranks' start to the end of the last training step: no end-of-run sample or checkpoint.
         "sampled": memory.peaks(until=rows[-1]["time"]),
         "setup_s": first_step_start - status["started_at"],
-        "missing": (len(plan.missing_latents), len(plan.missing_texts)),
+        "missing": (len(plan["missing_latents"]), len(plan["missing_texts"])),
     }
 
 
@@ -288,38 +293,174 @@ def mib(value: float) -> str:
     return f"{value / MIB:7.1f}"
 
 
-def real_sdxl_flops() -> tuple[float, float]:
-    """FLOPs of SDXL's VAE encoder and of its UNet's forward and backward for one 1024 px image.
+CATALOG = Path(__file__).resolve().parent.parent / "src" / "zeropipe" / "plan" / "catalog"
 
-    The models are built from SDXL's published component configs on the meta device (no
-    weights, no download) and counted with torch's FlopCounterMode.
+
+def real_model_flops() -> list[dict]:
+    """FLOPs per training sample of real SDXL and Wan 2.1: encoders against the denoiser.
+
+    Each model is built from its published component configs (``zeropipe/plan/catalog``) on
+    the meta device (no weights, no download, nothing allocated) and counted with torch's
+    FlopCounterMode: SDXL at 1024 px with 77-token captions, Wan 2.1 (1.3B and 14B) at 81
+    frames of 832x480 with 512-token captions. The denoiser is counted twice: a full
+    fine-tune (forward and backward, weight gradients included) and with its weights frozen
+    (forward and the backward to the inputs only: what a LoRA step costs, its small adapters
+    aside).
     """
     import diffusers
     import torch
+    import transformers
     from torch.utils.flop_counter import FlopCounterMode
 
+    def counted(work) -> float:
+        with FlopCounterMode(display=False) as counter:
+            work()
+        return counter.get_total_flops()
+
+    def empty(*shape, dtype=torch.float32, grad=False):
+        return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=grad)
+
+    def denoiser(call, model) -> tuple[float, float]:
+        full = counted(lambda: call().sum().backward())
+        model.requires_grad_(False)
+        frozen = counted(lambda: call().sum().backward())
+        return full, frozen
+
+    def component(entry: dict, library) -> Any:
+        config = {key: value for key, value in entry["config"].items() if key != "architectures"}
+        if library is diffusers:
+            return getattr(diffusers, entry["class"]).from_config(config)
+        model_config = transformers.AutoConfig.for_model(**config)
+        return getattr(transformers, entry["class"])(model_config)
+
+    rows = []
+    sdxl = json.loads((CATALOG / "sdxl.json").read_text())
     with torch.device("meta"):
-        vae = diffusers.AutoencoderKL(
-            block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=4,
-            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        )
-        unet = diffusers.UNet2DConditionModel(
-            sample_size=128, block_out_channels=[320, 640, 1280], layers_per_block=2,
-            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-            up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-            transformer_layers_per_block=[1, 2, 10], attention_head_dim=[5, 10, 20], cross_attention_dim=2048, use_linear_projection=True,
-            addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-        )
-        with FlopCounterMode(display=False) as counter:
-            vae.encode(torch.empty(1, 3, 1024, 1024))
-        vae_flops = counter.get_total_flops()
-        with FlopCounterMode(display=False) as counter:
-            prediction = unet(
-                torch.empty(1, 4, 128, 128, requires_grad=True), torch.tensor([500.0]), encoder_hidden_states=torch.empty(1, 77, 2048),
-                added_cond_kwargs={"text_embeds": torch.empty(1, 1280), "time_ids": torch.empty(1, 6)},
-            ).sample
-            prediction.sum().backward()
-        return vae_flops, counter.get_total_flops()
+        unet = component(sdxl["trained"], diffusers)
+        frozen = {entry["name"].split(" ")[0]: component(entry, diffusers if entry["library"] == "diffusers" else transformers) for entry in sdxl["frozen"]}
+    side = sdxl["resolution"]
+    frozen_bytes = 4 * sum(p.numel() for part in frozen.values() for p in part.parameters())
+    vae = counted(lambda: frozen["vae"].encode(empty(1, 3, side, side)))
+    captions = torch.zeros(1, 77, dtype=torch.long, device="meta")
+    text = counted(lambda: [frozen[name](input_ids=captions) for name in ("text_encoder", "text_encoder_2")])
+    full, lora = denoiser(
+        lambda: unet(
+            empty(1, 4, side // 8, side // 8, grad=True), empty(1), encoder_hidden_states=empty(1, 77, 2048),
+            added_cond_kwargs={"text_embeds": empty(1, 1280), "time_ids": empty(1, 6)},
+        ).sample,
+        unet,
+    )
+    rows.append({"model": "SDXL 1024 px", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes})
+    frames, height, width = 81, 480, 832
+
+    def wan(name: str) -> dict:
+        entry = json.loads((CATALOG / f"{name}.json").read_text())
+        with torch.device("meta"):
+            transformer = component(entry["trained"], diffusers)
+            frozen = {item["name"].split(" ")[0]: component(item, diffusers if item["library"] == "diffusers" else transformers) for item in entry["frozen"]}
+        frozen_bytes = 4 * sum(p.numel() for part in frozen.values() for p in part.parameters())
+        vae = counted(lambda: frozen["vae"].encode(empty(1, 3, frames, height, width)))
+        text = counted(lambda: frozen["text_encoder"](input_ids=torch.zeros(1, 512, dtype=torch.long, device="meta")))
+        latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+        full, lora = denoiser(lambda: transformer(empty(*latent, grad=True), empty(1), empty(1, 512, 4096)).sample, transformer)
+        return {"model": f"{entry['name']} 81x832x480", "vae": vae, "text": text, "full": full, "lora": lora, "frozen_bytes": frozen_bytes}
+
+    rows += [wan(name) for name in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b")]
+    return rows
+
+
+def denoiser_rank(run_dir: Path, out: Path, pairs: int, warmup: int) -> None:
+    """One rank of a torchrun job on a copy of a cached run: the trainer's step against the denoiser alone.
+
+    The rank builds the run's ``Trainer`` as ``zeropipe.launch.rank`` does (same DeepSpeed
+    engine, caches, seed), then alternates, in ABBA order within each pair:
+
+    * trainer step: ``Trainer.train_step`` (next micro-batch from the task's own iterator:
+      cache entries read, latents drawn, noise and timesteps drawn, denoiser forward,
+      backward, optimizer step) and ``record_metrics`` (the per-step gather of every rank's
+      figures and rank 0's metrics row), everything the training loop does per step;
+    * denoiser alone: the same micro-batch's denoiser inputs, prepared beforehand and held in
+      memory, through the same engine: forward (the architecture's ``predict``), loss,
+      backward, optimizer step.
+    """
+    from zeropipe.diffusion.objectives import weighted_mse
+    from zeropipe.engine.trainer import Trainer
+    from zeropipe.families import family_of
+    from zeropipe.rundir import RunDir
+
+    trainer = Trainer(run_dir, family_of(RunDir(run_dir).read_config().model).rank_task)
+    trainer.setup()
+    task, engine = trainer.task, trainer.engine
+    engine.train()
+    drawn: list[list[int]] = []
+
+    def recorded(batches):
+        for epoch, indices in batches:
+            drawn.append(indices)
+            yield epoch, indices
+
+    batches = recorded(task.batches(0))
+
+    def trainer_step() -> float:
+        started = time.perf_counter()
+        epoch, loss, lr, tokens, samples = trainer.train_step(batches)
+        trainer.record_metrics(epoch, loss, lr, tokens, samples, max(time.perf_counter() - started, 1e-9))
+        return time.perf_counter() - started
+
+    def denoiser_step(inputs) -> float:
+        model_input, timesteps, condition, target, weights = inputs
+        started = time.perf_counter()
+        loss = weighted_mse(task.predict(model_input, timesteps, condition), target, weights)
+        engine.backward(loss)
+        engine.step()
+        loss.detach().float().item()  # the trainer's step reads its loss too
+        return time.perf_counter() - started
+
+    def prepared(indices):
+        latents, condition = task.assemble(indices)
+        noised = task.objective.noise(latents)
+        return noised.model_input, noised.timesteps, condition, noised.target, noised.weights
+
+    times = {"trainer": [], "denoiser": []}
+    for pair in range(warmup + pairs):
+        # The denoiser-only step trains on the micro-batch the trainer step before it drew
+        # (same bucket shape); in odd pairs it goes first, on the inputs of the last pair.
+        if pair % 2 == 0 or not drawn:
+            a = trainer_step()
+            b = denoiser_step(prepared(drawn[-1]))
+        else:
+            b = denoiser_step(prepared(drawn[-1]))
+            a = trainer_step()
+        if pair >= warmup:
+            times["trainer"].append(a)
+            times["denoiser"].append(b)
+    out.write_text(json.dumps({"rank": trainer.rank, **times}))
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def denoiser_only(cached_run: Path, work: Path, pairs: int, warmup: int) -> dict:
+    """Run :func:`denoiser_rank` on 2 ranks (torchrun) on a copy of a cached run directory."""
+    from zeropipe.launch.supervisor import free_port
+
+    run_dir = work / "denoiser-only"
+    shutil.copytree(cached_run, run_dir, ignore=shutil.ignore_patterns("checkpoints", ".owner.lock", "samples"))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    world = 2
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)), PYTHONUNBUFFERED="1")
+    log = work / "denoiser-only.log"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port()),
+        __file__, "--denoiser-rank", str(run_dir), "--pairs", str(pairs), "--warmup", str(warmup),
+    ]  # fmt: skip
+    with open(log, "w") as handle, ForeignLoad() as load:
+        code = subprocess.call(command, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    if code != 0:
+        sys.exit(f"the denoiser-only measurement failed (exit {code}); its output:\n{log.read_text()[-6000:]}")
+    ranks = [json.loads((run_dir / f"denoiser-rank{rank}.json").read_text()) for rank in range(world)]
+    return {"trainer": ranks[0]["trainer"], "denoiser": ranks[0]["denoiser"], "foreign": load.cores}
 
 
 def main() -> int:
@@ -338,7 +479,12 @@ def main() -> int:
     parser.add_argument(
         "--out-dir", type=Path, default=None, help="where configs, caches and run directories go (default: a temporary directory, removed at the end)"
     )
+    parser.add_argument("--pairs", type=int, default=40, help="trainer-step / denoiser-only pairs timed in one run (default 40)")
+    parser.add_argument("--denoiser-rank", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.denoiser_rank:
+        denoiser_rank(args.denoiser_rank, args.denoiser_rank / f"denoiser-rank{os.environ['RANK']}.json", args.pairs, args.warmup)
+        return 0
     if args.steps - args.warmup < 5:
         parser.error("--steps must exceed --warmup by at least 5")
 
@@ -472,21 +618,46 @@ def main() -> int:
         print(f"  {label:<58}{seconds * 1e3:7.1f} ms   {note}")
     print(
         f"  -> added per step {added * 1e3:.1f} ms on a cached step of {pooled_on * 1e3:.1f} ms: expected ratio {1 + added / pooled_on:.2f}x "
-        f"({1 + each / pooled_on:.2f}x if the uncached path encoded one image and one caption per call); "
-        f"{TARGET:.0f}x needs {(TARGET - 1) * pooled_on * 1e3:.0f} ms of encoding per step"
+        f"({1 + each / pooled_on:.2f}x if the uncached path encoded one image and one caption per call)"
     )
 
-    vae_flops, unet_flops = real_sdxl_flops()
+    # ------------------------------------------------------------------ (a) the trainer's step against the denoiser alone
+    alone = denoiser_only(measured_on[0]["run_dir"], work, args.pairs, args.warmup)
+    trainer_s, denoiser_s = statistics.median(alone["trainer"]), statistics.median(alone["denoiser"])
+    paired = sorted(a / b for a, b in zip(alone["trainer"], alone["denoiser"]))
+    quartiles = statistics.quantiles(paired, n=4)
+    overhead = trainer_s / denoiser_s
     print(
-        f"\nfor comparison, real SDXL at 1024 px (FLOPs counted on the meta device: nothing downloaded or allocated): VAE encode "
-        f"{vae_flops / 1e12:.1f} TFLOP per image, UNet forward + backward {unet_flops / 1e12:.1f} TFLOP; at equal speed caching saves "
-        f"{vae_flops / (vae_flops + unet_flops) * 100:.0f}% of a full fine-tune step's compute ({1 + vae_flops / unet_flops:.2f}x), "
-        f"{1 + 2 * vae_flops / unet_flops:.2f}x if the VAE runs at half the UNet's FLOP rate (fp32 against bf16)"
+        f"\ncached trainer step against the denoiser alone, in one run ({args.pairs} interleaved pairs on 2 ranks after {args.warmup} warm-up pairs, "
+        f"a copy of {measured_on[0]['name']}; other processes {alone['foreign']:.2f} cores):"
+    )
+    print(f"  trainer step (data from the caches, noise, denoiser forward + backward + optimizer step, metrics row)  median {trainer_s * 1e3:7.1f} ms")
+    print(f"  denoiser alone (the same micro-batches' inputs held in memory: forward + backward + optimizer step)     median {denoiser_s * 1e3:7.1f} ms")
+    print(
+        f"  -> ratio of the medians {overhead:.3f}; per-pair ratios median {statistics.median(paired):.3f}, "
+        f"middle half {quartiles[0]:.3f}-{quartiles[2]:.3f} -> target <= {OVERHEAD_TARGET} {'MET' if overhead <= OVERHEAD_TARGET else 'MISSED'}"
+    )
+
+    # ------------------------------------------------------------------ (c) real models
+    print(
+        "\nreal models, FLOPs per training sample (counted on the meta device from the catalog's configs: nothing downloaded or allocated); "
+        "predicted cached / uncached speed-up = (encoders + denoiser) / denoiser:"
+    )
+    print(f"  {'model':<28}{'VAE encode':>11}{'text enc.':>10}{'denoiser full':>15}{'denoiser LoRA':>15}{'full':>7}{'LoRA':>7}{'full*':>7}{'LoRA*':>7}{'encoders':>11}")
+    for row in real_model_flops():
+        encoders = row["vae"] + row["text"]
+        print(
+            f"  {row['model']:<28}{row['vae'] / 1e12:9.1f} T{row['text'] / 1e12:8.2f} T{row['full'] / 1e12:13.1f} T{row['lora'] / 1e12:13.1f} T"
+            f"{1 + encoders / row['full']:6.2f}x{1 + encoders / row['lora']:6.2f}x{1 + 2 * encoders / row['full']:6.2f}x{1 + 2 * encoders / row['lora']:6.2f}x"
+            f"{row['frozen_bytes'] / 2**30:8.1f} GiB"
+        )
+    print(
+        "  full / LoRA: encoders at the denoiser's FLOP rate; full* / LoRA*: at half of it (ZeRO-Pipe's uncached ranks run the encoders in fp32, "
+        "the denoiser in bf16 on GPUs). encoders: their fp32 weights, what each rank does not hold with caches on"
     )
 
     ratio = statistics.median(ratios)
-    verdict = "MET" if ratio >= TARGET else "MISSED"
-    print(f"\ncached / uncached steps/s (median of the {len(ratios)} repeat ratio(s)): {ratio:.2f}x -> target >= {TARGET:.1f}x {verdict}")
+    print(f"\ncached / uncached steps/s here (median of the {len(ratios)} repeat ratio(s)): {ratio:.2f}x (depends on the tiny model's proportions; see the real models above)")
     busy = [r["name"] for r in results if r["foreign"] >= QUIET_CORES]
     if busy:
         print(f"note: other processes used >= {QUIET_CORES} cores during {len(busy)} of {len(results)} runs ({', '.join(busy)})")

@@ -19,7 +19,8 @@ of ranks with the same per-rank environment:
 Two figures are compared, both on rank 0, medians over the steps after the warm-up:
 
 * step time: perf_counter around the micro-batches of one step (fetch, forward, backward,
-  engine.step, loss.item()) -- what ZeRO-Pipe writes as ``step_time_s``;
+  engine.step, loss.item()); ZeRO-Pipe's is its ``step_time_s``, which also holds the
+  previous step's metrics gathering and logging (so it sits between the two figures);
 * step period: time from the end of one step to the end of the next, so it also holds the
   work a loop does between steps (ZeRO-Pipe's metrics all_gather, metrics.jsonl write, ...).
   This is what sets throughput, and the figure the 3% target is judged on.

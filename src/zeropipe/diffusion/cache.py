@@ -22,9 +22,11 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 CACHE_VERSION = 1  # bump when what an entry holds changes
+# Entries up to this size are read in one call and parsed from the bytes (see load_entry).
+SMALL_ENTRY_BYTES = 256 * 1024
 
 
 def _digest(*parts: object) -> str:
@@ -59,7 +61,19 @@ def save_entry(cache_dir: Path, kind: str, key: str, tensors: dict[str, torch.Te
 
 
 def load_entry(cache_dir: Path, kind: str, key: str) -> dict[str, torch.Tensor]:
-    return load_file(str(entry_path(cache_dir, kind, key)))
+    """The tensors of one entry.
+
+    A training step reads two entries per image, so this is on every step's path. For a small
+    entry (latents of small images, short captions) safetensors' ``load_file`` costs mostly
+    the mapping of the file, its page faults and its unmapping: one ``read`` and parsing the
+    bytes took 0.08-0.1 ms against 0.8-1.1 ms for entries of 16-64 KB on a busy 2-core
+    machine. From about 256 KB on, the mapping is the faster of the two.
+    """
+    path = entry_path(cache_dir, kind, key)
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size <= SMALL_ENTRY_BYTES:
+            return load(handle.read())
+    return load_file(str(path))
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import psutil
@@ -134,29 +134,39 @@ class Trainer:
         batches = self.batches = self.task.batches(self.step)
         self.engine.train()
         log.info("training steps %d..%d of %d", self.step + 1, total, total)
-        # A step's time runs from the end of the previous step, so that it includes the
-        # metrics gathering and logging in between: tokens/s is what the run really achieves.
+        # A step's time runs from the end of the previous step's own work, so that it includes
+        # the previous step's metrics gathering and logging: tokens/s is what the run really
+        # achieves. Evaluation, samples and checkpoints (after_step, save) are not training time.
         previous_end = time.perf_counter()
         while self.step < total:
-            loss_sum = tokens = samples = 0.0
-            lr = self.current_lr()
-            for _ in range(self.accumulation):
-                epoch, batch = next(batches)
-                loss, batch_tokens, batch_samples = self.task.forward_loss(batch)
-                self.engine.backward(loss)
-                self.engine.step()
-                loss_sum += loss.detach().float().item()
-                tokens += batch_tokens
-                samples += batch_samples
-            self.step += 1
+            epoch, loss, lr, tokens, samples = self.train_step(batches)
             now = time.perf_counter()
-            self.record_metrics(epoch, loss_sum / self.accumulation, lr, tokens, samples, now - previous_end)
+            self.record_metrics(epoch, loss, lr, tokens, samples, now - previous_end)
+            recorded = time.perf_counter()
             self.task.after_step()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
-            # Evaluation, samples and checkpoints are not training time.
-            previous_end = time.perf_counter()
+            previous_end = now + (time.perf_counter() - recorded)
         self.save_checkpoint()
+
+    def train_step(self, batches: Iterator[tuple[int, Any]]) -> tuple[int, float, float, float, float]:
+        """One optimizer step over ``accumulation`` micro-batches from ``batches``.
+
+        Returns:
+            (epoch, mean loss, learning rate, tokens, samples) of the step, this rank's.
+        """
+        loss_sum = tokens = samples = 0.0
+        lr = self.current_lr()
+        for _ in range(self.accumulation):
+            epoch, batch = next(batches)
+            loss, batch_tokens, batch_samples = self.task.forward_loss(batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_sum += loss.detach().float().item()
+            tokens += batch_tokens
+            samples += batch_samples
+        self.step += 1
+        return epoch, loss_sum / self.accumulation, lr, tokens, samples
 
     def current_lr(self) -> float:
         # The rate this step will use: the scheduler set it on the optimizer after the last step.

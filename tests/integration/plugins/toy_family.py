@@ -7,6 +7,8 @@ train, check, plan and export it is in this one module; it registers itself when
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -48,6 +50,12 @@ class ToyTask(TaskDefaults):
     def forward_loss(self, batch):
         x, y = batch
         return torch.nn.functional.mse_loss(self.engine(x), y), 0.0, float(len(x))
+
+    def extra_metrics(self):
+        # TOY_METRICS_DELAY_S: per-step work between steps (the trainer calls this while it
+        # records a step's metrics), for the test that a step's time counts it.
+        time.sleep(float(os.environ.get("TOY_METRICS_DELAY_S", "0")))
+        return {}
 
 
 class ToyRegression:

@@ -68,6 +68,25 @@ def test_cache_keys_change_only_with_what_they_depend_on(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.parametrize("elements", [16, 300_000])  # a small entry (read and parsed) and one past SMALL_ENTRY_BYTES (mapped)
+def test_cache_entries_come_back_exactly_whatever_their_size(tmp_path, elements):
+    saved = {
+        "mean": torch.randn(elements),
+        "embeds": torch.randn(2, elements // 2).to(torch.bfloat16),
+        "target_size": torch.tensor([1024, 768]),
+        "crop_top_left": torch.zeros(2, dtype=torch.int64),
+    }
+    cache.save_entry(tmp_path, "latents", "cd34", saved)
+    assert (cache.entry_path(tmp_path, "latents", "cd34").stat().st_size > cache.SMALL_ENTRY_BYTES) == (elements > 1000)
+    loaded = cache.load_entry(tmp_path, "latents", "cd34")
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    # What training does with an entry: sample latents from it; the file is not touched.
+    sample = loaded["mean"] + torch.ones_like(loaded["mean"])
+    assert torch.equal(sample, saved["mean"] + 1) and torch.equal(cache.load_entry(tmp_path, "latents", "cd34")["mean"], saved["mean"])
+
+
 @pytest.mark.parametrize("preset", ["tiny-sdxl", "tiny-sd15", "tiny-sd3", "tiny-flux"])
 def test_tiny_pipelines_are_deterministic_and_encode_prompts(tmp_path, preset):
     arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "a", seed=5)
