@@ -1,0 +1,129 @@
+"""The image DiTs users train after Flux (Chroma, Qwen-Image, Z-Image): tiny pipelines trained by 2 real DeepSpeed CPU ranks.
+
+One test per model: LoRA under ZeRO-3 (with optimizer offload to host RAM), the loss on a
+fixed batch falls, sample images are written during training, a second run takes every
+latent and caption from the caches, and the exported LoRA loads with the pipeline's own
+``load_lora_weights`` and changes its images; the ComfyUI/original-layout file changes the
+original layers exactly as the diffusers LoRA changes diffusers' ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.integration.conftest import assert_ok, metrics, zeropipe
+from zeropipe.diffusion.images import generate_shapes_dataset
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "a red circle on a blue background"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
+
+
+def image_config(tmp_path: Path, name: str, pipeline: str, **sections) -> Path:
+    config = {
+        "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 3},
+        "model": {"config": {"pipeline": pipeline}, "lora": {"r": 8, "alpha": 16}},
+        "data": {"synthetic": {"task": "shapes", "examples": 24}, "images": {"resolution": 32, "bucket_step": 16}, "cache": {"dir": str(tmp_path / "cache")}},
+        "train": {"max_steps": 10, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
+        "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "precision": "fp32"},
+        "hardware": {"gpus": 2},
+        "generate": {"prompts": [PROMPT], "sample_steps": 3, "sample_every": 5},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("# Run it: zeropipe train " + path.name + "\n" + yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def train_lora_with_samples_and_cache_reuse(tmp_path: Path, name: str, pipeline: str) -> Path:
+    """The shared part of each model's test: LoRA trains under ZeRO-3 + offload, samples, and a second run encodes nothing."""
+    config = image_config(tmp_path, name, pipeline)
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / name
+    result_summary = summary(run_dir)
+    assert result_summary["fixed_batch_loss_end"] < 0.97 * result_summary["fixed_batch_loss_start"], result_summary
+    assert 0 < result_summary["parameters"]["trainable"] < 0.5 * result_summary["parameters"]["total"]
+    rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [5, 10]
+    from PIL import Image
+
+    assert all(Image.open(run_dir / "samples" / row["file"]).size == (32, 32) for row in rows)
+
+    again = tmp_path / f"{name}-again.yaml"
+    again.write_text(config.read_text().replace(f"name: {name}\n", f"name: {name}-again\n"))
+    second = zeropipe("train", again, "train.max_steps=1", "generate.sample_every=null", cwd=tmp_path)
+    assert_ok(second)
+    assert "caches complete: the training ranks will not load the VAE or the text encoders" in second.stdout + second.stderr
+    assert all(row["frozen_components_loaded"] == [] for row in metrics(tmp_path / "runs" / f"{name}-again"))
+    return run_dir
+
+
+def draw(pipeline, **kwargs) -> torch.Tensor:
+    pipeline.set_progress_bar_config(disable=True)
+    images = pipeline(PROMPT, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0), **kwargs).images
+    return torch.from_numpy(images)
+
+
+def fused_lora_deltas(pipeline_cls, pipeline_dir: Path, lora_dir: Path) -> dict[str, torch.Tensor]:
+    """What the diffusers LoRA adds to each transformer weight: fused into the weights by diffusers, minus the base."""
+    pipeline = pipeline_cls.from_pretrained(str(pipeline_dir))
+    base = {key: value.clone() for key, value in pipeline.transformer.state_dict().items()}
+    pipeline.load_lora_weights(str(lora_dir))
+    pipeline.fuse_lora(lora_scale=1.0)
+    pipeline.unload_lora_weights()
+    fused = pipeline.transformer.state_dict()
+    return {key.removesuffix(".weight"): fused[key] - base[key] for key in base if key.endswith(".weight") and not torch.equal(fused[key], base[key])}
+
+
+def test_chroma_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_and_comfyui_loras(tmp_path):
+    run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "chroma", "tiny-chroma")
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import ChromaPipeline
+    from safetensors.torch import load_file
+
+    pipeline = ChromaPipeline.from_pretrained(str(run_dir / "pipeline"))
+    before = draw(pipeline)
+    pipeline.load_lora_weights(str(out))
+    after = draw(pipeline)
+    assert after.shape == (1, 32, 32, 3) and (after - before).abs().max() > 1e-3
+
+    # ComfyUI's layout: q, k, v fused (and the single blocks' q, k, v, MLP input). ComfyUI adds
+    # alpha / rank x up @ down to the fused original weight; split into its parts in the
+    # original order, that must be what the diffusers LoRA adds to diffusers' separate layers.
+    comfy = load_file(str(out / "lora_comfyui.safetensors"))
+    assert {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight", "lora_unet_double_blocks_0_txt_attn_proj.alpha", "lora_unet_single_blocks_0_linear1.lora_up.weight"} <= set(comfy)
+    expected = fused_lora_deltas(ChromaPipeline, run_dir / "pipeline", out)
+    parts = {"double_blocks.0.img_attn.qkv": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v"],
+             "double_blocks.0.txt_attn.qkv": ["transformer_blocks.0.attn.add_q_proj", "transformer_blocks.0.attn.add_k_proj", "transformer_blocks.0.attn.add_v_proj"],
+             "double_blocks.0.img_attn.proj": ["transformer_blocks.0.attn.to_out.0"], "double_blocks.0.txt_attn.proj": ["transformer_blocks.0.attn.to_add_out"],
+             "single_blocks.0.linear1": ["single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.attn.to_v", "single_transformer_blocks.0.proj_mlp"]}
+    checked = set()
+    for original, modules in parts.items():
+        name = "lora_unet_" + original.replace(".", "_")
+        down, up = comfy[f"{name}.lora_down.weight"], comfy[f"{name}.lora_up.weight"]
+        delta = float(comfy[f"{name}.alpha"]) / down.shape[0] * up @ down
+        inner = 32  # the tiny transformer: 2 heads x 16
+        sizes = [inner] * len(modules) if len(modules) < 4 else [inner, inner, inner, delta.shape[0] - 3 * inner]
+        for module, piece in zip(modules, torch.split(delta, sizes)):
+            if module.endswith("proj_mlp"):  # not a LoRA target: its rows stay zero
+                assert module not in expected and piece.abs().max() == 0
+                continue
+            torch.testing.assert_close(piece, expected[module], rtol=1e-4, atol=1e-6)
+            checked.add(module)
+    assert checked == {module for module in expected if module.startswith(("transformer_blocks.0.", "single_transformer_blocks.0."))}
