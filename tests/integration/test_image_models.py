@@ -127,3 +127,46 @@ def test_chroma_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_a
             torch.testing.assert_close(piece, expected[module], rtol=1e-4, atol=1e-6)
             checked.add(module)
     assert checked == {module for module in expected if module.startswith(("transformer_blocks.0.", "single_transformer_blocks.0."))}
+
+
+def test_qwen_image_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_and_comfyui_loras(tmp_path):
+    """Qwen-Image's layout: a one-frame video VAE, Qwen2.5-VL prompts of their own length with a mask, true CFG samples."""
+    run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "qwen", "tiny-qwen-image")
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import QwenImagePipeline
+    from safetensors.torch import load_file
+
+    pipeline = QwenImagePipeline.from_pretrained(str(run_dir / "pipeline"))
+    before = draw(pipeline)
+    pipeline.load_lora_weights(str(out))
+    after = draw(pipeline)
+    assert after.shape == (1, 32, 32, 3) and (after - before).abs().max() > 1e-3
+
+    comfy = load_file(str(out / "lora_comfyui.safetensors"))
+    assert "diffusion_model.transformer_blocks.0.attn.add_k_proj.lora_A.weight" in comfy and float(comfy["diffusion_model.transformer_blocks.1.attn.to_q.alpha"]) == 16.0
+    comfy_pipeline = QwenImagePipeline.from_pretrained(str(run_dir / "pipeline"))
+    comfy_pipeline.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")  # diffusers' converter for non-diffusers Qwen-Image LoRAs
+    assert torch.allclose(draw(comfy_pipeline), after, atol=1e-4)
+
+
+def test_z_image_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_and_comfyui_loras(tmp_path):
+    """Z-Image's layout: list inputs, reversed time and negated flow, Qwen3 chat-template prompts of their own length."""
+    run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "zimage", "tiny-z-image")
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import ZImagePipeline
+    from safetensors.torch import load_file
+
+    pipeline = ZImagePipeline.from_pretrained(str(run_dir / "pipeline"))
+    before = draw(pipeline)
+    pipeline.load_lora_weights(str(out))
+    after = draw(pipeline)
+    assert after.shape == (1, 32, 32, 3) and (after - before).abs().max() > 1e-3
+
+    comfy = load_file(str(out / "lora_comfyui.safetensors"))
+    assert {"diffusion_model.layers.0.attention.to_q.lora_A.weight", "diffusion_model.noise_refiner.0.feed_forward.w2.lora_B.weight",
+            "diffusion_model.context_refiner.0.attention.to_out.0.alpha"} <= set(comfy)
+    comfy_pipeline = ZImagePipeline.from_pretrained(str(run_dir / "pipeline"))
+    comfy_pipeline.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")  # diffusers' converter for non-diffusers Z-Image LoRAs
+    assert torch.allclose(draw(comfy_pipeline), after, atol=1e-4)

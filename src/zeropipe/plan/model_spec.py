@@ -568,7 +568,17 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
             }
 
     else:
-        return None
+        # Any other denoiser: its architecture entry says how the pipeline calls it (Chroma, Qwen-Image, Z-Image...).
+        from zeropipe.diffusion.architectures import architecture_for_denoiser
+
+        arch = architecture_for_denoiser(cls)
+        text_tokens = int(entry.get("text_tokens", 512))
+        if arch is None or arch.trace_inputs(config, latent, text_tokens, dtype) is None:
+            return None
+
+        def inputs():
+            return arch.trace_inputs(config, latent, text_tokens, dtype)
+
     return trace_diffusion(model, inputs, resolution, frames=int(entry.get("frames", 1)) if cls == "WanTransformer3DModel" else 1)
 
 

@@ -103,6 +103,14 @@ class Architecture:
         """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
         return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
 
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """What the VAE encodes for a batch of pixels: as they are, or with a time axis for a video VAE used on images (Qwen-Image)."""
+        return pixels
+
+    def vae_images(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The VAE's decoded output as a batch of images (B, 3, H, W) or clips (B, 3, T, H, W): the inverse of ``vae_pixels``."""
+        return decoded
+
     def conditioning_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """What the VAE encodes as an image-to-video condition: the first frame kept, the others black (0 in [-1, 1] is grey; Wan uses 0)."""
         condition = torch.zeros_like(pixels)
@@ -121,6 +129,12 @@ class Architecture:
         if self.shifted_latents:
             fields["shift_factor"] = round(shift, 5)
         return fields
+
+    # -------------------------------------------------------------- planner
+    def trace_inputs(self, config, latent: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The denoiser's keyword inputs for one image of ``latent`` x ``latent`` latents and a prompt of ``text_tokens``,
+        built on the meta device: the planner runs its forward there to count what it saves for backward. None: not traced."""
+        return None
 
     # -------------------------------------------------------------- export
     def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:

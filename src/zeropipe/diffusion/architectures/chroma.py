@@ -125,6 +125,15 @@ class Chroma(Architecture):
         )[0]
         return ChromaPipeline._unpack_latents(out, height * context.vae_factor, width * context.vae_factor, context.vae_factor)
 
+    def trace_inputs(self, config, latent, text_tokens, dtype):
+        tokens = (latent // 2) ** 2  # 2x2 latent patches
+        return {
+            "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype), "timestep": torch.tensor([0.5], dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
+            "img_ids": torch.zeros(tokens, 3, dtype=dtype), "txt_ids": torch.zeros(text_tokens, 3, dtype=dtype),
+            "attention_mask": torch.ones(1, text_tokens + tokens, dtype=dtype),
+        }
+
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {
             "prompt_embeds": condition["prompt_embeds"], "prompt_attention_mask": condition["prompt_attention_mask"],
