@@ -170,3 +170,42 @@ def test_z_image_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_
     comfy_pipeline = ZImagePipeline.from_pretrained(str(run_dir / "pipeline"))
     comfy_pipeline.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")  # diffusers' converter for non-diffusers Z-Image LoRAs
     assert torch.allclose(draw(comfy_pipeline), after, atol=1e-4)
+
+
+def real_layout(catalog: str, pipeline: str, out: Path) -> Path:
+    """A diffusers directory of a real model's layout (model_index.json and each component's config, no weights), from the planner's catalog."""
+    entry = json.loads((Path(__file__).resolve().parents[2] / "src" / "zeropipe" / "plan" / "catalog" / f"{catalog}.json").read_text())
+    index = {"_class_name": pipeline, "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    for component in (entry["trained"], *entry["frozen"]):
+        name = component["name"].split(" ")[0]
+        index[name] = [component["library"], component["class"]]
+        (out / name).mkdir(parents=True)
+        (out / name / "config.json").write_text(json.dumps(component["config"]))
+    (out / "scheduler").mkdir()
+    (out / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000}))
+    (out / "model_index.json").write_text(json.dumps(index))
+    return out
+
+
+@pytest.mark.parametrize(
+    "example,catalog,pipeline,per_gpu_gib",
+    [("chroma", "chroma1-hd", "ChromaPipeline", 16), ("qwen-image", "qwen-image", "QwenImagePipeline", 18), ("z-image", "z-image-turbo", "ZImagePipeline", 12)],
+)
+def test_each_model_example_needs_only_its_paths_and_fits_5_gpus_of_24gb_with_64gb_of_ram(tmp_path, example, catalog, pipeline, per_gpu_gib):
+    """The example with model.path and data.path pointed at a real model's layout and a folder of images: accepted, and its own settings fit."""
+    from zeropipe.config.load import load_config
+    from zeropipe.families import model_spec
+    from zeropipe.launch.resolve import resolve_run
+    from zeropipe.plan import parse_hardware, plan_run
+
+    path = EXAMPLES / f"{example}.yaml"
+    assert path.read_text().startswith(f"# Run it:  zeropipe train examples/models/{example}.yaml")
+    model_dir = real_layout(catalog, pipeline, tmp_path / catalog)
+    images = generate_shapes_dataset(tmp_path / "images", 4, seed=1, resolution=64)
+    # precision: auto is bf16 on the GPUs the example is written for (fp32 on this CPU).
+    config = resolve_run(load_config(path, [f"model.path={model_dir}", f"data.path={images}", "deepspeed.precision=bf16"]), fill_auto_knobs=False).config
+    result = plan_run(config, parse_hardware("5x24GB", "64GB"), model_spec(config))
+    assert result.configured is not None and result.configured.fits, result.configured and result.configured.why_not
+    assert result.configured.per_gpu_bytes < per_gpu_gib * 2**30
+    # With the caches on, no training rank holds the text encoder or the VAE.
+    assert {model.name for model in result.spec.cached_models} == {"text_encoder", "vae"} and not result.spec.frozen_models

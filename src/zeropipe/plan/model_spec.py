@@ -606,6 +606,9 @@ def _vae_temporal_factor(path: Path) -> int:
 
 def vae_factors(config: dict[str, Any]) -> tuple[int, int]:
     """(pixels per latent along a side, frames per latent frame) of a VAE config: video VAEs say both, image VAEs halve per block."""
+    if not config.get("scale_factor_spatial") and "block_out_channels" not in config and "temperal_downsample" in config:
+        # Qwen-Image's VAE: Wan's layout without the field, one spatial halving per temperal_downsample entry.
+        return 2 ** len(config["temperal_downsample"]), 1
     spatial = config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1)
     return int(spatial), int(config.get("scale_factor_temporal") or 1)
 
@@ -649,6 +652,8 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
     once before training), so they are not counted; with one cache off, its encoder is.
     """
 
+    import transformers
+
     section, data = run_config.model, run_config.data
     if section.path:
         spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
@@ -659,7 +664,7 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
         for name in arch.text_encoders:
             fields = dict(components[name])
             cls = fields.pop("class")
-            fields["model_type"] = {"T5": "t5", "UMT5": "umt5"}.get(cls.split("Encoder")[0], "clip_text_model")
+            fields["model_type"] = getattr(transformers, cls).config_class.model_type  # clip_text_model, t5, umt5, qwen3, qwen2_5_vl...
             frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
         factor, temporal = vae_factors(components["vae"])
         entry = {

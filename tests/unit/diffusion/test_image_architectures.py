@@ -56,3 +56,4 @@ def test_chroma_lora_in_the_kohya_layout_converts_back_with_diffusers_at_chroma_
     assert set(recovered) == set(expected)
     for module, delta in expected.items():
         torch.testing.assert_close(recovered[module], delta, rtol=1e-4, atol=1e-3)
+
