@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zeropipe.diffusion.architectures.chroma import ARCHITECTURE as CHROMA
@@ -57,3 +58,27 @@ def test_chroma_lora_in_the_kohya_layout_converts_back_with_diffusers_at_chroma_
     for module, delta in expected.items():
         torch.testing.assert_close(recovered[module], delta, rtol=1e-4, atol=1e-3)
 
+
+
+@pytest.mark.parametrize("preset,latent_shape", [("tiny-qwen-image", (1, 16, 1, 8, 8)), ("tiny-z-image", (1, 4, 8, 8)), ("tiny-chroma", (1, 4, 8, 8))])
+def test_a_captions_prediction_does_not_depend_on_the_padding_its_batch_adds(tmp_path, preset, latent_shape):
+    """Captions are cached at their encoding batch's length and padded again per training batch: the masks must make that invisible."""
+    from zeropipe.diffusion.architectures import PredictContext
+    from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+
+    arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=1)
+    cpu = torch.device("cpu")
+    encoders = text_pipeline(tmp_path / "pipeline", arch, torch.float32, cpu)
+    alone = encode_prompts(encoders, arch, ["a red circle"], cpu)[0]
+    with_long = encode_prompts(encoders, arch, ["a red circle", "a small green square on a white background, seen from above"], cpu)
+    padded = {key: stack_padded([row[key] for row in with_long]) for key in alone}
+    assert padded["prompt_embeds"].shape[1] > alone["prompt_embeds"].shape[0] or preset == "tiny-chroma"  # Chroma pads every prompt to a fixed length
+    model = arch.model_class().from_pretrained(str(tmp_path / "pipeline" / arch.denoiser)).eval()
+    context = PredictContext(cpu, torch.float32, vae_scale_factor(tmp_path / "pipeline"), 1.0)
+    latents = torch.randn(latent_shape, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([700.0])
+    with torch.no_grad():
+        reference = arch.predict(model, latents, timesteps, {key: value[None] for key, value in alone.items()}, context)
+        in_batch = arch.predict(model, latents.repeat(2, *[1] * (latents.dim() - 1)), timesteps.repeat(2), padded, context)[:1]
+    assert reference.shape == latents.shape
+    torch.testing.assert_close(in_batch, reference, rtol=1e-4, atol=1e-5)
