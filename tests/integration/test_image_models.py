@@ -10,9 +10,6 @@ original layers exactly as the diffusers LoRA changes diffusers' ones.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -152,7 +152,7 @@ class Chroma(Architecture):
     @staticmethod
     def _widths(layers: dict[str, torch.Tensor]) -> tuple[int, int]:
         """The transformer's inner width and MLP width, read off the adapters (B of to_q: inner rows; of proj_mlp: MLP rows)."""
-        inner = next((t.shape[0] for k, t in layers.items() if k.endswith("attn.to_q.lora_B.weight") or k.endswith("attn.to_k.lora_B.weight") or k.endswith("attn.to_v.lora_B.weight")), None)
+        inner = next((t.shape[0] for k, t in layers.items() if k.endswith(("attn.to_q.lora_B.weight", "attn.to_k.lora_B.weight", "attn.to_v.lora_B.weight"))), None)
         if inner is None:
             inner = next((t.shape[1] for k, t in layers.items() if k.endswith("lora_A.weight")), 0)
         mlp = next((t.shape[0] for k, t in layers.items() if k.endswith("proj_mlp.lora_B.weight")), 4 * inner)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.diffusion.architectures.base import Architecture, tiny_vae
-from zeropipe.diffusion.architectures.qwen_image import character_qwen_tokenizer, prompt_mask
+from zeropipe.diffusion.architectures.qwen_image import character_qwen_tokenizer
 
 COMFY_PREFIX = "diffusion_model."
 # Qwen3's chat template as ZImagePipeline applies it (one user turn, generation prompt, thinking on: no think block).
@@ -53,7 +53,7 @@ class ZImage(Architecture):
         length = max(row.shape[0] for row in embeds)
         padded = torch.stack([torch.nn.functional.pad(row, [0, 0, 0, length - row.shape[0]]) for row in embeds])
         mask = torch.stack([torch.arange(length, device=padded.device) < row.shape[0] for row in embeds]).long()
-        return {"prompt_embeds": padded, "prompt_embeds_mask": prompt_mask(padded, mask)}
+        return {"prompt_embeds": padded, "prompt_embeds_mask": mask}
 
     def predict(self, model, model_input, timesteps, condition, context):
         images = list(model_input.unsqueeze(2).unbind(0))  # (C, 1, H, W) each
