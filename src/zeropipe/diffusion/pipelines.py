@@ -97,7 +97,7 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     per-channel means and deviations) is then set from the latents, as it was for the real
     VAEs, so that the denoiser sees unit variance.
     """
-    pixels = _fitting_pixels(vae, seed, arch)
+    pixels = arch.vae_pixels(_fitting_pixels(vae, seed, arch))
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
     vae.train()
@@ -131,7 +131,7 @@ def _fitting_pixels(vae, seed: int, arch: Architecture) -> torch.Tensor:
         clips = [moving_shape_frames(*moving_example(rng)[:3], direction, (size, size), frames, rng) for direction in ("left", "right", "up", "down", None) * 24]
         return torch.from_numpy(np.stack(clips)).float().div(127.5).sub(1.0).permute(0, 4, 1, 2, 3).contiguous()
 
-    size = int(vae.config.sample_size)
+    size = int(getattr(vae.config, "sample_size", 32))
     with tempfile.TemporaryDirectory() as folder:
         generate_shapes_dataset(Path(folder), 256, seed=seed + 7, resolution=size)
         items = scan_image_folder(Path(folder)).items
@@ -333,6 +333,20 @@ def denoising_pipeline(pipeline_dir: Path, arch: Architecture, denoiser, **froze
     (image-to-video: the VAE, which encodes the first frame); without, it has no VAE.
     """
     return _assemble(arch.pipeline(), arch, pipeline_dir, {arch.denoiser: denoiser, **frozen})
+
+
+def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A batch of one conditioning tensor per caption; text of different lengths padded with zeros at the end.
+
+    Architectures whose prompts have a length of their own (Qwen-Image, Z-Image: as long as
+    the prompt, with a mask) are cached unpadded or padded to their encoding batch; zeros
+    after the text are what their pipelines pad a batch with, and their masks' zeros say
+    that those tokens are not attended to.
+    """
+    if all(row.shape == rows[0].shape for row in rows):
+        return torch.stack(rows)
+    length = max(row.shape[0] for row in rows)
+    return torch.stack([torch.nn.functional.pad(row, [0, 0] * (row.dim() - 1) + [0, length - row.shape[0]]) for row in rows])
 
 
 @torch.no_grad()

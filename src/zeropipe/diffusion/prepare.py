@@ -317,7 +317,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                         log.warning("skipping %s: %s", plan.items[index]["path"], err)
                 if not prepared:
                     continue
-                pixels = torch.stack([image.pixels for image in prepared])
+                pixels = arch.vae_pixels(torch.stack([image.pixels for image in prepared]))
                 means, stds = cache.encode_latent_distribution(vae, pixels)
                 # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
                 conditions = cache.encode_latent_distribution(vae, arch.conditioning_pixels(pixels))[0] if arch.frame_conditioned else [None] * len(keys)

@@ -44,6 +44,7 @@ from zeropipe.diffusion.pipelines import (
     load_component,
     normalize_latents,
     single_file_renamer,
+    stack_padded,
     text_pipeline,
     vae_scale_factor,
 )
@@ -179,7 +180,7 @@ class DiffusionTask(TaskDefaults):
             dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
-            pixels = torch.stack(distributions)
+            pixels = self.arch.vae_pixels(torch.stack(distributions))
             means, stds = cache.encode_latent_distribution(self.vae, pixels)
             conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
             distributions = list(zip(means, stds, conditions, [None] * len(means)))
@@ -245,7 +246,7 @@ class DiffusionTask(TaskDefaults):
                 self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
             encoded = dict(zip(todo, encode_prompts(self.text_encoders, self.arch, todo, self.device)))
             rows = [row if row is not None else encoded[text] for text, row in zip(texts, rows)]
-        return {name: torch.stack([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
+        return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
 
     def predict(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
         """The denoiser's output for a batch, called as the architecture's pipeline calls it."""
@@ -366,7 +367,7 @@ class DiffusionTask(TaskDefaults):
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
         if self.vae is None:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-        decoded = self.arch.decode_latents(self.vae, denormalize_latents(latents.float(), self.latent_shift, self.latent_scale))
+        decoded = self.arch.vae_images(self.arch.decode_latents(self.vae, denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)))
         pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)

@@ -92,7 +92,11 @@ def export_diffusion(job: ExportJob) -> Path:
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(denoiser))
+        layers = get_peft_model_state_dict(denoiser)
+        if arch.denoiser == "unet":
+            # UNets: the attention-processor names their training scripts write. Transformers keep
+            # peft's lora_A/lora_B names, which every transformer loader reads (Qwen-Image's reads no other).
+            layers = convert_state_dict_to_diffusers(layers)
         layers = {key: value.to(dtype) for key, value in layers.items()}
         tmp.mkdir(parents=True)
         # The adapter's config (alpha in particular) goes into the file's metadata: without it

@@ -674,6 +674,8 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
     once before training), so they are not counted; with one cache off, its encoder is.
     """
 
+    import transformers
+
     section, data = run_config.model, run_config.data
     if section.path:
         spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))

@@ -19,7 +19,7 @@ from zeropipe.diffusion.architectures.base import Architecture, PredictContext
 from zeropipe.errors import ConfigError
 
 # The modules that hold the built-in architectures, each defining ARCHITECTURE.
-BUILTIN = ("sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video")
+BUILTIN = ("sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image")
 
 _REGISTRY: dict[str, Architecture] = {}
 _loaded = False
@@ -72,6 +72,12 @@ def architecture_for_pipeline(class_name: str | None) -> Architecture | None:
     return None
 
 
+def architecture_for_denoiser(class_name: str) -> Architecture | None:
+    """The architecture whose trained component is this diffusers class (the planner asks it for its trace inputs)."""
+    _load_builtin()
+    return next((arch for arch in reversed(list(_REGISTRY.values())) if arch.denoiser_class == class_name), None)
+
+
 def architecture_for_preset(preset: str) -> Architecture | None:
     _load_builtin()
     return next((arch for arch in _REGISTRY.values() if arch.preset_name == preset), None)
@@ -102,6 +108,7 @@ def architecture_of(pipeline_dir: Path) -> Architecture:
 __all__ = [
     "Architecture",
     "PredictContext",
+    "architecture_for_denoiser",
     "architecture_for_pipeline",
     "architecture_for_preset",
     "architecture_named",

@@ -113,6 +113,9 @@ class Architecture:
         Video VAEs say both (Wan: ``scale_factor_spatial``/``_temporal``, HunyuanVideo:
         ``spatial_compression_ratio``/``temporal_compression_ratio``); an image VAE halves per block.
         """
+        if not vae_config.get("scale_factor_spatial") and "block_out_channels" not in vae_config and "temperal_downsample" in vae_config:
+            # Qwen-Image's VAE: Wan's layout without the field, one spatial halving per temperal_downsample entry.
+            return 2 ** len(vae_config["temperal_downsample"]), 1
         spatial = vae_config.get("scale_factor_spatial") or vae_config.get("spatial_compression_ratio") or 2 ** (len(vae_config["block_out_channels"]) - 1)
         temporal = vae_config.get("scale_factor_temporal") or vae_config.get("temporal_compression_ratio") or 1
         return int(spatial), int(temporal)
@@ -120,6 +123,14 @@ class Architecture:
     def accepts_frames(self, frames: int) -> bool:
         """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
         return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
+
+    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """What the VAE encodes for a batch of pixels: as they are, or with a time axis for a video VAE used on images (Qwen-Image)."""
+        return pixels
+
+    def vae_images(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The VAE's decoded output as a batch of images (B, 3, H, W) or clips (B, 3, T, H, W): the inverse of ``vae_pixels``."""
+        return decoded
 
     def conditioning_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """What the VAE encodes as an image-to-video condition: the first frame kept, the others black (0 in [-1, 1] is grey; Wan uses 0)."""

@@ -1,0 +1,24 @@
+"""Chroma, Qwen-Image and Z-Image in the planner's catalog: counted from the real configs on the meta device, with their encoders and a traced transformer."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
+
+
+@pytest.mark.parametrize(
+    "name,params,text_encoder",
+    # Published sizes: Chroma1-HD 8.9B; Qwen-Image 20.43B (with Qwen2.5-VL-7B, 8.29B with its vision tower); Z-Image-Turbo 6.15B (Qwen3-4B).
+    [("chroma1-hd", 8.90e9, 4.76e9), ("qwen-image", 20.43e9, 8.29e9), ("z-image-turbo", 6.15e9, 4.02e9)],
+)
+def test_image_dit_entries_count_their_transformer_text_encoder_and_trace_it(name, params, text_encoder):
+    assert name in catalog_names()
+    spec = spec_from_catalog(name)
+    assert spec.total_params == pytest.approx(params, rel=0.005) and spec.family == "diffusion_transformer"
+    frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
+    assert frozen["text_encoder"] == pytest.approx(text_encoder, rel=0.01)
+    # The transformer's forward traced at 1024 px through the architecture entry's trace_inputs.
+    trace = spec.activation_trace
+    assert trace is not None and trace.resolution == 1024 and trace.forward_flops > 0
+    assert trace.checkpointed_bytes < trace.saved_bytes / 10
