@@ -47,6 +47,7 @@ class CheckContext:
     problems: list[tuple[str, str]] = field(default_factory=list)  # errors found while building the context
     family_problems: list[tuple[str, str]] = field(default_factory=list)  # what the model family cannot run (its config_problems)
     conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
+    user_set: dict[str, Any] = field(default_factory=dict)  # memory knobs the user set (Choice field names): fixes keep them or say why not
 
     @property
     def zero_stage(self) -> int:
