@@ -187,13 +187,14 @@ def build_sdxl_dir(out: Path) -> int:
 
 
 # ---------------------------------------------------------------------------- configs
-def llm_run_config(model_dir: Path, output_dir: Path, name: str, ranks: int, stage: int, offload: bool, steps: int) -> dict:
+def llm_run_config(model_dir: Path, output_dir: Path, name: str, ranks: int, stage: int, offload: bool, steps: int, reuse: int | None = None) -> dict:
+    overrides = {"zero_optimization": {"stage3_max_reuse_distance": reuse}} if (stage == 3 and reuse is not None) else {}
     return {
         "run": {"name": name, "output_dir": str(output_dir), "seed": 0},
         "model": {"path": str(model_dir), "lora": {"r": 16}},
         "data": {"synthetic": {"task": "mixed", "examples": 64 * ranks}, "max_seq_len": 256, "packing": True},
         "train": {"max_steps": steps, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "lr": 1e-4, "log_every": 1, "save_every": 10**6},
-        "deepspeed": {"zero_stage": stage, "offload_optimizer": "cpu" if offload else "none", "precision": "auto"},
+        "deepspeed": {"zero_stage": stage, "offload_optimizer": "cpu" if offload else "none", "precision": "auto", "overrides": overrides},
         "hardware": {"gpus": ranks, "accelerator": "cpu"},
         "generate": {"prompts": []},
         "logging": {"tensorboard": False},
@@ -414,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
     parser.add_argument("--budget", default="16GB", help="host RAM the planner is told this machine has (the share these runs may use)")
     parser.add_argument("--resolution", type=int, default=32, help="SDXL image size in pixels (the tiny VAE's latents are half of it per side)")
+    parser.add_argument(
+        "--reuse-distance",
+        type=int,
+        help="ZeRO-3 runs: set DeepSpeed's stage3_max_reuse_distance (default: DeepSpeed's own, 1e9: up to 5e8 parameters stay gathered on every rank)",
+    )
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -440,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LLM: {model_dir} ({gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
         if "llm-z3" in llm_cases:
             name = f"{label}-z3-offload-4ranks"
-            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps), work, 4, ram, checkpoint))
+            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, args.reuse_distance), work, 4, ram, checkpoint))
         if "llm-z2" in llm_cases:
             fitting = None
             for ranks in (3, 2, 1):

@@ -48,6 +48,9 @@ DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
 DEFAULT_PREFETCH_BUCKET_ELEMENTS = 50_000_000
 DEFAULT_ALLREDUCE_BUCKET_ELEMENTS = 500_000_000  # ZeRO-0 flattens gradients in chunks this big
 STAGE3_SUB_GROUP_ELEMENTS = 1_000_000_000  # DeepSpeed's default sub_group_size: ZeRO-3 steps one sub-group at a time
+# DeepSpeed's default stage3_max_reuse_distance: a gathered parameter used again within this many
+# elements of gathering is kept whole instead of released (see zero3_retained_elements).
+DEFAULT_STAGE3_REUSE_DISTANCE = 1_000_000_000
 PARTITION_ALIGNMENT = 2  # ZeRO-1/2 pad the flat buffer to a multiple of 2 x ranks elements (NCCL 4-byte alignment)
 
 # Assumptions about the software stack; each is said in the term that uses it.
@@ -82,6 +85,7 @@ class Choice:
     seq_len: int = 2048
     attention: str = "sdpa"  # "sdpa" (fused kernels) or "eager"
     model_loading: str = "auto"  # "auto", "every_rank", "staggered" or "partitioned"
+    zero3_reuse_distance: int = DEFAULT_STAGE3_REUSE_DISTANCE  # DeepSpeed's stage3_max_reuse_distance, as the run's DeepSpeed JSON sets it
 
     def describe(self) -> str:
         offload = []
@@ -472,16 +476,40 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         terms.append(Term("reduce bucket", reduce_bucket * v, f"one {_count(reduce_bucket)}-element gradient bucket for the reduce-scatter"))
     if stage == 3:
         largest = spec.largest_layer_params
-        # With LoRA the largest layer is frozen: it is gathered but has no full gradient.
-        gathered = largest if spec.lora is not None else 2 * largest
+        retained = zero3_retained_elements(spec, choice)
+        whole = retained >= spec.total_params
+        # With LoRA the largest layer is frozen: it is gathered but has no full gradient. When the
+        # whole model stays gathered (below), its weights are counted there.
+        gathered = (0 if whole else largest) + (0 if spec.lora is not None else largest)
         what = "full weights" if spec.lora is not None else "full weights and gradient"
+        if whole:
+            what = "full gradient" if spec.lora is None else "nothing more (every layer stays gathered, below)"
         terms.append(
             Term(
                 "gathered layer + prefetch (ZeRO-3)",
-                (gathered + prefetch_bucket) * v,
-                f"the largest layer's {what} ({_count(largest)} weights, {spec.largest_layer_name or 'largest module'}) "
-                f"plus a {_count(prefetch_bucket)}-element prefetch bucket",
+                (gathered + (0 if whole else prefetch_bucket)) * v,
+                f"the largest layer's {what} ({_count(largest)} weights, {spec.largest_layer_name or 'largest module'})"
+                + ("" if whole else f" plus a {_count(prefetch_bucket)}-element prefetch bucket"),
                 FORWARD_BACKWARD,
+            )
+        )
+        distance = choice.zero3_reuse_distance
+        terms.append(
+            Term(
+                "parameters kept gathered for reuse (ZeRO-3)",
+                retained * v,
+                (
+                    f"stage3_max_reuse_distance {_count(distance)}: from the second step on DeepSpeed keeps every gathered weight "
+                    f"it uses again within {_count(distance)} elements, so about min(all, {_count(distance // 2)}) weights stay whole "
+                    f"on each rank ({'the whole model' if whole else _count(retained)}); "
+                    "deepspeed.overrides: {zero_optimization: {stage3_max_reuse_distance: 0}} releases each layer after use, "
+                    "at the cost of gathering it again"
+                )
+                if retained
+                else f"stage3_max_reuse_distance {distance}: each layer is released after use and gathered again for backward",
+                # Held through the optimizer step and between steps as well: the layers nearest the
+                # input are used again within the distance by the next step's forward.
+                ALWAYS,
             )
         )
     if choice.offload_optimizer and stage in (1, 2):
@@ -520,6 +548,24 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         )
     )
     return terms
+
+
+def zero3_retained_elements(spec: ModelSpec, choice: Choice) -> int:
+    """Weights DeepSpeed's ZeRO-3 keeps gathered on every rank between forward and backward, from the second step on.
+
+    Once the first step has traced the order of modules, DeepSpeed releases a gathered
+    parameter only if it is not used again within ``stage3_max_reuse_distance`` elements of
+    gathering (``PartitionedParameterCoordinator.__params_to_release``). Between forward and
+    backward, layer i's next use is its backward, after every later layer is gathered twice
+    (its forward, then its backward): layer i stays whole when the weights after it are fewer
+    than half the distance. So about min(all weights, distance / 2) stay gathered; with
+    DeepSpeed's default of 1e9 a model under 0.5B parameters stays whole on every rank,
+    exactly what ZeRO-3 was chosen to avoid. (The first step, with no trace yet, releases
+    every layer after use.)
+    """
+    if choice.zero_stage != 3 or choice.zero3_reuse_distance <= 0:
+        return 0
+    return min(spec.total_params, choice.zero3_reuse_distance // 2)
 
 
 def pinned_rounding_bytes(sizes: list[int]) -> int:

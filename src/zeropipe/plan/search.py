@@ -15,7 +15,7 @@ import yaml
 from zeropipe.errors import ZeroPipeError
 from zeropipe.plan.cost import relative_cost, step_seconds
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
-from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
+from zeropipe.plan.memory import DEFAULT_STAGE3_REUSE_DISTANCE, Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import ModelSpec
 
 # Without a global batch, plan for this many examples per rank per optimizer step: candidates
@@ -212,6 +212,7 @@ def candidate_choices(
     seq_len: int = 2048,
     attention: str = "sdpa",
     fixed: dict[str, Any] | None = None,
+    zero3_reuse_distance: int = DEFAULT_STAGE3_REUSE_DISTANCE,
 ) -> list[Choice]:
     """Every combination the search tries; ``fixed`` holds knobs the caller does not let it change."""
     fixed = dict(fixed or {})
@@ -253,6 +254,7 @@ def candidate_choices(
                             gradient_accumulation_steps=accumulation,
                             seq_len=seq_len,
                             attention=attention,
+                            zero3_reuse_distance=zero3_reuse_distance,
                         )
                         if all(getattr(choice, knob) == value for knob, value in fixed.items()):
                             choices.append(choice)
@@ -267,6 +269,7 @@ def recommend(
     margin: float = 0.1,
     fixed: dict[str, Any] | None = None,
     attention: str = "sdpa",
+    zero3_reuse_distance: int = DEFAULT_STAGE3_REUSE_DISTANCE,
 ) -> PlanResult:
     """The fastest combination that fits in (1 - margin) of GPU memory and of host RAM.
 
@@ -284,7 +287,7 @@ def recommend(
         notes.append(
             f"no global batch given: planned for {global_batch} examples per step ({DEFAULT_EXAMPLES_PER_RANK} per GPU); set it with --global-batch"
         )
-    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed)
+    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed, zero3_reuse_distance)
     candidates = [evaluate(spec, hardware, choice, margin) for choice in choices]
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=_rank) if fitting else None
