@@ -187,12 +187,19 @@ def build_sdxl_dir(out: Path) -> int:
 
 
 # ---------------------------------------------------------------------------- configs
-def llm_run_config(model_dir: Path, output_dir: Path, name: str, ranks: int, stage: int, offload: bool, steps: int, reuse: int | None = None) -> dict:
-    overrides = {"zero_optimization": {"stage3_max_reuse_distance": reuse}} if (stage == 3 and reuse is not None) else {}
+def zero3_overrides(keep_gathered: int | None) -> dict:
+    """DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance (None: DeepSpeed's defaults, 1e9 each)."""
+    if keep_gathered is None:
+        return {}
+    return {"zero_optimization": {"stage3_max_live_parameters": keep_gathered, "stage3_max_reuse_distance": keep_gathered}}
+
+
+def llm_run_config(model_dir: Path, output_dir: Path, name: str, ranks: int, stage: int, offload: bool, steps: int, keep_gathered: int | None = 0) -> dict:
+    overrides = zero3_overrides(keep_gathered) if stage == 3 else {}
     return {
         "run": {"name": name, "output_dir": str(output_dir), "seed": 0},
         "model": {"path": str(model_dir), "lora": {"r": 16}},
-        "data": {"synthetic": {"task": "mixed", "examples": 64 * ranks}, "max_seq_len": 256, "packing": True},
+        "data": {"synthetic": {"task": "mixed", "examples": 64 * ranks}, "max_seq_len": 128, "packing": True},
         "train": {"max_steps": steps, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "lr": 1e-4, "log_every": 1, "save_every": 10**6},
         "deepspeed": {"zero_stage": stage, "offload_optimizer": "cpu" if offload else "none", "precision": "auto", "overrides": overrides},
         "hardware": {"gpus": ranks, "accelerator": "cpu"},
@@ -201,7 +208,7 @@ def llm_run_config(model_dir: Path, output_dir: Path, name: str, ranks: int, sta
     }
 
 
-def sdxl_run_config(pipeline_dir: Path, output_dir: Path, name: str, ranks: int, steps: int, resolution: int) -> dict:
+def sdxl_run_config(pipeline_dir: Path, output_dir: Path, name: str, ranks: int, steps: int, resolution: int, keep_gathered: int | None = 0) -> dict:
     return {
         "run": {"name": name, "output_dir": str(output_dir), "seed": 0},
         "model": {"path": str(pipeline_dir), "lora": {"r": 16}},
@@ -211,7 +218,7 @@ def sdxl_run_config(pipeline_dir: Path, output_dir: Path, name: str, ranks: int,
             "cache": {"latents": True, "text": True},
         },
         "train": {"max_steps": steps, "micro_batch_size": 1, "lr": 1e-4, "log_every": 1, "save_every": 10**6},
-        "deepspeed": {"zero_stage": 3, "precision": "auto"},
+        "deepspeed": {"zero_stage": 3, "precision": "auto", "overrides": zero3_overrides(keep_gathered)},
         "hardware": {"gpus": ranks, "accelerator": "cpu"},
         "generate": {"prompts": []},
         "logging": {"tensorboard": False},
@@ -416,15 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", default="16GB", help="host RAM the planner is told this machine has (the share these runs may use)")
     parser.add_argument("--resolution", type=int, default=32, help="SDXL image size in pixels (the tiny VAE's latents are half of it per side)")
     parser.add_argument(
-        "--reuse-distance",
-        type=int,
-        help="ZeRO-3 runs: set DeepSpeed's stage3_max_reuse_distance (default: DeepSpeed's own, 1e9: up to 5e8 parameters stay gathered on every rank)",
+        "--keep-gathered",
+        default="0",
+        help="ZeRO-3 runs: DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance (default 0: each layer released "
+        "after use; 'deepspeed' for DeepSpeed's own 1e9, which keeps up to 1e9 weights gathered on every rank)",
     )
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
     from zeropipe.plan.hardware import parse_size
 
+    keep = None if args.keep_gathered == "deepspeed" else int(float(args.keep_gathered))
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     runs = work / "runs"
@@ -434,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_dir = work / "sdxl"
         checkpoint = build_sdxl_dir(pipeline_dir)
         print(f"SDXL pipeline: {pipeline_dir} (UNet {gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
-        rows.append(run_case("sdxl-z3-5ranks", sdxl_run_config(pipeline_dir, runs, "sdxl-z3-5ranks", 5, args.steps, args.resolution), work, 5, ram, checkpoint))
+        rows.append(run_case("sdxl-z3-5ranks", sdxl_run_config(pipeline_dir, runs, "sdxl-z3-5ranks", 5, args.steps, args.resolution, keep), work, 5, ram, checkpoint))
     llm_cases = [c for c in args.cases if c.startswith("llm")]
     if llm_cases:
         if args.quick:
@@ -446,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LLM: {model_dir} ({gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
         if "llm-z3" in llm_cases:
             name = f"{label}-z3-offload-4ranks"
-            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, args.reuse_distance), work, 4, ram, checkpoint))
+            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, keep), work, 4, ram, checkpoint))
         if "llm-z2" in llm_cases:
             fitting = None
             for ranks in (3, 2, 1):

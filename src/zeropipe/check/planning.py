@@ -72,7 +72,7 @@ def _best_keeping(plan, configured, held: dict) -> tuple[object | None, str | No
         margin=plan.margin,
         fixed=held,
         attention=choice.attention,
-        zero3_reuse_distance=choice.zero3_reuse_distance,
+        zero3_limits={"zero3_max_live_parameters": choice.zero3_max_live_parameters, "zero3_reuse_distance": choice.zero3_reuse_distance},
     )
     return result.best, result.reason
 
