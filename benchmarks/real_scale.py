@@ -208,7 +208,9 @@ def llm_run_config(model_dir: Path, output_dir: Path, name: str, ranks: int, sta
     }
 
 
-def sdxl_run_config(pipeline_dir: Path, output_dir: Path, name: str, ranks: int, steps: int, resolution: int, keep_gathered: int | None = 0) -> dict:
+def sdxl_run_config(
+    pipeline_dir: Path, output_dir: Path, name: str, ranks: int, steps: int, resolution: int, keep_gathered: int | None = 0, precision: str = "auto"
+) -> dict:
     return {
         "run": {"name": name, "output_dir": str(output_dir), "seed": 0},
         "model": {"path": str(pipeline_dir), "lora": {"r": 16}},
@@ -218,7 +220,7 @@ def sdxl_run_config(pipeline_dir: Path, output_dir: Path, name: str, ranks: int,
             "cache": {"latents": True, "text": True},
         },
         "train": {"max_steps": steps, "micro_batch_size": 1, "lr": 1e-4, "log_every": 1, "save_every": 10**6},
-        "deepspeed": {"zero_stage": 3, "precision": "auto", "overrides": zero3_overrides(keep_gathered)},
+        "deepspeed": {"zero_stage": 3, "precision": precision, "overrides": zero3_overrides(keep_gathered)},
         "hardware": {"gpus": ranks, "accelerator": "cpu"},
         "generate": {"prompts": []},
         "logging": {"tensorboard": False},
@@ -286,9 +288,11 @@ def log_events(run_dir: Path) -> dict[str, float]:
     return events
 
 
-def plan(config_file: Path, ranks: int, ram_bytes: int) -> dict:
-    """``zeropipe plan --json`` of the run config, for CPU ranks of a machine with this much host RAM."""
-    command = [sys.executable, "-m", "zeropipe", "plan", str(config_file), "--cpu-ranks", str(ranks), "--ram", f"{ram_bytes}B", "--json"]
+def plan(config_file: Path, ranks: int, ram_bytes: int | None) -> dict:
+    """``zeropipe plan --json`` of the run config, for CPU ranks of this machine (or one with ``ram_bytes`` of host RAM)."""
+    command = [sys.executable, "-m", "zeropipe", "plan", str(config_file), "--cpu-ranks", str(ranks), "--json"]
+    if ram_bytes is not None:
+        command[-1:-1] = ["--ram", f"{ram_bytes}B"]
     result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     if result.returncode not in (0, 1):
         raise RuntimeError(f"zeropipe plan failed:\n{result.stderr[-3000:]}")
@@ -401,7 +405,7 @@ def wait_for_ram(needed: int, patience_s: float = 600) -> None:
 
 
 # ---------------------------------------------------------------------------- cases
-def run_case(name: str, config: dict, work: Path, ranks: int, ram: int, checkpoint: int) -> dict:
+def run_case(name: str, config: dict, work: Path, ranks: int, ram: int | None, checkpoint: int) -> dict:
     config_file = work / f"{name}.yaml"
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     planned = planned_terms(plan(config_file, ranks, ram))
@@ -420,7 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="*", default=["sdxl", "llm-z3", "llm-z2"], choices=["sdxl", "llm-z3", "llm-z2"])
     parser.add_argument("--quick", action="store_true", help="a 0.4B Llama instead of Llama-3.2-1B (the LLM cases only)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run")
-    parser.add_argument("--budget", default="16GB", help="host RAM the planner is told this machine has (the share these runs may use)")
+    parser.add_argument(
+        "--budget",
+        default="16GB",
+        help="llm-z2: host RAM the planner is told the ZeRO-2 runs may use (the other cases are planned for this machine's RAM)",
+    )
     parser.add_argument("--resolution", type=int, default=32, help="SDXL image size in pixels (the tiny VAE's latents are half of it per side)")
     parser.add_argument(
         "--keep-gathered",
@@ -428,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         help="ZeRO-3 runs: DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance (default 0: each layer released "
         "after use; 'deepspeed' for DeepSpeed's own 1e9, which keeps up to 1e9 weights gathered on every rank)",
     )
+    parser.add_argument(
+        "--sdxl-precision",
+        default="auto",
+        choices=["auto", "bf16", "fp32"],
+        help="SDXL's training precision (auto: fp32 on CPUs without bf16 in hardware; its 2.57B fp32 weights alone are 9.6 GiB on the node)",
+    )
+    parser.add_argument("--sdxl-steps", type=int, help="optimizer steps of the SDXL run (default --steps)")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -443,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_dir = work / "sdxl"
         checkpoint = build_sdxl_dir(pipeline_dir)
         print(f"SDXL pipeline: {pipeline_dir} (UNet {gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
-        rows.append(run_case("sdxl-z3-5ranks", sdxl_run_config(pipeline_dir, runs, "sdxl-z3-5ranks", 5, args.steps, args.resolution, keep), work, 5, ram, checkpoint))
+        rows.append(run_case("sdxl-z3-5ranks", sdxl_run_config(pipeline_dir, runs, "sdxl-z3-5ranks", 5, args.sdxl_steps or args.steps, args.resolution, keep, args.sdxl_precision), work, 5, None, checkpoint))
     llm_cases = [c for c in args.cases if c.startswith("llm")]
     if llm_cases:
         if args.quick:
@@ -455,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LLM: {model_dir} ({gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
         if "llm-z3" in llm_cases:
             name = f"{label}-z3-offload-4ranks"
-            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, keep), work, 4, ram, checkpoint))
+            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, keep), work, 4, None, checkpoint))
         if "llm-z2" in llm_cases:
             fitting = None
             for ranks in (3, 2, 1):
