@@ -316,8 +316,16 @@ def train(config_file: Path, run_dir: Path) -> dict:
     text = (run_dir.parent / f"{run_dir.name}.train.log").read_text(errors="replace")
     if code != 0:
         raise RuntimeError(f"zeropipe train {config_file} failed (exit {code}):\n{text[-4000:]}")
+    (run_dir.parent / f"{run_dir.name}.samples.json").write_text(json.dumps({"samples": sampler.samples, "started": started, "ended": ended}))
+    return figures_of(run_dir)
+
+
+def figures_of(run_dir: Path) -> dict:
+    """The figures of a finished run, from its saved samples and rank 0's log."""
+    saved = json.loads((run_dir.parent / f"{run_dir.name}.samples.json").read_text())
+    samples, started = saved["samples"], saved["started"]
+    ended = saved.get("ended", samples[-1][0] if samples else started)
     events = log_events(run_dir)
-    samples = sampler.samples
 
     def peak(start: float, stop: float) -> int:
         return max((pss for t, pss, _ in samples if start <= t <= stop), default=0)
@@ -325,7 +333,7 @@ def train(config_file: Path, run_dir: Path) -> dict:
     steps = sorted(v for k, v in events.items() if k.startswith("step"))
     start = events.get("rank_log_start", started)
     initialized = events.get("initialized", start)
-    figures = {
+    return {
         "wall_s": ended - started,
         "load_s": (steps[0] if steps else ended) - start,  # ranks' start to the end of the first step
         "load_to_initialized_s": initialized - start,
@@ -336,8 +344,6 @@ def train(config_file: Path, run_dir: Path) -> dict:
         "settled_before_loading": min((pss for t, pss, n in samples if started + 1 < t <= start), default=0),
         "samples": len(samples),
     }
-    (run_dir.parent / f"{run_dir.name}.samples.json").write_text(json.dumps({"samples": samples, "events": events, "started": started}))
-    return figures
 
 
 def planned_terms(plan_json: dict) -> dict:
@@ -350,6 +356,11 @@ def planned_terms(plan_json: dict) -> dict:
         "gpu_peak": configured["per_gpu_bytes"],
         "terms": {t["name"]: (t["bytes"], t["phase"]) for t in terms},
         "gpu_terms": {t["name"]: (t["bytes"], t["phase"]) for t in configured["per_gpu_terms"]},
+        # What the loaded model itself occupies on the node: one partitioned copy (ZeRO-3) or one per rank.
+        "model_bytes": plan_json["model"]["total_params"]
+        * (4 if configured["choice"]["precision"] == "fp32" else 2)
+        * (1 if configured["choice"]["zero_stage"] == 3 else plan_json["hardware"]["gpus_per_node"]),
+        "process_bytes": configured["per_node_terms"][0]["bytes"],  # rank processes
     }
 
 
@@ -372,7 +383,11 @@ def report(name: str, planned: dict, measured: dict, checkpoint: int) -> dict:
         "load_s": measured["load_s"],
         "wall_s": measured["wall_s"],
         "checkpoint_gib": checkpoint / GIB,
-        "loading_transient_x": (measured["peak_loading"] - measured["settled_before_loading"]) / checkpoint if checkpoint else None,
+        # The loading peak above the rank processes (as planned) and the loaded model's own bytes,
+        # as a multiple of the checkpoint on disk (init_ram.py's TRANSIENT, with the planned
+        # processes standing in for its measured baseline).
+        "loading_transient_x": (measured["peak_loading"] - planned["process_bytes"] - planned["model_bytes"]) / checkpoint,
+        "loading_peak_x": measured["peak_loading"] / checkpoint,
         "planned_terms_gib": {k: round(b / GIB, 3) for k, (b, _) in planned["terms"].items()},
         "planned_rank_terms_gib": {k: round(b / GIB, 3) for k, (b, _) in planned["gpu_terms"].items()},
     }
@@ -405,13 +420,17 @@ def wait_for_ram(needed: int, patience_s: float = 600) -> None:
 
 
 # ---------------------------------------------------------------------------- cases
-def run_case(name: str, config: dict, work: Path, ranks: int, ram: int | None, checkpoint: int) -> dict:
+def run_case(name: str, config: dict, work: Path, ranks: int, ram: int | None, checkpoint: int, replan: bool = False) -> dict:
     config_file = work / f"{name}.yaml"
+    run_dir = Path(config["run"]["output_dir"]) / config["run"]["name"]
+    if replan:
+        # The run as it was measured, planned again (after a change to the memory model).
+        planned = planned_terms(plan(config_file, ranks, ram))
+        return report(name, planned, figures_of(run_dir), checkpoint)
     config_file.write_text(yaml.safe_dump(config, sort_keys=False))
     planned = planned_terms(plan(config_file, ranks, ram))
     if not planned["fits"]:
         print(f"{name}: the plan says it does not fit: {planned['why_not']}", flush=True)
-    run_dir = Path(config["run"]["output_dir"]) / config["run"]["name"]
     shutil.rmtree(run_dir, ignore_errors=True)
     wait_for_ram(int(planned["node_peak"] * 1.2))
     measured = train(config_file, run_dir)
@@ -443,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         help="SDXL's training precision (auto: fp32 on CPUs without bf16 in hardware; its 2.57B fp32 weights alone are 9.6 GiB on the node)",
     )
     parser.add_argument("--sdxl-steps", type=int, help="optimizer steps of the SDXL run (default --steps)")
+    parser.add_argument("--replan", action="store_true", help="do not train: plan the runs already measured in --workdir again and compare")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -458,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_dir = work / "sdxl"
         checkpoint = build_sdxl_dir(pipeline_dir)
         print(f"SDXL pipeline: {pipeline_dir} (UNet {gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
-        rows.append(run_case("sdxl-z3-5ranks", sdxl_run_config(pipeline_dir, runs, "sdxl-z3-5ranks", 5, args.sdxl_steps or args.steps, args.resolution, keep, args.sdxl_precision), work, 5, None, checkpoint))
+        rows.append(run_case("sdxl-z3-5ranks", sdxl_run_config(pipeline_dir, runs, "sdxl-z3-5ranks", 5, args.sdxl_steps or args.steps, args.resolution, keep, args.sdxl_precision), work, 5, None, checkpoint, args.replan))
     llm_cases = [c for c in args.cases if c.startswith("llm")]
     if llm_cases:
         if args.quick:
@@ -470,13 +490,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LLM: {model_dir} ({gib(checkpoint)} GiB of bf16 safetensors)", flush=True)
         if "llm-z3" in llm_cases:
             name = f"{label}-z3-offload-4ranks"
-            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, keep), work, 4, None, checkpoint))
+            rows.append(run_case(name, llm_run_config(model_dir, runs, name, 4, 3, True, args.steps, keep), work, 4, None, checkpoint, args.replan))
         if "llm-z2" in llm_cases:
             fitting = None
             for ranks in (3, 2, 1):
                 name = f"{label}-z2-{ranks}ranks"
                 config_file = work / f"{name}.yaml"
-                config_file.write_text(yaml.safe_dump(llm_run_config(model_dir, runs, name, ranks, 2, False, args.steps), sort_keys=False))
+                if not args.replan:
+                    config_file.write_text(yaml.safe_dump(llm_run_config(model_dir, runs, name, ranks, 2, False, args.steps), sort_keys=False))
                 planned = planned_terms(plan(config_file, ranks, ram))
                 verdict = "fits" if planned["fits"] else f"refused: {planned['why_not']}"
                 print(f"{name}: planned {gib(planned['node_peak'])} GiB of {args.budget}: {verdict}", flush=True)
@@ -485,15 +506,17 @@ def main(argv: list[str] | None = None) -> int:
                     break
             if fitting is not None:
                 name = f"{label}-z2-{fitting}ranks"
-                rows.append(run_case(name, llm_run_config(model_dir, runs, name, fitting, 2, False, args.steps), work, fitting, ram, checkpoint))
+                rows.append(run_case(name, llm_run_config(model_dir, runs, name, fitting, 2, False, args.steps), work, fitting, ram, checkpoint, args.replan))
     print()
-    print(f"{'case':<32} {'plan GiB':>8} {'measured':>8} {'ratio':>6} {'load s':>6} {'wall s':>6} {'transient':>9}")
+    print(f"{'case':<32} {'plan GiB':>8} {'measured':>8} {'ratio':>6} {'load s':>6} {'wall s':>6} {'load peak':>9} {'transient':>9}")
     for row in rows:
-        transient = f"{row['loading_transient_x']:.2f}x" if row["loading_transient_x"] is not None else "-"
         print(
             f"{row['case']:<32} {row['planned_node_peak_gib']:>8.2f} {row['measured_node_peak_gib']:>8.2f} "
-            f"{row['measured_over_planned']:>6.2f} {row['load_s']:>6.0f} {row['wall_s']:>6.0f} {transient:>9}"
+            f"{row['measured_over_planned']:>6.2f} {row['load_s']:>6.0f} {row['wall_s']:>6.0f} "
+            f"{row['loading_peak_x']:>8.2f}x {row['loading_transient_x']:>8.2f}x"
         )
+    print("load s: ranks' start to the end of step 1; load peak: the node's PSS peak until deepspeed.initialize returns, as a multiple")
+    print("of the checkpoint on disk; transient: that peak less the planned rank processes and the loaded model's own bytes.")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -88,12 +88,18 @@ def test_the_fix_keeps_the_stage_and_precision_the_user_set(context_for):
 
 
 def test_a_setting_that_cannot_fit_is_changed_with_the_reason(context_for):
-    # 12 GiB: no fp32 choice under ZeRO-3 fits (the smallest needs about 12.4 GiB), a bf16 one does.
-    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=12)
+    # 16 GiB: no fp32 choice under ZeRO-3 fits (DeepSpeed keeps the 0.4B model gathered on
+    # every rank from the second step: about 18 GiB at least); giving up one of the two
+    # settings the user made does.
+    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=16)
     [(_, _, fix)] = memory_problems(context)
-    assert fix.startswith("deepspeed.precision: fp32 as you set it cannot fit (nothing fits with zero_stage=3, precision=fp32 held fixed")
+    released = fix.split(" as you set it cannot fit (")[0]
+    assert released in ("deepspeed.zero_stage: 3", "deepspeed.precision: fp32"), fix
+    assert "nothing fits with zero_stage=3, precision=fp32 held fixed" in fix
     settings = suggested_settings(fix)
-    assert settings["deepspeed.precision"] == "bf16" and "deepspeed.zero_stage" not in settings, fix
+    key = released.split(":")[0]
+    # Only the released one of the user's settings changes, and what is suggested fits.
+    assert key in settings and not ({"deepspeed.zero_stage", "deepspeed.precision"} - {key}) & set(settings), fix
     assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits
 
 
@@ -112,5 +118,4 @@ def test_what_the_user_left_to_defaults_may_change_and_auto_precision_is_kept(co
 def test_nothing_fits_says_so_with_the_planner_reason(context_for):
     context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=6)
     [(_, _, fix)] = memory_problems(context)
-    assert fix.startswith("nothing fits with the settings you chose (nothing fits with")
-    assert "GiB per node" in fix
+    assert fix.startswith("nothing fits with the settings you chose (nothing fits with zero_stage=3, precision=fp32 held fixed")
