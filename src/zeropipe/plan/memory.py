@@ -571,10 +571,10 @@ def zero3_retained_elements(spec: ModelSpec, choice: Choice) -> int:
     them as fetched for a later use, which keeps them from release until then; and a weight
     used again within ``stage3_max_reuse_distance`` elements of gathering is not released.
     Between forward and backward the next use of every layer is its backward, so both rules
-    hold layers through the whole forward pass: measured on 2 CPU ranks (tiny Llama, LoRA and
-    full), 57-86% of all weights stay whole with DeepSpeed's defaults (1e9, 1e9), 76% with the
-    reuse distance at 0, about 1% with max_live_parameters small or prefetch off; backward
-    releases them again. This counts min(all weights, max(max_live_parameters, reuse / 2)):
+    hold layers through the whole forward pass: measured on 2 CPU ranks (tiny Llama), 86% of
+    all weights stay whole with DeepSpeed's defaults (1e9, 1e9) under LoRA, 76% (LoRA) and 57%
+    (full fine-tune) with the reuse distance at 0 alone, about 1% with max_live_parameters at
+    1e6 or prefetch off; backward releases them again. This counts min(all weights, max(max_live_parameters, reuse / 2)):
     with the defaults, a model under 1e9 parameters is whole on every rank at that moment,
     the very copy ZeRO-3 was chosen to avoid. (The first step, with no trace yet, releases
     every layer after use.)
