@@ -293,7 +293,7 @@ def plan(config_file: Path, ranks: int, ram_bytes: int | None) -> dict:
     command = [sys.executable, "-m", "zeropipe", "plan", str(config_file), "--cpu-ranks", str(ranks), "--json"]
     if ram_bytes is not None:
         command[-1:-1] = ["--ram", f"{ram_bytes}B"]
-    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    result = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, DS_ACCELERATOR="cpu"), check=False)
     if result.returncode not in (0, 1):
         raise RuntimeError(f"zeropipe plan failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout)
@@ -302,17 +302,16 @@ def plan(config_file: Path, ranks: int, ram_bytes: int | None) -> dict:
 def train(config_file: Path, run_dir: Path) -> dict:
     """Run ``zeropipe train`` and sample the node's memory; returns the figures and the samples."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = open(run_dir.parent / f"{run_dir.name}.train.log", "w")
     env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
-    started = time.time()
-    process = subprocess.Popen([sys.executable, "-m", "zeropipe", "train", str(config_file)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    sampler = Sampler(process.pid)
-    sampler.start()
-    code = process.wait()
-    ended = time.time()
-    sampler.stop.set()
-    sampler.join()
-    log.close()
+    with open(run_dir.parent / f"{run_dir.name}.train.log", "w") as log:
+        started = time.time()
+        process = subprocess.Popen([sys.executable, "-m", "zeropipe", "train", str(config_file)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        sampler = Sampler(process.pid)
+        sampler.start()
+        code = process.wait()
+        ended = time.time()
+        sampler.stop.set()
+        sampler.join()
     text = (run_dir.parent / f"{run_dir.name}.train.log").read_text(errors="replace")
     if code != 0:
         raise RuntimeError(f"zeropipe train {config_file} failed (exit {code}):\n{text[-4000:]}")

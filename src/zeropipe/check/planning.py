@@ -105,8 +105,10 @@ def memory_problems(ctx):
                 (
                     "deepspeed",
                     message,
-                    f"{KNOB_KEYS[released]}: {_yaml_value(released, held[released])} {how} cannot fit ({why}); "
-                    f"set {', '.join(_changes(configured.choice, best.choice))}, which fits; zeropipe plan shows the terms",
+                    (
+                        f"{KNOB_KEYS[released]}: {_yaml_value(released, held[released])} {how} cannot fit ({why}); "
+                        f"set {', '.join(_changes(configured.choice, best.choice))}, which fits; zeropipe plan shows the terms"
+                    ),
                 )
             ]
     fix = "zeropipe plan shows the settings that fit"

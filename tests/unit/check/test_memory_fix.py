@@ -76,7 +76,7 @@ def apply(context, settings: dict[str, str]) -> Choice:
 def test_the_fix_keeps_the_stage_and_precision_the_user_set(context_for):
     context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=24)
     assert context.user_set == {"zero_stage": 3, "precision": "fp32"}
-    [(key, message, fix)] = memory_problems(context)
+    [(_, message, fix)] = memory_problems(context)
     assert message.startswith("does not fit")
     settings = suggested_settings(fix)
     assert "deepspeed.precision" not in settings and "deepspeed.zero_stage" not in settings, fix
