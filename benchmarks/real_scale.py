@@ -1,28 +1,34 @@
 """Real-size runs on CPU ranks: the planner's per-node host-RAM figure against the node's measured peak.
 
-    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale            # all three cases (~15 min on 2 cores)
-    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --cases llm-z3
-    nice .venv/bin/python benchmarks/real_scale.py --quick                               # a 400M Llama instead of the real sizes
+    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --cases llm-z3 llm-z2
+    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --cases sdxl --sdxl-precision bf16 --sdxl-steps 1
+    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --replan   # plan the measured runs again, no training
+    nice .venv/bin/python benchmarks/real_scale.py --quick --keep-gathered deepspeed    # a 0.4B Llama with DeepSpeed's own ZeRO-3 limits
 
 Models are built from their real configs (the planner's catalog: SDXL's UNet, Llama-3.2-1B)
 with random weights, nothing downloaded, and saved the way users have them: the SDXL UNet as
-a diffusers pipeline directory (its VAE and text encoders tiny: the run trains from cached
-latents and text embeddings of SDXL's real dimensions, so the ranks never load them), the
-LLM as a Hugging Face directory with sharded bf16 safetensors. Each case is a real
-``zeropipe train`` (2-3 optimizer steps, CPU ranks, gloo) while this process samples the
-summed PSS of the whole process tree (launcher and ranks: pages shared between ranks, such as
-a memory-mapped checkpoint, count once) every 0.2 s. The ranks' log lines split the run into
-start-up, loading (up to ``deepspeed.initialize``), initialize, and training. The same config
-is planned by ``zeropipe plan --json`` for CPU ranks of this machine, and the plan's node
-host-RAM peak is compared with the measured one (target: within +-15%).
+a diffusers pipeline directory (its VAE and text encoders tiny but with SDXL's output widths:
+the run trains from cached latents and text embeddings of SDXL's real dimensions, so the ranks
+never load them), the LLM as a Hugging Face directory with sharded bf16 safetensors. Each case
+is a real ``zeropipe train`` (LoRA r=16, CPU ranks, gloo) while this process samples the summed
+PSS of the whole process tree (launcher and ranks: pages shared between ranks, such as a
+memory-mapped checkpoint, count once) every 0.2 s. Rank 0's log splits the run into loading (up
+to ``deepspeed.initialize``) and training. The same YAML is planned by ``zeropipe plan
+--cpu-ranks N --json``, and the plan's node host-RAM peak is compared with the measured one
+(target: within +-15%).
 
 Cases:
-  sdxl     SDXL UNet (2.57B), 5 ranks, ZeRO-3, LoRA r=16, cached latents, precision auto
-  llm-z3   Llama-3.2-1B (1.24B), 4 ranks, ZeRO-3 + optimizer offload, LoRA r=16, precision auto
-  llm-z2   the same under ZeRO-2 (every rank a replica): the planner is asked for 1-3 ranks with a
+  sdxl     SDXL UNet (2.57B), 5 ranks, ZeRO-3, cached latents (32 px images: 16x16 latents)
+  llm-z3   Llama-3.2-1B (1.24B), 4 ranks, ZeRO-3 + optimizer offload, sequences of 128 packed tokens
+  llm-z2   the same under ZeRO-2 (every rank a replica): the planner is asked about 3, 2, 1 ranks on a
            host-RAM budget of --budget; it refuses what does not fit and the largest that fits is run
 
-Wall times are measured on a shared 2-core machine: they are what it took there, under load.
+The ZeRO-3 runs set stage3_max_live_parameters and stage3_max_reuse_distance to --keep-gathered
+(default 0): with DeepSpeed's 1e9 a 1.24B fp32 model would keep up to 1e9 weights gathered on
+each rank (docs/plan.md). Precision is ``auto`` (fp32 on CPUs without bf16 in hardware) unless
+--sdxl-precision says otherwise. On a 2-core machine shared with other work the LLM cases take
+about 15 minutes; SDXL in bf16 (emulated on AVX2) took 40 minutes for one step. Wall times are
+what it took on the machine as it was.
 """
 
 from __future__ import annotations
