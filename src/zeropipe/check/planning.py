@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zeropipe.errors import ZeroPipeError
 from zeropipe.families import model_spec
-from zeropipe.plan import detect_hardware, plan_run
+from zeropipe.plan import detect_hardware, plan_run, recommend
 
 GIB = 1024**3
 # Below this, activations are too small for gradient checkpointing's extra compute to pay (ZP013).
@@ -28,14 +28,93 @@ def plan_context(context):
         return None  # the config problem is reported by the rules that own it
 
 
+# Knobs a fix gives up, in this order, when nothing fits with every one the user set:
+# offload and checkpointing only cost speed; the stage changes how the run shards; the
+# precision changes the numbers the model computes with, so it goes last.
+RELEASE_ORDER = ("offload_param", "offload_optimizer", "gradient_checkpointing", "zero_stage", "precision")
+KNOB_KEYS = {
+    "zero_stage": "deepspeed.zero_stage",
+    "offload_optimizer": "deepspeed.offload_optimizer",
+    "offload_param": "deepspeed.offload_param",
+    "precision": "deepspeed.precision",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "micro_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.gradient_accumulation_steps",
+}
+
+
+def _yaml_value(knob: str, value) -> str:
+    if knob.startswith("offload"):
+        return "cpu" if value else "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _changes(configured, suggested) -> list[str]:
+    """The settings that differ between two choices, as `key: value` in the run config's words."""
+    return [
+        f"{key}: {_yaml_value(knob, getattr(suggested, knob))}"
+        for knob, key in KNOB_KEYS.items()
+        if getattr(configured, knob) != getattr(suggested, knob)
+    ]
+
+
+def _best_keeping(plan, configured, held: dict) -> tuple[object | None, str | None]:
+    """The fastest fit with ``held`` knobs fixed and the global batch kept, or (None, why nothing fits)."""
+    choice = configured.choice
+    world = plan.hardware.world_size
+    result = recommend(
+        plan.spec,
+        plan.hardware,
+        global_batch=choice.micro_batch_size * choice.gradient_accumulation_steps * world,
+        seq_len=choice.seq_len,
+        margin=plan.margin,
+        fixed=held,
+        attention=choice.attention,
+        zero3_limits={"zero3_max_live_parameters": choice.zero3_max_live_parameters, "zero3_reuse_distance": choice.zero3_reuse_distance},
+    )
+    return result.best, result.reason
+
+
 def memory_problems(ctx):
+    """ZP011, with a fix that keeps what the user set (ZeRO stage, offload, precision, checkpointing) and the global batch.
+
+    When nothing fits with all of them, the fix gives up as few as it can, in RELEASE_ORDER,
+    and says which one changes and why (the planner's reason nothing fits with it held).
+    """
     configured = ctx.plan.configured if ctx.plan is not None else None
     if configured is None or configured.fits:
         return []
+    message = f"does not fit: {configured.why_not}"
+    held = {knob: getattr(configured.choice, knob) for knob in ctx.user_set if knob in KNOB_KEYS}
+    # precision: auto is a decision for this hardware (fp32 on CPUs without bf16, fp16 on GPUs
+    # without it): held like the user's own, and said so when it has to change.
+    held.setdefault("precision", configured.choice.precision)
+    best, why = _best_keeping(ctx.plan, configured, held)
+    if best is not None:
+        kept = ", ".join(f"{KNOB_KEYS[k]}: {_yaml_value(k, v)}" for k, v in held.items() if k in ctx.user_set)
+        keeping = f" (keeps your {kept} and the global batch)" if kept else " (keeps the global batch)"
+        return [("deepspeed", message, f"set {', '.join(_changes(configured.choice, best.choice))}{keeping}; zeropipe plan shows the terms")]
+    for released in [k for k in RELEASE_ORDER if k in held]:
+        keep = {k: v for k, v in held.items() if k != released}
+        best, _ = _best_keeping(ctx.plan, configured, keep)
+        if best is not None:
+            how = "as you set it" if released in ctx.user_set else "as precision: auto picked it for this hardware"
+            return [
+                (
+                    "deepspeed",
+                    message,
+                    (
+                        f"{KNOB_KEYS[released]}: {_yaml_value(released, held[released])} {how} cannot fit ({why}); "
+                        f"set {', '.join(_changes(configured.choice, best.choice))}, which fits; zeropipe plan shows the terms"
+                    ),
+                )
+            ]
     fix = "zeropipe plan shows the settings that fit"
     if ctx.plan.best is not None:
         fix = f"use {ctx.plan.best.choice.describe()} (zeropipe plan shows why), or set the knobs to auto"
-    return [("deepspeed", f"does not fit: {configured.why_not}", fix)]
+    return [("deepspeed", message, f"nothing fits with the settings you chose ({why}); {fix}")]
 
 
 def zero3_unneeded(ctx):

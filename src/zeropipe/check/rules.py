@@ -49,6 +49,7 @@ class CheckContext:
     conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
     nodes: Any = None  # the run's NodeLayout when it spans several machines
     node_reports: list[dict] | None = None  # what each node's agent said when probed (zeropipe check), or None
+    user_set: dict[str, Any] = field(default_factory=dict)  # memory knobs the user set (Choice field names): fixes keep them or say why not
 
     @property
     def zero_stage(self) -> int:

@@ -12,7 +12,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.config.stages import stage_configs, stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
-from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run
+from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run, user_set_knobs
 
 
 class CheckFailed(ZeroPipeError):
@@ -43,7 +43,7 @@ def build_context(
         except ConfigError as err:  # e.g. a train_batch_size that does not divide over the ranks (ZP008)
             problems += err.problems
             detected = detect_accelerator(config)
-            resolved = ResolvedRun(config, accelerator or detected[0], world_size or detected[1])
+            resolved = ResolvedRun(config, accelerator or detected[0], world_size or detected[1], user_set=user_set_knobs(config))
     config, accelerator, world_size = resolved.config, resolved.accelerator, resolved.world_size
     hidden = None
     family_problems: list[tuple[str, str]] = []
@@ -61,7 +61,7 @@ def build_context(
         ds_config = user_ds or {}
     context = CheckContext(
         config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts,
-        nodes=resolved.nodes, node_reports=node_reports,
+        nodes=resolved.nodes, node_reports=node_reports, user_set=resolved.user_set,
     )
     context.plan = plan_for(context)
     return context

@@ -24,6 +24,12 @@ def register(commands) -> None:
     )
     what.add_argument("--params", type=float, metavar="N", help="a bare parameter count, e.g. 7.5e9 (model states only)")
     parser.add_argument("--gpus", metavar="COUNTxSIZE", help="GPUs per node and the memory of one, e.g. 5x24GB")
+    parser.add_argument(
+        "--cpu-ranks",
+        type=int,
+        metavar="N",
+        help="plan N CPU ranks (gloo) instead of GPUs: every 'GPU' term is then host RAM too, and the node's figure counts it there",
+    )
     parser.add_argument("--ram", metavar="SIZE", help="host RAM per node, e.g. 64GB (default: this machine's)")
     parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per example (default: the config's data.max_seq_len, else 2048)")
@@ -50,7 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if not (0 <= args.margin < 1):
         raise ZeroPipeError(f"--margin {args.margin}: give a fraction between 0 and 1, e.g. 0.1")
     hardware: Hardware
-    if args.gpus:
+    if args.cpu_ranks is not None and args.gpus:
+        raise ZeroPipeError("--cpu-ranks and --gpus describe different machines: give one of them")
+    if args.cpu_ranks is not None:
+        if args.cpu_ranks < 1 or args.nodes != 1:
+            raise ZeroPipeError(f"--cpu-ranks {args.cpu_ranks}: give at least one rank, on one node")
+        hardware = cpu_hardware(args.cpu_ranks, args.ram)
+    elif args.gpus:
         if args.ram is None:
             import dataclasses
 
@@ -85,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         resolved = resolve_run(load_config(args.config, overrides), fill_auto_knobs=False)
         config = resolved.config
         spec = _spec(args, lora) if (args.model or args.params) else None
-        if args.gpus is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
+        if args.gpus is None and args.cpu_ranks is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
             hardware = hardware.with_gpus(config.hardware.gpus)
         if args.gpus is None and resolved.nodes is not None:
             import dataclasses
@@ -112,6 +124,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render_plan(result))
     return 0 if result.best is not None else 1
+
+
+def cpu_hardware(ranks: int, ram: str | None):
+    """CPU ranks on this machine (or one with ``ram`` of host RAM): each rank's "GPU memory" is its share of that RAM."""
+    import dataclasses
+
+    import psutil
+
+    from zeropipe.plan import detect_hardware
+    from zeropipe.plan.hardware import format_gib, parse_size
+
+    hardware = detect_hardware(cpu_ranks=ranks)
+    if hardware.accelerator != "cpu" or ram is not None:
+        total = parse_size(ram, "--ram") if ram is not None else int(psutil.virtual_memory().total)
+        note = (
+            f"as given: {ranks} CPU ranks and {format_gib(total)} of host RAM; the 'GPU memory' of each rank is its share "
+            f"({format_gib(total // ranks)}), and both budgets are the same RAM"
+        )
+        hardware = dataclasses.replace(hardware, gpus_per_node=ranks, gpu_memory_bytes=total // ranks, host_ram_bytes=total, gpu_name=None, accelerator="cpu", notes=(note,))
+    return hardware
 
 
 def _spec(args: argparse.Namespace, lora):

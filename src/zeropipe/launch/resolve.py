@@ -27,6 +27,30 @@ class ResolvedRun:
     notes: list[str] = field(default_factory=list)  # what was decided, and from what
     conflicts: list[tuple[str, str]] = field(default_factory=list)  # YAML values the DeepSpeed JSON overrides
     nodes: NodeLayout | None = None  # several machines (hardware.nodes, a hostfile, a SLURM allocation); None: this one
+    # The knobs the user set to a value (in the YAML or the DeepSpeed JSON), by the plan's Choice
+    # field names: a suggested fix keeps them, or says why one must change.
+    user_set: dict[str, object] = field(default_factory=dict)
+
+
+# The knobs a memory fix may change, by (section, field) and the plan's Choice field name.
+USER_KNOBS = {
+    ("deepspeed", "zero_stage"): "zero_stage",
+    ("deepspeed", "offload_optimizer"): "offload_optimizer",
+    ("deepspeed", "offload_param"): "offload_param",
+    ("deepspeed", "precision"): "precision",
+    ("model", "gradient_checkpointing"): "gradient_checkpointing",
+}
+
+
+def user_set_knobs(config: RunConfig) -> dict[str, object]:
+    """The memory knobs this config sets to a value of its own: written in it (or its DeepSpeed JSON) and not "auto"."""
+    chosen: dict[str, object] = {}
+    for (section, name), knob in USER_KNOBS.items():
+        part = getattr(config, section)
+        value = getattr(part, name)
+        if name in part.model_fields_set and value != "auto":
+            chosen[knob] = value == "cpu" if knob.startswith("offload") else value
+    return chosen
 
 
 def detect_accelerator(config: RunConfig) -> tuple[str, int]:
@@ -92,6 +116,7 @@ def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: s
     world_size = world_size or detected_ranks
     config, fold_notes, conflicts = fold_user_config(config, world_size)
     notes += fold_notes
+    user_set = user_set_knobs(config)
     if config.deepspeed.precision == "auto":
         precision, why = auto_precision(accelerator)
         config = config.model_copy(deep=True)
@@ -100,4 +125,4 @@ def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: s
     if fill_auto_knobs:
         config, auto_notes = resolve_auto_knobs(config, world_size)
         notes += auto_notes
-    return ResolvedRun(config, accelerator, world_size, notes, conflicts, layout)
+    return ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set)

@@ -43,6 +43,34 @@ def knobs_from_config(run_config: RunConfig) -> dict[str, Any]:
     return knobs
 
 
+def zero3_limits(run_config: RunConfig) -> dict[str, int]:
+    """DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance for this run, as Choice fields.
+
+    From deepspeed.overrides, else the user's DeepSpeed JSON, else DeepSpeed's defaults
+    (zeropipe's generated JSON leaves them to DeepSpeed).
+    """
+    import json
+    from pathlib import Path
+
+    from zeropipe.plan.memory import DEFAULT_STAGE3_MAX_LIVE_PARAMETERS, DEFAULT_STAGE3_REUSE_DISTANCE
+
+    sources = [run_config.deepspeed.overrides]
+    if run_config.deepspeed.config_file:
+        try:
+            sources.append(json.loads(Path(run_config.deepspeed.config_file).read_text()))
+        except (OSError, ValueError):
+            pass  # the config loader reports an unreadable file
+    limits = {"zero3_max_live_parameters": DEFAULT_STAGE3_MAX_LIVE_PARAMETERS, "zero3_reuse_distance": DEFAULT_STAGE3_REUSE_DISTANCE}
+    for field, key in (("zero3_max_live_parameters", "stage3_max_live_parameters"), ("zero3_reuse_distance", "stage3_max_reuse_distance")):
+        for source in sources:
+            zero = source.get("zero_optimization") if isinstance(source, dict) else None
+            value = zero.get(key) if isinstance(zero, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                limits[field] = int(value)
+                break
+    return limits
+
+
 def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin: float = 0.1) -> PlanResult:
     """Plan a run config on this hardware.
 
@@ -66,15 +94,18 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
     micro, accumulation = fixed.get("micro_batch_size"), fixed.get("gradient_accumulation_steps")
     global_batch = micro * accumulation * hardware.world_size if micro is not None and accumulation is not None else None
     notes = []
+    limits = zero3_limits(run_config)
     if run_config.deepspeed.config_file:
         notes.append(f"deepspeed.config_file is set: the plan follows the deepspeed.* fields, not {run_config.deepspeed.config_file}")
     if len(fixed) == len(knobs):
-        configured = evaluate(spec, hardware, Choice(**fixed, seq_len=seq_len, attention=attention), margin)
-        result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention)
+        configured = evaluate(spec, hardware, Choice(**fixed, seq_len=seq_len, attention=attention, **limits), margin)
+        result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits)
         result.configured = configured
         result.notes += notes
         return result
-    result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention)
+    result = recommend(
+        spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention, zero3_limits=limits
+    )
     result.notes += notes + ["planned for the knobs set to auto: " + ", ".join(k for k, v in knobs.items() if v == AUTO)]
     return result
 
@@ -91,4 +122,5 @@ __all__ = [
     "parse_hardware",
     "plan_run",
     "recommend",
+    "zero3_limits",
 ]

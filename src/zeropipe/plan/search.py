@@ -212,6 +212,7 @@ def candidate_choices(
     seq_len: int = 2048,
     attention: str = "sdpa",
     fixed: dict[str, Any] | None = None,
+    zero3_limits: dict[str, int] | None = None,
 ) -> list[Choice]:
     """Every combination the search tries; ``fixed`` holds knobs the caller does not let it change."""
     fixed = dict(fixed or {})
@@ -253,6 +254,7 @@ def candidate_choices(
                             gradient_accumulation_steps=accumulation,
                             seq_len=seq_len,
                             attention=attention,
+                            **(zero3_limits or {}),
                         )
                         if all(getattr(choice, knob) == value for knob, value in fixed.items()):
                             choices.append(choice)
@@ -267,6 +269,7 @@ def recommend(
     margin: float = 0.1,
     fixed: dict[str, Any] | None = None,
     attention: str = "sdpa",
+    zero3_limits: dict[str, int] | None = None,
 ) -> PlanResult:
     """The fastest combination that fits in (1 - margin) of GPU memory and of host RAM.
 
@@ -274,6 +277,7 @@ def recommend(
         global_batch: examples per optimizer step over all ranks; None plans for
             DEFAULT_EXAMPLES_PER_RANK per rank (and says so in the notes).
         fixed: knobs held at the given values (e.g. ``{"zero_stage": 3}``), by Choice field name.
+        zero3_limits: the run's stage3_max_live_parameters / stage3_max_reuse_distance, by Choice field name.
 
     Raises:
         ZeroPipeError: when the global batch does not divide over the ranks.
@@ -284,7 +288,7 @@ def recommend(
         notes.append(
             f"no global batch given: planned for {global_batch} examples per step ({DEFAULT_EXAMPLES_PER_RANK} per GPU); set it with --global-batch"
         )
-    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed)
+    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed, zero3_limits)
     candidates = [evaluate(spec, hardware, choice, margin) for choice in choices]
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=_rank) if fitting else None

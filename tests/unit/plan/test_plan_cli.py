@@ -79,3 +79,18 @@ def test_plan_a_run_config(tmp_path, capsys):
 def test_mistakes_are_explained(argv, match):
     with pytest.raises(ZeroPipeError, match=match):
         run_plan(*argv)
+
+
+def test_cpu_ranks_count_every_rank_term_in_host_ram(capsys):
+    assert run_plan("--model", "llama-3.2-1b", "--cpu-ranks", "4", "--ram", "16GB", "--lora-r", "16", "--seq-len", "128", "--json") == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"]["accelerator"] == "cpu" and data["hardware"]["gpus_per_node"] == 4
+    assert data["hardware"]["host_ram_bytes"] == 16 * 1024**3
+    best = data["best"]
+    [working] = [t for t in best["per_node_terms"] if t["name"] == "CPU ranks' working memory"]
+    assert working["bytes"] == 4 * best["per_gpu_bytes"]
+
+
+def test_cpu_ranks_and_gpus_are_two_different_machines():
+    with pytest.raises(ZeroPipeError, match="--cpu-ranks and --gpus"):
+        run_plan("--model", "llama-3.2-1b", "--cpu-ranks", "4", "--gpus", "4x24GB")

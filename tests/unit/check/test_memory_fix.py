@@ -1,0 +1,121 @@
+"""ZP011's fix keeps what the user set (ZeRO stage, offload, precision, checkpointing) and the global batch, or says why one must change.
+
+The issue's case: a 0.4B Llama with ZeRO-3 and fp32 on 4 CPU ranks, micro-batch 16, refused with
+a fix that switched to ZeRO-1 and bf16 although the user had asked for fp32. The plans here are
+made for a stated machine (CPU ranks and a given host RAM), not this one, so the answers do
+not depend on where the tests run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropipe.check.planning import memory_problems
+from zeropipe.check.run import build_context
+from zeropipe.config.load import validate_config
+from zeropipe.families import model_spec
+from zeropipe.plan import Choice, evaluate, plan_run
+from zeropipe.plan.hardware import GIB, Hardware
+
+# 24 layers x 1024 (0.4B parameters): the shape of the run the issue measured.
+MID_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 3584,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+}
+RANKS = 4
+
+
+@pytest.fixture
+def context_for(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "hi", "output": "yo"}\n')
+
+    def build(deepspeed: dict, host_ram_gib: int, micro_batch_size: int = 16):
+        raw = {
+            "model": {"config": dict(MID_LLAMA)},
+            "data": {"path": str(data), "max_seq_len": 512},
+            "train": {"micro_batch_size": micro_batch_size},
+            "deepspeed": deepspeed,
+            "hardware": {"gpus": RANKS, "accelerator": "cpu"},
+        }
+        context = build_context(validate_config(raw), world_size=RANKS, accelerator="cpu")
+        ram = host_ram_gib * GIB
+        context.plan = plan_run(context.config, Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu"), model_spec(context.config))
+        return context
+
+    return build
+
+
+def suggested_settings(fix: str) -> dict[str, str]:
+    """The `key: value` pairs after "set " in a fix."""
+    listed = fix[len("set ") :] if fix.startswith("set ") else fix.split("; set ", 1)[1]
+    listed = listed.split(" (keeps")[0].split(", which fits")[0]
+    return dict(pair.split(": ", 1) for pair in listed.split(", "))
+
+
+def apply(context, settings: dict[str, str]) -> Choice:
+    choice = context.plan.configured.choice
+    fields = {
+        "deepspeed.zero_stage": ("zero_stage", int),
+        "deepspeed.offload_optimizer": ("offload_optimizer", lambda v: v == "cpu"),
+        "deepspeed.offload_param": ("offload_param", lambda v: v == "cpu"),
+        "deepspeed.precision": ("precision", str),
+        "model.gradient_checkpointing": ("gradient_checkpointing", lambda v: v == "true"),
+        "train.micro_batch_size": ("micro_batch_size", int),
+        "train.gradient_accumulation_steps": ("gradient_accumulation_steps", int),
+    }
+    changes = {fields[key][0]: fields[key][1](value) for key, value in settings.items()}
+    return Choice(**{**vars(choice), **changes})
+
+
+def test_the_fix_keeps_the_stage_and_precision_the_user_set(context_for):
+    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=24)
+    assert context.user_set == {"zero_stage": 3, "precision": "fp32"}
+    [(_, message, fix)] = memory_problems(context)
+    assert message.startswith("does not fit")
+    settings = suggested_settings(fix)
+    assert "deepspeed.precision" not in settings and "deepspeed.zero_stage" not in settings, fix
+    assert "keeps your deepspeed.zero_stage: 3, deepspeed.precision: fp32 and the global batch" in fix
+    suggested = apply(context, settings)
+    # What it suggests fits on that machine, with the batch the user asked for.
+    assert evaluate(context.plan.spec, context.plan.hardware, suggested).fits
+    assert suggested.micro_batch_size * suggested.gradient_accumulation_steps == 16
+
+
+def test_a_setting_that_cannot_fit_is_changed_with_the_reason(context_for):
+    # 16 GiB: no fp32 choice under ZeRO-3 fits (DeepSpeed keeps the 0.4B model gathered on
+    # every rank from the second step: about 18 GiB at least); giving up one of the two
+    # settings the user made does.
+    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=16)
+    [(_, _, fix)] = memory_problems(context)
+    released = fix.split(" as you set it cannot fit (")[0]
+    assert released in ("deepspeed.zero_stage: 3", "deepspeed.precision: fp32"), fix
+    assert "nothing fits with zero_stage=3, precision=fp32 held fixed" in fix
+    settings = suggested_settings(fix)
+    key = released.split(":")[0]
+    # Only the released one of the user's settings changes, and what is suggested fits.
+    assert key in settings and not ({"deepspeed.zero_stage", "deepspeed.precision"} - {key}) & set(settings), fix
+    assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits
+
+
+def test_what_the_user_left_to_defaults_may_change_and_auto_precision_is_kept(context_for):
+    # Nothing set but the batch: the stage (default 2) may change; precision auto picked fp32
+    # for this CPU (no bf16 in hardware), and the fix does not switch it to bf16.
+    context = context_for({}, host_ram_gib=24)
+    assert context.user_set == {}
+    [(_, _, fix)] = memory_problems(context)
+    settings = suggested_settings(fix)
+    assert "deepspeed.precision" not in settings, fix
+    assert "(keeps the global batch)" in fix
+    assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits
+
+
+def test_nothing_fits_says_so_with_the_planner_reason(context_for):
+    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=6)
+    [(_, _, fix)] = memory_problems(context)
+    assert fix.startswith("nothing fits with the settings you chose (nothing fits with zero_stage=3, precision=fp32 held fixed")

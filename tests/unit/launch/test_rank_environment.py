@@ -1,0 +1,18 @@
+"""What every rank's environment carries, set by the launcher."""
+
+from __future__ import annotations
+
+from zeropipe.launch.supervisor import CPU_RANK_MMAP_THRESHOLD, rank_environment
+
+
+def test_cpu_ranks_get_a_fixed_mmap_threshold_so_freed_gathered_layers_return_to_the_system(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = rank_environment(0, 4, 29500, "cpu")
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(CPU_RANK_MMAP_THRESHOLD)
+    # GPU ranks' gathered layers live in GPU memory: their host allocator is left alone.
+    assert "MALLOC_MMAP_THRESHOLD_" not in rank_environment(0, 4, 29500, "cuda")
+
+
+def test_a_threshold_the_user_set_is_kept(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert rank_environment(1, 2, 29500, "cpu")["MALLOC_MMAP_THRESHOLD_"] == "65536"
