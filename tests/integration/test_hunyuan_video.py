@@ -79,7 +79,7 @@ def test_hunyuan_video_lora_with_offload_samples_reuses_caches_and_exports_both_
     diffusers_lora = load_file(str(out / "pytorch_lora_weights.safetensors"))
     # The fused update is exactly the sum of the separate ones: q's rows of B_qkv @ A_qkv are (alpha / r) B_q @ A_q.
     fused = comfy["diffusion_model.double_blocks.0.img_attn_qkv.lora_B.weight"] @ comfy["diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight"]
-    to_q = diffusers_lora["transformer.transformer_blocks.0.attn.to_q.lora.up.weight"] @ diffusers_lora["transformer.transformer_blocks.0.attn.to_q.lora.down.weight"]
+    to_q = diffusers_lora["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"] @ diffusers_lora["transformer.transformer_blocks.0.attn.to_q.lora_A.weight"]
     assert torch.allclose(fused[:32], 2.0 * to_q, atol=1e-6)
 
     base = HunyuanVideoPipeline.from_pretrained(str(run_dir / "pipeline"))

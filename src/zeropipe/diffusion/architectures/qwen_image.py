@@ -67,7 +67,7 @@ class QwenImage(Architecture):
     def vae_images(self, decoded):
         return decoded[:, :, 0] if decoded.dim() == 5 else decoded
 
-    def latent_normalization(self, vae_config):
+    def latent_normalization(self, vae_config, vae_dir=None):
         return Wan.latent_normalization(self, vae_config)
 
     def latent_statistics_config(self, latents):
