@@ -57,3 +57,26 @@ def test_unregistered_the_builtin_is_found_again(tmp_path, toy):
     build_tiny_pipeline({"pipeline": "tiny-sd15"}, tmp_path / "pipeline", seed=1)
     unregister("toy-unet")
     assert architecture_of(tmp_path / "pipeline") is SD15
+
+
+def test_every_entry_takes_what_the_shared_code_passes_to_each_method():
+    """An entry that overrides a method keeps the base's parameters: the shared code calls every
+    entry the same way (Qwen-Image's latent_normalization once lost the VAE folder argument, and
+    its runs failed in every rank)."""
+    import inspect
+
+    from zeropipe.diffusion.architectures.base import Architecture
+
+    for arch in architectures.architectures().values():
+        for name, base in vars(Architecture).items():
+            if not inspect.isfunction(base) or name.startswith("_"):
+                continue
+            own = getattr(type(arch), name)
+            if own is base:
+                continue
+            wanted = [p for p in inspect.signature(base).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+            args = [object()] * len(wanted)
+            try:
+                inspect.signature(own).bind(*args)
+            except TypeError as err:
+                raise AssertionError(f"{arch.name}: {name}{inspect.signature(own)} does not take the base's {inspect.signature(base)}: {err}") from None
