@@ -22,6 +22,7 @@ gives the remote agent EOF within milliseconds, and the launcher sees the node's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -284,13 +285,11 @@ class MultiNodeSupervisor:
     def drain(self, timeout: float) -> list[tuple[int, dict]]:
         """Apply the events that arrived (hello, memory, done, eof); return the rank exits and node losses among them."""
         got = []
-        try:
+        with contextlib.suppress(queue.Empty):  # nothing (more) arrived
             item = self.events.get(timeout=timeout)
             while True:
                 got.append(item)
                 item = self.events.get_nowait()
-        except queue.Empty:
-            pass
         important = []
         for node_rank, event in got:
             connection = self.connections[node_rank]
@@ -437,10 +436,8 @@ class MultiNodeSupervisor:
 
     def finish_transports(self, wait: float = 5.0) -> None:
         for connection in self.connections:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # the connection already ended
                 connection.proc.stdin.close()
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and any(c.proc.poll() is None for c in self.connections):
             time.sleep(0.05)

@@ -15,6 +15,7 @@ asks the kernel for a parent-death signal and also watches ``ZEROPIPE_LAUNCHER_P
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -265,10 +266,8 @@ class Supervisor:
             self.last_children_scan = now
         self.host_ram_peak = max(self.host_ram_peak, psutil.virtual_memory().used)
         if self.setup_proc is not None and not self.ranks_started:
-            try:
+            with contextlib.suppress(psutil.Error):  # it has just ended: its peak is already counted
                 self.setup_rss_peak = max(self.setup_rss_peak, psutil.Process(self.setup_proc.pid).memory_info().rss)
-            except psutil.Error:
-                pass
         for rank, proc in enumerate(self.procs):  # local indices
             try:
                 process = self.rank_processes.setdefault(rank, psutil.Process(proc.pid))
@@ -276,10 +275,8 @@ class Supervisor:
                     self.rank_children[rank] = process.children(recursive=True)
                 rss = process.memory_info().rss
                 for child in self.rank_children.get(rank, []):
-                    try:
+                    with contextlib.suppress(psutil.Error):  # a child that has just ended holds nothing
                         rss += child.memory_info().rss
-                    except psutil.Error:
-                        pass
             except psutil.Error:
                 continue
             self.rank_rss_peak[rank] = max(self.rank_rss_peak[rank], rss)

@@ -174,7 +174,7 @@ class Architecture:
     # -------------------------------------------------------------- conditioning
     def encode_first_frames(self, pipeline, images: list, device: torch.device) -> torch.Tensor:
         """Image embeddings of first frames (PIL images), by the pipeline's own image encoding (``image_encoders``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"the {self.name} entry names image encoders {self.image_encoders} but does not say how its pipeline embeds first frames (encode_first_frames)")
 
     def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
