@@ -14,17 +14,23 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e '.[test]'
-# The browser tests (tests/e2e) drive Debian's Chromium through Playwright's executablePath;
-# Playwright's own browser download is never used. Installed here when missing and we are root;
-# without it those tests are skipped.
-if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null \
-        || echo "setup.sh: could not install chromium; the browser tests will be skipped" >&2
-fi
-# The multi-node tests (tests/integration/test_multinode.py) and scripts/multinode-demo.sh start a
-# real OpenSSH server on loopback as a second "node". Installed here when missing and we are root;
-# without it those tests are skipped.
-if [ ! -x /usr/sbin/sshd ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openssh-server >/dev/null \
-        || echo "setup.sh: could not install openssh-server; the multi-node tests will be skipped" >&2
+# System packages, installed when missing and we are root (without them the tests that need them
+# are skipped): Debian's Chromium for the browser tests (tests/e2e drive it through Playwright's
+# executablePath; Playwright's own browser download is never used) and OpenSSH's server for the
+# multi-node tests and scripts/multinode-demo.sh (a real sshd on loopback as a second "node").
+# scripts/test.sh adds SLURM's packages through ZEROPIPE_EXTRA_APT. One apt-get update for all.
+missing=()
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
+for package in ${ZEROPIPE_EXTRA_APT:-}; do missing+=("$package"); done
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    if apt-get update -q >/dev/null; then
+        # All at once; if that fails, one by one so one missing package does not cost the others.
+        apt-get install -y -q "${missing[@]}" >/dev/null || for package in "${missing[@]}"; do
+            apt-get install -y -q "$package" >/dev/null || echo "setup.sh: could not install $package; the tests that need it will be skipped" >&2
+        done
+    else
+        echo "setup.sh: apt-get update failed; not installed: ${missing[*]} (the tests that need them will be skipped)" >&2
+    fi
 fi
