@@ -385,6 +385,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 400 examples, hidden 128 x 2 layers, seq 256, one repeat")
     parser.add_argument("--examples", type=int, default=None, help="training examples (default 1600; rounded down to a multiple of 16)")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="count the first run (by default an extra, untimed run of the first ZeRO-Pipe system goes first)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="runs of each system, in ABC..CBA order (default 2, 1 with --quick)")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)} (default all; a padded or grouped ZeRO-Pipe run is always first)"
@@ -471,7 +474,7 @@ def main() -> int:
             if load >= QUIET_CORES:
                 print(f"  (machine still busy after waiting {args.quiet_wait:.0f} s: {load:.2f} cores used by others)", flush=True)
         name = f"{system}-{repeat}"
-        seed = SEED + repeat - 1  # each repeat its own model init and data order: the spread between them is the noise
+        seed = SEED + max(repeat, 1) - 1  # each repeat its own model init and data order (the warm-up: the first's)
         tokenizer = reference / "tokenizer" if reference else None
         with ForeignLoad() as load:
             if system in HF_MODES:
@@ -485,13 +488,22 @@ def main() -> int:
                 result["micro"] = f"{micro} x {max_seq_len} packed" if packing else f"{micro} {'grouped' if grouped else 'padded'}"
                 reference = reference or result["run_dir"]
         result.update(system=system, repeat=repeat, seed=seed, foreign=load.cores, tokens_per_s=result["timed_tokens"] / result["timed_s"])
-        print(f"  {name:<20} {result['tokens_per_s']:7.0f} useful tokens/s   ({result['wall_s']:.0f} s wall, other processes {load.cores:.2f} cores)", flush=True)
+        print(
+            f"  {name:<20} {result['tokens_per_s']:7.0f} useful tokens/s   ({result['wall_s']:.0f} s wall, other processes {load.cores:.2f} cores)"
+            + ("   warm-up, not counted" if repeat == 0 else ""),
+            flush=True,
+        )
         return result
 
+    # An untimed first run (repeat 0) writes the tokenizer, token cache and ds_config.json the others read,
+    # and pays what only a machine's first run pays (libraries and data not yet in the page cache): measured,
+    # the first run of the quick benchmark on an idle machine was 11-16% below the same system's later runs,
+    # a penalty that would land on one system's figures only.
+    warmup = None if args.no_warmup else run(first, 0)
     # ABC..CBA: every other repeat runs the systems in reverse, so slow drift of a shared machine cancels.
     order = [(system, repeat + 1) for repeat in range(repeats) for system in (systems if repeat % 2 == 0 else systems[::-1])]
     results = [run(system, repeat) for system, repeat in order]
-    padded = next(r for r in results if r["system"] == first)
+    padded = warmup or next(r for r in results if r["system"] == first)
     before = eval_before_training(padded["run_dir"])
 
     lengths = np.diff(np.load(padded["run_dir"] / "cache" / "offsets.npy"))
