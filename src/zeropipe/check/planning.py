@@ -101,6 +101,8 @@ def memory_problems(ctx):
         best, _ = _best_keeping(ctx.plan, configured, keep)
         if best is not None:
             how = "as you set it" if released in ctx.user_set else "as precision: auto picked it for this hardware"
+            if released.startswith("offload") and ctx.plan.hardware.accelerator == "cpu":
+                how += " (it saves nothing on CPU ranks, whose 'GPU' memory is host RAM already)"
             return [
                 (
                     "deepspeed",
