@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zeropipe.doctor.facts import cpu_precision
 from zeropipe.plan.hardware import Hardware, detect_hardware, parse_hardware
 from zeropipe.plan.memory import Choice, Term
 from zeropipe.plan.search import Candidate, PlanResult, evaluate, recommend
@@ -114,8 +115,6 @@ def _configured_on_cpu_ranks(choice: Choice, hardware: Hardware) -> list[str]:
     """Why the recommendation on CPU ranks can differ from the config's own bf16 or offload."""
     if hardware.accelerator != "cpu":
         return []
-    from zeropipe.doctor.facts import cpu_precision
-
     notes = []
     if choice.precision == "bf16" and not hardware.cpu_bf16_native:
         notes.append(f"your precision bf16: {cpu_precision(False)[1]}; set deepspeed.precision: auto (fp32 here)")
