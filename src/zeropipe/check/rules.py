@@ -259,10 +259,14 @@ def cpu_ranks_gain_nothing(ctx: CheckContext):
         found.append(
             (
                 f"deepspeed.{offloaded[0]}",
-                f"{' and '.join(offloaded)} on CPU ranks saves no memory: a CPU rank's memory is host RAM already, so offloading "
-                "moves bytes from host RAM to host RAM and adds copies (pinned buffers, an fp32 gradient buffer)",
-                f"set {' and '.join(f'deepspeed.{name}: none' for name in offloaded)} (zeropipe plan never offloads on CPU ranks); "
-                "where offload itself is the point, add ZP019 to run.accept_warnings",
+                (
+                    f"{' and '.join(offloaded)} on CPU ranks saves no memory: a CPU rank's memory is host RAM already, so offloading "
+                    "moves bytes from host RAM to host RAM and adds copies (pinned buffers, an fp32 gradient buffer)"
+                ),
+                (
+                    f"set {' and '.join(f'deepspeed.{name}: none' for name in offloaded)} (zeropipe plan never offloads on CPU ranks); "
+                    "where offload itself is the point, add ZP019 to run.accept_warnings"
+                ),
             )
         )
     return found
