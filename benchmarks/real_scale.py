@@ -1,7 +1,7 @@
 """Real-size runs on CPU ranks: the planner's per-node host-RAM figure against the node's measured peak.
 
     nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --cases llm-z3 llm-z2
-    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --cases sdxl --sdxl-precision bf16 --sdxl-steps 1
+    nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --cases sdxl   # precision auto, 2 steps
     nice .venv/bin/python benchmarks/real_scale.py --workdir /tmp/real_scale --replan   # plan the measured runs again, no training
     nice .venv/bin/python benchmarks/real_scale.py --quick --keep-gathered deepspeed    # a 0.4B Llama with DeepSpeed's own ZeRO-3 limits
 
@@ -467,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sdxl-precision",
         default="auto",
         choices=["auto", "bf16", "fp32"],
-        help="SDXL's training precision (auto: fp32 on CPUs without bf16 in hardware; its 2.57B fp32 weights alone are 9.6 GiB on the node)",
+        help="SDXL's training precision (default auto: bf16 only where the CPU runs it natively, avx512_bf16/AMX, else fp32; "
+        "on AVX2-only CPUs bf16 is emulated, 18-56x slower than fp32; the UNet's 2.57B fp32 weights alone are 9.6 GiB on the node)",
     )
     parser.add_argument("--sdxl-steps", type=int, help="optimizer steps of the SDXL run (default --steps)")
     parser.add_argument("--replan", action="store_true", help="do not train: plan the runs already measured in --workdir again and compare")

@@ -108,7 +108,7 @@ def test_sdxl_lora_under_zero3_exports_a_diffusers_lora(tmp_path):
     """LoRA under ZeRO-3: only adapters train; the exported file loads with load_lora_weights and changes the images."""
     config = diffusion_config(
         tmp_path, "lora", model={"config": {"pipeline": "tiny-sdxl"}, "lora": {"r": 8, "alpha": 16}},
-        deepspeed={"zero_stage": 3, "precision": "bf16"}, train={"max_steps": 12, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 1},
+        deepspeed={"zero_stage": 3, "precision": "auto"}, train={"max_steps": 12, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 1},
     )
     result = zeropipe("train", config, cwd=tmp_path)
     assert_ok(result)

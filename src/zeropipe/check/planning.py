@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
 from zeropipe.families import model_spec
 from zeropipe.plan import detect_hardware, plan_run, recommend
@@ -101,6 +102,8 @@ def memory_problems(ctx):
         best, _ = _best_keeping(ctx.plan, configured, keep)
         if best is not None:
             how = "as you set it" if released in ctx.user_set else "as precision: auto picked it for this hardware"
+            if released.startswith("offload") and ctx.plan.hardware.accelerator == "cpu":
+                how += " (it saves nothing on CPU ranks, whose 'GPU' memory is host RAM already)"
             return [
                 (
                     "deepspeed",
@@ -114,6 +117,10 @@ def memory_problems(ctx):
     fix = "zeropipe plan shows the settings that fit"
     if ctx.plan.best is not None:
         fix = f"use {ctx.plan.best.choice.describe()} (zeropipe plan shows why), or set the knobs to auto"
+    hardware = ctx.plan.hardware
+    if hardware.accelerator == "cpu" and not hardware.cpu_bf16_native and held.get("precision") == "fp32" and "precision" not in ctx.user_set:
+        # Say why bf16, which would halve the weights, is not offered.
+        fix += f"; precision stays fp32: {cpu_precision(False)[1]}"
     return [("deepspeed", message, f"nothing fits with the settings you chose ({why}); {fix}")]
 
 

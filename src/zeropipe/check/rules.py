@@ -236,6 +236,42 @@ def precision_on_hardware(ctx: CheckContext):
     return []
 
 
+@rule("ZP019", "warning", "bf16 or offload on CPU ranks, where they gain nothing", "docs/plan.md#the-recommendation")
+def cpu_ranks_gain_nothing(ctx: CheckContext):
+    if ctx.accelerator != "cpu":
+        return []
+    from zeropipe.doctor.facts import cpu_precision, cpu_runs_bf16_natively
+
+    found = []
+    # The plan's hardware carries the CPU's flags as read for this check; without a plan, read them here.
+    hardware = getattr(ctx.plan, "hardware", None)
+    native = hardware.cpu_bf16_native if hardware is not None and hardware.accelerator == "cpu" else cpu_runs_bf16_natively()
+    if ctx.config.deepspeed.precision == "bf16" and not native:
+        found.append(
+            (
+                "deepspeed.precision",
+                f"bf16 on CPU ranks: {cpu_precision(False)[1]}",
+                "set deepspeed.precision: auto (fp32 on this CPU); where bf16 itself is the point, add ZP019 to run.accept_warnings",
+            )
+        )
+    offloaded = [name for name in ("offload_optimizer", "offload_param") if getattr(ctx.config.deepspeed, name) == "cpu"]
+    if offloaded:
+        found.append(
+            (
+                f"deepspeed.{offloaded[0]}",
+                (
+                    f"{' and '.join(offloaded)} on CPU ranks saves no memory: a CPU rank's memory is host RAM already, so offloading "
+                    "moves bytes from host RAM to host RAM and adds copies (pinned buffers, an fp32 gradient buffer)"
+                ),
+                (
+                    f"set {' and '.join(f'deepspeed.{name}: none' for name in offloaded)} (zeropipe plan never offloads on CPU ranks); "
+                    "where offload itself is the point, add ZP019 to run.accept_warnings"
+                ),
+            )
+        )
+    return found
+
+
 @rule("ZP014", "warning", "the YAML and the DeepSpeed JSON disagree", "docs/config.md")
 def yaml_and_json_disagree(ctx: CheckContext):
     return [(key, message, "keep the setting in one place: the YAML, or deepspeed.config_file") for key, message in ctx.conflicts]

@@ -132,6 +132,7 @@ def cpu_hardware(ranks: int, ram: str | None):
 
     import psutil
 
+    from zeropipe.doctor.facts import cpu_runs_bf16_natively
     from zeropipe.plan import detect_hardware
     from zeropipe.plan.hardware import format_gib, parse_size
 
@@ -142,7 +143,10 @@ def cpu_hardware(ranks: int, ram: str | None):
             f"as given: {ranks} CPU ranks and {format_gib(total)} of host RAM; the 'GPU memory' of each rank is its share "
             f"({format_gib(total // ranks)}), and both budgets are the same RAM"
         )
-        hardware = dataclasses.replace(hardware, gpus_per_node=ranks, gpu_memory_bytes=total // ranks, host_ram_bytes=total, gpu_name=None, accelerator="cpu", notes=(note,))
+        hardware = dataclasses.replace(
+            hardware, gpus_per_node=ranks, gpu_memory_bytes=total // ranks, host_ram_bytes=total, gpu_name=None, accelerator="cpu", notes=(note,),
+            cpu_bf16_native=cpu_runs_bf16_natively(),
+        )
     return hardware
 
 

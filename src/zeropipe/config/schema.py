@@ -321,10 +321,11 @@ class DeepSpeedSection(Section):
         description="ZeRO stage: 0 data parallel, 1 shards optimizer states, 2 also gradients, 3 also parameters; 'auto': the fastest that fits (zeropipe plan).",
     )
     offload_optimizer: Literal["none", "cpu", "auto"] = Field(
-        "none", description="Keep optimizer states in host RAM and step with DeepSpeed's CPU Adam (stage 1-3); 'auto': the planner decides."
+        "none", description="Keep optimizer states in host RAM and step with DeepSpeed's CPU Adam (stage 1-3); 'auto': the planner decides "
+        "(never on CPU ranks, whose memory is host RAM already)."
     )
     offload_param: Literal["none", "cpu", "auto"] = Field(
-        "none", description="Keep parameters in host RAM between uses (stage 3 only); 'auto': the planner decides."
+        "none", description="Keep parameters in host RAM between uses (stage 3 only); 'auto': the planner decides (never on CPU ranks)."
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
         "auto",

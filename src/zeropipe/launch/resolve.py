@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from zeropipe.config.deepspeed import fold_user_config
 from zeropipe.config.schema import RunConfig
-from zeropipe.doctor.facts import cpu_runs_bf16_natively
+from zeropipe.doctor.facts import cpu_precision, cpu_runs_bf16_natively
 from zeropipe.errors import ConfigError
 from zeropipe.launch.auto import resolve_auto_knobs
 from zeropipe.launch.nodes import NodeLayout, resolve_layout
@@ -86,9 +86,7 @@ def auto_precision(accelerator: str) -> tuple[str, str]:
         if torch.cuda.is_bf16_supported():
             return "bf16", "the GPUs support bf16"
         return "fp16", f"{torch.cuda.get_device_name(0)} has no bf16"
-    if cpu_runs_bf16_natively():
-        return "bf16", "this CPU runs bf16 natively (avx512_bf16/AMX)"
-    return "fp32", "this CPU has no bf16 in hardware (no avx512_bf16/AMX): bf16 would run 18-56x slower than fp32"
+    return cpu_precision(cpu_runs_bf16_natively())
 
 
 def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: str | None = None, fill_auto_knobs: bool = True) -> ResolvedRun:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from zeropipe.doctor.facts import cpu_precision
 from zeropipe.plan.hardware import Hardware, detect_hardware, parse_hardware
 from zeropipe.plan.memory import Choice, Term
 from zeropipe.plan.search import Candidate, PlanResult, evaluate, recommend
@@ -101,13 +102,28 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
         configured = evaluate(spec, hardware, Choice(**fixed, seq_len=seq_len, attention=attention, **limits), margin)
         result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits)
         result.configured = configured
-        result.notes += notes
+        result.notes += notes + _configured_on_cpu_ranks(configured.choice, hardware)
         return result
     result = recommend(
         spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention, zero3_limits=limits
     )
     result.notes += notes + ["planned for the knobs set to auto: " + ", ".join(k for k, v in knobs.items() if v == AUTO)]
     return result
+
+
+def _configured_on_cpu_ranks(choice: Choice, hardware: Hardware) -> list[str]:
+    """Why the recommendation on CPU ranks can differ from the config's own bf16 or offload."""
+    if hardware.accelerator != "cpu":
+        return []
+    notes = []
+    if choice.precision == "bf16" and not hardware.cpu_bf16_native:
+        notes.append(f"your precision bf16: {cpu_precision(False)[1]}; set deepspeed.precision: auto (fp32 here)")
+    if choice.offload_optimizer or choice.offload_param:
+        notes.append(
+            "your offload saves nothing on CPU ranks: their 'GPU' memory is host RAM already, so it moves bytes from "
+            "host RAM to host RAM and adds copies; set deepspeed.offload_optimizer and offload_param: none"
+        )
+    return notes
 
 
 __all__ = [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from zeropipe.doctor.facts import cpu_runs_bf16_natively
 from zeropipe.errors import ZeroPipeError
 
 GIB = 1024**3
@@ -43,6 +44,9 @@ class Hardware:
     gpu_name: str | None = None
     accelerator: str = "cuda"  # "cuda" or "cpu"
     notes: tuple[str, ...] = ()  # how the figures were obtained, shown to the user
+    # CPU ranks only: the CPU has bf16 in hardware (avx512_bf16/AMX in its flags). Without it
+    # PyTorch emulates bf16, 18-56x slower than fp32, so the planner then tries fp32 alone.
+    cpu_bf16_native: bool = False
 
     @property
     def world_size(self) -> int:
@@ -130,12 +134,14 @@ def detect_hardware(cpu_ranks: int = 2) -> Hardware:
         f"no CUDA device: {cpu_ranks} CPU ranks, and the 'GPU memory' of each CPU rank is its share of the "
         f"{format_gib(ram)} of host RAM ({format_gib(ram // cpu_ranks)}); both budgets are the same RAM"
     )
-    return Hardware(cpu_ranks, ram // cpu_ranks, 1, ram, None, "cpu", (note,))
+    return Hardware(cpu_ranks, ram // cpu_ranks, 1, ram, None, "cpu", (note,), cpu_bf16_native=cpu_runs_bf16_natively())
 
 
 def supports_bf16(hardware: Hardware) -> bool:
-    """bf16 needs Ampere or newer; names of older cards are recognised, unknown ones are assumed new."""
-    if hardware.accelerator == "cpu" or not hardware.gpu_name:
+    """bf16 on GPUs needs Ampere or newer (names of older cards are recognised, unknown ones are assumed new); on CPU ranks, bf16 in hardware."""
+    if hardware.accelerator == "cpu":
+        return hardware.cpu_bf16_native
+    if not hardware.gpu_name:
         return True
     name = hardware.gpu_name.lower()
     older = ("v100", "t4", "p100", "p40", "k80", "titan v", "titan rtx", "quadro rtx", "gtx", "rtx 20", "rtx 2080", "rtx 2070", "rtx 2060")

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
 from zeropipe.plan.cost import relative_cost, step_seconds
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
@@ -132,6 +133,7 @@ class PlanResult:
                 "host_ram_bytes": self.hardware.host_ram_bytes,
                 "gpu_name": self.hardware.gpu_name,
                 "accelerator": self.hardware.accelerator,
+                "cpu_bf16_native": self.hardware.cpu_bf16_native if self.hardware.accelerator == "cpu" else None,
                 "notes": list(self.hardware.notes),
             },
             "margin": self.margin,
@@ -206,6 +208,35 @@ def batch_shapes(hardware: Hardware, global_batch: int | None) -> list[tuple[int
     return [(micro, per_rank // micro) for micro in range(1, min(per_rank, MAX_MICRO_BATCH) + 1) if per_rank % micro == 0]
 
 
+# (offload_optimizer, offload_param) pairs each ZeRO stage supports.
+OFFLOADS = {
+    0: [(False, False)],
+    1: [(False, False), (True, False)],
+    2: [(False, False), (True, False)],
+    3: [(False, False), (True, False), (False, True), (True, True)],
+}
+
+
+def hardware_options(hardware: Hardware, fixed: dict[str, Any]) -> tuple[list[str], dict[int, list[tuple[bool, bool]]]]:
+    """The precisions and the offloads (by ZeRO stage) worth trying on this hardware; a knob in ``fixed`` is tried as held.
+
+    GPUs: 16-bit (bf16, else fp16 on cards without it) and fp32, every offload. CPU ranks:
+    bf16 only where the CPU runs it natively (emulated, it is 18-56x slower than fp32; DeepSpeed
+    has no fp16 there), and no offload: a CPU rank's "GPU" memory is host RAM already, so
+    offloading moves bytes from host RAM to host RAM and adds copies.
+    """
+    if hardware.accelerator == "cpu":
+        precisions = ["bf16", "fp32"] if hardware.cpu_bf16_native else ["fp32"]
+        held = (bool(fixed.get("offload_optimizer", False)), bool(fixed.get("offload_param", False)))
+        offloads = {stage: [pair for pair in pairs if pair in ((False, False), held)] for stage, pairs in OFFLOADS.items()}
+    else:
+        precisions = ["bf16" if supports_bf16(hardware) else "fp16", "fp32"]
+        offloads = OFFLOADS
+    if fixed.get("precision") is not None and fixed["precision"] not in precisions:
+        precisions.append(fixed["precision"])  # the caller's own choice is judged, even one this search would not make
+    return precisions, offloads
+
+
 def candidate_choices(
     hardware: Hardware,
     global_batch: int | None = None,
@@ -219,10 +250,7 @@ def candidate_choices(
     unknown = set(fixed) - set(KNOBS)
     if unknown:
         raise ValueError(f"unknown knobs {sorted(unknown)}; known: {KNOBS}")
-    sixteen = "bf16" if supports_bf16(hardware) else "fp16"
-    precisions = [sixteen, "fp32"]
-    offloads = {0: [(False, False)], 1: [(False, False), (True, False)], 2: [(False, False), (True, False)]}
-    offloads[3] = [(False, False), (True, False), (False, True), (True, True)]
+    precisions, offloads = hardware_options(hardware, fixed)
     shapes = batch_shapes(hardware, global_batch)
     if "micro_batch_size" in fixed or "gradient_accumulation_steps" in fixed:
         micro = fixed.get("micro_batch_size")
@@ -302,8 +330,23 @@ def recommend(
             f"diffusion activations are for {spec.activation_trace.resolution}x{spec.activation_trace.resolution} px images; --seq-len does not apply"
         )
     if hardware.accelerator == "cpu":
-        result.notes.append("CPU ranks: the 'GPU memory' of a rank is its share of host RAM, and both budgets are the same RAM")
+        result.notes += cpu_rank_notes(hardware, fixed or {})
     return result
+
+
+def cpu_rank_notes(hardware: Hardware, fixed: dict[str, Any]) -> list[str]:
+    """What the search on CPU ranks tried and why: the same RAM for both budgets, the precision by the CPU's flags, no offload."""
+    precision, why = cpu_precision(hardware.cpu_bf16_native)
+    notes = ["CPU ranks: the 'GPU memory' of a rank is its share of host RAM, and both budgets are the same RAM"]
+    held = fixed.get("precision")
+    if held is not None and held != "fp32" and not hardware.cpu_bf16_native:
+        notes.append(f"CPU ranks: precision {held} as set, although {why}")
+    elif held is None:
+        tried = "bf16 and fp32" if precision == "bf16" else "fp32 only"
+        notes.append(f"CPU ranks: {tried} tried, as precision: auto picks here: {why}")
+    if not (fixed.get("offload_optimizer") or fixed.get("offload_param")):
+        notes.append("CPU ranks: no offload tried: a rank's 'GPU' memory is host RAM already, so offloading would move bytes from host RAM to host RAM and add copies")
+    return notes
 
 
 def _nothing_fits(result: PlanResult, fixed: dict[str, Any] | None) -> str:
@@ -350,4 +393,4 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB"
 
 
-__all__ = ["Candidate", "PlanResult", "batch_shapes", "candidate_choices", "evaluate", "recommend"]
+__all__ = ["Candidate", "PlanResult", "batch_shapes", "candidate_choices", "evaluate", "hardware_options", "recommend"]

@@ -2,8 +2,8 @@
 
 The issue's case: a 0.4B Llama with ZeRO-3 and fp32 on 4 CPU ranks, micro-batch 16, refused with
 a fix that switched to ZeRO-1 and bf16 although the user had asked for fp32. The plans here are
-made for a stated machine (CPU ranks and a given host RAM), not this one, so the answers do
-not depend on where the tests run.
+made for a stated machine (CPU ranks, a given host RAM, bf16 in the CPU's hardware or not), not
+this one, so the answers do not depend on where the tests run.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def context_for(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"instruction": "hi", "output": "yo"}\n')
 
-    def build(deepspeed: dict, host_ram_gib: int, micro_batch_size: int = 16):
+    def build(deepspeed: dict, host_ram_gib: int, micro_batch_size: int = 16, bf16_native: bool = False):
         raw = {
             "model": {"config": dict(MID_LLAMA)},
             "data": {"path": str(data), "max_seq_len": 512},
@@ -45,7 +45,7 @@ def context_for(tmp_path):
         }
         context = build_context(validate_config(raw), world_size=RANKS, accelerator="cpu")
         ram = host_ram_gib * GIB
-        context.plan = plan_run(context.config, Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu"), model_spec(context.config))
+        context.plan = plan_run(context.config, Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu", cpu_bf16_native=bf16_native), model_spec(context.config))
         return context
 
     return build
@@ -89,9 +89,10 @@ def test_the_fix_keeps_the_stage_and_precision_the_user_set(context_for):
 
 def test_a_setting_that_cannot_fit_is_changed_with_the_reason(context_for):
     # 16 GiB: no fp32 choice under ZeRO-3 fits (DeepSpeed keeps the 0.4B model gathered on
-    # every rank from the second step: about 18 GiB at least); giving up one of the two
-    # settings the user made does.
-    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=16)
+    # every rank from the second step: about 18 GiB at least); on a CPU with bf16 in hardware,
+    # giving up one of the two settings the user made does. (On an AVX2 CPU nothing fits:
+    # no bf16 there, see test_on_an_avx2_cpu_the_fix_never_proposes_bf16_or_offload.)
+    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=16, bf16_native=True)
     [(_, _, fix)] = memory_problems(context)
     released = fix.split(" as you set it cannot fit (")[0]
     assert released in ("deepspeed.zero_stage: 3", "deepspeed.precision: fp32"), fix
@@ -119,3 +120,43 @@ def test_nothing_fits_says_so_with_the_planner_reason(context_for):
     context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=6)
     [(_, _, fix)] = memory_problems(context)
     assert fix.startswith("nothing fits with the settings you chose (nothing fits with zero_stage=3, precision=fp32 held fixed")
+
+
+@pytest.mark.parametrize(
+    ("deepspeed", "host_ram_gib"),
+    [
+        ({}, 16),  # the old fix: "set deepspeed.precision: bf16"
+        ({"zero_stage": 3}, 16),  # the old fix: offload_param: cpu and bf16
+        ({"zero_stage": 3}, 24),  # the old fix: "set deepspeed.offload_param: cpu, ..."
+    ],
+)
+def test_on_an_avx2_cpu_the_fix_never_proposes_bf16_or_offload(context_for, deepspeed, host_ram_gib):
+    context = context_for(deepspeed, host_ram_gib=host_ram_gib, bf16_native=False)
+    [(_, _, fix)] = memory_problems(context)
+    assert "precision: bf16" not in fix and "offload_param: cpu" not in fix and "offload_optimizer: cpu" not in fix, fix
+    if fix.startswith("nothing fits"):
+        # precision: auto's fp32 is kept, and the fix says why bf16 is not offered.
+        assert fix.endswith("precision stays fp32: this CPU has no bf16 in hardware (no avx512_bf16/AMX): bf16 would run 18-56x slower than fp32"), fix
+    else:
+        assert evaluate(context.plan.spec, context.plan.hardware, apply(context, suggested_settings(fix))).fits
+
+
+def test_on_a_cpu_with_bf16_in_hardware_the_fix_may_switch_to_bf16(context_for):
+    # Nothing fits in fp32 (what precision: auto picked on the machine the config was resolved
+    # on); this CPU runs bf16 natively, so the fix may give fp32 up, and says why.
+    context = context_for({}, host_ram_gib=16, bf16_native=True)
+    [(_, _, fix)] = memory_problems(context)
+    assert fix.startswith("deepspeed.precision: fp32 as precision: auto picked it for this hardware cannot fit"), fix
+    settings = suggested_settings(fix)
+    assert settings["deepspeed.precision"] == "bf16"
+    assert "deepspeed.offload_param" not in settings and "deepspeed.offload_optimizer" not in settings, fix
+    assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits
+
+
+def test_offload_the_user_set_on_cpu_ranks_is_dropped_with_the_reason(context_for):
+    context = context_for({"zero_stage": 2, "offload_optimizer": "cpu"}, host_ram_gib=20)
+    [(_, _, fix)] = memory_problems(context)
+    assert fix.startswith("deepspeed.offload_optimizer: cpu as you set it (it saves nothing on CPU ranks"), fix
+    settings = suggested_settings(fix)
+    assert settings["deepspeed.offload_optimizer"] == "none" and "deepspeed.zero_stage" not in settings, fix
+    assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits

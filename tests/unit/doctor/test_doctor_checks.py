@@ -247,3 +247,21 @@ def test_ds_accelerator_cpu_on_a_gpu_box_is_a_warning():
     assert by_id(findings, "environment.ds_accelerator").status == "warning"
     listed = by_id(findings, "environment.variables")
     assert listed.status == "info" and "NCCL_P2P_DISABLE=1" in listed.detail and "DS_SKIP_CUDA_CHECK unset" in listed.detail
+
+
+# --- precision on CPU ranks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("bf16_native", "status", "precision"), [(False, "warning", "fp32"), (True, "ok", "bf16")])
+def test_cpu_ranks_are_told_which_precision_auto_picks_and_why(bf16_native, status, precision):
+    cpu_only = GpuFacts(torch_cuda_version=None, cuda_available=False)
+    finding = by_id(examine(rtx_4090_box(gpus=cpu_only, cpu_bf16_native=bf16_native)), "cpu.bf16")
+    assert finding.status == status
+    assert f"precision: auto trains CPU ranks in {precision}" in finding.detail
+    if not bf16_native:
+        assert "18-56x slower than fp32" in finding.detail and "avx512_bf16 or AMX" in finding.detail
+        assert "precision: auto" in finding.fix
+
+
+def test_gpu_boxes_get_no_cpu_precision_finding():
+    assert "cpu.bf16" not in {f.id for f in examine(rtx_4090_box(cpu_bf16_native=False))}

@@ -58,6 +58,11 @@ def test_this_machine_in_words(tmp_path, capsys):
         assert "GPU" in out.split("\n\n")[0]
     else:
         assert "[warning] No GPU: training runs on CPU ranks (gloo)" in out
+        # The bf16 decision for CPU ranks, read from this CPU's flags.
+        from zeropipe.doctor.facts import cpu_runs_bf16_natively
+
+        decision = "precision: auto trains CPU ranks in bf16" if cpu_runs_bf16_natively() else "precision: auto trains CPU ranks in fp32 here"
+        assert decision in out, out
     assert "Host RAM:" in out and "/dev/shm" in out and "free for runs" in out and "deepspeed " in out
     assert status == (1 if "[error]" in out else 0)
 
