@@ -113,7 +113,7 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     vae.eval()
     with torch.no_grad():
         latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(32)])
-    vae.register_to_config(**arch.latent_statistics_config(latents))
+    arch.store_latent_statistics(vae, arch.latents_from_vae(latents))
 
 
 def _fitting_pixels(vae, seed: int, arch: Architecture) -> torch.Tensor:
@@ -279,8 +279,11 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
 
     scheduler_config = json.loads((Path(pipeline_dir) / "scheduler" / "scheduler_config.json").read_text())
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
-    expected = cls._get_signature_keys(cls)[0]
+    expected, settings = cls._get_signature_keys(cls)
     kwargs = {name: None for name in expected if name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
+    # The pipeline's own settings saved in model_index.json (Flux2KleinPipeline's is_distilled), as from_pretrained passes them.
+    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
+    kwargs.update({name: index[name] for name in settings if name in index and not isinstance(index[name], list)})
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
     kwargs.update(arch.pipeline_kwargs())
