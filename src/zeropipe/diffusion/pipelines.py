@@ -225,9 +225,27 @@ def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: to
 
 
 def load_tokenizer(pipeline_dir: Path, name: str):
-    from transformers import AutoTokenizer
+    """A pipeline's tokenizer, or its processor where model_index.json names one (FLUX.2 [dev]'s PixtralProcessor).
 
-    return AutoTokenizer.from_pretrained(str(Path(pipeline_dir) / name))
+    The pipeline formats its prompts with the processor's ``apply_chat_template`` (typed message
+    parts), as diffusers' ``from_pretrained`` loads it; a bare tokenizer read from that folder may
+    carry another chat template, or none.
+
+    Raises:
+        ConfigError: the processor needs a package that is not installed (Pixtral's: torchvision).
+    """
+    from transformers import AutoProcessor, AutoTokenizer
+
+    folder = Path(pipeline_dir) / name
+    class_name = (json.loads((Path(pipeline_dir) / "model_index.json").read_text()).get(name) or [None, None])[1]
+    if not (class_name or "").endswith("Processor"):
+        return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoProcessor.from_pretrained(str(folder))
+    except ImportError as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        fix = "which transformers loads only with torchvision installed: pip install torchvision" if "torchvision" in str(err).lower() else f"which transformers cannot load here ({why})"
+        raise ConfigError([("model.path", f"{folder} holds the pipeline's {class_name} (its prompts are formatted with it), {fix}")]) from None
 
 
 def vae_config(pipeline_dir: Path) -> dict[str, Any]:

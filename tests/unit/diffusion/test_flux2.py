@@ -150,3 +150,24 @@ def test_klein_samples_as_its_model_index_says_distilled_or_not(tmp_path):
         pipeline = denoising_pipeline(folder, FLUX2_KLEIN, denoiser=None)
         pipeline._guidance_scale = 4.0
         assert pipeline.do_classifier_free_guidance is (not distilled)
+
+
+def test_a_pixtral_processor_tokenizer_without_torchvision_says_what_to_install(tmp_path):
+    """FLUX.2 [dev]'s tokenizer folder is a PixtralProcessor (model_index.json), loaded as diffusers loads it; transformers needs torchvision for it."""
+    import importlib.util
+
+    from zeropipe.diffusion.architectures.flux2 import character_mistral_tokenizer
+    from zeropipe.diffusion.pipelines import load_tokenizer
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor loads")
+    character_mistral_tokenizer().save_pretrained(str(tmp_path / "tokenizer"))
+    # What PixtralProcessor.save_pretrained writes beside the tokenizer (the real folder also has its chat template).
+    (tmp_path / "tokenizer" / "processor_config.json").write_text(json.dumps({"processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2}))
+    (tmp_path / "tokenizer" / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor"}))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PixtralProcessor"]}))
+    with pytest.raises(ConfigError, match="PixtralProcessor.*pip install torchvision"):
+        load_tokenizer(tmp_path, "tokenizer")
+    # A folder named as a tokenizer loads as before.
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PreTrainedTokenizerFast"]}))
+    assert load_tokenizer(tmp_path, "tokenizer").chat_template
