@@ -72,7 +72,7 @@ def train_lora_with_samples_and_cache_reuse(tmp_path: Path, name: str, pipeline:
 
 def draw(pipeline, **kwargs) -> torch.Tensor:
     pipeline.set_progress_bar_config(disable=True)
-    images = pipeline(PROMPT, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0), **kwargs).images
+    images = pipeline(prompt=PROMPT, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0), **kwargs).images
     return torch.from_numpy(images)
 
 
