@@ -170,7 +170,8 @@ class Flux2(Architecture):
         return 512  # the pipelines' max_sequence_length: every prompt is padded to it
 
     def tiny_tokenizer(self, tokenizer):
-        return character_mistral_tokenizer(self.tokenizer_length(tokenizer))
+        # 256 tokens hold the system message and a caption of single characters; a real tokenizer pads to 512 (encode_prompts).
+        return character_mistral_tokenizer(256)
 
     def image_processor_factor(self, vae_factor):
         return vae_factor * 2  # latents are patched 2x2
@@ -201,8 +202,11 @@ class Flux2(Architecture):
 
     # ---------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts, device):
+        # The pipelines pad every prompt to 512 tokens (a tiny preset's tokenizer says fewer).
+        tokenizer = getattr(pipeline.tokenizer, "tokenizer", pipeline.tokenizer)  # [dev]'s is a processor holding the tokenizer
+        max_length = min(int(getattr(tokenizer, "model_max_length", 512)), self.tokenizer_length("tokenizer"))
         embeds, _ = pipeline.encode_prompt(
-            prompt=list(prompts), device=device, max_sequence_length=self.tokenizer_length("tokenizer"), text_encoder_out_layers=text_encoder_layers(pipeline.text_encoder)
+            prompt=list(prompts), device=device, max_sequence_length=max_length, text_encoder_out_layers=text_encoder_layers(pipeline.text_encoder)
         )
         return {"prompt_embeds": embeds}
 

@@ -25,7 +25,7 @@ from zeropipe.diffusion.architectures.z_image import CHAT_TEMPLATE
 @dataclass(frozen=True)
 class Flux2Klein(Flux2):
     def tiny_tokenizer(self, tokenizer):
-        made = character_qwen_tokenizer(self.tokenizer_length(tokenizer))
+        made = character_qwen_tokenizer(256)
         made.chat_template = CHAT_TEMPLATE
         return made
 
