@@ -1,4 +1,4 @@
-"""The image DiTs users train after Flux (Chroma, Qwen-Image, Z-Image): tiny pipelines trained by 2 real DeepSpeed CPU ranks.
+"""The image DiTs users train after Flux (Chroma, Qwen-Image, Z-Image, FLUX.2): tiny pipelines trained by 2 real DeepSpeed CPU ranks.
 
 One test per model: LoRA under ZeRO-3 (with optimizer offload to host RAM), the loss on a
 fixed batch falls, sample images are written during training, a second run takes every
@@ -72,7 +72,7 @@ def train_lora_with_samples_and_cache_reuse(tmp_path: Path, name: str, pipeline:
 
 def draw(pipeline, **kwargs) -> torch.Tensor:
     pipeline.set_progress_bar_config(disable=True)
-    images = pipeline(PROMPT, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0), **kwargs).images
+    images = pipeline(prompt=PROMPT, height=32, width=32, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0), **kwargs).images
     return torch.from_numpy(images)
 
 
@@ -169,6 +169,30 @@ def test_z_image_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_
     assert torch.allclose(draw(comfy_pipeline), after, atol=1e-4)
 
 
+def test_flux2_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_and_comfyui_loras(tmp_path):
+    """FLUX.2 [dev]'s layout: 2x2-patched latents normalised by the VAE's batch norm, stacked Mistral layers, embedded guidance; BFL-named LoRA."""
+    run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "flux2", "tiny-flux2")
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import Flux2Pipeline
+    from safetensors.torch import load_file
+
+    layers = (1, 2, 3)  # the tiny Mistral's quarters (the pipeline's default 10, 20, 30 are Mistral Small's 40 layers')
+    pipeline = Flux2Pipeline.from_pretrained(str(run_dir / "pipeline"))
+    before = draw(pipeline, text_encoder_out_layers=layers)
+    pipeline.load_lora_weights(str(out))
+    after = draw(pipeline, text_encoder_out_layers=layers)
+    assert after.shape == (1, 32, 32, 3) and (after - before).abs().max() > 1e-3
+
+    # BFL's names under diffusion_model. (q/k/v fused), read back by diffusers' converter of such LoRAs: the same images.
+    comfy = load_file(str(out / "lora_comfyui.safetensors"))
+    assert {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight", "diffusion_model.double_blocks.0.txt_attn.proj.lora_B.weight",
+            "diffusion_model.single_blocks.0.linear1.lora_A.weight", "diffusion_model.single_blocks.0.linear2.lora_B.weight"} <= set(comfy)
+    comfy_pipeline = Flux2Pipeline.from_pretrained(str(run_dir / "pipeline"))
+    comfy_pipeline.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")
+    assert torch.allclose(draw(comfy_pipeline, text_encoder_out_layers=layers), after, atol=1e-4)
+
+
 def real_layout(catalog: str, pipeline: str, out: Path) -> Path:
     """A diffusers directory of a real model's layout (model_index.json and each component's config, no weights), from the planner's catalog."""
     entry = json.loads((Path(__file__).resolve().parents[2] / "src" / "zeropipe" / "plan" / "catalog" / f"{catalog}.json").read_text())
@@ -206,3 +230,26 @@ def test_each_model_example_needs_only_its_paths_and_fits_5_gpus_of_24gb_with_64
     assert result.configured.per_gpu_bytes < per_gpu_gib * 2**30
     # With the caches on, no training rank holds the text encoder or the VAE.
     assert {model.name for model in result.spec.cached_models} == {"text_encoder", "vae"} and not result.spec.frozen_models
+
+
+def test_the_flux2_example_fits_5_gpus_of_24gb_with_96gb_of_ram_or_two_64gb_boxes_and_says_why_not_one(tmp_path):
+    """FLUX.2 [dev]'s example with its paths pointed at the real layout: 20 GiB per GPU; the host RAM while 5 ranks build their shares is the limit."""
+    from zeropipe.config.load import load_config
+    from zeropipe.families import model_spec
+    from zeropipe.launch.resolve import resolve_run
+    from zeropipe.plan import parse_hardware, plan_run
+
+    path = EXAMPLES / "flux2.yaml"
+    assert path.read_text().startswith("# Run it:  zeropipe train examples/models/flux2.yaml")
+    model_dir = real_layout("flux.2-dev", "Flux2Pipeline", tmp_path / "flux2")
+    images = generate_shapes_dataset(tmp_path / "images", 4, seed=1, resolution=64)
+    config = resolve_run(load_config(path, [f"model.path={model_dir}", f"data.path={images}", "deepspeed.precision=bf16"]), fill_auto_knobs=False).config
+    spec = model_spec(config)
+    assert {model.name for model in spec.cached_models} == {"text_encoder", "vae"} and not spec.frozen_models
+    with_96gb = plan_run(config, parse_hardware("5x24GB", "96GB"), spec).configured
+    assert with_96gb.fits and with_96gb.per_gpu_bytes < 21 * 2**30
+    with_64gb = plan_run(config, parse_hardware("5x24GB", "64GB"), spec).configured
+    assert not with_64gb.fits and "host RAM" in with_64gb.why_not and "model loading peak" in with_64gb.why_not
+    # Two such boxes (what the example's comment offers instead): each node loads half as much.
+    two_nodes = plan_run(config, parse_hardware("5x24GB", "64GB", nodes=2), spec).configured
+    assert two_nodes.fits and two_nodes.per_node_bytes < 48 * 2**30

@@ -113,7 +113,7 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     vae.eval()
     with torch.no_grad():
         latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(32)])
-    vae.register_to_config(**arch.latent_statistics_config(latents))
+    arch.store_latent_statistics(vae, arch.latents_from_vae(latents))
 
 
 def _fitting_pixels(vae, seed: int, arch: Architecture) -> torch.Tensor:
@@ -225,9 +225,27 @@ def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: to
 
 
 def load_tokenizer(pipeline_dir: Path, name: str):
-    from transformers import AutoTokenizer
+    """A pipeline's tokenizer, or its processor where model_index.json names one (FLUX.2 [dev]'s PixtralProcessor).
 
-    return AutoTokenizer.from_pretrained(str(Path(pipeline_dir) / name))
+    The pipeline formats its prompts with the processor's ``apply_chat_template`` (typed message
+    parts), as diffusers' ``from_pretrained`` loads it; a bare tokenizer read from that folder may
+    carry another chat template, or none.
+
+    Raises:
+        ConfigError: the processor needs a package that is not installed (Pixtral's: torchvision).
+    """
+    from transformers import AutoProcessor, AutoTokenizer
+
+    folder = Path(pipeline_dir) / name
+    class_name = (json.loads((Path(pipeline_dir) / "model_index.json").read_text()).get(name) or [None, None])[1]
+    if not (class_name or "").endswith("Processor"):
+        return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoProcessor.from_pretrained(str(folder))
+    except ImportError as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        fix = "which transformers loads only with torchvision installed: pip install torchvision" if "torchvision" in str(err).lower() else f"which transformers cannot load here ({why})"
+        raise ConfigError([("model.path", f"{folder} holds the pipeline's {class_name} (its prompts are formatted with it), {fix}")]) from None
 
 
 def vae_config(pipeline_dir: Path) -> dict[str, Any]:
@@ -279,8 +297,11 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
 
     scheduler_config = json.loads((Path(pipeline_dir) / "scheduler" / "scheduler_config.json").read_text())
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
-    expected = cls._get_signature_keys(cls)[0]
+    expected, settings = cls._get_signature_keys(cls)
     kwargs = {name: None for name in expected if name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
+    # The pipeline's own settings saved in model_index.json (Flux2KleinPipeline's is_distilled), as from_pretrained passes them.
+    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
+    kwargs.update({name: index[name] for name in settings if name in index and not isinstance(index[name], list)})
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
     kwargs.update(arch.pipeline_kwargs())

@@ -189,10 +189,10 @@ class DiffusionTask(TaskDefaults):
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         if self.arch.frame_conditioned:
             first_frames = torch.stack([first_frame for _, _, first_frame, _ in distributions]).to(self.device)
-            condition["first_frame_latents"] = normalize_latents(first_frames, self.latent_shift, self.latent_scale).to(self.compute_dtype)
+            condition["first_frame_latents"] = normalize_latents(self.arch.latents_from_vae(first_frames), self.latent_shift, self.latent_scale).to(self.compute_dtype)
         if distributions[0][3] is not None:  # Wan 2.1 I2V's first-frame image embeddings
             condition["image_embeds"] = torch.stack([embeds for _, _, _, embeds in distributions]).to(self.device, self.compute_dtype)
-        batch = torch.stack(latents).to(self.device)
+        batch = self.arch.latents_from_vae(torch.stack(latents).to(self.device))
         return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
     def image_source(self, index: int, flip: bool) -> tuple[Any, torch.Tensor]:
@@ -345,6 +345,10 @@ class DiffusionTask(TaskDefaults):
             frozen["vae"] = self.vae
             if image_encoding(self.pipeline_dir, self.arch):  # Wan 2.1 I2V: the pipeline embeds the first frame with its CLIP encoder
                 frozen.update(image_encoder_parts(self.pipeline_dir, self.arch, torch.float32, self.device))
+        elif self.arch.samples_with_vae:  # the pipeline touches its VAE even for latent output (FLUX.2 [klein] denormalises there)
+            if self.vae is None:
+                self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+            frozen["vae"] = self.vae
         pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module, **frozen)
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
@@ -360,7 +364,7 @@ class DiffusionTask(TaskDefaults):
         if was_training:
             module.train()
         if self.rank != 0:
-            if self.arch.frame_conditioned and self.config.data.cache.latents:
+            if (self.arch.frame_conditioned or self.arch.samples_with_vae) and self.config.data.cache.latents:
                 self.vae = None
                 release_memory()
             return

@@ -22,3 +22,17 @@ def test_image_dit_entries_count_their_transformer_text_encoder_and_trace_it(nam
     trace = spec.activation_trace
     assert trace is not None and trace.resolution == 1024 and trace.forward_flops > 0
     assert trace.checkpointed_bytes < trace.saved_bytes / 10
+
+
+def test_flux2_dev_counts_a_32b_transformer_and_mistral_small_3_1_24b_and_traces_it_at_1024_px():
+    """FLUX.2 [dev]'s model card says 32B (the config counts 32.22B); Mistral-Small-3.1-24B with its Pixtral tower is 24.01B."""
+    assert "flux.2-dev" in catalog_names()
+    spec = spec_from_catalog("flux.2-dev")
+    assert spec.total_params == pytest.approx(32.22e9, rel=0.001) and spec.total_params == pytest.approx(spec.published_params, rel=0.01)
+    frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
+    assert frozen["text_encoder"] == pytest.approx(24.01e9, rel=0.001)
+    assert frozen["vae"] == pytest.approx(84.0e6, rel=0.01)
+    # 4096 image tokens (1024 px / 8 / 2 per side) and 512 text tokens, through the entry's trace_inputs.
+    trace = spec.activation_trace
+    assert trace is not None and trace.resolution == 1024 and trace.forward_flops > 0
+    assert trace.checkpointed_bytes < trace.saved_bytes / 10

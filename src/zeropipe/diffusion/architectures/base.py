@@ -54,6 +54,9 @@ class Architecture:
             directory has them; ``encode_first_frames`` computes the embeddings as the pipeline
             does, cached with the clip's latents, and ``predict`` receives them as
             ``condition["image_embeds"]``.
+        samples_with_vae: the pipeline uses its VAE even when asked for latents (FLUX.2 [klein] returns them
+            denormalised and unpatched): every rank holds the VAE while drawing samples, and ``unpack_latents``
+            turns what the pipeline returned back into the denoiser's normalised layout.
     """
 
     name: str
@@ -75,6 +78,7 @@ class Architecture:
     vae_class: str = "AutoencoderKL"
     frame_conditioned: bool = False
     image_encoders: tuple[str, ...] = ()
+    samples_with_vae: bool = False
 
     @property
     def frozen_components(self) -> tuple[str, ...]:
@@ -139,6 +143,21 @@ class Architecture:
         return condition
 
     # -------------------------------------------------------------- latents
+    def latents_from_vae(self, latents: torch.Tensor) -> torch.Tensor:
+        """The VAE's latents (drawn from its distribution) laid out as the architecture normalises them and its denoiser sees them.
+
+        As they are by default; FLUX.2 folds 2x2 latent patches into channels first (its
+        normalisation is per patched channel). ``decode_latents`` undoes it before decoding.
+        """
+        return latents
+
+    def store_latent_statistics(self, vae, latents: torch.Tensor) -> None:
+        """Make a fitted tiny VAE normalise these latents (``latents_from_vae``'s layout) to zero mean and unit variance.
+
+        Into its config by default (``latent_statistics_config``); FLUX.2's VAE keeps them as batch-norm buffers.
+        """
+        vae.register_to_config(**self.latent_statistics_config(latents))
+
     def latent_normalization(self, vae_config: dict[str, Any], vae_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel.
 
