@@ -105,3 +105,36 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
 
     comfy = load_file(str(out / "lora_comfyui.safetensors"))
     assert "diffusion_model.transformer_blocks.0.attn.add_k_proj.lora_A.weight" in comfy
+
+
+def test_flux_kontext_lora_learns_from_control_images_and_its_pipeline_samples_them(tmp_path):
+    """The same door for Flux Kontext: control latents cached with the target's, captions cached alone (its text encoders do not see the image)."""
+    targets, controls = edit_dataset(tmp_path)
+    config = edit_config(tmp_path, "kontext", targets, controls)
+    config.write_text(config.read_text().replace("pipeline: tiny-qwen-image-edit", "pipeline: tiny-flux-kontext"))
+    result = zeropipe("train", config, cwd=tmp_path)
+    assert_ok(result)
+    run_dir = tmp_path / "runs" / "kontext"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["fixed_batch_loss_end"] < 0.97 * summary["fixed_batch_loss_start"], summary
+    rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["control"]) for row in rows] == [(6, str((controls / "1_shapes" / "00000.jpg").resolve()))]
+    assert Image.open(run_dir / "samples" / rows[0]["file"]).size == (32, 32)
+
+    out = tmp_path / "lora"
+    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    from diffusers import FluxKontextPipeline
+
+    pipeline = FluxKontextPipeline.from_pretrained(str(run_dir / "pipeline"))
+    pipeline.set_progress_bar_config(disable=True)
+    control = Image.open(controls / "1_shapes" / "00000.jpg")
+
+    def draw():
+        return pipeline(
+            "a red circle", image=control, height=32, width=32, max_area=32 * 32, _auto_resize=False, num_inference_steps=2,
+            output_type="np", generator=torch.Generator().manual_seed(0),
+        ).images
+
+    before = draw()
+    pipeline.load_lora_weights(str(out))
+    assert abs(draw() - before).max() > 1e-3
