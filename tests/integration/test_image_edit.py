@@ -2,8 +2,8 @@
 
 The targets are the generated shapes; each control image is its target in grey (a JPEG, so
 it is matched by file name alone). LoRA under ZeRO-3 with optimizer offload: the loss on a
-fixed batch falls, a sample edits a data control image, a second run reuses every cache
-entry but those of the one control image that changed, and the exported LoRA loads into
+fixed batch falls, a sample edits a data control image, the data step of a second run
+reuses every cache entry but those of the one control image that changed, and the exported LoRA loads into
 ``QwenImageEditPipeline`` and changes what its transformer predicts for a control image.
 """
 
@@ -18,7 +18,10 @@ import yaml
 from PIL import Image, ImageOps
 
 from tests.integration.conftest import assert_ok, zeropipe
+from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion.images import generate_shapes_dataset
+from zeropipe.diffusion.prepare import prepare_diffusion_data
+from zeropipe.rundir import RunDir
 
 pytestmark = pytest.mark.integration
 
@@ -44,10 +47,10 @@ def edit_config(tmp_path: Path, name: str, targets: Path, controls: Path) -> Pat
             "path": str(targets), "control_path": str(controls), "images": {"resolution": 32, "bucket_step": 16, "bucketing": False},
             "cache": {"dir": str(tmp_path / "cache")},
         },
-        "train": {"max_steps": 6, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
+        "train": {"max_steps": 16, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
         "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "precision": "fp32"},
         "hardware": {"gpus": 2},
-        "generate": {"prompts": [prompt], "sample_steps": 2, "sample_every": 6},
+        "generate": {"prompts": [prompt], "sample_steps": 2, "sample_every": 16},
     }
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"# Run it: zeropipe train {path.name}\n" + yaml.safe_dump(config, sort_keys=False))
@@ -65,18 +68,21 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
     assert summary["fixed_batch_loss_end"] < 0.97 * summary["fixed_batch_loss_start"], summary
     # The sample edits the control image of the item whose caption it is.
     rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
-    assert [(row["step"], row["control"]) for row in rows] == [(6, str((controls / "1_shapes" / "00000.jpg").resolve()))]
+    assert [(row["step"], row["control"]) for row in rows] == [(16, str((controls / "1_shapes" / "00000.jpg").resolve()))]
     assert Image.open(run_dir / "samples" / rows[0]["file"]).size == (32, 32)
 
-    # One control image changes: only its target's latents and its two text entries (its caption and the empty one) are encoded again.
+    # One control image changes: the launcher's data step (the one a second run takes, here in-process to save a
+    # run's start-up) reuses every cache entry but that target's latents and its two text entries (its caption and the empty one).
     grey = Image.open(controls / "1_shapes" / "00003.jpg")
     ImageOps.invert(grey).save(controls / "1_shapes" / "00003.jpg", quality=95)
-    again = zeropipe("train", edit_config(tmp_path, "edit-again", targets, controls), "train.max_steps=1", "generate.sample_every=null", cwd=tmp_path)
-    assert_ok(again)
-    output = again.stdout + again.stderr
-    assert f"{EXAMPLES - 1} of {EXAMPLES} image(s) cached already, 1 to encode" in output
-    pairs = 2 * EXAMPLES + 2  # every item's caption and empty caption with its control image, and the sample prompt's pair
-    assert f"text cache: {pairs - 2} of {pairs} (caption, control image) pair(s) cached already, 2 to encode" in output
+    again = yaml.safe_load((run_dir / "config.yaml").read_text())
+    again["model"] = {"path": str(run_dir / "pipeline"), "lora": again["model"]["lora"]}
+    (tmp_path / "again").mkdir()
+    prepared = prepare_diffusion_data(RunConfig.model_validate(again), RunDir(tmp_path / "again"), reuse=False)
+    pairs = 2 * EXAMPLES  # each target's caption and empty caption with its control image (the sample prompt's pair is the first target's)
+    assert f"latent cache {tmp_path / 'cache'}: {EXAMPLES - 1} of {EXAMPLES} image(s) cached already, 1 to encode" in prepared.notes
+    assert f"text cache: {pairs - 2} of {pairs} (caption, control image) pair(s) cached already, 2 to encode" in prepared.notes
+    assert prepared.node_setup == "zeropipe.diffusion.prepare:fill_caches"
 
     out = tmp_path / "lora"
     assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
@@ -118,7 +124,7 @@ def test_flux_kontext_lora_learns_from_control_images_and_its_pipeline_samples_t
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["fixed_batch_loss_end"] < 0.97 * summary["fixed_batch_loss_start"], summary
     rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
-    assert [(row["step"], row["control"]) for row in rows] == [(6, str((controls / "1_shapes" / "00000.jpg").resolve()))]
+    assert [(row["step"], row["control"]) for row in rows] == [(16, str((controls / "1_shapes" / "00000.jpg").resolve()))]
     assert Image.open(run_dir / "samples" / rows[0]["file"]).size == (32, 32)
 
     out = tmp_path / "lora"

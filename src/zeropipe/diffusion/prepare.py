@@ -172,7 +172,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         if not config.data.cache.latents:
             raise ConfigError([("data.cache.latents", f"this {arch.name} pipeline's first-frame image embeddings ({arch.image_encoders[0]}) come from the latent cache: set data.cache.latents: true")])
         vae_fp = cache._digest(vae_fp, *(fingerprint_files(pipeline_dir / name, fingerprints) for name in arch.image_encoders))
-    text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers)) + f"/{arch.name}"
+    text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers, *arch.prompt_processors)) + f"/{arch.name}"
     text_fp = cache._digest(text_fp)
     prompts = list(config.generate.prompts or [])
     if config.generate.prompts is None:
