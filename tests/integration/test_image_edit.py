@@ -137,7 +137,7 @@ def test_flux_kontext_lora_learns_from_control_images_and_its_pipeline_samples_t
 
     def draw():
         return pipeline(
-            "a red circle", image=control, height=32, width=32, max_area=32 * 32, _auto_resize=False, num_inference_steps=2,
+            prompt="a red circle", image=control, height=32, width=32, max_area=32 * 32, _auto_resize=False, num_inference_steps=2,
             output_type="np", generator=torch.Generator().manual_seed(0),
         ).images
 
