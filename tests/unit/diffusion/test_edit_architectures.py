@@ -68,3 +68,23 @@ def test_an_edit_entrys_prediction_is_the_pipelines_and_depends_on_the_control_i
     assert mine.shape == latents.shape
     torch.testing.assert_close(mine, reference.reshape(mine.shape), rtol=1e-5, atol=1e-6)
     assert (other - mine).abs().max() > 1e-3
+
+
+def test_qwen_image_edit_samples_as_its_pipeline_draws_where_the_control_image_is_the_pipelines_size(tmp_path):
+    """The entry runs QwenImageEditPipeline's loop itself (the pipeline would resize the control image to about a megapixel):
+    at 1024 px, where the two agree on the control image's size, the latents are the pipeline's own, true CFG included."""
+    # A VAE of four halvings keeps 1024 px at 32x32 tokens (the tiny preset's two would make 16k).
+    vae = {"base_dim": 8, "dim_mult": [1, 1, 1, 1, 1], "temperal_downsample": [False, True, True, True]}
+    arch = build_tiny_pipeline({"pipeline": "tiny-qwen-image-edit", "vae": vae}, tmp_path / "pipeline", seed=2)
+    pipeline = arch.pipeline().from_pretrained(str(tmp_path / "pipeline"), processor=None)
+    pipeline.set_progress_bar_config(disable=True)
+    image = control_image().resize((1024, 1024))
+    generator = torch.Generator().manual_seed(0)
+    condition = {"prompt_embeds": torch.randn(1, 9, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 9, dtype=torch.long)}
+    negative = {"prompt_embeds": torch.randn(1, 9, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 9, dtype=torch.long)}
+    kwargs = {"height": 1024, "width": 1024, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sample_kwargs(condition, negative, 3.0, 1.0)}
+    with torch.no_grad():
+        mine = arch.sample_with_control(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5)}, image)
+        reference = pipeline(image=image, **kwargs, generator=torch.Generator().manual_seed(5))[0]
+    assert mine.shape == (1, 32 * 32, 64)
+    torch.testing.assert_close(mine, reference)
