@@ -210,7 +210,10 @@ def real_layout(catalog: str, pipeline: str, out: Path) -> Path:
 
 @pytest.mark.parametrize(
     "example,catalog,pipeline,per_gpu_gib",
-    [("chroma", "chroma1-hd", "ChromaPipeline", 16), ("qwen-image", "qwen-image", "QwenImagePipeline", 18), ("z-image", "z-image-turbo", "ZImagePipeline", 12)],
+    [
+        ("chroma", "chroma1-hd", "ChromaPipeline", 16), ("qwen-image", "qwen-image", "QwenImagePipeline", 18), ("z-image", "z-image-turbo", "ZImagePipeline", 12),
+        ("qwen-image-edit", "qwen-image-edit", "QwenImageEditPipeline", 16),
+    ],
 )
 def test_each_model_example_needs_only_its_paths_and_fits_5_gpus_of_24gb_with_64gb_of_ram(tmp_path, example, catalog, pipeline, per_gpu_gib):
     """The example with model.path and data.path pointed at a real model's layout and a folder of images: accepted, and its own settings fit."""
@@ -224,7 +227,10 @@ def test_each_model_example_needs_only_its_paths_and_fits_5_gpus_of_24gb_with_64
     model_dir = real_layout(catalog, pipeline, tmp_path / catalog)
     images = generate_shapes_dataset(tmp_path / "images", 4, seed=1, resolution=64)
     # precision: auto is bf16 on the GPUs the example is written for (fp32 on this CPU).
-    config = resolve_run(load_config(path, [f"model.path={model_dir}", f"data.path={images}", "deepspeed.precision=bf16"]), fill_auto_knobs=False).config
+    overrides = [f"model.path={model_dir}", f"data.path={images}", "deepspeed.precision=bf16"]
+    if "control_path:" in path.read_text():  # edit training: the targets' control images (the same pictures will do for the plan)
+        overrides.append(f"data.control_path={images}")
+    config = resolve_run(load_config(path, overrides), fill_auto_knobs=False).config
     result = plan_run(config, parse_hardware("5x24GB", "64GB"), model_spec(config))
     assert result.configured is not None and result.configured.fits, result.configured and result.configured.why_not
     assert result.configured.per_gpu_bytes < per_gpu_gib * 2**30

@@ -247,6 +247,12 @@ class DataSection(Section):
         description="Hold out this fraction of the training records for evaluation, e.g. 0.05; the records are drawn with run.seed, "
         "so every run with the same data and seed holds out the same ones. Exclusive with data.eval_path.",
     )
+    control_path: str | None = Field(
+        None,
+        description="Edit training (Qwen-Image-Edit): a folder with a control image per target image of data.path, found by the same "
+        "file name (stem; any image type), at the same relative path or at the folder's top. The model learns to turn the control "
+        "image into the target as the caption says. As diffusion-pipe's [[directory]] control_path.",
+    )
     images: ImagesSection = Field(default_factory=ImagesSection, description="Bucketing, cropping, flips and caption dropout (diffusion).")
     cache: CacheSection = Field(default_factory=CacheSection, description="Latent and text-embedding caches (diffusion).")
     video: VideoSection = Field(default_factory=VideoSection, description="Frame buckets, clips and frame rate (video diffusion models).")

@@ -417,6 +417,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
     if not directories:
         raise ConversionError(f"{path}: no [[directory]] entries: add one with path = '/folder/of/images'")
     kept: list[tuple[Path, int, str, str]] = []  # folder, repeats, concept name, source key
+    controls: list[tuple[str, Path]] = []  # source key, control folder (edit training)
     for number, directory in enumerate(directories):
         key = f"dataset.directory[{number}]"
         directory = dict(directory)
@@ -431,9 +432,14 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         if repeats < 1:
             conversion.skip(key, f"num_repeats = {repeats}: never used, left out")
             continue
-        for special, why in (("mask_path", "masked loss is not supported: the whole image trains"), ("control_path", "control/edit image pairs are not supported: only the target images train")):
-            if special in directory:
-                conversion.skip(f"{key}.{special}", f"{directory.pop(special)!r}: {why}")
+        if "mask_path" in directory:
+            conversion.skip(f"{key}.mask_path", f"{directory.pop('mask_path')!r}: masked loss is not supported: the whole image trains")
+        control = directory.pop("control_path", None)
+        if control is not None:
+            control_folder = find_path(str(control), Path.cwd(), path.parent)
+            if control_folder is None or not control_folder.is_dir():
+                raise ConversionError(f"{path}: [[directory]] control_path = {control!r} is not a folder (looked relative to {Path.cwd()} and {path.parent}): fix the path")
+            controls.append((key, control_folder))
         for override, value in directory.items():
             conversion.skip(f"{key}.{override}", f"{value!r}: per-directory settings are not supported; the top-level ones apply to every folder")
         kept.append((folder, repeats, _concept(folder, {concept for _, _, concept, _ in kept}), key))
@@ -443,6 +449,12 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         _check_folder(conversion, key, folder, concept if linked else None, video)
     if not linked:
         conversion.set("data.path", str(kept[0][0]), f"from {where} [[directory]] path: images with .txt captions beside them")
+        if controls:
+            conversion.set("data.control_path", str(controls[0][1]), f"from {where} [[directory]] control_path: a control image per target image, by file name")
+    elif controls:
+        # data.control_path is one folder matched by file name; several linked folders would need their control folders linked alike.
+        for key, folder in controls:
+            conversion.skip(f"{key}.control_path", f"{str(folder)!r}: edit training reads one control folder for one image folder (data.control_path); with several [[directory]] entries or num_repeats, train one folder per run")
     elif kept:
         # Several folders or repeats: the kohya layout expresses both as <repeats>_<name> subfolders.
         conversion.links_dir = links_dir

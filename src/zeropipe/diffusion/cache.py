@@ -5,7 +5,10 @@ Each entry is one safetensors file named by a key that hashes everything it depe
 - a latent entry: the image or video file (absolute path, size, modification time), its
   bucket (with the clip length for videos), crop, the clip's first frame and frame rate, and
   the VAE's fingerprint (a hash of its weights and config);
-- a text entry: the caption and the fingerprint of the text encoders and tokenizers.
+- a text entry: the caption and the fingerprint of the text encoders and tokenizers;
+- edit training: a latent entry also holds its control image's latents and keys on that file
+  too, and where the text encoder sees the control image (Qwen-Image-Edit), a text entry is
+  one per (caption, control image file, bucket).
 
 So a later run with the same inputs finds every entry and encodes nothing, and a changed
 image, caption, resolution or model changes only the keys that depend on it. Entries are
@@ -33,11 +36,27 @@ def _digest(*parts: object) -> str:
     return hashlib.sha256(json.dumps([CACHE_VERSION, *parts], default=str).encode()).hexdigest()[:32]
 
 
-def latent_key(image: Path, bucket: tuple[int, ...], crop: str, vae_fingerprint: str, clip: tuple[int, float] | None = None) -> str:
-    """The key of one image's (or one video clip's: its first frame and frame rate) latents."""
-    stat = Path(image).stat()
-    parts = ["latent", str(Path(image).resolve()), stat.st_size, stat.st_mtime_ns, list(bucket), crop, vae_fingerprint]
-    return _digest(*parts, list(clip)) if clip is not None else _digest(*parts)
+def file_identity(path: Path) -> list:
+    """What a cache entry keys on for one input file: its absolute path, size and modification time."""
+    stat = Path(path).stat()
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def latent_key(
+    image: Path, bucket: tuple[int, ...], crop: str, vae_fingerprint: str, clip: tuple[int, float] | None = None, control: Path | None = None
+) -> str:
+    """The key of one image's (or one video clip's: its first frame and frame rate) latents; with its control image's when it has one (edit training)."""
+    parts = ["latent", *file_identity(image), list(bucket), crop, vae_fingerprint]
+    if clip is not None:
+        parts.append(list(clip))
+    if control is not None:
+        parts += ["control", *file_identity(control)]
+    return _digest(*parts)
+
+
+def control_text_key(text: str, text_fingerprint: str, control: Path, bucket: tuple[int, ...]) -> str:
+    """The key of a caption's conditioning computed with a control image at a bucket (Qwen-Image-Edit's text encoder sees the image)."""
+    return _digest("text", text, text_fingerprint, "control", *file_identity(control), list(bucket))
 
 
 def text_key(text: str, text_fingerprint: str) -> str:

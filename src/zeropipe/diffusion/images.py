@@ -350,6 +350,53 @@ def _decoded_size(path: Path) -> tuple[int, int] | str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Control images (edit training)
+
+
+def match_control_images(targets: list[Path], data_root: Path, control_root: Path) -> tuple[list[Path | None], list[str]]:
+    """Each target image's control image in ``control_root``, found by file name as diffusion-pipe and musubi-tuner do.
+
+    A target ``data_root/10_cups/a.jpg`` takes ``control_root/10_cups/a.<any image type>`` or,
+    failing that, ``control_root/a.<any image type>``. Every control image found is decoded
+    in full once, as the targets are.
+
+    Returns:
+        Per target, its control image (None where it has none or it cannot be used), and one
+        line per such problem, naming the target and the file it looked for or why that file
+        cannot be used.
+
+    Raises:
+        DataError: ``control_root`` is not a folder.
+    """
+    control_root = Path(control_root).expanduser().resolve()
+    if not control_root.is_dir():
+        raise DataError(f"data.control_path {control_root} is not a folder: point it at the folder of control images (one per target image, same file name)")
+    by_stem: dict[Path, list[Path]] = {}
+    for path in _walk_images(control_root):
+        by_stem.setdefault(path.relative_to(control_root).with_suffix(""), []).append(path)
+    found: list[Path | None] = []
+    problems: list[str] = []
+    for target in targets:
+        relative = Path(target).resolve().relative_to(Path(data_root).resolve()).with_suffix("")
+        candidates = by_stem.get(relative) or by_stem.get(Path(relative.name)) or []
+        if not candidates:
+            found.append(None)
+            problems.append(f"{target}: no control image {control_root / relative}.* (or {control_root / relative.name}.*)")
+            continue
+        if len(candidates) > 1:
+            found.append(None)
+            problems.append(f"{target}: several control images have its name ({', '.join(p.name for p in candidates)}): keep one")
+            continue
+        size = _decoded_size(candidates[0])
+        if isinstance(size, str):
+            found.append(None)
+            problems.append(f"{target}: its control image {candidates[0]} cannot be used ({size})")
+            continue
+        found.append(candidates[0])
+    return found, problems
+
+
+# ---------------------------------------------------------------------------------------------
 # Aspect-ratio buckets
 
 

@@ -81,6 +81,8 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
     kwargs = {**optional, **arch.pipeline_kwargs(), **parts}
     pipeline = cls(**kwargs)
     pipeline.save_pretrained(str(tmp), safe_serialization=True)
+    for processor_name in arch.prompt_processors:
+        arch.tiny_prompt_processor(processor_name, parts, tmp / processor_name)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -287,6 +289,7 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
     cls = arch.pipeline()
     parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device) for name in arch.text_encoders}
     parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
+    parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.prompt_processors})
     from diffusers import SchedulerMixin  # noqa: F401 - the scheduler is loaded for the pipeline's constructor
 
     return _assemble(cls, arch, pipeline_dir, parts)
@@ -371,7 +374,10 @@ def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_prompts(pipeline, arch: Architecture, prompts: list[str], device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Per prompt, the tensors the denoiser is conditioned on, computed by the pipeline's own encode_prompt."""
-    out = arch.encode_prompts(pipeline, prompts, device)
+def encode_prompts(pipeline, arch: Architecture, prompts: list[str], device: torch.device, images: list | None = None) -> list[dict[str, torch.Tensor]]:
+    """Per prompt, the tensors the denoiser is conditioned on, computed by the pipeline's own encode_prompt.
+
+    ``images``: each prompt's control image (PIL), for architectures whose prompts are encoded with it (``control_in_prompt``).
+    """
+    out = arch.encode_prompts_with_images(pipeline, prompts, images, device) if images is not None else arch.encode_prompts(pipeline, prompts, device)
     return [{key: value[i].detach().float().cpu().contiguous() for key, value in out.items()} for i in range(len(prompts))]

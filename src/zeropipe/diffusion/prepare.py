@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from zeropipe.diffusion.images import (
     generate_shapes_dataset,
     load_image_for_bucket,
     make_buckets,
+    match_control_images,
     micro_batches_per_rank,
     scan_image_folder,
     shape_prompts,
@@ -95,6 +96,11 @@ class DiffusionPlan:
     fps: float | None = None  # frame rate clips are taken at
     sample_frames: int = 1  # length of the sample videos
     denoiser: str = ""  # the pipeline folder trained: the architecture's denoiser, or Wan 2.2's transformer_2 (model.diffusion.expert)
+    # Edit training (data.control_path): items carry "control", the control image's path.
+    item_text_keys: list[list[str]] = field(default_factory=list)  # control_in_prompt: per item, keys of (caption, its control) and ("", its control)
+    sample_controls: list[int] = field(default_factory=list)  # per sample prompt, the item whose control image it edits
+    sample_text_keys: list[list[str]] = field(default_factory=list)  # control_in_prompt: per sample prompt, keys of (prompt, control) and ("", control)
+    missing_control_texts: list[list] = field(default_factory=list)  # [key, text, item index, bucket] to encode with the item's control image
 
     def __post_init__(self):
         if not self.denoiser:  # a plan written before experts: the architecture's own
@@ -153,6 +159,8 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     if arch.video:
         items, item_buckets, fps, sample_frames, clip_notes = video_clips(config, arch, items, item_buckets)
         notes += clip_notes
+    if arch.control_images or config.data.control_path:
+        attach_control_images(config, arch, image_dir, items, notes)
     repeats = [item["repeats"] for item in items]
 
     cache_dir = cache_dir_for(config).resolve()
@@ -164,7 +172,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         if not config.data.cache.latents:
             raise ConfigError([("data.cache.latents", f"this {arch.name} pipeline's first-frame image embeddings ({arch.image_encoders[0]}) come from the latent cache: set data.cache.latents: true")])
         vae_fp = cache._digest(vae_fp, *(fingerprint_files(pipeline_dir / name, fingerprints) for name in arch.image_encoders))
-    text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers)) + f"/{arch.name}"
+    text_fp = "+".join(fingerprint_files(pipeline_dir / name, fingerprints) for name in (*arch.text_encoders, *arch.tokenizers, *arch.prompt_processors)) + f"/{arch.name}"
     text_fp = cache._digest(text_fp)
     prompts = list(config.generate.prompts or [])
     if config.generate.prompts is None:
@@ -173,22 +181,48 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
 
     flips = [False, True] if images.flip > 0 else [False]
     latent_keys = [
-        [cache.latent_key(Path(item["path"]), bucket, crop_name(arch, flip, first_frame_embeddings), vae_fp, clip=(item["start"], fps) if arch.video else None) for flip in flips]
+        [
+            cache.latent_key(
+                Path(item["path"]), bucket, crop_name(arch, flip, first_frame_embeddings), vae_fp, clip=(item["start"], fps) if arch.video else None,
+                control=Path(item["control"]) if arch.control_images else None,
+            )
+            for flip in flips
+        ]
         for item, bucket in zip(items, item_buckets)
     ]
-    texts = sorted({item["caption"] for item in items} | {""} | set(prompts))
+    sample_controls = [sample_control_item(items, prompt, number) for number, prompt in enumerate(prompts)] if arch.control_images else []
+    item_text_keys, sample_text_keys, control_texts = [], [], []
+    if arch.control_in_prompt:
+        # The text encoder sees the control image: one entry per (caption, control image, bucket), the empty caption's too (caption dropout, guidance).
+        sample_bucket = (images.resolution, images.resolution)
+        for index, (item, bucket) in enumerate(zip(items, item_buckets)):
+            item_text_keys.append([cache.control_text_key(text, text_fp, Path(item["control"]), bucket) for text in (item["caption"], "")])
+            control_texts += [[key, text, index, list(bucket)] for key, text in zip(item_text_keys[-1], (item["caption"], ""))]
+        for prompt, index in zip(prompts, sample_controls):
+            sample_text_keys.append([cache.control_text_key(text, text_fp, Path(items[index]["control"]), sample_bucket) for text in (prompt, "")])
+            control_texts += [[key, text, index, list(sample_bucket)] for key, text in zip(sample_text_keys[-1], (prompt, ""))]
+        control_texts = list({entry[0]: entry for entry in control_texts}.values())
+    # Captions encoded alone; with control_in_prompt every caption is encoded with its control image instead.
+    texts = [] if arch.control_in_prompt else sorted({item["caption"] for item in items} | {""} | set(prompts))
     text_keys = {text: cache.text_key(text, text_fp) for text in texts}
     missing_latents = [i for i, keys in enumerate(latent_keys) if not all(cache.has_entry(cache_dir, "latents", k) for k in keys)] if config.data.cache.latents else []
     # Sample prompts and the empty caption are always cached: sampling then needs no text encoder.
     cached_texts = texts if config.data.cache.text else sorted({""} | set(prompts))
     missing_texts = [t for t in cached_texts if not cache.has_entry(cache_dir, "text", text_keys[t])]
+    missing_control_texts = [entry for entry in control_texts if not cache.has_entry(cache_dir, "text", entry[0])]
     if config.data.cache.latents:
         reused = len(items) - len(missing_latents)
         what = "clip(s)" if arch.video else "image(s)"
         notes.append(f"latent cache {cache_dir}: {reused} of {len(items)} {what} cached already, {len(missing_latents)} to encode")
     if config.data.cache.text:
-        notes.append(f"text cache: {len(texts) - len(missing_texts)} of {len(texts)} caption(s) cached already, {len(missing_texts)} to encode")
-    if config.data.cache.latents and config.data.cache.text and not missing_latents and not missing_texts:
+        if arch.control_in_prompt:
+            notes.append(
+                f"text cache: {len(control_texts) - len(missing_control_texts)} of {len(control_texts)} (caption, control image) pair(s) cached already, "
+                f"{len(missing_control_texts)} to encode"
+            )
+        else:
+            notes.append(f"text cache: {len(texts) - len(missing_texts)} of {len(texts)} caption(s) cached already, {len(missing_texts)} to encode")
+    if config.data.cache.latents and config.data.cache.text and not missing_latents and not missing_texts and not missing_control_texts:
         notes.append("caches complete: the training ranks will not load the VAE or the text encoders")
 
     DiffusionPlan(
@@ -210,6 +244,10 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         fps=fps,
         sample_frames=sample_frames,
         denoiser=denoiser,
+        item_text_keys=item_text_keys,
+        sample_controls=sample_controls,
+        sample_text_keys=sample_text_keys,
+        missing_control_texts=missing_control_texts,
     ).write(run)
     return PreparedData(
         examples=sum(repeats),
@@ -218,8 +256,37 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         prompts=prompts,
         notes=notes,
         batching_note="a micro-batch takes clips of one bucket (size and length) only" if arch.video else "a micro-batch takes images of one bucket only",
-        node_setup="zeropipe.diffusion.prepare:fill_caches" if missing_latents or missing_texts else None,
+        node_setup="zeropipe.diffusion.prepare:fill_caches" if missing_latents or missing_texts or missing_control_texts else None,
     )
+
+
+def attach_control_images(config: RunConfig, arch, image_dir: Path, items: list[dict[str, Any]], notes: list[str]) -> None:
+    """Give each item its control image (``item["control"]``), or refuse the run with every target that has none.
+
+    Raises:
+        ConfigError: control images given to an architecture that takes none, or missing for one that needs them.
+        DataError: targets without a usable control image.
+    """
+    control_path = config.data.control_path
+    if not arch.control_images:
+        raise ConfigError([("data.control_path", f"this {arch.name} pipeline takes no control image: remove data.control_path, or train an edit model (qwen-image-edit)")])
+    if control_path is None or config.data.synthetic is not None:
+        raise ConfigError([("data.control_path", f"a {arch.name} model learns to edit a control image into its target: set data.control_path to a folder with a control image per image of data.path (same file names)")])
+    controls, problems = match_control_images([Path(item["path"]) for item in items], image_dir, Path(control_path))
+    if problems:
+        shown = "; ".join(problems[:BAD_SHOWN])
+        raise DataError(
+            f"{len(problems)} of {len(items)} target image(s) have no usable control image in {Path(control_path).expanduser()} ({shown}{' ...' if len(problems) > BAD_SHOWN else ''}): "
+            "add a control image with the target's file name for each, or remove those targets from data.path"
+        )
+    for item, control in zip(items, controls):
+        item["control"] = str(control)
+    notes.append(f"edit training: {len(items)} target image(s), each with its control image from {Path(control_path).expanduser()}")
+
+
+def sample_control_item(items: list[dict[str, Any]], prompt: str, number: int) -> int:
+    """The item whose control image a sample prompt edits: the first with that caption, else the items in turn."""
+    return next((index for index, item in enumerate(items) if item["caption"] == prompt), number % len(items))
 
 
 def first_frame_image(pixels: torch.Tensor):
@@ -307,10 +374,13 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                 jobs.setdefault((tuple(plan.buckets[index]), flip), []).append((index, flip, key))
         for (bucket, _), entries in jobs.items():
             for start in range(0, len(entries), LATENT_BATCH):
-                prepared, keys = [], []
+                prepared, keys, controls = [], [], []
                 for index, flip, key in entries[start : start + LATENT_BATCH]:
                     try:
-                        prepared.append(load_item_pixels(plan, index, bucket, crop="center", flip=flip))
+                        image = load_item_pixels(plan, index, bucket, crop="center", flip=flip)
+                        if arch.control_images:  # at the target's bucket, crop and flip: the two token grids match
+                            controls.append(load_image_for_bucket(Path(plan.items[index]["control"]), bucket, crop="center", flip=flip).pixels)
+                        prepared.append(image)
                         keys.append(key)
                     except DataError as err:
                         skipped.add(index)
@@ -322,12 +392,15 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                 # Image-to-video: the first-frame condition, encoded as the pipeline encodes it (its mode, the mean).
                 conditions = cache.encode_latent_distribution(vae, arch.conditioning_pixels(pixels))[0] if arch.frame_conditioned else [None] * len(keys)
                 embeddings = [None] * len(keys)
+                # Edit training: the control image's latents, as the pipeline encodes its image (the mode, the mean).
+                control_latents = cache.encode_latent_distribution(vae, arch.vae_pixels(torch.stack(controls)))[0] if controls else [None] * len(keys)
                 if image_encoder is not None:
                     with torch.no_grad():
                         embeddings = arch.encode_first_frames(image_encoder, [first_frame_image(p) for p in pixels], device).float().cpu()
-                for key, image, mean, std, first_frame, embedding in zip(keys, prepared, means, stds, conditions, embeddings):
+                for key, image, mean, std, first_frame, embedding, control in zip(keys, prepared, means, stds, conditions, embeddings, control_latents):
                     cache.save_entry(cache_dir, "latents", key, {
                         "mean": mean, "std": std, **({"condition": first_frame} if first_frame is not None else {}),
+                        **({"control": control} if control is not None else {}),
                         **({"image_embeds": embedding} if embedding is not None else {}),
                         "original_size": torch.tensor(image.original_size), "crop_top_left": torch.tensor(image.crop_top_left),
                         "target_size": torch.tensor(image.target_size),
@@ -340,10 +413,19 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
             for text, tensors in zip(texts, encode_prompts(encoders, arch, texts, device)):
                 cache.save_entry(cache_dir, "text", plan.text_keys[text], tensors)
         del encoders
+    if plan.missing_control_texts:
+        # Qwen-Image-Edit: each caption encoded with its control image, at the bucket it trains (or samples) at.
+        encoders = text_pipeline(pipeline_dir, arch, encoder_dtype, device)
+        for start in range(0, len(plan.missing_control_texts), TEXT_BATCH):
+            entries = plan.missing_control_texts[start : start + TEXT_BATCH]
+            controls = [first_frame_image(load_image_for_bucket(Path(plan.items[index]["control"]), tuple(bucket), crop="center", flip=False).pixels) for _, _, index, bucket in entries]
+            for (key, _, _, _), tensors in zip(entries, encode_prompts(encoders, arch, [text for _, text, _, _ in entries], device, images=controls)):
+                cache.save_entry(cache_dir, "text", key, tensors)
+        del encoders
     what = "clip(s)" if plan.video else "image(s)"
     log.info(
         "caches filled: %d %s and %d caption(s) encoded on %s (text encoders in %s)%s",
-        len(plan.missing_latents) - len(skipped), what, len(plan.missing_texts), device, str(encoder_dtype).removeprefix("torch."),
+        len(plan.missing_latents) - len(skipped), what, len(plan.missing_texts) + len(plan.missing_control_texts), device, str(encoder_dtype).removeprefix("torch."),
         f"; {len(skipped)} unreadable now and skipped" if skipped else "",
     )
 
@@ -373,8 +455,8 @@ def prepare_image_folder(config: RunConfig, run: RunDir, video: bool = False) ->
 
 
 def crop_name(arch, flip: bool, first_frame_embeddings: bool = False) -> str:
-    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition (and its image embeddings)."""
-    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}{'-image-embeds' if first_frame_embeddings else ''}"
+    """How a cache entry's pixels were taken (part of its key); image-to-video entries also hold the first-frame condition (and its image embeddings), edit entries their control image's latents."""
+    return f"center{'-flip' if flip else ''}{'-first-frame' if arch.frame_conditioned else ''}{'-image-embeds' if first_frame_embeddings else ''}{'-control' if arch.control_images else ''}"
 
 
 def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_buckets: list[tuple[int, int]]):

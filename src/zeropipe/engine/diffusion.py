@@ -32,7 +32,7 @@ import torch
 
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches
+from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches, load_image_for_bucket
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
 from zeropipe.diffusion.pipelines import (
     denoising_pipeline,
@@ -56,6 +56,11 @@ from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_
 from zeropipe.models.loading import load_pretrained
 
 log = logging.getLogger("zeropipe")
+
+
+def one_prompt(kwargs: dict[str, Any], number: int, prompts: int) -> dict[str, Any]:
+    """A pipeline call's arguments for one of its prompts: the batched tensors (one row per prompt) sliced to that row."""
+    return {key: value[number : number + 1] if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == prompts else value for key, value in kwargs.items()}
 
 
 def release_memory() -> None:
@@ -165,7 +170,7 @@ class DiffusionTask(TaskDefaults):
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
-        distributions, time_ids, texts = [], [], []
+        distributions, time_ids, texts, text_keys = [], [], [], []
         usable = [i for i in indices if self.data.items[i]["path"] not in self.skipped_images] or list(indices)
         for index in indices:
             if index not in usable:
@@ -179,19 +184,24 @@ class DiffusionTask(TaskDefaults):
             time_ids.append(sizes)
             dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
+            if self.arch.control_in_prompt:  # the caption's (or the empty one's) entry with this item's control image
+                text_keys.append(self.data.item_text_keys[index][1 if dropped else 0])
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
             pixels = self.arch.vae_pixels(torch.stack(distributions))
             means, stds = cache.encode_latent_distribution(self.vae, pixels)
             conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
-            distributions = list(zip(means, stds, conditions, [None] * len(means)))
-        latents = [mean + std * torch.randn(mean.shape) for mean, std, _, _ in distributions]
-        condition = self.text_condition(texts)
+            distributions = list(zip(means, stds, conditions, [None] * len(means), [None] * len(means)))
+        latents = [mean + std * torch.randn(mean.shape) for mean, std, *_ in distributions]
+        condition = self.text_condition(texts, keys=text_keys or None)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         if self.arch.frame_conditioned:
-            first_frames = torch.stack([first_frame for _, _, first_frame, _ in distributions]).to(self.device)
+            first_frames = torch.stack([first_frame for _, _, first_frame, _, _ in distributions]).to(self.device)
             condition["first_frame_latents"] = normalize_latents(self.arch.latents_from_vae(first_frames), self.latent_shift, self.latent_scale).to(self.compute_dtype)
         if distributions[0][3] is not None:  # Wan 2.1 I2V's first-frame image embeddings
-            condition["image_embeds"] = torch.stack([embeds for _, _, _, embeds in distributions]).to(self.device, self.compute_dtype)
+            condition["image_embeds"] = torch.stack([embeds for _, _, _, embeds, _ in distributions]).to(self.device, self.compute_dtype)
+        if self.arch.control_images:  # edit training: the control images' latents, normalised as the targets'
+            controls = torch.stack([control for *_, control in distributions]).to(self.device)
+            condition["control_latents"] = normalize_latents(self.arch.latents_from_vae(controls), self.latent_shift, self.latent_scale).to(self.compute_dtype)
         batch = self.arch.latents_from_vae(torch.stack(latents).to(self.device))
         return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
 
@@ -212,7 +222,7 @@ class DiffusionTask(TaskDefaults):
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-            return (entry["mean"], entry["std"], entry.get("condition"), entry.get("image_embeds")), sizes
+            return (entry["mean"], entry["std"], entry.get("condition"), entry.get("image_embeds"), entry.get("control")), sizes
         try:
             prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
         except DataError as err:
@@ -229,12 +239,17 @@ class DiffusionTask(TaskDefaults):
             self.skipped_images.add(path)
             log.warning("rank %d: skipping %s from now on: %s", self.rank, path, reason)
 
-    def text_condition(self, texts: list[str]) -> dict[str, torch.Tensor]:
+    def text_condition(self, texts: list[str], keys: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Text-encoder outputs for a batch of captions: from the cache, else encoded now (in one call).
 
         With ``data.cache.text`` off only the sample prompts and the empty caption come from
         the cache (a run that cached everything before may have left the rest there too).
+        ``keys``: the cache entries themselves, where the conditioning also depends on a control
+        image (edit training, which needs the text cache on).
         """
+        if keys is not None:
+            rows = [cache.load_entry(self.cache_dir, "text", key) for key in keys]
+            return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
         rows: list[dict[str, torch.Tensor] | None] = []
         for text in texts:
             key = self.data.text_keys.get(text)
@@ -318,6 +333,11 @@ class DiffusionTask(TaskDefaults):
         pixels = self.load_pixels(index, (size, size, 1) if self.data.video else (size, size), crop="center", flip=False).pixels
         return first_frame_image(pixels), self.data.items[index]["path"]
 
+    def sample_control(self, index: int, size: int):
+        """(PIL image, its file): an item's control image, centre-cropped to the sample size."""
+        path = self.data.items[index]["control"]
+        return first_frame_image(load_image_for_bucket(Path(path), (size, size), crop="center", flip=False).pixels), path
+
     @torch.no_grad()
     def sample_images(self) -> None:
         """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes.
@@ -330,16 +350,24 @@ class DiffusionTask(TaskDefaults):
             return
         generate = self.config.generate
         size = self.images.resolution
-        condition = self.text_condition(prompts)
-        negative = self.text_condition([""] * len(prompts))
+        if self.arch.control_in_prompt:  # encoded with each prompt's control image
+            condition = self.text_condition(prompts, keys=[keys[0] for keys in self.data.sample_text_keys])
+            negative = self.text_condition([""] * len(prompts), keys=[keys[1] for keys in self.data.sample_text_keys])
+        else:
+            condition = self.text_condition(prompts)
+            negative = self.text_condition([""] * len(prompts))
         module = self.engine.module
         was_training = module.training
         module.eval()
-        frozen, first_frame = {}, None
+        frozen, first_frame, controls = {}, None, []
+        if self.arch.control_images:
+            # Edit training: each prompt edits a data control image (centre-cropped to the sample size), which the pipeline encodes with the VAE.
+            controls = [self.sample_control(index, size) for index in self.data.sample_controls]
         if self.arch.frame_conditioned:
             # Image-to-video draws from a first frame: a dataset clip's, at the sample size. The
             # pipeline encodes it with the VAE, on every rank (each runs the denoiser), for the samples only.
             first_frame = self.sample_first_frame(size)
+        if self.arch.frame_conditioned or controls:
             if self.vae is None:
                 self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
             frozen["vae"] = self.vae
@@ -360,11 +388,14 @@ class DiffusionTask(TaskDefaults):
         if first_frame is not None:
             kwargs["image"] = first_frame[0]
         pipeline.set_progress_bar_config(disable=True)
-        latents = pipeline(**kwargs)[0]
+        if controls:  # one call per prompt: the pipeline takes one control image per call
+            latents = torch.cat([self.arch.sample_with_control(pipeline, one_prompt(kwargs, number, len(prompts)), control) for number, (control, _) in enumerate(controls)])
+        else:
+            latents = pipeline(**kwargs)[0]
         if was_training:
             module.train()
         if self.rank != 0:
-            if (self.arch.frame_conditioned or self.arch.samples_with_vae) and self.config.data.cache.latents:
+            if (self.arch.frame_conditioned or self.arch.samples_with_vae or controls) and self.config.data.cache.latents:
                 self.vae = None
                 release_memory()
             return
@@ -391,7 +422,7 @@ class DiffusionTask(TaskDefaults):
             for number, (prompt, image) in enumerate(zip(prompts, pixels.permute(0, 2, 3, 1).cpu().numpy())):
                 name = f"{number:02d}.png"
                 Image.fromarray(image).save(folder / name)
-                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}"})
+                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}", **({"control": controls[number][1]} if controls else {})})
         with open(self.run.path / "samples" / "index.jsonl", "a") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in rows)
         log.info("step %d: %d sample %s written to %s", self.step, len(rows), "video(s)" if self.data.video else "image(s)", folder)

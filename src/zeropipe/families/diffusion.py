@@ -26,6 +26,27 @@ from zeropipe.plan.model_spec import diffusion_config_spec
 from zeropipe.rundir import PreparedData, RunDir
 
 
+def control_problems(config: RunConfig, arch) -> list[tuple[str, str]]:
+    """Edit training's settings against the architecture: control images only where it takes them, and with what it needs."""
+    data = config.data
+    if arch is None:
+        return []
+    if not arch.control_images:
+        if data.control_path:
+            return [("data.control_path", f"this {arch.name} pipeline takes no control image: remove data.control_path, or train an edit model (qwen-image-edit)")]
+        return []
+    problems = []
+    if not data.control_path or data.synthetic is not None:
+        problems.append(("data.control_path", f"a {arch.name} model learns to edit a control image into its target: set data.path and data.control_path, a folder with a control image per target image (same file names)"))
+    elif not Path(data.control_path).expanduser().is_dir():
+        problems.append(("data.control_path", f"{data.control_path} is not a folder: point it at the folder of control images (one per target image, same file name)"))
+    if not (data.cache.latents and data.cache.text):
+        problems.append(("data.cache", f"edit training reads the control images' latents{' and their text conditioning' if arch.control_in_prompt else ''} from the caches: set data.cache.latents and data.cache.text to true"))
+    if arch.control_in_prompt and data.images.flip > 0:
+        problems.append(("data.images.flip", f"the {arch.name} text encoder sees the control image unflipped, so a flipped pair would not match its instruction ('the left cup'): set flip: 0"))
+    return problems
+
+
 class Diffusion:
     name = "diffusion"
     trains_tokenizer = False
@@ -56,14 +77,14 @@ class Diffusion:
             problems.append(("model.diffusion.expert", "applies to Wan 2.2 A14B's two flow-matching transformers, not to a UNet: remove it"))
         elif objective == "ddpm" and (section.min_t > 0 or section.max_t < 1):
             problems.append(("model.diffusion.min_t", "a timestep range (min_t/max_t) applies to flow-matching transformers (Wan, SD3, Flux), not to a UNet on a DDPM schedule: remove min_t and max_t"))
-        return problems
+        return problems + control_problems(config, self.architecture(config))
 
-    def objective(self, config: RunConfig) -> str | None:
-        """The objective of the configured architecture (ddpm or flow), or None when it cannot be told yet."""
+    def architecture(self, config: RunConfig):
+        """The configured architecture entry, or None when it cannot be told yet (a directory that does not say)."""
         section = config.model
         if section.config is not None and "pipeline" in section.config:
             try:
-                return preset_components(section.config)[0].objective
+                return preset_components(section.config)[0]
             except ConfigError:
                 return None
         if section.path:
@@ -71,9 +92,13 @@ class Diffusion:
                 index = json.loads((Path(section.path).expanduser() / "model_index.json").read_text())
             except (OSError, json.JSONDecodeError):
                 return None
-            arch = architecture_for_pipeline(index.get("_class_name"))
-            return arch.objective if arch else None
+            return architecture_for_pipeline(index.get("_class_name"))
         return None
+
+    def objective(self, config: RunConfig) -> str | None:
+        """The objective of the configured architecture (ddpm or flow), or None when it cannot be told yet."""
+        arch = self.architecture(config)
+        return arch.objective if arch else None
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         return [("stages", "curricula are implemented for language and vision-language models; train a diffusion model's stages as separate runs")]

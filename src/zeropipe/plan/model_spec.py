@@ -569,9 +569,11 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
 
     else:
         # Other architectures say what their denoiser takes (Architecture.trace_inputs).
-        from zeropipe.diffusion.architectures import architectures
+        from zeropipe.diffusion.architectures import architecture_named, architectures
 
-        arch = next((a for a in architectures().values() if a.denoiser_class == cls), None)
+        # An entry may name its architecture where several share a denoiser class (Qwen-Image and Qwen-Image-Edit).
+        named = entry.get("architecture")
+        arch = architecture_named(named) if named else next((a for a in architectures().values() if a.denoiser_class == cls), None)
         if arch is None:
             return None
         frames = int(entry.get("frames", 1)) if arch.video else 1
@@ -656,6 +658,7 @@ def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024,
     family = "diffusion_transformer" if trained_name == "transformer" else "diffusion_unet"
     entry = {
         "name": path.name,
+        "architecture": getattr(_architecture(path), "name", None),
         "family": family,
         "resolution": resolution,
         "vae_factor": _vae_factor(path),

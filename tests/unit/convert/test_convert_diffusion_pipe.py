@@ -330,3 +330,24 @@ def test_bad_toml_and_missing_files_are_clear(tmp_path):
     gone.write_text("dataset = 'gone.toml'\n[model]\ntype = 'flux'\n")
     with pytest.raises(ConversionError, match=r"path = '/no/such/folder' is not a folder"):
         convert_file(gone)
+
+
+def test_a_control_path_becomes_data_control_path_for_one_folder_and_is_listed_for_several(tmp_path):
+    """diffusion-pipe's edit datasets ([[directory]] control_path) map to data.control_path where data.path is that one folder."""
+    edit = pipeline_dir(tmp_path, "Qwen-Image-Edit")
+    (edit / "model_index.json").write_text('{"_class_name": "QwenImageEditPipeline"}')
+    targets, controls = image_dir(tmp_path, "targets"), image_dir(tmp_path, "controls", captions=False)
+    main = f"dataset = 'dataset.toml'\n[model]\ntype = 'qwen_image'\ndiffusers_path = '{edit}'\n"
+    path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_path = 'controls'\n")
+    conversion = convert_file(path)
+    assert values(conversion)["data.path"] == str(targets)
+    assert values(conversion)["data.control_path"] == str(controls)  # relative to the TOML's folder, as diffusion-pipe reads it
+    assert not any("control_path" in key for key in unmapped(conversion))
+
+    path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_path = '{controls}'\nnum_repeats = 3\n")
+    why = unmapped(convert_file(path))
+    assert "edit training reads one control folder for one image folder" in why["dataset.directory[0].control_path"]
+
+    path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_path = 'missing'\n")
+    with pytest.raises(ConversionError, match="control_path = 'missing' is not a folder"):
+        convert_file(path)

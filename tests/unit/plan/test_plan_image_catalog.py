@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
 
@@ -36,3 +39,16 @@ def test_flux2_dev_counts_a_32b_transformer_and_mistral_small_3_1_24b_and_traces
     trace = spec.activation_trace
     assert trace is not None and trace.resolution == 1024 and trace.forward_flops > 0
     assert trace.checkpointed_bytes < trace.saved_bytes / 10
+
+
+def test_qwen_image_edit_is_traced_with_the_control_images_tokens_appended():
+    """Qwen-Image-Edit shares Qwen-Image's transformer class: its catalog entry names its architecture, whose trace inputs
+    double the image tokens (about twice Qwen-Image's activations; spec_from_catalog traces it in about 40 s, so the inputs are checked here)."""
+    from types import SimpleNamespace
+
+    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.plan.model_spec import CATALOG_DIR
+
+    assert "qwen-image-edit" in catalog_names() and json.loads((CATALOG_DIR / "qwen-image-edit.json").read_text())["architecture"] == "qwen-image-edit"
+    inputs = architecture_named("qwen-image-edit").trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 128, 1, 20, torch.float32)
+    assert inputs["hidden_states"].shape == (1, 2 * 64 * 64, 64) and inputs["img_shapes"] == [[(1, 64, 64), (1, 64, 64)]]

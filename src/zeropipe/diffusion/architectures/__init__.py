@@ -19,7 +19,10 @@ from zeropipe.diffusion.architectures.base import Architecture, PredictContext
 from zeropipe.errors import ConfigError
 
 # The modules that hold the built-in architectures, each defining ARCHITECTURE.
-BUILTIN = ("sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image", "flux2", "flux2_klein")
+BUILTIN = (
+    "sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image",
+    "flux2", "flux2_klein", "qwen_image_edit", "flux_kontext",
+)
 
 _REGISTRY: dict[str, Architecture] = {}
 _loaded = False

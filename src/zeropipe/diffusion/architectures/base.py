@@ -57,6 +57,18 @@ class Architecture:
         samples_with_vae: the pipeline uses its VAE even when asked for latents (FLUX.2 [klein] returns them
             denormalised and unpatched): every rank holds the VAE while drawing samples, and ``unpack_latents``
             turns what the pipeline returned back into the denoiser's normalised layout.
+        control_images: edit training (Qwen-Image-Edit): every target image has a control image
+            (``data.control_path``), taken at the target's bucket and crop, whose VAE latents (the
+            distribution's mean, as the pipeline encodes its ``image``) are cached with the target's
+            and reach ``predict`` as ``condition["control_latents"]``; samples pass a data control
+            image to the pipeline as ``image``.
+        control_in_prompt: the text conditioning depends on the control image too (Qwen-Image-Edit
+            gives it to Qwen2.5-VL with the prompt): ``encode_prompts`` receives the images, and the
+            text cache holds one entry per (caption, control image).
+        prompt_processors: components besides the tokenizers that encoding a prompt needs
+            (Qwen-Image-Edit's ``processor``), given to the text pipeline as ``load_prompt_processor``
+            makes them from the pipeline folder; a tiny preset writes their files with
+            ``tiny_prompt_processor``.
     """
 
     name: str
@@ -79,6 +91,9 @@ class Architecture:
     frame_conditioned: bool = False
     image_encoders: tuple[str, ...] = ()
     samples_with_vae: bool = False
+    control_images: bool = False
+    control_in_prompt: bool = False
+    prompt_processors: tuple[str, ...] = ()
 
     @property
     def frozen_components(self) -> tuple[str, ...]:
@@ -110,6 +125,14 @@ class Architecture:
     def tiny_tokenizer(self, tokenizer: str):
         """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
         return character_tokenizer(self.tokenizer_length(tokenizer))
+
+    def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
+        """Write the files of a prompt processor (``prompt_processors``) of a tiny preset into its folder, built without a download."""
+        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.prompt_processors} but cannot build a tiny one")
+
+    def load_prompt_processor(self, pipeline_dir: Path, processor: str, parts: dict[str, Any]):
+        """The prompt processor the text pipeline is given, from its folder and the other loaded parts (the tokenizers)."""
+        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.prompt_processors} but cannot load one")
 
     def vae_factors(self, vae_config: dict[str, Any]) -> tuple[int, int]:
         """(pixels per latent along a side, frames per latent frame after the first) of the VAE, from its config.
@@ -199,6 +222,10 @@ class Architecture:
         """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
         raise NotImplementedError
 
+    def encode_prompts_with_images(self, pipeline, prompts: list[str], images: list, device: torch.device) -> dict[str, torch.Tensor]:
+        """With ``control_in_prompt``: the conditioning of prompts each given with its control image (a PIL image), by the pipeline's encode_prompt."""
+        raise NotImplementedError(f"the {self.name} entry says control_in_prompt but not how its pipeline encodes a prompt with an image")
+
     def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
         """The denoiser's output for a batch of latents, called as the pipeline calls it."""
         raise NotImplementedError
@@ -212,6 +239,10 @@ class Architecture:
         if "pooled_prompt_embeds" in negative:
             kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
         return kwargs
+
+    def sample_with_control(self, pipeline, kwargs: dict[str, Any], image) -> torch.Tensor:
+        """Latents of one sample (one prompt's ``kwargs``) that edits a control image (a PIL image at the sample size): by the pipeline's own call."""
+        return pipeline(**kwargs, image=image)[0]
 
     def unpack_latents(self, pipeline, latents: torch.Tensor, size: int, vae_factor: int) -> torch.Tensor:
         """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""

@@ -13,8 +13,7 @@ The LoRA's original layout is diffusers' own module names under ``diffusion_mode
 diffusers' converter of such LoRAs reads back.
 
 Qwen-Image-Edit (a control image per target: its latents appended to the image tokens and
-the image given to Qwen2.5-VL with the prompt) is not trained here: its text conditioning
-depends on the image, which the caption cache does not key on.
+the image given to Qwen2.5-VL with the prompt) is its own entry, ``qwen_image_edit.py``.
 """
 
 from __future__ import annotations
@@ -28,18 +27,22 @@ from zeropipe.diffusion.architectures.wan import Wan
 
 COMFY_PREFIX = "diffusion_model."
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# The tiny tokenizer's characters: its ids are the chat tokens, <unk>, then these.
+CHARACTERS = tuple(sorted(set(TOKENIZER_CHARACTERS) | set("ABCDEFGHIJKLMNOPQRSTUVWXYZ:;!?,. \n")))
 
 
-def character_qwen_tokenizer(max_length: int = 256):
-    """A Qwen2 tokenizer whose tokens are single characters plus the chat template's special tokens, built without a download."""
+def character_qwen_tokenizer(max_length: int = 256, extra_tokens: tuple[str, ...] = (), extra_characters: str = ""):
+    """A Qwen2 tokenizer whose tokens are single characters plus the chat template's special tokens, built without a download.
+
+    ``extra_tokens`` (special) and ``extra_characters`` come after the others, so the ids of the text-to-image tokenizer stay as they were.
+    """
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    characters = sorted(set(TOKENIZER_CHARACTERS) | set("ABCDEFGHIJKLMNOPQRSTUVWXYZ:;!?,. \n"))
-    vocab = {token: index for index, token in enumerate((*CHAT_TOKENS, "<unk>", *characters))}
+    vocab = {token: index for index, token in enumerate((*CHAT_TOKENS, "<unk>", *CHARACTERS, *extra_tokens, *extra_characters))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tokenizer.add_special_tokens(list(CHAT_TOKENS))
+    tokenizer.add_special_tokens([*CHAT_TOKENS, *extra_tokens])
     return transformers.Qwen2TokenizerFast(
         tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>", model_max_length=max_length
     )
