@@ -253,6 +253,28 @@ class Architecture:
 TOKENIZER_CHARACTERS = sorted(set(string.ascii_lowercase + string.digits + ",.-'"))
 
 
+def original_layout_name(
+    module: str, blocks: tuple[tuple[str, str, dict[str, tuple[str, int | None]]], ...], top_level: dict[str, str], model: str
+) -> tuple[str, int | None]:
+    """A diffusers module's name in an original (Black Forest Labs style) layout, and its part of a fused layer.
+
+    ``blocks``: (diffusers prefix, original prefix, {name in the block: (original name, part)}) per kind of
+    block; ``top_level``: names outside the blocks. transformer_blocks.0.attn.to_k -> (double_blocks.0.img_attn.qkv, 1).
+
+    Raises:
+        ValueError: the module has no name in that layout.
+    """
+    for prefix, original_prefix, names in blocks:
+        if module.startswith(prefix):
+            index, _, rest = module[len(prefix):].partition(".")
+            if rest in names:
+                original, part = names[rest]
+                return f"{original_prefix}{index}.{original}", part
+    if module in top_level:
+        return top_level[module], None
+    raise ValueError(f"{module} has no name in {model}'s original layout")
+
+
 def character_tokenizer(max_length: int = 77):
     """A CLIP tokenizer whose tokens are single characters: enough for captions of a tiny model, built without a download."""
     from transformers import CLIPTokenizer

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.diffusion.architectures.base import Architecture, character_t5_tokenizer, tiny_vae
+from zeropipe.diffusion.architectures.base import Architecture, character_t5_tokenizer, original_layout_name, tiny_vae
 
 # diffusers ChromaTransformer2DModel module -> (original module, index of the part in a fused layer or None).
 # The parts' order in a fused layer is the one diffusers' single-file converter splits them in (q, k, v, mlp).
@@ -38,15 +38,10 @@ KOHYA_PREFIX = "lora_unet_"
 
 def original_module_name(module: str) -> tuple[str, int | None]:
     """A diffusers Chroma module name in the original layout, and its part of a fused layer: transformer_blocks.0.attn.to_k -> (double_blocks.0.img_attn.qkv, 1)."""
-    for prefix, original_prefix, names in (("transformer_blocks.", "double_blocks.", DOUBLE_BLOCK_NAMES), ("single_transformer_blocks.", "single_blocks.", SINGLE_BLOCK_NAMES)):
-        if module.startswith(prefix):
-            index, _, rest = module[len(prefix):].partition(".")
-            if rest in names:
-                original, part = names[rest]
-                return f"{original_prefix}{index}.{original}", part
-    if module in TOP_LEVEL_NAMES:
-        return TOP_LEVEL_NAMES[module], None
-    raise ValueError(f"{module} has no name in the original Chroma layout")
+    return original_layout_name(
+        module, (("transformer_blocks.", "double_blocks.", DOUBLE_BLOCK_NAMES), ("single_transformer_blocks.", "single_blocks.", SINGLE_BLOCK_NAMES)),
+        TOP_LEVEL_NAMES, "Chroma",
+    )
 
 
 def fused_part_sizes(original: str, inner: int, mlp_hidden: int) -> tuple[int, ...]:

@@ -26,16 +26,21 @@ class Flux(Architecture):
         packed = FluxPipeline._pack_latents(model_input, batch, channels, height, width)
         image_ids = FluxPipeline._prepare_latent_image_ids(batch, height // 2, width // 2, context.device, context.dtype)
         text_ids = torch.zeros(condition["prompt_embeds"].shape[1], 3, device=context.device, dtype=context.dtype)
-        module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
-        guidance = None
-        if getattr(module.config, "guidance_embeds", False):
-            guidance = torch.full((batch,), context.guidance, device=context.device, dtype=torch.float32)
+        guidance = self.guidance_input(model, batch, context)
         out = model(
             hidden_states=packed, timestep=(timesteps / 1000).to(context.dtype), guidance=guidance,
             pooled_projections=condition["pooled_prompt_embeds"], encoder_hidden_states=condition["prompt_embeds"],
             txt_ids=text_ids, img_ids=image_ids,
         ).sample
         return FluxPipeline._unpack_latents(out, height * context.vae_factor, width * context.vae_factor, context.vae_factor)
+
+    @staticmethod
+    def guidance_input(model, batch: int, context) -> torch.Tensor | None:
+        """The guidance value per example for guidance-distilled transformers (Flux.1 dev), None for the others."""
+        module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
+        if not getattr(module.config, "guidance_embeds", False):
+            return None
+        return torch.full((batch,), context.guidance, device=context.device, dtype=torch.float32)
 
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         # Flux.1 dev is guidance-distilled: the guidance goes into the model, no negative prompt.

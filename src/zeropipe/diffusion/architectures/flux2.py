@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS, Architecture
+from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS, Architecture, original_layout_name
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -109,15 +109,10 @@ def vae_statistics(vae_dir: Path) -> dict[str, torch.Tensor]:
 
 def original_module_name(module: str) -> tuple[str, int | None]:
     """A diffusers FLUX.2 module in Black Forest Labs' layout, and its part of a fused layer: transformer_blocks.0.attn.add_k_proj -> (double_blocks.0.txt_attn.qkv, 1)."""
-    for prefix, original_prefix, names in (("transformer_blocks.", "double_blocks.", DOUBLE_BLOCK_NAMES), ("single_transformer_blocks.", "single_blocks.", SINGLE_BLOCK_NAMES)):
-        if module.startswith(prefix):
-            index, _, rest = module[len(prefix):].partition(".")
-            if rest in names:
-                original, part = names[rest]
-                return f"{original_prefix}{index}.{original}", part
-    if module in TOP_LEVEL_NAMES:
-        return TOP_LEVEL_NAMES[module], None
-    raise ValueError(f"{module} has no name in FLUX.2's original layout")
+    return original_layout_name(
+        module, (("transformer_blocks.", "double_blocks.", DOUBLE_BLOCK_NAMES), ("single_transformer_blocks.", "single_blocks.", SINGLE_BLOCK_NAMES)),
+        TOP_LEVEL_NAMES, "FLUX.2",
+    )
 
 
 def fuse_lora(layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:

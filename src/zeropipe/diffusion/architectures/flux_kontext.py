@@ -35,10 +35,7 @@ class FluxKontext(Flux):
         control_ids = target_ids.clone()
         control_ids[..., 0] = 1  # the pipeline's mark of the control image's tokens
         text_ids = torch.zeros(condition["prompt_embeds"].shape[1], 3, device=context.device, dtype=context.dtype)
-        module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
-        guidance = None
-        if getattr(module.config, "guidance_embeds", False):
-            guidance = torch.full((batch,), context.guidance, device=context.device, dtype=torch.float32)
+        guidance = self.guidance_input(model, batch, context)
         out = model(
             hidden_states=torch.cat([packed, control], dim=1), timestep=(timesteps / 1000).to(context.dtype), guidance=guidance,
             pooled_projections=condition["pooled_prompt_embeds"], encoder_hidden_states=condition["prompt_embeds"],
