@@ -43,6 +43,12 @@ def original_module_name(module: str) -> str:
 
 @dataclass(frozen=True)
 class Wan(Architecture):
+    def pipeline_kwargs(self):
+        # A pipeline built here holds one transformer, the one trained (an A14B expert too): with
+        # model_index.json's boundary_ratio it would hand the low noise levels to a transformer_2
+        # it does not have. Samples of an expert run use that expert at every noise level.
+        return {"boundary_ratio": None}
+
     def tokenizer_length(self, tokenizer):
         return 64
 
