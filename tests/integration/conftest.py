@@ -82,3 +82,23 @@ def tmp_run(tmp_path):
         return write_config(tmp_path, tiny_run_config(tmp_path, name=name, **sections), f"{name}.yaml")
 
     return tmp_path, make
+
+
+def assert_a_second_run_would_encode_nothing(run_dir: Path, workdir: Path) -> None:
+    """What the launcher of a second run on the same data and model finds: every latent and caption cached.
+
+    Checked in-process with the launcher's own data step (a second run's start-up costs 15-20 s of CI
+    per model). That ranks then load no VAE or text encoder is checked by real second runs in
+    test_diffusion.py and test_video.py.
+    """
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.prepare import prepare_diffusion_data
+    from zeropipe.rundir import RunDir
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    config["model"] = {**{key: value for key, value in config["model"].items() if key != "config"}, "path": str(run_dir / "pipeline")}
+    workdir.mkdir(parents=True)
+    prepared = prepare_diffusion_data(RunConfig.model_validate(config), RunDir(workdir), reuse=False)
+    assert "caches complete: the training ranks will not load the VAE or the text encoders" in prepared.notes, prepared.notes
+    assert prepared.node_setup is None
+
