@@ -65,9 +65,12 @@ CPU_RANK_MMAP_THRESHOLD = 1 << 20  # bytes: host buffers of CPU ranks above 1 Mi
 
 def rank_environment(
     rank: int, world_size: int, port: int, accelerator: str, local_rank: int | None = None, local_world_size: int | None = None,
-    master_addr: str = "127.0.0.1", node_rank: int = 0,
+    master_addr: str = "127.0.0.1", node_rank: int = 0, zero_stage: int | None = None,
 ) -> dict[str, str]:
-    """torchrun's environment for one rank (on several nodes, with NODE_RANK and the first node's address)."""
+    """torchrun's environment for one rank (on several nodes, with NODE_RANK and the first node's address).
+
+    ``zero_stage``: the run's; ZeRO-3 on CPU ranks gets a fixed glibc mmap threshold (see below).
+    """
     local_world_size = local_world_size or world_size
     env = dict(os.environ)
     env.update(
@@ -92,8 +95,12 @@ def rank_environment(
         # later buffers come from the heap and their holes are never given back: 0.4B-parameter
         # LoRA on 4 ranks peaked at 10.8 GiB in its first step instead of 7.6 GiB
         # (benchmarks/real_scale.py). A fixed threshold keeps large buffers as mappings that
-        # return to the system when freed. Set it yourself to choose another value.
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(CPU_RANK_MMAP_THRESHOLD))
+        # return to the system when freed. It costs speed: every large activation buffer is
+        # then a fresh mapping with its page faults (ranks of a ZeRO-2 run measured 7% slower,
+        # BENCHMARKS.md, packing), and ZeRO-0/1/2 gather nothing, so only ZeRO-3 gets it.
+        # Set it yourself to choose another value.
+        if zero_stage == 3:
+            env.setdefault("MALLOC_MMAP_THRESHOLD_", str(CPU_RANK_MMAP_THRESHOLD))
     return env
 
 
@@ -153,7 +160,9 @@ class Supervisor:
         self.procs: list[subprocess.Popen] = []
         # The node's setup process (RunPlan.node_setup, e.g. a diffusion run filling its caches):
         # it runs to the end before any rank starts, so no rank is resident while it holds encoders.
-        self.node_setup = (run.read_json(run.plan_file, {}) or {}).get("node_setup")
+        plan = run.read_json(run.plan_file, {}) or {}
+        self.node_setup = plan.get("node_setup")
+        self.zero_stage = plan.get("zero_stage")
         self.setup_proc: subprocess.Popen | None = None
         self.ranks_started = False
         # A multi-node launcher runs the setup on its own node first and starts the node agents after
@@ -239,7 +248,9 @@ class Supervisor:
             log = open(self.run.rank_log(rank), "a")
             log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
             log.flush()
-            env = rank_environment(rank, self.world_size, self.port, self.accelerator, local_rank, self.local_ranks, self.master_addr, self.node_rank)
+            env = rank_environment(
+                rank, self.world_size, self.port, self.accelerator, local_rank, self.local_ranks, self.master_addr, self.node_rank, self.zero_stage
+            )
             proc = subprocess.Popen(
                 [sys.executable, "-m", "zeropipe.launch.rank", str(self.run.path)],
                 stdout=log,
