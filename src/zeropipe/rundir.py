@@ -91,6 +91,11 @@ class RunPlan:
     # "module:function" that one process per node runs, to the end, before the node's ranks start
     # (a diffusion run fills its caches there); called with (RunDir, torch device, encoder dtype).
     node_setup: str | None = None
+    # What the device computes in natively (precision "auto" on it) and why, as the launcher's
+    # resolved run decided it: the node's setup process loads frozen encoders in it, without
+    # asking the hardware again.
+    native_precision: str = "fp32"
+    native_precision_why: str = ""
 
 
 @dataclass

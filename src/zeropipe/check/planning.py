@@ -5,7 +5,7 @@ from __future__ import annotations
 from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
 from zeropipe.families import model_spec
-from zeropipe.plan import detect_hardware, plan_run, recommend
+from zeropipe.plan import plan_run, recommend
 
 GIB = 1024**3
 # Below this, activations are too small for gradient checkpointing's extra compute to pay (ZP013).
@@ -23,8 +23,7 @@ def plan_context(context):
     """The plan of the config's own choice on this machine's hardware, or None when it cannot be made."""
 
     try:
-        hardware = detect_hardware(cpu_ranks=context.world_size)
-        return plan_run(context.config, hardware, model_spec(context.config))
+        return plan_run(context.config, context.hardware, model_spec(context.config))
     except ZeroPipeError:
         return None  # the config problem is reported by the rules that own it
 

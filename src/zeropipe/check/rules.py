@@ -50,6 +50,7 @@ class CheckContext:
     nodes: Any = None  # the run's NodeLayout when it spans several machines
     node_reports: list[dict] | None = None  # what each node's agent said when probed (zeropipe check), or None
     user_set: dict[str, Any] = field(default_factory=dict)  # memory knobs the user set (Choice field names): fixes keep them or say why not
+    hardware: Any = None  # the resolved run's Hardware: the machine (and CPU) the check is for
 
     @property
     def zero_stage(self) -> int:
@@ -240,12 +241,10 @@ def precision_on_hardware(ctx: CheckContext):
 def cpu_ranks_gain_nothing(ctx: CheckContext):
     if ctx.accelerator != "cpu":
         return []
-    from zeropipe.doctor.facts import cpu_precision, cpu_runs_bf16_natively
+    from zeropipe.doctor.facts import cpu_precision
 
     found = []
-    # The plan's hardware carries the CPU's flags as read for this check; without a plan, read them here.
-    hardware = getattr(ctx.plan, "hardware", None)
-    native = hardware.cpu_bf16_native if hardware is not None and hardware.accelerator == "cpu" else cpu_runs_bf16_natively()
+    native = ctx.hardware is not None and ctx.hardware.cpu_bf16_native
     if ctx.config.deepspeed.precision == "bf16" and not native:
         found.append(
             (

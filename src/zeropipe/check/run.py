@@ -13,6 +13,7 @@ from zeropipe.config.stages import stage_configs, stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run, user_set_knobs
+from zeropipe.plan.hardware import Hardware, detect_hardware
 
 
 class CheckFailed(ZeroPipeError):
@@ -27,24 +28,32 @@ class CheckFailed(ZeroPipeError):
 
 
 def build_context(
-    config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None, node_reports: list[dict] | None = None
+    config: RunConfig | ResolvedRun,
+    world_size: int | None = None,
+    accelerator: str | None = None,
+    node_reports: list[dict] | None = None,
+    hardware: Hardware | None = None,
 ) -> CheckContext:
     """What the rules look at: the resolved config (resolved here unless it is), its DeepSpeed JSON and its plan.
 
     Args:
         node_reports: what each node's agent said when probed (zeropipe check probes; train learns it at launch).
+        hardware: the machine to check for (detected once when not given; a resolved run carries its own).
     """
     problems: list[tuple[str, str]] = []
     if isinstance(config, ResolvedRun):
         resolved = config
     else:
         try:
-            resolved = resolve_run(config, world_size, accelerator, fill_auto_knobs=False)
+            resolved = resolve_run(config, world_size, accelerator, fill_auto_knobs=False, hardware=hardware)
         except ConfigError as err:  # e.g. a train_batch_size that does not divide over the ranks (ZP008)
             problems += err.problems
             detected = detect_accelerator(config)
-            resolved = ResolvedRun(config, accelerator or detected[0], world_size or detected[1], user_set=user_set_knobs(config))
+            world_size = world_size or detected[1]
+            hardware = hardware or detect_hardware(cpu_ranks=world_size)
+            resolved = ResolvedRun(config, accelerator or detected[0], world_size, user_set=user_set_knobs(config), hardware=hardware)
     config, accelerator, world_size = resolved.config, resolved.accelerator, resolved.world_size
+    hardware = resolved.hardware or detect_hardware(cpu_ranks=world_size)
     hidden = None
     family_problems: list[tuple[str, str]] = []
     try:
@@ -61,7 +70,7 @@ def build_context(
         ds_config = user_ds or {}
     context = CheckContext(
         config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts,
-        nodes=resolved.nodes, node_reports=node_reports, user_set=resolved.user_set,
+        nodes=resolved.nodes, node_reports=node_reports, user_set=resolved.user_set, hardware=hardware,
     )
     context.plan = plan_for(context)
     return context
@@ -80,31 +89,38 @@ def plan_for(context: CheckContext):
 
 
 def check_config(
-    config: RunConfig | ResolvedRun, world_size: int | None = None, accelerator: str | None = None, node_reports: list[dict] | None = None
+    config: RunConfig | ResolvedRun,
+    world_size: int | None = None,
+    accelerator: str | None = None,
+    node_reports: list[dict] | None = None,
+    hardware: Hardware | None = None,
 ) -> list[Finding]:
     """Every finding for this config (or resolved run), errors first; for a curriculum, every stage's."""
     plain = config.config if isinstance(config, ResolvedRun) else config
+    if isinstance(config, ResolvedRun):
+        hardware = hardware or config.hardware
     if plain.stages:
-        findings = check_stages(plain, world_size, accelerator)
+        findings = check_stages(plain, world_size, accelerator, hardware)
     else:
-        findings = run_rules(build_context(config, world_size, accelerator, node_reports))
+        findings = run_rules(build_context(config, world_size, accelerator, node_reports, hardware))
     # run.accept_warnings: a deliberate choice is not warned about again (errors always stand).
     accepted = set(plain.run.accept_warnings)
     findings = [f for f in findings if f.severity == "error" or f.rule not in accepted]
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))
 
 
-def check_stages(config: RunConfig, world_size: int | None = None, accelerator: str | None = None) -> list[Finding]:
+def check_stages(config: RunConfig, world_size: int | None = None, accelerator: str | None = None, hardware: Hardware | None = None) -> list[Finding]:
     """A curriculum: each stage checked as the run it will be (its own ZeRO stage, LoRA, batch), keys prefixed stages[N]."""
     import dataclasses
 
     findings = []
     for index, stage in enumerate(stage_configs(config)):
         try:
-            stage = resolve_run(stage, world_size, accelerator)
+            stage = resolve_run(stage, world_size, accelerator, hardware=hardware)
         except ZeroPipeError as err:
             findings.append(Finding("ZP011", "error", stage_key(index, "deepspeed"), str(err), "zeropipe plan on this stage's settings shows what fits", "docs/plan.md"))
             continue
+        hardware = stage.hardware  # detected once, for every stage
         for finding in run_rules(build_context(stage, world_size, accelerator)):
             findings.append(dataclasses.replace(finding, key=stage_key(index, finding.key)))
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))

@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"data.max_seq_len={args.seq_len}")
         if args.lora_r is not None:
             overrides.append(f"model.lora.r={args.lora_r}")
-        resolved = resolve_run(load_config(args.config, overrides), fill_auto_knobs=False)
+        # Resolved for the machine planned for: its accelerator and CPU decide precision "auto".
+        resolved = resolve_run(load_config(args.config, overrides), accelerator=hardware.accelerator, fill_auto_knobs=False, hardware=hardware)
         config = resolved.config
         spec = _spec(args, lora) if (args.model or args.params) else None
         if args.gpus is None and args.cpu_ranks is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
@@ -132,7 +133,6 @@ def cpu_hardware(ranks: int, ram: str | None):
 
     import psutil
 
-    from zeropipe.doctor.facts import cpu_runs_bf16_natively
     from zeropipe.plan import detect_hardware
     from zeropipe.plan.hardware import format_gib, parse_size
 
@@ -145,7 +145,6 @@ def cpu_hardware(ranks: int, ram: str | None):
         )
         hardware = dataclasses.replace(
             hardware, gpus_per_node=ranks, gpu_memory_bytes=total // ranks, host_ram_bytes=total, gpu_name=None, accelerator="cpu", notes=(note,),
-            cpu_bf16_native=cpu_runs_bf16_natively(),
         )
     return hardware
 

@@ -349,7 +349,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     Args:
         device: the node's first GPU, or the CPU.
         encoder_dtype: what the text encoders are loaded in: bf16 where the device runs it
-            natively, else fp32 (``zeropipe.launch.node_setup.encoder_precision``). The VAE stays in
+            natively, else fp32 (``zeropipe.launch.node_setup.encoder_precision_for``). The VAE stays in
             fp32, as diffusers' Wan and SDXL pipelines recommend (image VAEs overflow in half
             precision; it is small: 127M parameters for Wan).
     """

@@ -139,8 +139,21 @@ class MachineFacts:
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+# Describes the CPU instead of reading it: the flags as /proc/cpuinfo lists them, space- or
+# comma-separated ("avx2" for a CPU that emulates bf16, "avx2 avx512_bf16" for one that runs it).
+# Tests set it so that a run decides the same on every machine; a user can plan for another CPU.
+CPU_FLAGS_VARIABLE = "ZEROPIPE_CPU_FLAGS"
+
+
 def cpu_flags(proc_file: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (Linux), empty where they cannot be read."""
+    """The CPU's feature flags (Linux), empty where they cannot be read; ``ZEROPIPE_CPU_FLAGS`` describes another CPU.
+
+    This is the one place that asks the CPU: every decision that depends on it (precision
+    ``auto``, the plan's precisions, the encoders' dtype) reads the hardware object built from it.
+    """
+    described = os.environ.get(CPU_FLAGS_VARIABLE)
+    if described is not None:
+        return set(described.replace(",", " ").split())
     try:
         with open(proc_file) as handle:
             for line in handle:
@@ -156,9 +169,8 @@ def cpu_runs_bf16_natively(flags: set[str] | None = None) -> bool:
     return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
-def cpu_precision(native: bool | None = None) -> tuple[str, str]:
-    """(precision, why) for CPU ranks: bf16 only where the CPU runs it natively (``native``, else read from its flags), fp32 otherwise."""
-    native = cpu_runs_bf16_natively() if native is None else native
+def cpu_precision(native: bool) -> tuple[str, str]:
+    """(precision, why) for CPU ranks: bf16 only where the CPU runs it natively (``native``: the hardware object's fact), fp32 otherwise."""
     if native:
         return "bf16", "this CPU runs bf16 natively (avx512_bf16/AMX)"
     return "fp32", "this CPU has no bf16 in hardware (no avx512_bf16/AMX): bf16 would run 18-56x slower than fp32"

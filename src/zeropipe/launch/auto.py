@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.families import model_spec
-from zeropipe.plan import detect_hardware, plan_run
+from zeropipe.plan import Hardware, plan_run
 
 AUTO_KNOBS = {
     ("deepspeed", "zero_stage"),
@@ -20,8 +20,8 @@ def auto_knobs(config: RunConfig) -> list[tuple[str, str]]:
     return sorted((section, key) for section, key in AUTO_KNOBS if getattr(getattr(config, section), key) == "auto")
 
 
-def resolve_auto_knobs(config: RunConfig, world_size: int) -> tuple[RunConfig, list[str]]:
-    """A copy of the config with every "auto" knob set to the planner's choice for ``world_size`` ranks, and a note for each.
+def resolve_auto_knobs(config: RunConfig, world_size: int, hardware: Hardware) -> tuple[RunConfig, list[str]]:
+    """A copy of the config with every "auto" knob set to the planner's choice for ``world_size`` ranks on ``hardware``, and a note for each.
 
     Called by :func:`zeropipe.launch.resolve.resolve_run`, once the precision is known.
 
@@ -31,7 +31,6 @@ def resolve_auto_knobs(config: RunConfig, world_size: int) -> tuple[RunConfig, l
     wanted = auto_knobs(config)
     if not wanted:
         return config, []
-    hardware = detect_hardware(cpu_ranks=world_size)
     result = plan_run(config, hardware, model_spec(config))
     best = result.require_best()
     fragment = result.fragment()

@@ -8,7 +8,7 @@ supervisor runs this process to the end before it starts the node's ranks; the r
 only read what it wrote. What it runs is the run plan's ``node_setup`` (``module:function``,
 set by the family's data preparation), called with the run directory, the device (the
 node's first GPU, or the CPU) and the dtype to load frozen encoders in
-(:func:`encoder_precision`).
+(:func:`encoder_precision_for`, from what the launcher decided the device runs natively).
 
 Like a rank, it dies with its launcher and writes a failure to ``errors/node_setup.json`` for the
 launcher's diagnosis; its log is ``logs/node_setup.log``.
@@ -23,13 +23,6 @@ from pathlib import Path
 
 from zeropipe.engine.noise import quiet_known_noise
 from zeropipe.launch.rank import check_owner, die_with_launcher, leave, record_failure
-
-
-def encoder_precision(accelerator: str) -> tuple[str, str]:
-    """(dtype name, why) frozen text encoders are loaded in to fill caches: what the device runs natively."""
-    from zeropipe.launch.resolve import auto_precision
-
-    return encoder_precision_for(accelerator, *auto_precision(accelerator))
 
 
 def encoder_precision_for(accelerator: str, device_precision: str, why: str) -> tuple[str, str]:
@@ -71,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         device = setup_device(plan.accelerator)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        precision, why = encoder_precision(plan.accelerator)
+        precision, why = encoder_precision_for(plan.accelerator, plan.native_precision, plan.native_precision_why)
         logging.getLogger("zeropipe").info("node setup (%s) on %s, text encoders in %s: %s", plan.node_setup, device, precision, why)
         setup(run, device, TORCH_DTYPES[precision])
     except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis

@@ -22,7 +22,7 @@ from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
-from zeropipe.launch.node_setup import encoder_precision
+from zeropipe.launch.node_setup import encoder_precision_for
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
 from zeropipe.launch.resume import (
     check_resume_schedule,
@@ -173,9 +173,11 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         generate_prompts=data.prompts,
         created_at=time.time(),
         node_setup=data.node_setup,
+        native_precision=resolved.native_precision[0],
+        native_precision_why=resolved.native_precision[1],
     )
     if data.node_setup:
-        precision, why = encoder_precision(accelerator)
+        precision, why = encoder_precision_for(accelerator, *resolved.native_precision)
         where = "the node's first GPU" if accelerator == "cuda" else "the CPU"
         notes.append(f"one process fills the caches on {where} before the ranks start (one copy of each encoder per node); text encoders in {precision}: {why}")
     write_atomic(run.config, dump_config(config))

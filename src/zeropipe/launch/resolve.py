@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from zeropipe.config.deepspeed import fold_user_config
 from zeropipe.config.schema import RunConfig
-from zeropipe.doctor.facts import cpu_precision, cpu_runs_bf16_natively
+from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ConfigError
 from zeropipe.launch.auto import resolve_auto_knobs
 from zeropipe.launch.nodes import NodeLayout, resolve_layout
+from zeropipe.plan.hardware import Hardware, detect_hardware
 
 
 @dataclass
@@ -30,6 +31,12 @@ class ResolvedRun:
     # The knobs the user set to a value (in the YAML or the DeepSpeed JSON), by the plan's Choice
     # field names: a suggested fix keeps them, or says why one must change.
     user_set: dict[str, object] = field(default_factory=dict)
+    # The machine the run is decided for, detected once (or injected: the UI and tests plan for
+    # other machines). Everything downstream that depends on the hardware reads it from here.
+    hardware: Hardware | None = None
+    # (precision, why): what the device computes in natively, what precision "auto" picks on it;
+    # saved in run.json for the node's setup process (the dtype it loads frozen encoders in).
+    native_precision: tuple[str, str] = ("fp32", "not decided")
 
 
 # The knobs a memory fix may change, by (section, field) and the plan's Choice field name.
@@ -76,8 +83,8 @@ def detect_accelerator(config: RunConfig) -> tuple[str, int]:
     return accelerator, int(gpus)
 
 
-def auto_precision(accelerator: str) -> tuple[str, str]:
-    """(precision, why) for deepspeed.precision: auto on this hardware."""
+def auto_precision(accelerator: str, hardware: Hardware) -> tuple[str, str]:
+    """(precision, why) for deepspeed.precision: auto on this hardware (on CPU ranks, the hardware object's CPU fact)."""
     if accelerator == "cuda":
         import torch
 
@@ -86,15 +93,19 @@ def auto_precision(accelerator: str) -> tuple[str, str]:
         if torch.cuda.is_bf16_supported():
             return "bf16", "the GPUs support bf16"
         return "fp16", f"{torch.cuda.get_device_name(0)} has no bf16"
-    return cpu_precision(cpu_runs_bf16_natively())
+    return cpu_precision(hardware.cpu_bf16_native)
 
 
-def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: str | None = None, fill_auto_knobs: bool = True) -> ResolvedRun:
+def resolve_run(
+    config: RunConfig, world_size: int | None = None, accelerator: str | None = None, fill_auto_knobs: bool = True, hardware: Hardware | None = None
+) -> ResolvedRun:
     """Resolve a config for this machine.
 
     Args:
         world_size, accelerator: override what is detected (the UI and tests plan for other machines).
         fill_auto_knobs: ask the planner for the knobs left "auto" (train does; check and plan judge them as "auto").
+        hardware: the machine to decide for; detected here (once) when not given. On CPU ranks its
+            ``cpu_bf16_native`` decides precision "auto"; tests inject it to decide as on another CPU.
 
     Raises:
         ConfigError: with the key and the fix; ZeroPipeError when no choice of the auto knobs fits.
@@ -112,15 +123,18 @@ def resolve_run(config: RunConfig, world_size: int | None = None, accelerator: s
             detected_ranks = layout.world_size
             notes.append(f"{len(layout.nodes)} nodes from {layout.source}: {', '.join(f'{n.host} ({n.ranks} ranks)' for n in layout.nodes)}; world size {layout.world_size}")
     world_size = world_size or detected_ranks
+    if hardware is None:
+        hardware = detect_hardware(cpu_ranks=world_size)
+    native_precision = auto_precision(accelerator, hardware)
     config, fold_notes, conflicts = fold_user_config(config, world_size)
     notes += fold_notes
     user_set = user_set_knobs(config)
     if config.deepspeed.precision == "auto":
-        precision, why = auto_precision(accelerator)
+        precision, why = native_precision
         config = config.model_copy(deep=True)
         config.deepspeed.precision = precision
         notes.append(f"deepspeed.precision = {precision} ({why})")
     if fill_auto_knobs:
-        config, auto_notes = resolve_auto_knobs(config, world_size)
+        config, auto_notes = resolve_auto_knobs(config, world_size, hardware)
         notes += auto_notes
-    return ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set)
+    return ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set, hardware, native_precision)

@@ -44,8 +44,9 @@ class Hardware:
     gpu_name: str | None = None
     accelerator: str = "cuda"  # "cuda" or "cpu"
     notes: tuple[str, ...] = ()  # how the figures were obtained, shown to the user
-    # CPU ranks only: the CPU has bf16 in hardware (avx512_bf16/AMX in its flags). Without it
-    # PyTorch emulates bf16, 18-56x slower than fp32, so the planner then tries fp32 alone.
+    # The CPU has bf16 in hardware (avx512_bf16/AMX in its flags; read once, by detect_hardware).
+    # Used on CPU ranks only: without it PyTorch emulates bf16, 18-56x slower than fp32, so the
+    # planner then tries fp32 alone and precision "auto" picks fp32.
     cpu_bf16_native: bool = False
 
     @property
@@ -129,7 +130,7 @@ def detect_hardware(cpu_ranks: int = 2) -> Hardware:
         notes = [f"detected {count} CUDA device(s): {', '.join(names)}; host RAM {format_gib(ram)}"]
         if len(names) > 1 or len({p.total_memory for p in props}) > 1:
             notes.append(f"GPUs differ: every rank is planned with the smallest ({smallest.name}, {format_gib(smallest.total_memory)})")
-        return Hardware(count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes))
+        return Hardware(count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively())
     note = (
         f"no CUDA device: {cpu_ranks} CPU ranks, and the 'GPU memory' of each CPU rank is its share of the "
         f"{format_gib(ram)} of host RAM ({format_gib(ram // cpu_ranks)}); both budgets are the same RAM"

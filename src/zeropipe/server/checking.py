@@ -70,7 +70,7 @@ def plan_of(config) -> dict[str, Any]:
         return {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
     try:
         hardware = detected_hardware()
-        config = resolve_run(config, fill_auto_knobs=False).config  # precision and the DeepSpeed JSON as train would resolve them
+        config = resolve_run(config, fill_auto_knobs=False, hardware=hardware).config  # precision and the DeepSpeed JSON as train would resolve them
         result = plan_run(config, hardware, model_spec(config))
         return {"available": True, "result": to_plain(result), "hardware": to_plain(hardware)}
     except ZeroPipeError as err:

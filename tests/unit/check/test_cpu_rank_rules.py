@@ -11,8 +11,6 @@ import pytest
 from zeropipe.check.rules import run_rules
 from zeropipe.check.run import build_context
 from zeropipe.config.load import validate_config
-from zeropipe.families import model_spec
-from zeropipe.plan import plan_run
 from zeropipe.plan.hardware import GIB, Hardware
 
 RANKS = 2
@@ -30,9 +28,9 @@ def findings_for(tmp_path):
             "deepspeed": deepspeed,
             "hardware": {"gpus": RANKS},
         }
-        context = build_context(validate_config(raw), world_size=RANKS, accelerator=accelerator)
         ram = 16 * GIB
-        context.plan = plan_run(context.config, Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu", cpu_bf16_native=bf16_native), model_spec(context.config))
+        hardware = Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu", cpu_bf16_native=bf16_native)
+        context = build_context(validate_config(raw), world_size=RANKS, accelerator=accelerator, hardware=hardware)
         return [f for f in run_rules(context) if f.rule == "ZP019"]
 
     return build

@@ -13,8 +13,7 @@ import pytest
 from zeropipe.check.planning import memory_problems
 from zeropipe.check.run import build_context
 from zeropipe.config.load import validate_config
-from zeropipe.families import model_spec
-from zeropipe.plan import Choice, evaluate, plan_run
+from zeropipe.plan import Choice, evaluate
 from zeropipe.plan.hardware import GIB, Hardware
 
 # 24 layers x 1024 (0.4B parameters): the shape of the run the issue measured.
@@ -43,9 +42,11 @@ def context_for(tmp_path):
             "deepspeed": deepspeed,
             "hardware": {"gpus": RANKS, "accelerator": "cpu"},
         }
-        context = build_context(validate_config(raw), world_size=RANKS, accelerator="cpu")
         ram = host_ram_gib * GIB
-        context.plan = plan_run(context.config, Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu", cpu_bf16_native=bf16_native), model_spec(context.config))
+        # The machine is injected into the one resolve: precision auto, the plan and the fix all decide for it.
+        hardware = Hardware(RANKS, ram // RANKS, 1, ram, None, "cpu", cpu_bf16_native=bf16_native)
+        context = build_context(validate_config(raw), world_size=RANKS, accelerator="cpu", hardware=hardware)
+        assert context.plan.hardware is hardware
         return context
 
     return build
@@ -141,14 +142,15 @@ def test_on_an_avx2_cpu_the_fix_never_proposes_bf16_or_offload(context_for, deep
         assert evaluate(context.plan.spec, context.plan.hardware, apply(context, suggested_settings(fix))).fits
 
 
-def test_on_a_cpu_with_bf16_in_hardware_the_fix_may_switch_to_bf16(context_for):
-    # Nothing fits in fp32 (what precision: auto picked on the machine the config was resolved
-    # on); this CPU runs bf16 natively, so the fix may give fp32 up, and says why.
+def test_on_a_cpu_with_bf16_in_hardware_auto_precision_is_bf16_and_the_fix_keeps_it(context_for):
+    # 16 GiB: nothing fits in fp32 (on an AVX2 CPU the fix says so, above). Where the CPU runs
+    # bf16 natively, the one resolve already picked bf16 for precision: auto, the plan is made in
+    # it, and the fix only changes what the user left to defaults, never back to fp32.
     context = context_for({}, host_ram_gib=16, bf16_native=True)
+    assert context.config.deepspeed.precision == "bf16" and context.plan.configured.choice.precision == "bf16"
     [(_, _, fix)] = memory_problems(context)
-    assert fix.startswith("deepspeed.precision: fp32 as precision: auto picked it for this hardware cannot fit"), fix
     settings = suggested_settings(fix)
-    assert settings["deepspeed.precision"] == "bf16"
+    assert "deepspeed.precision" not in settings, fix
     assert "deepspeed.offload_param" not in settings and "deepspeed.offload_optimizer" not in settings, fix
     assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits
 

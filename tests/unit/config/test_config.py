@@ -190,13 +190,29 @@ def test_a_json_batch_without_micro_batch_is_derived_or_refused(tmp_path):
     assert any(f.rule == "ZP008" and "does not divide" in f.message for f in findings), [f.render() for f in findings]
 
 
-def test_precision_auto_follows_the_cpu(monkeypatch):
-    from zeropipe.launch import resolve
+@pytest.mark.parametrize(("flags", "precision"), [("avx2 avx512f", "fp32"), ("avx2,avx512_bf16", "bf16"), ("avx2 amx_bf16", "bf16")])
+def test_precision_auto_follows_the_cpu_described_once(tmp_path, monkeypatch, flags, precision):
+    """The CPU is asked in one place (ZEROPIPE_CPU_FLAGS describes another); the resolved run, run.json and the checks read that."""
+    from zeropipe.launch.resolve import resolve_run
 
-    monkeypatch.setattr(resolve, "cpu_runs_bf16_natively", lambda: False)
-    assert resolve.auto_precision("cpu")[0] == "fp32"
-    monkeypatch.setattr(resolve, "cpu_runs_bf16_natively", lambda: True)
-    assert resolve.auto_precision("cpu")[0] == "bf16"
+    monkeypatch.setenv("ZEROPIPE_CPU_FLAGS", flags)
+    resolved = resolve_run(load_config(write(tmp_path, minimal(tmp_path))), world_size=2, accelerator="cpu", fill_auto_knobs=False)
+    assert resolved.config.deepspeed.precision == precision and resolved.native_precision[0] == precision
+    assert resolved.hardware.cpu_bf16_native == (precision == "bf16")
+    assert any(note.startswith(f"deepspeed.precision = {precision} (") for note in resolved.notes), resolved.notes
+
+
+def test_a_resolved_run_decides_with_the_hardware_it_is_given(tmp_path, monkeypatch):
+    """An injected hardware object wins over the machine: the UI and tests decide for other CPUs."""
+    import dataclasses
+
+    from zeropipe.launch.resolve import resolve_run
+    from zeropipe.plan.hardware import detect_hardware
+
+    monkeypatch.setenv("ZEROPIPE_CPU_FLAGS", "avx2")
+    hardware = dataclasses.replace(detect_hardware(cpu_ranks=2), cpu_bf16_native=True)
+    resolved = resolve_run(load_config(write(tmp_path, minimal(tmp_path))), world_size=2, accelerator="cpu", fill_auto_knobs=False, hardware=hardware)
+    assert resolved.config.deepspeed.precision == "bf16" and resolved.hardware is hardware
     from zeropipe.doctor.facts import cpu_runs_bf16_natively
 
     assert cpu_runs_bf16_natively({"avx2", "avx512_bf16"}) and not cpu_runs_bf16_natively({"avx2", "avx512f"})

@@ -1,0 +1,21 @@
+"""What every test lane shares: the CPU the suite decides for.
+
+Whether the CPU runs bf16 natively changes what ``precision: auto`` picks, what the plan tries
+and the dtype caches are filled in, and so the losses and messages the integration tests assert.
+The one function that asks the CPU (``zeropipe.doctor.facts.cpu_flags``) reads
+``ZEROPIPE_CPU_FLAGS`` first, so the suite describes one CPU here, a CPU without bf16 in
+hardware, and passes the same on an AVX2-only machine and on one with avx512_bf16/AMX. Tests
+about the other kind inject it themselves (``monkeypatch.setenv``, or a ``Hardware`` object
+handed to the resolve). Set ZEROPIPE_CPU_FLAGS yourself to run the suite as another CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+SUITE_CPU_FLAGS = "avx avx2 fma avx512f"
+
+
+def pytest_configure(config):
+    # Set at start-up, so that every process a test starts (ranks, the node's setup, the UI) inherits it.
+    os.environ.setdefault("ZEROPIPE_CPU_FLAGS", SUITE_CPU_FLAGS)
