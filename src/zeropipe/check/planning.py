@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from zeropipe.doctor.facts import cpu_precision
-from zeropipe.errors import ZeroPipeError
-from zeropipe.families import model_spec
-from zeropipe.plan import plan_run, recommend
+from zeropipe.plan import recommend
 
 GIB = 1024**3
 # Below this, activations are too small for gradient checkpointing's extra compute to pay (ZP013).
@@ -17,15 +15,6 @@ def readable_bytes(num_bytes: float) -> str:
     if num_bytes >= 0.05 * GIB:
         return f"{num_bytes / GIB:.1f} GiB"
     return f"{num_bytes / 1024**2:.0f} MiB"
-
-
-def plan_context(context):
-    """The plan of the config's own choice on this machine's hardware, or None when it cannot be made."""
-
-    try:
-        return plan_run(context.config, context.hardware, model_spec(context.config))
-    except ZeroPipeError:
-        return None  # the config problem is reported by the rules that own it
 
 
 # Knobs a fix gives up, in this order, when nothing fits with every one the user set:

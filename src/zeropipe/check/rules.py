@@ -8,9 +8,7 @@ documented, and is run on a config before any process starts (`zeropipe check`, 
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from zeropipe.check.planning import activation_heavy, memory_problems, zero3_unneeded
@@ -302,11 +300,3 @@ def run_rules(ctx: CheckContext, rules: list[Rule] | None = None) -> list[Findin
     return findings
 
 
-def load_user_ds_config(config: RunConfig) -> dict[str, Any] | None:
-    if not config.deepspeed.config_file:
-        return None
-    try:
-        value = json.loads(Path(config.deepspeed.config_file).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # reported by the config loader with the line
-    return value if isinstance(value, dict) else None

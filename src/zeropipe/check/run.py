@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 from zeropipe.check import multinode as _multinode_rules  # noqa: F401 - registers the multi-node rules
-from zeropipe.check.planning import plan_context
-from zeropipe.check.rules import CheckContext, Finding, load_user_ds_config, run_rules
+from zeropipe.check.rules import CheckContext, Finding, run_rules
 from zeropipe.config.deepspeed import build_deepspeed_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.config.stages import stage_configs, stage_key
@@ -53,7 +52,7 @@ def build_context(
             hardware = hardware or detect_hardware(cpu_ranks=world_size)
             resolved = ResolvedRun(config, accelerator or detected[0], world_size, user_set=user_set_knobs(config), hardware=hardware)
     config, accelerator, world_size = resolved.config, resolved.accelerator, resolved.world_size
-    hardware = resolved.hardware or detect_hardware(cpu_ranks=world_size)
+    hardware = resolved.hardware
     hidden = None
     family_problems: list[tuple[str, str]] = []
     try:
@@ -62,9 +61,9 @@ def build_context(
         hidden = family.hidden_size(config)
     except ConfigError as err:
         family_problems += err.problems
-    user_ds = load_user_ds_config(config)
+    user_ds = resolved.user_ds_config
     try:
-        ds_config = build_deepspeed_config(config, world_size, total_steps=1000, hidden_size=hidden).config
+        ds_config = build_deepspeed_config(config, world_size, total_steps=1000, hidden_size=hidden, user_json=user_ds).config
     except ConfigError as err:
         problems += err.problems
         ds_config = user_ds or {}
@@ -72,15 +71,17 @@ def build_context(
         config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts,
         nodes=resolved.nodes, node_reports=node_reports, user_set=resolved.user_set, hardware=hardware,
     )
-    context.plan = plan_for(context)
+    context.plan = plan_for(resolved)
     return context
 
 
-def plan_for(context: CheckContext):
-    """The memory plan of the config's own choice, or None when it cannot be computed."""
+def plan_for(resolved: ResolvedRun):
+    """The memory plan of the config's own choice (the resolved run's), or None when it cannot be computed."""
 
     try:
-        return plan_context(context)
+        return resolved.plan()
+    except ZeroPipeError:
+        return None  # the config problem is reported by the rules that own it
     except Exception as err:  # noqa: BLE001 - a planner failure must not block the other rules
         # One line for the user; the traceback only for whoever turns on debug logging.
         logging.getLogger("zeropipe").warning("the memory planner failed (%s: %s); plan-based checks skipped", type(err).__name__, err)

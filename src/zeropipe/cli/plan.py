@@ -45,7 +45,7 @@ def register(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zeropipe.errors import ZeroPipeError
-    from zeropipe.plan import detect_hardware, parse_hardware, plan_run, recommend
+    from zeropipe.plan import detect_hardware, parse_hardware, recommend
     from zeropipe.plan.hardware import Hardware
     from zeropipe.plan.model_spec import catalog_names
     from zeropipe.plan.render import render_plan
@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.config:
         from zeropipe.config.load import load_config
-        from zeropipe.families import model_spec
         from zeropipe.launch.resolve import resolve_run
 
         overrides = []
@@ -109,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
                 hardware.with_gpus(layout.nodes[0].ranks), nodes=len(layout.nodes),
                 notes=hardware.notes + (f"{len(layout.nodes)} nodes from {layout.source}, each planned like this machine",),
             )
-        result = plan_run(config, hardware, spec or model_spec(config), margin=args.margin)
+        resolved.hardware = hardware
+        result = resolved.plan(spec, args.margin)
         if args.global_batch:
             result = recommend(
                 result.spec, result.hardware, args.global_batch, config.data.max_seq_len, args.margin, attention=config.model.attn_implementation

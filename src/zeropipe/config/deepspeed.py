@@ -94,10 +94,19 @@ def precision_block(precision: str) -> dict[str, Any]:
     return {}
 
 
-def build_deepspeed_config(config: RunConfig, world_size: int, total_steps: int, hidden_size: int | None = None) -> ResolvedDeepSpeed:
-    """The DeepSpeed JSON for this run: the user's file with "auto" resolved, or one generated from the config."""
+def build_deepspeed_config(
+    config: RunConfig, world_size: int, total_steps: int, hidden_size: int | None = None, user_json: dict[str, Any] | None = None
+) -> ResolvedDeepSpeed:
+    """The DeepSpeed JSON for this run: the user's file with "auto" resolved, or one generated from the config.
+
+    Args:
+        user_json: deepspeed.config_file as the resolved run read it (``ResolvedRun.user_ds_config``);
+            read here (by :func:`read_user_config`) only when not given.
+    """
     if config.deepspeed.config_file:
-        resolved = resolve_user_config(config, Path(config.deepspeed.config_file), world_size, total_steps, hidden_size)
+        if user_json is None:
+            user_json = read_user_config(Path(config.deepspeed.config_file))
+        resolved = resolve_user_config(config, Path(config.deepspeed.config_file), user_json, world_size, total_steps, hidden_size)
     else:
         train = config.train
         ds_config: dict[str, Any] = {
@@ -143,13 +152,16 @@ def check_batch_size(ds_config: dict[str, Any], world_size: int) -> None:
         )
 
 
-def resolve_user_config(config: RunConfig, path: Path, world_size: int, total_steps: int, hidden_size: int | None) -> ResolvedDeepSpeed:
+def resolve_user_config(
+    config: RunConfig, path: Path, user_json: dict[str, Any], world_size: int, total_steps: int, hidden_size: int | None
+) -> ResolvedDeepSpeed:
     """Fill every "auto" of a DeepSpeed JSON written for HF Trainer / LLaMA-Factory / axolotl.
 
     Explicit values in the file win over this config's defaults; the config's train.* fields
     are what the "auto" values become. Every filled value is listed so the user can see it.
+    ``user_json`` is the file's content (read once, by :func:`read_user_config`); ``path`` names it in messages.
     """
-    user = read_user_config(path)
+    user = copy.deepcopy(user_json)
     train = config.train
     precision = config.deepspeed.precision
     micro = user.get("train_micro_batch_size_per_gpu")
@@ -215,7 +227,10 @@ def resolve_user_config(config: RunConfig, path: Path, world_size: int, total_st
 
 
 def read_user_config(path: Path) -> dict[str, Any]:
-    """deepspeed.config_file as a dict.
+    """deepspeed.config_file as a dict: the one reader of a user's DeepSpeed JSON (``~`` expanded).
+
+    A command reads it once, when it resolves the run (``ResolvedRun.user_ds_config``), and
+    hands the content to everything that needs it.
 
     Raises:
         ConfigError: naming the line of a JSON syntax error, or a file that is not an object.
@@ -240,13 +255,16 @@ def _explicit(node: dict[str, Any], *path: str) -> Any:
     return None if node == "auto" else node
 
 
-def fold_user_config(config: RunConfig, world_size: int) -> tuple[RunConfig, list[str], list[tuple[str, str]]]:
+def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, Any] | None) -> tuple[RunConfig, list[str], list[tuple[str, str]]]:
     """The config with the explicit choices of its DeepSpeed JSON (and deepspeed.overrides) written into its typed fields.
 
     DeepSpeed runs what the JSON says, so the JSON's explicit batch shape, ZeRO stage,
     offload and precision become the run's: config.yaml, ds_config.json, the checks, the
     plan and the model's dtype then agree. A batch the JSON gives as train_batch_size with
     only one of micro-batch or accumulation has the other derived for this world size.
+
+    Args:
+        user_json: deepspeed.config_file's content (:func:`read_user_config`), None without one.
 
     Returns:
         (config, notes: what was taken from the JSON, conflicts: (key, message) where the
@@ -257,7 +275,7 @@ def fold_user_config(config: RunConfig, world_size: int) -> tuple[RunConfig, lis
     """
     if not config.deepspeed.config_file and not config.deepspeed.overrides:
         return config, [], []
-    user = read_user_config(Path(config.deepspeed.config_file)) if config.deepspeed.config_file else {}
+    user = copy.deepcopy(user_json) if user_json is not None else {}
     merge(user, copy.deepcopy(config.deepspeed.overrides))
     source = f"{config.deepspeed.config_file}" if config.deepspeed.config_file else "deepspeed.overrides"
     taken: dict[tuple[str, str], tuple[Any, str]] = {}  # (section, field) -> (value, JSON key)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.families import model_spec
-from zeropipe.plan import Hardware, plan_run
+from zeropipe.plan import PlanResult
 
 AUTO_KNOBS = {
     ("deepspeed", "zero_stage"),
@@ -20,10 +19,10 @@ def auto_knobs(config: RunConfig) -> list[tuple[str, str]]:
     return sorted((section, key) for section, key in AUTO_KNOBS if getattr(getattr(config, section), key) == "auto")
 
 
-def resolve_auto_knobs(config: RunConfig, world_size: int, hardware: Hardware) -> tuple[RunConfig, list[str]]:
-    """A copy of the config with every "auto" knob set to the planner's choice for ``world_size`` ranks on ``hardware``, and a note for each.
+def fill_auto_knobs_from(config: RunConfig, result: PlanResult) -> tuple[RunConfig, list[str]]:
+    """A copy of the config with every "auto" knob set to the plan's choice, and a note saying so.
 
-    Called by :func:`zeropipe.launch.resolve.resolve_run`, once the precision is known.
+    ``result`` is the plan of this config (``ResolvedRun.plan``), made once the precision is known.
 
     Raises:
         ZeroPipeError: when no combination fits the hardware (the plan's reason).
@@ -31,7 +30,6 @@ def resolve_auto_knobs(config: RunConfig, world_size: int, hardware: Hardware) -
     wanted = auto_knobs(config)
     if not wanted:
         return config, []
-    result = plan_run(config, hardware, model_spec(config))
     best = result.require_best()
     fragment = result.fragment()
     resolved = config.model_copy(deep=True)
@@ -40,4 +38,4 @@ def resolve_auto_knobs(config: RunConfig, world_size: int, hardware: Hardware) -
         value = fragment[section][key]
         setattr(getattr(resolved, section), key, value)
         chosen.append(f"{section}.{key} = {value}")
-    return resolved, [f"auto: {', '.join(chosen)} (the plan's fastest fit: {best.choice.describe()} on {hardware.describe()}; see zeropipe plan)"]
+    return resolved, [f"auto: {', '.join(chosen)} (the plan's fastest fit: {best.choice.describe()} on {result.hardware.describe()}; see zeropipe plan)"]

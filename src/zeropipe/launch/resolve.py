@@ -10,13 +10,17 @@ config.yaml and builds ds_config.json from it, so the two cannot disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from zeropipe.config.deepspeed import fold_user_config
+from zeropipe.config.deepspeed import fold_user_config, read_user_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ConfigError
-from zeropipe.launch.auto import resolve_auto_knobs
+from zeropipe.families import model_spec
+from zeropipe.launch.auto import auto_knobs, fill_auto_knobs_from
 from zeropipe.launch.nodes import NodeLayout, resolve_layout
+from zeropipe.plan import PlanResult, plan_run
 from zeropipe.plan.hardware import Hardware, detect_hardware
 
 
@@ -37,6 +41,26 @@ class ResolvedRun:
     # (precision, why): what the device computes in natively, what precision "auto" picks on it;
     # saved in run.json for the node's setup process (the dtype it loads frozen encoders in).
     native_precision: tuple[str, str] = ("fp32", "not decided")
+    # deepspeed.config_file as read once, when the run was resolved (None without one): the
+    # checks, the plan and the DeepSpeed JSON written for the ranks take it from here.
+    user_ds_config: dict[str, Any] | None = None
+    _plan: tuple[Any, Any, PlanResult] | None = field(default=None, repr=False, compare=False)  # (config, hardware, their plan)
+
+    def plan(self, spec: Any = None, margin: float = 0.1) -> PlanResult:
+        """The memory plan of this run's config on its hardware: how every command plans a config.
+
+        Made once per config (and hardware) for the run's own model and the default margin;
+        ``spec`` and ``margin`` plan another model or margin on the same resolved run.
+
+        Raises:
+            ZeroPipeError: the planner's refusal (a batch that does not divide over the ranks...).
+        """
+        if spec is not None or margin != 0.1:
+            return plan_run(self.config, self.hardware, spec or model_spec(self.config), margin, self.user_ds_config)
+        if self._plan is None or self._plan[0] is not self.config or self._plan[1] is not self.hardware:
+            result = plan_run(self.config, self.hardware, model_spec(self.config), user_ds_config=self.user_ds_config)
+            self._plan = (self.config, self.hardware, result)
+        return self._plan[2]
 
 
 # The knobs a memory fix may change, by (section, field) and the plan's Choice field name.
@@ -126,7 +150,8 @@ def resolve_run(
     if hardware is None:
         hardware = detect_hardware(cpu_ranks=world_size)
     native_precision = auto_precision(accelerator, hardware)
-    config, fold_notes, conflicts = fold_user_config(config, world_size)
+    user_json = read_user_config(Path(config.deepspeed.config_file)) if config.deepspeed.config_file else None
+    config, fold_notes, conflicts = fold_user_config(config, world_size, user_json)
     notes += fold_notes
     user_set = user_set_knobs(config)
     if config.deepspeed.precision == "auto":
@@ -134,7 +159,8 @@ def resolve_run(
         config = config.model_copy(deep=True)
         config.deepspeed.precision = precision
         notes.append(f"deepspeed.precision = {precision} ({why})")
-    if fill_auto_knobs:
-        config, auto_notes = resolve_auto_knobs(config, world_size, hardware)
-        notes += auto_notes
-    return ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set, hardware, native_precision)
+    resolved = ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set, hardware, native_precision, user_json)
+    if fill_auto_knobs and auto_knobs(config):
+        resolved.config, auto_notes = fill_auto_knobs_from(config, resolved.plan())
+        resolved.notes += auto_notes
+    return resolved

@@ -44,23 +44,26 @@ def knobs_from_config(run_config: RunConfig) -> dict[str, Any]:
     return knobs
 
 
-def zero3_limits(run_config: RunConfig) -> dict[str, int]:
+def zero3_limits(run_config: RunConfig, user_ds_config: dict | None = None) -> dict[str, int]:
     """DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance for this run, as Choice fields.
 
     From deepspeed.overrides, else the user's DeepSpeed JSON, else DeepSpeed's defaults
     (zeropipe's generated JSON leaves them to DeepSpeed).
     """
-    import json
     from pathlib import Path
 
+    from zeropipe.config.deepspeed import read_user_config
+    from zeropipe.errors import ConfigError
     from zeropipe.plan.memory import DEFAULT_STAGE3_MAX_LIVE_PARAMETERS, DEFAULT_STAGE3_REUSE_DISTANCE
 
     sources = [run_config.deepspeed.overrides]
-    if run_config.deepspeed.config_file:
-        try:
-            sources.append(json.loads(Path(run_config.deepspeed.config_file).read_text()))
-        except (OSError, ValueError):
+    if user_ds_config is None and run_config.deepspeed.config_file:
+        try:  # a caller without a resolved run (which read it once): the one reader, here
+            user_ds_config = read_user_config(Path(run_config.deepspeed.config_file))
+        except ConfigError:
             pass  # the config loader reports an unreadable file
+    if user_ds_config is not None:
+        sources.append(user_ds_config)
     limits = {"zero3_max_live_parameters": DEFAULT_STAGE3_MAX_LIVE_PARAMETERS, "zero3_reuse_distance": DEFAULT_STAGE3_REUSE_DISTANCE}
     for field, key in (("zero3_max_live_parameters", "stage3_max_live_parameters"), ("zero3_reuse_distance", "stage3_max_reuse_distance")):
         for source in sources:
@@ -72,7 +75,7 @@ def zero3_limits(run_config: RunConfig) -> dict[str, int]:
     return limits
 
 
-def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin: float = 0.1) -> PlanResult:
+def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin: float = 0.1, user_ds_config: dict | None = None) -> PlanResult:
     """Plan a run config on this hardware.
 
     With every knob set, ``configured`` is the config's own choice evaluated (does it fit, and
@@ -82,6 +85,7 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
 
     Args:
         spec: the configured model, counted by its family (``zeropipe.families.model_spec``).
+        user_ds_config: deepspeed.config_file's content as the resolved run read it (``ResolvedRun.plan`` passes it).
 
     Raises:
         ZeroPipeError: when the batch does not divide over the ranks.
@@ -95,7 +99,7 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
     micro, accumulation = fixed.get("micro_batch_size"), fixed.get("gradient_accumulation_steps")
     global_batch = micro * accumulation * hardware.world_size if micro is not None and accumulation is not None else None
     notes = []
-    limits = zero3_limits(run_config)
+    limits = zero3_limits(run_config, user_ds_config)
     if run_config.deepspeed.config_file:
         notes.append(f"deepspeed.config_file is set: the plan follows the deepspeed.* fields, not {run_config.deepspeed.config_file}")
     if len(fixed) == len(knobs):

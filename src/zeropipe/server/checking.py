@@ -1,8 +1,8 @@
 """What the New-run page shows while the user edits: problems, check findings, the memory plan.
 
-The planner (``zeropipe.plan``) and the doctor are separate packages imported only when
-asked for: a machine (or a checkout) without them still validates and launches runs, and
-the page says "planner unavailable" with the reason instead of failing.
+The config is resolved once for this machine (``zeropipe.launch.resolve``), and the checks and
+the plan panel read that resolved run. A planner that fails does not take the form down: the
+page says "planner unavailable" with the reason. The doctor is imported only when asked for.
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
         return {"valid": False, "problems": problems_json(err.problems), "findings": [], "plan": unplanned}
     from zeropipe.check import check_config
 
+    # Resolved once, for this machine (precision, the DeepSpeed JSON, the hardware): the checks
+    # and the plan read the same resolved run, as train's would.
+    resolved, unresolved = resolve_for_page(config)
     try:
-        findings = [finding.to_dict() for finding in check_config(config)]
+        findings = [finding.to_dict() for finding in check_config(resolved or config, hardware=detected_hardware())]
     except ZeroPipeError as err:
         problems = problems_json(err.problems) if isinstance(err, ConfigError) else [{"key": "", "message": str(err)}]
         return {"valid": False, "problems": problems, "findings": [], "plan": unplanned}
@@ -39,8 +42,21 @@ def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
         "valid": not any(f["severity"] == "error" for f in findings),
         "problems": [],
         "findings": findings,
-        "plan": plan_of(config),
+        "plan": plan_of(resolved) if resolved is not None else unresolved,
     }
+
+
+def resolve_for_page(config) -> tuple[Any, dict[str, Any]]:
+    """(the resolved run, None) or (None, the plan panel's reason) when the config cannot be resolved here."""
+    try:
+        from zeropipe.launch.resolve import resolve_run
+
+        return resolve_run(config, fill_auto_knobs=False, hardware=detected_hardware()), {}
+    except ZeroPipeError as err:
+        return None, {"available": False, "reason": f"the planner could not plan this config: {err}"}
+    except Exception as err:  # noqa: BLE001 - the planner is young; its failure must not break the form
+        log.warning("resolving the config failed: %s", err, exc_info=True)
+        return None, {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
 
 
 def problems_json(problems: list[tuple[str, str]]) -> list[dict[str, str]]:
@@ -61,18 +77,11 @@ def detected_hardware():
         return _hardware["value"]
 
 
-def plan_of(config) -> dict[str, Any]:
+def plan_of(resolved) -> dict[str, Any]:
+    """The plan panel: the resolved run's plan on the hardware it was resolved for."""
     try:
-        from zeropipe.families import model_spec
-        from zeropipe.launch.resolve import resolve_run
-        from zeropipe.plan import plan_run
-    except Exception as err:  # noqa: BLE001 - any import failure means the same to the page
-        return {"available": False, "reason": f"planner unavailable ({type(err).__name__}: {err})"}
-    try:
-        hardware = detected_hardware()
-        config = resolve_run(config, fill_auto_knobs=False, hardware=hardware).config  # precision and the DeepSpeed JSON as train would resolve them
-        result = plan_run(config, hardware, model_spec(config))
-        return {"available": True, "result": to_plain(result), "hardware": to_plain(hardware)}
+        result = resolved.plan()
+        return {"available": True, "result": to_plain(result), "hardware": to_plain(resolved.hardware)}
     except ZeroPipeError as err:
         return {"available": False, "reason": f"the planner could not plan this config: {err}"}
     except Exception as err:  # noqa: BLE001 - the planner is young; its failure must not break the form

@@ -185,15 +185,15 @@ def test_check_runs_the_check_rules(client):
     assert any(f["rule"] == "ZP010" and f["severity"] == "error" for f in result["findings"])
 
 
-def test_the_planner_missing_shows_planner_unavailable(client, monkeypatch):
-    import sys
+def test_a_failing_planner_shows_planner_unavailable(client, monkeypatch):
+    from zeropipe.launch import resolve
 
-    from zeropipe.server import checking
+    def broken(*args, **kwargs):
+        raise RuntimeError("the planner broke")
 
-    monkeypatch.setitem(sys.modules, "zeropipe.plan", None)  # import zeropipe.plan now fails
-    monkeypatch.setattr(checking, "_hardware", {})
+    monkeypatch.setattr(resolve, "plan_run", broken)
     result = check(client, client.get("/api/config/template").json()["yaml"])
-    assert result["plan"]["available"] is False and "planner unavailable" in result["plan"]["reason"]
+    assert result["plan"]["available"] is False and "planner unavailable (RuntimeError: the planner broke)" in result["plan"]["reason"]
     assert result["problems"] == []
 
 
