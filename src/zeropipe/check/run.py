@@ -8,10 +8,10 @@ from zeropipe.check import multinode as _multinode_rules  # noqa: F401 - registe
 from zeropipe.check.rules import CheckContext, Finding, run_rules
 from zeropipe.config.deepspeed import build_deepspeed_config
 from zeropipe.config.schema import RunConfig
-from zeropipe.config.stages import stage_configs, stage_key
+from zeropipe.config.stages import stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
-from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run, user_set_knobs
+from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run, resolve_stages, user_set_knobs
 from zeropipe.plan.hardware import Hardware, detect_hardware
 
 
@@ -95,13 +95,19 @@ def check_config(
     accelerator: str | None = None,
     node_reports: list[dict] | None = None,
     hardware: Hardware | None = None,
+    resolved_stages: list[ResolvedRun | ZeroPipeError] | None = None,
 ) -> list[Finding]:
-    """Every finding for this config (or resolved run), errors first; for a curriculum, every stage's."""
+    """Every finding for this config (or resolved run), errors first; for a curriculum, every stage's.
+
+    Args:
+        resolved_stages: a curriculum's stages as the command resolved them (train resolves them once and
+            hands the same to the curriculum runner); resolved here when not given.
+    """
     plain = config.config if isinstance(config, ResolvedRun) else config
     if isinstance(config, ResolvedRun):
         hardware = hardware or config.hardware
     if plain.stages:
-        findings = check_stages(plain, world_size, accelerator, hardware)
+        findings = check_stages(plain, world_size, accelerator, hardware, resolved_stages)
     else:
         findings = run_rules(build_context(config, world_size, accelerator, node_reports, hardware))
     # run.accept_warnings: a deliberate choice is not warned about again (errors always stand).
@@ -110,18 +116,27 @@ def check_config(
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))
 
 
-def check_stages(config: RunConfig, world_size: int | None = None, accelerator: str | None = None, hardware: Hardware | None = None) -> list[Finding]:
-    """A curriculum: each stage checked as the run it will be (its own ZeRO stage, LoRA, batch), keys prefixed stages[N]."""
+def check_stages(
+    config: RunConfig,
+    world_size: int | None = None,
+    accelerator: str | None = None,
+    hardware: Hardware | None = None,
+    resolved_stages: list[ResolvedRun | ZeroPipeError] | None = None,
+) -> list[Finding]:
+    """A curriculum: each stage checked as the run it will be (its own ZeRO stage, LoRA, batch), keys prefixed stages[N].
+
+    Args:
+        resolved_stages: the stages as the command resolved them (:func:`resolve_stages`); resolved here when not given.
+    """
     import dataclasses
 
+    if resolved_stages is None:
+        resolved_stages = resolve_stages(config, world_size, accelerator, hardware)
     findings = []
-    for index, stage in enumerate(stage_configs(config)):
-        try:
-            stage = resolve_run(stage, world_size, accelerator, hardware=hardware)
-        except ZeroPipeError as err:
-            findings.append(Finding("ZP011", "error", stage_key(index, "deepspeed"), str(err), "zeropipe plan on this stage's settings shows what fits", "docs/plan.md"))
+    for index, stage in enumerate(resolved_stages):
+        if isinstance(stage, ZeroPipeError):
+            findings.append(Finding("ZP011", "error", stage_key(index, "deepspeed"), str(stage), "zeropipe plan on this stage's settings shows what fits", "docs/plan.md"))
             continue
-        hardware = stage.hardware  # detected once, for every stage
-        for finding in run_rules(build_context(stage, world_size, accelerator)):
+        for finding in run_rules(build_context(stage)):
             findings.append(dataclasses.replace(finding, key=stage_key(index, finding.key)))
     return sorted(findings, key=lambda f: (f.severity != "error", f.rule))

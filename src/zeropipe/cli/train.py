@@ -61,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
             # The curriculum runner starts each stage's ranks on this machine: several nodes would be started here, all of them.
             raise ConfigError([("stages", f"a curriculum runs on one node; this config names {len(layout.nodes)} ({layout.source}): run each stage as its own multi-node run, or train the curriculum on one node")])
-        findings = check_config(config)  # each stage is resolved and checked as the run it will be
+        from zeropipe.launch.resolve import resolve_stages
+
+        # Each stage resolved once, as the run it will be: checked, then run, as that.
+        stages = resolve_stages(config)
+        findings = check_config(config, resolved_stages=stages)
     else:
         # Decided once for this command: what the checks judge is what prepare_run writes.
         resolved = resolve_run(config)
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if config.stages:
         from zeropipe.cli.train_stages import train_curriculum
 
-        return train_curriculum(args, config, resume)
+        return train_curriculum(args, config, resume, stages)
     try:
         prepared = prepare_run(resolved, resume=resume, new_schedule=args.new_schedule)
     except OSError as err:

@@ -15,8 +15,8 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.launch.curriculum import Curriculum
 
 
-def train_curriculum(args: argparse.Namespace, config: RunConfig, resume: str | bool | None) -> int:
-    curriculum = Curriculum.open(config, resume=resume)
+def train_curriculum(args: argparse.Namespace, config: RunConfig, resume: str | bool | None, resolved_stages: list) -> int:
+    curriculum = Curriculum.open(config, resume=resume, resolved_stages=resolved_stages)
     say(f"run directory: {curriculum.top.path} (a curriculum of {len(curriculum.stages)} stages)")
     for stage in curriculum.stages:
         done = "  (done)" if stage.state == "completed" and stage.export.is_dir() else ""

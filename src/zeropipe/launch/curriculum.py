@@ -46,7 +46,7 @@ from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import export_run, family_of
 from zeropipe.launch.prepare import Prepared, prepare_run, run_dir_for
-from zeropipe.launch.resolve import resolve_run
+from zeropipe.launch.resolve import ResolvedRun, resolve_stages
 from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt
 from zeropipe.rundir import RunDir, RunPlan
 
@@ -68,10 +68,18 @@ class Stage:
     started_at: float | None = None
     ended_at: float | None = None
     prepared: Prepared | None = None  # set when prepared by this launcher process
+    resolved: ResolvedRun | None = None  # the stage as this command resolved it, once; prepare_run takes it
 
     @property
     def export(self) -> Path:
         return self.run.path / EXPORT_DIR
+
+    def resolved_for(self, config: RunConfig) -> ResolvedRun:
+        """The stage's resolved run carrying its config as it is now: the same decisions, with what the
+        curriculum set since (the shared tokenizer, the previous stage's weights as model.path)."""
+        assert self.resolved is not None, "a stage is resolved when the curriculum opens"
+        self.resolved.config = config
+        return self.resolved
 
     @property
     def label(self) -> str:
@@ -129,8 +137,12 @@ class Curriculum:
 
     # ------------------------------------------------------------ opening
     @classmethod
-    def open(cls, config: RunConfig, resume: str | bool | None = None) -> "Curriculum":
+    def open(cls, config: RunConfig, resume: str | bool | None = None, resolved_stages: list | None = None) -> "Curriculum":
         """Prepare a new curriculum (every stage), or reopen one to resume it.
+
+        Args:
+            resolved_stages: the stages as the command resolved (and checked) them, once
+                (:func:`zeropipe.launch.resolve.resolve_stages`); resolved here when not given.
 
         Raises:
             ZeroPipeError: with every stage's problems, each prefixed stages[N]; nothing of
@@ -155,9 +167,15 @@ class Curriculum:
                 )
 
         curriculum = cls(config, top, make_stages(config, top))
-        for stage in curriculum.stages:
-            # Each stage plans its own "auto" knobs: a full stage may need ZeRO-3 where a LoRA stage fits with ZeRO-2.
-            resolved = resolve_run(stage.config)
+        # Each stage plans its own "auto" knobs: a full stage may need ZeRO-3 where a LoRA stage fits with ZeRO-2.
+        if resolved_stages is None:
+            resolved_stages = resolve_stages(config)
+        for stage, resolved in zip(curriculum.stages, resolved_stages):
+            if isinstance(resolved, ZeroPipeError):
+                raise resolved
+            # Resolving does not depend on where a run is written: the stage keeps its sub-run directory.
+            resolved.config.run.output_dir, resolved.config.run.name = stage.config.run.output_dir, stage.config.run.name
+            stage.resolved = resolved
             stage.config = resolved.config
             curriculum.notes += [f"{stage.label}: {note}" for note in resolved.notes]
         if resume:
@@ -176,7 +194,7 @@ class Curriculum:
         problems: list[tuple[str, str]] = []
         for stage in self.stages:
             try:
-                stage.prepared = prepare_run(stage.config)
+                stage.prepared = prepare_run(stage.resolved_for(stage.config))
                 stage.config = stage.prepared.config  # what preparation resolved (family, vocabulary) is what start() writes again
             except ConfigError as err:
                 problems += [(stage_key(stage.index, key), message) for key, message in err.problems]
@@ -258,7 +276,7 @@ class Curriculum:
                 for leftover in (stage.run.metrics, stage.run.summary):
                     leftover.unlink(missing_ok=True)
                 shutil.rmtree(stage.run.checkpoints, ignore_errors=True)
-            prepared = prepare_run(stage.config, resume=True if checkpoint else None)
+            prepared = prepare_run(stage.resolved_for(stage.config), resume=True if checkpoint else None)
             self.stage_notes = list(prepared.notes)
         stage.prepared = prepared
         stage.total_steps = prepared.plan.total_steps

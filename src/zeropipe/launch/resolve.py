@@ -16,7 +16,7 @@ from typing import Any
 from zeropipe.config.deepspeed import fold_user_config, read_user_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.doctor.facts import cpu_precision
-from zeropipe.errors import ConfigError
+from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import model_spec
 from zeropipe.launch.auto import auto_knobs, fill_auto_knobs_from
 from zeropipe.launch.nodes import NodeLayout, resolve_layout
@@ -164,3 +164,26 @@ def resolve_run(
         resolved.config, auto_notes = fill_auto_knobs_from(config, resolved.plan())
         resolved.notes += auto_notes
     return resolved
+
+
+def resolve_stages(
+    config: RunConfig, world_size: int | None = None, accelerator: str | None = None, hardware: Hardware | None = None
+) -> list[ResolvedRun | ZeroPipeError]:
+    """A curriculum's stages, each resolved once as the run it will be (its own ZeRO stage, LoRA, batch, auto knobs).
+
+    The machine is detected once for all of them. A stage that cannot be resolved (no
+    combination of its auto knobs fits) is its error, in its place: ``zeropipe check`` reports it
+    as that stage's finding, ``train`` refuses the curriculum with it.
+    """
+    from zeropipe.config.stages import stage_configs
+
+    stages: list[ResolvedRun | ZeroPipeError] = []
+    for stage in stage_configs(config):
+        try:
+            resolved = resolve_run(stage, world_size, accelerator, hardware=hardware)
+        except ZeroPipeError as err:
+            stages.append(err)
+            continue
+        hardware = resolved.hardware
+        stages.append(resolved)
+    return stages
