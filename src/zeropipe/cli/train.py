@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(run_dir: RunDir) -> None:
-    summary = run_dir.read_json(run_dir.summary, {}) or {}
+    summary = run_dir.read_summary()
     first, final = summary.get("first_loss"), summary.get("final_loss")
     if first is not None and final is not None:
         say(f"done: {summary['steps']} steps, loss {first:.3f} -> {final:.3f}")

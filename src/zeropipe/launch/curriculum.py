@@ -144,11 +144,11 @@ class Curriculum:
             raise ConfigError(problems)
         if resume:
             top = RunDir(find_curriculum(Path(resume)) if resume is not True else run_dir_for(config))
-            if not (top.path / STAGES_FILE).is_file():
+            if not top.stages_file.is_file():
                 raise ZeroPipeError(f"{top.path} holds no curriculum run (no {STAGES_FILE}) to resume: start it without --resume")
         else:
             top = RunDir(run_dir_for(config))
-            if (top.path / STAGES_FILE).is_file() or top.metrics.exists() or list_checkpoints(top.path, complete_only=False):
+            if top.stages_file.is_file() or top.metrics.exists() or list_checkpoints(top.path, complete_only=False):
                 raise ZeroPipeError(
                     f"{top.path} already holds a run: continue it with --resume, or choose another run.name "
                     f"(e.g. run.name={top.path.name}-2); nothing was overwritten"
@@ -206,7 +206,7 @@ class Curriculum:
 
     def reopen(self) -> None:
         """A resume: the stages as stages.json recorded them; the config must have the same stages."""
-        saved = json.loads((self.top.path / STAGES_FILE).read_text())
+        saved = self.top.read_stages()
         names = [row["name"] for row in saved["stages"]]
         if names != [stage.name for stage in self.stages]:
             raise ZeroPipeError(
@@ -428,7 +428,7 @@ class Curriculum:
             stages.append(stage.to_json(offsets, self.top.path))
             offsets += stage.total_steps
         current = next((s.name for s in self.stages if s.state in ("running", "failed", "stopped")), None)
-        write_atomic(self.top.path / STAGES_FILE, json.dumps({"created_at": self.created_at, "current": current, "stages": stages}, indent=2))
+        write_atomic(self.top.stages_file, json.dumps({"created_at": self.created_at, "current": current, "stages": stages}, indent=2))
         self.write_plan()
 
     def write_plan(self) -> None:
@@ -450,7 +450,7 @@ class Curriculum:
         )
         if plan is None and self.top.plan_file.is_file():
             # A resumed curriculum keeps what the first launch knew about stages it does not prepare again.
-            saved = json.loads(self.top.plan_file.read_text())
+            saved = self.top.read_plan_fields()
             for key in ("world_size", "accelerator", "steps_per_epoch", "micro_batches_per_epoch", "examples", "micro_batch_size", "gradient_accumulation_steps"):
                 setattr(total, key, saved.get(key, getattr(total, key)))
         write_atomic(self.top.plan_file, json.dumps(asdict(total), indent=2))
@@ -501,6 +501,6 @@ def find_curriculum(path: Path) -> Path:
     """The curriculum run directory ``path`` is or lies in (a stage, a checkpoint of one)."""
     path = path.expanduser().resolve()
     for candidate in (path, *path.parents):
-        if (candidate / STAGES_FILE).is_file():
+        if RunDir(candidate).stages_file.is_file():
             return candidate
     raise ZeroPipeError(f"{path} is not inside a curriculum run directory (none of its folders holds {STAGES_FILE}): give the run directory RUN")
