@@ -531,12 +531,46 @@ class RunDir:
             handle.truncate()
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        return self.read_jsonl(self.metrics)
+
+    def read_metrics_from(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """The metric rows written after byte ``offset``, whole lines only (rank 0 may be writing the next), and the offset after them.
+
+        For followers of a live run (the CLI's progress bar, a curriculum's mirror of its stage).
+        """
+        try:
+            with open(self.own(self.metrics), "rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return [], offset
+        complete = chunk[: chunk.rfind(b"\n") + 1]
         rows = []
-        text = self.read_text(self.metrics)
-        if text is not None:
-            for line in text.splitlines():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line being written right now
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                rows.append(value)
+        return rows, offset + len(complete)
+
+    def read_generations(self) -> list[dict[str, Any]]:
+        """generations.jsonl: the trained model's answers to the run's prompts (prompt, output...)."""
+        return self.read_jsonl(self.generations)
+
+    def read_jsonl(self, name: str | Path) -> list[dict[str, Any]]:
+        """The records of a JSON-lines file of the run; ``[]`` when it is missing or (confined) leads out."""
+        try:
+            text = self.read_text(name)
+        except (OSError, OutsideRoots):
+            return []
+        rows = []
+        for line in (text or "").splitlines():
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue  # a line being written right now
+            if isinstance(value, dict):
+                rows.append(value)
         return rows

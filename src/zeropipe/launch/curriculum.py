@@ -462,26 +462,16 @@ class Curriculum:
         """RUN/metrics.jsonl from the stages' own files: after a resume dropped a stage's later rows, the whole stays consistent."""
         lines = []
         for stage in self.stages[: upto.index + 1]:
-            chunk = stage.run.metrics.read_bytes() if stage.run.metrics.exists() else b""
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is mirrored once it is whole
-            lines += [json.dumps(self.labelled(stage, json.loads(line))) for line in complete.decode().splitlines() if line.strip()]
-            self.metrics_offsets[stage.index] = len(complete)
+            rows, self.metrics_offsets[stage.index] = stage.run.read_metrics_from(0)  # a line being written is mirrored once it is whole
+            lines += [json.dumps(self.labelled(stage, row)) for row in rows]
         write_atomic(self.top.metrics, "".join(line + "\n" for line in lines))
 
     def mirror(self, stage: Stage) -> None:
         """Append the stage's new rows (whole lines only: rank 0 may be writing one) to RUN/metrics.jsonl."""
-        path = stage.run.metrics
         offset = self.metrics_offsets.get(stage.index, 0)
-        if not path.exists() or path.stat().st_size <= offset:
+        rows, self.metrics_offsets[stage.index] = stage.run.read_metrics_from(offset)
+        if not rows:
             return
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            chunk = handle.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        if not complete:
-            return
-        self.metrics_offsets[stage.index] = offset + len(complete)
-        rows = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
         with open(self.top.metrics, "a") as handle:
             handle.writelines(json.dumps(self.labelled(stage, row)) + "\n" for row in rows)
 

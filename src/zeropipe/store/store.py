@@ -13,7 +13,6 @@ launcher's pid, the metrics) is on disk.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import threading
@@ -242,18 +241,16 @@ class RunStore:
         return out
 
     def generations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
-        run_dir = self.run_dir(run)
-        path = run_dir.own_or_none(run_dir.generations)
-        return read_jsonl(path) if path else []
+        return self.run_dir(run).read_generations()
 
     def samples(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The sample images a diffusion run wrote, from samples/index.jsonl (step, prompt, file)."""
         run_dir = self.run_dir(run)
-        root, index = run_dir.own_or_none(run_dir.samples), run_dir.own_or_none(run_dir.samples_index)
-        if root is None or index is None:
+        root = run_dir.own_or_none(run_dir.samples)
+        if root is None:
             return []
         out = []
-        for row in read_jsonl(index):
+        for row in run_dir.read_jsonl(run_dir.samples_index):
             try:
                 file = self.sample_relative(root, row)
             except (OutsideRoots, TypeError, ValueError):
@@ -757,19 +754,3 @@ def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024, within: Path
         return []
     text = data.decode("utf-8", errors="replace")
     return list(deque(text.splitlines(), maxlen=lines))
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return rows
-    for line in text.splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            rows.append(value)
-    return rows
