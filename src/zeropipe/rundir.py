@@ -545,15 +545,7 @@ class RunDir:
         except (FileNotFoundError, NotADirectoryError):
             return [], offset
         complete = chunk[: chunk.rfind(b"\n") + 1]
-        rows = []
-        for line in complete.decode("utf-8", errors="replace").splitlines():
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                rows.append(value)
-        return rows, offset + len(complete)
+        return json_rows(complete.decode("utf-8", errors="replace")), offset + len(complete)
 
     def read_generations(self) -> list[dict[str, Any]]:
         """generations.jsonl: the trained model's answers to the run's prompts (prompt, output...)."""
@@ -562,15 +554,19 @@ class RunDir:
     def read_jsonl(self, name: str | Path) -> list[dict[str, Any]]:
         """The records of a JSON-lines file of the run; ``[]`` when it is missing or (confined) leads out."""
         try:
-            text = self.read_text(name)
+            return json_rows(self.read_text(name) or "")
         except (OSError, OutsideRoots):
             return []
-        rows = []
-        for line in (text or "").splitlines():
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue  # a line being written right now
-            if isinstance(value, dict):
-                rows.append(value)
-        return rows
+
+
+def json_rows(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of JSON-lines text; a line that is not one (being written right now) is skipped."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            rows.append(value)
+    return rows
