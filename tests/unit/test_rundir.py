@@ -140,9 +140,9 @@ def raw_run_file_reads(source: str) -> list[int]:
     """Lines that name run.json / config.yaml by their file name, or read or parse them without RunDir."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if node.value in RUN_FILE_NAMES or node.value.endswith(tuple("/" + name for name in RUN_FILE_NAMES)):
-                found.append(node.lineno)
+        spelled = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if spelled and (node.value in RUN_FILE_NAMES or node.value.endswith(tuple("/" + name for name in RUN_FILE_NAMES))):
+            found.append(node.lineno)
         if not isinstance(node, ast.Call):
             continue
         func = node.func
@@ -168,7 +168,13 @@ def test_the_finder_sees_each_way_of_reading_a_run_file_raw():
     ]
     for line in raw:
         assert raw_run_file_reads(line) == [1], line
-    through_rundir = ["run.read_plan()", "run.read_config_fields().get('model')", "model.config.use_cache = True", "json.loads(model.config.to_json_string())", "RunDir(path).config.is_file()"]
+    through_rundir = [
+        "run.read_plan()",
+        "run.read_config_fields().get('model')",
+        "model.config.use_cache = True",
+        "json.loads(model.config.to_json_string())",
+        "RunDir(path).config.is_file()",
+    ]
     for line in through_rundir:
         assert raw_run_file_reads(line) == [], line
 
