@@ -4,9 +4,16 @@ The launcher writes ``config.yaml`` (the validated config with its resolved valu
 ``ds_config.json`` and ``run.json`` (:class:`RunPlan`); each family's preparation writes its
 data under ``data/`` and, for diffusion, ``pipeline/``; the ranks write ``logs/``,
 ``errors/``, ``metrics.jsonl``, ``checkpoints/``, ``samples/``, ``generations.jsonl`` and
-``summary.json``. Every command that reads a run (ranks, export, eval, generate, the UI)
-goes through :class:`RunDir`, and reads the saved config without re-checking that the
-original data paths still exist (:meth:`RunDir.read_config`).
+``summary.json``. Every reader of a run (ranks, the supervisor, node agents, curricula,
+export, eval, generate, the metric sinks, the run store and the UI) goes through
+:class:`RunDir`: no other module parses ``run.json`` or ``config.yaml`` (a unit test holds
+that). It reads the saved config without re-checking that the original data paths still
+exist (:meth:`RunDir.read_config`).
+
+The UI reads run directories on behalf of whoever can reach it, so it reads them *confined*
+(``RunDir(path, confined_to=runs_root)``): the run directory must lie inside the runs root
+and every file read must resolve inside the run directory, so a symlink (or ``..``) leading
+elsewhere is refused with :class:`OutsideRoots`, naming the file and never its contents.
 
 A run directory has one owner at a time: the launcher that holds an exclusive ``flock`` on
 ``RUN/.owner.lock`` for its whole life. The kernel drops the lock when that process ends,
@@ -21,13 +28,17 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import yaml
+
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.load import load_saved_config
+from zeropipe.config.yaml_text import parse_yaml_text
 from zeropipe.errors import ZeroPipeError
 
 if TYPE_CHECKING:
@@ -43,6 +54,45 @@ _held: dict[str, int] = {}
 
 class RunDirBusy(ZeroPipeError):
     """Another live launcher owns the run directory."""
+
+
+class OutsideRoots(ZeroPipeError):
+    """A path that resolves outside the folder it must stay in (traversal, absolute path or symlink)."""
+
+
+def is_inside(path: Path, root: Path) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False
+
+
+def resolve_inside(root: Path, relative: str | Path) -> Path:
+    """``root / relative``, refused when it resolves outside ``root``.
+
+    Raises:
+        OutsideRoots: for absolute paths, ``..`` that climbs out, or a symlink that leads out.
+    """
+    text = str(relative)
+    if not text or "\x00" in text:
+        raise OutsideRoots("an empty or malformed path was given")
+    candidate = Path(text)
+    if candidate.is_absolute():
+        raise OutsideRoots(f"{text}: an absolute path is not allowed here; give a path inside the run")
+    resolved = (Path(root) / candidate).resolve()
+    if not is_inside(resolved, root):
+        raise OutsideRoots(f"{text}: leads outside {root}; nothing outside the run and data folders is served")
+    return resolved
+
+
+def confined(path: Path, root: Path) -> Path | None:
+    """``path`` resolved, or None when it resolves outside ``root`` (a symlink leading out)."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return resolved if is_inside(resolved, root) else None
 
 
 def disk_problem(err: OSError, run_dir: Path) -> ZeroPipeError:
@@ -113,8 +163,20 @@ class PreparedData:
 
 
 class RunDir:
-    def __init__(self, path: str | Path):
+    """A run directory: the name of every file in it, and the one reader of those files.
+
+    Args:
+        path: the run directory.
+        confined_to: read confined (the UI and the run store): the run directory must resolve
+            inside this folder, and every file read through this object must resolve inside
+            the run directory; otherwise the read is refused (:class:`OutsideRoots`) or, for
+            the lenient readers, reads as a missing file. ``confined_to=path`` confines the
+            files to the run directory alone.
+    """
+
+    def __init__(self, path: str | Path, confined_to: str | Path | None = None):
         self.path = Path(path)
+        self.confined_to = Path(confined_to) if confined_to is not None else None
 
     config = property(lambda self: self.path / "config.yaml")
     ds_config = property(lambda self: self.path / "ds_config.json")
@@ -146,22 +208,177 @@ class RunDir:
     node_setup_log = property(lambda self: self.logs / "node_setup.log")
     node_setup_error = property(lambda self: self.errors / "node_setup.json")
 
-    def read_config(self) -> "RunConfig":
-        """The config the run was prepared with (config.yaml), without checking that its data paths still exist."""
+    stages_file = property(lambda self: self.path / "stages.json")  # curricula: each stage's state and step offset
 
-        return load_saved_config(self.config)
+    # ------------------------------------------------------------- confinement
+    def own(self, name: str | Path) -> Path:
+        """A path of this run directory (relative to it, or one of its named files), for reading.
+
+        Unconfined, the path as named. Confined, resolved, and refused when it leads outside the run.
+
+        Raises:
+            OutsideRoots: confined, and the run directory lies outside its root, or the path
+                leads out of the run directory (``..``, an absolute path, a symlink to elsewhere).
+        """
+        relative = self.relative(name)
+        if self.confined_to is None:
+            return self.path / relative
+        if not is_inside(self.path, self.confined_to):
+            raise OutsideRoots(f"{self.path} is not a run directory inside {self.confined_to} (a symlink to elsewhere?): nothing in it is read")
+        try:
+            return resolve_inside(self.path, relative)
+        except OutsideRoots:
+            raise OutsideRoots(
+                f"{self.path / relative} leads outside the run directory {self.path} (a symlink or '..' to elsewhere): it is not read"
+            ) from None
+
+    def own_or_none(self, name: str | Path) -> Path | None:
+        """:meth:`own`, or None where it is refused."""
+        try:
+            return self.own(name)
+        except OutsideRoots:
+            return None
+
+    def relative(self, name: str | Path) -> Path:
+        """``name`` relative to the run directory: a name such as ``"logs/rank0.log"``, or a path under it such as ``self.plan_file``.
+
+        Raises:
+            OutsideRoots: confined, and ``name`` is an absolute path elsewhere.
+        """
+        name = Path(name)
+        if name.parts[: len(self.path.parts)] == self.path.parts:
+            return name.relative_to(self.path)
+        if name.is_absolute() and self.confined_to is not None:
+            raise OutsideRoots(f"{name} is not a file of the run directory {self.path}: it is not read")
+        return name
+
+    def read_text(self, name: str | Path) -> str | None:
+        """A file of the run as text (undecodable bytes replaced), or None when it does not exist.
+
+        Raises:
+            OutsideRoots: confined, and the file leads out of the run directory.
+        """
+        path = self.own(name)
+        # O_NONBLOCK: a FIFO planted under a file's name opens at once (and is then no file), instead of hanging the reader.
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+        if self.confined_to is not None:
+            flags |= os.O_NOFOLLOW  # the path is already resolved: a symlink put there since is refused
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise OutsideRoots(f"{self.path / self.relative(name)} became a symlink while it was read: it is not read") from None
+            if err.errno == errno.ENOTDIR:
+                return None
+            raise
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None  # a folder or a device under a file's name
+            return handle.read().decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------- readers
+    def read_config(self) -> "RunConfig":
+        """The config the run was prepared with (config.yaml), without checking that its data paths still exist.
+
+        Raises:
+            ConfigError: missing, or edited into something the schema refuses.
+            OutsideRoots: confined, and config.yaml leads out of the run directory.
+        """
+        return load_saved_config(self.own(self.config))
+
+    def read_config_text(self) -> str | None:
+        """config.yaml as the launcher wrote it (comments and all), or None before it is written.
+
+        Raises:
+            OutsideRoots: confined, and config.yaml leads out of the run directory.
+        """
+        return self.read_text(self.config)
+
+    def read_config_fields(self) -> dict[str, Any]:
+        """config.yaml's sections as plain values (no schema), ``{}`` before it is written.
+
+        For readers that take the config as data (the UI's resume, the metric sinks' run
+        config): parsed with the UI's guards against YAML nested or aliased to exhaust the parser.
+
+        Raises:
+            ConfigError: not YAML, or not a mapping of sections.
+            OutsideRoots: confined, and config.yaml leads out of the run directory.
+        """
+        text = self.read_config_text()
+        return parse_yaml_text(text, source=str(self.config)) if text is not None else {}
+
+    def write_config_fields(self, fields: dict[str, Any]) -> None:
+        """Replace config.yaml with ``fields`` (the UI's rename changes run.name there)."""
+        write_atomic(self.config, yaml.safe_dump(fields, sort_keys=False))
 
     def read_plan(self) -> RunPlan:
-        return RunPlan(**json.loads(self.plan_file.read_text()))
+        """run.json, typed: what the launcher decided (every rank reads it).
+
+        Raises:
+            OSError, ValueError, TypeError: missing, not JSON, or not a RunPlan.
+            OutsideRoots: confined, and run.json leads out of the run directory.
+        """
+        text = self.read_text(self.plan_file)
+        if text is None:
+            raise FileNotFoundError(errno.ENOENT, "the run has no run.json (not prepared yet)", str(self.plan_file))
+        return RunPlan(**json.loads(text))
+
+    def read_plan_fields(self) -> dict[str, Any]:
+        """run.json as plain values, ``{}`` when it is missing, unreadable or (confined) leads out.
+
+        For readers that want a few of its values and must not fail on an older or partial file.
+        """
+        value = self.read_json(self.plan_file, {})
+        return value if isinstance(value, dict) else {}
 
     def write_plan(self, plan: RunPlan) -> None:
         write_atomic(self.plan_file, json.dumps(asdict(plan), indent=2))
 
-    def read_json(self, path: Path, default: Any = None) -> Any:
+    def read_summary(self) -> dict[str, Any]:
+        """summary.json (first and final loss, steps), ``{}`` before the run ends."""
+        value = self.read_json(self.summary, {})
+        return value if isinstance(value, dict) else {}
+
+    def read_ds_config(self) -> dict[str, Any]:
+        """ds_config.json, the DeepSpeed config the launcher wrote.
+
+        Raises:
+            OSError, ValueError: missing or not JSON.
+        """
+        text = self.read_text(self.ds_config)
+        if text is None:
+            raise FileNotFoundError(errno.ENOENT, "the run has no ds_config.json (not prepared yet)", str(self.ds_config))
+        return json.loads(text)
+
+    def read_stages(self) -> dict[str, Any]:
+        """stages.json, a curriculum's record of its stages.
+
+        Raises:
+            OSError, ValueError: missing or not JSON.
+        """
+        text = self.read_text(self.stages_file)
+        if text is None:
+            raise FileNotFoundError(errno.ENOENT, "the run has no stages.json (not a curriculum)", str(self.stages_file))
+        return json.loads(text)
+
+    def read_json(self, path: Path | str, default: Any = None) -> Any:
+        """A JSON file of the run, or ``default`` when it is missing, not JSON or (confined) leads out."""
         try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+            text = self.read_text(path)
+        except (OSError, OutsideRoots):
             return default
+        if text is None:
+            return default
+        try:
+            return json.loads(text)
+        except ValueError:
+            return default
+
+    def holds_run(self) -> bool:
+        """Whether a launcher has written here (status.json or run.json)."""
+        return self.status_file.is_file() or self.plan_file.is_file()
 
     # ------------------------------------------------------------- ownership
     def claim(self) -> None:
@@ -175,7 +392,9 @@ class RunDir:
             return
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # O_NOFOLLOW: the lock is truncated and written; a symlink planted in its place (the UI
+            # marks lost runs through here) must not lead that write to a file elsewhere.
+            fd = os.open(self.owner_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
         except OSError as err:
             raise disk_problem(err, self.path) from None
         if not lock_within(fd, CLAIM_WAIT_SECONDS):
@@ -204,7 +423,7 @@ class RunDir:
         if self.owned_here():
             return os.getpid()
         try:
-            fd = os.open(self.owner_lock, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.owner_lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             return None
         try:
@@ -230,13 +449,18 @@ class RunDir:
             holder = f"it is owned by pid {pid}" if pid else "no launcher owns it"
             raise RunDirBusy(f"{self.path}: this process may not write into the run directory ({holder})")
 
+    def read_status_fields(self) -> dict[str, Any]:
+        """status.json as the launcher last wrote it, ``{}`` when missing, unreadable or (confined) leading out."""
+        value = self.read_json(self.status_file, {})
+        return value if isinstance(value, dict) else {}
+
     def read_status(self) -> dict[str, Any]:
         """status.json, with a ``running`` run whose launcher is gone (its lock free) reported as lost.
 
         The lost state is also written back, so every later reader agrees; nothing is written
         while a launcher owns the directory.
         """
-        status = self.read_json(self.status_file, {}) or {}
+        status = self.read_status_fields()
         if status.get("state") not in ("running", "starting") or self.owner_pid() is not None or not self.owner_lock.exists():
             return status
         pid = status.get("supervisor_pid")
@@ -312,11 +536,42 @@ class RunDir:
             handle.truncate()
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        rows = []
-        if self.metrics.is_file():
-            for line in self.metrics.read_text().splitlines():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line being written right now
-        return rows
+        return self.read_jsonl(self.metrics)
+
+    def read_metrics_from(self, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+        """The metric rows written after byte ``offset``, whole lines only (rank 0 may be writing the next), and the offset after them.
+
+        For followers of a live run (the CLI's progress bar, a curriculum's mirror of its stage).
+        """
+        try:
+            with open(self.own(self.metrics), "rb") as handle:
+                handle.seek(offset)
+                chunk = handle.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return [], offset
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        return json_rows(complete.decode("utf-8", errors="replace")), offset + len(complete)
+
+    def read_generations(self) -> list[dict[str, Any]]:
+        """generations.jsonl: the trained model's answers to the run's prompts (prompt, output...)."""
+        return self.read_jsonl(self.generations)
+
+    def read_jsonl(self, name: str | Path) -> list[dict[str, Any]]:
+        """The records of a JSON-lines file of the run; ``[]`` when it is missing or (confined) leads out."""
+        try:
+            return json_rows(self.read_text(name) or "")
+        except (OSError, OutsideRoots):
+            return []
+
+
+def json_rows(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of JSON-lines text; a line that is not one (being written right now) is skipped."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            rows.append(value)
+    return rows

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
@@ -26,6 +25,7 @@ class Progress:
     """Follows rank 0's metrics.jsonl: a live bar on a terminal, a line every tenth of the run otherwise."""
 
     def __init__(self, run_dir: RunDir, total_steps: int):
+        self.run = run_dir
         self.path = run_dir.metrics
         self.total = total_steps
         self.offset = self.path.stat().st_size if self.path.exists() else 0
@@ -37,16 +37,8 @@ class Progress:
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
 
     def update(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        # Only whole lines: rank 0 may be writing the next one right now.
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            row = json.loads(line)
+        rows, self.offset = self.run.read_metrics_from(self.offset)
+        for row in rows:
             if row.get("kind") == "eval":
                 message = f"step {row['step']} eval loss {row['eval_loss']:.4f} perplexity {row['eval_perplexity']:.4g}"
                 if self.bar is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from zeropipe.cli.output import Progress, resume_command, say
 from zeropipe.rundir import RunDir
@@ -143,16 +142,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(run_dir: RunDir) -> None:
-    summary = run_dir.read_json(run_dir.summary, {}) or {}
+    summary = run_dir.read_summary()
     first, final = summary.get("first_loss"), summary.get("final_loss")
     if first is not None and final is not None:
         say(f"done: {summary['steps']} steps, loss {first:.3f} -> {final:.3f}")
-    if run_dir.generations.is_file():
+    generations = run_dir.read_generations()
+    if generations:
         from zeropipe.data.synthetic import expected_answer
 
         say("generations of the trained model:")
-        for line in run_dir.generations.read_text().splitlines():
-            row = json.loads(line)
+        for row in generations:
             # Vision-language runs answer about an image, and know the held-out synthetic captions.
             expected = row["expected"] if "expected" in row else expected_answer(row["prompt"])
             verdict = "" if expected is None else ("  (right)" if row["output"] == expected else f"  (expected {expected!r})")

@@ -146,7 +146,7 @@ def evaluate_checkpoint(
     """
 
     source = Path(source)
-    if not (source / "config.yaml").is_file() and not (source.parent.name == "checkpoints" and (source.parent.parent / "config.yaml").is_file()):
+    if not RunDir(source).config.is_file() and not (source.parent.name == "checkpoints" and RunDir(source.parent.parent).config.is_file()):
         raise ZeroPipeError(f"{source} is not a run directory (no config.yaml): give the directory `zeropipe train` wrote")
     if checkpoint:
         run_root = source.parent.parent if source.parent.name == "checkpoints" else source

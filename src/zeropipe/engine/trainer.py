@@ -58,7 +58,7 @@ class Trainer:
         self.run = RunDir(run_dir)
         self.config = self.run.read_config()
         self.plan = self.run.read_plan()
-        self.ds_config = json.loads(self.run.ds_config.read_text())
+        self.ds_config = self.run.read_ds_config()
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))

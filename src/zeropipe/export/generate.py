@@ -134,9 +134,9 @@ def run_directory_of(path: Path) -> Path | None:
     """The run directory ``path`` is or belongs to (a checkpoint, the checkpoints folder), else None."""
     if TAG_PATTERN.match(path.name) and path.parent.name == "checkpoints":
         return path.parent.parent
-    if path.name == "checkpoints" and (path.parent / "config.yaml").is_file():
+    if path.name == "checkpoints" and RunDir(path.parent).config.is_file():
         return path.parent
-    if (path / "config.yaml").is_file():
+    if RunDir(path).config.is_file():
         return path
     return None
 

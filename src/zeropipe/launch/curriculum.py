@@ -156,11 +156,11 @@ class Curriculum:
             raise ConfigError(problems)
         if resume:
             top = RunDir(find_curriculum(Path(resume)) if resume is not True else run_dir_for(config))
-            if not (top.path / STAGES_FILE).is_file():
+            if not top.stages_file.is_file():
                 raise ZeroPipeError(f"{top.path} holds no curriculum run (no {STAGES_FILE}) to resume: start it without --resume")
         else:
             top = RunDir(run_dir_for(config))
-            if (top.path / STAGES_FILE).is_file() or top.metrics.exists() or list_checkpoints(top.path, complete_only=False):
+            if top.stages_file.is_file() or top.metrics.exists() or list_checkpoints(top.path, complete_only=False):
                 raise ZeroPipeError(
                     f"{top.path} already holds a run: continue it with --resume, or choose another run.name "
                     f"(e.g. run.name={top.path.name}-2); nothing was overwritten"
@@ -224,7 +224,7 @@ class Curriculum:
 
     def reopen(self) -> None:
         """A resume: the stages as stages.json recorded them; the config must have the same stages."""
-        saved = json.loads((self.top.path / STAGES_FILE).read_text())
+        saved = self.top.read_stages()
         names = [row["name"] for row in saved["stages"]]
         if names != [stage.name for stage in self.stages]:
             raise ZeroPipeError(
@@ -446,7 +446,7 @@ class Curriculum:
             stages.append(stage.to_json(offsets, self.top.path))
             offsets += stage.total_steps
         current = next((s.name for s in self.stages if s.state in ("running", "failed", "stopped")), None)
-        write_atomic(self.top.path / STAGES_FILE, json.dumps({"created_at": self.created_at, "current": current, "stages": stages}, indent=2))
+        write_atomic(self.top.stages_file, json.dumps({"created_at": self.created_at, "current": current, "stages": stages}, indent=2))
         self.write_plan()
 
     def write_plan(self) -> None:
@@ -468,7 +468,7 @@ class Curriculum:
         )
         if plan is None and self.top.plan_file.is_file():
             # A resumed curriculum keeps what the first launch knew about stages it does not prepare again.
-            saved = json.loads(self.top.plan_file.read_text())
+            saved = self.top.read_plan_fields()
             for key in ("world_size", "accelerator", "steps_per_epoch", "micro_batches_per_epoch", "examples", "micro_batch_size", "gradient_accumulation_steps"):
                 setattr(total, key, saved.get(key, getattr(total, key)))
         write_atomic(self.top.plan_file, json.dumps(asdict(total), indent=2))
@@ -480,26 +480,16 @@ class Curriculum:
         """RUN/metrics.jsonl from the stages' own files: after a resume dropped a stage's later rows, the whole stays consistent."""
         lines = []
         for stage in self.stages[: upto.index + 1]:
-            chunk = stage.run.metrics.read_bytes() if stage.run.metrics.exists() else b""
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written is mirrored once it is whole
-            lines += [json.dumps(self.labelled(stage, json.loads(line))) for line in complete.decode().splitlines() if line.strip()]
-            self.metrics_offsets[stage.index] = len(complete)
+            rows, self.metrics_offsets[stage.index] = stage.run.read_metrics_from(0)  # a line being written is mirrored once it is whole
+            lines += [json.dumps(self.labelled(stage, row)) for row in rows]
         write_atomic(self.top.metrics, "".join(line + "\n" for line in lines))
 
     def mirror(self, stage: Stage) -> None:
         """Append the stage's new rows (whole lines only: rank 0 may be writing one) to RUN/metrics.jsonl."""
-        path = stage.run.metrics
         offset = self.metrics_offsets.get(stage.index, 0)
-        if not path.exists() or path.stat().st_size <= offset:
+        rows, self.metrics_offsets[stage.index] = stage.run.read_metrics_from(offset)
+        if not rows:
             return
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            chunk = handle.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        if not complete:
-            return
-        self.metrics_offsets[stage.index] = offset + len(complete)
-        rows = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
         with open(self.top.metrics, "a") as handle:
             handle.writelines(json.dumps(self.labelled(stage, row)) + "\n" for row in rows)
 
@@ -519,6 +509,6 @@ def find_curriculum(path: Path) -> Path:
     """The curriculum run directory ``path`` is or lies in (a stage, a checkpoint of one)."""
     path = path.expanduser().resolve()
     for candidate in (path, *path.parents):
-        if (candidate / STAGES_FILE).is_file():
+        if RunDir(candidate).stages_file.is_file():
             return candidate
     raise ZeroPipeError(f"{path} is not inside a curriculum run directory (none of its folders holds {STAGES_FILE}): give the run directory RUN")

@@ -223,7 +223,7 @@ class MultiNodeSupervisor:
             raise RuntimeError("MultiNodeSupervisor.start must run in the main thread")
         # A run that must fill its caches first (RunPlan.node_setup) fills them once, here, with one
         # copy of each encoder, into the shared run directory; wait() starts the node agents after.
-        if (self.run.read_json(self.run.plan_file, {}) or {}).get("node_setup"):
+        if self.run.read_plan_fields().get("node_setup"):
             self.setup = Supervisor(self.run, self.world_size, self.accelerator, self.port, on_tick=self.on_tick, setup_only=True)
             self.setup.start()
             return

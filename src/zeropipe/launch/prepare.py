@@ -71,7 +71,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         run.claim()  # refuses a run directory a live launcher owns, before anything is read or moved
         resume_tag = info.tag
         saved = json.loads((info.path / "zeropipe_complete.json").read_text())
-        previous_plan = run.read_json(run.plan_file) or {}  # the last attempt's run.json, before this one replaces it
+        previous_plan = run.read_plan_fields()  # the last attempt's run.json, before this one replaces it
         saved_shape = saved_batch_shape(saved, previous_plan)
         saved_world = saved.get("world_size") or (saved_shape[2] if saved_shape else world_size)
         other_rank_count = saved_world != world_size

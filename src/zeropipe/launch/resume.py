@@ -76,7 +76,7 @@ def check_resume_schedule(saved_total_steps: int | None, total_steps: int, tag: 
 
 def previous_total_steps(run: RunDir) -> int | None:
     """The run length of the run's last attempt (for checkpoints that do not record their own)."""
-    plan = run.read_json(run.plan_file) or {}
+    plan = run.read_plan_fields()
     return plan.get("total_steps")
 
 

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
-import yaml
 
 from zeropipe.engine.noise import KNOWN_NOISE
-from zeropipe.errors import LaunchError
+from zeropipe.errors import LaunchError, ZeroPipeError
 from zeropipe.launch import oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose, host_ram_fixes
 from zeropipe.rundir import RunDir
@@ -160,7 +159,7 @@ class Supervisor:
         self.procs: list[subprocess.Popen] = []
         # The node's setup process (RunPlan.node_setup, e.g. a diffusion run filling its caches):
         # it runs to the end before any rank starts, so no rank is resident while it holds encoders.
-        plan = run.read_json(run.plan_file, {}) or {}
+        plan = run.read_plan_fields()
         self.node_setup = plan.get("node_setup")
         self.zero_stage = plan.get("zero_stage")
         self.setup_proc: subprocess.Popen | None = None
@@ -451,15 +450,15 @@ class Supervisor:
 
 def run_settings(run: RunDir) -> RunSettings:
     """The run's ZeRO stage, rank count and offload, from the files the launcher wrote."""
-    plan = run.read_json(run.plan_file, {}) or {}
+    plan = run.read_plan_fields()
     zero = (run.read_json(run.ds_config, {}) or {}).get("zero_optimization") or {}
 
     def offloads(key: str) -> bool:
         return (zero.get(key) or {}).get("device", "none") not in ("none", None)
 
     try:
-        model = (yaml.safe_load(run.config.read_text()) or {}).get("model") or {}
-    except (OSError, yaml.YAMLError):
+        model = run.read_config_fields().get("model") or {}
+    except (OSError, ZeroPipeError):
         model = {}
     checkpointing = model.get("gradient_checkpointing")
     return RunSettings(

@@ -214,12 +214,13 @@ class MetricSinks:
             return {}
 
     def read_config(self) -> dict[str, Any] | None:
-        try:
-            import yaml
+        """The run's config as plain values, for the trackers' run config; None when it cannot be read."""
+        from zeropipe.errors import ZeroPipeError
+        from zeropipe.rundir import RunDir
 
-            value = yaml.safe_load((self.run_dir / "config.yaml").read_text())
-            return value if isinstance(value, dict) else None
-        except (OSError, ValueError, ImportError):
+        try:
+            return RunDir(self.run_dir).read_config_fields() or None
+        except (OSError, ZeroPipeError):
             return None
 
     @property

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
 
 from zeropipe.errors import ConfigError
-from zeropipe.rundir import RunDir
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
 from zeropipe.store import RunStore, parse_yaml_text
@@ -90,11 +89,12 @@ async def runs_stream(request: Request, max_seconds: float = Query(300, ge=0.1, 
 def run_detail(request: Request, run_id: int = RunId):
     store = store_of(request)
     run = store.run(run_id)
+    run_dir = store.run_dir(run)  # confined: a file leading out of the run reads as missing
     return {
         "run": run,
-        "status": (RunDir(run["path"]).read_status() if store.own_or_none(run, "status.json") else None) or None,
-        "plan": store.read_run_json(run, "run.json"),
-        "summary": store.read_run_json(run, "summary.json"),
+        "status": run_dir.read_status() or None,
+        "plan": run_dir.read_plan_fields() or None,
+        "summary": run_dir.read_summary() or None,
         "logs": store.log_names(run),
         "checkpoints": store.checkpoints(run),
         "exports": store.exports(run),

@@ -16,8 +16,7 @@ from typing import Any
 
 import psutil
 
-from zeropipe.rundir import RunDir
-from zeropipe.store.sandbox import confined
+from zeropipe.rundir import RunDir, confined
 
 TERMINAL = {"completed", "failed", "stopped", "lost"}
 PREVIEW_POINTS = 60
@@ -25,7 +24,7 @@ SMALL_FILE = 256 * 1024
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "status.json").is_file() or (path / "run.json").is_file()
+    return RunDir(path).holds_run()
 
 
 def find_run_dirs(root: Path) -> list[Path]:
@@ -56,17 +55,13 @@ def process_alive(pid: Any, created_before: float | None = None) -> bool:
 
 
 def read_json(path: Path | None) -> Any:
+    """A JSON file that is no run file (a checkpoint's marker, an evaluation's result), or None."""
     if path is None:
         return None
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-
-
-def own_file(run_path: Path, name: str) -> Path | None:
-    """A file of a run directory, or None when it is a symlink leading out of the run."""
-    return confined(Path(run_path) / name, run_path)
 
 
 def parse(line: bytes) -> dict[str, Any] | None:
@@ -109,14 +104,18 @@ def spread(rows: list[dict[str, Any]], points: int) -> list[dict[str, Any]]:
     return [rows[len(rows) * k // points] for k in range(points)] + [rows[-1]]
 
 
-def read_run(path: Path) -> dict[str, Any]:
-    """The runs-table fields a run directory gives (everything but id, origin and the UI's own state)."""
-    run = RunDir(path)
+def read_run(path: Path, root: Path | None = None) -> dict[str, Any]:
+    """The runs-table fields a run directory gives (everything but id, origin and the UI's own state).
+
+    Args:
+        root: the runs folder the run must lie in (default: only its files are confined to it).
+    """
+    run = RunDir(path, confined_to=root if root is not None else path)
     # A "running" run whose launcher's lock is free is lost (read_status); no file read through a symlink out of the run.
-    status = (run.read_status() if own_file(path, "status.json") else {}) or {}
-    plan = read_json(own_file(path, "run.json")) or {}
-    summary = read_json(own_file(path, "summary.json")) or {}
-    glance = metrics_glance(own_file(path, "metrics.jsonl"))
+    status = run.read_status() or {}
+    plan = run.read_plan_fields()
+    summary = run.read_summary()
+    glance = metrics_glance(run.own_or_none(run.metrics))
     last, first = glance["last"] or {}, glance["first"] or {}
     if last.get("kind") == "eval":  # an evaluation of the last step: the step's own row has its loss
         last = next((row for row in reversed(glance["tail"]) if row.get("kind") is None), last)
@@ -158,7 +157,7 @@ def read_run(path: Path) -> dict[str, Any]:
         "pids": status.get("pids"),
         "diagnosis": diagnosis,
         "loss_preview": preview,
-        "has_samples": int((path / "samples").is_dir()),
+        "has_samples": int(run.samples.is_dir()),
         "missing": 0,
     }
 
@@ -170,9 +169,10 @@ def is_number(value: Any) -> bool:
 def signature(path: Path) -> tuple:
     """Changes whenever a file the runs list shows changes; unchanged finished runs are not re-read."""
     out = []
-    for name in ("status.json", "run.json", "metrics.jsonl", "summary.json", "samples"):
+    run = RunDir(path)
+    for file in (run.status_file, run.plan_file, run.metrics, run.summary, run.samples):
         try:
-            stat = os.stat(path / name)
+            stat = os.stat(file)
             out.append((stat.st_mtime_ns, stat.st_size))
         except OSError:
             out.append(None)

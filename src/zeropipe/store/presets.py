@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
+from zeropipe.config.yaml_text import parse_yaml_text
 from zeropipe.errors import ConfigError, ZeroPipeError
-from zeropipe.store.sandbox import check_name, confined, parse_yaml_text
+from zeropipe.store.sandbox import check_name, confined
 
 MAX_PRESET_BYTES = 200_000
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from zeropipe.config.yaml_text import too_deep
 
-from zeropipe.config.load import parse_yaml
-from zeropipe.errors import ConfigError, ZeroPipeError
+# The confinement of paths inside a folder lives with RunDir, which every reader of a run goes
+# through (its files are read nowhere else); the roots here are checked with the same functions.
+from zeropipe.rundir import OutsideRoots, confined, is_inside, resolve_inside  # noqa: F401  (the store's names for them)
 
 # A run name becomes a directory name: no separators, no leading dot, nothing a shell would mangle.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -35,14 +36,7 @@ PATH_FIELDS = {
 # JSON): any key there may name a path, e.g. csv_monitor.output_path or load_kwargs.cache_dir.
 FREE_FORM = {"model.config", "model.load_kwargs", "deepspeed.overrides"}
 PATH_LIKE_KEY = re.compile(r"(path|dir|directory|file|filename|folder|root|output)s?$", re.IGNORECASE)
-# Deeper than this, a config is not a config (and deep nesting exhausts recursive parsers).
-MAX_DEPTH = 40
-MAX_VALUES = 100_000
-TOO_DEEP = ("", f"the config nests more than {MAX_DEPTH} levels deep: a run config has a few levels of sections; send the config itself")
 REMOTE_CODE_KEY = "trust_remote_code"
-
-class OutsideRoots(ZeroPipeError):
-    """A path that resolves outside every allowed root (traversal, absolute path or symlink)."""
 
 
 @dataclass
@@ -78,76 +72,11 @@ class Roots:
         return next((root for root in self.runs if is_inside(path, root)), None)
 
 
-def is_inside(path: Path, root: Path) -> bool:
-    try:
-        Path(path).resolve().relative_to(Path(root).resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def resolve_inside(root: Path, relative: str | Path) -> Path:
-    """``root / relative``, refused when it resolves outside ``root``.
-
-    Raises:
-        OutsideRoots: for absolute paths, ``..`` that climbs out, or a symlink that leads out.
-    """
-    text = str(relative)
-    if not text or "\x00" in text:
-        raise OutsideRoots("an empty or malformed path was given")
-    candidate = Path(text)
-    if candidate.is_absolute():
-        raise OutsideRoots(f"{text}: an absolute path is not allowed here; give a path inside the run")
-    resolved = (Path(root) / candidate).resolve()
-    if not is_inside(resolved, root):
-        raise OutsideRoots(f"{text}: leads outside {root}; nothing outside the run and data folders is served")
-    return resolved
-
-
-def confined(path: Path, root: Path) -> Path | None:
-    """``path`` resolved, or None when it resolves outside ``root`` (a symlink leading out)."""
-    try:
-        resolved = Path(path).resolve()
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return resolved if is_inside(resolved, root) else None
-
-
 def check_name(name: Any, what: str = "run.name") -> list[tuple[str, str]]:
     if not isinstance(name, str) or not SAFE_NAME.match(name):
         return [(what, f"{name!r} cannot be a folder name: use letters, digits, '.', '_' and '-' (not starting with '.' or '-'), at most 100 characters")]
     if name in RESERVED_NAMES:
         return [(what, f"{name!r} is reserved for the UI's own files: choose another name")]
-    return []
-
-
-def config_shape(value: Any) -> tuple[int, int]:
-    """(how deeply mappings and lists nest, how many values there are), without recursion.
-
-    Stops counting past the limits: a YAML alias expanded a billion times is not walked.
-    """
-    deepest, count, stack = 0, 0, [(value, 0)]
-    while stack and deepest <= MAX_DEPTH and count <= MAX_VALUES:
-        node, depth = stack.pop()
-        count += 1
-        if isinstance(node, dict):
-            children = list(node.values())
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        deepest = max(deepest, depth + 1)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest, count
-
-
-def too_deep(value: Any) -> list[tuple[str, str]]:
-    """One problem when a config nests too deeply or holds too many values to be a run config."""
-    depth, count = config_shape(value)
-    if depth > MAX_DEPTH:
-        return [TOO_DEEP]
-    if count > MAX_VALUES:
-        return [("", f"the config holds more than {MAX_VALUES:,} values (YAML aliases count every time they are used): send the config itself")]
     return []
 
 
@@ -266,36 +195,3 @@ def absolutize(raw: dict[str, Any], roots: Roots) -> dict[str, Any]:
             except (OutsideRoots, OSError, RuntimeError, ValueError):
                 pass  # left as it is: config_path_problems reports it
     return out
-
-
-def parse_yaml_text(text: str, source: str = "the submitted config") -> dict[str, Any]:
-    """A run config from YAML text, with the same messages as a config file.
-
-    Raises:
-        ConfigError: not YAML, or not a mapping of sections.
-    """
-    if yaml_depth(text) > MAX_DEPTH:  # PyYAML composes recursively: refuse before it overflows the stack
-        raise ConfigError([TOO_DEEP], source=source)
-    raw = parse_yaml(text, source)
-    if too_deep(raw):
-        raise ConfigError(too_deep(raw), source=source)
-    return raw
-
-
-def yaml_depth(text: str) -> int:
-    """How deeply the YAML text's collections nest, from its tokens (PyYAML's scanner does not recurse)."""
-    opening = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken, yaml.FlowSequenceStartToken)
-    closing = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
-    depth = deepest = 0
-    try:
-        for token in yaml.scan(text, Loader=yaml.SafeLoader):
-            if isinstance(token, opening):
-                depth += 1
-                deepest = max(deepest, depth)
-                if deepest > MAX_DEPTH:
-                    break
-            elif isinstance(token, closing):
-                depth -= 1
-    except yaml.YAMLError:
-        pass  # safe_load reports the syntax error with its line
-    return deepest

@@ -13,7 +13,6 @@ launcher's pid, the metrics) is on disk.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 import yaml
 
 from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints
+from zeropipe.config.yaml_text import too_deep
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.rundir import RunDir
 from zeropipe.store.db import Database
@@ -38,9 +38,7 @@ from zeropipe.store.sandbox import (
     config_path_problems,
     confined,
     is_inside,
-    parse_yaml_text,
     resolve_inside,
-    too_deep,
 )
 from zeropipe.store.series import SeriesCache
 
@@ -110,7 +108,7 @@ class RunStore:
         if row["state"] in TERMINAL and self.signatures.get(row["path"]) == mark:
             return
         self.signatures[row["path"]] = mark
-        fields: dict[str, Any] = read_run(path) if is_run_dir(path) else {"state": "starting"}
+        fields: dict[str, Any] = read_run(path, self.roots.runs_root_of(path)) if is_run_dir(path) else {"state": "starting"}
         if not path.exists() and not launch:
             self.db.update_run(row["id"], missing=1)
             return
@@ -174,28 +172,27 @@ class RunStore:
         return public(row)
 
     def run_dir(self, run: dict[str, Any]) -> RunDir:
-        return RunDir(run["path"])
+        """The run's directory, read confined: inside its runs folder, and no file read through a symlink out of the run."""
+        path = Path(run["path"])
+        # A run outside every runs folder (replaced by a symlink since it was indexed) is confined
+        # to a folder it is not in: every read of it is refused.
+        return RunDir(path, confined_to=self.roots.runs_root_of(path) or self.roots.primary_runs)
 
-    def own(self, run: dict[str, Any], relative: str) -> Path:
+    def own(self, run: dict[str, Any], relative: str | Path) -> Path:
         """A path inside the run's directory, resolved.
 
         Raises:
             OutsideRoots: it leads out of the run (``..``, or a symlink to elsewhere).
         """
-        return resolve_inside(Path(run["path"]), relative)
+        return self.run_dir(run).own(relative)
 
-    def own_or_none(self, run: dict[str, Any], relative: str) -> Path | None:
-        try:
-            return self.own(run, relative)
-        except OutsideRoots:
-            return None
+    def own_or_none(self, run: dict[str, Any], relative: str | Path) -> Path | None:
+        return self.run_dir(run).own_or_none(relative)
 
     def metrics_file(self, run: dict[str, Any]) -> Path:
         # A metrics.jsonl that leads out of the run is read as no metrics (a name that never exists).
-        return self.own_or_none(run, "metrics.jsonl") or Path(run["path"]) / ".metrics-outside-the-run"
-
-    def read_run_json(self, run: dict[str, Any], name: str) -> Any:
-        return read_json(self.own_or_none(run, name))
+        run_dir = self.run_dir(run)
+        return run_dir.own_or_none(run_dir.metrics) or run_dir.path / ".metrics-outside-the-run"
 
     def log_names(self, run: dict[str, Any]) -> list[str]:
         logs = self.own_or_none(run, "logs")
@@ -214,8 +211,12 @@ class RunStore:
         return tail_lines(path, max(1, min(lines, 5000)))
 
     def config_text(self, run: dict[str, Any]) -> str | None:
-        path = self.own(run, "config.yaml")
-        return path.read_text(errors="replace") if path.is_file() else None
+        """The run's config.yaml, or None before it is written.
+
+        Raises:
+            OutsideRoots: it leads out of the run.
+        """
+        return self.run_dir(run).read_config_text()
 
     def checkpoints(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         path = Path(run["path"])
@@ -240,17 +241,16 @@ class RunStore:
         return out
 
     def generations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
-        path = self.own_or_none(run, "generations.jsonl")
-        return read_jsonl(path) if path else []
+        return self.run_dir(run).read_generations()
 
     def samples(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The sample images a diffusion run wrote, from samples/index.jsonl (step, prompt, file)."""
-        root = self.own_or_none(run, "samples")
-        index = self.own_or_none(run, "samples/index.jsonl")
-        if root is None or index is None:
+        run_dir = self.run_dir(run)
+        root = run_dir.own_or_none(run_dir.samples)
+        if root is None:
             return []
         out = []
-        for row in read_jsonl(index):
+        for row in run_dir.read_jsonl(run_dir.samples_index):
             try:
                 file = self.sample_relative(root, row)
             except (OutsideRoots, TypeError, ValueError):
@@ -345,7 +345,8 @@ class RunStore:
         run_path = (Path(config.run.output_dir) / config.run.name).resolve()
         with self.refresh_lock:
             row = self.db.run_by_path(run_path)
-            if any((run_path / name).exists() for name in ("status.json", "metrics.jsonl", "checkpoints")) or (row and self.open_launch(row["id"])):
+            written = RunDir(run_path)
+            if any(p.exists() for p in (written.status_file, written.metrics, written.checkpoints)) or (row and self.open_launch(row["id"])):
                 raise ActionRefused(f"{run_path} already holds a run: choose another run.name (e.g. {config.run.name}-2), or resume that run from its page")
             configs = run_path.parent / "configs"
             configs.mkdir(parents=True, exist_ok=True)
@@ -383,7 +384,7 @@ class RunStore:
         launch = self.open_launch(run["id"])
         if launch is None:
             return None
-        status = self.read_run_json(run, "status.json") or {}
+        status = self.run_dir(run).read_status_fields()
         if status.get("state") in TERMINAL and (status.get("started_at") or 0) >= launch["started_at"]:
             deadline = time.time() + 15
             while time.time() < deadline and process_alive(launch["pid"], launch["started_at"]):
@@ -402,7 +403,7 @@ class RunStore:
         run = self.run(ref)
         if run["state"] not in ("running", "starting", "stopping"):
             raise ActionRefused(f"run {run['name']} is {run['state']}, not running: there is nothing to stop")
-        status = self.read_run_json(run, "status.json") or {}
+        status = self.run_dir(run).read_status_fields()
         launch = self.open_launch(run["id"])
         sent = False
         if status.get("state") == "running" and status.get("supervisor_pid"):
@@ -451,8 +452,9 @@ class RunStore:
         info = self.checkpoint_for(run, checkpoint)
         if run.get("total_steps") and info.step >= run["total_steps"]:
             raise ActionRefused(f"{info.tag} is the end of the run ({run['total_steps']} steps): there is nothing left to train; pick an earlier checkpoint")
-        config_file = self.own(run, "config.yaml")
-        raw = parse_yaml_text(config_file.read_text(), source=str(config_file)) if config_file.is_file() else {}
+        run_dir = self.run_dir(run)
+        config_file = run_dir.own(run_dir.config)  # what the resumed launcher reads: refused when it leads out of the run
+        raw = run_dir.read_config_fields()
         problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
@@ -466,7 +468,7 @@ class RunStore:
             argv = zeropipe_argv("train", config_file, *ranks, "--resume", info.path)
             self.db.update_run(run["id"], state="starting", stop_requested_at=None, diagnosis=None)
             detail = {"checkpoint": info.tag, **({"gpus": gpus} if gpus is not None else {})}
-            self.start(run["id"], "resume", argv, self.run_dir(run).logs / "launcher.log", config_path=str(config_file), detail=detail)
+            self.start(run["id"], "resume", argv, run_dir.logs / "launcher.log", config_path=str(config_file), detail=detail)
         self.refresh(scan=False)
         return self.run(run["id"])
 
@@ -481,7 +483,7 @@ class RunStore:
         from zeropipe.launch.resume import keep_global_batch, saved_batch_shape
 
         marker = read_json(info.path / COMPLETE_MARKER) or {}
-        plan = self.read_run_json(run, "run.json") or {}
+        plan = self.run_dir(run).read_plan_fields()
         shape = saved_batch_shape(marker, plan)
         saved_ranks = marker.get("world_size") or (shape[2] if shape else None)
         family = str((raw.get("model") or {}).get("family") or "auto")
@@ -633,7 +635,7 @@ class RunStore:
                 doomed = path.with_name(f".deleting-{path.name}-{int(time.time())}")
                 path.rename(doomed)
                 shutil.rmtree(doomed)
-            self.series.forget(path / "metrics.jsonl")
+            self.series.forget(RunDir(path).metrics)
             self.signatures.pop(str(path), None)
             self.db.delete_run(run["id"])
         return {"deleted": run["name"], "path": str(path), "checkpoints": len(checkpoints), "bytes": sum(c["size_bytes"] for c in checkpoints)}
@@ -657,21 +659,22 @@ class RunStore:
             new = old.parent / new_name
             if new.exists() or self.db.run_by_path(new):
                 raise ActionRefused(f"{new} exists: choose another name")
-            config_file = self.own_or_none(run, "config.yaml")
-            config_text = config_file.read_text() if config_file and config_file.is_file() else None
+            run_dir = self.run_dir(run)
+            # Read (and refused when it is not a config) before anything moves: a config.yaml that
+            # leads out of the run is left as it is.
+            raw = run_dir.read_config_fields() if run_dir.own_or_none(run_dir.config) and run_dir.config.is_file() else None
             old.rename(new)
-            if config_text is not None:
-                raw = parse_yaml_text(config_text, source=str(new / "config.yaml"))
-                raw.setdefault("run", {})["name"] = new_name
-                partial = new / "config.yaml.partial"
-                partial.write_text(yaml.safe_dump(raw, sort_keys=False))
-                partial.replace(new / "config.yaml")
+            if raw is not None:
+                if not isinstance(raw.get("run"), dict):
+                    raw["run"] = {}
+                raw["run"]["name"] = new_name
+                RunDir(new).write_config_fields(raw)
             self.db.update_run(run["id"], path=str(new), name=new_name)
             for launch in self.db.launches(run["id"]):
                 moved = {k: str(new) + launch[k][len(str(old)) :] for k in ("log_path", "out_path") if launch[k] and launch[k].startswith(str(old) + "/")}
                 if moved:
                     self.db.update_launch(launch["id"], **moved)
-            self.series.forget(old / "metrics.jsonl")
+            self.series.forget(RunDir(old).metrics)
             self.signatures.pop(str(old), None)
         self.refresh(scan=False)
         return self.run(run["id"])
@@ -751,19 +754,3 @@ def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024, within: Path
         return []
     text = data.decode("utf-8", errors="replace")
     return list(deque(text.splitlines(), maxlen=lines))
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return rows
-    for line in text.splitlines():
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            rows.append(value)
-    return rows

@@ -140,6 +140,25 @@ def test_a_config_symlinked_out_of_its_run_is_not_served(client, store, tmp_path
     assert "hunter2" not in response.text and response.status_code in (403, 404)
 
 
+def test_run_files_symlinked_out_of_their_run_are_read_as_missing(client, store, tmp_path):
+    secret = "hunter2-plan"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "run.json").write_text(json.dumps({"world_size": 64, "total_steps": 999, "accelerator": secret}))
+    (outside / "summary.json").write_text(json.dumps({"steps": 999, "first_loss": 1.0, "final_loss": 0.5, "note": secret}))
+    (outside / "status.json").write_text(json.dumps({"state": "failed", "diagnosis": {"text": secret}}))
+    run = write_run(store.roots.primary_runs, "linked", steps=3, checkpoints=())
+    for name in ("run.json", "summary.json", "status.json"):
+        (run / name).unlink(missing_ok=True)
+        os.symlink(outside / name, run / name)
+    store.refresh()
+    listed = client.get("/api/runs").json()["runs"]
+    assert [r["name"] for r in listed] == ["linked"] and listed[0]["total_steps"] is None and secret not in json.dumps(listed)
+    detail = client.get(f"/api/runs/{listed[0]['id']}")
+    assert detail.status_code == 200 and secret not in detail.text
+    assert detail.json()["plan"] is None and detail.json()["summary"] is None and detail.json()["status"] is None
+
+
 def test_a_run_folder_that_is_a_symlink_to_elsewhere_is_not_indexed(client, store, tmp_path):
     elsewhere = write_run(tmp_path / "elsewhere", "private", steps=3, checkpoints=())
     (elsewhere / "logs" / "rank0.log").write_text("private log line\n")
