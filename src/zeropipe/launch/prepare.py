@@ -26,8 +26,8 @@ from zeropipe.launch.node_setup import encoder_precision_for
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
 from zeropipe.launch.resume import (
     check_resume_schedule,
-    keep_global_batch,
     prefer_exact_adam,
+    resume_batch_shape,
     previous_total_steps,
     saved_batch_shape,
     saved_data_position,
@@ -100,13 +100,8 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     if micro == "auto" or accumulation == "auto":
         raise ConfigError([("train.micro_batch_size", "the batch shape is still auto: resolve the config first (zeropipe train does)")])
     if resume_tag:
-        if other_rank_count and not getattr(family, "resumes_on_other_rank_counts", False):
-            raise ZeroPipeError(
-                f"checkpoint {info.tag} was saved by {saved_world} ranks and {family.name} runs resume only on the rank count that saved them "
-                f"(their data order is dealt per rank): resume with hardware.gpus={saved_world}"
-            )
         # A resume keeps the global batch: on another rank count the accumulation makes up the difference.
-        accumulation, shape_notes = keep_global_batch(saved_shape, micro, accumulation, world_size, info.tag)
+        accumulation, shape_notes = resume_batch_shape(family, saved, previous_plan, micro, accumulation, world_size, info.tag)
         config.train.gradient_accumulation_steps = accumulation
         notes += shape_notes
     data = family.prepare_data(config, run, reuse=bool(resume_tag))

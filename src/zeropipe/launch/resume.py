@@ -148,3 +148,30 @@ def saved_data_position(saved: dict[str, Any], previous_plan: dict[str, Any], st
         return None
     micro, accumulation, world_size = saved_shape
     return DataPosition.at_micro_step(step * accumulation, per_epoch, world_size, micro)
+
+
+def resume_batch_shape(
+    family: Any, saved: dict[str, Any], previous_plan: dict[str, Any], micro_batch_size: int, accumulation: int, world_size: int, tag: str
+) -> tuple[int, list[str]]:
+    """The one rule for resuming a checkpoint on ``world_size`` ranks, for the launcher and the UI alike.
+
+    Args:
+        family: the run's model family; None where it is not known here (a plug-in the UI has
+            not loaded): then only the global batch is judged, and the launcher judges the rest.
+        saved, previous_plan: the checkpoint's completion marker and the run's last run.json.
+
+    Returns:
+        (accumulation that keeps the checkpoint's global batch, notes).
+
+    Raises:
+        ZeroPipeError: the family resumes only on the rank count that saved it, or the global
+            batch does not divide over ``micro_batch_size`` x ``world_size`` (naming what would).
+    """
+    saved_shape = saved_batch_shape(saved, previous_plan)
+    saved_world = saved.get("world_size") or (saved_shape[2] if saved_shape else world_size)
+    if family is not None and saved_world != world_size and not getattr(family, "resumes_on_other_rank_counts", False):
+        raise ZeroPipeError(
+            f"checkpoint {tag} was saved by {saved_world} ranks and {family.name} runs resume only on the rank count that saved them "
+            f"(their data order is dealt per rank): resume with hardware.gpus={saved_world}"
+        )
+    return keep_global_batch(saved_shape, micro_batch_size, accumulation, world_size, tag)

@@ -480,24 +480,21 @@ class RunStore:
                 global batch does not divide over ``gpus`` ranks, or fewer GPUs are visible.
         """
         from zeropipe.families import family_named
-        from zeropipe.launch.resume import keep_global_batch, saved_batch_shape
+        from zeropipe.launch.resume import resume_batch_shape
 
         marker = read_json(info.path / COMPLETE_MARKER) or {}
         plan = self.run_dir(run).read_plan_fields()
-        shape = saved_batch_shape(marker, plan)
-        saved_ranks = marker.get("world_size") or (shape[2] if shape else None)
-        family = str((raw.get("model") or {}).get("family") or "auto")
-        if saved_ranks not in (None, gpus) and family != "auto":
-            try:
-                other_counts = getattr(family_named(family), "resumes_on_other_rank_counts", False)
-            except ConfigError:
-                other_counts = True  # a plug-in family this server has not loaded: the launcher decides
-            if not other_counts:
-                raise ActionRefused(f"{family} runs resume only on the rank count that saved them: {info.tag} was saved by {saved_ranks} ranks, resume on {saved_ranks}")
+        name = str((raw.get("model") or {}).get("family") or "auto")
+        try:
+            family = family_named(name) if name != "auto" else None
+        except ConfigError:
+            family = None  # a plug-in family this server has not loaded: the launcher decides
         micro = (raw.get("train") or {}).get("micro_batch_size")
+        micro = micro if isinstance(micro, int) and micro > 0 else plan.get("micro_batch_size")
         if isinstance(micro, int) and micro > 0:
+            # The launcher's own rule (zeropipe.launch.resume), said before anything starts.
             try:
-                keep_global_batch(shape, micro, 1, gpus, info.tag)
+                resume_batch_shape(family, marker, plan, micro, 1, gpus, info.tag)
             except ZeroPipeError as err:
                 raise ActionRefused(str(err).replace("resume with hardware.gpus set to one of", "resume on one of these rank counts:")) from None
         if plan.get("accelerator") == "cuda":
