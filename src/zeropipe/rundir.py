@@ -181,6 +181,10 @@ class RunDir:
     config = property(lambda self: self.path / "config.yaml")
     ds_config = property(lambda self: self.path / "ds_config.json")
     plan_file = property(lambda self: self.path / "run.json")
+    # What the data preparation learned (dotted key -> value: the tokenizer's vocabulary size, a
+    # Wan 2.2 expert's noise range), kept beside config.yaml instead of edited into it: config.yaml
+    # is the config as resolved and checked, and the two together are what ran.
+    learned_file = property(lambda self: self.path / "learned.json")
     status_file = property(lambda self: self.path / "status.json")
     tokenizer = property(lambda self: self.path / "tokenizer")
     data = property(lambda self: self.path / "data")
@@ -286,7 +290,8 @@ class RunDir:
             ConfigError: missing, or edited into something the schema refuses.
             OutsideRoots: confined, and config.yaml leads out of the run directory.
         """
-        return load_saved_config(self.own(self.config))
+        learned = self.read_json(self.learned_file) or {}
+        return load_saved_config(self.own(self.config), learned.get("values") if isinstance(learned, dict) else None)
 
     def read_config_text(self) -> str | None:
         """config.yaml as the launcher wrote it (comments and all), or None before it is written.

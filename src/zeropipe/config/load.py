@@ -37,16 +37,23 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return validate_config(raw, source=source, extra_problems=problems)
 
 
-def load_saved_config(path: str | Path) -> RunConfig:
+def load_saved_config(path: str | Path, learned: dict[str, Any] | None = None) -> RunConfig:
     """A config a prepared run saved (its config.yaml): typed, without re-running the checks it passed then.
 
-    Its data may have moved since, and it may hold what the launcher resolved (family,
-    vocabulary size); only the types are checked again.
+    Its data may have moved since, and it holds what the launcher resolved (family, precision,
+    the auto knobs); only the types are checked again.
+
+    Args:
+        learned: what the run's data preparation learned (learned.json: dotted key -> value,
+            e.g. ``model.config.vocab_size`` from the tokenizer), set on top: together they are
+            the config the run ran with.
 
     Raises:
         ConfigError: when the file was edited into something the schema refuses.
     """
     raw = read_yaml(Path(path))
+    for key, value in (learned or {}).items():
+        set_dotted(raw, key, value)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
@@ -411,6 +418,32 @@ def mixture_problems(data: dict[str, Any]) -> list[tuple[str, str]]:
         if isinstance(synthetic, dict) and synthetic.get("task", "mixed") not in TEXT_TASKS:
             problems.append((f"{key}.synthetic.task", f"a mixture holds text; use one of {', '.join(TEXT_TASKS)}"))
     return problems
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c`` in nested dicts, making the dicts on the way."""
+    *path, last = key.split(".")
+    node = raw
+    for part in path:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
+def config_changes(before: RunConfig, after: RunConfig) -> dict[str, Any]:
+    """The fields ``after`` sets differently from ``before``, as dotted key -> new value (leaves of nested sections and dicts)."""
+    changes: dict[str, Any] = {}
+
+    def walk(old: Any, new: Any, key: str) -> None:
+        if isinstance(old, dict) and isinstance(new, dict):
+            for name in new:
+                walk(old.get(name), new[name], f"{key}.{name}" if key else name)
+        elif old != new:
+            changes[key] = new
+
+    walk(before.model_dump(mode="json"), after.model_dump(mode="json"), "")
+    return changes
 
 
 def dump_config(config: RunConfig) -> str:

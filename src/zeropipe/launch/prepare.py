@@ -18,7 +18,7 @@ from pathlib import Path
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, universal_dir, write_atomic
 from zeropipe.checkpoint.universal import convert_to_universal, has_partitioned_state
 from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
-from zeropipe.config.load import dump_config
+from zeropipe.config.load import config_changes, dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
@@ -104,8 +104,12 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         accumulation, shape_notes = resume_batch_shape(family, saved, previous_plan, micro, accumulation, world_size, info.tag)
         config.train.gradient_accumulation_steps = accumulation
         notes += shape_notes
+    checked = config.model_copy(deep=True)
     data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
+    # What preparing the data learned (vocabulary size, an expert's noise range) is saved as its
+    # own record beside config.yaml, which stays the config as it was resolved and checked.
+    learned = config_changes(checked, config)
 
     micro_batches_per_epoch = data.micro_batches_per_epoch(micro, world_size)
     steps_per_epoch = micro_batches_per_epoch // accumulation
@@ -175,7 +179,8 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         precision, why = encoder_precision_for(accelerator, *resolved.native_precision)
         where = "the node's first GPU" if accelerator == "cuda" else "the CPU"
         notes.append(f"one process fills the caches on {where} before the ranks start (one copy of each encoder per node); text encoders in {precision}: {why}")
-    write_atomic(run.config, dump_config(config))
+    write_atomic(run.config, dump_config(checked))
+    write_atomic(run.learned_file, json.dumps({"values": learned}, indent=2))
     write_atomic(run.ds_config, json.dumps(deepspeed.config, indent=2))
     run.write_plan(plan)
     return Prepared(run, plan, config, notes)

@@ -76,3 +76,26 @@ def test_a_curriculum_is_resolved_once_per_stage_from_check_to_its_last_stage(tm
     prepared = curriculum.start(second)
     assert len(resolves) == 2, resolves
     assert prepared.config.model.path == str(first.export.resolve()) and prepared.plan.zero_stage == 3
+
+
+def test_what_data_preparation_learns_is_kept_beside_the_checked_config(tmp_path, resolves):
+    """config.yaml is the config as resolved and checked; the vocabulary the tokenizer fixed is learned.json's; the run reads both."""
+    import json
+
+    from zeropipe.config.load import validate_config
+    from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.resolve import resolve_run
+
+    resolved = resolve_run(validate_config(raw_config(tmp_path, stages=False)))
+    prepared = prepare_run(resolved)
+    assert len(resolves) == 1, resolves
+    run = prepared.run
+    saved = yaml.safe_load(run.config.read_text())
+    learned = json.loads(run.learned_file.read_text())["values"]
+    vocab = learned["model.config.vocab_size"]
+    assert isinstance(vocab, int) and vocab > 0 and "vocab_size" not in saved["model"]["config"]
+    # What the checks judged is what config.yaml says (precision and auto knobs resolved, nothing added since).
+    assert saved["deepspeed"]["zero_stage"] == resolved.config.deepspeed.zero_stage != "auto"
+    # Every later reader (ranks, export, generate) gets the config the run ran with.
+    assert run.read_config().model.config["vocab_size"] == vocab == prepared.config.model.config["vocab_size"]
+    assert f"model.config.vocab_size = {vocab} (from the tokenizer)" in prepared.notes
