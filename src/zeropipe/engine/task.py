@@ -5,7 +5,8 @@ checkpoints, resume and metrics; it *holds* one :class:`RankTask`, built by the 
 (``zeropipe.families``), for everything that depends on what is trained: the data, the
 model handed to DeepSpeed, the loss of a micro-batch, evaluation and samples. A task reads
 the trainer's state (``trainer.engine``, ``trainer.step``, ``trainer.device``...) and never
-drives the loop itself.
+drives the loop itself. What several families' tasks share is here too: resumable batches
+(:func:`sampler_batches`) and the end-of-run answers (:func:`write_generations`).
 """
 
 from __future__ import annotations

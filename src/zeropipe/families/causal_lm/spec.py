@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.models.common import model_config
-from zeropipe.plan.model_spec import ModelSpec, _causal_lm_spec
+from zeropipe.plan.model_spec import ModelSpec, _causal_lm_spec  # the planner's meta-device counters
 
 
 def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:

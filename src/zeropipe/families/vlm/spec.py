@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.families.vlm.model import OFFLINE_PROCESSORS, trainable_counts, vlm_config
-from zeropipe.plan.model_spec import LoraShape, ModelSpec, _build_causal_lm, _causal_lm_spec
+from zeropipe.plan.model_spec import LoraShape, ModelSpec, _build_causal_lm, _causal_lm_spec  # the planner's meta-device counters
 
 
 def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
