@@ -16,7 +16,7 @@ with ``torch.distributed.run`` (CPU ranks, gloo: here the "GPU" is host RAM) and
        ``deepspeed.initialize`` would do first, so that its cost counts as loading;
    (b) ``hf-zero3``: ``from_pretrained`` with ``HfDeepSpeedConfig`` alive, transformers' ZeRO-3
        integration (under ZeRO-2 the integration does nothing: (b) is (a) again);
-   (c) ``zeropipe``: ``zeropipe.models.causal_lm.build_model`` as ``zeropipe train`` calls it
+   (c) ``zeropipe``: ``zeropipe.families.causal_lm.model.build_model`` as ``zeropipe train`` calls it
        (with ``HfDeepSpeedConfig`` alive under ZeRO-3, like the trainer);
 3. calls ``deepspeed.initialize`` with the DeepSpeed JSON ``zeropipe train`` generates
    (AdamW, bf16 unless --precision fp32) and runs one training step.
@@ -127,7 +127,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import zeropipe.models.loading  # noqa: F401
     from zeropipe.config.deepspeed import build_deepspeed_config
     from zeropipe.config.schema import RunConfig
-    from zeropipe.models.causal_lm import build_model
+    from zeropipe.families.causal_lm.model import build_model
 
     deepspeed.init_distributed(dist_backend="gloo")
     config = AutoConfig.from_pretrained(args.model)

@@ -48,7 +48,7 @@ as the noise band. The second run of each system uses seed 43 (model init and da
 instead of 42, which measures how far the eval loss moves with the seed alone: the noise
 the systems' losses are compared against. Each run trains every training example once;
 afterwards each computes the eval loss on the same held-out examples with the same code
-(``zeropipe.engine.evaluation``: mean over loss tokens, on the trained DeepSpeed engine),
+(``zeropipe.families.causal_lm.evaluation``: mean over loss tokens, on the trained DeepSpeed engine),
 so the losses differ only by what the runs learned.
 """
 
@@ -168,9 +168,10 @@ def hf_rank(run_dir: Path, out: Path, seed: int, mode: str) -> None:
 
     from zeropipe.config.load import load_config
     from zeropipe.data.tokenize import TokenDataset, collate
-    from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
     from zeropipe.engine.trainer import seed_everything
-    from zeropipe.models.causal_lm import build_model, model_config
+    from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
+    from zeropipe.families.causal_lm.model import build_model
+    from zeropipe.models.common import model_config
 
     rank = int(os.environ["RANK"])
     config = load_config(run_dir / "config.yaml")
@@ -355,9 +356,10 @@ def eval_before_training(run_dir: Path) -> float:
 
     from zeropipe.config.load import load_config
     from zeropipe.data.tokenize import TokenDataset, collate
-    from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
     from zeropipe.engine.trainer import seed_everything
-    from zeropipe.models.causal_lm import build_model, model_config
+    from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
+    from zeropipe.families.causal_lm.model import build_model
+    from zeropipe.models.common import model_config
 
     config = load_config(run_dir / "config.yaml")
     seed_everything(config.run.seed)

@@ -41,7 +41,7 @@ def generate_from_export(directory: Path, image: Path, prompt: str = "Describe t
     """Load the export with the Auto classes and answer about ``image`` (rendered as in training)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from zeropipe.data.vlm import VlmEncoder, caption_messages, load_rgb
+    from zeropipe.families.vlm.data import VlmEncoder, caption_messages, load_rgb
 
     model = AutoModelForImageTextToText.from_pretrained(directory).eval()
     processor = AutoProcessor.from_pretrained(directory)
@@ -74,7 +74,7 @@ def llava_checkpoint(tmp_path, flickr_style_data) -> Path:
     """A tiny pretrained-style LLaVA directory (bf16 safetensors + processor) saved by the test itself."""
     from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
-    from zeropipe.models.vlm import build_processor, resolve_inline_config
+    from zeropipe.families.vlm.model import build_processor, resolve_inline_config
 
     directory = tmp_path / "llava-base"
     captions = [line.split("\t", 1)[1] for line in flickr_style_data.read_text().splitlines()]

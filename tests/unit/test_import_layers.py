@@ -39,8 +39,6 @@ def family_and_architecture_comparisons() -> list[str]:
 
 # The comparisons left, each with its reason:
 ALLOWED = {
-    # `zeropipe eval` computes a causal LM's held-out loss, and says so for a run of another family.
-    "engine/evaluation.py",
     # A planner catalog entry says which shape of model it describes (causal_lm, diffusion_unet...).
     "plan/model_spec.py",
 }

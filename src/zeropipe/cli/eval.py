@@ -22,7 +22,7 @@ def register(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zeropipe.engine.evaluation import evaluate_checkpoint
+    from zeropipe.families.causal_lm.evaluation import evaluate_checkpoint
 
     result = evaluate_checkpoint(args.source, checkpoint=args.checkpoint, data=args.data, dtype=args.dtype, batch_size=args.batch_size)
     if args.json:

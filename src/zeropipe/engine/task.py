@@ -5,11 +5,13 @@ checkpoints, resume and metrics; it *holds* one :class:`RankTask`, built by the 
 (``zeropipe.families``), for everything that depends on what is trained: the data, the
 model handed to DeepSpeed, the loss of a micro-batch, evaluation and samples. A task reads
 the trainer's state (``trainer.engine``, ``trainer.step``, ``trainer.device``...) and never
-drives the loop itself.
+drives the loop itself. What several families' tasks share is here too: resumable batches
+(:func:`sampler_batches`) and the end-of-run answers (:func:`write_generations`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -143,3 +145,32 @@ class SamplerBatches:
 def sampler_batches(sampler, dataset, collate, micro_batch_size: int, start: DataPosition | None = None) -> SamplerBatches:
     """The micro-batches a causal-LM or vision-language rank trains on, from ``start`` (see :class:`SamplerBatches`)."""
     return SamplerBatches(sampler, dataset, collate, micro_batch_size, start)
+
+
+def write_generations(trainer, tokenizer, inputs: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> None:
+    """Greedy answers of the trained model, one per input, written to RUN/generations.jsonl by rank 0.
+
+    Every rank runs generate: under ZeRO-3 each forward pass gathers parameters from all
+    ranks, so they must run the same number of them (``synced_gpus``).
+    """
+    model = trainer.engine.module
+    model.eval()
+    rows = []
+    with torch.no_grad():
+        for tensors, row in inputs:
+            output = model.generate(
+                **tensors,
+                attention_mask=torch.ones_like(tensors["input_ids"]),
+                max_new_tokens=trainer.config.generate.max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                synced_gpus=trainer.plan.zero_stage == 3 and trainer.world_size > 1,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            answer = tokenizer.decode(output[0, tensors["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+            rows.append({**row, "output": answer, "step": trainer.step})
+    model.train()
+    if trainer.rank == 0:
+        with open(trainer.run.generations, "w") as handle:
+            handle.writelines(json.dumps(row) + "\n" for row in rows)

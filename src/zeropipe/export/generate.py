@@ -9,26 +9,20 @@ Three kinds of source are accepted:
 - an exported Hugging Face directory (``config.json``): ``from_pretrained``;
 - a peft adapter directory (``adapter_config.json``): its base model plus the adapter.
 
-Prompts are rendered with the template the model was trained with
-(:func:`zeropipe.data.tokenize.render_prompt`), so the model sees what it learned from.
-
-This module resolves sources and holds the causal language model's backend; which backend
-runs is the family's choice (``zeropipe.families.load_model``), and vision-language models
-have theirs in :mod:`zeropipe.export.vlm_generate`.
+This module resolves sources and holds what every family's generation shares; each family
+loads and answers with its own backend (``zeropipe.families.load_model``:
+:mod:`zeropipe.families.causal_lm.generate`, :mod:`zeropipe.families.vlm.generate`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
 from zeropipe.checkpoint.manager import (
     TAG_PATTERN,
     CheckpointInfo,
@@ -38,9 +32,7 @@ from zeropipe.checkpoint.manager import (
     resolve_checkpoint,
     tag_for,
 )
-from zeropipe.data.tokenize import render_prompt
 from zeropipe.errors import CheckpointError, ZeroPipeError
-from zeropipe.models.causal_lm import add_lora, model_config
 from zeropipe.models.common import TORCH_DTYPES as DTYPES
 from zeropipe.rundir import RunDir
 
@@ -193,83 +185,6 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_causal_lm(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """A causal language model from a run's checkpoint, an export or an adapter, ready to generate."""
-    if source.kind == "run":
-        model, tokenizer, default_tokens = causal_lm_from_run(source)
-    elif source.kind == "adapter":
-        model, tokenizer = causal_lm_from_adapter(source)
-        default_tokens = DEFAULT_MAX_NEW_TOKENS
-    else:
-        model, tokenizer = causal_lm_from_hf_dir(source.path, source.path)
-        default_tokens = DEFAULT_MAX_NEW_TOKENS
-    model = model.to(device=device, dtype=dtype).eval()
-    # The training config turns the KV cache off; generation wants it.
-    model.config.use_cache = True
-    return LoadedModel(model, tokenizer, source, device, default_tokens)
-
-
-def causal_lm_from_run(source: ModelSource):
-    """The run's model built from its config.yaml, with the checkpoint's consolidated weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    assert source.checkpoint is not None
-    config = read_run_config(source.path)
-    section = config.model
-    if section.quantization is not None:
-        raise ZeroPipeError(
-            f"{source.path} is a QLoRA run: its checkpoint holds 4-bit packed weights. Export the adapter "
-            f"(zeropipe export {source.path} --out DIR) and generate from DIR on a CUDA machine"
-        )
-    tokenizer_dir = source.path / "tokenizer"
-    if not tokenizer_dir.is_dir():
-        raise ZeroPipeError(f"{source.path} has no tokenizer/ directory: the run did not finish preparing; generate from another run")
-    if section.path and not (Path(section.path).expanduser() / "config.json").is_file():
-        raise ZeroPipeError(f"the run was trained from {section.path}, which is no longer a model directory: restore it, or generate from an export")
-    if section.path:
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
-    if section.lora is not None:
-        model = add_lora(model, section)
-    # zero_to_fp32 reports its progress on stdout, which is where --json writes the result.
-    with contextlib.redirect_stdout(sys.stderr):
-        state = consolidated_state_dict(source.checkpoint)
-    load_checked(model, state, source.checkpoint)
-    return model, with_pad_token(AutoTokenizer.from_pretrained(str(tokenizer_dir))), config.generate.max_new_tokens
-
-
-def causal_lm_from_hf_dir(model_dir: Path, tokenizer_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), load_tokenizer(tokenizer_dir, model_dir)
-
-
-def causal_lm_from_adapter(source: ModelSource):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    assert source.base is not None
-    base = AutoModelForCausalLM.from_pretrained(str(source.base), dtype=torch.float32)
-    # zeropipe export writes the run's tokenizer beside the adapter; other adapters use the base's.
-    return PeftModel.from_pretrained(base, str(source.path)), load_tokenizer(source.path, source.base)
-
-
-def load_tokenizer(*directories: Path):
-    from transformers import AutoTokenizer
-
-    for directory in directories:
-        if any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            return with_pad_token(AutoTokenizer.from_pretrained(str(directory)))
-    raise ZeroPipeError(f"no tokenizer in {' or '.join(map(str, directories))}: save the tokenizer there (tokenizer.save_pretrained)")
-
-
-def with_pad_token(tokenizer):
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 # --------------------------------------------------------------- generating
 def check_sampling(prompts: list[str], temperature: float, top_p: float) -> None:
     """Raises ZeroPipeError for no prompt or sampling settings out of range."""
@@ -277,54 +192,6 @@ def check_sampling(prompts: list[str], temperature: float, top_p: float) -> None
         raise ZeroPipeError("no prompt: pass --prompt TEXT (repeat it for several)")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ZeroPipeError(f"--temperature must be >= 0 and --top-p in (0, 1] (you gave {temperature} and {top_p})")
-
-
-def generate_text(
-    loaded: LoadedModel,
-    prompts: list[str],
-    images: list[str | None],
-    tokens: int,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    raw: bool,
-    streamer: Any = None,
-) -> list[Generation]:
-    """A causal language model's answers; greedy unless ``temperature`` > 0.
-
-    Args:
-        raw: continue the prompt text as it is instead of rendering it as a user turn
-            (for models trained on plain text).
-        streamer: a transformers streamer (``TextIteratorStreamer``) given each answer's tokens
-            as they are made (the web UI streams them to the page).
-
-    Raises:
-        ZeroPipeError: images given to a text-only model.
-    """
-    if any(image is not None for image in images):
-        raise ZeroPipeError(f"--image needs a vision-language model; {loaded.source.describe()} is a text-only language model: drop --image")
-
-    tokenizer, model = loaded.tokenizer, loaded.model
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-    results = []
-    with torch.no_grad():
-        for prompt in prompts:
-            # The same seed for every prompt: a prompt's sample does not depend on its position.
-            torch.manual_seed(seed)
-            ids = tokenizer(prompt)["input_ids"] if raw else render_prompt(tokenizer, [{"role": "user", "content": prompt}])
-            input_ids = torch.tensor([ids], device=loaded.device)
-            output = model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=tokens,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                streamer=streamer,
-                **sampling,
-            )
-            text = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
-            results.append(Generation(prompt, text.strip()))
-    return results
 
 
 def pair_images(prompts: list[str], images: list[str] | None) -> list[str | None]:

@@ -22,7 +22,6 @@ from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checke
 from zeropipe.checkpoint.manager import CheckpointInfo, resolve_checkpoint
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ZeroPipeError
-from zeropipe.models.causal_lm import add_lora, model_config
 from zeropipe.models.common import TORCH_DTYPES
 from zeropipe.rundir import RunDir
 
@@ -63,18 +62,6 @@ def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     if dtype not in TORCH_DTYPES:
         raise ZeroPipeError(f"--dtype must be one of {', '.join(TORCH_DTYPES)} (you gave {dtype})")
     return ExportJob(run, info, config, out, merge, dtype)
-
-
-def causal_lm_for_export(config: RunConfig):
-    """The run's causal LM in fp32, with its LoRA adapters when it trained some."""
-    from transformers import AutoModelForCausalLM
-
-    section = config.model
-    if section.path:
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
-    return add_lora(model, section) if section.lora is not None else model
 
 
 def write_transformers_export(job: ExportJob, model) -> Path:

@@ -1,11 +1,13 @@
 """Model families as plug-ins: the registry, and the commands that ask the run's family.
 
-A family (causal LM, vision-language, diffusion) is one module here that fills in
-:class:`~zeropipe.families.base.Family`; the registry holds them in detection order.
+A family (causal LM, vision-language, diffusion) is one package here (``causal_lm/``,
+``vlm/``: its data preparation, rank task, model building, export, generation and model spec)
+whose ``FAMILY`` fills in :class:`~zeropipe.families.base.Family`; the registry holds them in
+detection order. Families never import each other (an import-linter contract in pyproject.toml).
 Everything that depends on the family — config problems, data preparation, the rank's
 training logic, the planner's model spec, export, generation — goes through
 :func:`family_named` / :func:`family_of` and the family's methods. Adding a family is a
-module plus a line in :data:`BUILTIN`; a family outside this package is a module that calls
+module or package plus a line in :data:`BUILTIN`; a family outside this package is a module that calls
 :func:`register` when imported, named in ``ZEROPIPE_PLUGINS`` (comma-separated module names)
 or in the ``zeropipe.plugins`` entry-point group of an installed package, so that the
 launcher and every rank load it. See docs/architecture.md.

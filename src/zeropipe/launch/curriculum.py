@@ -41,10 +41,10 @@ from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.config.stages import stage_configs, stage_directory_name, stage_key
 from zeropipe.data.formats import detect_format, read_records
-from zeropipe.data.text_prepare import prepare_data_file
 from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import export_run, family_of
+from zeropipe.families.causal_lm.prepare import prepare_data_file
 from zeropipe.launch.prepare import Prepared, prepare_run, run_dir_for
 from zeropipe.launch.resolve import ResolvedRun, resolve_stages
 from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt

@@ -1,4 +1,4 @@
-"""What every model family's rank code shares: dtypes by name, parameter counts, the ZeRO-3 context for transformers."""
+"""What every model family's model code shares: dtypes by name, transformers configs, parameter counts, the ZeRO-3 context for transformers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from zeropipe.config.schema import ModelSection
 from zeropipe.diffusion.architectures.base import DIFFUSERS_LORA_TARGETS  # noqa: F401 - one name for both libraries' defaults
+from zeropipe.errors import ConfigError
 
 log = logging.getLogger("zeropipe")
 
@@ -16,6 +18,29 @@ TRANSFORMERS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 # deepspeed.precision (and --dtype) names to torch dtypes.
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def model_config(section: ModelSection, vocab_size: int | None = None):
+    """The transformers config of the model (inline or read from model.path)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if section.path:
+        return AutoConfig.from_pretrained(section.path)
+    fields = dict(section.config or {})
+    model_type = fields.pop("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError([("model.config.model_type", f"unknown architecture {model_type!r}: use one transformers knows, e.g. llama, qwen2, mistral, gemma2")])
+    if vocab_size is not None and fields.get("vocab_size") in (None, "auto"):
+        fields["vocab_size"] = vocab_size
+    try:
+        return CONFIG_MAPPING[model_type](**fields)
+    except (TypeError, ValueError) as err:
+        raise ConfigError([("model.config", f"transformers rejected the inline {model_type} config: {err}")]) from None
+
+
+def hidden_size_of(config: Any) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "hidden_size", None)
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
-from zeropipe.models.causal_lm import model_config
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
-from zeropipe.models.vlm import OFFLINE_PROCESSORS, trainable_counts, vlm_config
 from zeropipe.plan.trace import ActivationTrace, trace_diffusion
 
 if TYPE_CHECKING:
@@ -202,55 +200,6 @@ def spec_from_params(n: float, trainable: float | None = None) -> ModelSpec:
         total_params=total,
         trainable_params=int(trainable) if trainable is not None else total,
         source="--params",
-    )
-
-
-def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
-    """The causal LM of a run config (model.path or model.config), with its LoRA adapters.
-
-    Raises:
-        ConfigError: when transformers cannot build the configured architecture.
-    """
-
-    section = run_config.model
-    vocab = None
-    if section.config is not None and section.config.get("vocab_size") in (None, "auto"):
-        # The tokenizer is trained on the data later; its size is the configured target.
-        vocab = section.tokenizer_vocab_size
-    hf_config = model_config(section, vocab_size=vocab)
-    name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
-    spec = _causal_lm_spec(hf_config, name, section.lora)
-    return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}")
-
-
-def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
-    """A vision-language model: every part counted, the trainable ones per model.trainable (or their LoRA adapters).
-
-    Activations are those of the language model at data.max_seq_len (image tokens included);
-    the vision tower's own activations are not modelled.
-    """
-
-    section = run_config.model
-    text = (section.config or {}).get("text_config") or {}
-    vocab = None
-    if section.config is not None and text.get("vocab_size") in (None, "auto"):
-        # The tokenizer trained on the data, plus the image tokens added to it.
-        recipe = OFFLINE_PROCESSORS.get(section.config.get("model_type"))
-        vocab = section.tokenizer_vocab_size + (len(recipe.tokens) if recipe else 0)
-    hf_config = vlm_config(section, vocab_size=vocab)
-    name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
-    spec = _causal_lm_spec(hf_config, name, None)
-    trainable, sizes, targets = trainable_counts(_build_causal_lm(hf_config), section)
-    lora_shape = None
-    if section.lora is not None:
-        lora_shape = LoraShape(r=section.lora.r, dropout=section.lora.dropout > 0, target_modules=targets)
-    return replace(
-        spec,
-        total_params=spec.total_params + (trainable if section.lora is not None else 0),
-        trainable_params=trainable,
-        parameter_sizes=tuple(sizes),
-        lora=lora_shape,
-        source=f"run config: {'model.path ' + section.path if section.path else 'model.config'} (vision-language)",
     )
 
 
@@ -730,9 +679,7 @@ __all__ = [
     "ModelSpec",
     "catalog_names",
     "spec_from_catalog",
-    "causal_lm_config_spec",
     "diffusion_config_spec",
-    "vlm_config_spec",
     "spec_from_params",
     "spec_from_path",
 ]

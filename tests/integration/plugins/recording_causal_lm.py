@@ -12,9 +12,9 @@ import json
 import os
 from pathlib import Path
 
-from zeropipe.engine.causal_lm import CausalLMTask
 from zeropipe.families import register
 from zeropipe.families.causal_lm import CausalLM
+from zeropipe.families.causal_lm.task import CausalLMTask
 
 
 class RecordedExamples:

@@ -104,7 +104,7 @@ def test_zp007_qlora_storage_under_zero3(make, monkeypatch):
 def test_qlora_storage_auto_follows_compute_dtype_under_zero3(make):
     import torch
 
-    from zeropipe.models.causal_lm import quantization_kwargs
+    from zeropipe.families.causal_lm.model import quantization_kwargs
 
     config = make(model={"path": "BASE", "lora": {"r": 8}, "quantization": {}})
     assert quantization_kwargs(config.model, "bf16", zero_stage=3)["bnb_4bit_quant_storage"] == torch.bfloat16

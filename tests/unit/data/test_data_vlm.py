@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from zeropipe.data.tokenize import IGNORE_INDEX
-from zeropipe.data.vlm import (
+from zeropipe.errors import ConfigError, DataError
+from zeropipe.families.vlm.data import (
     IMAGE_MARKER,
     VlmEncoder,
     caption_messages,
@@ -19,7 +20,6 @@ from zeropipe.data.vlm import (
     load_vlm_data,
     read_vlm_data,
 )
-from zeropipe.errors import ConfigError, DataError
 
 CAPTIONS = ["a red circle on a blue background", "a green square on a white background", "a black triangle on a yellow background"]
 
@@ -168,14 +168,14 @@ def test_load_rgb_composites_transparency_on_white(tmp_path):
 
 @pytest.fixture(scope="module")
 def llava_processor(tmp_path_factory):
-    from zeropipe.models.vlm import build_processor
+    from zeropipe.families.vlm.model import build_processor
 
     return build_processor(TINY_LLAVA, CAPTIONS * 10 + ["Describe the image."], 300, tmp_path_factory.mktemp("llava-processor"))
 
 
 @pytest.fixture(scope="module")
 def gemma3_processor(tmp_path_factory):
-    from zeropipe.models.vlm import build_processor
+    from zeropipe.families.vlm.model import build_processor
 
     return build_processor(TINY_GEMMA3, CAPTIONS * 10 + ["Describe the image."], 300, tmp_path_factory.mktemp("gemma3-processor"))
 
@@ -241,7 +241,7 @@ def test_collate_pads_text_and_stacks_images(llava_processor, gemma3_processor):
 
 def test_generation_pairs_default_to_held_out_shapes_and_pair_prompts(tmp_path):
     from zeropipe.config.schema import RunConfig
-    from zeropipe.families.vlm import generation_pairs
+    from zeropipe.families.vlm.prepare import generation_pairs
     from zeropipe.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
@@ -261,7 +261,7 @@ def test_generation_pairs_default_to_held_out_shapes_and_pair_prompts(tmp_path):
 
 
 def test_manifest_round_trip(tmp_path, images):
-    from zeropipe.data.vlm import read_manifest, write_manifest
+    from zeropipe.families.vlm.data import read_manifest, write_manifest
 
     path = images / "c.token"
     path.write_text("0.png#0\tred\n")

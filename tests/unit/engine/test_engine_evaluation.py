@@ -13,7 +13,7 @@ import yaml
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from zeropipe.data.tokenize import collate
-from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
+from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
 
 
 def test_every_rank_runs_the_same_number_of_batches_and_counts_each_example_once():

@@ -240,7 +240,8 @@ def test_checkpoint_with_only_the_tied_output_head_loads_into_the_input_embeddin
 
 def test_build_model_uses_the_loader_for_model_path(tmp_path):
     from zeropipe.config.schema import ModelSection
-    from zeropipe.models.causal_lm import build_model, model_config
+    from zeropipe.families.causal_lm.model import build_model
+    from zeropipe.models.common import model_config
 
     directory = save_tiny(tmp_path / "m", disk_dtype=torch.bfloat16)
     section = ModelSection(path=str(directory))

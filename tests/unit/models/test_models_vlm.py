@@ -7,7 +7,7 @@ import torch
 
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.errors import ConfigError
-from zeropipe.models.vlm import (
+from zeropipe.families.vlm.model import (
     build_vlm,
     check_trainable,
     lora_module_names,
@@ -151,7 +151,7 @@ def test_gemma3_projector_cannot_take_lora_and_says_what_to_do():
 
 
 def test_inline_config_takes_vocabulary_and_token_ids_from_the_tokenizer(tmp_path):
-    from zeropipe.models.vlm import build_processor
+    from zeropipe.families.vlm.model import build_processor
 
     fields = {k: v for k, v in TINY_LLAVA.items() if k != "image_token_id"}
     fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "vocab_size"}
@@ -170,7 +170,7 @@ def test_inline_config_takes_vocabulary_and_token_ids_from_the_tokenizer(tmp_pat
 
 
 def test_gemma3_token_grid_must_divide_the_patch_grid(tmp_path):
-    from zeropipe.models.vlm import build_processor
+    from zeropipe.families.vlm.model import build_processor
 
     fields = {k: v for k, v in TINY_GEMMA3.items() if k != "image_token_id"}
     processor = build_processor(fields, ["a red circle"] * 20, 300, tmp_path)
@@ -179,7 +179,7 @@ def test_gemma3_token_grid_must_divide_the_patch_grid(tmp_path):
 
 
 def test_processor_is_refused_for_architectures_without_an_offline_recipe(tmp_path):
-    from zeropipe.models.vlm import build_processor
+    from zeropipe.families.vlm.model import build_processor
 
     with pytest.raises(ConfigError, match="model.processor.*qwen2_vl"):
         build_processor(TINY_QWEN2_VL, ["x"], 300, tmp_path)
@@ -221,8 +221,8 @@ def test_a_mixed_batch_trains_the_chosen_parts_only(tmp_path, fields):
     """Caption and two-image chat examples in one micro-batch: a loss, and gradients only where training happens."""
     from PIL import Image
 
-    from zeropipe.data.vlm import VlmEncoder, caption_messages, collate_vlm
-    from zeropipe.models.vlm import build_processor
+    from zeropipe.families.vlm.data import VlmEncoder, caption_messages, collate_vlm
+    from zeropipe.families.vlm.model import build_processor
 
     fields = {k: v for k, v in fields.items() if k != "image_token_id"}
     fields["text_config"] = {k: v for k, v in fields["text_config"].items() if k != "vocab_size"}

@@ -7,7 +7,7 @@ import torch
 
 from zeropipe.check.run import check_config
 from zeropipe.config.load import validate_config
-from zeropipe.models.causal_lm import quantization_kwargs
+from zeropipe.families.causal_lm.model import quantization_kwargs
 
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -39,7 +39,8 @@ TINY_LLAMA = {
 
 
 def measured_saved_bytes(section: ModelSection) -> int:
-    from zeropipe.models.causal_lm import build_model, model_config
+    from zeropipe.families.causal_lm.model import build_model
+    from zeropipe.models.common import model_config
 
     torch.manual_seed(0)
     model = build_model(section, model_config(section), "bf16")

@@ -14,33 +14,10 @@ from typing import Any
 
 import torch
 
-from zeropipe.config.schema import ModelSection
+from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.errors import ConfigError
-from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
+from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, model_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
-
-
-def model_config(section: ModelSection, vocab_size: int | None = None):
-    """The transformers config of the model (inline or read from model.path)."""
-    from transformers import CONFIG_MAPPING, AutoConfig
-
-    if section.path:
-        return AutoConfig.from_pretrained(section.path)
-    fields = dict(section.config or {})
-    model_type = fields.pop("model_type")
-    if model_type not in CONFIG_MAPPING:
-        raise ConfigError([("model.config.model_type", f"unknown architecture {model_type!r}: use one transformers knows, e.g. llama, qwen2, mistral, gemma2")])
-    if vocab_size is not None and fields.get("vocab_size") in (None, "auto"):
-        fields["vocab_size"] = vocab_size
-    try:
-        return CONFIG_MAPPING[model_type](**fields)
-    except (TypeError, ValueError) as err:
-        raise ConfigError([("model.config", f"transformers rejected the inline {model_type} config: {err}")]) from None
-
-
-def hidden_size_of(config: Any) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "hidden_size", None)
 
 
 def quantization_kwargs(section: ModelSection, precision: str, zero_stage: int) -> dict[str, Any]:
@@ -126,6 +103,18 @@ def add_lora(model, section: ModelSection):
     except ValueError as err:
         names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)})
         raise ConfigError([("model.lora.target_modules", f"{err}. Linear layers of this model: {', '.join(names)}")]) from None
+
+
+def causal_lm_for_export(config: RunConfig):
+    """The run's causal LM in fp32, with its LoRA adapters when it trained some."""
+    from transformers import AutoModelForCausalLM
+
+    section = config.model
+    if section.path:
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
+    return add_lora(model, section) if section.lora is not None else model
 
 
 def save_tokenizer_dir(tokenizer, out: Path) -> None:

@@ -28,8 +28,9 @@ from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checke
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint
 from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset, build_token_cache, collate, pad_token_id
 from zeropipe.errors import CheckpointError, ZeroPipeError
-from zeropipe.models.causal_lm import add_lora, model_config
+from zeropipe.families.causal_lm.model import add_lora
 from zeropipe.models.common import TORCH_DTYPES as DTYPES
+from zeropipe.models.common import model_config
 from zeropipe.rundir import RunDir
 
 EVAL_KIND = "eval"  # the "kind" of eval rows in metrics.jsonl; training rows have none

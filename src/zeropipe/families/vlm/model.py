@@ -33,8 +33,7 @@ import torch
 from zeropipe.config.schema import LoraSection, ModelSection
 from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
-from zeropipe.models.causal_lm import model_config
-from zeropipe.models.common import TORCH_DTYPES
+from zeropipe.models.common import TORCH_DTYPES, model_config
 from zeropipe.models.loading import load_pretrained
 
 PARTS = ("vision_tower", "projector", "language_model")

@@ -6,10 +6,10 @@ import torch
 
 from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
 from zeropipe.data.tokenize import pad_token_id
-from zeropipe.data.vlm import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
 from zeropipe.errors import ZeroPipeError
 from zeropipe.export.generate import Generation, LoadedModel, read_run_config
-from zeropipe.models.vlm import build_vlm_for_export
+from zeropipe.families.vlm.data import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
+from zeropipe.families.vlm.model import build_vlm_for_export
 from zeropipe.rundir import RunDir
 
 

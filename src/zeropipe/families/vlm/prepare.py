@@ -1,21 +1,15 @@
-"""Vision-language models (LLaVA-, Qwen2-VL-, Gemma 3-style) through AutoModelForImageTextToText.
-
-Detected by a ``vision_config`` in the model's config. The launcher reads and checks the
-image-text data and builds (or copies) the processor here; the rank task is
-:class:`~zeropipe.engine.vlm.VisionLanguageTask`; export writes the model with its
-processor; generation takes an image with each prompt (:mod:`zeropipe.export.vlm_generate`).
-"""
+"""The launcher's part of a vision-language run: the image-text data read and checked, the processor built or copied."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-
 from zeropipe.checkpoint.manager import write_atomic
-from zeropipe.config.schema import ModelSection, RunConfig
-from zeropipe.data.vlm import (
+from zeropipe.config.schema import RunConfig
+from zeropipe.diffusion.images import generate_shapes_dataset, scan_image_folder
+from zeropipe.errors import ConfigError
+from zeropipe.families.vlm.data import (
     GENERATE_FILE,
     HELD_OUT_IMAGES,
     IMAGE_MARKER,
@@ -30,74 +24,9 @@ from zeropipe.data.vlm import (
     read_manifest,
     write_manifest,
 )
-from zeropipe.diffusion.images import generate_shapes_dataset, scan_image_folder
-from zeropipe.engine.vlm import VisionLanguageTask
-from zeropipe.errors import ConfigError
-from zeropipe.export import vlm_generate
-from zeropipe.export.hf import ExportJob, write_transformers_export
-from zeropipe.families.base import read_model_config_json, text_only_problems
-from zeropipe.models.causal_lm import hidden_size_of
-from zeropipe.models.vlm import build_processor, build_vlm_for_export, check_trainable, resolve_inline_config, vlm_config
-from zeropipe.plan.model_spec import vlm_config_spec
+from zeropipe.families.vlm.model import build_processor, check_trainable, resolve_inline_config, vlm_config
+from zeropipe.models.common import hidden_size_of
 from zeropipe.rundir import PreparedData, RunDir
-
-
-class VisionLanguage:
-    name = "vlm"
-    trains_tokenizer = False
-    resumes_on_other_rank_counts = True  # its batches count the data for all ranks together (engine.task.SamplerBatches)
-    answers_prompts = True
-    takes_images = True
-    streams_answers = False
-
-    def detect(self, section: ModelSection) -> bool:
-        config = read_model_config_json(section)
-        return config is not None and "vision_config" in config
-
-    def detect_dir(self, path: Path) -> bool:
-        try:
-            return "vision_config" in json.loads((Path(path) / "config.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return False
-
-    def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        return text_only_problems(config, self.name)
-
-    def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        if config.model.path or config.model.processor:
-            return []
-        # Each stage tokenizes its data before the first starts: they must all use one processor.
-        return [("model.processor", "a vision-language curriculum built from model.config needs one processor for every stage: set model.processor to a saved processor directory, or use model.path")]
-
-    def hidden_size(self, config: RunConfig) -> int | None:
-        return hidden_size_of(vlm_config(config.model))
-
-    def prepare_data(self, config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
-        return prepare_vlm_data(config, run, reuse)
-
-    def rank_task(self, trainer) -> VisionLanguageTask:
-        return VisionLanguageTask(trainer)
-
-    def model_spec(self, config: RunConfig):
-        return vlm_config_spec(config)
-
-    def export(self, job: ExportJob) -> Path:
-        # AutoModelForImageTextToText, with adapters only on the parts that trained.
-        return write_transformers_export(job, build_vlm_for_export(job.config.model))
-
-    def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
-        return vlm_generate.load_for_generation(source, device, dtype)
-
-    def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
-        return vlm_generate.generate_with_images(loaded, prompts, images, tokens, temperature, top_p, seed)
-
-
-FAMILY = VisionLanguage()
-
-
-# ---------------------------------------------------------------------------------------------
-# The launcher's part
-
 
 
 def prepare_vlm_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:

@@ -13,10 +13,10 @@ import torch
 from zeropipe.data.packing import PackedDataset, collate_packed
 from zeropipe.data.sampler import DataPosition, LengthGroupedSampler, ResumableDistributedSampler
 from zeropipe.data.tokenize import TokenDataset, collate, pad_token_id, render_prompt
-from zeropipe.engine.evaluation import eval_batch_indices, eval_record, eval_sums
-from zeropipe.engine.task import TaskDefaults, sampler_batches
-from zeropipe.models.causal_lm import build_model, model_config
-from zeropipe.models.common import count_parameters, hf_zero3_config, log_partitioning
+from zeropipe.engine.task import TaskDefaults, sampler_batches, write_generations
+from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
+from zeropipe.families.causal_lm.model import build_model
+from zeropipe.models.common import count_parameters, hf_zero3_config, log_partitioning, model_config
 
 log = logging.getLogger("zeropipe")
 
@@ -121,32 +121,3 @@ class CausalLMTask(TaskDefaults):
             ids = render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
             inputs.append(({"input_ids": torch.tensor([ids], device=trainer.device)}, {"prompt": prompt}))
         write_generations(trainer, self.tokenizer, inputs)
-
-
-def write_generations(trainer, tokenizer, inputs: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]) -> None:
-    """Greedy answers of the trained model, one per input, written to RUN/generations.jsonl by rank 0.
-
-    Every rank runs generate: under ZeRO-3 each forward pass gathers parameters from all
-    ranks, so they must run the same number of them (``synced_gpus``).
-    """
-    model = trainer.engine.module
-    model.eval()
-    rows = []
-    with torch.no_grad():
-        for tensors, row in inputs:
-            output = model.generate(
-                **tensors,
-                attention_mask=torch.ones_like(tensors["input_ids"]),
-                max_new_tokens=trainer.config.generate.max_new_tokens,
-                do_sample=False,
-                use_cache=True,
-                synced_gpus=trainer.plan.zero_stage == 3 and trainer.world_size > 1,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            answer = tokenizer.decode(output[0, tensors["input_ids"].shape[1] :], skip_special_tokens=True).strip()
-            rows.append({**row, "output": answer, "step": trainer.step})
-    model.train()
-    if trainer.rank == 0:
-        with open(trainer.run.generations, "w") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in rows)

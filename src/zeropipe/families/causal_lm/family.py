@@ -1,9 +1,9 @@
 """Causal language models (Llama, Qwen, Gemma, Mistral...) through transformers' Auto classes.
 
 The fallback family: a model that no other family claims is a causal LM. Its data is
-tokenized once by the launcher (:mod:`zeropipe.data.text_prepare`), its rank task is
-:class:`~zeropipe.engine.causal_lm.CausalLMTask`, it exports a transformers directory or a
-peft adapter, and ``zeropipe generate`` answers prompts with it.
+tokenized once by the launcher (``prepare.py``), its rank task is
+:class:`~zeropipe.families.causal_lm.task.CausalLMTask`, it exports a transformers directory or a
+peft adapter (``model.py``), and ``zeropipe generate`` answers prompts with it (``generate.py``).
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import torch
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.data.mixture import mixture_note
 from zeropipe.data.synthetic import sample_prompts
-from zeropipe.data.text_prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
 from zeropipe.data.tokenize import describe_cache
-from zeropipe.engine.causal_lm import CausalLMTask
 from zeropipe.errors import ConfigError
-from zeropipe.export import generate as text_generation
-from zeropipe.export.hf import ExportJob, causal_lm_for_export, write_transformers_export
-from zeropipe.models.causal_lm import hidden_size_of, model_config
-from zeropipe.plan.model_spec import causal_lm_config_spec
+from zeropipe.export.hf import ExportJob, write_transformers_export
+from zeropipe.families.causal_lm import generate as text_generation
+from zeropipe.families.causal_lm.model import causal_lm_for_export
+from zeropipe.families.causal_lm.prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
+from zeropipe.families.causal_lm.spec import causal_lm_config_spec
+from zeropipe.families.causal_lm.task import CausalLMTask
+from zeropipe.models.common import hidden_size_of, model_config
 from zeropipe.rundir import PreparedData, RunDir
 
 

@@ -16,11 +16,10 @@ import torch
 
 from zeropipe.data.sampler import DataPosition, ResumableDistributedSampler
 from zeropipe.data.tokenize import pad_token_id
-from zeropipe.data.vlm import GENERATE_FILE, MANIFEST, VlmDataset, VlmEncoder, caption_messages, collate_vlm, load_rgb
-from zeropipe.engine.causal_lm import write_generations
-from zeropipe.engine.task import TaskDefaults, sampler_batches
+from zeropipe.engine.task import TaskDefaults, sampler_batches, write_generations
+from zeropipe.families.vlm.data import GENERATE_FILE, MANIFEST, VlmDataset, VlmEncoder, caption_messages, collate_vlm, load_rgb
+from zeropipe.families.vlm.model import build_vlm, part_counts, trainable_parts, vlm_config
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, hf_zero3_config, log_partitioning
-from zeropipe.models.vlm import build_vlm, part_counts, trainable_parts, vlm_config
 
 log = logging.getLogger("zeropipe")
 

@@ -1,0 +1,28 @@
+"""The planner's description of a run's causal LM (model.path or model.config), counted on the meta device."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from zeropipe.config.schema import RunConfig
+from zeropipe.models.common import model_config
+from zeropipe.plan.model_spec import ModelSpec, _causal_lm_spec  # the planner's meta-device counters
+
+
+def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
+    """The causal LM of a run config (model.path or model.config), with its LoRA adapters.
+
+    Raises:
+        ConfigError: when transformers cannot build the configured architecture.
+    """
+
+    section = run_config.model
+    vocab = None
+    if section.config is not None and section.config.get("vocab_size") in (None, "auto"):
+        # The tokenizer is trained on the data later; its size is the configured target.
+        vocab = section.tokenizer_vocab_size
+    hf_config = model_config(section, vocab_size=vocab)
+    name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
+    spec = _causal_lm_spec(hf_config, name, section.lora)
+    return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}")

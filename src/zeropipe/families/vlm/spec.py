@@ -1,0 +1,41 @@
+"""The planner's description of a run's vision-language model: every part counted, the trainable ones apart."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from zeropipe.config.schema import RunConfig
+from zeropipe.families.vlm.model import OFFLINE_PROCESSORS, trainable_counts, vlm_config
+from zeropipe.plan.model_spec import LoraShape, ModelSpec, _build_causal_lm, _causal_lm_spec  # the planner's meta-device counters
+
+
+def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
+    """A vision-language model: every part counted, the trainable ones per model.trainable (or their LoRA adapters).
+
+    Activations are those of the language model at data.max_seq_len (image tokens included);
+    the vision tower's own activations are not modelled.
+    """
+
+    section = run_config.model
+    text = (section.config or {}).get("text_config") or {}
+    vocab = None
+    if section.config is not None and text.get("vocab_size") in (None, "auto"):
+        # The tokenizer trained on the data, plus the image tokens added to it.
+        recipe = OFFLINE_PROCESSORS.get(section.config.get("model_type"))
+        vocab = section.tokenizer_vocab_size + (len(recipe.tokens) if recipe else 0)
+    hf_config = vlm_config(section, vocab_size=vocab)
+    name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
+    spec = _causal_lm_spec(hf_config, name, None)
+    trainable, sizes, targets = trainable_counts(_build_causal_lm(hf_config), section)
+    lora_shape = None
+    if section.lora is not None:
+        lora_shape = LoraShape(r=section.lora.r, dropout=section.lora.dropout > 0, target_modules=targets)
+    return replace(
+        spec,
+        total_params=spec.total_params + (trainable if section.lora is not None else 0),
+        trainable_params=trainable,
+        parameter_sizes=tuple(sizes),
+        lora=lora_shape,
+        source=f"run config: {'model.path ' + section.path if section.path else 'model.config'} (vision-language)",
+    )
