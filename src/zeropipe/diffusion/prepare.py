@@ -68,9 +68,9 @@ class DiffusionPlan:
     sample_frames: int = 1  # length of the sample videos
     denoiser: str = ""  # the pipeline folder trained: the architecture's denoiser, or Wan 2.2's transformer_2 (model.diffusion.expert)
     # Edit training (the control image part and the prompt part that sees it): items carry "control", the control image's path.
-    item_text_keys: list[list[str]] = field(default_factory=list)  # control_in_prompt: per item, keys of (caption, its control) and ("", its control)
+    item_text_keys: list[list[str]] = field(default_factory=list)  # PromptWithControlImage: per item, keys of (caption, its control) and ("", its control)
     sample_controls: list[int] = field(default_factory=list)  # per sample prompt, the item whose control image it edits
-    sample_text_keys: list[list[str]] = field(default_factory=list)  # control_in_prompt: per sample prompt, keys of (prompt, control) and ("", control)
+    sample_text_keys: list[list[str]] = field(default_factory=list)  # PromptWithControlImage: per sample prompt, keys of (prompt, control) and ("", control)
     missing_control_texts: list[list] = field(default_factory=list)  # [key, text, item index, bucket] to encode with the item's control image
 
     def __post_init__(self):
