@@ -101,7 +101,7 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
     control = Image.open(controls / "1_shapes" / "00000.jpg")
 
     def draw(image):
-        return arch.sample_with_control(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(0)}, image)
+        return arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(0), "image": image})
 
     before = draw(control)
     assert (draw(ImageOps.invert(control)) - before).abs().max() > 1e-3  # the control image conditions the sample

@@ -43,14 +43,19 @@ def file_identity(path: Path) -> list:
 
 
 def latent_key(
-    image: Path, bucket: tuple[int, ...], crop: str, vae_fingerprint: str, clip: tuple[int, float] | None = None, control: Path | None = None
+    image: Path, bucket: tuple[int, ...], crop: str, vae_fingerprint: str, clip: tuple[int, float] | None = None, control: Path | None = None,
+    files: list[tuple[str, Path]] | tuple[tuple[str, Path], ...] = (),
 ) -> str:
-    """The key of one image's (or one video clip's: its first frame and frame rate) latents; with its control image's when it has one (edit training)."""
+    """The key of one image's (or one video clip's: its first frame and frame rate) latents.
+
+    ``files``: (label, file) pairs whose identity is part of the key besides the image's, from the
+    conditions cached with the latents (edit training's control image); ``control`` is ("control", control).
+    """
     parts = ["latent", *file_identity(image), list(bucket), crop, vae_fingerprint]
     if clip is not None:
         parts.append(list(clip))
-    if control is not None:
-        parts += ["control", *file_identity(control)]
+    for label, path in ([("control", control)] if control is not None else []) + list(files):
+        parts += [label, *file_identity(path)]
     return _digest(*parts)
 
 

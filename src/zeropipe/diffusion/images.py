@@ -678,3 +678,9 @@ def shape_prompts(count: int, seed: int) -> list[str]:
     """``count`` captions of the synthetic form, to sample from, drawn apart from the training data's random stream."""
     rng = random.Random(f"zeropipe-shape-prompts-{seed}")
     return [_shape_caption(*_shape_example(rng)) for _ in range(count)]
+
+
+def first_frame_image(pixels: torch.Tensor) -> Image.Image:
+    """The first frame of a clip (3, T, H, W) or an image (3, H, W) in [-1, 1], as the PIL image a pipeline takes."""
+    frame = pixels[:, 0] if pixels.dim() == 4 else pixels
+    return Image.fromarray(((frame.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy())

@@ -23,7 +23,7 @@ import torch
 
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
-from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
+from zeropipe.diffusion.parts.text import prompt_rows
 from zeropipe.errors import ConfigError
 
 
@@ -68,7 +68,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
             cls = getattr(transformers, fields.pop("class"))
             parts[name] = cls(cls.config_class(**fields))
         elif name == "vae":
-            parts[name] = getattr(diffusers, arch.vae_class)(**fields)
+            parts[name] = getattr(diffusers, arch.codec.vae_class)(**fields)
             if config.get("vae_fit_steps"):
                 fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch)
         else:
@@ -81,7 +81,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
     kwargs = {**optional, **arch.pipeline_kwargs(), **parts}
     pipeline = cls(**kwargs)
     pipeline.save_pretrained(str(tmp), safe_serialization=True)
-    for processor_name in arch.prompt_processors:
+    for processor_name in arch.text.processors:
         arch.tiny_prompt_processor(processor_name, parts, tmp / processor_name)
     if out.exists():
         shutil.rmtree(out)
@@ -99,11 +99,11 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     per-channel means and deviations) is then set from the latents, as it was for the real
     VAEs, so that the denoiser sees unit variance.
     """
-    pixels = arch.vae_pixels(_fitting_pixels(vae, seed, arch))
+    pixels = arch.codec.vae_pixels(arch.codec.fitting_pixels(vae, seed))
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
     vae.train()
-    batch = batch if not arch.video else max(2, batch // 4)
+    batch = arch.codec.fitting_batch(batch)
     for _ in range(steps):
         images = pixels[torch.randint(0, len(pixels), (batch,), generator=generator)]
         posterior = vae.encode(images).latent_dist
@@ -115,29 +115,7 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     vae.eval()
     with torch.no_grad():
         latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(32)])
-    arch.store_latent_statistics(vae, arch.latents_from_vae(latents))
-
-
-def _fitting_pixels(vae, seed: int, arch: Architecture) -> torch.Tensor:
-    """Shape images (N, 3, H, W) or moving-shape clips (N, 3, T, H, W) in [-1, 1], at the tiny VAE's size."""
-    import random
-    import tempfile
-
-    if arch.video:
-        import numpy as np
-
-        from zeropipe.diffusion.videos import moving_example, moving_shape_frames
-
-        rng = random.Random(seed + 7)
-        size, frames = 32, 1 + 2 * arch.frame_multiple
-        clips = [moving_shape_frames(*moving_example(rng)[:3], direction, (size, size), frames, rng) for direction in ("left", "right", "up", "down", None) * 24]
-        return torch.from_numpy(np.stack(clips)).float().div(127.5).sub(1.0).permute(0, 4, 1, 2, 3).contiguous()
-
-    size = int(getattr(vae.config, "sample_size", 32))
-    with tempfile.TemporaryDirectory() as folder:
-        generate_shapes_dataset(Path(folder), 256, seed=seed + 7, resolution=size)
-        items = scan_image_folder(Path(folder)).items
-        return torch.stack([load_image_for_bucket(Path(item.path), (size, size), crop="center", flip=False).pixels for item in items])
+    arch.codec.store_statistics(vae, arch.codec.from_vae(latents))
 
 
 # ------------------------------------------------------------------------------ fingerprints
@@ -255,18 +233,18 @@ def vae_config(pipeline_dir: Path) -> dict[str, Any]:
 
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
-    """Pixels per latent along each side, as the pipeline's architecture reads its VAE config (see Architecture.vae_factors)."""
-    return architecture_of(pipeline_dir).vae_factors(vae_config(pipeline_dir))[0]
+    """Pixels per latent along each side, as the pipeline's architecture reads its VAE config (its codec's vae_factors)."""
+    return architecture_of(pipeline_dir).codec.vae_factors(vae_config(pipeline_dir))[0]
 
 
 def vae_temporal_factor(pipeline_dir: Path) -> int:
     """Frames per latent frame (after the first): 1 for image VAEs."""
-    return architecture_of(pipeline_dir).vae_factors(vae_config(pipeline_dir))[1]
+    return architecture_of(pipeline_dir).codec.vae_factors(vae_config(pipeline_dir))[1]
 
 
 def latent_scaling(pipeline_dir: Path, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
     """(shift, scale): latents the denoiser sees are (VAE mean or sample - shift) * scale; scalars or per channel."""
-    return arch.latent_normalization(vae_config(pipeline_dir), Path(pipeline_dir) / "vae")
+    return arch.codec.normalization(vae_config(pipeline_dir), Path(pipeline_dir) / "vae")
 
 
 def normalize_latents(latents: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -289,7 +267,7 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
     cls = arch.pipeline()
     parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device) for name in arch.text_encoders}
     parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
-    parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.prompt_processors})
+    parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
     from diffusers import SchedulerMixin  # noqa: F401 - the scheduler is loaded for the pipeline's constructor
 
     return _assemble(cls, arch, pipeline_dir, parts)
@@ -327,27 +305,32 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     return pipeline
 
 
-def image_encoding(pipeline_dir: Path, arch: Architecture) -> bool:
-    """Whether this image-to-video pipeline also embeds the first frame with an image encoder (Wan 2.1 I2V's CLIP)."""
-    if not arch.image_encoders:
-        return False
-    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
-    return all((index.get(name) or [None])[0] for name in arch.image_encoders)
+class PipelineFolder:
+    """A pipeline directory, as the parts of its architecture entry read it: which components it has, loaded one by one."""
 
+    def __init__(self, path: Path, arch: Architecture, fingerprints: Path | None = None):
+        self.path, self.arch, self.fingerprints = Path(path), arch, fingerprints
+        self.index = json.loads((self.path / "model_index.json").read_text())
 
-def image_encoder_parts(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    """The image encoder and its processor, as pipeline components (``arch.image_encoders``)."""
-    import transformers
+    def has(self, name: str) -> bool:
+        """Whether model_index.json names this component (Wan 2.2 I2V's lists image_encoder as null)."""
+        return bool((self.index.get(name) or [None])[0])
 
-    encoder, processor = arch.image_encoders
-    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
-    processor_class = getattr(transformers, index[processor][1])
-    return {encoder: load_component(pipeline_dir, encoder, dtype, device), processor: processor_class.from_pretrained(str(Path(pipeline_dir) / processor))}
+    def component(self, name: str, dtype: torch.dtype, device: torch.device):
+        return load_component(self.path, name, dtype, device)
 
+    def processor(self, name: str):
+        """A transformers processor component (an image processor), by the class model_index.json names."""
+        import transformers
 
-def image_encoder_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device):
-    """The architecture's pipeline holding only its image encoder: its encode_image is the reference."""
-    return _assemble(arch.pipeline(), arch, pipeline_dir, image_encoder_parts(pipeline_dir, arch, dtype, device))
+        return getattr(transformers, self.index[name][1]).from_pretrained(str(self.path / name))
+
+    def pipeline(self, parts: dict[str, Any]):
+        """The architecture's pipeline holding only these components (its encode_image, encode_prompt... are the reference)."""
+        return _assemble(self.arch.pipeline(), self.arch, self.path, parts)
+
+    def fingerprint(self, name: str) -> str:
+        return fingerprint_files(self.path / name, self.fingerprints)
 
 
 def denoising_pipeline(pipeline_dir: Path, arch: Architecture, denoiser, **frozen):
@@ -374,10 +357,6 @@ def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def encode_prompts(pipeline, arch: Architecture, prompts: list[str], device: torch.device, images: list | None = None) -> list[dict[str, torch.Tensor]]:
-    """Per prompt, the tensors the denoiser is conditioned on, computed by the pipeline's own encode_prompt.
-
-    ``images``: each prompt's control image (PIL), for architectures whose prompts are encoded with it (``control_in_prompt``).
-    """
-    out = arch.encode_prompts_with_images(pipeline, prompts, images, device) if images is not None else arch.encode_prompts(pipeline, prompts, device)
-    return [{key: value[i].detach().float().cpu().contiguous() for key, value in out.items()} for i in range(len(prompts))]
+def encode_prompts(pipeline, arch: Architecture, prompts: list[str], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Per prompt, the tensors the denoiser is conditioned on, computed by the pipeline's own encode_prompt."""
+    return prompt_rows(arch.encode_prompts(pipeline, prompts, device), len(prompts))

@@ -1,6 +1,6 @@
 """The video side of diffusion training: probing and decoding videos with PyAV, frame buckets, clips, writing mp4.
 
-Video models (``Architecture.video``) train on folders that mix videos and images, laid out
+Video models (an entry whose codec is a ``VideoLatents``) train on folders that mix videos and images, laid out
 as for images (:mod:`zeropipe.diffusion.images`: kohya, metadata.jsonl or flat, captions in
 ``.txt`` files beside each file). Every file is decoded in full once at scan time, so that a
 truncated or corrupt video is reported by path before any rank starts, not hours in.

@@ -32,14 +32,14 @@ import torch
 
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches, load_image_for_bucket
+from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches
 from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.diffusion.parts import Encoding, Inputs, Sampling
 from zeropipe.diffusion.pipelines import (
+    PipelineFolder,
     denoising_pipeline,
     denormalize_latents,
     encode_prompts,
-    image_encoder_parts,
-    image_encoding,
     latent_scaling,
     load_component,
     normalize_latents,
@@ -48,8 +48,7 @@ from zeropipe.diffusion.pipelines import (
     text_pipeline,
     vae_scale_factor,
 )
-from zeropipe.diffusion.prepare import first_frame_image, load_item_pixels, read_plan
-from zeropipe.diffusion.videos import write_preview, write_video
+from zeropipe.diffusion.prepare import load_item_pixels, read_plan
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_targets
@@ -87,6 +86,9 @@ class DiffusionTask(TaskDefaults):
         self.arch = architecture_named(self.data.architecture)
         self.pipeline_dir = Path(self.data.pipeline_dir)
         self.cache_dir = Path(self.data.cache_dir)
+        self.folder = PipelineFolder(self.pipeline_dir, self.arch)
+        # The entry's conditions this pipeline folder has (Wan 2.2 I2V has no image encoder for Wan 2.1's embeddings).
+        self.conditions = [condition for condition in self.arch.conditions if condition.active(self.folder)]
         self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir, self.arch)
         self.vae_factor = vae_scale_factor(self.pipeline_dir)
         self.compute_dtype = TORCH_DTYPES[self.config.deepspeed.precision]
@@ -170,7 +172,7 @@ class DiffusionTask(TaskDefaults):
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
-        distributions, time_ids, texts, text_keys = [], [], [], []
+        distributions, time_ids, texts, chosen, dropped_flags = [], [], [], [], []
         usable = [i for i in indices if self.data.items[i]["path"] not in self.skipped_images] or list(indices)
         for index in indices:
             if index not in usable:
@@ -184,32 +186,34 @@ class DiffusionTask(TaskDefaults):
             time_ids.append(sizes)
             dropped = augment and random.random() < self.images.caption_dropout
             texts.append("" if dropped else item["caption"])
-            if self.arch.control_in_prompt:  # the caption's (or the empty one's) entry with this item's control image
-                text_keys.append(self.data.item_text_keys[index][1 if dropped else 0])
+            chosen.append(index)
+            dropped_flags.append(dropped)
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
-            pixels = self.arch.vae_pixels(torch.stack(distributions))
+            pixels = self.arch.codec.vae_pixels(torch.stack([source for source, _ in distributions]))
             means, stds = cache.encode_latent_distribution(self.vae, pixels)
-            conditions = cache.encode_latent_distribution(self.vae, self.arch.conditioning_pixels(pixels))[0] if self.arch.frame_conditioned else [None] * len(means)
-            distributions = list(zip(means, stds, conditions, [None] * len(means), [None] * len(means)))
-        latents = [mean + std * torch.randn(mean.shape) for mean, std, *_ in distributions]
-        condition = self.text_condition(texts, keys=text_keys or None)
+            values = [
+                condition.encode(Encoding(self.vae, pixels, [loaded[number] for _, loaded in distributions], None, self.arch.codec, self.device))
+                for number, condition in enumerate(self.conditions)
+            ]
+            distributions = [(mean, std, [value[position] for value in values]) for position, (mean, std) in enumerate(zip(means, stds))]
+        latents = [mean + std * torch.randn(mean.shape) for mean, std, _ in distributions]
+        condition = self.arch.text.batch(self, texts, chosen, dropped_flags)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
-        if self.arch.frame_conditioned:
-            first_frames = torch.stack([first_frame for _, _, first_frame, _, _ in distributions]).to(self.device)
-            condition["first_frame_latents"] = normalize_latents(self.arch.latents_from_vae(first_frames), self.latent_shift, self.latent_scale).to(self.compute_dtype)
-        if distributions[0][3] is not None:  # Wan 2.1 I2V's first-frame image embeddings
-            condition["image_embeds"] = torch.stack([embeds for _, _, _, embeds, _ in distributions]).to(self.device, self.compute_dtype)
-        if self.arch.control_images:  # edit training: the control images' latents, normalised as the targets'
-            controls = torch.stack([control for *_, control in distributions]).to(self.device)
-            condition["control_latents"] = normalize_latents(self.arch.latents_from_vae(controls), self.latent_shift, self.latent_scale).to(self.compute_dtype)
-        batch = self.arch.latents_from_vae(torch.stack(latents).to(self.device))
-        return normalize_latents(batch, self.latent_shift, self.latent_scale).to(self.compute_dtype), condition
+        batch = Inputs(self.device, self.compute_dtype, self.normalize)
+        for number, part in enumerate(self.conditions):  # each condition's cached values -> its denoiser inputs
+            condition.update(part.inputs([values[number] for _, _, values in distributions], batch))
+        return self.normalize(torch.stack(latents).to(self.device)), condition
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents -> what the denoiser sees: the codec's layout, normalised, in the compute dtype."""
+        return normalize_latents(self.arch.codec.from_vae(latents), self.latent_shift, self.latent_scale).to(self.compute_dtype)
 
     def image_source(self, index: int, flip: bool) -> tuple[Any, torch.Tensor]:
         """What one image contributes before its latents are drawn, and its SDXL size conditioning.
 
-        With the latent cache: its (mean, std) from the cache. Without: its pixels, which the
-        caller encodes with the rest of the micro-batch. ``None`` when it cannot be read.
+        With the latent cache: its (mean, std, the conditions' values) from the cache. Without: its
+        pixels and what each condition loads, which the caller encodes with the rest of the
+        micro-batch. ``None`` when it cannot be read.
         """
         item = self.data.items[index]
         bucket = tuple(self.data.buckets[index])
@@ -222,14 +226,15 @@ class DiffusionTask(TaskDefaults):
                 self.skip_image(item["path"], f"cached latents unreadable ({err})")
                 return None, torch.zeros(6)
             sizes = torch.cat([entry["original_size"], entry["crop_top_left"], entry["target_size"]]).float()
-            return (entry["mean"], entry["std"], entry.get("condition"), entry.get("image_embeds"), entry.get("control")), sizes
+            return (entry["mean"], entry["std"], [entry[condition.entry] for condition in self.conditions]), sizes
         try:
             prepared = self.load_pixels(index, bucket, crop=self.images.crop, flip=flip, rng=random)
+            loaded = [condition.load(self.data, index, bucket, flip) for condition in self.conditions]
         except DataError as err:
             self.skip_image(item["path"], str(err))
             return None, torch.zeros(6)
         sizes = torch.tensor([*prepared.original_size, *prepared.crop_top_left, *prepared.target_size], dtype=torch.float32)
-        return prepared.pixels, sizes
+        return (prepared.pixels, loaded), sizes
 
     def load_pixels(self, index: int, bucket: tuple[int, ...], crop: str, flip: bool, rng=None) -> PreparedImage:
         return load_item_pixels(self.data, index, bucket, crop, flip, rng)
@@ -239,17 +244,12 @@ class DiffusionTask(TaskDefaults):
             self.skipped_images.add(path)
             log.warning("rank %d: skipping %s from now on: %s", self.rank, path, reason)
 
-    def text_condition(self, texts: list[str], keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    def text_condition(self, texts: list[str]) -> dict[str, torch.Tensor]:
         """Text-encoder outputs for a batch of captions: from the cache, else encoded now (in one call).
 
         With ``data.cache.text`` off only the sample prompts and the empty caption come from
         the cache (a run that cached everything before may have left the rest there too).
-        ``keys``: the cache entries themselves, where the conditioning also depends on a control
-        image (edit training, which needs the text cache on).
         """
-        if keys is not None:
-            rows = [cache.load_entry(self.cache_dir, "text", key) for key in keys]
-            return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
         rows: list[dict[str, torch.Tensor] | None] = []
         for text in texts:
             key = self.data.text_keys.get(text)
@@ -261,6 +261,11 @@ class DiffusionTask(TaskDefaults):
                 self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
             encoded = dict(zip(todo, encode_prompts(self.text_encoders, self.arch, todo, self.device)))
             rows = [row if row is not None else encoded[text] for text, row in zip(texts, rows)]
+        return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
+
+    def text_entries(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Text cache entries by key, stacked: the prompt part's, where the conditioning depends on more than the caption (edit training)."""
+        rows = [cache.load_entry(self.cache_dir, "text", key) for key in keys]
         return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
 
     def predict(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -326,106 +331,72 @@ class DiffusionTask(TaskDefaults):
         self.sample_images()
 
     # ------------------------------------------------------------------ samples
-    def sample_first_frame(self, size: int):
-        """(PIL image, its source file): the first frame of the first video clip of the data (else the first image), centre-cropped to the sample size."""
-        videos = [index for index, item in enumerate(self.data.items) if item.get("frames", 1) > 1]
-        index = videos[0] if videos else 0
-        pixels = self.load_pixels(index, (size, size, 1) if self.data.video else (size, size), crop="center", flip=False).pixels
-        return first_frame_image(pixels), self.data.items[index]["path"]
-
-    def sample_control(self, index: int, size: int):
-        """(PIL image, its file): an item's control image, centre-cropped to the sample size."""
-        path = self.data.items[index]["control"]
-        return first_frame_image(load_image_for_bucket(Path(path), (size, size), crop="center", flip=False).pixels), path
+    def sampling_vae(self):
+        if self.vae is None:
+            self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+        return self.vae
 
     @torch.no_grad()
     def sample_images(self) -> None:
         """Draw the configured prompts with the current weights; every rank runs the denoiser, rank 0 decodes and writes.
 
-        Images are PNG files; videos are H.264 mp4 files (which browsers play) with an animated
-        WebP beside each, which the run page's gallery shows in place like an image.
+        Each part of the entry adds what it needs: the components the pipeline holds while
+        sampling (the VAE where it encodes a first frame or a control image), and its arguments
+        (the first frame; a control image per prompt, which makes one pipeline call per prompt).
+        The codec writes the samples: PNG files, or H.264 mp4 files with an animated WebP beside each.
         """
         prompts = self.plan.generate_prompts
         if not prompts:
             return
         generate = self.config.generate
         size = self.images.resolution
-        if self.arch.control_in_prompt:  # encoded with each prompt's control image
-            condition = self.text_condition(prompts, keys=[keys[0] for keys in self.data.sample_text_keys])
-            negative = self.text_condition([""] * len(prompts), keys=[keys[1] for keys in self.data.sample_text_keys])
-        else:
-            condition = self.text_condition(prompts)
-            negative = self.text_condition([""] * len(prompts))
+        condition, negative = self.arch.text.samples(self, prompts)
         module = self.engine.module
         was_training = module.training
         module.eval()
-        frozen, first_frame, controls = {}, None, []
-        if self.arch.control_images:
-            # Edit training: each prompt edits a data control image (centre-cropped to the sample size), which the pipeline encodes with the VAE.
-            controls = [self.sample_control(index, size) for index in self.data.sample_controls]
-        if self.arch.frame_conditioned:
-            # Image-to-video draws from a first frame: a dataset clip's, at the sample size. The
-            # pipeline encodes it with the VAE, on every rank (each runs the denoiser), for the samples only.
-            first_frame = self.sample_first_frame(size)
-        if self.arch.frame_conditioned or controls:
-            if self.vae is None:
-                self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-            frozen["vae"] = self.vae
-            if image_encoding(self.pipeline_dir, self.arch):  # Wan 2.1 I2V: the pipeline embeds the first frame with its CLIP encoder
-                frozen.update(image_encoder_parts(self.pipeline_dir, self.arch, torch.float32, self.device))
-        elif self.arch.samples_with_vae:  # the pipeline touches its VAE even for latent output (FLUX.2 [klein] denormalises there)
-            if self.vae is None:
-                self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-            frozen["vae"] = self.vae
+        codec = self.arch.codec
+        sampling = Sampling(prompts, size, codec.sample_bucket(size), self.data, self.folder, self.device, self.load_pixels, self.sampling_vae)
+        parts = [codec, *self.conditions]
+        frozen: dict[str, Any] = {}
+        for part in parts:
+            frozen.update(part.sample_components(sampling))
         pipeline = denoising_pipeline(self.pipeline_dir, self.arch, module, **frozen)
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
             "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent", "return_dict": False,
             **self.arch.sample_kwargs(condition, negative, generate.guidance_scale, self.config.model.diffusion.guidance),
+            **codec.sample_kwargs(self.data),
         }
-        if self.data.video:
-            kwargs["num_frames"] = self.data.sample_frames
-        if first_frame is not None:
-            kwargs["image"] = first_frame[0]
+        per_prompt: list[dict[str, Any]] | None = None
+        rows: list[dict[str, Any]] = [{} for _ in prompts]
+        for part in self.conditions:
+            added = part.sample_inputs(sampling, kwargs)
+            kwargs.update(added.kwargs)
+            for row, extra in zip(rows, added.rows or []):
+                row.update(extra)
+            if added.per_prompt is not None:
+                per_prompt = [{**(mine or {}), **extra} for mine, extra in zip(per_prompt or [None] * len(prompts), added.per_prompt)]
         pipeline.set_progress_bar_config(disable=True)
-        if controls:  # one call per prompt: the pipeline takes one control image per call
-            latents = torch.cat([self.arch.sample_with_control(pipeline, one_prompt(kwargs, number, len(prompts)), control) for number, (control, _) in enumerate(controls)])
+        if per_prompt is not None:  # a part gives each prompt its own arguments (a control image): one call per prompt
+            latents = torch.cat([self.arch.call_pipeline(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)])
         else:
-            latents = pipeline(**kwargs)[0]
+            latents = self.arch.call_pipeline(pipeline, kwargs)
         if was_training:
             module.train()
         if self.rank != 0:
-            if (self.arch.frame_conditioned or self.arch.samples_with_vae or controls) and self.config.data.cache.latents:
+            if "vae" in frozen and self.config.data.cache.latents:
                 self.vae = None
                 release_memory()
             return
         latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
-        if self.vae is None:
-            self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
-        decoded = self.arch.vae_images(self.arch.decode_latents(self.vae, denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)))
+        decoded = codec.vae_images(codec.decode(self.sampling_vae(), denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)))
         pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
-        rows = []
-        if self.data.video:  # (batch, 3, frames, height, width)
-            clips = pixels.permute(0, 2, 3, 4, 1).cpu().numpy()
-            for number, (prompt, frames) in enumerate(zip(prompts, clips)):
-                write_video(folder / f"{number:02d}.mp4", frames, self.data.fps or 16.0)
-                write_preview(folder / f"{number:02d}.webp", frames, self.data.fps or 16.0)
-                rows.append({
-                    "step": self.step, "prompt": prompt, "file": f"{folder.name}/{number:02d}.webp", "video": f"{folder.name}/{number:02d}.mp4", "frames": len(frames),
-                    **({"first_frame": first_frame[1]} if first_frame is not None else {}),
-                })
-        else:
-            from PIL import Image
-
-            for number, (prompt, image) in enumerate(zip(prompts, pixels.permute(0, 2, 3, 1).cpu().numpy())):
-                name = f"{number:02d}.png"
-                Image.fromarray(image).save(folder / name)
-                rows.append({"step": self.step, "prompt": prompt, "file": f"{folder.name}/{name}", **({"control": controls[number][1]} if controls else {})})
+        written = codec.write_samples(folder, prompts, pixels, self.data, self.step, rows)
         with open(self.run.path / "samples" / "index.jsonl", "a") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in rows)
-        log.info("step %d: %d sample %s written to %s", self.step, len(rows), "video(s)" if self.data.video else "image(s)", folder)
+            handle.writelines(json.dumps(row) + "\n" for row in written)
+        log.info("step %d: %d sample %s written to %s", self.step, len(written), codec.sample_noun, folder)
         if self.config.data.cache.latents:
             # Loaded for the samples only: training goes on without it.
             self.vae = None

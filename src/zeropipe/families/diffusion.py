@@ -15,6 +15,7 @@ from pathlib import Path
 
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.diffusion.architectures import architecture_for_pipeline
+from zeropipe.diffusion.parts import part_problems
 from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.diffusion.prepare import prepare_diffusion_data
 from zeropipe.engine.diffusion import DiffusionTask
@@ -26,25 +27,9 @@ from zeropipe.plan.model_spec import diffusion_config_spec
 from zeropipe.rundir import PreparedData, RunDir
 
 
-def control_problems(config: RunConfig, arch) -> list[tuple[str, str]]:
-    """Edit training's settings against the architecture: control images only where it takes them, and with what it needs."""
-    data = config.data
-    if arch is None:
-        return []
-    if not arch.control_images:
-        if data.control_path:
-            return [("data.control_path", f"this {arch.name} pipeline takes no control image: remove data.control_path, or train an edit model (qwen-image-edit)")]
-        return []
-    problems = []
-    if not data.control_path or data.synthetic is not None:
-        problems.append(("data.control_path", f"a {arch.name} model learns to edit a control image into its target: set data.path and data.control_path, a folder with a control image per target image (same file names)"))
-    elif not Path(data.control_path).expanduser().is_dir():
-        problems.append(("data.control_path", f"{data.control_path} is not a folder: point it at the folder of control images (one per target image, same file name)"))
-    if not (data.cache.latents and data.cache.text):
-        problems.append(("data.cache", f"edit training reads the control images' latents{' and their text conditioning' if arch.control_in_prompt else ''} from the caches: set data.cache.latents and data.cache.text to true"))
-    if arch.control_in_prompt and data.images.flip > 0:
-        problems.append(("data.images.flip", f"the {arch.name} text encoder sees the control image unflipped, so a flipped pair would not match its instruction ('the left cup'): set flip: 0"))
-    return problems
+def part_settings_problems(config: RunConfig, arch) -> list[tuple[str, str]]:
+    """The settings against the architecture's parts: each part's own problems, and a part's setting (data.control_path) for an entry without that part."""
+    return [] if arch is None else part_problems(config, arch)
 
 
 class Diffusion:
@@ -77,7 +62,7 @@ class Diffusion:
             problems.append(("model.diffusion.expert", "applies to Wan 2.2 A14B's two flow-matching transformers, not to a UNet: remove it"))
         elif objective == "ddpm" and (section.min_t > 0 or section.max_t < 1):
             problems.append(("model.diffusion.min_t", "a timestep range (min_t/max_t) applies to flow-matching transformers (Wan, SD3, Flux), not to a UNet on a DDPM schedule: remove min_t and max_t"))
-        return problems + control_problems(config, self.architecture(config))
+        return problems + part_settings_problems(config, self.architecture(config))
 
     def architecture(self, config: RunConfig):
         """The configured architecture entry, or None when it cannot be told yet (a directory that does not say)."""

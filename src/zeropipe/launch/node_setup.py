@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if not plan.node_setup:
             return 0
         module, _, function = plan.node_setup.partition(":")
+        # Plug-ins register on import (a diffusion entry's own parts encode its cache entries here), as in the launcher and the ranks.
+        from zeropipe.families import load_plugins
+
+        load_plugins()
         setup = getattr(importlib.import_module(module), function)
         device = setup_device(plan.accelerator)
         if device.type == "cuda":

@@ -80,3 +80,24 @@ def test_every_entry_takes_what_the_shared_code_passes_to_each_method():
                 inspect.signature(own).bind(*args)
             except TypeError as err:
                 raise AssertionError(f"{arch.name}: {name}{inspect.signature(own)} does not take the base's {inspect.signature(base)}: {err}") from None
+
+
+def test_every_part_takes_what_the_shared_code_passes_to_each_hook():
+    """A part that overrides a hook keeps its generic part's parameters: the shared code calls every codec, prompt part and condition the same way."""
+    import inspect
+
+    from zeropipe.diffusion.parts import Condition, ImageLatents, PromptText
+
+    for arch in architectures.architectures().values():
+        for part in arch.parts:
+            for generic in (ImageLatents, PromptText, Condition):
+                if not isinstance(part, generic):
+                    continue
+                for name, base in vars(generic).items():
+                    if not inspect.isfunction(base) or name.startswith("_") or getattr(type(part), name) is base:
+                        continue
+                    wanted = [p for p in inspect.signature(base).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+                    try:
+                        inspect.signature(getattr(type(part), name)).bind(*[object()] * len(wanted))
+                    except TypeError as err:
+                        raise AssertionError(f"{arch.name}'s {type(part).__name__}.{name} does not take {generic.__name__}'s {inspect.signature(base)}: {err}") from None

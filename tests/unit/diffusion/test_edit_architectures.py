@@ -44,7 +44,7 @@ def pipeline_call(pipeline, arch, latents, control_latents, timestep, condition)
 @pytest.mark.parametrize("preset", ["tiny-qwen-image-edit", "tiny-flux-kontext"])
 def test_an_edit_entrys_prediction_is_the_pipelines_and_depends_on_the_control_image(tmp_path, preset):
     arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=1)
-    kwargs = {"processor": None} if arch.prompt_processors else {}
+    kwargs = {"processor": None} if arch.text.processors else {}
     pipeline = arch.pipeline().from_pretrained(str(tmp_path / "pipeline"), **kwargs)
     pipeline.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
@@ -54,10 +54,10 @@ def test_an_edit_entrys_prediction_is_the_pipelines_and_depends_on_the_control_i
         condition = {"prompt_embeds": torch.randn(1, 9, 64, generator=generator), "pooled_prompt_embeds": torch.randn(1, 32, generator=generator)}
     # The pipeline's own encoding of the control image (prepare_latents: VAE mode, normalised, packed), unpacked to the grid predict takes.
     pixels = pipeline.image_processor.preprocess(control_image(), SIZE, SIZE)
-    pixels = arch.vae_pixels(pixels)
+    pixels = arch.codec.vae_pixels(pixels)
     channels = pipeline.transformer.config.in_channels // 4
     _, packed_control, *_ = pipeline.prepare_latents(pixels, 1, channels, SIZE, SIZE, torch.float32, torch.device("cpu"), generator)
-    control = arch.vae_pixels(pipeline._unpack_latents(packed_control, SIZE, SIZE, pipeline.vae_scale_factor))
+    control = arch.codec.vae_pixels(pipeline._unpack_latents(packed_control, SIZE, SIZE, pipeline.vae_scale_factor))
     latents = torch.randn(control.shape, generator=generator)
     timestep = torch.tensor([600.0])
     context = PredictContext(torch.device("cpu"), torch.float32, vae_scale_factor(tmp_path / "pipeline"), 1.0)
@@ -84,7 +84,7 @@ def test_qwen_image_edit_samples_as_its_pipeline_draws_where_the_control_image_i
     negative = {"prompt_embeds": torch.randn(1, 9, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 9, dtype=torch.long)}
     kwargs = {"height": 1024, "width": 1024, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sample_kwargs(condition, negative, 3.0, 1.0)}
     with torch.no_grad():
-        mine = arch.sample_with_control(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5)}, image)
+        mine = arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": image})
         reference = pipeline(image=image, **kwargs, generator=torch.Generator().manual_seed(5))[0]
     assert mine.shape == (1, 32 * 32, 64)
     torch.testing.assert_close(mine, reference)

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
+from tests.unit.diffusion.test_image_architectures import deltas, random_lora
 from zeropipe.diffusion.architectures.flux2 import ARCHITECTURE as FLUX2
 from zeropipe.diffusion.architectures.flux2 import text_encoder_layers
 from zeropipe.diffusion.architectures.flux2_klein import ARCHITECTURE as FLUX2_KLEIN
 from zeropipe.errors import ConfigError
-from tests.unit.diffusion.test_image_architectures import deltas, random_lora
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def tiny_flux2(tmp_path_factory):
 
 
 def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_as_the_pipeline_does(tiny_flux2):
-    """What training normalises (cache -> latents_from_vae -> latent_scaling read from the VAE's files) is Flux2Pipeline's image latents; samples decode as it decodes."""
+    """What training normalises (cache -> the codec's from_vae -> latent_scaling read from the VAE's files) is Flux2Pipeline's image latents; samples decode as it decodes."""
     from diffusers import Flux2Pipeline
 
     from zeropipe.diffusion import cache
@@ -44,7 +44,7 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
     shift, scale = latent_scaling(tiny_flux2, FLUX2)
     assert shift.shape == (16,) and not torch.allclose(shift, torch.zeros(16))
     mean, _ = cache.encode_latent_distribution(vae, pixels)
-    ours = normalize_latents(FLUX2.latents_from_vae(mean), shift, scale)
+    ours = normalize_latents(FLUX2.codec.from_vae(mean), shift, scale)
     pipeline = Flux2Pipeline(scheduler=None, vae=vae, text_encoder=None, tokenizer=None, transformer=None)
     with torch.no_grad():
         reference = pipeline._encode_vae_image(pixels, generator=None)  # the mode of the distribution, patched and normalised
@@ -55,7 +55,7 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
     with torch.no_grad():
         bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
         expected = vae.decode(pipeline._unpatchify_latents(reference * bn_std + vae.bn.running_mean.view(1, -1, 1, 1))).sample
-        decoded = FLUX2.decode_latents(vae, denormalize_latents(ours, shift, scale))
+        decoded = FLUX2.codec.decode(vae, denormalize_latents(ours, shift, scale))
     torch.testing.assert_close(decoded, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -66,8 +66,8 @@ def test_a_fitted_tiny_vae_stores_unit_variance_statistics_in_its_batch_norm():
 
     vae = AutoencoderKLFlux2(**tiny_flux2_vae())
     latents = torch.randn(64, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 3 + 1
-    patched = FLUX2.latents_from_vae(latents)
-    FLUX2.store_latent_statistics(vae, patched)
+    patched = FLUX2.codec.from_vae(latents)
+    FLUX2.codec.store_statistics(vae, patched)
     normalized = (patched - vae.bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
     assert abs(float(normalized.mean())) < 0.05 and abs(float(normalized.std()) - 1) < 0.05
 

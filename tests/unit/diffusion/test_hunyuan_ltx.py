@@ -34,7 +34,7 @@ def test_tiny_hunyuan_video_is_a_diffusers_pipeline_with_4x_time_and_8x_space(ti
     assert architecture_of(tiny_hunyuan) is HUNYUAN
     # Its VAE says temporal_compression_ratio (not scale_factor_temporal, as Wan's does): 9 frames are 3 latent frames.
     assert (vae_scale_factor(tiny_hunyuan), vae_temporal_factor(tiny_hunyuan)) == (8, 4)
-    assert [HUNYUAN.accepts_frames(n) for n in (1, 5, 9, 8, 17)] == [True, True, True, False, True]
+    assert [HUNYUAN.codec.accepts_frames(n) for n in (1, 5, 9, 8, 17)] == [True, True, True, False, True]
     pipeline = HunyuanVideoPipeline.from_pretrained(str(tiny_hunyuan))
     pipeline.set_progress_bar_config(disable=True)
     frames = pipeline("a red circle moving left", num_frames=9, height=32, width=32, num_inference_steps=2, output_type="np").frames
@@ -109,7 +109,7 @@ def test_tiny_ltx_video_is_a_diffusers_pipeline_with_8x_time_and_its_statistics_
 
     assert architecture_of(tiny_ltx) is LTX
     assert (vae_scale_factor(tiny_ltx), vae_temporal_factor(tiny_ltx)) == (8, 8)
-    assert [LTX.accepts_frames(n) for n in (1, 9, 17, 5, 13)] == [True, True, True, False, False]
+    assert [LTX.codec.accepts_frames(n) for n in (1, 9, 17, 5, 13)] == [True, True, True, False, False]
     # LTX-Video 0.9.1's VAE config (patch size 4, three halving blocks): 32x in space, 8x in time.
     assert LTX.vae_factors({"patch_size": 4, "patch_size_t": 1, "spatio_temporal_scaling": [True, True, True, False]}) == (32, 8)
     pipeline = LTXPipeline.from_pretrained(str(tiny_ltx))

@@ -8,6 +8,7 @@ import torch
 from zeropipe.config.schema import DiffusionSection
 from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
 from zeropipe.diffusion.objectives import FlowObjective
+from zeropipe.diffusion.parts import FirstFrame
 from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, latent_scaling, normalize_latents, text_pipeline
 
 WAN = architecture_named("wan")
@@ -55,7 +56,7 @@ def test_latents_are_normalised_per_channel_as_the_pipeline_decodes_them(tiny_wa
     config = json.loads((tiny_wan / "vae" / "config.json").read_text())
     config["latents_mean"] = [float(i) for i in range(16)]
     config["latents_std"] = [2.0] * 16
-    shift, scale = WAN.latent_normalization(config)
+    shift, scale = WAN.codec.normalization(config)
     latents = torch.arange(16.0).view(1, 16, 1, 1, 1).expand(1, 16, 3, 4, 4)
     assert torch.allclose(normalize_latents(latents, shift, scale), torch.zeros(1)) and shift.shape == (16,)
     shift, scale = latent_scaling(tiny_wan, WAN)
@@ -102,12 +103,12 @@ def test_lora_keys_in_the_original_layout_convert_back_with_diffusers_converter(
 
 def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_its_transformer(tmp_path):
     """Mask and first-frame latents built from a clip as training builds them equal the pipeline's own prepare_latents."""
+    import random
+
     from diffusers import WanImageToVideoPipeline
 
     from zeropipe.diffusion import cache
     from zeropipe.diffusion.videos import moving_shape_frames
-
-    import random
 
     i2v = architecture_named("wan-i2v")
     build_tiny_pipeline({"pipeline": "tiny-wan-i2v"}, tmp_path / "pipeline", seed=2)
@@ -117,7 +118,7 @@ def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_i
     _, expected = pipeline.prepare_latents(clip[:, :, 0], 1, 16, 32, 32, 9, torch.float32, torch.device("cpu"))
 
     shift, scale = latent_scaling(tmp_path / "pipeline", i2v)
-    first_frame = normalize_latents(cache.encode_latent_distribution(pipeline.vae, i2v.conditioning_pixels(clip))[0], shift, scale)
+    first_frame = normalize_latents(cache.encode_latent_distribution(pipeline.vae, FirstFrame.conditioning_pixels(clip))[0], shift, scale)
     seen = {}
 
     def transformer(hidden_states, timestep, encoder_hidden_states, return_dict, encoder_hidden_states_image=None):
@@ -198,15 +199,16 @@ def test_wan21_image_to_video_embeds_the_first_frame_as_its_pipeline_does_and_th
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 
-    from zeropipe.diffusion.pipelines import image_encoder_pipeline, image_encoding
+    from zeropipe.diffusion.pipelines import PipelineFolder
 
     i2v = architecture_named("wan-i2v")
     folder = wan21_i2v_pipeline(tmp_path)
-    assert architecture_of(folder) is i2v and image_encoding(folder, i2v)
-    assert not image_encoding(tmp_path / "base", i2v)  # Wan 2.2 I2V's layout has no image encoder
+    embeddings = i2v.conditions[1]
+    assert architecture_of(folder) is i2v and embeddings.active(PipelineFolder(folder, i2v))
+    assert not embeddings.active(PipelineFolder(tmp_path / "base", i2v))  # Wan 2.2 I2V's layout has no image encoder
     pipeline = WanImageToVideoPipeline.from_pretrained(str(folder))
     image = Image.new("RGB", (32, 32), (200, 40, 40))
-    cached = i2v.encode_first_frames(image_encoder_pipeline(folder, i2v, torch.float32, torch.device("cpu")), [image], torch.device("cpu"))
+    cached = embeddings.embed(embeddings.encoder(PipelineFolder(folder, i2v), torch.float32, torch.device("cpu")), [image], torch.device("cpu"))
     assert torch.equal(cached, pipeline.encode_image(image, torch.device("cpu")))
 
     noisy, first_frame, prompt = torch.randn(1, 16, 3, 4, 4), torch.randn(1, 16, 3, 4, 4), torch.randn(1, 64, 32)

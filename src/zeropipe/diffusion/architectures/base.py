@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from zeropipe.diffusion.parts import Condition, ImageLatents, Part, PromptText
+
 # LoRA's default targets in diffusers models: the attention projections.
 DIFFUSERS_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -25,7 +27,12 @@ class PredictContext:
 
 @dataclass(frozen=True)
 class Architecture:
-    """One diffusion architecture. Subclasses override the methods whose behaviour differs.
+    """One diffusion architecture: a small core plus its parts. Subclasses override the methods whose behaviour differs.
+
+    The core is the pipeline and its denoiser: how prompts are encoded (``encode_prompts``), how the
+    denoiser is called (``predict``), the sampler's arguments. What the latents are, what the
+    prompt's conditioning is cached as and what else the denoiser is conditioned on are parts
+    (``zeropipe.diffusion.parts``), which the shared code loops over (``parts``).
 
     Attributes:
         name: the short name used in configs, caches and exports (``sdxl``).
@@ -36,39 +43,15 @@ class Architecture:
         text_encoders, tokenizers: the components whose outputs the text cache holds.
         related_pipelines: other pipeline class names saved with the same components (img2img...).
         patch_factor: latent pixels per denoiser token along a side (buckets must be multiples of it).
-        shifted_latents: the VAE has a shift factor (latents are (z - shift) * scale).
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
         lora_targets: module names LoRA adapts by default (suffixes, as peft matches a list), or one regular
             expression that peft matches against whole module names (where a suffix would also hit a layer outside the blocks).
-        video: the latents have a time axis, (batch, channels, frames, height, width); clips and images
-            (one-frame clips) train together, and samples are videos.
-        frame_multiple: the clip lengths the VAE accepts are ``frame_multiple * k + 1`` frames (its temporal
-            compression: 4 for Wan and HunyuanVideo, 8 for LTX-Video); 1 for image models.
-        frame_rate: frames per second the model was trained at; clips are resampled to it.
-        vae_class: the diffusers class of the VAE (what the tiny preset builds).
-        frame_conditioned: image-to-video: the denoiser also sees the clip's first frame, encoded by
-            the VAE with the other frames black (``conditioning_pixels``), which ``predict`` receives
-            as ``condition["first_frame_latents"]`` (cached with the clip's latents).
-        image_encoders: (image encoder, its processor): the component names of an image-to-video
-            pipeline that also embeds the first frame (Wan 2.1 I2V's CLIP), used when the pipeline
-            directory has them; ``encode_first_frames`` computes the embeddings as the pipeline
-            does, cached with the clip's latents, and ``predict`` receives them as
-            ``condition["image_embeds"]``.
-        samples_with_vae: the pipeline uses its VAE even when asked for latents (FLUX.2 [klein] returns them
-            denormalised and unpatched): every rank holds the VAE while drawing samples, and ``unpack_latents``
-            turns what the pipeline returned back into the denoiser's normalised layout.
-        control_images: edit training (Qwen-Image-Edit): every target image has a control image
-            (``data.control_path``), taken at the target's bucket and crop, whose VAE latents (the
-            distribution's mean, as the pipeline encodes its ``image``) are cached with the target's
-            and reach ``predict`` as ``condition["control_latents"]``; samples pass a data control
-            image to the pipeline as ``image``.
-        control_in_prompt: the text conditioning depends on the control image too (Qwen-Image-Edit
-            gives it to Qwen2.5-VL with the prompt): ``encode_prompts`` receives the images, and the
-            text cache holds one entry per (caption, control image).
-        prompt_processors: components besides the tokenizers that encoding a prompt needs
-            (Qwen-Image-Edit's ``processor``), given to the text pipeline as ``load_prompt_processor``
-            makes them from the pipeline folder; a tiny preset writes their files with
-            ``tiny_prompt_processor``.
+        codec: the latent codec part: the VAE, the latents' layout and normalisation, what the data and samples are
+            (``ImageLatents``, ``VideoLatents`` or an entry's own).
+        text: the prompt part: the text cache's entries (``PromptText``; ``PromptWithControlImage`` where the text
+            encoder sees the control image).
+        conditions: the other condition parts, each cached with an item's latents and given to ``predict`` in
+            ``condition[...]`` (``FirstFrame``, ``FirstFrameEmbeddings``, ``ControlImage``, a plug-in's own).
     """
 
     name: str
@@ -80,24 +63,38 @@ class Architecture:
     tokenizers: tuple[str, ...]
     related_pipelines: tuple[str, ...] = ()
     patch_factor: int = 1
-    shifted_latents: bool = False
     preset_name: str | None = None
     preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     lora_targets: tuple[str, ...] | str = DIFFUSERS_LORA_TARGETS
-    video: bool = False
-    frame_multiple: int = 1
-    frame_rate: float | None = None
-    vae_class: str = "AutoencoderKL"
-    frame_conditioned: bool = False
-    image_encoders: tuple[str, ...] = ()
-    samples_with_vae: bool = False
-    control_images: bool = False
-    control_in_prompt: bool = False
-    prompt_processors: tuple[str, ...] = ()
+    codec: ImageLatents = field(default_factory=ImageLatents)
+    text: PromptText = field(default_factory=PromptText)
+    conditions: tuple[Condition, ...] = ()
+
+    @property
+    def parts(self) -> tuple[Part, ...]:
+        """Every part of the entry: codec, prompt part, conditions."""
+        return (self.codec, self.text, *self.conditions)
 
     @property
     def frozen_components(self) -> tuple[str, ...]:
         return ("vae", *self.text_encoders)
+
+    # The codec's facts that readers outside the diffusion package (the planner, the config converter) ask the entry.
+    @property
+    def video(self) -> bool:
+        return self.codec.video
+
+    @property
+    def frame_multiple(self) -> int:
+        return self.codec.frame_multiple
+
+    @property
+    def vae_class(self) -> str:
+        return self.codec.vae_class
+
+    def vae_factors(self, vae_config: dict[str, Any]) -> tuple[int, int]:
+        """The codec's (spatial, temporal) VAE factors; ``Architecture.vae_factors(None, config)`` reads a config generically."""
+        return (self.codec if self is not None else ImageLatents()).vae_factors(vae_config)
 
     # -------------------------------------------------------------- classes
     def pipeline(self):
@@ -127,78 +124,12 @@ class Architecture:
         return character_tokenizer(self.tokenizer_length(tokenizer))
 
     def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
-        """Write the files of a prompt processor (``prompt_processors``) of a tiny preset into its folder, built without a download."""
-        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.prompt_processors} but cannot build a tiny one")
+        """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder, built without a download."""
+        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot build a tiny one")
 
     def load_prompt_processor(self, pipeline_dir: Path, processor: str, parts: dict[str, Any]):
         """The prompt processor the text pipeline is given, from its folder and the other loaded parts (the tokenizers)."""
-        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.prompt_processors} but cannot load one")
-
-    def vae_factors(self, vae_config: dict[str, Any]) -> tuple[int, int]:
-        """(pixels per latent along a side, frames per latent frame after the first) of the VAE, from its config.
-
-        Video VAEs say both (Wan: ``scale_factor_spatial``/``_temporal``, HunyuanVideo:
-        ``spatial_compression_ratio``/``temporal_compression_ratio``); an image VAE halves per block.
-        """
-        if not vae_config.get("scale_factor_spatial") and "block_out_channels" not in vae_config and "temperal_downsample" in vae_config:
-            # Qwen-Image's VAE: Wan's layout without the field, one spatial halving per temperal_downsample entry.
-            return 2 ** len(vae_config["temperal_downsample"]), 1
-        spatial = vae_config.get("scale_factor_spatial") or vae_config.get("spatial_compression_ratio") or 2 ** (len(vae_config["block_out_channels"]) - 1)
-        temporal = vae_config.get("scale_factor_temporal") or vae_config.get("temporal_compression_ratio") or 1
-        return int(spatial), int(temporal)
-
-    def accepts_frames(self, frames: int) -> bool:
-        """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
-        return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
-
-    def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """What the VAE encodes for a batch of pixels: as they are, or with a time axis for a video VAE used on images (Qwen-Image)."""
-        return pixels
-
-    def vae_images(self, decoded: torch.Tensor) -> torch.Tensor:
-        """The VAE's decoded output as a batch of images (B, 3, H, W) or clips (B, 3, T, H, W): the inverse of ``vae_pixels``."""
-        return decoded
-
-    def conditioning_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
-        """What the VAE encodes as an image-to-video condition: the first frame kept, the others black (0 in [-1, 1] is grey; Wan uses 0)."""
-        condition = torch.zeros_like(pixels)
-        condition[:, :, :1] = pixels[:, :, :1]
-        return condition
-
-    # -------------------------------------------------------------- latents
-    def latents_from_vae(self, latents: torch.Tensor) -> torch.Tensor:
-        """The VAE's latents (drawn from its distribution) laid out as the architecture normalises them and its denoiser sees them.
-
-        As they are by default; FLUX.2 folds 2x2 latent patches into channels first (its
-        normalisation is per patched channel). ``decode_latents`` undoes it before decoding.
-        """
-        return latents
-
-    def store_latent_statistics(self, vae, latents: torch.Tensor) -> None:
-        """Make a fitted tiny VAE normalise these latents (``latents_from_vae``'s layout) to zero mean and unit variance.
-
-        Into its config by default (``latent_statistics_config``); FLUX.2's VAE keeps them as batch-norm buffers.
-        """
-        vae.register_to_config(**self.latent_statistics_config(latents))
-
-    def latent_normalization(self, vae_config: dict[str, Any], vae_dir: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shift, scale): the denoiser sees (VAE latents - shift) * scale; scalars, or one value per latent channel.
-
-        ``vae_dir`` is the VAE's folder, for VAEs that keep their statistics as weights (LTX-Video) rather than config.
-        """
-        return torch.tensor(float(vae_config.get("shift_factor") or 0.0)), torch.tensor(float(vae_config.get("scaling_factor") or 1.0))
-
-    def decode_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
-        """Pixels in [-1, 1] of (denormalised) latents, decoded as the architecture's pipeline decodes them."""
-        return vae.decode(latents).sample
-
-    def latent_statistics_config(self, latents: torch.Tensor) -> dict[str, Any]:
-        """The VAE config fields that normalise these latents (of a fitted tiny VAE) to zero mean and unit variance."""
-        shift = float(latents.mean()) if self.shifted_latents else 0.0
-        fields: dict[str, Any] = {"scaling_factor": round(1.0 / float((latents - shift).std()), 5)}
-        if self.shifted_latents:
-            fields["shift_factor"] = round(shift, 5)
-        return fields
+        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot load one")
 
     # -------------------------------------------------------------- planner
     def trace_inputs(self, config: Any, latent_side: int, latent_frames: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any] | None:
@@ -214,17 +145,9 @@ class Architecture:
         return None
 
     # -------------------------------------------------------------- conditioning
-    def encode_first_frames(self, pipeline, images: list, device: torch.device) -> torch.Tensor:
-        """Image embeddings of first frames (PIL images), by the pipeline's own image encoding (``image_encoders``)."""
-        raise NotImplementedError(f"the {self.name} entry names image encoders {self.image_encoders} but does not say how its pipeline embeds first frames (encode_first_frames)")
-
     def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
         raise NotImplementedError
-
-    def encode_prompts_with_images(self, pipeline, prompts: list[str], images: list, device: torch.device) -> dict[str, torch.Tensor]:
-        """With ``control_in_prompt``: the conditioning of prompts each given with its control image (a PIL image), by the pipeline's encode_prompt."""
-        raise NotImplementedError(f"the {self.name} entry says control_in_prompt but not how its pipeline encodes a prompt with an image")
 
     def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
         """The denoiser's output for a batch of latents, called as the pipeline calls it."""
@@ -240,9 +163,9 @@ class Architecture:
             kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
         return kwargs
 
-    def sample_with_control(self, pipeline, kwargs: dict[str, Any], image) -> torch.Tensor:
-        """Latents of one sample (one prompt's ``kwargs``) that edits a control image (a PIL image at the sample size): by the pipeline's own call."""
-        return pipeline(**kwargs, image=image)[0]
+    def call_pipeline(self, pipeline, kwargs: dict[str, Any]) -> torch.Tensor:
+        """Latents of the samples the pipeline draws with these arguments (the conditions' included: a control image as ``image``)."""
+        return pipeline(**kwargs)[0]
 
     def unpack_latents(self, pipeline, latents: torch.Tensor, size: int, vae_factor: int) -> torch.Tensor:
         """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.diffusion.architectures.base import Architecture, character_t5_tokenizer, original_layout_name, tiny_vae
+from zeropipe.diffusion.parts import ImageLatents
 
 # diffusers ChromaTransformer2DModel module -> (original module, index of the part in a fused layer or None).
 # The parts' order in a fused layer is the one diffusers' single-file converter splits them in (q, k, v, mlp).
@@ -164,7 +165,7 @@ ARCHITECTURE = Chroma(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=2,
-    shifted_latents=True,
+    codec=ImageLatents(shifted=True),
     preset_name="tiny-chroma",
     preset={
         "transformer": {

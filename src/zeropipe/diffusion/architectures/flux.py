@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.diffusion.architectures.base import Architecture, clip_text, tiny_t5, tiny_vae
+from zeropipe.diffusion.parts import ImageLatents
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ ARCHITECTURE = Flux(
     text_encoders=("text_encoder", "text_encoder_2"),
     tokenizers=("tokenizer", "tokenizer_2"),
     patch_factor=2,
-    shifted_latents=True,
+    codec=ImageLatents(shifted=True),
     preset_name="tiny-flux",
     preset={
         "transformer": {

@@ -6,8 +6,8 @@ What ``Flux2Pipeline`` does, and so what training does here:
   2x2 patching into 128 channels (``_patchify_latents``), and *those* are normalised per channel
   by the running mean and variance of a batch-norm layer the VAE holds as weights (``vae.bn``,
   not config). So ``latents_from_vae`` patches the drawn latents before the shared
-  normalisation, ``latent_normalization`` reads the statistics from the VAE's safetensors, and
-  ``decode_latents`` unpatches before decoding. The transformer sees one token per patched
+  normalisation, its ``normalization`` reads the statistics from the VAE's safetensors, and
+  ``decode`` unpatches before decoding. The transformer sees one token per patched
   latent pixel (``_pack_latents``: no further patching), with 4-axis position ids (t, h, w, l).
 - Prompts: wrapped in the pipeline's chat template with its system message, padded to 512
   tokens, and the hidden states of layers 10, 20 and 30 of Mistral Small 3 (40 layers) are
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS, Architecture, original_layout_name
+from zeropipe.diffusion.parts import ImageLatents
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -160,6 +161,34 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class Flux2Latents(ImageLatents):
+    """FLUX.2's codec: the VAE's latents folded 2x2 into channels, normalised by the batch-norm statistics the VAE keeps as weights."""
+
+    def from_vae(self, latents):
+        from diffusers import Flux2Pipeline
+
+        return Flux2Pipeline._patchify_latents(latents)
+
+    def decode(self, vae, latents):
+        from diffusers import Flux2Pipeline
+
+        return vae.decode(Flux2Pipeline._unpatchify_latents(latents)).sample
+
+    def normalization(self, vae_config, vae_dir=None):
+        channels = int(vae_config.get("latent_channels", 32)) * 4  # 2x2 patches
+        statistics = vae_statistics(vae_dir) if vae_dir is not None else {}
+        mean = statistics.get("bn.running_mean", torch.zeros(channels))
+        variance = statistics.get("bn.running_var", torch.ones(channels))
+        # Flux2Pipeline: (latents - running_mean) / sqrt(running_var + batch_norm_eps).
+        return mean, 1.0 / torch.sqrt(variance + float(vae_config.get("batch_norm_eps", 1e-4)))
+
+    def store_statistics(self, vae, latents):
+        with torch.no_grad():
+            vae.bn.running_mean.copy_(latents.mean(dim=(0, 2, 3)))
+            vae.bn.running_var.copy_(latents.var(dim=(0, 2, 3)))
+
+
+@dataclass(frozen=True)
 class Flux2(Architecture):
     def tokenizer_length(self, tokenizer):
         return 512  # the pipelines' max_sequence_length: every prompt is padded to it
@@ -170,30 +199,6 @@ class Flux2(Architecture):
 
     def image_processor_factor(self, vae_factor):
         return vae_factor * 2  # latents are patched 2x2
-
-    # ---------------------------------------------------------------- latents
-    def latents_from_vae(self, latents):
-        from diffusers import Flux2Pipeline
-
-        return Flux2Pipeline._patchify_latents(latents)
-
-    def decode_latents(self, vae, latents):
-        from diffusers import Flux2Pipeline
-
-        return vae.decode(Flux2Pipeline._unpatchify_latents(latents)).sample
-
-    def latent_normalization(self, vae_config, vae_dir=None):
-        channels = int(vae_config.get("latent_channels", 32)) * 4  # 2x2 patches
-        statistics = vae_statistics(vae_dir) if vae_dir is not None else {}
-        mean = statistics.get("bn.running_mean", torch.zeros(channels))
-        variance = statistics.get("bn.running_var", torch.ones(channels))
-        # Flux2Pipeline: (latents - running_mean) / sqrt(running_var + batch_norm_eps).
-        return mean, 1.0 / torch.sqrt(variance + float(vae_config.get("batch_norm_eps", 1e-4)))
-
-    def store_latent_statistics(self, vae, latents):
-        with torch.no_grad():
-            vae.bn.running_mean.copy_(latents.mean(dim=(0, 2, 3)))
-            vae.bn.running_var.copy_(latents.var(dim=(0, 2, 3)))
 
     # ---------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts, device):
@@ -288,7 +293,7 @@ ARCHITECTURE = Flux2(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=2,
-    vae_class="AutoencoderKLFlux2",
+    codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
     preset_name="tiny-flux2",
     preset={
         "transformer": tiny_flux2_transformer(joint_attention_dim=3 * 16, guidance_embeds=True),

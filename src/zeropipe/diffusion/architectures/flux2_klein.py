@@ -8,7 +8,7 @@ with real classifier-free guidance against the empty prompt; the step-distilled 
 (``is_distilled`` in model_index.json) without, as ``Flux2KleinPipeline`` decides. Unlike
 ``Flux2Pipeline``, it denormalises and unpatches its latents with the VAE's statistics even
 when asked for latents, so every rank holds the VAE (84M parameters at full size) while
-drawing samples (``samples_with_vae``).
+drawing samples (its codec's ``vae_while_sampling``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.diffusion.architectures.flux2 import FLUX2_LORA_TARGETS, Flux2, tiny_flux2_transformer, tiny_flux2_vae
+from zeropipe.diffusion.architectures.flux2 import FLUX2_LORA_TARGETS, Flux2, Flux2Latents, tiny_flux2_transformer, tiny_flux2_vae
 from zeropipe.diffusion.architectures.qwen_image import character_qwen_tokenizer
 from zeropipe.diffusion.architectures.z_image import CHAT_TEMPLATE
 
@@ -38,7 +38,7 @@ class Flux2Klein(Flux2):
         vae = pipeline.vae
         mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
         std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents)
-        return (self.latents_from_vae(latents) - mean) / std
+        return (self.codec.from_vae(latents) - mean) / std
 
 
 ARCHITECTURE = Flux2Klein(
@@ -50,8 +50,8 @@ ARCHITECTURE = Flux2Klein(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=2,
-    vae_class="AutoencoderKLFlux2",
-    samples_with_vae=True,
+    # The pipeline denormalises its latents with the VAE's statistics even for output_type="latent".
+    codec=Flux2Latents(vae_class="AutoencoderKLFlux2", vae_while_sampling=True),
     preset_name="tiny-flux2-klein",
     preset={
         "transformer": tiny_flux2_transformer(joint_attention_dim=3 * 32, guidance_embeds=False),

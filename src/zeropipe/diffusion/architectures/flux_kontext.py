@@ -21,6 +21,7 @@ import torch
 
 from zeropipe.diffusion.architectures.flux import ARCHITECTURE as FLUX
 from zeropipe.diffusion.architectures.flux import Flux
+from zeropipe.diffusion.parts import ControlImage
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,9 @@ class FluxKontext(Flux):
         ).sample
         return FluxKontextPipeline._unpack_latents(out[:, : packed.shape[1]], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
 
-    def sample_with_control(self, pipeline, kwargs, image):
+    def call_pipeline(self, pipeline, kwargs):
         size = kwargs["height"] * kwargs["width"]
-        return pipeline(**kwargs, image=image, max_area=size, _auto_resize=False)[0]
+        return pipeline(**kwargs, max_area=size, _auto_resize=False)[0]
 
 
 ARCHITECTURE = FluxKontext(
@@ -56,6 +57,6 @@ ARCHITECTURE = FluxKontext(
         "related_pipelines": ("FluxKontextInpaintPipeline",),
         "preset_name": "tiny-flux-kontext",
         "preset": copy.deepcopy(FLUX.preset),
-        "control_images": True,
+        "conditions": (ControlImage(),),
     }
 )

@@ -22,13 +22,13 @@ back (checked in tests at the real model's width, 3072).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import re
+from dataclasses import dataclass
 
 import torch
 
-from zeropipe.diffusion.architectures.base import Architecture, TOKENIZER_CHARACTERS, clip_text
+from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS, Architecture, clip_text
+from zeropipe.diffusion.parts import VideoLatents
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -193,10 +193,7 @@ ARCHITECTURE = HunyuanVideo(
     text_encoders=("text_encoder", "text_encoder_2"),
     tokenizers=("tokenizer", "tokenizer_2"),
     patch_factor=2,
-    video=True,
-    frame_multiple=4,
-    frame_rate=24.0,
-    vae_class="AutoencoderKLHunyuanVideo",
+    codec=VideoLatents(vae_class="AutoencoderKLHunyuanVideo", frame_multiple=4, frame_rate=24.0),
     preset_name="tiny-hunyuan-video",
     preset={
         "transformer": {

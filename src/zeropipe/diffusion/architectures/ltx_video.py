@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from zeropipe.diffusion.architectures.base import Architecture, character_t5_tokenizer, tiny_t5
+from zeropipe.diffusion.parts import VideoLatents
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -41,12 +42,8 @@ def vae_statistics(vae_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class LTXVideo(Architecture):
-    def tokenizer_length(self, tokenizer):
-        return 128  # LTXPipeline's max_sequence_length
-
-    def tiny_tokenizer(self, tokenizer):
-        return character_t5_tokenizer(self.tokenizer_length(tokenizer))
+class LTXVideoLatents(VideoLatents):
+    """LTX-Video's VAE: its factors from older configs, per-channel statistics kept as weights, decoded at a timestep."""
 
     def vae_factors(self, vae_config):
         # Only LTX-Video 0.9.5+ configs say the ratios; older ones give the patch size and the blocks that halve space and time.
@@ -55,7 +52,7 @@ class LTXVideo(Architecture):
         temporal = vae_config.get("temporal_compression_ratio") or int(vae_config.get("patch_size_t", 1)) * 2**scaling
         return int(spatial), int(temporal)
 
-    def latent_normalization(self, vae_config, vae_dir=None):
+    def normalization(self, vae_config, vae_dir=None):
         channels = int(vae_config.get("latent_channels", 128))
         statistics = vae_statistics(vae_dir) if vae_dir is not None else {}
         mean = statistics.get("latents_mean", torch.zeros(channels))
@@ -63,10 +60,19 @@ class LTXVideo(Architecture):
         # LTXPipeline._normalize_latents: (latents - mean) * scaling_factor / std.
         return mean, float(vae_config.get("scaling_factor") or 1.0) / std
 
-    def decode_latents(self, vae, latents):
+    def decode(self, vae, latents):
         # LTX-Video 0.9.1+ VAEs are conditioned on a decode timestep: LTXPipeline's default is 0 (and no added noise).
         temb = torch.zeros(latents.shape[0], device=latents.device, dtype=latents.dtype) if vae.config.timestep_conditioning else None
         return vae.decode(latents, temb=temb).sample
+
+
+@dataclass(frozen=True)
+class LTXVideo(Architecture):
+    def tokenizer_length(self, tokenizer):
+        return 128  # LTXPipeline's max_sequence_length
+
+    def tiny_tokenizer(self, tokenizer):
+        return character_t5_tokenizer(self.tokenizer_length(tokenizer))
 
     def encode_prompts(self, pipeline, prompts, device):
         embeds, mask, _, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.tokenizer_length("tokenizer"), device=device)
@@ -79,12 +85,12 @@ class LTXVideo(Architecture):
         patch, patch_t = module.config.patch_size, module.config.patch_size_t
         batch, _, frames, height, width = model_input.shape
         packed = LTXPipeline._pack_latents(model_input, patch, patch_t)
-        temporal = self.frame_multiple
+        temporal = self.codec.frame_multiple
         out = model(
             hidden_states=packed, encoder_hidden_states=condition["prompt_embeds"], timestep=timesteps.to(context.dtype),
             encoder_attention_mask=condition["prompt_attention_mask"], num_frames=frames // patch_t, height=height // patch, width=width // patch,
             # As LTXPipeline passes it at its default frame rate (which is the one clips are taken at).
-            rope_interpolation_scale=(temporal / self.frame_rate, context.vae_factor, context.vae_factor), return_dict=False,
+            rope_interpolation_scale=(temporal / self.codec.frame_rate, context.vae_factor, context.vae_factor), return_dict=False,
         )[0]
         return LTXPipeline._unpack_latents(out, frames // patch_t, height // patch, width // patch, patch, patch_t)
 
@@ -109,7 +115,7 @@ class LTXVideo(Architecture):
             "encoder_hidden_states": torch.randn(1, text_tokens, config.caption_channels, dtype=dtype),
             "timestep": torch.tensor([500.0], dtype=dtype),
             "encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype),
-            "num_frames": frames, "height": side, "width": side, "rope_interpolation_scale": (self.frame_multiple / self.frame_rate, 32, 32),
+            "num_frames": frames, "height": side, "width": side, "rope_interpolation_scale": (self.codec.frame_multiple / self.codec.frame_rate, 32, 32),
         }
 
     def original_lora_layout(self, layers, alpha):
@@ -137,10 +143,7 @@ ARCHITECTURE = LTXVideo(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=1,
-    video=True,
-    frame_multiple=8,
-    frame_rate=25.0,
-    vae_class="AutoencoderKLLTXVideo",
+    codec=LTXVideoLatents(vae_class="AutoencoderKLLTXVideo", frame_multiple=8, frame_rate=25.0),
     preset_name="tiny-ltx-video",
     preset={
         "transformer": {

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS, Architecture
-from zeropipe.diffusion.architectures.wan import Wan
+from zeropipe.diffusion.parts import ImageLatents
+from zeropipe.diffusion.parts.codec import per_channel_normalization, per_channel_statistics
 
 COMFY_PREFIX = "diffusion_model."
 CHAT_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -54,6 +55,23 @@ def prompt_mask(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 
 
 @dataclass(frozen=True)
+class QwenImageLatents(ImageLatents):
+    """Qwen-Image's VAE: Wan's video VAE, given images as one-frame clips, latents normalised per channel from its config."""
+
+    def vae_pixels(self, pixels):
+        return pixels.unsqueeze(2) if pixels.dim() == 4 else pixels
+
+    def vae_images(self, decoded):
+        return decoded[:, :, 0] if decoded.dim() == 5 else decoded
+
+    def normalization(self, vae_config, vae_dir=None):
+        return per_channel_normalization(vae_config)
+
+    def statistics_config(self, latents):
+        return per_channel_statistics(latents)
+
+
+@dataclass(frozen=True)
 class QwenImage(Architecture):
     def tokenizer_length(self, tokenizer):
         return 256
@@ -63,18 +81,6 @@ class QwenImage(Architecture):
 
     def image_processor_factor(self, vae_factor):
         return vae_factor * 2  # latents are packed 2x2 into tokens
-
-    def vae_pixels(self, pixels):
-        return pixels.unsqueeze(2) if pixels.dim() == 4 else pixels
-
-    def vae_images(self, decoded):
-        return decoded[:, :, 0] if decoded.dim() == 5 else decoded
-
-    def latent_normalization(self, vae_config, vae_dir=None):
-        return Wan.latent_normalization(self, vae_config)
-
-    def latent_statistics_config(self, latents):
-        return Wan.latent_statistics_config(self, latents)
 
     def encode_prompts(self, pipeline, prompts, device):
         embeds, mask = pipeline.encode_prompt(prompt=prompts, device=device, max_sequence_length=1024)
@@ -140,7 +146,7 @@ ARCHITECTURE = QwenImage(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=2,
-    vae_class="AutoencoderKLQwenImage",
+    codec=QwenImageLatents(vae_class="AutoencoderKLQwenImage"),
     preset_name="tiny-qwen-image",
     preset={
         "transformer": {

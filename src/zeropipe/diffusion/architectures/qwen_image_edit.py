@@ -29,6 +29,7 @@ import torch
 
 from zeropipe.diffusion.architectures.qwen_image import ARCHITECTURE as QWEN_IMAGE
 from zeropipe.diffusion.architectures.qwen_image import CHARACTERS, CHAT_TOKENS, QwenImage, character_qwen_tokenizer, prompt_mask
+from zeropipe.diffusion.parts import ControlImage, PromptWithControlImage
 
 # Qwen2.5-VL's vision tokens, after the chat tokens and the characters in the tiny tokenizer.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -108,7 +109,7 @@ class QwenImageEdit(QwenImage):
         return QwenImageEditPipeline._unpack_latents(out[:, : packed.shape[1]], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
 
     @torch.no_grad()
-    def sample_with_control(self, pipeline, kwargs, image):
+    def call_pipeline(self, pipeline, kwargs):
         """QwenImageEditPipeline's denoising loop with the control image at the sample size.
 
         The pipeline's own call resizes the control image to about a megapixel whatever the
@@ -121,6 +122,7 @@ class QwenImageEdit(QwenImage):
         import numpy as np
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift, retrieve_timesteps
 
+        image = kwargs["image"]  # the control image (the control image part gives each prompt's)
         embeds, mask = kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"]
         height, width, steps = kwargs["height"], kwargs["width"], kwargs["num_inference_steps"]
         device, dtype = embeds.device, embeds.dtype
@@ -179,9 +181,9 @@ ARCHITECTURE = QwenImageEdit(
         "related_pipelines": ("QwenImageEditInpaintPipeline",),
         "preset_name": "tiny-qwen-image-edit",
         "preset": _preset(),
-        "control_images": True,
-        "control_in_prompt": True,
-        "prompt_processors": ("processor",),
+        # The text encoder sees the control image too; its latents are appended to the target's tokens.
+        "text": PromptWithControlImage(processors=("processor",)),
+        "conditions": (ControlImage(),),
     }
 )
 

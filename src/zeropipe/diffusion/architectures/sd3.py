@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeropipe.diffusion.architectures.base import Architecture, clip_text, tiny_t5, tiny_vae
+from zeropipe.diffusion.parts import ImageLatents
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ ARCHITECTURE = SD3(
     text_encoders=("text_encoder", "text_encoder_2", "text_encoder_3"),
     tokenizers=("tokenizer", "tokenizer_2", "tokenizer_3"),
     patch_factor=2,
-    shifted_latents=True,
+    codec=ImageLatents(shifted=True),
     preset_name="tiny-sd3",
     preset={
         "transformer": {

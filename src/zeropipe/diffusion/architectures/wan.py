@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.diffusion.architectures.base import Architecture, character_t5_tokenizer
+from zeropipe.diffusion.parts import PerChannelVideoLatents
 
 # diffusers module names -> the original Wan names (inverse of diffusers' convert_wan_transformer_to_diffusers).
 ORIGINAL_NAMES = (
@@ -72,14 +73,6 @@ class Wan(Architecture):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {"prompt_embeds": condition["prompt_embeds"], "negative_prompt_embeds": negative["prompt_embeds"], "guidance_scale": guidance_scale}
 
-    def latent_normalization(self, vae_config, vae_dir=None):
-        mean = torch.tensor(vae_config["latents_mean"], dtype=torch.float32)
-        return mean, 1.0 / torch.tensor(vae_config["latents_std"], dtype=torch.float32)
-
-    def latent_statistics_config(self, latents):
-        per_channel = latents.transpose(0, 1).flatten(1)
-        return {"latents_mean": [round(float(v), 5) for v in per_channel.mean(1)], "latents_std": [round(float(v), 5) for v in per_channel.std(1)]}
-
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.<original module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: what ComfyUI loads for Wan.
 
@@ -127,10 +120,7 @@ ARCHITECTURE = Wan(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=2,
-    video=True,
-    frame_multiple=4,
-    frame_rate=16.0,
-    vae_class="AutoencoderKLWan",
+    codec=PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=16.0),
     preset_name="tiny-wan",
     preset={
         "transformer": {

@@ -18,6 +18,7 @@ import torch
 
 from zeropipe.diffusion.architectures.wan import ARCHITECTURE as WAN_T2V
 from zeropipe.diffusion.architectures.wan import Wan
+from zeropipe.diffusion.parts import FirstFrame, FirstFrameEmbeddings
 
 
 @dataclass(frozen=True)
@@ -25,18 +26,15 @@ class WanI2V(Wan):
     def predict(self, model, model_input, timesteps, condition, context):
         # The mask WanImageToVideoPipeline.prepare_latents builds: 1 on the first latent frame (all 4 channels), 0 after.
         batch, _, frames, height, width = model_input.shape
-        mask = torch.zeros(batch, self.frame_multiple, frames, height, width, device=model_input.device, dtype=model_input.dtype)
+        mask = torch.zeros(batch, self.codec.frame_multiple, frames, height, width, device=model_input.device, dtype=model_input.dtype)
         mask[:, :, 0] = 1
         hidden = torch.cat([model_input, mask, condition["first_frame_latents"].to(model_input.dtype)], dim=1)
         return super().predict(model, hidden, timesteps, condition, context)
 
-    def encode_first_frames(self, pipeline, images, device):
-        return pipeline.encode_image(images, device)
-
 
 def _preset() -> dict:
     preset = copy.deepcopy(WAN_T2V.preset)
-    preset["transformer"]["in_channels"] = 16 + WAN_T2V.frame_multiple + 16
+    preset["transformer"]["in_channels"] = 16 + WAN_T2V.codec.frame_multiple + 16
     return preset
 
 
@@ -46,8 +44,8 @@ ARCHITECTURE = WanI2V(
         "name": "wan-i2v",
         "pipeline_class": "WanImageToVideoPipeline",
         "related_pipelines": (),
-        "frame_conditioned": True,
-        "image_encoders": ("image_encoder", "image_processor"),
+        # The first frame's latents; Wan 2.1 I2V's CLIP embeddings of it where the pipeline folder has the image encoder.
+        "conditions": (FirstFrame(), FirstFrameEmbeddings(("image_encoder", "image_processor"))),
         "preset_name": "tiny-wan-i2v",
         "preset": _preset(),
     }

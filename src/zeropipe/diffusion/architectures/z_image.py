@@ -20,6 +20,7 @@ import torch
 
 from zeropipe.diffusion.architectures.base import Architecture, tiny_vae
 from zeropipe.diffusion.architectures.qwen_image import character_qwen_tokenizer
+from zeropipe.diffusion.parts import ImageLatents
 
 COMFY_PREFIX = "diffusion_model."
 # Qwen3's chat template as ZImagePipeline applies it (one user turn, generation prompt, thinking on: no think block).
@@ -93,7 +94,7 @@ ARCHITECTURE = ZImage(
     text_encoders=("text_encoder",),
     tokenizers=("tokenizer",),
     patch_factor=2,
-    shifted_latents=True,
+    codec=ImageLatents(shifted=True),
     preset_name="tiny-z-image",
     preset={
         "transformer": {
