@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from zeropipe.config import stages as stages_module
+from zeropipe.config.pipeline_folder import is_pipeline_folder
 from zeropipe.config.schema import TEXT_TASKS, RunConfig
 from zeropipe.errors import ConfigError
 
@@ -306,7 +307,7 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
         problems.append(("model", "no model: set model.path to a local Hugging Face directory, or model.config to an inline config"))
     if isinstance(model.get("path"), str):
         path = Path(model["path"]).expanduser()
-        if not (path / "config.json").is_file() and not (path / "model_index.json").is_file():
+        if not (path / "config.json").is_file() and not is_pipeline_folder(path):
             problems.append(
                 ("model.path", f"{path} is neither a Hugging Face model directory (config.json) nor a diffusers pipeline (model_index.json): fix the path")
             )

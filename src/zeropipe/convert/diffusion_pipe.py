@@ -16,6 +16,7 @@ from typing import Any
 
 import tomllib
 
+from zeropipe.config.pipeline_folder import is_pipeline_folder
 from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
 from zeropipe.diffusion.architectures import architectures
 from zeropipe.diffusion.images import IMAGE_SUFFIXES
@@ -178,7 +179,7 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         key = named[0]
         value = str(model.pop(key))
         found = find_path(value, Path.cwd(), base)
-        if found is not None and (found / "model_index.json").is_file():
+        if found is not None and is_pipeline_folder(found):
             conversion.set("model.path", str(found), f"from [model] {key} (a diffusers pipeline folder)")
         else:
             conversion.set("model.path", value, f"from [model] {key}: see the list above")

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from zeropipe.config.pipeline_folder import read_pipeline_folder
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
 from zeropipe.diffusion.parts.text import prompt_rows
@@ -194,8 +195,7 @@ def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: to
     import diffusers
     import transformers
 
-    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
-    library, class_name = index[name]
+    library, class_name = read_pipeline_folder(pipeline_dir).required_component(name)
     cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
     model = cls.from_pretrained(str(Path(pipeline_dir) / name), dtype=dtype) if library == "transformers" else cls.from_pretrained(
         str(Path(pipeline_dir) / name), torch_dtype=dtype
@@ -217,7 +217,7 @@ def load_tokenizer(pipeline_dir: Path, name: str):
     from transformers import AutoProcessor, AutoTokenizer
 
     folder = Path(pipeline_dir) / name
-    class_name = (json.loads((Path(pipeline_dir) / "model_index.json").read_text()).get(name) or [None, None])[1]
+    class_name = read_pipeline_folder(pipeline_dir).component(name)[1]
     if not (class_name or "").endswith("Processor"):
         return AutoTokenizer.from_pretrained(str(folder))
     try:
@@ -229,7 +229,7 @@ def load_tokenizer(pipeline_dir: Path, name: str):
 
 
 def vae_config(pipeline_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(pipeline_dir) / "vae" / "config.json").read_text())
+    return read_pipeline_folder(pipeline_dir).component_config("vae")
 
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
@@ -276,13 +276,13 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
 def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]):
     import diffusers
 
-    scheduler_config = json.loads((Path(pipeline_dir) / "scheduler" / "scheduler_config.json").read_text())
+    folder = read_pipeline_folder(pipeline_dir)
+    scheduler_config = folder.scheduler_config()
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
     expected, settings = cls._get_signature_keys(cls)
     kwargs = {name: None for name in expected if name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
     # The pipeline's own settings saved in model_index.json (Flux2KleinPipeline's is_distilled), as from_pretrained passes them.
-    index = json.loads((Path(pipeline_dir) / "model_index.json").read_text())
-    kwargs.update({name: index[name] for name in settings if name in index and not isinstance(index[name], list)})
+    kwargs.update(folder.settings(settings))
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
     kwargs.update(arch.pipeline_kwargs())
@@ -310,11 +310,12 @@ class PipelineFolder:
 
     def __init__(self, path: Path, arch: Architecture, fingerprints: Path | None = None):
         self.path, self.arch, self.fingerprints = Path(path), arch, fingerprints
-        self.index = json.loads((self.path / "model_index.json").read_text())
+        self.files = read_pipeline_folder(self.path)  # model_index.json and the components' configs, read and checked once
+        self.index = self.files.index
 
     def has(self, name: str) -> bool:
         """Whether model_index.json names this component (Wan 2.2 I2V's lists image_encoder as null)."""
-        return bool((self.index.get(name) or [None])[0])
+        return self.files.has_component(name)
 
     def component(self, name: str, dtype: torch.dtype, device: torch.device):
         return load_component(self.path, name, dtype, device)
@@ -323,7 +324,7 @@ class PipelineFolder:
         """A transformers processor component (an image processor), by the class model_index.json names."""
         import transformers
 
-        return getattr(transformers, self.index[name][1]).from_pretrained(str(self.path / name))
+        return getattr(transformers, self.files.required_component(name)[1]).from_pretrained(str(self.path / name))
 
     def pipeline(self, parts: dict[str, Any]):
         """The architecture's pipeline holding only these components (its encode_image, encode_prompt... are the reference)."""

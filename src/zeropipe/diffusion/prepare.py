@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from zeropipe.checkpoint.manager import write_atomic
+from zeropipe.config.pipeline_folder import is_pipeline_folder, read_pipeline_folder
 from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import architecture_named, architecture_of
@@ -89,7 +90,7 @@ def read_plan(run: RunDir) -> DiffusionPlan:
 def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
     notes: list[str] = []
     pipeline_dir = pipeline_dir_for(config, run)
-    if config.model.path is None and not (pipeline_dir / "model_index.json").is_file():
+    if config.model.path is None and not is_pipeline_folder(pipeline_dir):
         build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed)
         notes.append(f"built the {config.model.config['pipeline']} pipeline with random weights in {pipeline_dir}")
     arch = architecture_of(pipeline_dir)
@@ -210,10 +211,10 @@ def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]
     section = config.model.diffusion
     if section.expert is None:
         return arch.denoiser
-    index = json.loads((pipeline_dir / "model_index.json").read_text())
+    folder = read_pipeline_folder(pipeline_dir)
     second = f"{arch.denoiser}_2"
-    boundary = index.get("boundary_ratio")
-    if boundary is None or not (index.get(second) or [None])[0] or not (pipeline_dir / second).is_dir():
+    boundary = folder.setting("boundary_ratio")
+    if boundary is None or not folder.component(second)[0] or not (pipeline_dir / second).is_dir():
         raise ConfigError([(
             "model.diffusion.expert",
             (

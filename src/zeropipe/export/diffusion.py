@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from zeropipe.checkpoint.consolidate import load_checked
+from zeropipe.config.pipeline_folder import is_pipeline_folder
 from zeropipe.diffusion.architectures import architecture_named
 from zeropipe.diffusion.prepare import read_plan
 from zeropipe.errors import CheckpointError
@@ -67,7 +68,7 @@ def export_diffusion(job: ExportJob) -> Path:
     plan = read_plan(run)
     arch = architecture_named(plan.architecture)
     pipeline_dir = Path(plan.pipeline_dir)
-    if not (pipeline_dir / "model_index.json").is_file():
+    if not is_pipeline_folder(pipeline_dir):
         raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
     denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file)
     lora = config.model.lora

@@ -32,6 +32,7 @@ from zeropipe.checkpoint.manager import (
     resolve_checkpoint,
     tag_for,
 )
+from zeropipe.config.pipeline_folder import is_pipeline_folder
 from zeropipe.errors import CheckpointError, ZeroPipeError
 from zeropipe.models.common import TORCH_DTYPES as DTYPES
 from zeropipe.rundir import RunDir
@@ -105,7 +106,7 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> ModelSour
     if (path / "config.json").is_file():
         refuse_checkpoint(checkpoint, path)
         return ModelSource("hf", path)
-    if (path / "model_index.json").is_file():
+    if is_pipeline_folder(path):
         return ModelSource("hf", path)
     run_path = run_directory_of(path)
     if run_path is None:

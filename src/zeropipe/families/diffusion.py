@@ -10,9 +10,9 @@ problems checked before any process starts, the launcher's data and cache plan
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from zeropipe.config.pipeline_folder import is_pipeline_folder, read_pipeline_folder
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.diffusion.architectures import architecture_for_pipeline
 from zeropipe.diffusion.parts import part_problems
@@ -41,11 +41,11 @@ class Diffusion:
 
     def detect(self, section: ModelSection) -> bool:
         if section.path:
-            return (Path(section.path).expanduser() / "model_index.json").is_file()
+            return is_pipeline_folder(section.path)
         return "pipeline" in (section.config or {})
 
     def detect_dir(self, path: Path) -> bool:
-        return (Path(path) / "model_index.json").is_file()
+        return is_pipeline_folder(path)
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         problems = text_only_problems(config, self.name)
@@ -74,10 +74,10 @@ class Diffusion:
                 return None
         if section.path:
             try:
-                index = json.loads((Path(section.path).expanduser() / "model_index.json").read_text())
-            except (OSError, json.JSONDecodeError):
+                folder = read_pipeline_folder(section.path)
+            except ConfigError:
                 return None
-            return architecture_for_pipeline(index.get("_class_name"))
+            return architecture_for_pipeline(folder.class_name)
         return None
 
     def objective(self, config: RunConfig) -> str | None:

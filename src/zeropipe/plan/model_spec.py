@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeropipe.config.pipeline_folder import PipelineFolder, is_pipeline_folder, read_pipeline_folder
+from zeropipe.diffusion.architectures import architecture_for_denoiser, architecture_for_pipeline, architecture_named
 from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
@@ -166,8 +168,8 @@ def spec_from_path(path: str | Path, lora: LoraSection | None = None) -> ModelSp
         ZeroPipeError: when the path holds no config this can read.
     """
     path = Path(path).expanduser()
-    if path.is_dir() and (path / "model_index.json").is_file():
-        return _pipeline_spec(path, lora)
+    if path.is_dir() and is_pipeline_folder(path):
+        return _pipeline_spec(read_pipeline_folder(path, key=None), lora)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise ZeroPipeError(f"{path}: no config.json there; give a Hugging Face model directory, its config.json, or a catalog name")
@@ -176,10 +178,12 @@ def spec_from_path(path: str | Path, lora: LoraSection | None = None) -> ModelSp
     except json.JSONDecodeError as err:
         raise ZeroPipeError(f"{config_file} is not valid JSON (line {err.lineno}: {err.msg})") from None
     if "_class_name" in config:
-        family = "diffusion_transformer" if "Transformer" in config["_class_name"] else "diffusion_unet"
+        # A diffusers model's config (a pipeline's unet/ or transformer/): its architecture is the entry that trains that class.
+        arch = architecture_for_denoiser(config["_class_name"])
         entry = {
             "name": path.name,
-            "family": family,
+            "architecture": arch.name if arch is not None else None,
+            "family": _denoiser_family(config["_class_name"], arch),
             "resolution": 1024,
             "trained": {"name": path.name, "library": "diffusers", "class": config["_class_name"], "config": config},
         }
@@ -468,74 +472,29 @@ def _inject_lora(model, lora: LoraSection) -> None:
 
 
 def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:
+    """The denoiser's activations for one example, traced on inputs its architecture entry makes (``Architecture.trace_inputs``).
+
+    The entry says what its denoiser takes, whether its latents have frames (``video``) and the
+    prompt length and clip length to trace when the spec does not say (a catalog entry's
+    ``text_tokens`` and ``frames``); None when no entry trains this model or it is not traced.
+    """
     import torch
 
-    config = model.config
+    named = entry.get("architecture")
+    # An entry may name its architecture where several share a denoiser class (Qwen-Image and Qwen-Image-Edit).
+    arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
+    if arch is None:
+        return None
+    config, dtype = model.config, torch.bfloat16
     latent = resolution // int(entry.get("vae_factor", 8))
-    dtype = torch.bfloat16
-    cls = entry["trained"]["class"]
-    if cls == "UNet2DConditionModel":
-
-        def inputs():
-            added = None
-            if getattr(config, "addition_embed_type", None) == "text_time":
-                pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-                added = {"text_embeds": torch.randn(1, pooled, dtype=dtype), "time_ids": torch.randn(1, 6, dtype=dtype)}
-            return {
-                "sample": torch.randn(1, config.in_channels, latent, latent, dtype=dtype),
-                "timestep": torch.tensor([500]),
-                "encoder_hidden_states": torch.randn(1, 77, config.cross_attention_dim, dtype=dtype),
-                "added_cond_kwargs": added,
-            }
-
-    elif cls == "FluxTransformer2DModel":
-        tokens = (latent // 2) ** 2  # 2x2 latent patches
-        text_tokens = int(entry.get("text_tokens", 512))
-
-        def inputs():
-            return {
-                "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype),
-                "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
-                "pooled_projections": torch.randn(1, config.pooled_projection_dim, dtype=dtype),
-                "timestep": torch.tensor([0.5], dtype=dtype),
-                "img_ids": torch.zeros(tokens, 3, dtype=dtype),
-                "txt_ids": torch.zeros(text_tokens, 3, dtype=dtype),
-                "guidance": torch.tensor([3.5], dtype=dtype) if config.guidance_embeds else None,
-            }
-
-    elif cls == "WanTransformer3DModel":
-        # Video: tokens = latent frames x latent height x latent width / patch volume.
-        frames = int(entry.get("frames", 81))
-        latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", 4)) + 1
-        text_tokens = int(entry.get("text_tokens", 512))
-
-        def inputs():
-            return {
-                "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent, latent, dtype=dtype),
-                "timestep": torch.tensor([500.0]),
-                "encoder_hidden_states": torch.randn(1, text_tokens, config.text_dim, dtype=dtype),
-            }
-
-    else:
-        # Other architectures say what their denoiser takes (Architecture.trace_inputs).
-        from zeropipe.diffusion.architectures import architecture_named, architectures
-
-        # An entry may name its architecture where several share a denoiser class (Qwen-Image and Qwen-Image-Edit).
-        named = entry.get("architecture")
-        arch = architecture_named(named) if named else next((a for a in architectures().values() if a.denoiser_class == cls), None)
-        if arch is None:
-            return None
-        frames = int(entry.get("frames", 1)) if arch.video else 1
-        latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
-        text_tokens = int(entry.get("text_tokens", arch.tokenizer_length(arch.tokenizers[0])))
-
-        def inputs():
-            return arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
-
-        if arch.trace_inputs(config, 1, 1, 1, dtype) is None:
-            return None
-        return trace_diffusion(model, inputs, resolution, frames=frames)
-    return trace_diffusion(model, inputs, resolution, frames=int(entry.get("frames", 1)) if cls == "WanTransformer3DModel" else 1)
+    frames = int(entry.get("frames", arch.trace_frames())) if arch.video else 1
+    latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
+    text_tokens = int(entry.get("text_tokens", arch.trace_text_tokens()))
+    with torch.device("meta"):
+        inputs = arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
+    if inputs is None:
+        return None
+    return trace_diffusion(model, lambda: inputs, resolution, frames=frames)
 
 
 def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8, vae_temporal_factor: int = 4) -> int:
@@ -546,18 +505,20 @@ def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8,
     return (latent_frames // patch_t) * (latent // patch_h) * (latent // patch_w)
 
 
-def _vae_factor(path: Path) -> int:
+def _vae_factors(folder: PipelineFolder, arch) -> tuple[int, int]:
+    """(pixels per latent along a side, frames per latent frame) of a pipeline's VAE; (8, 1) when its config cannot tell."""
     try:
-        return vae_factors(json.loads((path / "vae" / "config.json").read_text()), _architecture(path))[0]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return 8
+        return vae_factors(folder.component_config("vae"), arch)
+    except (ConfigError, KeyError):
+        return 8, 1
 
 
-def _vae_temporal_factor(path: Path) -> int:
-    try:
-        return vae_factors(json.loads((path / "vae" / "config.json").read_text()), _architecture(path))[1]
-    except (OSError, KeyError, json.JSONDecodeError):
-        return 1
+def _denoiser_family(class_name: str, arch) -> str:
+    """diffusion_unet or diffusion_transformer: the component its architecture entry trains, else where diffusers keeps the class."""
+    if arch is not None:
+        return "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet"
+    module = getattr(_diffusers_class("diffusers", class_name), "__module__", "")
+    return "diffusion_unet" if ".unets." in module else "diffusion_transformer"
 
 
 def _text_encoder_model_type(class_name: str) -> str:
@@ -567,14 +528,9 @@ def _text_encoder_model_type(class_name: str) -> str:
     return getattr(transformers, class_name).config_class.model_type
 
 
-def _architecture(path: Path):
-    """The diffusion architecture of a pipeline directory, or None when its model_index.json names none ZeRO-Pipe knows."""
-    from zeropipe.diffusion.architectures import architecture_for_pipeline
-
-    try:
-        return architecture_for_pipeline(json.loads((path / "model_index.json").read_text()).get("_class_name"))
-    except (OSError, json.JSONDecodeError):
-        return None
+def _architecture(folder: PipelineFolder):
+    """The diffusion architecture of a pipeline folder, or None when its pipeline class is none ZeRO-Pipe knows."""
+    return architecture_for_pipeline(folder.class_name)
 
 
 def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
@@ -586,32 +542,30 @@ def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
     return Architecture.vae_factors(None, config)  # the generic reading: video VAEs say both, image VAEs halve per block
 
 
-def _pipeline_spec(path: Path, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
-    """A diffusers pipeline directory: train the UNet or transformer, keep text encoders and VAE frozen."""
-    index = json.loads((path / "model_index.json").read_text())
+def _pipeline_spec(folder: PipelineFolder, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
+    """A diffusers pipeline folder: train the UNet or transformer, keep text encoders and VAE frozen."""
+    path, index = folder.path, folder.index
     trained_name = "transformer" if "transformer" in index else "unet"
     if trained_name not in index:
-        raise ZeroPipeError(f"{path}: model_index.json names neither a unet nor a transformer to train")
+        raise ZeroPipeError(f"{folder.index_file} names neither a unet nor a transformer to train")
     components = []
-    for name, value in index.items():
-        if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[1] is None:
+    for name, (library, cls) in folder.components().items():
+        if library not in ("diffusers", "transformers") or not folder.has_component_config(name):
             continue
-        library, cls = value
-        config_file = path / name / "config.json"
-        if library not in ("diffusers", "transformers") or not config_file.is_file():
-            continue
-        components.append({"name": name, "library": library, "class": cls, "config": json.loads(config_file.read_text())})
+        components.append({"name": name, "library": library, "class": cls, "config": folder.component_config(name)})
     trained = next((c for c in components if c["name"] == trained_name), None)
     if trained is None:
         raise ZeroPipeError(f"{path}/{trained_name}/config.json is missing")
     family = "diffusion_transformer" if trained_name == "transformer" else "diffusion_unet"
+    arch = _architecture(folder)
+    vae_factor, vae_temporal_factor = _vae_factors(folder, arch)
     entry = {
         "name": path.name,
-        "architecture": getattr(_architecture(path), "name", None),
+        "architecture": getattr(arch, "name", None),
         "family": family,
         "resolution": resolution,
-        "vae_factor": _vae_factor(path),
-        "vae_temporal_factor": _vae_temporal_factor(path),
+        "vae_factor": vae_factor,
+        "vae_temporal_factor": vae_temporal_factor,
         "frames": frames,
         "trained": trained,
         "frozen": [c for c in components if c is not trained and c["name"] in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")],
@@ -630,7 +584,8 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
 
     section, data = run_config.model, run_config.data
     if section.path:
-        spec = _pipeline_spec(Path(section.path).expanduser(), section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
+        folder = read_pipeline_folder(section.path)
+        spec = _pipeline_spec(folder, section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
     else:
         arch, components = preset_components(section.config or {})
         trained = {"name": arch.denoiser, "library": "diffusers", "class": arch.denoiser_class, "config": components[arch.denoiser]}

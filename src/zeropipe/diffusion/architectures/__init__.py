@@ -12,9 +12,9 @@ docs/architecture.md.
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
+from zeropipe.config.pipeline_folder import read_pipeline_folder
 from zeropipe.diffusion.architectures.base import Architecture, PredictContext
 from zeropipe.errors import ConfigError
 
@@ -76,9 +76,15 @@ def architecture_for_pipeline(class_name: str | None) -> Architecture | None:
 
 
 def architecture_for_denoiser(class_name: str) -> Architecture | None:
-    """The architecture whose trained component is this diffusers class (the planner asks it for its trace inputs)."""
+    """The architecture whose trained component is this diffusers class (the planner asks it for its trace inputs).
+
+    The first registered: the plain entry of a denoiser class, as the variants that share it
+    (Qwen-Image-Edit, Flux Kontext, Wan 2.1 I2V) register after it and are named where meant
+    (a catalog entry's ``architecture``, a pipeline's ``model_index.json``). A plug-in that
+    replaces a built-in under its name keeps the built-in's place.
+    """
     _load_builtin()
-    return next((arch for arch in reversed(list(_REGISTRY.values())) if arch.denoiser_class == class_name), None)
+    return next((arch for arch in _REGISTRY.values() if arch.denoiser_class == class_name), None)
 
 
 def architecture_for_preset(preset: str) -> Architecture | None:
@@ -92,17 +98,13 @@ def presets() -> dict[str, Architecture]:
 
 
 def architecture_of(pipeline_dir: Path) -> Architecture:
-    """The architecture of a diffusers pipeline directory, from its model_index.json."""
-    index_file = Path(pipeline_dir) / "model_index.json"
-    try:
-        index = json.loads(index_file.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError([("model.path", f"{index_file} cannot be read ({err}): point model.path at a diffusers pipeline directory")]) from None
-    name = index.get("_class_name")
+    """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_folder``)."""
+    folder = read_pipeline_folder(pipeline_dir)
+    name = folder.class_name
     arch = architecture_for_pipeline(name)
     if arch is None:
         known = ", ".join(sorted(a.pipeline_class for a in architectures().values()))
-        raise ConfigError([("model.path", f"{index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
+        raise ConfigError([("model.path", f"{folder.index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
     if not (Path(pipeline_dir) / arch.denoiser).is_dir():
         raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.denoiser}/ folder, which a {name} needs")])
     return arch

@@ -136,8 +136,17 @@ class Architecture:
         """The denoiser's keyword arguments for one example (batch 1) of this size, made on the current (meta) device.
 
         The planner runs the denoiser on them to count the activations it saves; None: the planner does not trace it.
+        ``latent_frames`` is 1 unless the entry is ``video``.
         """
         return None
+
+    def trace_text_tokens(self) -> int:
+        """The prompt length the planner traces when the model spec does not give one (a catalog entry's ``text_tokens``)."""
+        return self.tokenizer_length(self.tokenizers[0])
+
+    def trace_frames(self) -> int:
+        """The clip length (frames) the planner traces a ``video`` entry at when the model spec does not give one."""
+        return 1
 
     # -------------------------------------------------------------- export
     def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:

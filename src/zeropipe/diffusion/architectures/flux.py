@@ -50,6 +50,21 @@ class Flux(Architecture):
     def unpack_latents(self, pipeline, latents, size, vae_factor):
         return pipeline._unpack_latents(latents, size, size, vae_factor)
 
+    def trace_text_tokens(self):
+        return 512  # T5's full length, as Flux.1's pipeline pads prompts (a tiny tokenizer says fewer)
+
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        tokens = (latent_side // 2) ** 2  # 2x2 latent patches
+        return {
+            "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
+            "pooled_projections": torch.randn(1, config.pooled_projection_dim, dtype=dtype),
+            "timestep": torch.tensor([0.5], dtype=dtype),
+            "img_ids": torch.zeros(tokens, 3, dtype=dtype),
+            "txt_ids": torch.zeros(text_tokens, 3, dtype=dtype),
+            "guidance": torch.tensor([3.5], dtype=dtype) if config.guidance_embeds else None,
+        }
+
 
 ARCHITECTURE = Flux(
     name="flux",

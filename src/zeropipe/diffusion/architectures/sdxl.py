@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeropipe.diffusion.architectures.base import DDPM_SCHEDULE, Architecture, clip_text, tiny_vae
+from zeropipe.diffusion.architectures.sd15 import unet_trace_inputs
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class SDXL(Architecture):
             model_input, timesteps, encoder_hidden_states=condition["prompt_embeds"],
             added_cond_kwargs={"text_embeds": condition["pooled_prompt_embeds"], "time_ids": condition["time_ids"]},
         ).sample
+
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        return unet_trace_inputs(config, latent_side, text_tokens, dtype)
 
 
 ARCHITECTURE = SDXL(

@@ -62,6 +62,19 @@ class Wan(Architecture):
         embeds, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=max_length, device=device)
         return {"prompt_embeds": embeds}
 
+    def trace_text_tokens(self):
+        return 512  # Wan trains and samples with 512 tokens (see encode_prompts); a tiny tokenizer says fewer
+
+    def trace_frames(self):
+        return 81  # WanPipeline's default clip: 5 s at 16 fps
+
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        return {
+            "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
+            "timestep": torch.tensor([500.0]),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_dim, dtype=dtype),
+        }
+
     def predict(self, model, model_input, timesteps, condition, context):
         # Timesteps stay float32 as WanPipeline passes them: bf16 cannot tell 998 from 1000.
         # Wan 2.1 I2V also attends to the first frame's CLIP embeddings (None for the others).
