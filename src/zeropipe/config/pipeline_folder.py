@@ -14,8 +14,10 @@ families, the exporters and the converters can all import it.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from zeropipe.errors import ConfigError
@@ -35,12 +37,12 @@ class PipelineFolder:
 
     Attributes:
         path: the folder (``~`` expanded).
-        index: ``model_index.json`` as read: ``{"_class_name": ..., "unet": ["diffusers", "UNet2DConditionModel"], ...}``.
+        index: ``model_index.json`` as read, read-only: ``{"_class_name": ..., "unet": ["diffusers", "UNet2DConditionModel"], ...}``.
         key: the config key the folder came from (``model.path``), named by the errors of later reads.
     """
 
     path: Path
-    index: dict[str, Any]
+    index: Mapping[str, Any]
     key: str | None = "model.path"
 
     @property
@@ -119,7 +121,7 @@ def read_pipeline_folder(path: str | Path, key: str | None = "model.path") -> Pi
     if not folder.is_dir():
         raise ConfigError([(key, f"{folder} is not a folder: point it at a diffusers pipeline folder (one with a {INDEX_FILE})")])
     index = _read_json_object(folder / INDEX_FILE, key, what="a diffusers pipeline's index")
-    return PipelineFolder(folder, index, key)
+    return PipelineFolder(folder, MappingProxyType(index), key)
 
 
 def _read_json_object(file: Path, key: str | None, what: str) -> dict[str, Any]:
