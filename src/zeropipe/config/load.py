@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from zeropipe.config import stages as stages_module
-from zeropipe.config.pipeline_folder import is_pipeline_folder
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.config.schema import TEXT_TASKS, RunConfig
 from zeropipe.errors import ConfigError
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import tomllib
 
-from zeropipe.config.pipeline_folder import is_pipeline_folder
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
 from zeropipe.diffusion.architectures import architectures
 from zeropipe.diffusion.images import IMAGE_SUFFIXES

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from zeropipe.config.pipeline_folder import read_pipeline_folder
+from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
 from zeropipe.diffusion.parts.text import prompt_rows
@@ -195,7 +195,7 @@ def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: to
     import diffusers
     import transformers
 
-    library, class_name = read_pipeline_folder(pipeline_dir).required_component(name)
+    library, class_name = read_pipeline_index(pipeline_dir).required_component(name)
     cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
     model = cls.from_pretrained(str(Path(pipeline_dir) / name), dtype=dtype) if library == "transformers" else cls.from_pretrained(
         str(Path(pipeline_dir) / name), torch_dtype=dtype
@@ -217,7 +217,7 @@ def load_tokenizer(pipeline_dir: Path, name: str):
     from transformers import AutoProcessor, AutoTokenizer
 
     folder = Path(pipeline_dir) / name
-    class_name = read_pipeline_folder(pipeline_dir).component(name)[1]
+    class_name = read_pipeline_index(pipeline_dir).component(name)[1]
     if not (class_name or "").endswith("Processor"):
         return AutoTokenizer.from_pretrained(str(folder))
     try:
@@ -229,7 +229,7 @@ def load_tokenizer(pipeline_dir: Path, name: str):
 
 
 def vae_config(pipeline_dir: Path) -> dict[str, Any]:
-    return read_pipeline_folder(pipeline_dir).component_config("vae")
+    return read_pipeline_index(pipeline_dir).component_config("vae")
 
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
@@ -276,7 +276,7 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
 def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]):
     import diffusers
 
-    folder = read_pipeline_folder(pipeline_dir)
+    folder = read_pipeline_index(pipeline_dir)
     scheduler_config = folder.scheduler_config()
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
     expected, settings = cls._get_signature_keys(cls)
@@ -310,7 +310,7 @@ class PipelineFolder:
 
     def __init__(self, path: Path, arch: Architecture, fingerprints: Path | None = None):
         self.path, self.arch, self.fingerprints = Path(path), arch, fingerprints
-        self.files = read_pipeline_folder(self.path)  # model_index.json and the components' configs, read and checked once
+        self.files = read_pipeline_index(self.path)  # model_index.json and the components' configs, read and checked once
         self.index = self.files.index
 
     def has(self, name: str) -> bool:

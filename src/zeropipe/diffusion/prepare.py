@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from zeropipe.checkpoint.manager import write_atomic
-from zeropipe.config.pipeline_folder import is_pipeline_folder, read_pipeline_folder
+from zeropipe.config.pipeline_index import is_pipeline_folder, read_pipeline_index
 from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import architecture_named, architecture_of
@@ -211,7 +211,7 @@ def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]
     section = config.model.diffusion
     if section.expert is None:
         return arch.denoiser
-    folder = read_pipeline_folder(pipeline_dir)
+    folder = read_pipeline_index(pipeline_dir)
     second = f"{arch.denoiser}_2"
     boundary = folder.setting("boundary_ratio")
     if boundary is None or not folder.component(second)[0] or not (pipeline_dir / second).is_dir():

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from zeropipe.config.pipeline_folder import read_pipeline_folder
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches
@@ -103,7 +102,7 @@ class DiffusionTask(TaskDefaults):
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
         if not self.config.data.cache.text:
             self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
-        scheduler_config = read_pipeline_folder(self.pipeline_dir).scheduler_config()
+        scheduler_config = self.folder.files.scheduler_config()
         objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
         self.objective = objective(scheduler_config, self.config.model.diffusion)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from zeropipe.checkpoint.consolidate import load_checked
-from zeropipe.config.pipeline_folder import is_pipeline_folder
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.diffusion.architectures import architecture_named
 from zeropipe.diffusion.prepare import read_plan
 from zeropipe.errors import CheckpointError

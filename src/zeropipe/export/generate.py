@@ -32,7 +32,7 @@ from zeropipe.checkpoint.manager import (
     resolve_checkpoint,
     tag_for,
 )
-from zeropipe.config.pipeline_folder import is_pipeline_folder
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.errors import CheckpointError, ZeroPipeError
 from zeropipe.models.common import TORCH_DTYPES as DTYPES
 from zeropipe.rundir import RunDir

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zeropipe.config.pipeline_folder import is_pipeline_folder, read_pipeline_folder
+from zeropipe.config.pipeline_index import is_pipeline_folder, read_pipeline_index
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.diffusion.architectures import architecture_for_pipeline
 from zeropipe.diffusion.parts import part_problems
@@ -74,7 +74,7 @@ class Diffusion:
                 return None
         if section.path:
             try:
-                folder = read_pipeline_folder(section.path)
+                folder = read_pipeline_index(section.path)
             except ConfigError:
                 return None
             return architecture_for_pipeline(folder.class_name)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zeropipe.config.pipeline_folder import PipelineFolder, is_pipeline_folder, read_pipeline_folder
+from zeropipe.config.pipeline_index import PipelineIndex, is_pipeline_folder, read_pipeline_index
 from zeropipe.diffusion.architectures import architecture_for_denoiser, architecture_for_pipeline, architecture_named
 from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
@@ -169,7 +169,7 @@ def spec_from_path(path: str | Path, lora: LoraSection | None = None) -> ModelSp
     """
     path = Path(path).expanduser()
     if path.is_dir() and is_pipeline_folder(path):
-        return _pipeline_spec(read_pipeline_folder(path, key=None), lora)
+        return _pipeline_spec(read_pipeline_index(path, key=None), lora)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise ZeroPipeError(f"{path}: no config.json there; give a Hugging Face model directory, its config.json, or a catalog name")
@@ -505,7 +505,7 @@ def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8,
     return (latent_frames // patch_t) * (latent // patch_h) * (latent // patch_w)
 
 
-def _vae_factors(folder: PipelineFolder, arch) -> tuple[int, int]:
+def _vae_factors(folder: PipelineIndex, arch) -> tuple[int, int]:
     """(pixels per latent along a side, frames per latent frame) of a pipeline's VAE; (8, 1) when its config cannot tell."""
     try:
         return vae_factors(folder.component_config("vae"), arch)
@@ -528,7 +528,7 @@ def _text_encoder_model_type(class_name: str) -> str:
     return getattr(transformers, class_name).config_class.model_type
 
 
-def _architecture(folder: PipelineFolder):
+def _architecture(folder: PipelineIndex):
     """The diffusion architecture of a pipeline folder, or None when its pipeline class is none ZeRO-Pipe knows."""
     return architecture_for_pipeline(folder.class_name)
 
@@ -542,7 +542,7 @@ def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
     return Architecture.vae_factors(None, config)  # the generic reading: video VAEs say both, image VAEs halve per block
 
 
-def _pipeline_spec(folder: PipelineFolder, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
+def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
     """A diffusers pipeline folder: train the UNet or transformer, keep text encoders and VAE frozen."""
     path, index = folder.path, folder.index
     trained_name = "transformer" if "transformer" in index else "unet"
@@ -584,7 +584,7 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
 
     section, data = run_config.model, run_config.data
     if section.path:
-        folder = read_pipeline_folder(section.path)
+        folder = read_pipeline_index(section.path)
         spec = _pipeline_spec(folder, section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
     else:
         arch, components = preset_components(section.config or {})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from zeropipe.config.pipeline_folder import read_pipeline_folder
+from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.diffusion.architectures.base import Architecture, PredictContext
 from zeropipe.errors import ConfigError
 
@@ -98,8 +98,8 @@ def presets() -> dict[str, Architecture]:
 
 
 def architecture_of(pipeline_dir: Path) -> Architecture:
-    """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_folder``)."""
-    folder = read_pipeline_folder(pipeline_dir)
+    """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_index``)."""
+    folder = read_pipeline_index(pipeline_dir)
     name = folder.class_name
     arch = architecture_for_pipeline(name)
     if arch is None:

@@ -2,13 +2,14 @@
 
 Every part of ZeRO-Pipe that needs to know what a pipeline folder holds (which pipeline class,
 which components and their classes, the pipeline's own settings such as Wan 2.2's
-``boundary_ratio``, a component's ``config.json``) reads it through :func:`read_pipeline_folder`
-and the :class:`PipelineFolder` it returns, so that a missing or damaged file is reported once,
+``boundary_ratio``, a component's ``config.json``) reads it through :func:`read_pipeline_index`
+and the :class:`PipelineIndex` it returns, so that a missing or damaged file is reported once,
 the same way, naming the file and the fix. Nothing else in the package opens ``model_index.json``
-(``tests/unit/config/test_pipeline_folder.py`` holds that).
+(``tests/unit/config/test_pipeline_index.py`` holds that).
 
 This is the bottom layer (``zeropipe.config``) so that the planner, the diffusion code, the
-families, the exporters and the converters can all import it.
+families, the exporters and the converters can all import it. ``diffusion.pipelines.PipelineFolder``
+(what an architecture's parts load components through) carries one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def is_pipeline_folder(path: str | Path) -> bool:
 
 
 @dataclass(frozen=True)
-class PipelineFolder:
+class PipelineIndex:
     """A diffusers pipeline folder and its ``model_index.json``, read and checked once.
 
     Attributes:
@@ -107,7 +108,7 @@ class PipelineFolder:
         return self.component_config("scheduler", SCHEDULER_CONFIG_FILE)
 
 
-def read_pipeline_folder(path: str | Path, key: str | None = "model.path") -> PipelineFolder:
+def read_pipeline_index(path: str | Path, key: str | None = "model.path") -> PipelineIndex:
     """Read and check a diffusers pipeline folder's ``model_index.json``.
 
     Args:
@@ -121,7 +122,7 @@ def read_pipeline_folder(path: str | Path, key: str | None = "model.path") -> Pi
     if not folder.is_dir():
         raise ConfigError([(key, f"{folder} is not a folder: point it at a diffusers pipeline folder (one with a {INDEX_FILE})")])
     index = _read_json_object(folder / INDEX_FILE, key, what="a diffusers pipeline's index")
-    return PipelineFolder(folder, MappingProxyType(index), key)
+    return PipelineIndex(folder, MappingProxyType(index), key)
 
 
 def _read_json_object(file: Path, key: str | None, what: str) -> dict[str, Any]:
@@ -143,4 +144,4 @@ def _read_json_object(file: Path, key: str | None, what: str) -> dict[str, Any]:
     return value
 
 
-__all__ = ["INDEX_FILE", "PipelineFolder", "is_pipeline_folder", "read_pipeline_folder"]
+__all__ = ["INDEX_FILE", "PipelineIndex", "is_pipeline_folder", "read_pipeline_index"]

@@ -1,4 +1,4 @@
-"""A diffusers pipeline folder has one reader: ``config.pipeline_folder``.
+"""A diffusers pipeline folder has one reader: ``config.pipeline_index``.
 
 Its ``model_index.json`` and its components' config files are read there and nowhere else, and
 a missing or damaged file is reported as a message that names the file and the fix, never as a
@@ -15,11 +15,11 @@ import pytest
 
 import zeropipe
 from zeropipe.cli.main import main
-from zeropipe.config.pipeline_folder import INDEX_FILE, PipelineFolder, is_pipeline_folder, read_pipeline_folder
+from zeropipe.config.pipeline_index import INDEX_FILE, PipelineIndex, is_pipeline_folder, read_pipeline_index
 from zeropipe.errors import ConfigError
 
 SRC = Path(zeropipe.__file__).parent
-READER = SRC / "config" / "pipeline_folder.py"
+READER = SRC / "config" / "pipeline_index.py"
 
 # Modules that are about diffusion pipelines only: a component's config file is read through the reader there too.
 DIFFUSION_MODULES = [
@@ -49,12 +49,12 @@ def string_constants(module: Path) -> set[str]:
 def test_no_module_but_the_reader_names_model_index_json_as_a_file_to_open():
     # A file name on its own (path / "model_index.json") is a read or a probe; messages that mention it are longer strings.
     readers = [str(m.relative_to(SRC)) for m in sorted(SRC.rglob("*.py")) if m != READER and {INDEX_FILE, "scheduler_config.json"} & string_constants(m)]
-    assert readers == [], f"read model_index.json through zeropipe.config.pipeline_folder, not in {readers}"
+    assert readers == [], f"read model_index.json through zeropipe.config.pipeline_index, not in {readers}"
 
 
 def test_diffusion_modules_read_component_configs_through_the_reader():
     readers = [str(m.relative_to(SRC)) for m in DIFFUSION_MODULES if "config.json" in string_constants(m)]
-    assert readers == [], f"read a pipeline component's config.json with PipelineFolder.component_config, not in {readers}"
+    assert readers == [], f"read a pipeline component's config.json with PipelineIndex.component_config, not in {readers}"
 
 
 def write_folder(tmp_path: Path, index: dict | str | None = INDEX) -> Path:
@@ -72,8 +72,8 @@ def test_the_folder_says_its_class_components_and_settings(tmp_path):
     (folder / "scheduler").mkdir()
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "EulerDiscreteScheduler"}))
 
-    pipeline = read_pipeline_folder(folder)
-    assert isinstance(pipeline, PipelineFolder) and is_pipeline_folder(folder)
+    pipeline = read_pipeline_index(folder)
+    assert isinstance(pipeline, PipelineIndex) and is_pipeline_folder(folder)
     assert pipeline.class_name == "StableDiffusionXLPipeline"
     assert pipeline.components() == {
         "unet": ("diffusers", "UNet2DConditionModel"), "vae": ("diffusers", "AutoencoderKL"),
@@ -97,7 +97,7 @@ def test_a_folder_without_model_index_json_is_named_with_the_fix(tmp_path):
     folder = write_folder(tmp_path, index=None)
     assert not is_pipeline_folder(folder)
     with pytest.raises(ConfigError) as err:
-        read_pipeline_folder(folder)
+        read_pipeline_index(folder)
     key, message = problem(err)
     assert key == "model.path"
     assert f"{folder / INDEX_FILE} is missing" in message and "point it at a diffusers pipeline folder" in message
@@ -105,7 +105,7 @@ def test_a_folder_without_model_index_json_is_named_with_the_fix(tmp_path):
 
 def test_a_path_that_is_no_folder_is_named(tmp_path):
     with pytest.raises(ConfigError) as err:
-        read_pipeline_folder(tmp_path / "nowhere", key=None)
+        read_pipeline_index(tmp_path / "nowhere", key=None)
     key, message = problem(err)
     assert key is None and f"{tmp_path / 'nowhere'} is not a folder" in message
 
@@ -113,7 +113,7 @@ def test_a_path_that_is_no_folder_is_named(tmp_path):
 def test_damaged_json_is_named_with_its_line(tmp_path):
     folder = write_folder(tmp_path, index='{\n  "_class_name": "FluxPipeline",\n  "transformer": ["diffusers" "FluxTransformer2DModel"]\n}')
     with pytest.raises(ConfigError) as err:
-        read_pipeline_folder(folder)
+        read_pipeline_index(folder)
     _, message = problem(err)
     assert f"{folder / INDEX_FILE} is not valid JSON (line 3" in message and "fix or replace the file" in message
 
@@ -121,13 +121,13 @@ def test_damaged_json_is_named_with_its_line(tmp_path):
 def test_json_that_is_not_an_object_is_named(tmp_path):
     folder = write_folder(tmp_path, index="[1, 2]")
     with pytest.raises(ConfigError) as err:
-        read_pipeline_folder(folder)
+        read_pipeline_index(folder)
     assert f"{folder / INDEX_FILE} holds a JSON list, not an object" in problem(err)[1]
 
 
 def test_a_missing_or_damaged_component_config_is_named(tmp_path):
     folder = write_folder(tmp_path)
-    pipeline = read_pipeline_folder(folder)
+    pipeline = read_pipeline_index(folder)
     with pytest.raises(ConfigError) as err:
         pipeline.component_config("vae")
     assert f"{folder / 'vae' / 'config.json'} is missing (the pipeline's vae config)" in problem(err)[1]
@@ -139,7 +139,7 @@ def test_a_missing_or_damaged_component_config_is_named(tmp_path):
 
 
 def test_a_component_the_caller_needs_and_the_index_lacks_is_named(tmp_path):
-    pipeline = read_pipeline_folder(write_folder(tmp_path))
+    pipeline = read_pipeline_index(write_folder(tmp_path))
     assert pipeline.required_component("vae") == ("diffusers", "AutoencoderKL")
     with pytest.raises(ConfigError) as err:
         pipeline.required_component("image_encoder")
