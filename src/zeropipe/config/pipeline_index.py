@@ -128,7 +128,7 @@ def read_pipeline_index(path: str | Path, key: str | None = "model.path") -> Pip
 def _read_json_object(file: Path, key: str | None, what: str) -> dict[str, Any]:
     if not file.is_file():
         fix = (
-            f"point it at a diffusers pipeline folder (saved by save_pretrained or downloaded whole from the Hub), which has one"
+            "point it at a diffusers pipeline folder (saved by save_pretrained or downloaded whole from the Hub), which has one"
             if file.name == INDEX_FILE
             else "the folder is incomplete: download or copy the pipeline again"
         )
