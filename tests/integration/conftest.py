@@ -92,7 +92,7 @@ def assert_a_second_run_would_encode_nothing(run_dir: Path, workdir: Path) -> No
     test_diffusion.py and test_video.py.
     """
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.prepare import prepare_diffusion_data
+    from zeropipe.families.diffusion.prepare import prepare_diffusion_data
     from zeropipe.rundir import RunDir
 
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

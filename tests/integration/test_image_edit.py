@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 from tests.integration.conftest import assert_ok, zeropipe
 from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion.images import generate_shapes_dataset
-from zeropipe.diffusion.prepare import prepare_diffusion_data
+from zeropipe.families.diffusion.prepare import prepare_diffusion_data
 from zeropipe.rundir import RunDir
 
 pytestmark = pytest.mark.integration
@@ -82,7 +82,7 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
     pairs = 2 * EXAMPLES  # each target's caption and empty caption with its control image (the sample prompt's pair is the first target's)
     assert f"latent cache {tmp_path / 'cache'}: {EXAMPLES - 1} of {EXAMPLES} image(s) cached already, 1 to encode" in prepared.notes
     assert f"text cache: {pairs - 2} of {pairs} (caption, control image) pair(s) cached already, 2 to encode" in prepared.notes
-    assert prepared.node_setup == "zeropipe.diffusion.prepare:fill_caches"
+    assert prepared.node_setup == "zeropipe.families.diffusion.prepare:fill_caches"
 
     out = tmp_path / "lora"
     assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))

@@ -104,8 +104,8 @@ def test_clip_modes(available, length, mode, starts):
 
 def test_frame_buckets_the_vae_cannot_encode_are_refused_naming_the_key(tmp_path):
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.prepare import video_clips
     from zeropipe.errors import ConfigError
+    from zeropipe.families.diffusion.prepare import video_clips
 
     config = RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-wan"}}, "data": {"path": str(tmp_path), "video": {"frame_buckets": [1, 16]}}})
     with pytest.raises(ConfigError) as raised:
@@ -115,7 +115,7 @@ def test_frame_buckets_the_vae_cannot_encode_are_refused_naming_the_key(tmp_path
 
 def test_videos_become_clips_of_the_longest_bucket_they_fill(tmp_path):
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.prepare import video_clips
+    from zeropipe.families.diffusion.prepare import video_clips
 
     config = RunConfig.model_validate(
         {"model": {"config": {"pipeline": "tiny-wan"}}, "data": {"path": str(tmp_path), "video": {"frame_buckets": [1, 9, 17], "clip_mode": "multiple"}}}

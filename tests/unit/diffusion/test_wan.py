@@ -149,8 +149,8 @@ def two_expert_pipeline(folder, boundary_ratio: float = 0.875, seed: int = 1):
 
 def test_an_expert_key_picks_its_transformer_and_its_side_of_the_pipelines_boundary(tmp_path):
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.prepare import resolve_expert
     from zeropipe.errors import ConfigError
+    from zeropipe.families.diffusion.prepare import resolve_expert
 
     a14b = two_expert_pipeline(tmp_path)
 

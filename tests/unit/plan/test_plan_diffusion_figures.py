@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from zeropipe.config.schema import RunConfig
+from zeropipe.families.diffusion.spec import diffusion_config_spec
 from zeropipe.plan import parse_hardware, recommend
-from zeropipe.plan.model_spec import diffusion_config_spec
 
 TRACE_FIELDS = ("resolution", "frames", "saved_bytes", "checkpointed_bytes", "largest_block_bytes", "forward_flops")
 

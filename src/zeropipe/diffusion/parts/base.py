@@ -23,7 +23,7 @@ import torch
 
 @dataclass
 class Planning:
-    """The launcher's data step, as a part sees it (``zeropipe.diffusion.prepare``).
+    """The launcher's data step, as a part sees it (``zeropipe.families.diffusion.prepare``).
 
     ``items`` are the plan's items (dicts: path, caption, width, height, ...); a part may add its
     own fields to them (the control image's path). ``notes`` are shown to the user.
@@ -82,7 +82,7 @@ class SampleInputs:
 
 @dataclass
 class Sampling:
-    """A rank drawing samples, as a part sees it (``zeropipe.engine.diffusion``)."""
+    """A rank drawing samples, as a part sees it (``zeropipe.families.diffusion.task``)."""
 
     prompts: list[str]
     size: int

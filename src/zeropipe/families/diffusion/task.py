@@ -4,7 +4,7 @@ The :class:`~zeropipe.engine.trainer.Trainer` holding this task does the rest (D
 engine, optimizer steps, metrics, checkpoints, resume). What is particular here:
 
 - The caches were filled before the ranks started, by one process per node
-  (:func:`zeropipe.diffusion.prepare.fill_caches`), so that a node holds one copy of the VAE
+  (:func:`zeropipe.families.diffusion.prepare.fill_caches`), so that a node holds one copy of the VAE
   and the text encoders (UMT5-XXL alone is about 11 GB in bf16) whatever its number of GPUs.
   With the caches on (the default) the ranks never load them: only the denoiser is in
   memory (rank 0 loads the VAE for a moment to decode samples). Each metrics row says which
@@ -48,9 +48,9 @@ from zeropipe.diffusion.pipelines import (
     text_pipeline,
     vae_scale_factor,
 )
-from zeropipe.diffusion.prepare import load_item_pixels, read_plan
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
+from zeropipe.families.diffusion.prepare import load_item_pixels, read_plan
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
 

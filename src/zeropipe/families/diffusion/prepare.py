@@ -197,7 +197,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         prompts=prompts,
         notes=notes,
         batching_note=codec.batching_note(),
-        node_setup="zeropipe.diffusion.prepare:fill_caches" if missing_latents or texts_missing else None,
+        node_setup="zeropipe.families.diffusion.prepare:fill_caches" if missing_latents or texts_missing else None,
     )
 
 

@@ -25,9 +25,9 @@ import torch
 from zeropipe.checkpoint.consolidate import load_checked
 from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.diffusion.architectures import architecture_named
-from zeropipe.diffusion.prepare import read_plan
 from zeropipe.errors import CheckpointError
 from zeropipe.export.hf import ExportJob
+from zeropipe.families.diffusion.prepare import read_plan
 from zeropipe.models.common import resolve_lora_targets
 
 ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"

@@ -4,8 +4,8 @@ Detected by ``model_index.json`` in model.path or ``pipeline:`` in an inline mod
 What differs between diffusion architectures is not here but in their entries
 (:mod:`zeropipe.diffusion.architectures`); this module is the family's side: config
 problems checked before any process starts, the launcher's data and cache plan
-(:mod:`zeropipe.diffusion.prepare`), the rank task
-(:class:`~zeropipe.engine.diffusion.DiffusionTask`), the planner's spec and the export.
+(:mod:`zeropipe.families.diffusion.prepare`), the rank task
+(:class:`~zeropipe.families.diffusion.task.DiffusionTask`), the planner's spec and the export.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.diffusion.architectures import architecture_for_pipeline
 from zeropipe.diffusion.parts import part_problems
 from zeropipe.diffusion.pipelines import preset_components
-from zeropipe.diffusion.prepare import prepare_diffusion_data
-from zeropipe.engine.diffusion import DiffusionTask
 from zeropipe.errors import ConfigError, ZeroPipeError
-from zeropipe.export.diffusion import export_diffusion
 from zeropipe.export.hf import ExportJob
 from zeropipe.families.base import text_only_problems
-from zeropipe.plan.model_spec import diffusion_config_spec
+from zeropipe.families.diffusion.export import export_diffusion
+from zeropipe.families.diffusion.prepare import prepare_diffusion_data
+from zeropipe.families.diffusion.spec import diffusion_config_spec
+from zeropipe.families.diffusion.task import DiffusionTask
 from zeropipe.rundir import PreparedData, RunDir
 
 
