@@ -6,7 +6,7 @@
 diffusion-pipe loads the text encoder and the VAE in every GPU's process while it caches, so
 its caching peak grows with the GPUs (its maintainer measured 62 GB for Wan 1.3B on 4 GPUs;
 UMT5-XXL alone is about 11 GB in bf16). ZeRO-Pipe fills the caches in one process per node
-(``zeropipe.launch.node_setup`` running ``diffusion.prepare.fill_caches``), which ends before the
+(``zeropipe.launch.node_setup`` running ``families.diffusion.prepare.fill_caches``), which ends before the
 node's ranks start: the node holds one VAE and one text encoder whatever its number of GPUs,
 and no rank's own baseline (Python, torch, DeepSpeed) is resident meanwhile.
 
