@@ -127,9 +127,9 @@ def test_killed_launcher_takes_its_ranks_with_it_and_the_run_reads_lost(tmp_path
     children = [c.pid for pid in ranks for c in psutil.Process(pid).children(recursive=True)]
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
-    started = time.time()
-    wait_for(lambda: not alive(ranks + children), 5, "the ranks to die with their launcher")
-    assert time.time() - started < 3
+    # Left alone they would train on for 100,000 steps: dying at all is the behaviour. The kernel's
+    # parent-death signal does it at once; the bound is generous for a loaded machine.
+    wait_for(lambda: not alive(ranks + children), 30, "the ranks to die with their launcher")
 
     # Nobody recorded the end: the first reader finds the owner gone and says so, for everyone.
     listed = zeropipe("runs", "ls", "--runs-dir", tmp_path / "runs", "--json")
