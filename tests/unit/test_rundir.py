@@ -73,7 +73,7 @@ def test_claim_waits_out_a_readers_brief_hold(tmp_path, monkeypatch):
     """
     import fcntl
 
-    import zeropipe.rundir as rundir
+    from zeropipe import rundir
 
     run = RunDir(tmp_path / "run")
     holder = HOLD.replace("time.sleep(60)", "sys.stdin.readline()")  # exits, dropping the lock, on a line from us

@@ -109,7 +109,7 @@ def test_a_restarted_store_reattaches_to_the_same_rows(tmp_path):
 def test_the_glance_reads_a_long_metrics_file_without_reading_it_all(tmp_path, monkeypatch):
     import io
 
-    import zeropipe.store.index as index
+    from zeropipe.store import index
 
     path = tmp_path / "metrics.jsonl"
     write_metrics(path, 20_000)
