@@ -84,6 +84,39 @@ def tmp_run(tmp_path):
     return tmp_path, make
 
 
+# The uninterrupted reference runs of the exact-resume tests (test_faults.py, test_resume_and_failures.py):
+# checkpoints at steps 10, 20 and 30. DeepSpeed's CPU Adam drifted after a resume from 20 and 30
+# (from 10 it happened to match: see zeropipe.launch.resume).
+RESUME_STEPS, SAVE_EVERY = 32, 10
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """One uninterrupted run per ZeRO stage, every checkpoint kept; made on first use, shared by the session.
+
+    Returns ``get(stage) -> (config path, run directory)``. Tests continue copies of the run
+    directory, or new runs of the config under another run.name; none writes into it.
+    """
+    made: dict[int, tuple[Path, Path]] = {}
+
+    def get(stage: int) -> tuple[Path, Path]:
+        if stage not in made:
+            tmp_path = tmp_path_factory.mktemp(f"reference{stage}")
+            config = tiny_run_config(
+                tmp_path,
+                name="reference",
+                train={"max_steps": RESUME_STEPS, "save_every": SAVE_EVERY, "keep_last": 10},
+                deepspeed={"zero_stage": stage, "precision": "fp32"},
+                generate={"prompts": []},
+            )
+            path = write_config(tmp_path, config)
+            assert_ok(zeropipe("train", path))
+            made[stage] = path, tmp_path / "runs" / "reference"
+        return made[stage]
+
+    return get
+
+
 def assert_a_second_run_would_encode_nothing(run_dir: Path, workdir: Path) -> None:
     """What the launcher of a second run on the same data and model finds: every latent and caption cached.
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
+from tests.integration.conftest import RESUME_STEPS, SAVE_EVERY, assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
 
 pytestmark = pytest.mark.integration
 
@@ -41,32 +41,8 @@ def alive(pids: list[int]) -> list[int]:
 
 
 # ---------------------------------------------------------------- exact resume
-# Checkpoints at steps 10, 20 and 30. DeepSpeed's CPU Adam drifted after a resume from 20 and 30
-# (from 10 it happened to match: see zeropipe.launch.resume).
-RESUME_STEPS, SAVE_EVERY = 32, 10
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """One uninterrupted run per ZeRO stage, every checkpoint kept; made on first use."""
-    made: dict[int, tuple[Path, Path]] = {}
-
-    def get(stage: int) -> tuple[Path, Path]:
-        if stage not in made:
-            tmp_path = tmp_path_factory.mktemp(f"reference{stage}")
-            config = tiny_run_config(
-                tmp_path,
-                name="reference",
-                train={"max_steps": RESUME_STEPS, "save_every": SAVE_EVERY, "keep_last": 10},
-                deepspeed={"zero_stage": stage, "precision": "fp32"},
-                generate={"prompts": []},
-            )
-            path = write_config(tmp_path, config)
-            assert_ok(zeropipe("train", path))
-            made[stage] = path, tmp_path / "runs" / "reference"
-        return made[stage]
-
-    return get
+# The uninterrupted reference runs (RESUME_STEPS steps, a checkpoint every SAVE_EVERY) are made once
+# per session in conftest.py: test_resume_and_failures.py's Ctrl-C test continues them too.
 
 
 @pytest.mark.parametrize("checkpoint", [1, 2, 3])
