@@ -232,18 +232,28 @@ def test_a_disk_filling_up_mid_run_is_diagnosed_and_keeps_the_last_checkpoint(tm
 
 
 # ------------------------------------------------------------------ diagnosis
-def test_a_kill_9_on_a_roomy_zero3_run_is_not_called_an_oom_kill(tmp_path):
+def test_a_kill_9_on_a_roomy_zero3_run_is_diagnosed_not_called_an_oom_kill_and_leaves_nothing(tmp_path):
+    """A rank other than rank 0 killed: it is named (not rank 0, which only stops), the run is failed, no process is left."""
     config = tiny_run_config(tmp_path, name="killed3", train={"max_steps": 100000, "save_every": None}, deepspeed={"zero_stage": 3, "precision": "fp32"}, generate={"prompts": []})
     run_dir = tmp_path / "runs" / "killed3"
     launcher = start_zeropipe("train", write_config(tmp_path, config))
     wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "three training steps")
-    psutil.Process(json.loads((run_dir / "status.json").read_text())["pids"][1]).send_signal(signal.SIGKILL)
+    pids = json.loads((run_dir / "status.json").read_text())["pids"]
+    children = [c.pid for pid in pids for c in psutil.Process(pid).children(recursive=True)]
+    psutil.Process(pids[1]).send_signal(signal.SIGKILL)
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 1, output
     assert "rank 1 was killed by SIGKILL" in output
+    assert "rank 0" in output  # named as stopped, an effect
+    # A kill -9 with RAM to spare: not blamed on the OOM killer (issue 14, defect 11).
     assert "likely cause: not the OOM killer" in output or "likely cause: probably not the OOM killer" in output, output
+    assert "host RAM peaked at" in output
     fix = next(line for line in output.splitlines() if line.startswith("fix:"))
     assert "zero_stage" not in fix  # already 3
+    # No orphans: every rank and its children are gone.
+    wait_for(lambda: not alive(pids + children), 30, "the other rank and the ranks' children to end")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["diagnosis"]["rank"] == 1
     # Torch's per-collective deprecation notices neither fill the rank logs nor the tail shown.
     assert "is deprecated" not in output
     assert not [line for rank in (0, 1) for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines() if "is deprecated" in line]
