@@ -61,6 +61,35 @@ def zeropipe(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT) 
     return subprocess.run([sys.executable, "-m", "zeropipe", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def zeropipe_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`zeropipe ARGS` run by this interpreter's ``main()``: the same parsing and code as the shell's command.
+
+    For commands that start no rank (export, eval, generate): a second interpreter's start-up
+    and imports cost 6-20 s of CI per call, where this process has torch, transformers and
+    DeepSpeed loaded already. `python -m zeropipe` itself is what zeropipe() runs.
+    """
+    import contextlib
+    import io
+
+    from zeropipe.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    accelerator, here = os.environ.get("DS_ACCELERATOR"), os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(arg) for arg in args])
+    finally:
+        os.chdir(here)
+        # main() names the CPU accelerator for DeepSpeed in the environment; the runs started later must not inherit it.
+        if accelerator is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+        else:
+            os.environ["DS_ACCELERATOR"] = accelerator
+    return subprocess.CompletedProcess(["zeropipe", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
 def start_zeropipe(*args: str, cwd: Path | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "zeropipe", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import TINY_LLAMA, assert_ok, metrics, zeropipe
+from tests.integration.conftest import TINY_LLAMA, assert_ok, metrics, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -58,14 +58,14 @@ def test_lora_trains_adapters_only_and_exports_for_peft(tmp_run, base_model, sta
     assert rows[-1]["loss"] < rows[0]["loss"]
 
     adapter = tmp_path / f"adapter{stage}"
-    assert_ok(zeropipe("export", run_dir, "--out", adapter, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", adapter, "--dtype", "fp32"))
     assert (adapter / "adapter_model.safetensors").is_file()
     assert all("lora_" in key for key in load_file(adapter / "adapter_model.safetensors"))
     base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, adapter).eval()
 
     merged_dir = tmp_path / f"merged{stage}"
-    assert_ok(zeropipe("export", run_dir, "--out", merged_dir, "--merge", "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", merged_dir, "--merge", "--dtype", "fp32"))
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     ids = torch.tensor([[1, 5, 9, 14, 20, 33]])
     with torch.no_grad():
