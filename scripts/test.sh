@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Set everything up, then run the whole test suite (unit and 2-rank DeepSpeed integration tests).
+# Set everything up, then run the whole test suite: the unit, integration (2-rank DeepSpeed runs
+# on CPU) and e2e (web UI in a real browser) lanes, one pytest each, with each lane's time printed
+# so that CI's growth is visible. Any failing lane fails the script; the others still run.
+# With arguments, run just `pytest "$@"` (e.g. `bash scripts/test.sh tests/unit -k plan`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The SLURM tests (tests/integration/test_slurm.py) start a one-machine cluster of Debian's
@@ -9,4 +12,39 @@ if ! command -v slurmd >/dev/null 2>&1; then
     export ZEROPIPE_EXTRA_APT="slurmctld slurmd slurm-client munge"
 fi
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+if [ $# -gt 0 ]; then
+    exec .venv/bin/python -m pytest "$@"
+fi
+
+# A Ctrl-C ends the script, not just the lane that was running.
+trap 'echo "test.sh: interrupted" >&2; exit 130' INT TERM
+failed=()
+summary=()
+suite_started=$SECONDS
+for lane in unit integration e2e; do
+    started=$SECONDS
+    rc=0
+    .venv/bin/python -m pytest "tests/$lane" || rc=$?
+    took=$((SECONDS - started))
+    # Exit code 5 is "no tests collected" (an empty lane, or one that -k/-m deselected entirely): not a failure.
+    if [ "$rc" -eq 5 ]; then
+        outcome="no tests"
+    elif [ "$rc" -eq 0 ]; then
+        outcome="passed"
+    else
+        outcome="FAILED: pytest exit $rc"
+        failed+=("$lane")
+    fi
+    echo "lane $lane: $took s ($outcome)"
+    summary+=("lane $lane: $took s ($outcome)")
+done
+echo "================ test.sh summary ================"
+for line in "${summary[@]}"; do
+    echo "$line"
+done
+echo "total: $((SECONDS - suite_started)) s"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed lanes: ${failed[*]}"
+    exit 1
+fi
+echo "all lanes passed"

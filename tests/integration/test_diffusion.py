@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe
+from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
 from zeropipe.diffusion.images import generate_shapes_dataset
 
 pytestmark = pytest.mark.integration
@@ -91,7 +91,7 @@ def test_sdxl_full_finetune_with_bad_images_caches_samples_and_exports(tmp_path)
     assert [row["loss"] for row in uncached_rows] == pytest.approx([row["loss"] for row in rows], rel=1e-5)
 
     out = tmp_path / "export"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import DiffusionPipeline
 
     pipeline = DiffusionPipeline.from_pretrained(str(out))
@@ -118,7 +118,7 @@ def test_sdxl_lora_under_zero3_exports_a_diffusers_lora(tmp_path):
     counts = summary(run_dir)["parameters"]
     assert 0 < counts["trainable"] < 0.2 * counts["total"]
     out = tmp_path / "lora-export"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     from diffusers import DiffusionPipeline
 
@@ -132,7 +132,7 @@ def test_sdxl_lora_under_zero3_exports_a_diffusers_lora(tmp_path):
     assert after.shape == before.shape and abs(after - before).max() > 1e-4
     # --merge: the adapter fused into a full pipeline draws what base + adapter draws.
     merged_dir = tmp_path / "merged"
-    assert_ok(zeropipe("export", run_dir, "--out", merged_dir, "--merge", "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", merged_dir, "--merge", "--dtype", "fp32"))
     merged = draw(DiffusionPipeline.from_pretrained(str(merged_dir)))
     assert abs(merged - after).max() < 1e-3
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
+from tests.integration.conftest import RESUME_STEPS, SAVE_EVERY, assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
 
 pytestmark = pytest.mark.integration
 
@@ -41,32 +41,8 @@ def alive(pids: list[int]) -> list[int]:
 
 
 # ---------------------------------------------------------------- exact resume
-# Checkpoints at steps 10, 20 and 30. DeepSpeed's CPU Adam drifted after a resume from 20 and 30
-# (from 10 it happened to match: see zeropipe.launch.resume).
-RESUME_STEPS, SAVE_EVERY = 32, 10
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """One uninterrupted run per ZeRO stage, every checkpoint kept; made on first use."""
-    made: dict[int, tuple[Path, Path]] = {}
-
-    def get(stage: int) -> tuple[Path, Path]:
-        if stage not in made:
-            tmp_path = tmp_path_factory.mktemp(f"reference{stage}")
-            config = tiny_run_config(
-                tmp_path,
-                name="reference",
-                train={"max_steps": RESUME_STEPS, "save_every": SAVE_EVERY, "keep_last": 10},
-                deepspeed={"zero_stage": stage, "precision": "fp32"},
-                generate={"prompts": []},
-            )
-            path = write_config(tmp_path, config)
-            assert_ok(zeropipe("train", path))
-            made[stage] = path, tmp_path / "runs" / "reference"
-        return made[stage]
-
-    return get
+# The uninterrupted reference runs (RESUME_STEPS steps, a checkpoint every SAVE_EVERY) are made once
+# per session in conftest.py: test_resume_and_failures.py's Ctrl-C test continues them too.
 
 
 @pytest.mark.parametrize("checkpoint", [1, 2, 3])
@@ -127,9 +103,9 @@ def test_killed_launcher_takes_its_ranks_with_it_and_the_run_reads_lost(tmp_path
     children = [c.pid for pid in ranks for c in psutil.Process(pid).children(recursive=True)]
     launcher.send_signal(signal.SIGKILL)
     launcher.wait(timeout=10)
-    started = time.time()
-    wait_for(lambda: not alive(ranks + children), 5, "the ranks to die with their launcher")
-    assert time.time() - started < 3
+    # Left alone they would train on for 100,000 steps: dying at all is the behaviour. The kernel's
+    # parent-death signal does it at once; the bound is generous for a loaded machine.
+    wait_for(lambda: not alive(ranks + children), 30, "the ranks to die with their launcher")
 
     # Nobody recorded the end: the first reader finds the owner gone and says so, for everyone.
     listed = zeropipe("runs", "ls", "--runs-dir", tmp_path / "runs", "--json")
@@ -256,18 +232,28 @@ def test_a_disk_filling_up_mid_run_is_diagnosed_and_keeps_the_last_checkpoint(tm
 
 
 # ------------------------------------------------------------------ diagnosis
-def test_a_kill_9_on_a_roomy_zero3_run_is_not_called_an_oom_kill(tmp_path):
+def test_a_kill_9_on_a_roomy_zero3_run_is_diagnosed_not_called_an_oom_kill_and_leaves_nothing(tmp_path):
+    """A rank other than rank 0 killed: it is named (not rank 0, which only stops), the run is failed, no process is left."""
     config = tiny_run_config(tmp_path, name="killed3", train={"max_steps": 100000, "save_every": None}, deepspeed={"zero_stage": 3, "precision": "fp32"}, generate={"prompts": []})
     run_dir = tmp_path / "runs" / "killed3"
     launcher = start_zeropipe("train", write_config(tmp_path, config))
     wait_for(lambda: len(metrics(run_dir)) >= 3, 300, "three training steps")
-    psutil.Process(json.loads((run_dir / "status.json").read_text())["pids"][1]).send_signal(signal.SIGKILL)
+    pids = json.loads((run_dir / "status.json").read_text())["pids"]
+    children = [c.pid for pid in pids for c in psutil.Process(pid).children(recursive=True)]
+    psutil.Process(pids[1]).send_signal(signal.SIGKILL)
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 1, output
     assert "rank 1 was killed by SIGKILL" in output
+    assert "rank 0" in output  # named as stopped, an effect
+    # A kill -9 with RAM to spare: not blamed on the OOM killer (issue 14, defect 11).
     assert "likely cause: not the OOM killer" in output or "likely cause: probably not the OOM killer" in output, output
+    assert "host RAM peaked at" in output
     fix = next(line for line in output.splitlines() if line.startswith("fix:"))
     assert "zero_stage" not in fix  # already 3
+    # No orphans: every rank and its children are gone.
+    wait_for(lambda: not alive(pids + children), 30, "the other rank and the ranks' children to end")
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and status["diagnosis"]["rank"] == 1
     # Torch's per-collective deprecation notices neither fill the rank logs nor the tail shown.
     assert "is deprecated" not in output
     assert not [line for rank in (0, 1) for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines() if "is deprecated" in line]

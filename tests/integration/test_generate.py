@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import TINY_LLAMA, assert_ok, zeropipe
+from tests.integration.conftest import TINY_LLAMA, assert_ok, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ def test_run_directory_and_its_exports_generate_the_same_text(tmp_run, base_mode
     # Sampled with a seed: equal outputs then need equal distributions at every step, not only the
     # same argmax (a barely trained LoRA model answers most greedy prompts with end-of-sequence).
     prompts = [a for p in PROMPTS for a in ("--prompt", p)]
-    result = zeropipe("generate", run_dir, *prompts, "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "3", "--json")
+    result = zeropipe_here("generate", run_dir, *prompts, "--max-new-tokens", "6", "--temperature", "1.0", "--seed", "3", "--json")
     assert_ok(result)
     from_run = json.loads(result.stdout)
     assert from_run["kind"] == "run" and from_run["checkpoint"] == "step_00000006"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.conftest import assert_a_second_run_would_encode_nothing, assert_ok, zeropipe
+from tests.integration.conftest import assert_a_second_run_would_encode_nothing, assert_ok, zeropipe, zeropipe_here
 from zeropipe.diffusion.videos import generate_moving_shapes_dataset
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ def test_hunyuan_video_lora_with_offload_samples_reuses_caches_and_exports_both_
     assert_a_second_run_would_encode_nothing(run_dir, tmp_path / "again")
 
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from safetensors.torch import load_file
 
     comfy = load_file(str(out / "lora_comfyui.safetensors"))

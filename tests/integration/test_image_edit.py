@@ -17,7 +17,7 @@ import torch
 import yaml
 from PIL import Image, ImageOps
 
-from tests.integration.conftest import assert_ok, zeropipe
+from tests.integration.conftest import assert_ok, zeropipe, zeropipe_here
 from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion.images import generate_shapes_dataset
 from zeropipe.families.diffusion.prepare import prepare_diffusion_data
@@ -85,7 +85,7 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
     assert prepared.node_setup == "zeropipe.families.diffusion.prepare:fill_caches"
 
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import QwenImageEditPipeline
 
     from zeropipe.diffusion.architectures import architecture_named
@@ -128,7 +128,7 @@ def test_flux_kontext_lora_learns_from_control_images_and_its_pipeline_samples_t
     assert Image.open(run_dir / "samples" / rows[0]["file"]).size == (32, 32)
 
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import FluxKontextPipeline
 
     pipeline = FluxKontextPipeline.from_pretrained(str(run_dir / "pipeline"))

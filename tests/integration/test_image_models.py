@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.conftest import assert_a_second_run_would_encode_nothing, assert_ok, zeropipe
+from tests.integration.conftest import assert_a_second_run_would_encode_nothing, assert_ok, zeropipe, zeropipe_here
 from zeropipe.diffusion.images import generate_shapes_dataset
 
 pytestmark = pytest.mark.integration
@@ -85,7 +85,7 @@ def fused_lora_deltas(pipeline_cls, pipeline_dir: Path, lora_dir: Path) -> dict[
 def test_chroma_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_and_comfyui_loras(tmp_path):
     run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "chroma", "tiny-chroma")
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import ChromaPipeline
     from safetensors.torch import load_file
 
@@ -125,7 +125,7 @@ def test_qwen_image_lora_zero3_offload_samples_reuses_caches_and_exports_diffuse
     """Qwen-Image's layout: a one-frame video VAE, Qwen2.5-VL prompts of their own length with a mask, true CFG samples."""
     run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "qwen", "tiny-qwen-image")
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import QwenImagePipeline
     from safetensors.torch import load_file
 
@@ -146,7 +146,7 @@ def test_z_image_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_
     """Z-Image's layout: list inputs, reversed time and negated flow, Qwen3 chat-template prompts of their own length."""
     run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "zimage", "tiny-z-image")
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import ZImagePipeline
     from safetensors.torch import load_file
 
@@ -168,7 +168,7 @@ def test_flux2_lora_zero3_offload_samples_reuses_caches_and_exports_diffusers_an
     """FLUX.2 [dev]'s layout: 2x2-patched latents normalised by the VAE's batch norm, stacked Mistral layers, embedded guidance; BFL-named LoRA."""
     run_dir = train_lora_with_samples_and_cache_reuse(tmp_path, "flux2", "tiny-flux2")
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import Flux2Pipeline
     from safetensors.torch import load_file
 

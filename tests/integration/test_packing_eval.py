@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe
+from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def test_packed_zero3_run_evaluates_during_training_and_zeropipe_eval_agrees(tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_loss"] == steps[-1]["loss"] and summary["final_eval_loss"] == evals[-1]["eval_loss"]
 
-    evaluated = zeropipe("eval", run_dir, "--json")
+    evaluated = zeropipe_here("eval", run_dir, "--json")
     assert_ok(evaluated)
     figures = json.loads(evaluated.stdout)
     assert figures["checkpoint"] == "step_00000012" and figures["examples"] == 33

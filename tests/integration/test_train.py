@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe
+from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ def export_and_check_logits(run_dir, out, tmp_path):
     """Export, reload with from_pretrained, and check it predicts like the trained weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    result = zeropipe("export", run_dir, "--out", out, "--dtype", "fp32")
+    result = zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32")
     assert_ok(result)
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe
+from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
 from zeropipe.diffusion.videos import generate_moving_shapes_dataset
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def test_wan_lora_under_zero3_skips_broken_videos_samples_mp4_and_exports_both_l
         assert Image.open(run_dir / "samples" / row["file"]).n_frames == 9
 
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from safetensors.torch import load_file
 
     comfy = load_file(str(out / "lora_comfyui.safetensors"))
@@ -160,7 +160,7 @@ def test_wan22_low_noise_expert_from_a_comfyui_file_full_finetune_under_zero3_re
     # The export replaces transformer_2/ with the trained low-noise expert, grown from the file's
     # weights (not the folder's), and keeps transformer/ (the high-noise expert) as it was.
     out = tmp_path / "export"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import WanPipeline
 
     pipeline = WanPipeline.from_pretrained(str(out))
@@ -221,7 +221,7 @@ def test_wan21_image_to_video_lora_with_clip_embeddings_samples_from_a_first_fra
         assert sum(1 for _ in container.decode(container.streams.video[0])) == 9
 
     out = tmp_path / "lora"
-    assert_ok(zeropipe("export", run_dir, "--out", out, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 

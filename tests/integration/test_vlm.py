@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe
+from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_llava_trains_with_a_frozen_vision_tower_and_exports(tmp_path, flickr_st
     assert len(generations) == 1 and generations[0]["image"] == str(held_out.resolve())
 
     export = tmp_path / "llava-export"
-    assert_ok(zeropipe("export", run_dir, "--out", export, "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", export, "--dtype", "fp32"))
     exported, base = load_file(export / "model.safetensors"), load_file(llava_checkpoint / "model.safetensors")
     # save_pretrained writes LLaVA's original key names (vision_tower.vision_model..., multi_modal_projector...).
     tower = [key for key in base if "vision_tower." in key]
@@ -133,7 +133,7 @@ def test_llava_trains_with_a_frozen_vision_tower_and_exports(tmp_path, flickr_st
     # zeropipe generate answers the same from the run's checkpoint and from the export.
     answers = []
     for source in (run_dir, export):
-        result = zeropipe("generate", source, "--prompt", "Describe the image.", "--image", held_out, "--max-new-tokens", "6", "--json")
+        result = zeropipe_here("generate", source, "--prompt", "Describe the image.", "--image", held_out, "--max-new-tokens", "6", "--json")
         assert_ok(result)
         answers.append(json.loads(result.stdout)["generations"])
     assert answers[0] == answers[1], answers
@@ -173,6 +173,6 @@ def test_gemma3_lora_under_zero3_resumes_exactly_and_exports(tmp_path):
         assert row["loss"] == pytest.approx(reference[row["step"]], rel=1e-5, abs=1e-5), row["step"]
 
     export = tmp_path / "gemma3-merged"
-    assert_ok(zeropipe("export", run_dir, "--out", export, "--merge", "--dtype", "fp32"))
+    assert_ok(zeropipe_here("export", run_dir, "--out", export, "--merge", "--dtype", "fp32"))
     image = Path(generations[0]["image"])
     assert isinstance(generate_from_export(export, image), str)

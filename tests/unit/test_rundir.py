@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -66,15 +65,43 @@ def test_running_status_with_a_free_lock_reads_and_is_written_lost(tmp_path, oth
     assert run.owner_pid() is None  # the reader let go again
 
 
-def test_claim_waits_out_a_readers_brief_hold(tmp_path):
+def test_claim_waits_out_a_readers_brief_hold(tmp_path, monkeypatch):
+    """The holder lets go only once claim() has found the lock taken: claim waits for it instead of refusing.
+
+    Decided by events, not by the clock: the holder releases when the first attempt has failed,
+    and claim's patience is made long enough that a loaded machine cannot run it out.
+    """
+    import fcntl
+
+    from zeropipe import rundir
+
     run = RunDir(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-c", HOLD.replace("time.sleep(60)", "time.sleep(0.3)"), str(run.path)], stdout=subprocess.PIPE, text=True)
+    holder = HOLD.replace("time.sleep(60)", "sys.stdin.readline()")  # exits, dropping the lock, on a line from us
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(run.path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "claimed"
-    started = time.monotonic()
-    run.claim()
-    run.release()
-    proc.wait()
-    assert time.monotonic() - started < 1.0
+    refused = []
+    real_flock = fcntl.flock
+
+    def flock(fd, operation):
+        try:
+            return real_flock(fd, operation)
+        except BlockingIOError:
+            if not refused:
+                proc.stdin.write("let go\n")
+                proc.stdin.flush()
+            refused.append(operation)
+            raise
+
+    monkeypatch.setattr(rundir.fcntl, "flock", flock)
+    monkeypatch.setattr(rundir, "CLAIM_WAIT_SECONDS", 120.0)
+    try:
+        run.claim()
+        assert refused, "the directory was not held when claim started"
+        assert run.owner_pid() == os.getpid()
+    finally:
+        run.release()
+        proc.kill()
+        proc.wait()
 
 
 def test_status_on_a_full_disk_is_rewritten_in_place_and_stays_json(tmp_path):

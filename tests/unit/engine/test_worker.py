@@ -41,7 +41,7 @@ def test_a_rank_dies_within_a_second_of_its_launcher(prelude):
     assert psutil.pid_exists(rank)
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 10  # generous for a loaded machine: left alone the rank sleeps a minute
     while time.monotonic() < deadline:
         try:
             if psutil.Process(rank).status() == psutil.STATUS_ZOMBIE:
@@ -51,4 +51,4 @@ def test_a_rank_dies_within_a_second_of_its_launcher(prelude):
         time.sleep(0.05)
     else:
         os.kill(rank, signal.SIGKILL)
-        raise AssertionError("the rank outlived its launcher by 3 s")
+        raise AssertionError("the rank outlived its launcher by 10 s")

@@ -7,9 +7,9 @@ import pytest
 from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
 
 
-def test_hunyuan_video_counts_its_13b_transformer_llama_clip_and_vae():
+def test_hunyuan_video_counts_its_13b_transformer_llama_clip_and_vae(spec_of):
     assert "hunyuan-video" in catalog_names()
-    spec = spec_from_catalog("hunyuan-video")
+    spec = spec_of("hunyuan-video")
     # The released transformer: 25.6 GB in bf16 (hunyuan_video_720_cfgdistill_bf16.safetensors).
     assert spec.total_params == pytest.approx(12.82e9, rel=0.005) and spec.family == "diffusion_transformer"
     frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
@@ -21,8 +21,8 @@ def test_hunyuan_video_counts_its_13b_transformer_llama_clip_and_vae():
     assert trace.checkpointed_bytes < trace.saved_bytes / 10
 
 
-def test_ltx_video_counts_its_2b_transformer_and_t5_and_traces_its_token_sequence():
-    spec = spec_from_catalog("ltx-video-2b")
+def test_ltx_video_counts_its_2b_transformer_and_t5_and_traces_its_token_sequence(spec_of):
+    spec = spec_of("ltx-video-2b")
     # ltx-video-2b-v0.9.safetensors holds 1.92B transformer weights besides its VAE.
     assert spec.total_params == pytest.approx(1.92e9, rel=0.01)
     frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
@@ -30,5 +30,5 @@ def test_ltx_video_counts_its_2b_transformer_and_t5_and_traces_its_token_sequenc
     trace = spec.activation_trace
     assert trace is not None and trace.frames == 121
     # 4,096 video tokens (16 latent frames x 16 x 16) against Wan-14B's 33,600: far fewer bytes per block.
-    wan = spec_from_catalog("wan2.1-t2v-14b").activation_trace
+    wan = spec_of("wan2.1-t2v-14b").activation_trace
     assert trace.saved_bytes < wan.saved_bytes / 4

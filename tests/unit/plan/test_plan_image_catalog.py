@@ -15,9 +15,9 @@ from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
     # Published sizes: Chroma1-HD 8.9B; Qwen-Image 20.43B (with Qwen2.5-VL-7B, 8.29B with its vision tower); Z-Image-Turbo 6.15B (Qwen3-4B).
     [("chroma1-hd", 8.90e9, 4.76e9), ("qwen-image", 20.43e9, 8.29e9), ("z-image-turbo", 6.15e9, 4.02e9)],
 )
-def test_image_dit_entries_count_their_transformer_text_encoder_and_trace_it(name, params, text_encoder):
+def test_image_dit_entries_count_their_transformer_text_encoder_and_trace_it(name, params, text_encoder, spec_of):
     assert name in catalog_names()
-    spec = spec_from_catalog(name)
+    spec = spec_of(name)
     assert spec.total_params == pytest.approx(params, rel=0.005) and spec.family == "diffusion_transformer"
     frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
     assert frozen["text_encoder"] == pytest.approx(text_encoder, rel=0.01)
@@ -27,10 +27,10 @@ def test_image_dit_entries_count_their_transformer_text_encoder_and_trace_it(nam
     assert trace.checkpointed_bytes < trace.saved_bytes / 10
 
 
-def test_flux2_dev_counts_a_32b_transformer_and_mistral_small_3_1_24b_and_traces_it_at_1024_px():
+def test_flux2_dev_counts_a_32b_transformer_and_mistral_small_3_1_24b_and_traces_it_at_1024_px(spec_of):
     """FLUX.2 [dev]'s model card says 32B (the config counts 32.22B); Mistral-Small-3.1-24B with its Pixtral tower is 24.01B."""
     assert "flux.2-dev" in catalog_names()
-    spec = spec_from_catalog("flux.2-dev")
+    spec = spec_of("flux.2-dev")
     assert spec.total_params == pytest.approx(32.22e9, rel=0.001) and spec.total_params == pytest.approx(spec.published_params, rel=0.01)
     frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
     assert frozen["text_encoder"] == pytest.approx(24.01e9, rel=0.001)

@@ -12,9 +12,9 @@ from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
     # The released bf16 transformers: 2.84 GB (1.3B) and 28.6 GB (14B; each Wan 2.2 A14B expert has the 14B's config).
     [("wan2.1-t2v-1.3b", 1.42e9), ("wan2.1-t2v-14b", 14.29e9), ("wan2.2-t2v-a14b", 14.29e9)],
 )
-def test_wan_entries_count_their_transformer_umt5_and_vae(name, params):
+def test_wan_entries_count_their_transformer_umt5_and_vae(name, params, spec_of):
     assert name in catalog_names()
-    spec = spec_from_catalog(name)
+    spec = spec_of(name)
     assert spec.total_params == pytest.approx(params, rel=0.005) and spec.family == "diffusion_transformer"
     frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
     assert frozen["text_encoder"] == pytest.approx(5.68e9, rel=0.01)  # UMT5-XXL's encoder: about 11 GB in bf16

