@@ -44,6 +44,11 @@ class ImageLatents(Part):
     file_noun = "image"  # what a data file is, in notes
     sample_noun = "image(s)"  # what a sample is, in the log
 
+    # ------------------------------------------------------------------ planner
+    def planned_shape(self, frame_buckets: list[int], prompt_tokens: int) -> dict[str, int]:
+        """What the planner traces a run config of this codec at, besides its resolution: images are one frame, at the entry's own prompt length."""
+        return {"frames": 1}
+
     # ------------------------------------------------------------------ data
     def scan(self, image_dir: Path, caption_ext: str):
         from zeropipe.diffusion.images import scan_image_folder
@@ -183,6 +188,10 @@ class VideoLatents(ImageLatents):
     noun = "clip(s)"
     file_noun = "file"
     sample_noun = "video(s)"
+
+    def planned_shape(self, frame_buckets, prompt_tokens):
+        """The longest clip the run trains on, and the prompt length its tokenizer pads to."""
+        return {"frames": max(frame_buckets), "text_tokens": prompt_tokens}
 
     def scan(self, image_dir, caption_ext):
         from zeropipe.diffusion.images import scan_image_folder

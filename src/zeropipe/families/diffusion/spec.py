@@ -38,9 +38,8 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
             frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
         factor, temporal = vae_factors(components["vae"], arch)
         entry = {
-            "frames": max(data.video.frame_buckets) if arch.video else 1,
+            **arch.codec.planned_shape(data.video.frame_buckets, arch.tokenizer_length(arch.tokenizers[0])),
             "vae_temporal_factor": temporal,
-            **({"text_tokens": arch.tokenizer_length(arch.tokenizers[0])} if arch.video else {}),
             "name": section.config["pipeline"],
             "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
             "resolution": data.images.resolution,
