@@ -156,13 +156,13 @@ class Condition(Part):
         return None
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
-        """Per item of the chunk, the tensor its cache entry holds under ``entry``."""
-        raise NotImplementedError
+        """Per item of the chunk, the tensor its cache entry holds under ``entry`` (every condition defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} is a condition without encode(): it must say what its cache entry holds")
 
     # ------------------------------------------------------------------ a rank
     def inputs(self, values: list[torch.Tensor], batch: Inputs) -> dict[str, torch.Tensor]:
-        """The ``condition[...]`` entries ``predict`` receives for a micro-batch, from each item's cached value."""
-        raise NotImplementedError
+        """The ``condition[...]`` entries ``predict`` receives for a micro-batch, from each item's cached value (every condition defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} is a condition without inputs(): it must say what the denoiser receives")
 
     def sample_inputs(self, sampling: Sampling, kwargs: dict[str, Any]) -> SampleInputs:
         """What this condition adds to the sampling pipeline's call (``kwargs``: the call so far)."""
