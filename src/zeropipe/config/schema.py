@@ -202,7 +202,9 @@ class VisionDataSection(Section):
 class MixtureSource(Section):
     """One dataset of data.mixture: a file (or folder) or a generated task, and its share."""
 
-    path: str | None = Field(None, description="A .jsonl/.json/.txt file or a folder of them. Exclusive with synthetic.")
+    path: str | None = Field(
+        None, description="A .jsonl/.json/.txt/.parquet/.csv/.tsv/.arrow file, a folder of them or a datasets.save_to_disk folder. Exclusive with synthetic."
+    )
     synthetic: SyntheticSection | None = Field(None, description="A generated dataset instead of a file. Exclusive with path.")
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field("auto", description="Record format of this source (as data.format).")
     weight: float = Field(1.0, gt=0, description="Share of the mixture, relative to the other sources' weights (0.7 and 0.3, or 7 and 3).")
@@ -211,12 +213,19 @@ class MixtureSource(Section):
 class DataSection(Section):
     path: str | None = Field(
         None,
-        description="Training data: a .jsonl/.json/.txt file or a folder of them; for diffusion, an image folder (kohya layout or metadata.jsonl); "
+        description="Training data: a .jsonl/.json/.txt/.parquet/.csv/.tsv/.arrow file, a folder of shards of them (the Hub's data/*.parquet) "
+        "or a folder written by datasets' save_to_disk (its train split); for diffusion, an image folder (kohya layout or metadata.jsonl); "
         "for vision-language models, a captions file (Flickr8k image.jpg#0<TAB>caption, CSV image,caption, JSONL {image, caption} or "
         "{messages, images}) or an image folder. Exclusive with data.synthetic.",
     )
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field(
         "auto", description="Record format; 'auto' detects alpaca, dolly, chat (messages), sharegpt (conversations) or text."
+    )
+    columns: dict[str, str] | None = Field(
+        None,
+        description="Your data's column (or key) for each name ZeRO-Pipe reads, e.g. {instruction: question, output: answer} or "
+        "{messages: dialog}: the names are instruction/input/output (alpaca), instruction/context/response (dolly), messages (chat), "
+        "conversations (sharegpt) and text, as LLaMA-Factory's dataset_info.json columns and axolotl's field keys map them.",
     )
     max_seq_len: int = Field(512, ge=8, description="Longest tokenized example; longer instruction examples are truncated, long texts are split.")
     max_bad_fraction: float = Field(

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.data.formats import detect_format, read_records
+from zeropipe.data.formats import DETECTION_SAMPLE, detect_format
+from zeropipe.data.records import Record, iter_records, sample_records
 from zeropipe.data.mixture import build_mixture
 from zeropipe.data.packing import build_pack_index, read_pack_info
 from zeropipe.data.split import RecordSplit
@@ -50,11 +51,22 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
             tokenizer.pad_token = tokenizer.eos_token
     else:
 
-        records, bad = read_records(records_path)
-        fmt = detect_format(records, config.data.format, source=records_path, bad=bad)
+        columns = data_columns(config, records_path)
+        sample, bad = sample_records(records_path, columns, DETECTION_SAMPLE)
+        fmt = detect_format([record.value for record in sample], config.data.format, source=records_path, bad=bad)
+        # The texts are streamed to the trainer: the records are never all held.
+        records = (item.value for item in iter_records(records_path, columns) if isinstance(item, Record))
         tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
     tokenizer.save_pretrained(str(run.tokenizer))
     return tokenizer
+
+
+def data_columns(config: RunConfig, records_path: Path) -> dict[str, str] | None:
+    """data.columns, for data.path (a mixture or a generated file is written with ZeRO-Pipe's own keys)."""
+
+    if config.data.mixture or config.data.synthetic is not None:
+        return None
+    return config.data.columns
 
 
 def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer, reuse: bool) -> dict:
@@ -62,6 +74,7 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
     info_file = run.cache / "cache.json"
     if reuse and info_file.is_file():
         return json.loads(info_file.read_text())
+    progress = progress_bar("tokenizing", records_path)
     build_token_cache(
         records_path,
         tokenizer,
@@ -71,8 +84,31 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
         max_bad_fraction=config.data.max_bad_fraction,
         max_bad_records=config.data.max_bad_records,
         split=record_split(config, held_out=False),
+        columns=data_columns(config, records_path),
+        progress=progress,
     )
+    if progress is not None:
+        progress.done()
     return json.loads(info_file.read_text())
+
+
+def progress_bar(what: str, source: Path):
+    """A callback drawing records read, records/s and the elapsed time on the launcher's terminal (stderr)."""
+
+    import sys
+    import time
+
+    if not sys.stderr.isatty():
+        return None
+    started = time.monotonic()
+
+    def show(records: int) -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        sys.stderr.write(f"\r{what} {source.name}: {records:,} records, {records / elapsed:,.0f}/s, {elapsed:.0f} s ")
+        sys.stderr.flush()
+
+    show.done = lambda: (sys.stderr.write("\n"), sys.stderr.flush())
+    return show
 
 
 def record_split(config: RunConfig, held_out: bool):
@@ -100,6 +136,7 @@ def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, token
             max_bad_fraction=data.max_bad_fraction,
             max_bad_records=data.max_bad_records,
             split=record_split(config, held_out=True),
+            columns=data.columns if data.eval_path else data_columns(config, records_path),
         )
     info = json.loads(info_file.read_text())
     source = data.eval_path or f"{100 * data.eval_fraction:.3g}% of the records of {records_path}, drawn with run.seed"
