@@ -11,7 +11,8 @@ every 100 ms (file-backed pages, memory-mapped files among them, reported beside
 
   zeropipe-jsonl     ``zeropipe.data.tokenize.build_token_cache`` on the JSONL (what ``zeropipe
                      train`` does before the ranks start): read, detect, check, render with the
-                     chat template, tokenize, write the uint16 token cache and loss mask
+                     chat template, tokenize, write the uint16 token cache and loss mask, with
+                     ``num_workers`` = --processes (``data.num_workers``)
   zeropipe-parquet   the same from the Parquet file
   datasets-jsonl     the field's standard: ``load_dataset("json")`` from a cold cache, then a
                      batched ``map`` that renders the same template and tokenizes prompt and answer
@@ -49,9 +50,9 @@ import sys, time
 from pathlib import Path
 from transformers import AutoTokenizer
 from zeropipe.data.tokenize import build_token_cache
-data, tokenizer_dir, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+data, tokenizer_dir, out, processes = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-info = build_token_cache(data, tokenizer, out, max_seq_len=512, max_bad_fraction=0.01)
+info = build_token_cache(data, tokenizer, out, max_seq_len=512, max_bad_fraction=0.01, num_workers=processes)
 print({"examples": info.examples, "tokens": info.tokens})
 """
 
@@ -179,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--records", type=int, default=100_000)
-    parser.add_argument("--processes", type=int, default=2, help="datasets' num_proc")
+    parser.add_argument("--processes", type=int, default=2, help="datasets' num_proc and ZeRO-Pipe's num_workers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", nargs="+", default=["zeropipe-jsonl", "zeropipe-parquet", "datasets-jsonl"])
     args = parser.parse_args()
@@ -194,7 +195,7 @@ def main() -> None:
         out.mkdir()
         if case.startswith("zeropipe"):
             source = jsonl if case.endswith("jsonl") else parquet
-            argv = [sys.executable, "-c", ZEROPIPE_CASE, str(source), str(tokenizer), str(out / "cache")]
+            argv = [sys.executable, "-c", ZEROPIPE_CASE, str(source), str(tokenizer), str(out / "cache"), str(args.processes)]
         else:
             argv = [sys.executable, "-c", DATASETS_CASE, str(jsonl), str(tokenizer), str(out), str(args.processes)]
         result = run_case(case, argv, env)

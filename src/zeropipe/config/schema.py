@@ -227,6 +227,11 @@ class DataSection(Section):
         "{messages: dialog}: the names are instruction/input/output (alpaca), instruction/context/response (dolly), messages (chat), "
         "conversations (sharegpt) and text, as LLaMA-Factory's dataset_info.json columns and axolotl's field keys map them.",
     )
+    num_workers: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="Processes that render and tokenize the records side by side before the ranks start (causal LMs); 'auto': one per core "
+        "of the launcher (the ranks start after it). The token cache is the same whatever the number.",
+    )
     max_seq_len: int = Field(512, ge=8, description="Longest tokenized example; longer instruction examples are truncated, long texts are split.")
     max_bad_fraction: float = Field(
         0.01, ge=0, le=1, description="The run refuses to start when more than this fraction of records are malformed."

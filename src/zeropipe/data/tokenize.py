@@ -220,6 +220,7 @@ def build_token_cache(
     split: RecordSplit | None = None,
     columns: Mapping[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
+    num_workers: int = 1,
 ) -> CacheInfo:
     """Read, check and tokenize the data at ``path`` into ``out_dir``; run once per run, before ranks start.
 
@@ -234,6 +235,8 @@ def build_token_cache(
         split: keep only the training (or only the held-out) records of ``data.eval_fraction``.
         columns: ZeRO-Pipe's key -> the dataset's column (``data.columns``).
         progress: called with the number of records read after each batch.
+        num_workers: processes that render and tokenize batches side by side (1: this process);
+            the cache is the same whatever the number.
 
     Raises:
         DataError: missing or unreadable data, too many malformed records, or nothing to train on.
@@ -260,30 +263,18 @@ def build_token_cache(
     bad = BadRecords()
     total = truncated = dropped_empty = 0
     writer = TokenCacheWriter(out_dir, vocab_size)
+    work = _BatchWork(tokenizer, fmt, max_seq_len)
     try:
-        for batch in _batches(items, TOKENIZE_BATCH):
+        for done in _map_batches(work, _batches(items, TOKENIZE_BATCH), num_workers):
             if max_bad_records is not None and bad.count > max_bad_records:
                 # Already too many, and there is more to read: no need to tokenize the rest.
                 _check_bad_records(path, bad, total, max_bad_fraction, max_bad_records, partial=True)
-            # Rendering comes before the malformed-record check because a chat template can
-            # reject a conversation (roles out of order), which makes that record malformed too.
-            plans: list[list[_Segment] | str] = []
-            for item in batch:
-                if isinstance(item, BadRecord):
-                    bad.add(item)
-                    continue
-                try:
-                    content = to_conversation(item.value, fmt)
-                    plans.append(content if isinstance(content, str) else _conversation_segments(tokenizer, content, False))
-                except RecordError as error:
-                    bad.add(item.bad(str(error)))
-            total += len(batch)
-            for input_ids, labels, was_truncated in _tokenize_batch(tokenizer, plans, max_seq_len):
-                truncated += was_truncated
-                if not any(label != IGNORE_INDEX for label in labels):
-                    dropped_empty += 1
-                    continue
-                writer.add(input_ids, labels)
+            for item in done.bad:
+                bad.add(item)
+            total += done.records
+            truncated += done.truncated
+            dropped_empty += done.dropped_empty
+            writer.add_batch(done.tokens, done.loss_mask, done.lengths)
             if progress is not None:
                 progress(total)
         _check_bad_records(path, bad, total, max_bad_fraction, max_bad_records)
@@ -313,6 +304,108 @@ def build_token_cache(
     finally:
         writer.close()
     return info
+
+
+@dataclass
+class _DoneBatch:
+    """A batch of records rendered and tokenized: its examples end to end, and what was skipped."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    lengths: np.ndarray
+    bad: list[BadRecord]
+    records: int
+    truncated: int
+    dropped_empty: int
+
+
+class _BatchWork:
+    """Turns a batch of records into tokens and loss masks; run in this process or in a worker."""
+
+    def __init__(self, tokenizer: PreparedTokenizer, fmt: str, max_seq_len: int):
+        self.tokenizer, self.fmt, self.max_seq_len = tokenizer, fmt, max_seq_len
+
+    def __call__(self, batch: list[Record | BadRecord]) -> _DoneBatch:
+        # Rendering comes before the malformed-record check because a chat template can
+        # reject a conversation (roles out of order), which makes that record malformed too.
+        plans: list[list[_Segment] | str] = []
+        bad: list[BadRecord] = []
+        for item in batch:
+            if isinstance(item, BadRecord):
+                bad.append(item)
+                continue
+            try:
+                content = to_conversation(item.value, self.fmt)
+                plans.append(content if isinstance(content, str) else _conversation_segments(self.tokenizer, content, False))
+            except RecordError as error:
+                bad.append(item.bad(str(error)))
+        tokens: list[int] = []
+        mask: list[bool] = []
+        lengths: list[int] = []
+        truncated = dropped_empty = 0
+        for input_ids, labels, was_truncated in _tokenize_batch(self.tokenizer, plans, self.max_seq_len):
+            truncated += was_truncated
+            example_mask = [label != IGNORE_INDEX for label in labels]
+            if not any(example_mask):
+                dropped_empty += 1
+                continue
+            tokens += input_ids
+            mask += example_mask
+            lengths.append(len(input_ids))
+        return _DoneBatch(
+            np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8), np.asarray(lengths, dtype=np.int64),
+            bad, len(batch), truncated, dropped_empty,
+        )  # fmt: skip
+
+
+_WORKER_TASK: _BatchWork | None = None  # a worker's copy, inherited when the pool forks
+
+
+def _run_in_worker(batch: list[Record | BadRecord]) -> _DoneBatch:
+    assert _WORKER_TASK is not None
+    return _WORKER_TASK(batch)
+
+
+def _start_worker() -> None:
+    # Each worker is one of the processes sharing the cores: its tokenizer runs on one thread.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _map_batches(work: _BatchWork, batches: Iterator[list], num_workers: int) -> Iterator[_DoneBatch]:
+    """``work`` over the batches in order; with workers, a few batches in flight at a time, never the dataset.
+
+    ``multiprocessing.Pool.imap`` would read its input as fast as it can (the whole file into
+    the queue), so batches are handed out here, at most two per worker ahead of the writer.
+    """
+    if num_workers <= 1:
+        yield from map(work, batches)
+        return
+    import multiprocessing
+    from collections import deque
+
+    global _WORKER_TASK
+    _WORKER_TASK = work
+    pool = multiprocessing.get_context("fork").Pool(num_workers, initializer=_start_worker)
+    try:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(pool.apply_async(_run_in_worker, (batch,)))
+            if len(pending) >= 2 * num_workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
+        _WORKER_TASK = None
+
+
+def default_workers() -> int:
+    """Processes for data preparation: the launcher's cores (the ranks start after it is done)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
 
 
 class PreparedTokenizer:
@@ -422,6 +515,20 @@ class TokenCacheWriter:
         self._pending_ids: list[int] = []
         self._pending_mask: list[bool] = []
         self._pending_ends: list[int] = []
+
+    def add_batch(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
+        """Examples end to end (``lengths`` tokens each), with their loss mask."""
+        self.flush()
+        if not len(lengths):
+            return
+        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(self.token_dtype).max):
+            raise DataError(f"token id {int(tokens.max())} does not fit the cache's {self.token_dtype}: the tokenizer's vocabulary is larger than its length says")
+        self._files["tokens.npy"].append(tokens.astype(self.token_dtype))
+        self._files["loss_mask.npy"].append(loss_mask)
+        self._files["offsets.npy"].append(self.tokens + np.cumsum(lengths))
+        self.examples += len(lengths)
+        self.tokens += int(tokens.size)
+        self.loss_tokens += int(loss_mask.sum())
 
     def add(self, input_ids: list[int], labels: list[int]) -> None:
         self._pending_ids += input_ids

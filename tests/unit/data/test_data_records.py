@@ -282,3 +282,16 @@ def test_the_prepared_tokenizer_gives_the_tokenizers_own_ids(tokenizer):
     assert prepared._backend is not None
     assert prepared(texts, add_special_tokens=False)["input_ids"] == tokenizer(texts, add_special_tokens=False)["input_ids"]
     assert (prepared.bos_token_id, prepared.eos_token_id) == (tokenizer.bos_token_id, tokenizer.eos_token_id)
+
+
+def test_worker_processes_write_the_same_cache(tmp_path, tokenizer, write_jsonl):
+    rows = [{"instruction": f"Say {i}", "output": "word " * (i % 13)} for i in range(2500)] + ["not json"]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    one = build_token_cache(path, tokenizer, tmp_path / "one", max_seq_len=16)
+    two = build_token_cache(path, tokenizer, tmp_path / "two", max_seq_len=16, num_workers=2)
+    assert (one.examples, one.tokens, one.loss_tokens, one.dropped_empty, one.bad_record_count) == (
+        two.examples, two.tokens, two.loss_tokens, two.dropped_empty, two.bad_record_count
+    )
+    assert [str(b) for b in two.bad_records] == ["line 2501: not valid JSON (Expecting value at column 1)"]
+    for name in ("tokens.npy", "loss_mask.npy", "offsets.npy"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name

@@ -18,7 +18,7 @@ from zeropipe.data.mixture import build_mixture
 from zeropipe.data.packing import build_pack_index, read_pack_info
 from zeropipe.data.split import RecordSplit
 from zeropipe.data.synthetic import generate_dataset
-from zeropipe.data.tokenize import build_token_cache
+from zeropipe.data.tokenize import build_token_cache, default_workers
 from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.rundir import RunDir
 
@@ -86,10 +86,18 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
         split=record_split(config, held_out=False),
         columns=data_columns(config, records_path),
         progress=progress,
+        num_workers=preparation_workers(config),
     )
     if progress is not None:
         progress.done()
     return json.loads(info_file.read_text())
+
+
+def preparation_workers(config: RunConfig) -> int:
+    """data.num_workers, with 'auto' resolved to the launcher's cores."""
+
+    workers = config.data.num_workers
+    return default_workers() if workers == "auto" else workers
 
 
 def progress_bar(what: str, source: Path):
@@ -137,6 +145,7 @@ def prepare_eval_cache(config: RunConfig, run: RunDir, records_path: Path, token
             max_bad_records=data.max_bad_records,
             split=record_split(config, held_out=True),
             columns=data.columns if data.eval_path else data_columns(config, records_path),
+            num_workers=preparation_workers(config),
         )
     info = json.loads(info_file.read_text())
     source = data.eval_path or f"{100 * data.eval_fraction:.3g}% of the records of {records_path}, drawn with run.seed"
