@@ -13,6 +13,10 @@ Accepted data (``data.path``):
   Message content may be a string or a list of parts (``{"type": "image"}``,
   ``{"type": "text", "text": ...}``). ``<image>`` marks where each image goes; without
   markers the images go before the first user message;
+- **Parquet / Arrow** (a file, a folder of shards in the Hub's layout, a ``save_to_disk``
+  folder): the same records as columns, streamed; an image column holds paths or the Hub's
+  ``{bytes, path}`` structs, whose bytes are written once each (named by content) into the
+  run's ``data/images/`` so that the ranks load every image from a file;
 - an **image folder** with captions beside the images (the layouts
   :func:`zeropipe.diffusion.images.scan_image_folder` reads: kohya, metadata.jsonl/csv, flat).
 
