@@ -9,6 +9,7 @@ so that bad data stops the run before the ranks start and every rank reads the s
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
@@ -51,14 +52,23 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
             tokenizer.pad_token = tokenizer.eos_token
     else:
 
-        columns = data_columns(config, records_path)
-        sample, bad = sample_records(records_path, columns, DETECTION_SAMPLE)
-        fmt = detect_format([record.value for record in sample], config.data.format, source=records_path, bad=bad)
-        # The texts are streamed to the trainer: the records are never all held.
-        records = (item.value for item in iter_records(records_path, columns) if isinstance(item, Record))
-        tokenizer = train_tokenizer(texts_for_tokenizer(records, fmt), config.model.tokenizer_vocab_size, run.tokenizer)
+        tokenizer = train_tokenizer(training_texts(config, records_path), config.model.tokenizer_vocab_size, run.tokenizer)
     tokenizer.save_pretrained(str(run.tokenizer))
     return tokenizer
+
+
+def training_texts(config: RunConfig, records_path: Path) -> Iterator[str]:
+    """The texts a tokenizer is trained on, streamed: the records are never all held.
+
+    Raises:
+        DataError: the data cannot be read or its format cannot be told (raised at once, not when first iterated).
+    """
+
+    columns = data_columns(config, records_path)
+    sample, bad = sample_records(records_path, columns, DETECTION_SAMPLE)
+    fmt = detect_format([record.value for record in sample], config.data.format, source=records_path, bad=bad)
+    records = (item.value for item in iter_records(records_path, columns) if isinstance(item, Record))
+    return texts_for_tokenizer(records, fmt)
 
 
 def data_columns(config: RunConfig, records_path: Path) -> dict[str, str] | None:
