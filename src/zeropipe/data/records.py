@@ -204,6 +204,8 @@ def _read_jsonl(path: Path, label: str) -> Iterator[Record | BadRecord]:
     with open(path, "rb") as handle:
         # Bytes, not text: one line with broken UTF-8 should cost one record, not the file.
         for line_number, raw in enumerate(handle, start=1):
+            if raw.endswith(b"\n"):
+                raw = raw[:-1]  # so that an error's column is on this line, not the start of the next
             if line_number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # a UTF-8 byte order mark written by some editors
             if not raw.strip():
