@@ -354,7 +354,9 @@ def _read_parquet(path: Path, label: str) -> Iterator[Record | BadRecord]:
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path, memory_map=True)
+        # Read, not memory-mapped: the column chunks of one row group are decoded and let go, so
+        # a 10 GB file does not accumulate as mapped pages in the launcher's resident memory.
+        parquet = pq.ParquetFile(path, memory_map=False)
     except (pa.ArrowException, OSError) as error:
         raise DataError(
             f"data.path {path}: not a readable Parquet file ({_first_line(error)}). Download or export it again."
