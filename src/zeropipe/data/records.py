@@ -158,13 +158,18 @@ def iter_records(path: Path, columns: Mapping[str, str] | None = None) -> Iterat
             yield item
 
 
+SAMPLE_MOST_BAD = 1000  # malformed records a sample stops at: a file of nothing else is not read whole
+
+
 def sample_records(path: Path, columns: Mapping[str, str] | None = None, count: int = 100) -> tuple[list[Record], list[BadRecord]]:
-    """The first ``count`` good records (and the malformed ones met on the way), to detect the format from."""
+    """The first ``count`` good records (and the malformed ones met on the way, at most ``SAMPLE_MOST_BAD``), to detect the format from."""
     good: list[Record] = []
     bad: list[BadRecord] = []
     for item in iter_records(path, columns):
         if isinstance(item, BadRecord):
             bad.append(item)
+            if len(bad) >= SAMPLE_MOST_BAD:
+                break
         else:
             good.append(item)
             if len(good) >= count:

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zeropipe.data.formats import DETECTION_SAMPLE, RecordError, detect_format, to_conversation
-from zeropipe.data.records import BadRecord, Record, iter_records, sample_records
+from zeropipe.data.records import SAMPLE_MOST_BAD, BadRecord, Record, iter_records, sample_records
 from zeropipe.data.split import RecordSplit
 from zeropipe.errors import DataError
 
@@ -250,8 +250,10 @@ def build_token_cache(
     if not sample:
         # Say "malformed" rather than "unknown format": there was nothing to detect from.
         total = len(sample_bad)
-        _check_bad_records(path, BadRecords.of(sample_bad), total, max_bad_fraction, max_bad_records)
-        raise DataError(f"data.path {path}: all {total} records are malformed, first: {sample_bad[0]}. Fix the file.")
+        partial = total >= SAMPLE_MOST_BAD
+        _check_bad_records(path, BadRecords.of(sample_bad), total, max_bad_fraction, max_bad_records, partial=partial)
+        which = f"the first {total}" if partial else f"all {total}"
+        raise DataError(f"data.path {path}: {which} records are malformed, first: {sample_bad[0]}. Fix the file.")
     fmt = detect_format([record.value for record in sample], fmt, source=path, bad=sample_bad)
     del sample, sample_bad
     vocab_size = len(tokenizer)
