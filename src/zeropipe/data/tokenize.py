@@ -342,21 +342,29 @@ class _BatchWork:
             except RecordError as error:
                 bad.append(item.bad(str(error)))
         tokens: list[int] = []
-        mask: list[bool] = []
+        labels: list[int] = []
         lengths: list[int] = []
-        truncated = dropped_empty = 0
-        for input_ids, labels, was_truncated in _tokenize_batch(self.tokenizer, plans, self.max_seq_len):
+        truncated = 0
+        for input_ids, example_labels, was_truncated in _tokenize_batch(self.tokenizer, plans, self.max_seq_len):
             truncated += was_truncated
-            example_mask = [label != IGNORE_INDEX for label in labels]
-            if not any(example_mask):
-                dropped_empty += 1
-                continue
             tokens += input_ids
-            mask += example_mask
+            labels += example_labels
             lengths.append(len(input_ids))
+        # Whole-batch arrays rather than a Python test per token: the mask, and which examples
+        # have a token to learn from (the others are dropped).
+        token_array = np.asarray(tokens, dtype=np.int64)
+        mask = np.asarray(labels, dtype=np.int64) != IGNORE_INDEX
+        length_array = np.asarray(lengths, dtype=np.int64)
+        starts = np.cumsum(length_array) - length_array
+        nonempty = length_array > 0
+        keep = np.zeros(len(length_array), dtype=bool)
+        keep[nonempty] = np.add.reduceat(mask, starts[nonempty]) > 0 if nonempty.any() else False
+        if not keep.all():
+            kept_tokens = np.repeat(keep, length_array)
+            token_array, mask = token_array[kept_tokens], mask[kept_tokens]
         return _DoneBatch(
-            np.asarray(tokens, dtype=np.int64), np.asarray(mask, dtype=np.uint8), np.asarray(lengths, dtype=np.int64),
-            bad, len(batch), truncated, dropped_empty,
+            token_array, mask.astype(np.uint8), length_array[keep],
+            bad, len(batch), truncated, int((~keep).sum()),
         )  # fmt: skip
 
 

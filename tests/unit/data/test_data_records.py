@@ -295,3 +295,10 @@ def test_worker_processes_write_the_same_cache(tmp_path, tokenizer, write_jsonl)
     assert [str(b) for b in two.bad_records] == ["line 2501: not valid JSON (Expecting value at column 1)"]
     for name in ("tokens.npy", "loss_mask.npy", "offsets.npy"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_a_batch_of_nothing_but_malformed_records_is_counted(tmp_path, tokenizer, write_jsonl):
+    # The second batch holds no good record at all.
+    rows = [{"instruction": "Hi", "output": "Hello"}] * 2 + [{"instruction": "Hi", "output": ""}] + ["broken"] * (2 * TOKENIZE_BATCH - 3)
+    info = build_token_cache(write_jsonl(tmp_path / "data.jsonl", rows), tokenizer, tmp_path / "cache", max_seq_len=64, max_bad_fraction=1.0)
+    assert (info.examples, info.bad_record_count, info.dropped_empty, info.records) == (3, 2 * TOKENIZE_BATCH - 3, 0, 2 * TOKENIZE_BATCH)  # an empty reply still learns its eos
