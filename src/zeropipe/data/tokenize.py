@@ -172,7 +172,7 @@ def _encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     """Token ids for each text, without the tokenizer adding bos/eos on its own."""
     wanted = [text for text in texts if text]
     encoded = iter(tokenizer(wanted, add_special_tokens=False)["input_ids"]) if wanted else iter(())
-    return [list(next(encoded)) if text else [] for text in texts]
+    return [next(encoded) if text else [] for text in texts]  # lists already: no copy
 
 
 def _assemble(segments: list[_Segment], encoded: list[list[int]]) -> tuple[list[int], list[int]]:
