@@ -14,6 +14,8 @@ every 100 ms (file-backed pages, memory-mapped files among them, reported beside
                      chat template, tokenize, write the uint16 token cache and loss mask, with
                      ``num_workers`` = --processes (``data.num_workers``)
   zeropipe-parquet   the same from the Parquet file
+  before-jsonl       zeropipe-jsonl with the ``src/`` of another checkout (--before-src), e.g. the
+                     main branch before streaming: every record held, int32 tokens and labels
   datasets-jsonl     the field's standard: ``load_dataset("json")`` from a cold cache, then a
                      batched ``map`` that renders the same template and tokenizes prompt and answer
                      with the same tokenizer, ``num_proc`` = --processes
@@ -46,13 +48,15 @@ WORDS = (
 ).split()
 
 ZEROPIPE_CASE = """
-import sys, time
+import inspect, sys, time
 from pathlib import Path
 from transformers import AutoTokenizer
 from zeropipe.data.tokenize import build_token_cache
 data, tokenizer_dir, out, processes = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-info = build_token_cache(data, tokenizer, out, max_seq_len=512, max_bad_fraction=0.01, num_workers=processes)
+# An older checkout (--before-src) has no workers: it runs in one process.
+workers = {"num_workers": processes} if "num_workers" in inspect.signature(build_token_cache).parameters else {}
+info = build_token_cache(data, tokenizer, out, max_seq_len=512, max_bad_fraction=0.01, **workers)
 print({"examples": info.examples, "tokens": info.tokens})
 """
 
@@ -183,6 +187,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2, help="datasets' num_proc and ZeRO-Pipe's num_workers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", nargs="+", default=["zeropipe-jsonl", "zeropipe-parquet", "datasets-jsonl"])
+    parser.add_argument("--before-src", type=Path, help="another checkout's src/ for the before-jsonl case")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     jsonl, parquet = write_records(args.workdir, args.records, args.seed)
@@ -193,12 +198,16 @@ def main() -> None:
         out = args.workdir / f"out-{case}"
         shutil.rmtree(out, ignore_errors=True)  # a cold cache every time
         out.mkdir()
-        if case.startswith("zeropipe"):
+        case_env = env
+        if case == "before-jsonl":
+            case_env = dict(env, PYTHONPATH=str(args.before_src))
+            argv = [sys.executable, "-c", ZEROPIPE_CASE, str(jsonl), str(tokenizer), str(out / "cache"), str(args.processes)]
+        elif case.startswith("zeropipe"):
             source = jsonl if case.endswith("jsonl") else parquet
             argv = [sys.executable, "-c", ZEROPIPE_CASE, str(source), str(tokenizer), str(out / "cache"), str(args.processes)]
         else:
             argv = [sys.executable, "-c", DATASETS_CASE, str(jsonl), str(tokenizer), str(out), str(args.processes)]
-        result = run_case(case, argv, env)
+        result = run_case(case, argv, case_env)
         results.append(result)
         print(json.dumps(result), flush=True)
     baseline = next((r for r in results if r["case"] == "datasets-jsonl"), None)
