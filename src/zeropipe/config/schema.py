@@ -207,6 +207,7 @@ class MixtureSource(Section):
     )
     synthetic: SyntheticSection | None = Field(None, description="A generated dataset instead of a file. Exclusive with path.")
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field("auto", description="Record format of this source (as data.format).")
+    columns: dict[str, str] | None = Field(None, description="This source's column for each name ZeRO-Pipe reads (as data.columns).")
     weight: float = Field(1.0, gt=0, description="Share of the mixture, relative to the other sources' weights (0.7 and 0.3, or 7 and 3).")
 
 

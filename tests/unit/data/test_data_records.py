@@ -302,3 +302,15 @@ def test_a_batch_of_nothing_but_malformed_records_is_counted(tmp_path, tokenizer
     rows = [{"instruction": "Hi", "output": "Hello"}] * 2 + [{"instruction": "Hi", "output": ""}] + ["broken"] * (2 * TOKENIZE_BATCH - 3)
     info = build_token_cache(write_jsonl(tmp_path / "data.jsonl", rows), tokenizer, tmp_path / "cache", max_seq_len=64, max_bad_fraction=1.0)
     assert (info.examples, info.bad_record_count, info.dropped_empty, info.records) == (3, 2 * TOKENIZE_BATCH - 3, 0, 2 * TOKENIZE_BATCH)  # an empty reply still learns its eos
+
+
+def test_a_mixture_source_maps_its_own_columns(tmp_path):
+    from zeropipe.config.schema import DataSection
+    from zeropipe.data.mixture import build_mixture
+
+    questions = write_format(tmp_path / "a", ".parquet", [{"question": f"Q{i}", "answer": f"A{i}"} for i in range(4)])
+    plain = write_format(tmp_path / "b", ".jsonl")
+    data = DataSection(mixture=[{"path": str(questions), "columns": {"instruction": "question", "output": "answer"}}, {"path": str(plain)}])
+    path = build_mixture(data, tmp_path / "mixed", seed=0)
+    users = {json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()}
+    assert {f"Q{i}" for i in range(4)} <= users <= {f"Q{i}" for i in range(4)} | {row["instruction"] for row in ROWS}
