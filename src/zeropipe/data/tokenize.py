@@ -260,8 +260,13 @@ def build_token_cache(
     tokenizer = PreparedTokenizer(tokenizer)
 
     items = iter_records(path, columns)
+    good_records = None
     if split is not None:
-        items = _split_records(items, split, path, columns)
+        # The split draws positions among the good records, so they are counted first: one
+        # more pass over the file (reading only, no tokenizing) buys the same split as when
+        # the records were all held, for the same data and seed.
+        good_records = sum(1 for item in iter_records(path, columns) if isinstance(item, Record))
+        items = _split_records(items, split, good_records)
     bad = BadRecords()
     total = truncated = dropped_empty = 0
     writer = TokenCacheWriter(out_dir, vocab_size)
@@ -279,6 +284,8 @@ def build_token_cache(
             writer.add_batch(done.tokens, done.loss_mask, done.lengths)
             if progress is not None:
                 progress(total)
+        if good_records is not None:
+            total = good_records + bad.count  # every record read, on both sides of the split, as max_bad_fraction counts them
         _check_bad_records(path, bad, total, max_bad_fraction, max_bad_records)
         writer.flush()
         if not writer.examples:
@@ -479,15 +486,9 @@ def _batches(items: Iterable, size: int) -> Iterator[list]:
         yield batch
 
 
-def _split_records(items: Iterator[Record | BadRecord], split: RecordSplit, path: Path, columns) -> Iterator[Record | BadRecord]:
-    """The records of one side of ``split``; malformed records pass through to be counted.
-
-    The split draws positions among the good records, so they are counted first: one more
-    pass over the file (reading only, no tokenizing) buys the same split as before for the
-    same data and seed, and keeps only the held-out positions (a small set) in memory.
-    """
-    count = sum(1 for item in iter_records(path, columns) if isinstance(item, Record))
-    held = split.held_out_positions(count)
+def _split_records(items: Iterator[Record | BadRecord], split: RecordSplit, good_records: int) -> Iterator[Record | BadRecord]:
+    """The records of one side of ``split`` (of ``good_records`` good ones); malformed records pass through to be counted."""
+    held = split.held_out_positions(good_records)  # a set of the held-out share only
     position = 0
     for item in items:
         if isinstance(item, BadRecord):

@@ -314,3 +314,18 @@ def test_a_mixture_source_maps_its_own_columns(tmp_path):
     path = build_mixture(data, tmp_path / "mixed", seed=0)
     users = {json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()}
     assert {f"Q{i}" for i in range(4)} <= users <= {f"Q{i}" for i in range(4)} | {row["instruction"] for row in ROWS}
+
+
+def test_the_streamed_split_holds_out_the_records_the_list_split_did(tmp_path, tokenizer, write_jsonl):
+    """data.eval_fraction draws among the good records, as when they were all held: the same split for the same data and seed."""
+    from zeropipe.data.split import RecordSplit
+
+    rows = [{"instruction": f"Say {n}", "output": f"number {n}"} if n % 7 else "broken" for n in range(60)]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    split = RecordSplit(0.2, 5, held_out=True)
+    build_token_cache(path, tokenizer, tmp_path / "eval", max_seq_len=64, split=split, max_bad_fraction=0.2)
+    good = [row for row in rows if isinstance(row, dict)]
+    expected = [f"number {row['instruction'].split()[1]}" for row in split.select(good)]
+    dataset = TokenDataset(tmp_path / "eval")
+    answers = [tokenizer.decode(dataset[i]["input_ids"]).rsplit("\n", 1)[-1].replace("<|eos|>", "").strip() for i in range(len(dataset))]
+    assert answers == expected
