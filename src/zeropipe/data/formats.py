@@ -13,12 +13,11 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from zeropipe.data.records import SUPPORTED_SUFFIXES, BadRecord, Record, iter_records, json_type
 from zeropipe.errors import DataError
 
-__all__ = ["SUPPORTED_SUFFIXES", "BadRecord", "Record", "read_records", "read_located_records", "detect_format", "to_conversation"]
+__all__ = ["SUPPORTED_SUFFIXES", "BadRecord", "Record", "detect_format", "read_located_records", "read_records", "to_conversation"]
 
 FORMATS = ("alpaca", "dolly", "chat", "sharegpt", "text")
 

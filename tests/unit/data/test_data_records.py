@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 import weakref
 from pathlib import Path
 
@@ -260,7 +259,7 @@ def test_peak_memory_of_preparing_records_does_not_grow_with_their_number(tmp_pa
     for count in (6_000, 36_000):
         result = subprocess.run(
             [sys.executable, "-c", PEAK_SCRIPT, str(count), str(tokenizer_dir), str(tmp_path / str(count))],
-            capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
+            check=False, capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO / "src"), "PATH": "/usr/bin:/bin"},
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         grown[count] = int(result.stdout.strip().splitlines()[-1])

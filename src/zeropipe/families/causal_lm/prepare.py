@@ -14,9 +14,9 @@ from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.data.formats import DETECTION_SAMPLE, detect_format
-from zeropipe.data.records import Record, iter_records, sample_records
 from zeropipe.data.mixture import build_mixture
 from zeropipe.data.packing import build_pack_index, read_pack_info
+from zeropipe.data.records import Record, iter_records, sample_records
 from zeropipe.data.split import RecordSplit
 from zeropipe.data.synthetic import generate_dataset
 from zeropipe.data.tokenize import build_token_cache, default_workers
