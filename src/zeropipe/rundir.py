@@ -39,6 +39,8 @@ import yaml
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.load import load_saved_config
 from zeropipe.config.yaml_text import parse_yaml_text
+# The test of a path against a folder lives in confine.py (below this layer), with the UI runs' Confinement.
+from zeropipe.confine import Confinement, OutsideRoots, confined, is_inside, resolve_inside  # noqa: F401  (read here, and re-exported)
 from zeropipe.errors import ZeroPipeError
 
 if TYPE_CHECKING:
@@ -54,45 +56,6 @@ _held: dict[str, int] = {}
 
 class RunDirBusy(ZeroPipeError):
     """Another live launcher owns the run directory."""
-
-
-class OutsideRoots(ZeroPipeError):
-    """A path that resolves outside the folder it must stay in (traversal, absolute path or symlink)."""
-
-
-def is_inside(path: Path, root: Path) -> bool:
-    try:
-        Path(path).resolve().relative_to(Path(root).resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def resolve_inside(root: Path, relative: str | Path) -> Path:
-    """``root / relative``, refused when it resolves outside ``root``.
-
-    Raises:
-        OutsideRoots: for absolute paths, ``..`` that climbs out, or a symlink that leads out.
-    """
-    text = str(relative)
-    if not text or "\x00" in text:
-        raise OutsideRoots("an empty or malformed path was given")
-    candidate = Path(text)
-    if candidate.is_absolute():
-        raise OutsideRoots(f"{text}: an absolute path is not allowed here; give a path inside the run")
-    resolved = (Path(root) / candidate).resolve()
-    if not is_inside(resolved, root):
-        raise OutsideRoots(f"{text}: leads outside {root}; nothing outside the run and data folders is served")
-    return resolved
-
-
-def confined(path: Path, root: Path) -> Path | None:
-    """``path`` resolved, or None when it resolves outside ``root`` (a symlink leading out)."""
-    try:
-        resolved = Path(path).resolve()
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return resolved if is_inside(resolved, root) else None
 
 
 def disk_problem(err: OSError, run_dir: Path) -> ZeroPipeError:
