@@ -21,11 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from zeropipe.errors import ZeroPipeError
+from zeropipe.errors import ConfigError, ZeroPipeError
 
 
 class OutsideRoots(ZeroPipeError):
     """A path that resolves outside the folder it must stay in (traversal, absolute path or symlink)."""
+
+
+class ConfinementError(ConfigError):
+    """A confined run (submitted through the UI) names a path outside its roots, or a field it may not set; each problem names its key."""
 
 
 def is_inside(path: Path, root: Path) -> bool:

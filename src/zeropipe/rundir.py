@@ -109,6 +109,10 @@ class RunPlan:
     # asking the hardware again.
     native_precision: str = "fp32"
     native_precision_why: str = ""
+    # A run submitted through the UI: the folders it may read and write (Confinement.to_json()), so
+    # that the ranks, the node's setup process, export, eval and generate skip or refuse a data
+    # file that resolves outside them. None: a command-line run, on the user's own files.
+    confined_to: dict | None = None
 
 
 @dataclass
@@ -140,6 +144,22 @@ class RunDir:
     def __init__(self, path: str | Path, confined_to: str | Path | None = None):
         self.path = Path(path)
         self.confined_to = Path(confined_to) if confined_to is not None else None
+        self._data_confinement: tuple[Confinement | None] | None = None  # read from run.json once, or set by the launcher
+
+    @property
+    def data_confinement(self) -> Confinement | None:
+        """The folders this run may read and write (a run submitted through the UI), as run.json records them; None for a command-line run.
+
+        Every reader of the run's data files (its preparation, the node's setup process, the
+        ranks, export, eval, generate) tests each file against it when it uses the file.
+        """
+        if self._data_confinement is None:
+            self._data_confinement = (Confinement.from_json(self.read_plan_fields().get("confined_to")),)
+        return self._data_confinement[0]
+
+    def confine_data(self, confinement: Confinement | None) -> None:
+        """The launcher's resolved run's confinement, before run.json is written (the data preparation reads it)."""
+        self._data_confinement = (confinement,)
 
     config = property(lambda self: self.path / "config.yaml")
     ds_config = property(lambda self: self.path / "ds_config.json")

@@ -105,6 +105,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         config.train.gradient_accumulation_steps = accumulation
         notes += shape_notes
     checked = config.model_copy(deep=True)
+    run.confine_data(resolved.confinement)  # the data preparation skips files that resolve outside a UI run's roots
     data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
     # What preparing the data learned (vocabulary size, an expert's noise range) is saved as its
@@ -174,6 +175,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         node_setup=data.node_setup,
         native_precision=resolved.native_precision[0],
         native_precision_why=resolved.native_precision[1],
+        confined_to=resolved.confinement.to_json() if resolved.confinement is not None else None,
     )
     if data.node_setup:
         precision, why = encoder_precision_for(accelerator, *resolved.native_precision)
