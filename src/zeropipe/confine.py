@@ -17,9 +17,11 @@ their own files. Paths are compared after resolving symlinks and ``..``.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from zeropipe.errors import ConfigError, ZeroPipeError
 
@@ -254,13 +256,60 @@ class Confinement:
         return cls(tuple(Path(str(root)) for root in value["roots"]), bool(value.get("multinode")))
 
 
-def allowed_files(paths: Iterable[Path], confinement: Confinement | None) -> tuple[list[Path], list[Path]]:
-    """(the files a reader may use, the ones it must skip): with a confinement, a file that resolves
-    (symlinks followed, at the moment of use) outside its roots is skipped; without one, none is."""
-    paths = list(paths)
+# ------------------------------------------------------------------ the confinement the readers apply
+# The readers of data files are many and deep (text records, image and video folders, captions,
+# metadata files, control images, a VLM's images, single-file denoisers), and each is called from
+# several commands. Rather than a parameter through every one of them, the entry point of each
+# process that reads a confined run's files sets the run's confinement once, here: the launcher
+# around the data preparation (from the resolved run), the node's setup process, every rank,
+# export, eval and generate (from run.json), and the UI around its preview and generation (its own
+# roots). A reader asks :func:`usable` for each file at the moment it opens it.
+_ACTIVE: ContextVar[Confinement | None] = ContextVar("zeropipe_confinement", default=None)
+
+
+@contextmanager
+def confining(confinement: Confinement | None) -> Iterator[Confinement | None]:
+    """Readers inside the block skip (or refuse) files that resolve outside ``confinement``'s roots; None: no confinement."""
+    token = _ACTIVE.set(confinement)
+    try:
+        yield confinement
+    finally:
+        _ACTIVE.reset(token)
+
+
+def confine_process(confinement: Confinement | None) -> None:
+    """For a process's entry point (rank, node setup, export, eval, generate): the run's confinement for the rest of the process."""
+    _ACTIVE.set(confinement)
+
+
+def active() -> Confinement | None:
+    return _ACTIVE.get()
+
+
+def also_allowing(folder: Path) -> Confinement | None:
+    """The active confinement with one more root (a scratch folder of the process's own making, such as generated data)."""
+    confinement = _ACTIVE.get()
     if confinement is None:
-        return paths, []
-    kept, skipped = [], []
-    for path in paths:
-        (kept if confinement.allows(path) else skipped).append(path)
-    return kept, skipped
+        return None
+    return Confinement((*confinement.roots, Path(folder)), confinement.multinode, confinement.base)
+
+
+def usable(path: str | Path) -> bool:
+    """Whether a reader may open ``path`` now: no confinement is active, or it resolves (symlinks followed) inside the roots."""
+    confinement = _ACTIVE.get()
+    return confinement is None or confinement.allows(path)
+
+
+def require_usable(path: str | Path, what: str) -> Path:
+    """``path``, refused when the active confinement does not allow it (a symlink out of a data folder).
+
+    Raises:
+        OutsideRoots: naming ``what`` and the path, never the file's contents.
+    """
+    confinement = _ACTIVE.get()
+    if confinement is not None:
+        confinement.require(path, what)
+    return Path(path)
+
+
+OUTSIDE_REASON = "resolves outside the folders this run may read (a symlink to elsewhere?): skipped, not read"

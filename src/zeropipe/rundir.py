@@ -40,7 +40,7 @@ from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.load import load_saved_config
 from zeropipe.config.yaml_text import parse_yaml_text
 # The test of a path against a folder lives in confine.py (below this layer), with the UI runs' Confinement.
-from zeropipe.confine import Confinement, OutsideRoots, confined, is_inside, resolve_inside  # noqa: F401  (read here, and re-exported)
+from zeropipe.confine import Confinement, OutsideRoots, confine_process, confined, is_inside, resolve_inside  # noqa: F401  (read here, and re-exported)
 from zeropipe.errors import ZeroPipeError
 
 if TYPE_CHECKING:
@@ -156,6 +156,23 @@ class RunDir:
         if self._data_confinement is None:
             self._data_confinement = (Confinement.from_json(self.read_plan_fields().get("confined_to")),)
         return self._data_confinement[0]
+
+    def use_checkpoint(self, checkpoint: Path) -> Path:
+        """A checkpoint folder of this run, as export, eval and generate take it.
+
+        For a run submitted through the UI (run.json's ``confined_to``) the run's confinement
+        becomes this process's (its data readers skip files leading out of the run's folders),
+        and a checkpoint folder that resolves outside the run directory (a symlink to elsewhere)
+        is refused; a command-line run's checkpoint is used as it is.
+
+        Raises:
+            OutsideRoots: naming the folder, never what it holds.
+        """
+        confinement = self.data_confinement
+        confine_process(confinement)
+        if confinement is not None and confined(checkpoint, self.path) is None:
+            raise OutsideRoots(f"{checkpoint} leads outside the run directory {self.path} (a symlink to elsewhere): it is not used")
+        return checkpoint
 
     def confine_data(self, confinement: Confinement | None) -> None:
         """The launcher's resolved run's confinement, before run.json is written (the data preparation reads it)."""

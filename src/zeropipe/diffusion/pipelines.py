@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from zeropipe.confine import OutsideRoots, require_usable
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
@@ -171,6 +172,10 @@ def single_file_renamer(denoiser_class: str, checkpoint: Path) -> Callable[[str]
     entry = SINGLE_FILE_LOADABLE_CLASSES.get(denoiser_class)
     if entry is None:
         raise ConfigError([(where, f"diffusers has no single-file converter for {denoiser_class}: give model.path a diffusers directory with its weights instead")])
+    try:
+        require_usable(checkpoint, where)  # a UI run's single file: never through a symlink out of its folders
+    except OutsideRoots as err:
+        raise ConfigError([(where, str(err))]) from None
     try:
         with safe_open(str(checkpoint), framework="pt") as handle:
             names = list(handle.keys())

@@ -20,6 +20,7 @@ from zeropipe.checkpoint.universal import convert_to_universal, has_partitioned_
 from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
 from zeropipe.config.load import config_changes, dump_config
 from zeropipe.config.schema import RunConfig
+from zeropipe.confine import confining
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.launch.node_setup import encoder_precision_for
@@ -105,8 +106,9 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         config.train.gradient_accumulation_steps = accumulation
         notes += shape_notes
     checked = config.model_copy(deep=True)
-    run.confine_data(resolved.confinement)  # the data preparation skips files that resolve outside a UI run's roots
-    data = family.prepare_data(config, run, reuse=bool(resume_tag))
+    run.confine_data(resolved.confinement)
+    with confining(resolved.confinement):  # a UI run's data preparation skips files that resolve outside its roots
+        data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
     # What preparing the data learned (vocabulary size, an expert's noise range) is saved as its
     # own record beside config.yaml, which stays the config as it was resolved and checked.

@@ -445,6 +445,18 @@ class RunStore:
         return self.run(run["id"])
 
     def checkpoint_for(self, run: dict[str, Any], tag: str | None):
+        """A complete checkpoint of the run (default: the latest), for resume, export, eval and generate.
+
+        Raises:
+            ActionRefused: no such complete checkpoint.
+            OutsideRoots: its folder is a symlink leading out of the run (hidden from the list, and never used).
+        """
+        info = self.find_checkpoint(run, tag)
+        if self.own_or_none(run, f"checkpoints/{info.tag}") is None:
+            raise OutsideRoots(f"checkpoint {info.tag} of run {run['name']} leads outside the run directory (a symlink to elsewhere): it is not used")
+        return info
+
+    def find_checkpoint(self, run: dict[str, Any], tag: str | None):
         complete = list_checkpoints(Path(run["path"]))
         if tag is None:
             info = latest_checkpoint(Path(run["path"]))
