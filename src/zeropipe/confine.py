@@ -117,7 +117,7 @@ def config_paths(raw: dict[str, Any], free_form: bool = False, prefix: str = "")
         if isinstance(node, dict):
             for child_name, child in node.items():
                 child_name = str(child_name)
-                child_key = f"{key}.{child_name}" if key else child_name
+                child_key = f"{key}.{child_name}" if key and not key.endswith(":") else f"{key}{child_name}"  # prefix "FILE:" names a file's keys
                 child_pattern = f"{pattern}.{child_name}" if pattern else child_name
                 if child_name == REMOTE_CODE_KEY:
                     found.append(FoundPath(child_key, node, child_name, None))
