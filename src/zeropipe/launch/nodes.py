@@ -104,6 +104,29 @@ def ssh_arguments(options: str) -> list[str]:
     return out
 
 
+def hardware_problems(hardware: object) -> list[tuple[str, str]]:
+    """The ssh options and host names of a hardware section (plain values), each problem with its key.
+
+    What ``resolve_layout`` refuses, said when a config is validated (the UI's check and launch
+    of a config naming other machines), before anything is resolved or started.
+    """
+    if not isinstance(hardware, dict):
+        return []
+    problems: list[tuple[str, str]] = []
+    checks = [(lambda: ssh_arguments(hardware.get("ssh_options") or "")) if isinstance(hardware.get("ssh_options") or "", str) else None]
+    nodes = hardware.get("nodes")
+    if isinstance(nodes, list):
+        checks += [(lambda host=host, index=index: check_host(host, f"hardware.nodes[{index}]")) for index, host in enumerate(nodes)]
+    if hardware.get("master_addr") is not None:
+        checks.append(lambda: check_host(hardware["master_addr"], "hardware.master_addr"))
+    for check in filter(None, checks):
+        try:
+            check()
+        except ConfigError as err:
+            problems += err.problems
+    return problems
+
+
 def check_host(host: object, key: str) -> str:
     """A host name that ssh, srun and the node agent take as a host and never as an option.
 

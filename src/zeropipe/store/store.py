@@ -371,17 +371,21 @@ class RunStore:
     def resolve_confined(self, config):
         """The config resolved as the launcher will resolve it, confined to the roots (the DeepSpeed JSON's paths included).
 
-        Returns None when it cannot be resolved for another reason: ``check_config`` reports that.
+        Returns None when it cannot be resolved for a reason ``check_config`` reports (ZP008: a
+        batch that does not divide over the ranks; no choice of the auto knobs fits).
 
         Raises:
             ConfinementError: a path of the config or of its DeepSpeed JSON outside the roots.
+            ConfigError: what the launcher would refuse when resolving it (a hostfile that is none,
+                ssh options off the allow-list): refused here, before a launcher starts.
         """
-        from zeropipe.confine import ConfinementError
         from zeropipe.launch.resolve import resolve_run
 
         try:
             return resolve_run(config, fill_auto_knobs=False, confinement=self.confinement)
-        except ConfinementError:
+        except ConfigError as err:
+            if all(key == "deepspeed.train_batch_size" for key, _ in err.problems):
+                return None
             raise
         except ZeroPipeError:
             return None
