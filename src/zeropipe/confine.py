@@ -17,11 +17,12 @@ their own files. Paths are compared after resolving symlinks and ``..``.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from zeropipe.errors import ConfigError, ZeroPipeError
 
@@ -162,8 +163,8 @@ def multinode_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
         value = hardware.get(name)
         if value in (None, "", [], "auto"):
             continue
-        problems.append((key, f"{name} chooses which machines this server starts commands on, and how (ssh, srun): the UI refuses it "
-                         "unless started with `zeropipe ui --trust-multinode`; or run this config with `zeropipe train`"))  # fmt: skip
+        problems.append((key, (f"{name} chooses which machines this server starts commands on, and how (ssh, srun): the UI refuses it "
+                               "unless started with `zeropipe ui --trust-multinode`; or run this config with `zeropipe train`")))  # fmt: skip
     return problems
 
 
@@ -224,8 +225,8 @@ class Confinement:
             if item.typed is None or not isinstance(item.value, str):
                 continue
             if not self.allows(item.value):
-                problems.append((item.key, f"{item.value} is outside the folders this UI may read and write ({self.shown()}): "
-                                 "use a path inside them, or start zeropipe ui with --data-dir naming its folder"))  # fmt: skip
+                problems.append((item.key, (f"{item.value} is outside the folders this UI may read and write ({self.shown()}): "
+                                            "use a path inside them, or start zeropipe ui with --data-dir naming its folder")))  # fmt: skip
         return problems
 
     def run_problems(self, config: dict[str, Any], user_ds_config: dict[str, Any] | None = None) -> list[tuple[str, str]]:

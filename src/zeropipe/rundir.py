@@ -39,8 +39,9 @@ import yaml
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.load import load_saved_config
 from zeropipe.config.yaml_text import parse_yaml_text
+
 # The test of a path against a folder lives in confine.py (below this layer), with the UI runs' Confinement.
-from zeropipe.confine import Confinement, OutsideRoots, confine_process, confined, is_inside, resolve_inside  # noqa: F401  (read here, and re-exported)
+from zeropipe.confine import Confinement, OutsideRoots, confine_process, confined, is_inside, resolve_inside
 from zeropipe.errors import ZeroPipeError
 
 if TYPE_CHECKING:

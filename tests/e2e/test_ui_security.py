@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +34,15 @@ class Server:
         self.runs.mkdir(exist_ok=True)
         self.data.mkdir(exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(workdir))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "zeropipe", "ui", "--port", "0", "--runs-dir", str(self.runs), "--data-dir", str(self.data), *flags],
-            cwd=workdir, stdout=subprocess.PIPE, stderr=open(workdir / "ui.log", "a"), text=True, env=env,
-        )  # fmt: skip
+        with open(workdir / "ui.log", "a") as log:  # the server keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "zeropipe", "ui", "--port", "0", "--runs-dir", str(self.runs), "--data-dir", str(self.data), *flags],
+                cwd=workdir, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+            )  # fmt: skip
         line = self.proc.stdout.readline()
         match = re.match(r"zeropipe ui: (http://127\.0\.0\.1:\d+)/", line)
+        if not match:
+            self.proc.kill()
         assert match, f"zeropipe ui printed {line!r}; log: {(workdir / 'ui.log').read_text()[-2000:]}"
         self.url = match.group(1)
 
@@ -138,11 +142,13 @@ def test_a_deepspeed_json_writing_outside_the_folders_is_refused(servers, tmp_pa
     assert answer["valid"] is False and "deepspeed.config_file:csv_monitor.output_path" in keys(answer), answer
     status, answer = default.post("/api/runs", {"config": config})
     assert status == 422 and "deepspeed.config_file:csv_monitor.output_path" in keys(answer), (status, answer)
-    # Saved as a preset, then checked: the same refusal.
-    status, _ = default.post("/api/presets", {"name": "csv-elsewhere", "yaml": json.dumps(config)})
+    # Saved as a preset, loaded again and checked: the same refusal.
+    status, _ = default.post("/api/presets", {"name": "csv-elsewhere", "yaml": yaml.safe_dump(config)})
     assert status == 201
-    status, answer = default.post("/api/config/check", {"yaml": json.dumps(config)})
-    assert answer["valid"] is False and not elsewhere.exists()
+    with urllib.request.urlopen(f"{default.url}/api/presets/saved/csv-elsewhere", timeout=60) as response:
+        preset = json.load(response)["yaml"]
+    status, answer = default.post("/api/config/check", {"yaml": preset})
+    assert answer["valid"] is False and "deepspeed.config_file:csv_monitor.output_path" in keys(answer) and not elsewhere.exists()
 
 
 def test_a_symlink_out_of_a_data_folder_is_not_previewed(servers, tmp_path):

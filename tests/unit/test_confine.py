@@ -10,7 +10,6 @@ and generate. A command-line run (no confinement) reads what it names.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from PIL import Image

@@ -92,8 +92,8 @@ def ssh_arguments(options: str) -> list[str]:
             if name is None:
                 raise ConfigError([("hardware.ssh_options", ssh_option_problem(f"-o {key}" if flag == "-o" else word))])
             if not SSH_VALUE.match(setting) or setting.startswith("-"):
-                raise ConfigError([("hardware.ssh_options", f"{name}'s value {setting!r} is not allowed: a plain word, number or file name "
-                                    "(no spaces, quotes, $, ;, | or leading '-')")])  # fmt: skip
+                raise ConfigError([("hardware.ssh_options", (f"{name}'s value {setting!r} is not allowed: a plain word, number or file name "
+                                                             "(no spaces, quotes, $, ;, | or leading '-')"))])  # fmt: skip
             if name == "Port" and not (setting.isdigit() and 1 <= int(setting) <= 65535):
                 raise ConfigError([("hardware.ssh_options", f"Port {setting!r} is not a port number (1-65535)")])
             if name in PATH_OPTIONS:
@@ -134,8 +134,8 @@ def check_host(host: object, key: str) -> str:
         ConfigError: naming ``key``: not a string, empty, starting with '-', or with spaces or shell characters.
     """
     if not isinstance(host, str) or not HOST_NAME.match(host):
-        raise ConfigError([(key, f"{str(host)[:100]!r} is not a host name: letters, digits, '.', '-', '_', ':', '@' and '[]', "
-                            "not starting with '-' (a name starting with '-' would be read as an ssh option)")])  # fmt: skip
+        raise ConfigError([(key, (f"{str(host)[:100]!r} is not a host name: letters, digits, '.', '-', '_', ':', '@' and '[]', "
+                                  "not starting with '-' (a name starting with '-' would be read as an ssh option)"))])  # fmt: skip
     return host
 
 
@@ -208,8 +208,8 @@ def parse_hostfile_text(text: str, where: str) -> list[Node]:
         if host in nodes:
             raise ConfigError([("hardware.hostfile", f"{where}: line {number} names a host of an earlier line again (multiple entries for one host): list each machine once")])
         if not HOST_NAME.match(host):
-            raise ConfigError([("hardware.hostfile", f"{where}: line {number} does not start with a host name (letters, digits, '.', '-', '_', ':', '@'; "
-                                "not starting with '-', which ssh would read as an option)")])  # fmt: skip
+            raise ConfigError([("hardware.hostfile", (f"{where}: line {number} does not start with a host name (letters, digits, '.', '-', '_', ':', '@'; "
+                                                      "not starting with '-', which ssh would read as an option)"))])  # fmt: skip
         if slots < 1:
             raise ConfigError([("hardware.hostfile", f"{where}: line {number} has slots={slots}; every host needs at least 1 slot (or remove the line)")])
         nodes[host] = Node(host, slots)

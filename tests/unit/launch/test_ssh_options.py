@@ -12,7 +12,7 @@ import pytest
 from zeropipe.config.schema import HardwareSection
 from zeropipe.errors import ConfigError
 from zeropipe.launch.multinode import ssh_command
-from zeropipe.launch.nodes import NodeLayout, Node, parse_hostfile_text, resolve_layout, ssh_arguments
+from zeropipe.launch.nodes import Node, NodeLayout, parse_hostfile_text, resolve_layout, ssh_arguments
 
 PWN = "sh -c 'id > /tmp/pwned.txt'"
 

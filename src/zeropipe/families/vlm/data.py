@@ -47,8 +47,8 @@ from typing import Any
 
 import torch
 
-from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.checkpoint.manager import write_atomic
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.data.formats import SHAREGPT_ROLES, BadRecord, RecordError, read_located_records, to_conversation
 from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
 from zeropipe.diffusion.images import BadImage, scan_image_folder
@@ -337,7 +337,7 @@ def image_problem(path: str | Path) -> str | None:
             image.load()
             width, height = image.size
     # Pillow raises many kinds of errors on damaged files; each means "skip this image".
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"cannot be decoded ({type(error).__name__}: {error})"
     if width == 0 or height == 0:
         return f"zero-size image ({width}x{height})"
@@ -449,7 +449,7 @@ def load_rgb(path: str | Path):
                 white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
                 return Image.alpha_composite(white, rgba).convert("RGB")
             return image.convert("RGB")
-    except Exception as error:  # noqa: BLE001 - any decoding failure means the same
+    except Exception as error:
         raise DataError(f"{path} cannot be decoded any more ({error}); it was readable when the run started: restore the file and resume") from error
 
 
