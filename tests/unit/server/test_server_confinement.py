@@ -176,3 +176,19 @@ def test_a_run_indexed_at_an_outside_path_by_an_older_version_is_dropped(client,
     store.refresh()
     assert client.get(f"/api/runs/{run_id}/logs/rank0").status_code == 404
     assert client.get(f"/api/runs/{run_id}/config").status_code == 404
+
+
+def test_a_checkpoint_folder_symlinked_out_of_its_run_is_hidden_and_never_used(client, store, tmp_path):
+    """Hidden from the run page's list, and refused by export, eval, resume and generate (issue 26, defect 4)."""
+    run = write_run(store.roots.primary_runs, "linked", steps=12, total_steps=20, checkpoints=(6,))
+    elsewhere = write_run(tmp_path / "elsewhere", "private", steps=12, checkpoints=(12,))
+    os.symlink(elsewhere / "checkpoints" / "step_00000012", run / "checkpoints" / "step_00000012")
+    store.refresh()
+    run_id = store.run("linked")["id"]
+    assert [c["tag"] for c in client.get(f"/api/runs/{run_id}").json()["checkpoints"]] == ["step_00000006"]
+    for path, body in (("export", {"checkpoint": "step_00000012"}), ("eval", {"checkpoint": "step_00000012", "data": "x"}), ("resume", {"checkpoint": "step_00000012"})):
+        response = client.post(f"/api/runs/{run_id}/{path}", json=body)
+        assert response.status_code == 403 and "leads outside the run directory" in response.json()["detail"], (path, body, response.text)
+    response = client.post("/api/generate", json={"run_id": run_id, "checkpoint": "step_00000012", "prompt": "hi"})
+    assert response.status_code == 403
+    assert not (run / "exports").exists()  # nothing was started
