@@ -133,6 +133,7 @@ def test_images_and_captions_behind_symlinks_are_skipped_and_counted(tmp_path, f
     (images / "a.txt").write_text("a red square")
     (images / "b.txt").symlink_to(outside / "shadow")  # a caption that is /etc/shadow
     (images / "c.png").symlink_to(outside / "c.png")  # an image out of the roots
+    (images / "more").symlink_to(outside)  # a folder out of the roots: not walked
     with confining(roots):
         scan = scan_image_folder(images)
         assert [item.path.name for item in scan.items] == ["a.png"]

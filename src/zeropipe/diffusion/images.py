@@ -224,7 +224,8 @@ def _walk_images(top: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[
             subfolders[:] = []
             continue
         seen_folders.add(real_folder)
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        # A UI run's folder linked to elsewhere (zeropipe.confine) is not walked: its files would be skipped one by one anyway.
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith(".") and usable(Path(folder) / name))
         found += [Path(folder) / name for name in files if not name.startswith(".") and _is_image_name(Path(name), suffixes)]
     return sorted(found)
 
