@@ -94,8 +94,24 @@ def test_create_a_run_from_the_form_and_watch_it_complete(page, ui):
     expect(plan).to_contain_text(re.compile(r"Your config|planner unavailable"), timeout=60_000)
     screenshot(page, "04-new-run-form", full_page=False)
 
+    # The command preview is what Launch writes and runs: the same file, byte for byte, and its command.
+    config_file = ui.runs / "configs" / "from-the-form.yaml"
+    expect(page.locator("#command-line")).to_have_text(f"zeropipe train {config_file}")
+    expect(page.locator("#command-yaml")).to_contain_text("micro_batch_size: 4")
+    previewed = page.locator("#command-yaml").inner_text()
+    assert yaml.safe_load(previewed)["run"]["output_dir"] == str(ui.runs)  # the server's absolute path, as it writes it
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=ui.url)
+    page.click("#copy-line")
+    expect(page.locator("#copy-line")).to_have_text("copied")
+    assert page.evaluate("navigator.clipboard.readText()") == f"zeropipe train {config_file}"
+    page.click("#copy-yaml")
+    assert page.evaluate("navigator.clipboard.readText()") == previewed
+    page.locator("#command-card").scroll_into_view_if_needed()
+    screenshot(page, "29-command-preview", full_page=False)
+
     page.click("#launch")
     page.wait_for_url(re.compile(r"/runs/\d+$"), timeout=60_000)
+    assert config_file.read_text() == previewed
     seen = []
     deadline = time.time() + 600
     while time.time() < deadline:

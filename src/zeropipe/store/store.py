@@ -14,6 +14,7 @@ launcher's pid, the metrics) is on disk.
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -348,11 +349,11 @@ class RunStore:
             written = RunDir(run_path)
             if any(p.exists() for p in (written.status_file, written.metrics, written.checkpoints)) or (row and self.open_launch(row["id"])):
                 raise ActionRefused(f"{run_path} already holds a run: choose another run.name (e.g. {config.run.name}-2), or resume that run from its page")
-            configs = run_path.parent / "configs"
-            configs.mkdir(parents=True, exist_ok=True)
-            config_path = configs / f"{config.run.name}.yaml"
-            config_path.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False))
-            argv = zeropipe_argv("train", config_path)
+            command = self.launch_command(config, absolute)
+            config_path = Path(command["config_path"])
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path.write_text(command["yaml"])
+            argv = command["argv"]
             fields = dict(name=config.run.name, root=str(run_path.parent), origin="ui", state="starting", created_at=time.time(), missing=0,
                           started_at=None, ended_at=None, diagnosis=None, stop_requested_at=None, step=0, last_loss=None, first_loss=None)  # fmt: skip
             if row:
@@ -362,6 +363,17 @@ class RunStore:
                 run_id = self.db.insert_run(path=str(run_path), **fields)
             self.start(run_id, "train", argv, run_path / "logs" / "launcher.log", config_path=str(config_path))
         return self.run(run_id)
+
+    def launch_command(self, config, absolute: dict[str, Any]) -> dict[str, Any]:
+        """What a launch of ``config`` writes and runs: the config file's path and text, and the command.
+
+        The New-run page's command preview shows this, so it is the launch itself, not a copy of it.
+        """
+        run_path = (Path(config.run.output_dir) / config.run.name).resolve()
+        config_path = run_path.parent / "configs" / f"{config.run.name}.yaml"
+        text = f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False)
+        argv = zeropipe_argv("train", config_path)
+        return {"config_path": str(config_path), "yaml": text, "argv": argv, "command": f"zeropipe train {shlex.quote(str(config_path))}", "cwd": str(self.roots.base)}
 
     def start(self, run_id: int, action: str, argv: list[str], log_path: Path, stdout_path: Path | None = None, **fields: Any) -> int:
         if any(self.roots.runs_root_of(p) is None for p in (log_path, stdout_path) if p is not None):

@@ -203,6 +203,7 @@
       } catch (err) {
         const where = err.mark ? ` (line ${err.mark.line + 1}, column ${err.mark.column + 1})` : "";
         yamlError.replaceChildren(el("div", { class: "message error" }, `not valid YAML${where}: ${err.reason || err.message}`));
+        renderCommand({ available: false, reason: "the YAML does not parse: fix it to see the command" });
         return;
       }
       if (value !== null && value !== undefined && (typeof value !== "object" || Array.isArray(value))) {
@@ -269,12 +270,55 @@
     if (!parts.length) parts.push(el("div", { class: "message ok" }, "No problems found: this config is ready to launch."));
     box.replaceChildren(...parts);
     const errors = result.problems.length + result.findings.filter((f) => f.severity === "error").length;
+    renderCommand(result.command);
     status.textContent = errors ? `${errors} problem(s)` : "ready to launch";
     launchButton.disabled = !result.valid;
   }
 
   // --------------------------------------------------------------- plan
   const FIRST = ["recommendation", "recommended", "verdict", "fits", "why", "reason", "reasons", "explanation"];
+
+  // ------------------------------------------------------ command preview
+  const commandBox = document.getElementById("command");
+
+  async function copyText(text, button) {
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (error) {
+      // No clipboard API (a page served over plain http to another host): copy through a selection.
+      const area = el("textarea", { style: "position:fixed;left:-9999px" });
+      area.value = text;
+      document.body.append(area);
+      area.select();
+      document.execCommand("copy");
+      area.remove();
+    }
+    const label = button.textContent;
+    button.textContent = "copied";
+    setTimeout(() => (button.textContent = label), 1200);
+  }
+
+  function copyBlock(id, title, text) {
+    const button = el("button", { id: `copy-${id}`, class: "small", title: `copy ${title}` }, "Copy");
+    button.addEventListener("click", () => copyText(text, button));
+    return el("div", { class: "copy-block" }, el("div", { class: "toolbar", style: "margin:4px 0" }, el("strong", { class: "small" }, title), el("span", { class: "spacer" }), button), el("pre", { id: `command-${id}`, class: "command" }, text));
+  }
+
+  function renderCommand(command) {
+    if (!command) {
+      commandBox.replaceChildren(el("span", { class: "muted" }, "fix the problems above to see the command"));
+      return;
+    }
+    if (!command.available) {
+      commandBox.replaceChildren(el("span", { class: "muted" }, command.reason));
+      return;
+    }
+    commandBox.replaceChildren(
+      copyBlock("line", "command", command.command),
+      el("div", { class: "small muted" }, `run from ${command.cwd}; the UI starts it as `, el("code", {}, command.argv.join(" ")), ", detached, its output in the run's logs/launcher.log"),
+      copyBlock("yaml", command.config_path, command.yaml)
+    );
+  }
 
   function isBytesKey(key) {
     return /bytes|memory|ram|_mem/.test(key);
