@@ -98,7 +98,7 @@ def test_create_a_run_from_the_form_and_watch_it_complete(page, ui):
     config_file = ui.runs / "configs" / "from-the-form.yaml"
     expect(page.locator("#command-line")).to_have_text(f"zeropipe train {config_file}")
     expect(page.locator("#command-yaml")).to_contain_text("micro_batch_size: 4")
-    previewed = page.locator("#command-yaml").inner_text()
+    previewed = page.locator("#command-yaml").text_content()
     assert yaml.safe_load(previewed)["run"]["output_dir"] == str(ui.runs)  # the server's absolute path, as it writes it
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=ui.url)
     page.click("#copy-line")
