@@ -349,6 +349,54 @@ def test_generate_from_a_trained_run_and_see_the_answer_stream_in(page, ui, trai
     screenshot(page, "27-generate", full_page=False)
 
 
+# ------------------------------------------------------------------ chat
+def test_chat_with_a_trained_run_remembers_the_earlier_turn(page, ui, trained):
+    """Two turns with a system prompt: the second is answered from the whole conversation, rendered with the run's template."""
+    import json
+
+    from zeropipe.data.tokenize import render_prompt
+    from zeropipe.families import generate, load_model
+
+    page.goto(f"{ui.url}/chat?run={trained['id']}")
+    expect(page.locator("#chat-source")).to_have_value("checkpoint:step_00000012")
+    expect(page.locator("#chat-device")).to_contain_text("loads on cpu")
+    page.fill("#chat-system", "Answer with a number.")
+    page.fill("#chat-max-new-tokens", "6")
+    page.fill("#chat-input", "What is 4 + 2?")
+    page.click("#chat-send")
+    first = page.locator("#chat-log .turn.assistant").nth(0)
+    expect(first).to_have_attribute("data-state", "done", timeout=180_000)
+    page.fill("#chat-input", "And 5 + 1?")
+    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as second_request:
+        page.click("#chat-send")
+    second = page.locator("#chat-log .turn.assistant").nth(1)
+    expect(second).to_have_attribute("data-state", "done", timeout=180_000)
+    expect(page.locator("#chat-log .turn.user")).to_have_text(["What is 4 + 2?", "And 5 + 1?"])
+    expect(page.locator("#chat-turns")).to_contain_text("2 turns")
+    expect(second).to_contain_text("checkpoint step_00000012 (consolidated) on cpu")
+    expect(page.locator("#chat-device")).to_contain_text("let go after 5m 0s idle")
+    first_answer = first.locator(".turn-text").inner_text()
+    # The page sent the earlier turn, its answer and the system prompt with the new question...
+    sent = json.loads(second_request.value.post_data)
+    assert sent["system"] == "Answer with a number."
+    assert sent["messages"] == [
+        {"role": "user", "content": "What is 4 + 2?"},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": "And 5 + 1?"},
+    ]
+    # ...and the model read all of it: the conversation's length rendered with the run's template, and the same answer.
+    conversation = [{"role": "system", "content": sent["system"]}, *sent["messages"]]
+    loaded = load_model(ui.runs / "trained", device="cpu")
+    assert int(second.get_attribute("data-prompt-tokens")) == len(render_prompt(loaded.tokenizer, conversation))
+    assert int(second.get_attribute("data-prompt-tokens")) > int(first.get_attribute("data-prompt-tokens"))
+    expected = generate(loaded, [conversation], max_new_tokens=6)[0]
+    assert second.locator(".turn-text").inner_text() == expected.output
+    screenshot(page, "30-chat", full_page=False)
+    # New chat forgets: the next turn is sent alone.
+    page.click("#chat-new")
+    expect(page.locator("#chat-log .turn")).to_have_count(0)
+
+
 # ------------------------------------------------------------------ eval
 def test_evaluate_a_checkpoint_and_keep_the_result_with_the_run(page, ui, trained):
     import json

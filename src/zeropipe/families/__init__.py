@@ -164,7 +164,7 @@ def load_model(path: str | Path, checkpoint: str | None = None, device: str | No
 
 def generate(
     loaded: "LoadedModel",
-    prompts: list[str],
+    prompts: list[str | list[dict[str, str]]],
     images: list[str] | None = None,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
@@ -176,7 +176,10 @@ def generate(
     """Answer each prompt; greedy unless ``temperature`` > 0.
 
     Args:
-        images: vision-language models: one image for every prompt, or one per prompt.
+        prompts: each one user turn's text, or a conversation (a list of system / user / assistant
+            messages ending with a user turn: the UI's Chat page sends the whole history each turn).
+        images: vision-language models: one image for every prompt, or one per prompt (with a
+            conversation, the image goes with its first user turn).
         raw: continue the prompt text as it is instead of rendering it as a user turn.
         streamer: text models: a transformers streamer given each answer's tokens as they are made.
 

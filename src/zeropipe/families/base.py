@@ -69,7 +69,7 @@ class Family(Protocol):
     def generate(
         self,
         loaded: "LoadedModel",
-        prompts: list[str],
+        prompts: list[str | list[dict[str, str]]],
         images: list[str | None],
         tokens: int,
         temperature: float,
@@ -78,7 +78,12 @@ class Family(Protocol):
         raw: bool,
         streamer: Any = None,
     ) -> list["Generation"]:
-        """Answers to prompts (with an image each, for families that take them); ``streamer`` gets tokens as they come, where the family streams."""
+        """Answers to prompts (with an image each, for families that take them); ``streamer`` gets tokens as they come, where the family streams.
+
+        A prompt is one user turn's text or a whole conversation (``export.generate.as_messages``:
+        system, user and assistant messages ending with a user turn), rendered with the template
+        the model was trained with; each answer's ``prompt_tokens`` says how long that rendering was.
+        """
 
 
 def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:

@@ -37,6 +37,11 @@ def generate_page(request: Request):
     return page(request, "generate.html", "Generate", nav="generate")
 
 
+@router.get("/chat", response_class=HTMLResponse)
+def chat_page(request: Request):
+    return page(request, "chat.html", "Chat", nav="chat")
+
+
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(request: Request):
     return page(request, "compare.html", "Compare", nav="compare")

@@ -1,0 +1,88 @@
+"""The API of the Chat page (multi-turn answers from a run), the Dataset page and the loaded model's state.
+
+Everything a request sends is bounded here (turns, characters, new tokens) before a model
+sees it; runs are named by id and their weights by checkpoint tag or export name, never by path.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import iterate_in_threadpool
+
+from zeropipe.server import events
+from zeropipe.store import RunStore
+
+router = APIRouter(prefix="/api")
+
+MAX_TURNS = 40  # user messages in one conversation
+MAX_MESSAGE_CHARS = 8000
+MAX_CONVERSATION_CHARS = 64_000
+MAX_SYSTEM_CHARS = 4000
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def store_of(request: Request) -> RunStore:
+    return request.app.state.store
+
+
+# -------------------------------------------------------------------- chat
+class Message(Strict):
+    role: Literal["user", "assistant"] = Field(..., description="who wrote it: the person (user) or the model (assistant)")
+    content: str = Field(..., max_length=MAX_MESSAGE_CHARS, description="the message's text")
+
+
+class ChatRequest(Strict):
+    run_id: int = Field(..., ge=1, le=2**53, description="the run whose model answers")
+    checkpoint: str | None = Field(None, max_length=64, description="a complete checkpoint of the run (default: the latest)")
+    export: str | None = Field(None, max_length=100, description="a finished export of the run instead of a checkpoint (its folder name)")
+    system: str = Field("", max_length=MAX_SYSTEM_CHARS, description="the system prompt (empty: none)")
+    messages: list[Message] = Field(
+        ..., min_length=1, max_length=2 * MAX_TURNS, description="the conversation so far, oldest first, ending with the user turn to answer"
+    )
+    max_new_tokens: int | None = Field(None, ge=1, le=1024, description="default: the run's generate.max_new_tokens")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, ge=0, le=2**31)
+    image: str | None = Field(None, max_length=1000, description="vision-language models: an image file inside the runs or data folders, shown with the first user turn")
+
+    @model_validator(mode="after")
+    def a_conversation(self):
+        if self.messages[-1].role != "user":
+            raise ValueError("the conversation must end with the user turn to answer")
+        if sum(len(m.content) for m in self.messages) + len(self.system) > MAX_CONVERSATION_CHARS:
+            raise ValueError(f"the conversation holds more than {MAX_CONVERSATION_CHARS} characters: start a new one")
+        if sum(m.role == "user" for m in self.messages) > MAX_TURNS:
+            raise ValueError(f"more than {MAX_TURNS} turns: start a new conversation")
+        if self.checkpoint is not None and self.export is not None:
+            raise ValueError("name a checkpoint or an export, not both")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system.strip() else []
+        return system + [m.model_dump() for m in self.messages]
+
+
+@router.post("/chat", summary="The next assistant turn of a conversation with a run's checkpoint or export; server-sent events as /api/generate")
+def chat(request: Request, body: ChatRequest):
+    store = store_of(request)
+    run = store.run(body.run_id)
+    if body.export is not None:
+        source, checkpoint = store.export_folder(run["id"], body.export), None
+    else:
+        source = store.own_run_dir(run)
+        checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
+    settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": False}
+    image = store.readable_file(body.image) if body.image else None
+    stream = request.app.state.generator.stream(source, checkpoint, body.conversation(), settings, image)
+    return events.streaming(iterate_in_threadpool(stream))
+
+
+@router.get("/model", summary="The model loaded for Generate and Chat: what, on which device and why, and when it is let go")
+def loaded_model(request: Request):
+    return request.app.state.generator.state()

@@ -1,0 +1,101 @@
+"""The Chat endpoint's bounds and refusals, and the one policy for a model loaded in the UI process (no real model)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.e2e.fake_runs import write_run
+from zeropipe.server import create_app
+from zeropipe.server import generation as generation_module
+from zeropipe.store import Roots, RunStore
+
+
+@pytest.fixture
+def client(tmp_path):
+    store = RunStore(Roots(runs=[tmp_path / "runs"], base=tmp_path))
+    write_run(store.roots.primary_runs, "done", steps=12)
+    store.refresh()
+    with TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1") as client:
+        yield client
+    store.close()
+
+
+def turns(count: int) -> list[dict]:
+    out = []
+    for index in range(count):
+        out += [{"role": "user", "content": f"question {index}"}, {"role": "assistant", "content": f"answer {index}"}]
+    return out + [{"role": "user", "content": "last"}]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"run_id": 1, "messages": []}, 422, "messages"),
+    ({"run_id": 1, "messages": [{"role": "assistant", "content": "hi"}]}, 422, "end with the user turn"),
+    ({"run_id": 1, "messages": [{"role": "system", "content": "hi"}]}, 422, "role"),
+    ({"run_id": 1, "messages": turns(40)}, 422, "messages"),
+    ({"run_id": 1, "messages": [{"role": "user", "content": "x" * 8001}]}, 422, "content"),
+    ({"run_id": 1, "messages": [{"role": "user", "content": "x" * 8000}] * 9}, 422, "more than 64000 characters"),
+    ({"run_id": 1, "system": "x" * 4001, "messages": [{"role": "user", "content": "hi"}]}, 422, "system"),
+    ({"run_id": 1, "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 5000}, 422, "max_new_tokens"),
+    ({"run_id": 1, "messages": [{"role": "user", "content": "hi"}], "checkpoint": "../../etc"}, 409, "not a checkpoint name"),
+    ({"run_id": 1, "messages": [{"role": "user", "content": "hi"}], "path": "/etc"}, 422, "path"),
+    ({"run_id": 424242, "messages": [{"role": "user", "content": "hi"}]}, 404, "no run"),
+])  # fmt: skip
+def test_a_conversation_is_bounded_and_names_only_a_runs_weights(client, body, status, words):
+    response = client.post("/api/chat", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["detail"]
+
+
+def test_chatting_is_a_post_from_this_ui(client):
+    assert client.get("/api/chat").status_code == 405
+    response = client.post("/api/chat", json={"run_id": 1, "messages": [{"role": "user", "content": "hi"}]}, headers={"Origin": "http://evil.example"})
+    assert response.status_code == 403
+
+
+def test_the_loaded_model_says_where_it_runs(client):
+    state = client.get("/api/model").json()
+    assert state["loaded"] is None and (state["device"] == "cpu" or state["device"].startswith("cuda:"))
+    assert state["idle_seconds"] == 300 and state["device_reason"]
+
+
+def test_an_idle_model_is_let_go(monkeypatch, tmp_path):
+    """One cached model: loaded on the policy's device, kept for the next prompt, unloaded after its idle time."""
+    loads = []
+
+    def fake_load(path, checkpoint=None, device=None):
+        loads.append((str(path), checkpoint, device))
+        return SimpleNamespace(device=SimpleNamespace(type="cpu"), source=SimpleNamespace(describe=lambda: f"{path}"))
+
+    import zeropipe.families as families
+
+    monkeypatch.setattr(families, "load_model", fake_load)
+    monkeypatch.setenv("ZEROPIPE_UI_MODEL_IDLE_SECONDS", "1")
+    generator = generation_module.Generator()
+    generator.model(tmp_path / "a", "step_1")
+    generator.model(tmp_path / "a", "step_1")
+    assert len(loads) == 1 and loads[0][2] == generation_module.model_device()[0]
+    assert generator.state()["loaded"] == str(tmp_path / "a")
+    deadline = time.time() + 10
+    while generator.loaded is not None and time.time() < deadline:
+        time.sleep(0.1)
+    assert generator.loaded is None and generator.state()["loaded"] is None
+    generator.model(tmp_path / "b", None)  # asked again: loaded again
+    assert len(loads) == 2
+
+
+def test_conversations_render_whole_and_refuse_what_cannot_be_answered():
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.export.generate import as_messages, check_context
+
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    assert as_messages(conversation) == conversation and as_messages("hi") == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ZeroPipeError, match="end with a user turn"):
+        as_messages(conversation[:3])
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64))
+    check_context(model, 56, 8)
+    with pytest.raises(ZeroPipeError, match="reads at most 64: start a new conversation"):
+        check_context(model, 57, 8)
