@@ -42,6 +42,11 @@ def chat_page(request: Request):
     return page(request, "chat.html", "Chat", nav="chat")
 
 
+@router.get("/dataset", response_class=HTMLResponse)
+def dataset_page(request: Request):
+    return page(request, "dataset.html", "Dataset", nav="dataset")
+
+
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(request: Request):
     return page(request, "compare.html", "Compare", nav="compare")

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
 
+from zeropipe.rundir import is_inside
 from zeropipe.server import events
 from zeropipe.store import RunStore
 
@@ -86,3 +87,29 @@ def chat(request: Request, body: ChatRequest):
 @router.get("/model", summary="The model loaded for Generate and Chat: what, on which device and why, and when it is let go")
 def loaded_model(request: Request):
     return request.app.state.generator.state()
+
+
+# ----------------------------------------------------------------- dataset
+class DatasetRequest(Strict):
+    path: str = Field(..., min_length=1, max_length=1000, description="an image or video folder inside the data (or runs) folders")
+    caption_ext: str = Field(".txt", pattern=r"^\.?[A-Za-z0-9_-]{1,16}$", description="the caption file's suffix beside each image (data.images.caption_ext)")
+    resolution: int = Field(1024, ge=16, le=8192, description="data.images.resolution: the buckets' area is about resolution squared")
+    bucket_step: int = Field(64, ge=8, le=1024, description="data.images.bucket_step")
+    max_aspect: float = Field(2.0, ge=1.0, le=8.0, description="data.images.max_aspect")
+    bucketing: bool = Field(True, description="data.images.bucketing: false trains every image at resolution x resolution")
+    videos: bool = Field(False, description="a video model's folder: clips are probed (frames, frame rate) with the images")
+    offset: int = Field(0, ge=0, le=1_000_000, description="the first file shown (files are sorted by path)")
+    limit: int = Field(24, ge=1, le=60, description="files shown, with thumbnails")
+
+
+@router.post("/dataset", summary="An image or video folder as diffusion training reads it: buckets, captions, and the files it rejects with why")
+def dataset(request: Request, body: DatasetRequest):
+    from zeropipe.server.dataset import dataset_view
+    from zeropipe.store import OutsideRoots
+
+    store = store_of(request)
+    folder = store.roots.absolute(body.path)
+    readable = store.roots.readable()
+    if not any(is_inside(folder, root) for root in readable):
+        raise OutsideRoots(f"{body.path} is outside the folders this UI may read ({', '.join(map(str, readable))})")
+    return dataset_view(folder, readable, body.caption_ext, body.resolution, body.bucket_step, body.max_aspect, body.bucketing, body.videos, body.offset, body.limit)
