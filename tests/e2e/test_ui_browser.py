@@ -175,6 +175,20 @@ def test_stop_resume_across_a_ui_restart(page, ui):
     page.wait_for_function(f"{evaluated % last_seen(page)} >= 2", timeout=120_000)
     screenshot(page, "08-running-after-ui-restart", full_page=False)
 
+    # Sample now: asked from the page, the two ranks answer the run's prompts together at their next step.
+    run_dir = ui.runs / "long-one"
+    assert not (run_dir / "generations.jsonl").exists()  # a language-model run answers only at its end otherwise
+    asked_at = last_seen(page)
+    page.click("#sample-now")
+    expect(page.locator("#action-message")).to_contain_text("every rank draws the samples together at its next step")
+    expect(page.locator("#generations tbody tr").first).to_be_visible(timeout=120_000)
+    answers = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert answers and all(row["step"] > asked_at for row in answers), answers
+    assert not (run_dir / "sample_request.json").exists()  # answered: rank 0 removed the request
+    assert "samples asked for from the UI" in (run_dir / "logs" / "rank0.log").read_text()
+    page.locator("#generations-card").scroll_into_view_if_needed()
+    screenshot(page, "32-sample-now", full_page=False)
+
     with page.expect_response(lambda r: r.url.endswith("/stop")) as stop:
         page.click("#stop")  # the confirm dialog is accepted by the fixture
     assert stop.value.status == 200, stop.value.text()

@@ -305,6 +305,39 @@ def test_preview_the_images_of_a_diffusion_example(page, ui):
     screenshot(page, "26-image-preview", full_page=False)
 
 
+def test_the_dataset_page_names_a_corrupted_image_as_rejected_with_why(page, ui):
+    from PIL import Image
+
+    folder = ui.data / "portraits"
+    folder.mkdir()
+    for name, size, caption in [("wide.png", (96, 48), "a wide red field"), ("tall.png", (48, 96), "a tall blue tower"), ("square.png", (64, 64), None)]:
+        Image.new("RGB", size, (200, 40, 40)).save(folder / name)
+        if caption:
+            (folder / name).with_suffix(".txt").write_text(caption)
+    good = (folder / "wide.png").read_bytes()
+    (folder / "broken.png").write_bytes(good[: len(good) // 2])  # cut off mid-file: it does not decode
+    Image.new("RGB", (64, 64)).save(ui.workdir / "elsewhere.png")
+    (folder / "link.png").symlink_to(ui.workdir / "elsewhere.png")  # leads out of the data folders
+    page.goto(f"{ui.url}/dataset?path={folder}&resolution=64&bucket_step=16")
+    rejected = page.locator("#ds-rejected tbody tr")
+    expect(rejected).to_have_count(2, timeout=60_000)
+    expect(page.locator("#ds-rejected tr[data-file='broken.png']")).to_contain_text("cannot be decoded")
+    expect(page.locator("#ds-rejected tr[data-file='link.png']")).to_contain_text("outside the folders this UI may read: not read")
+    files = page.locator("#ds-files figure.thumb")
+    expect(files).to_have_count(3)
+    expect(page.locator("#ds-files figure[data-file='tall.png']")).to_contain_text("a tall blue tower")
+    expect(page.locator("#ds-files figure[data-file='wide.png']")).to_contain_text("96×48 → bucket 80×48")
+    expect(page.locator("#ds-files figure[data-file='square.png']")).to_contain_text("(no caption)")
+    expect(page.locator("#ds-buckets tbody tr")).to_have_count(3)
+    expect(page.locator("#ds-buckets tr[data-bucket='64x64']")).to_contain_text("1")
+    assert page.locator("#ds-files img").first.evaluate("img => img.complete && img.naturalWidth > 0")
+    screenshot(page, "31-dataset", full_page=True)
+    # A folder outside the folders this UI may read is refused, not listed.
+    page.fill("#ds-path", "/etc")
+    page.click("#ds-open")
+    expect(page.locator("#ds-message")).to_contain_text("outside the folders this UI may read")
+
+
 # ------------------------------------------------------------------ generate
 def test_generate_from_a_trained_run_and_see_the_answer_stream_in(page, ui, trained):
     page.goto(f"{ui.url}/runs/{trained['id']}")
@@ -361,8 +394,8 @@ def test_chat_with_a_trained_run_remembers_the_earlier_turn(page, ui, trained):
     expect(page.locator("#chat-source")).to_have_value("checkpoint:step_00000012")
     # Where the model runs, and why (the Generate test before may have left it loaded: one model is kept).
     expect(page.locator("#chat-device")).to_contain_text(re.compile(r"on (cpu|cuda:\d+) \((no CUDA GPU|a GPU no training rank)"))
-    page.fill("#chat-system", "Answer with a number.")
-    page.fill("#chat-max-new-tokens", "6")
+    page.fill("#chat-system", "Be brief.")
+    page.fill("#chat-max-new-tokens", "4")
     page.fill("#chat-input", "What is 4 + 2?")
     page.click("#chat-send")
     first = page.locator("#chat-log .turn.assistant").nth(0)
@@ -379,7 +412,7 @@ def test_chat_with_a_trained_run_remembers_the_earlier_turn(page, ui, trained):
     first_answer = first.locator(".turn-text").inner_text()
     # The page sent the earlier turn, its answer and the system prompt with the new question...
     sent = json.loads(second_request.value.post_data)
-    assert sent["system"] == "Answer with a number."
+    assert sent["system"] == "Be brief."
     assert sent["messages"] == [
         {"role": "user", "content": "What is 4 + 2?"},
         {"role": "assistant", "content": first_answer},
@@ -390,12 +423,22 @@ def test_chat_with_a_trained_run_remembers_the_earlier_turn(page, ui, trained):
     loaded = load_model(ui.runs / "trained", device="cpu")
     assert int(second.get_attribute("data-prompt-tokens")) == len(render_prompt(loaded.tokenizer, conversation))
     assert int(second.get_attribute("data-prompt-tokens")) > int(first.get_attribute("data-prompt-tokens"))
-    expected = generate(loaded, [conversation], max_new_tokens=6)[0]
+    expected = generate(loaded, [conversation], max_new_tokens=4)[0]
     assert second.locator(".turn-text").inner_text() == expected.output
     screenshot(page, "30-chat", full_page=False)
+    # The tiny model reads 64 positions: a turn that would not fit is refused with what to do, and not kept.
+    page.fill("#chat-input", "And now what is 7 + 1 and 9 + 3 and 8 + 8?")
+    page.click("#chat-send")
+    third = page.locator("#chat-log .turn.assistant").nth(2)
+    expect(third).to_have_attribute("data-state", "failed", timeout=180_000)
+    expect(third).to_contain_text("the model reads at most 64: start a new conversation")
     # New chat forgets: the next turn is sent alone.
     page.click("#chat-new")
     expect(page.locator("#chat-log .turn")).to_have_count(0)
+    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as alone:
+        page.click("#chat-send")
+    assert json.loads(alone.value.post_data)["messages"] == [{"role": "user", "content": "And now what is 7 + 1 and 9 + 3 and 8 + 8?"}]
+    expect(page.locator("#chat-log .turn.assistant").first).to_have_attribute("data-state", "done", timeout=180_000)
 
 
 # ------------------------------------------------------------------ eval

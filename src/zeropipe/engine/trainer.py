@@ -144,10 +144,33 @@ class Trainer:
             self.record_metrics(epoch, loss, lr, tokens, samples, now - previous_end)
             recorded = time.perf_counter()
             self.task.after_step()
+            if self.sample_requested():
+                self.sample_now()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
             previous_end = now + (time.perf_counter() - recorded)
         self.save_checkpoint()
+
+    def sample_requested(self) -> bool:
+        """Whether the UI asked for samples now (``RUN/sample_request.json``), decided by rank 0 for every rank.
+
+        Sampling is a collective under ZeRO (every rank runs the partitioned model), so no rank
+        may decide alone from a file it sees at a slightly different time: rank 0 looks, and
+        broadcasts its answer.
+        """
+        import deepspeed.comm as dist
+
+        asked = torch.tensor([1.0 if self.rank == 0 and self.run.sample_request.is_file() else 0.0], device=self.device)
+        if self.world_size > 1:
+            dist.broadcast(asked, src=0)
+        return bool(asked.item())
+
+    def sample_now(self) -> None:
+        """Every rank draws the run's samples (answers) with the current weights; rank 0 then removes the request."""
+        log.info("step %d: samples asked for from the UI", self.step)
+        self.task.generate_samples()
+        if self.rank == 0:
+            self.run.sample_request.unlink(missing_ok=True)
 
     def train_step(self, batches: Iterator[tuple[int, Any]]) -> tuple[int, float, float, float, float]:
         """One optimizer step over ``accumulation`` micro-batches from ``batches``.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
 
@@ -113,3 +113,9 @@ def dataset(request: Request, body: DatasetRequest):
     if not any(is_inside(folder, root) for root in readable):
         raise OutsideRoots(f"{body.path} is outside the folders this UI may read ({', '.join(map(str, readable))})")
     return dataset_view(folder, readable, body.caption_ext, body.resolution, body.bucket_step, body.max_aspect, body.bucketing, body.videos, body.offset, body.limit)
+
+
+# -------------------------------------------------------------- sample now
+@router.post("/runs/{run_id}/sample", status_code=202, summary="Ask a running run for samples now: its ranks draw them together at the next step")
+def sample_now(request: Request, run_id: int = Path(ge=1, le=2**53, description="the run's id in the store")):
+    return store_of(request).request_samples(run_id)

@@ -13,6 +13,7 @@ launcher's pid, the metrics) is on disk.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -24,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints
+from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints, write_atomic
 from zeropipe.config.yaml_text import too_deep
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.rundir import RunDir
@@ -404,6 +405,26 @@ class RunStore:
                 self.reap()
             return None
         return launch
+
+    def request_samples(self, ref: int | str) -> dict[str, Any]:
+        """Ask a running run for samples now: a request file its ranks answer together at the next step boundary.
+
+        The UI never joins the run's collective itself; rank 0 sees the file, tells every rank, they
+        sample together (as at ``generate.sample_every``) and rank 0 removes the file.
+
+        Raises:
+            ActionRefused: the run is not training now.
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        status = self.run_dir(run).read_status_fields()
+        if run["state"] != "running" or status.get("state") != "running":
+            raise ActionRefused(f"run {run['name']} is {run['state']}, not training: samples are drawn by its ranks while it trains")
+        request = self.own(run, RunDir(run["path"]).sample_request.name)
+        pending = request.is_file()
+        if not pending:
+            write_atomic(request, json.dumps({"requested_at": time.time(), "by": "zeropipe ui"}))
+        return {"requested": True, "already_pending": pending, "step": run["step"]}
 
     def stop(self, ref: int | str) -> dict[str, Any]:
         """SIGTERM the run's launcher: it stops every rank and marks the run stopped.
