@@ -35,6 +35,11 @@ class Family(Protocol):
     # Optional (read with getattr, default False): its rank task's batches report a global data
     # position (engine.task.SamplerBatches), so a run resumes on another number of ranks.
     resumes_on_other_rank_counts: bool
+    # Optional (read with getattr, default False): it draws pictures outside training, for the
+    # UI's Draw page, with ``load_for_drawing(source, device, dtype) -> LoadedModel`` and
+    # ``draw(loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames)``
+    # (the diffusion family's ``draw.py``); ``zeropipe.families.load_drawing`` / ``draw`` ask it.
+    draws_images: bool
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""

@@ -23,6 +23,11 @@ from typing import Any, Iterator
 from zeropipe.errors import ZeroPipeError
 
 MAX_NEW_TOKENS = 1024
+
+
+class ModelBusy(ZeroPipeError):
+    """Another request holds the loaded model."""
+
 IDLE_SECONDS = 300.0
 
 
@@ -70,18 +75,40 @@ class Generator:
         self.last_used = time.monotonic()
         self.unloader: threading.Thread | None = None
 
-    def model(self, path: Path, checkpoint: str | None):
-        from zeropipe.families import load_model
+    def model(self, path: Path, checkpoint: str | None, purpose: str = "answer"):
+        """The model of ``path`` (and checkpoint), loaded once: to answer (Generate, Chat) or to draw (Draw)."""
+        from zeropipe.families import load_drawing, load_model
 
-        key = (str(path), checkpoint)
+        key = (str(path), checkpoint, purpose)
         if self.key != key:
-            self.unload()  # let the previous model go before loading the next
+            self.unload()  # let the previous model go before loading the next: one model at a time
             device, self.device_reason = model_device()
-            self.loaded = load_model(path, checkpoint=checkpoint, device=device)
+            loader = load_drawing if purpose == "draw" else load_model
+            self.loaded = loader(path, checkpoint=checkpoint, device=device)
             self.key = key
             self.watch_idle()
         self.last_used = time.monotonic()
         return self.loaded
+
+    def draw(self, path: Path, checkpoint: str | None, out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+        """Draw one picture (or clip) into ``out_dir``; the answer names the files and what drew them.
+
+        Raises:
+            ZeroPipeError: the model cannot be loaded or cannot draw; ActionRefused-like busy state as ZeroPipeError.
+        """
+        from zeropipe.families import draw
+
+        if not self.lock.acquire(timeout=1):
+            raise ModelBusy("the model is answering or drawing for another request: wait for it, then send again")
+        started = time.monotonic()
+        try:
+            loaded = self.model(path, checkpoint, purpose="draw")
+            files = draw(loaded, out_dir, **settings)
+            return {"source": loaded.source.describe(), "device": str(loaded.device), "device_reason": self.device_reason,
+                    "files": files, "seconds": round(time.monotonic() - started, 2)}  # fmt: skip
+        finally:
+            self.last_used = time.monotonic()
+            self.lock.release()
 
     def unload(self) -> None:
         """Let the loaded model go (the caller holds the lock, or nothing else uses the model)."""

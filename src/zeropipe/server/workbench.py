@@ -119,3 +119,95 @@ def dataset(request: Request, body: DatasetRequest):
 @router.post("/runs/{run_id}/sample", status_code=202, summary="Ask a running run for samples now: its ranks draw them together at the next step")
 def sample_now(request: Request, run_id: int = Path(ge=1, le=2**53, description="the run's id in the store")):
     return store_of(request).request_samples(run_id)
+
+
+# -------------------------------------------------------------------- draw
+MAX_DRAW_PIXELS = 2048 * 2048  # width x height x frames of one drawing: minutes on a CPU, seconds on a GPU
+DRAW_NAME = r"^draw-[0-9]{8}-[0-9]{6}-[0-9]{3}$"
+DRAW_FILE = r"^[A-Za-z0-9_-]{1,64}\.(png|mp4|webp|json)$"
+
+
+class DrawRequest(Strict):
+    run_id: int = Field(..., ge=1, le=2**53, description="the diffusion run whose weights draw")
+    checkpoint: str | None = Field(None, max_length=64, description="a complete checkpoint of the run (default: the latest)")
+    export: str | None = Field(None, max_length=100, description="a finished export of the run instead (a pipeline folder or a LoRA)")
+    prompt: str = Field(..., min_length=1, max_length=2000, description="what to draw")
+    negative_prompt: str = Field("", max_length=2000, description="what not to draw (pipelines that take one)")
+    width: int = Field(512, ge=16, le=2048, multiple_of=8, description="pixels; a multiple of 8")
+    height: int = Field(512, ge=16, le=2048, multiple_of=8, description="pixels; a multiple of 8")
+    steps: int = Field(20, ge=1, le=150, description="denoising steps")
+    guidance: float = Field(5.0, ge=0, le=30, description="classifier-free guidance scale")
+    seed: int = Field(0, ge=0, le=2**31)
+    frames: int | None = Field(None, ge=1, le=257, description="video models: frames of the clip (default: the pipeline's)")
+
+    @model_validator(mode="after")
+    def bounded(self):
+        if self.width * self.height * (self.frames or 1) > MAX_DRAW_PIXELS:
+            raise ValueError(f"width x height x frames is over {MAX_DRAW_PIXELS:,} pixels: draw smaller (or fewer frames)")
+        if self.checkpoint is not None and self.export is not None:
+            raise ValueError("name a checkpoint or an export, not both")
+        return self
+
+
+@router.post("/draw", summary="Draw a picture (a clip for video models) with a diffusion run's checkpoint or export; kept in RUN/draws/")
+def draw(request: Request, body: DrawRequest):
+    import json
+    import time
+
+    from zeropipe.server.generation import ModelBusy
+    from zeropipe.store import ActionRefused
+
+    store = store_of(request)
+    run = store.run(body.run_id)
+    if body.export is not None:
+        source, checkpoint, weights = store.export_folder(run["id"], body.export), None, f"export {body.export}"
+    else:
+        source = store.own_run_dir(run)
+        checkpoint = store.checkpoint_for(run, body.checkpoint).tag
+        weights = f"checkpoint {checkpoint}"
+    now = time.time()
+    name = time.strftime("draw-%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}"
+    out_dir = store.own(run, f"draws/{name}")  # confined: a draws/ link out of the run is refused
+    settings = body.model_dump(include={"prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed", "frames"})
+    try:
+        result = request.app.state.generator.draw(source, checkpoint, out_dir, settings)
+    except ModelBusy as err:
+        raise ActionRefused(str(err)) from None
+    record = {"name": name, "weights": weights, **settings, **result, "created_at": now}
+    (out_dir / "draw.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+@router.get("/runs/{run_id}/draws", summary="The pictures drawn with a run's weights, newest first")
+def list_draws(request: Request, run_id: int = Path(ge=1, le=2**53)):
+    import json
+    import re
+
+    store = store_of(request)
+    run = store.run(run_id)
+    folder = store.own_or_none(run, "draws")
+    out = []
+    if folder is not None and folder.is_dir():
+        for entry in sorted(folder.iterdir(), reverse=True)[:100]:
+            info = store.own_or_none(run, f"draws/{entry.name}/draw.json") if re.match(DRAW_NAME, entry.name) else None
+            if info is None or not info.is_file():
+                continue
+            try:
+                out.append(json.loads(info.read_text()))
+            except ValueError:
+                continue
+    return {"draws": out}
+
+
+@router.get("/runs/{run_id}/draws/{name}/{file}", summary="A file of a drawing (PNG, mp4 or animated WebP)")
+def draw_file(request: Request, run_id: int = Path(ge=1, le=2**53), name: str = Path(pattern=DRAW_NAME), file: str = Path(pattern=DRAW_FILE)):
+    from fastapi.responses import FileResponse
+
+    from zeropipe.store import RunNotFound
+
+    store = store_of(request)
+    run = store.run(run_id)
+    path = store.own_or_none(run, f"draws/{name}/{file}")
+    if path is None or not path.is_file():
+        raise RunNotFound(f"no file {file} in drawing {name} of run {run['name']}")
+    return FileResponse(path)

@@ -81,7 +81,9 @@ def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dty
         pipeline.load_lora_weights(str(source.path))
     else:
         pipeline = pipeline_class(export_info(source.path).get("architecture")).from_pretrained(str(source.path), torch_dtype=torch.float32)
-    pipeline = pipeline.to(device=device, dtype=dtype)
+    pipeline = pipeline.to(device)
+    if dtype != torch.float32:  # bf16 on a GPU (export.generate.pick_dtype); the CPU draws in fp32
+        pipeline = pipeline.to(dtype=dtype)
     pipeline.set_progress_bar_config(disable=True)
     return LoadedModel(pipeline, None, source, device)
 
