@@ -546,3 +546,74 @@ def test_ask_a_vision_language_run_about_an_image(page, ui):
     page.fill("#gen-image", "/etc/hostname")
     page.click("#gen-send")
     expect(page.locator("#gen-answers .answer").first).to_contain_text("outside the folders this UI may read")
+
+
+# ------------------------------------------------------- diffusion: sample now, draw
+DIFFUSION_CONFIG = {
+    "run": {"name": "tiny-diffusion", "seed": 42},
+    "model": {"config": {"pipeline": "tiny-sdxl", "vae_fit_steps": 0}},
+    "data": {"synthetic": {"task": "shapes", "examples": 16}, "images": {"resolution": 32, "bucket_step": 8}},
+    "train": {"max_steps": 400, "micro_batch_size": 4, "lr": 2.0e-3, "warmup_steps": 1, "save_every": 2},
+    "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+    "hardware": {"gpus": 1},
+    "generate": {"prompts": ["a red circle on a blue background"], "sample_steps": 2},
+}
+
+
+def test_sample_a_running_diffusion_run_now_then_draw_from_its_checkpoint(page, ui):
+    """One tiny SDXL-layout run (1 CPU rank): samples asked for while it trains, then a picture drawn from its checkpoint."""
+    import json
+
+    run = ui.api("/api/runs", {"yaml": yaml.safe_dump(json_copy(DIFFUSION_CONFIG))})["run"]
+    run_dir = ui.runs / "tiny-diffusion"
+    page.goto(f"{ui.url}/runs/{run['id']}")
+    expect(page.locator("#run-name .badge")).to_have_text("running", timeout=300_000)
+    expect(page.locator("#checkpoints tbody tr")).not_to_have_count(0, timeout=300_000)
+    assert not (run_dir / "samples").exists()  # generate.sample_every is unset: no sample until asked
+    page.click("#sample-now")
+    expect(page.locator("#action-message")).to_contain_text("every rank draws the samples together at its next step")
+    gallery = page.locator("#gallery img")
+    expect(gallery.first).to_be_visible(timeout=120_000)
+    page.wait_for_function("[...document.querySelectorAll('#gallery img')].every((img) => img.complete && img.naturalWidth === 32)")
+    rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == ["a red circle on a blue background"]
+    assert not (run_dir / "sample_request.json").exists()  # answered: rank 0 removed the request
+    page.locator("#gallery-card").scroll_into_view_if_needed()
+    screenshot(page, "32-sample-now", full_page=False)
+    with page.expect_response(lambda r: r.url.endswith("/stop")):
+        page.click("#stop")
+    expect(page.locator("#run-name .badge")).to_have_text("stopped", timeout=120_000)
+
+    page.click("#draw-link")
+    expect(page).to_have_url(re.compile(rf"/draw\?run={run['id']}$"))
+    expect(page.locator("#draw-source")).to_have_value(re.compile(r"^checkpoint:step_\d+$"))
+    page.fill("#draw-prompt", "a green square on a white background")
+    page.fill("#draw-width", "32")
+    page.fill("#draw-height", "48")
+    page.fill("#draw-steps", "3")
+    page.fill("#draw-seed", "7")
+    with page.expect_response(lambda r: r.url.endswith("/api/draw"), timeout=300_000) as answer:
+        page.click("#draw-go")
+    assert answer.value.status == 200, answer.value.text()
+    drawn = page.locator("#draw-results figure.drawing").first
+    expect(drawn).to_contain_text("a green square on a white background")
+    expect(drawn).to_contain_text("32×48 · 3 steps · guidance 5 · seed 7")
+    expect(drawn).to_contain_text(re.compile(r"checkpoint step_\d+ on cpu"))
+    page.wait_for_function("(() => { const img = document.querySelector('#draw-results img.drawn'); return img && img.complete && img.naturalWidth === 32 && img.naturalHeight === 48; })()")
+    files = list((run_dir / "draws").glob("draw-*/image.png"))
+    assert len(files) == 1
+    from PIL import Image
+
+    with Image.open(files[0]) as image:
+        assert image.size == (32, 48)
+    screenshot(page, "33-draw", full_page=False)
+    # Kept with the run: the page shows it again after a reload.
+    page.reload()
+    expect(page.locator("#draw-results figure.drawing")).to_have_count(1)
+    # A language-model run does not draw; the page says where to go instead.
+    page.goto(f"{ui.url}/draw?run={ui.run('baseline')['id']}")
+    page.fill("#draw-prompt", "anything")
+    page.fill("#draw-width", "32")
+    page.fill("#draw-height", "32")
+    page.click("#draw-go")
+    expect(page.locator("#draw-message")).to_contain_text(re.compile("does not draw|no complete checkpoint|cannot"), timeout=120_000)

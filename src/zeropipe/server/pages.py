@@ -42,6 +42,11 @@ def chat_page(request: Request):
     return page(request, "chat.html", "Chat", nav="chat")
 
 
+@router.get("/draw", response_class=HTMLResponse)
+def draw_page(request: Request):
+    return page(request, "draw.html", "Draw", nav="draw")
+
+
 @router.get("/dataset", response_class=HTMLResponse)
 def dataset_page(request: Request):
     return page(request, "dataset.html", "Dataset", nav="dataset")

@@ -156,6 +156,7 @@
       buttons.push(select, el("label", { for: "resume-ranks" }, "on"), ranks, el("span", {}, "ranks"), el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value, gpus()) }, "Resume"));
     }
     if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    if (run.has_samples && (detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "draw-link", href: `/draw?run=${run.id}` }, "Draw"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));

@@ -99,3 +99,63 @@ def test_conversations_render_whole_and_refuse_what_cannot_be_answered():
     check_context(model, 56, 8)
     with pytest.raises(ZeroPipeError, match="reads at most 64: start a new conversation"):
         check_context(model, 57, 8)
+
+
+# ------------------------------------------------------------------ sample now, draw, dataset
+def test_sample_now_is_refused_for_a_run_that_is_not_training(client, tmp_path):
+    response = client.post("/api/runs/1/sample", json={})
+    assert response.status_code == 409 and "not training" in response.json()["detail"], response.text
+    assert not (tmp_path / "runs" / "done" / "sample_request.json").exists()
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"run_id": 1, "prompt": ""}, 422, "prompt"),
+    ({"run_id": 1, "prompt": "x", "width": 4096}, 422, "width"),
+    ({"run_id": 1, "prompt": "x", "width": 36}, 422, "multiple of 8"),
+    ({"run_id": 1, "prompt": "x", "width": 2048, "height": 2048, "frames": 2}, 422, "over 4,194,304 pixels"),
+    ({"run_id": 1, "prompt": "x", "steps": 1000}, 422, "steps"),
+    ({"run_id": 1, "prompt": "x", "checkpoint": "../../etc"}, 409, "not a checkpoint name"),
+    ({"run_id": 1, "prompt": "x", "export": "../checkpoints"}, 404, "no export"),
+    ({"run_id": 1, "prompt": "x", "path": "/etc"}, 422, "path"),
+])  # fmt: skip
+def test_a_drawing_is_bounded_and_names_only_a_runs_weights(client, body, status, words):
+    response = client.post("/api/draw", json=body)
+    assert response.status_code == status, response.text
+    assert words in response.json()["detail"]
+
+
+def test_a_drawing_s_files_are_served_only_from_the_run_s_draws(client, tmp_path):
+    assert client.get("/api/runs/1/draws").json() == {"draws": []}
+    assert client.get("/api/runs/1/draws/draw-20260101-000000-000/..%2F..%2Fconfig.yaml").status_code in (404, 422)
+    assert client.get("/api/runs/1/draws/..%2F..%2F/config.yaml").status_code in (404, 422)
+    folder = tmp_path / "runs" / "done" / "draws" / "draw-20260101-000000-000"
+    folder.mkdir(parents=True)
+    (folder / "image.png").write_bytes(b"\x89PNG")
+    assert client.get("/api/runs/1/draws/draw-20260101-000000-000/image.png").content == b"\x89PNG"
+    (tmp_path / "secret.png").write_bytes(b"secret")
+    (folder / "link.png").symlink_to(tmp_path / "secret.png")
+    assert client.get("/api/runs/1/draws/draw-20260101-000000-000/link.png").status_code == 404
+
+
+def test_the_dataset_view_reads_only_the_folders_the_ui_may_read(tmp_path):
+    from PIL import Image
+
+    store = RunStore(Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path))
+    folder = tmp_path / "data" / "images"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (64, 32)).save(folder / "a.png")
+    (folder / "a.txt").write_text("a black field")
+    (tmp_path / "outside.txt").write_text("private words")
+    Image.new("RGB", (32, 32)).save(folder / "b.png")
+    (folder / "b.txt").symlink_to(tmp_path / "outside.txt")  # a caption that leads out
+    (folder / "c.png").write_bytes(b"not a png")
+    with TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1") as client:
+        assert client.post("/api/dataset", json={"path": "/etc"}).status_code == 403
+        assert client.post("/api/dataset", json={"path": str(folder), "caption_ext": "../x"}).status_code == 422
+        data = client.post("/api/dataset", json={"path": str(folder), "resolution": 64, "bucket_step": 16}).json()
+    store.close()
+    assert data["usable"] == 2 and data["layout"] == "flat"
+    assert {r["file"]: r["reason"] for r in data["rejected"]}["c.png"].startswith("not an image")
+    captions = {f["file"]: f["caption"] for f in data["files"]}
+    assert captions["a.png"] == "a black field" and "private words" not in str(data)
+    assert sum(b["files"] for b in data["buckets"].values()) == 2
