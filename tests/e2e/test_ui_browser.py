@@ -100,14 +100,14 @@ def test_create_a_run_from_the_form_and_watch_it_complete(page, ui):
     expect(page.locator("#command-yaml")).to_contain_text("micro_batch_size: 4")
     previewed = page.locator("#command-yaml").text_content()
     assert yaml.safe_load(previewed)["run"]["output_dir"] == str(ui.runs)  # the server's absolute path, as it writes it
+    page.locator("#command-card").scroll_into_view_if_needed()
+    screenshot(page, "50-command-preview", full_page=False)
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=ui.url)
     page.click("#copy-line")
     expect(page.locator("#copy-line")).to_have_text("copied")
     assert page.evaluate("navigator.clipboard.readText()") == f"zeropipe train {config_file}"
     page.click("#copy-yaml")
     assert page.evaluate("navigator.clipboard.readText()") == previewed
-    page.locator("#command-card").scroll_into_view_if_needed()
-    screenshot(page, "29-command-preview", full_page=False)
 
     page.click("#launch")
     page.wait_for_url(re.compile(r"/runs/\d+$"), timeout=60_000)
@@ -187,7 +187,7 @@ def test_stop_resume_across_a_ui_restart(page, ui):
     assert not (run_dir / "sample_request.json").exists()  # answered: rank 0 removed the request
     assert "samples asked for from the UI" in (run_dir / "logs" / "rank0.log").read_text()
     page.locator("#generations-card").scroll_into_view_if_needed()
-    screenshot(page, "32-sample-now", full_page=False)
+    screenshot(page, "55-sample-now-answers", full_page=False)
 
     with page.expect_response(lambda r: r.url.endswith("/stop")) as stop:
         page.click("#stop")  # the confirm dialog is accepted by the fixture

@@ -331,7 +331,7 @@ def test_the_dataset_page_names_a_corrupted_image_as_rejected_with_why(page, ui)
     expect(page.locator("#ds-buckets tbody tr")).to_have_count(3)
     expect(page.locator("#ds-buckets tr[data-bucket='64x64']")).to_contain_text("1")
     assert page.locator("#ds-files img").first.evaluate("img => img.complete && img.naturalWidth > 0")
-    screenshot(page, "31-dataset", full_page=True)
+    screenshot(page, "52-dataset", full_page=True)
     # A folder outside the folders this UI may read is refused, not listed.
     page.fill("#ds-path", "/etc")
     page.click("#ds-open")
@@ -425,7 +425,7 @@ def test_chat_with_a_trained_run_remembers_the_earlier_turn(page, ui, trained):
     assert int(second.get_attribute("data-prompt-tokens")) > int(first.get_attribute("data-prompt-tokens"))
     expected = generate(loaded, [conversation], max_new_tokens=4)[0]
     assert second.locator(".turn-text").inner_text() == expected.output
-    screenshot(page, "30-chat", full_page=False)
+    screenshot(page, "51-chat", full_page=False)
     # The tiny model reads 64 positions: a turn that would not fit is refused with what to do, and not kept.
     page.fill("#chat-input", "And now what is 7 + 1 and 9 + 3 and 8 + 8?")
     page.click("#chat-send")
@@ -579,7 +579,7 @@ def test_sample_a_running_diffusion_run_now_then_draw_from_its_checkpoint(page, 
     assert [row["prompt"] for row in rows] == ["a red circle on a blue background"]
     assert not (run_dir / "sample_request.json").exists()  # answered: rank 0 removed the request
     page.locator("#gallery-card").scroll_into_view_if_needed()
-    screenshot(page, "32-sample-now", full_page=False)
+    screenshot(page, "53-sample-now", full_page=False)
     with page.expect_response(lambda r: r.url.endswith("/stop")):
         page.click("#stop")
     expect(page.locator("#run-name .badge")).to_have_text("stopped", timeout=120_000)
@@ -606,7 +606,7 @@ def test_sample_a_running_diffusion_run_now_then_draw_from_its_checkpoint(page, 
 
     with Image.open(files[0]) as image:
         assert image.size == (32, 48)
-    screenshot(page, "33-draw", full_page=False)
+    screenshot(page, "54-draw", full_page=False)
     # Kept with the run: the page shows it again after a reload.
     page.reload()
     expect(page.locator("#draw-results figure.drawing")).to_have_count(1)
