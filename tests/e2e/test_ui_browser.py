@@ -100,6 +100,7 @@ def test_create_a_run_from_the_form_and_watch_it_complete(page, ui):
     expect(page.locator("#command-yaml")).to_contain_text("micro_batch_size: 4")
     previewed = page.locator("#command-yaml").text_content()
     assert yaml.safe_load(previewed)["run"]["output_dir"] == str(ui.runs)  # the server's absolute path, as it writes it
+    page.click("#command-details > summary")
     page.locator("#command-card").scroll_into_view_if_needed()
     screenshot(page, "50-command-preview", full_page=False)
     page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=ui.url)

@@ -313,10 +313,20 @@
       commandBox.replaceChildren(el("span", { class: "muted" }, command.reason));
       return;
     }
+    // The file folds away: the New-run page must stay one screen beside the plan.
+    const copyYaml = el("button", { id: "copy-yaml", class: "small", title: "copy the config file's text" }, "Copy");
+    copyYaml.addEventListener("click", () => copyText(command.yaml, copyYaml));
+    const lines = command.yaml.split("\n").length - 1;
     commandBox.replaceChildren(
       copyBlock("line", "command", command.command),
-      el("div", { class: "small muted" }, `run from ${command.cwd}; the UI starts it as `, el("code", {}, command.argv.join(" ")), ", detached, its output in the run's logs/launcher.log"),
-      copyBlock("yaml", command.config_path, command.yaml)
+      el("div", { class: "toolbar", style: "margin:4px 0" }, el("strong", { class: "small" }, command.config_path), el("span", { class: "spacer" }), copyYaml),
+      el(
+        "details",
+        { id: "command-details" },
+        el("summary", { class: "small" }, `the file (${lines} lines) and the process the UI starts`),
+        el("div", { class: "small muted" }, `run from ${command.cwd} as `, el("code", {}, command.argv.join(" ")), ", detached, its output in the run's logs/launcher.log"),
+        el("pre", { id: "command-yaml", class: "command" }, command.yaml)
+      )
     );
   }
 
