@@ -70,7 +70,7 @@ def test_an_idle_model_is_let_go(monkeypatch, tmp_path):
         loads.append((str(path), checkpoint, device))
         return SimpleNamespace(device=SimpleNamespace(type="cpu"), source=SimpleNamespace(describe=lambda: f"{path}"))
 
-    import zeropipe.families as families
+    from zeropipe import families
 
     monkeypatch.setattr(families, "load_model", fake_load)
     monkeypatch.setenv("ZEROPIPE_UI_MODEL_IDLE_SECONDS", "1")

@@ -44,7 +44,7 @@ def pipeline_class(architecture: str | None):
     if architecture:
         try:
             return architecture_named(architecture).pipeline()
-        except Exception:  # noqa: BLE001 - an unknown name: diffusers reads the class from model_index.json
+        except Exception:  # noqa: BLE001, S110 - an unknown name: diffusers reads the class from model_index.json
             pass
     from diffusers import DiffusionPipeline
 
