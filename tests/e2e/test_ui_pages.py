@@ -318,7 +318,19 @@ def test_the_dataset_page_names_a_corrupted_image_as_rejected_with_why(page, ui)
     (folder / "broken.png").write_bytes(good[: len(good) // 2])  # cut off mid-file: it does not decode
     Image.new("RGB", (64, 64)).save(ui.workdir / "elsewhere.png")
     (folder / "link.png").symlink_to(ui.workdir / "elsewhere.png")  # leads out of the data folders
-    page.goto(f"{ui.url}/dataset?path={folder}&resolution=64&bucket_step=16")
+    # From the New-run page's preview of a diffusion config on that folder, to the whole folder.
+    page.goto(ui.url + "/new")
+    page.wait_for_selector("#preset option[value='example:diffusion-quickstart']", state="attached")
+    page.select_option("#preset", "example:diffusion-quickstart")
+    expect(page.locator("#yaml")).to_have_value(re.compile("tiny-sdxl"))
+    raw = yaml_of(page)
+    raw["data"] = {"path": str(folder), "images": {"resolution": 64, "bucket_step": 16}}
+    page.locator("#yaml").fill(yaml.safe_dump(raw))
+    expect(page.locator("#field-data-path")).to_have_value(str(folder))
+    page.click("#preview-data")
+    page.click("#open-dataset", timeout=120_000)
+    expect(page).to_have_url(re.compile(r"/dataset\?path="))
+    expect(page.locator("#ds-resolution")).to_have_value("64")
     rejected = page.locator("#ds-rejected tbody tr")
     expect(rejected).to_have_count(2, timeout=60_000)
     expect(page.locator("#ds-rejected tr[data-file='broken.png']")).to_contain_text("cannot be decoded")

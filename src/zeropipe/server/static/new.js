@@ -596,9 +596,16 @@
       ["images", `${data.records}, ${data.skipped_count} skipped${data.missing_captions ? `, ${data.missing_captions} without a caption (trained on the empty caption)` : ""}`],
       ["buckets (images × repeats)", buckets || "–"],
     ];
+    // The whole folder, page by page, with every rejected file: the Dataset page, with this config's bucket settings.
+    const images = (config.data && config.data.images) || {};
+    const folder = config.data && config.data.path;
+    const datasetLink = folder
+      ? el("a", { id: "open-dataset", href: `/dataset?${new URLSearchParams({ path: folder, ...Object.fromEntries(["resolution", "bucket_step", "max_aspect", "caption_ext"].filter((k) => images[k] !== undefined).map((k) => [k, images[k]])), ...(images.bucketing === false ? { bucketing: "0" } : {}) })}` }, "see the whole folder on the Dataset page")
+      : "";
     previewBox.replaceChildren(
       el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
       el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      datasetLink,
       el(
         "div",
         { class: "thumbs" },
