@@ -559,6 +559,21 @@ def test_ask_a_vision_language_run_about_an_image(page, ui):
     page.click("#gen-send")
     expect(page.locator("#gen-answers .answer").first).to_contain_text("outside the folders this UI may read")
 
+    # Chat: the picture goes with the first turn; the second turn is answered from both.
+    vlm_id = page.locator("#gen-run").input_value()
+    page.goto(f"{ui.url}/chat?run={vlm_id}")
+    expect(page.locator("#chat-source")).to_have_value("checkpoint:step_00000004")
+    page.fill("#chat-image", str(image))
+    page.fill("#chat-input", "Describe the image.")
+    page.click("#chat-send")
+    expect(page.locator("#chat-log .turn.assistant").nth(0)).to_have_attribute("data-state", "done", timeout=180_000)
+    assert page.locator("#chat-log .turn.assistant .turn-text").nth(0).inner_text().strip() == shown  # the same first answer as Generate's
+    page.fill("#chat-input", "And its colour?")
+    page.click("#chat-send")
+    second = page.locator("#chat-log .turn.assistant").nth(1)
+    expect(second).to_have_attribute("data-state", "done", timeout=180_000)
+    assert int(second.get_attribute("data-prompt-tokens")) > int(page.locator("#chat-log .turn.assistant").nth(0).get_attribute("data-prompt-tokens"))
+
 
 # ------------------------------------------------------- diffusion: sample now, draw
 DIFFUSION_CONFIG = {
