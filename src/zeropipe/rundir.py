@@ -201,6 +201,8 @@ class RunDir:
     pipeline = property(lambda self: self.path / "pipeline")  # diffusion runs from an inline preset: the built pipeline
     samples = property(lambda self: self.path / "samples")  # diffusion sample images, with index.jsonl
     samples_index = property(lambda self: self.path / "samples" / "index.jsonl")
+    # "Sample now" from the UI: the request the ranks answer at their next step boundary (engine/trainer.py).
+    sample_request = property(lambda self: self.path / "sample_request.json")
     owner_lock = property(lambda self: self.path / OWNER_LOCK)
 
     def rank_log(self, rank: int) -> Path:

@@ -110,6 +110,8 @@ class ImageScan:
     bad_lines: list[str] = field(default_factory=list)
     # Flat layout only: images with no caption file, trained with the empty caption.
     missing_captions: list[Path] = field(default_factory=list)
+    # Files found but not decoded because the scan was asked to stop at ``max_files`` (the UI's Dataset page).
+    unscanned: int = 0
 
 
 @dataclass
@@ -127,7 +129,13 @@ class PreparedImage:
 
 
 def scan_image_folder(
-    root: Path, caption_ext: str = ".txt", video_probe: Callable[[Path], tuple[int, int, int, float] | str] | None = None, video_suffixes: tuple[str, ...] = ()
+    root: Path,
+    caption_ext: str = ".txt",
+    video_probe: Callable[[Path], tuple[int, int, int, float] | str] | None = None,
+    video_suffixes: tuple[str, ...] = (),
+    max_files: int | None = None,
+    refuse: Callable[[Path], str | None] | None = None,
+    require_items: bool = True,
 ) -> ImageScan:
     """Find the captioned images under ``root`` and check that each one decodes.
 
@@ -142,6 +150,12 @@ def scan_image_folder(
         video_probe: for video models, reads a video file (``video_suffixes``) in full and returns
             (width, height, frames, frames per second) or the reason it cannot be used; videos
             and images are then scanned together (an image is a one-frame video).
+        max_files: decode at most this many files (a bounded look for the UI); the rest are
+            counted in ``unscanned``.
+        refuse: given each file before it is opened, returns the reason not to read it (the UI
+            refuses a link leading out of its folders), or None.
+        require_items: False to return a scan without a usable image instead of raising (the
+            UI lists what was rejected and why).
 
     Returns:
         The usable images sorted by path, and the files and metadata lines that were skipped.
@@ -181,9 +195,16 @@ def scan_image_folder(
         candidates = _flat_candidates(root, caption_ext, bad, missing_captions, suffixes)
 
     items = []
+    unscanned = 0
     for path, caption, repeats in candidates:
+        if max_files is not None and len(items) + len(bad) >= max_files:
+            unscanned += 1
+            continue
         if not usable(path):  # a UI run's image that is a symlink out of its folders: counted, never decoded
             bad.append(BadImage(path, OUTSIDE_REASON))
+            continue
+        if refuse is not None and (reason := refuse(path)) is not None:
+            bad.append(BadImage(path, reason))
             continue
         is_video = video_probe is not None and path.suffix.lower() in video_suffixes
         found = video_probe(path) if is_video else _decoded_size(path)
@@ -194,7 +215,7 @@ def scan_image_folder(
         frames, fps = timing if timing else (1, 0.0)
         items.append(ImageItem(path=path, caption=caption, repeats=repeats, width=width, height=height, frames=frames, fps=fps))
 
-    if not items:
+    if not items and require_items:
         problems = ""
         if bad:
             problems += f" {len(bad)} file(s) could not be used, the first: {bad[0]}."
@@ -207,7 +228,7 @@ def scan_image_folder(
     items.sort(key=lambda item: item.path)
     bad.sort(key=lambda problem: problem.path)
     missing_captions.sort()
-    return ImageScan(items=items, bad=bad, layout=layout, bad_lines=bad_lines, missing_captions=missing_captions)
+    return ImageScan(items=items, bad=bad, layout=layout, bad_lines=bad_lines, missing_captions=missing_captions, unscanned=unscanned)
 
 
 def _is_image_name(path: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> bool:

@@ -96,6 +96,7 @@ class Trainer:
         self.data_position = DataPosition.from_dict(self.plan.resume_data_position) if self.plan.resume_data_position else None
         self.batches = None
         self.pending_metrics: list[PendingStep] = []
+        self.samples_asked = False  # the UI asked for samples: seen by rank 0 at the last flush, known to every rank
         self.process = psutil.Process()
         self.task = make_task(self)
 
@@ -171,10 +172,27 @@ class Trainer:
             self.record_metrics(epoch, loss, lr, tokens, samples, now - previous_end)
             recorded = time.perf_counter()
             self.task.after_step()
+            if self.samples_asked:
+                self.samples_asked = False
+                self.sample_now()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
             previous_end = now + (time.perf_counter() - recorded)
         self.save_checkpoint()
+
+    def sample_now(self) -> None:
+        """Every rank draws the run's samples (answers) with the current weights; rank 0 then removes the request.
+
+        The UI asks by writing ``RUN/sample_request.json``. Sampling is a collective under ZeRO
+        (every rank runs the partitioned model), so no rank decides alone from a file it sees at
+        a slightly different time: rank 0 looks when the metrics are flushed and its answer
+        travels with the flush's one collective (:meth:`flush_metrics`), so asking costs the
+        steps between flushes nothing.
+        """
+        log.info("step %d: samples asked for from the UI", self.step)
+        self.task.generate_samples()
+        if self.rank == 0:
+            self.run.sample_request.unlink(missing_ok=True)
 
     def train_step(self, batches: Iterator[tuple[int, Any]]) -> tuple[int, torch.Tensor, float, float, float]:
         """One optimizer step over ``accumulation`` micro-batches from ``batches``.
@@ -245,13 +263,16 @@ class Trainer:
         if not pending:
             return
         losses = torch.stack([torch.as_tensor(p.loss, dtype=torch.float64, device=self.device) for p in pending])
-        figures = torch.tensor([[p.tokens, p.samples, p.rss, p.gpu] for p in pending], dtype=torch.float64).to(self.device)
-        local = torch.cat([losses.reshape(-1, 1), figures], dim=1)  # steps x (loss, tokens, samples, rss, gpu)
+        asked = float(self.rank == 0 and self.run.sample_request.is_file())
+        figures = torch.tensor([[p.tokens, p.samples, p.rss, p.gpu, asked] for p in pending], dtype=torch.float64).to(self.device)
+        local = torch.cat([losses.reshape(-1, 1), figures], dim=1)  # steps x (loss, tokens, samples, rss, gpu, samples asked)
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local)
         if self.rank != 0:
+            self.samples_asked = bool(gathered[0][-1, 5].item())  # rank 0's answer, read where it is read anyway: at the flush
             return
         table = torch.stack(gathered).cpu()  # ranks x steps x figures: the flush's one host copy
+        self.samples_asked = bool(asked)
         lines = []
         for number, p in enumerate(pending):
             rows = table[:, number, :]

@@ -13,7 +13,9 @@ launcher's pid, the metrics) is on disk.
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -23,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints
+from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints, write_atomic
 from zeropipe.config.yaml_text import too_deep
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.rundir import RunDir
@@ -353,11 +355,11 @@ class RunStore:
             written = RunDir(run_path)
             if any(p.exists() for p in (written.status_file, written.metrics, written.checkpoints)) or (row and self.open_launch(row["id"])):
                 raise ActionRefused(f"{run_path} already holds a run: choose another run.name (e.g. {config.run.name}-2), or resume that run from its page")
-            configs = run_path.parent / "configs"
-            configs.mkdir(parents=True, exist_ok=True)
-            config_path = configs / f"{config.run.name}.yaml"
-            config_path.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False))
-            argv = zeropipe_argv("train", config_path, *self.confine_arguments())
+            command = self.launch_command(config, absolute)
+            config_path = Path(command["config_path"])
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path.write_text(command["yaml"])
+            argv = command["argv"]
             fields = dict(name=config.run.name, root=str(run_path.parent), origin="ui", state="starting", created_at=time.time(), missing=0,
                           started_at=None, ended_at=None, diagnosis=None, stop_requested_at=None, step=0, last_loss=None, first_loss=None)  # fmt: skip
             if row:
@@ -395,6 +397,19 @@ class RunStore:
         arguments = [part for root in self.confinement.roots for part in ("--confine-to", str(root))]
         return arguments + (["--confine-multinode"] if self.trust_multinode else [])
 
+    def launch_command(self, config, absolute: dict[str, Any]) -> dict[str, Any]:
+        """What a launch of ``config`` writes and runs: the config file's path and text, and the command.
+
+        The New-run page's command preview shows this, so it is the launch itself, not a copy of it.
+        """
+        run_path = (Path(config.run.output_dir) / config.run.name).resolve()
+        config_path = run_path.parent / "configs" / f"{config.run.name}.yaml"
+        text = f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False)
+        confine = self.confine_arguments()
+        argv = zeropipe_argv("train", config_path, *confine)
+        command = " ".join(shlex.quote(part) for part in ["zeropipe", "train", str(config_path), *confine])
+        return {"config_path": str(config_path), "yaml": text, "argv": argv, "command": command, "cwd": str(self.roots.base)}
+
     def start(self, run_id: int, action: str, argv: list[str], log_path: Path, stdout_path: Path | None = None, **fields: Any) -> int:
         if any(self.roots.runs_root_of(p) is None for p in (log_path, stdout_path) if p is not None):
             raise OutsideRoots(f"{log_path} leads out of the runs folders (a symlink?): nothing is started")
@@ -424,6 +439,26 @@ class RunStore:
                 self.reap()
             return None
         return launch
+
+    def request_samples(self, ref: int | str) -> dict[str, Any]:
+        """Ask a running run for samples now: a request file its ranks answer together at the next step boundary.
+
+        The UI never joins the run's collective itself; rank 0 sees the file, tells every rank, they
+        sample together (as at ``generate.sample_every``) and rank 0 removes the file.
+
+        Raises:
+            ActionRefused: the run is not training now.
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        status = self.run_dir(run).read_status_fields()
+        if run["state"] != "running" or status.get("state") != "running":
+            raise ActionRefused(f"run {run['name']} is {run['state']}, not training: samples are drawn by its ranks while it trains")
+        request = self.own(run, RunDir(run["path"]).sample_request.name)
+        pending = request.is_file()
+        if not pending:
+            write_atomic(request, json.dumps({"requested_at": time.time(), "by": "zeropipe ui"}))
+        return {"requested": True, "already_pending": pending, "step": run["step"]}
 
     def stop(self, ref: int | str) -> dict[str, Any]:
         """SIGTERM the run's launcher: it stops every rank and marks the run stopped.

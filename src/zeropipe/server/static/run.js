@@ -140,6 +140,9 @@
     if (["running", "starting", "stopping"].includes(run.state)) {
       buttons.push(el("button", { class: "danger", id: "stop", disabled: run.state === "stopping", onclick: stopRun }, run.state === "stopping" ? "Stopping…" : "Stop"));
     }
+    if (run.state === "running") {
+      buttons.push(el("button", { id: "sample-now", onclick: sampleNow, title: "every rank draws the run's samples (a diffusion run's images, a language model's answers) at its next step, with the current weights" }, "Sample now"));
+    }
     const complete = (detail ? detail.checkpoints : []).filter((c) => c.complete && (!run.total_steps || c.step < run.total_steps));
     if (ENDED.includes(run.state) && complete.length) {
       const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
@@ -153,6 +156,7 @@
       buttons.push(select, el("label", { for: "resume-ranks" }, "on"), ranks, el("span", {}, "ranks"), el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value, gpus()) }, "Resume"));
     }
     if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    if (run.has_samples && (detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "draw-link", href: `/draw?run=${run.id}` }, "Draw"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
@@ -179,6 +183,20 @@
       const data = await api(`${base}/stop`, { method: "POST", body: {} });
       say("Stop sent: the launcher is stopping every rank.", "info");
       onRun(data.run);
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  async function sampleNow() {
+    try {
+      const data = await api(`${base}/sample`, { method: "POST", body: {} });
+      say(
+        data.already_pending
+          ? "Samples were already asked for: the ranks draw them at their next step."
+          : `Asked at step ${data.step}: every rank draws the samples together at its next step; they appear below.`,
+        "info"
+      );
     } catch (error) {
       document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
     }
