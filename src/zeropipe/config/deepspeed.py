@@ -312,15 +312,19 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
         if isinstance(device, str):
             taken[("deepspeed", field_name)] = ("cpu" if device in ("cpu", "nvme") else "none", f"zero_optimization.{block}.device")
     fp16, bf16 = _explicit(user, "fp16", "enabled"), _explicit(user, "bf16", "enabled")
+    left_auto = "auto" in (_enabled(user, "fp16"), _enabled(user, "bf16"))
     if fp16 is True:
         taken[("deepspeed", "precision")] = ("fp16", "fp16.enabled")
     elif bf16 is True:
         taken[("deepspeed", "precision")] = ("bf16", "bf16.enabled")
-    elif fp16 is False or bf16 is False:
+    elif (fp16 is False or bf16 is False) and not left_auto:
+        # Only a JSON that turns both off (or the one it names) asks for fp32: LLaMA-Factory's
+        # `"bf16": {"enabled": "auto"}, "fp16": {"enabled": false}` leaves the choice to this config.
         taken[("deepspeed", "precision")] = ("fp32", "bf16.enabled/fp16.enabled false")
     clip = _explicit(user, "gradient_clipping")
     if isinstance(clip, (int, float)):
         taken[("train", "grad_clip")] = (float(clip), "gradient_clipping")
+    extra_notes = _fold_optimizer_and_scheduler(user, taken)
 
     folded = config.model_copy(deep=True)
     notes, conflicts = [], []
@@ -335,7 +339,84 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
             )
         setattr(part, name, value)
         notes.append(f"{section}.{name} = {value!r} (from {source}: {json_key})")
+    notes += [f"{source}: {note}" for note in extra_notes]
     return folded, notes, conflicts
+
+
+def _enabled(user: dict[str, Any], block: str) -> Any:
+    node = user.get(block)
+    return node.get("enabled") if isinstance(node, dict) else None
+
+
+# DeepSpeed's schedulers as ZeRO-Pipe's train.schedule: (schedule, what min_lr_ratio is when the JSON gives none).
+SCHEDULERS = {"WarmupLR": ("constant", None), "WarmupDecayLR": ("linear", 0.0), "WarmupCosineLR": ("cosine", 0.0001)}
+ADAM_TYPES = ("adam", "adamw")
+DEEPSPEED_WARMUP_STEPS, DEEPSPEED_WARMUP_MAX_LR = 1000, 0.001  # WarmupLR's and WarmupDecayLR's defaults (WarmupCosineLR: the steps)
+
+
+def _fold_optimizer_and_scheduler(user: dict[str, Any], taken: dict[tuple[str, str], tuple[Any, str]]) -> list[str]:
+    """The JSON's explicit optimizer and scheduler as train.*: DeepSpeed runs them, so config.yaml must say them.
+
+    An "auto" value is filled from the config later (:func:`resolve_user_config`), so it is the
+    config's already; an explicit one replaces it here. What train.* cannot express (another
+    optimizer, a warm-up that does not start at 0, DeepSpeed's log warm-up) is returned as notes.
+
+    Raises:
+        ConfigError: an optimizer or scheduler type train.* cannot describe (Lamb, OneBitAdam, OneCycle...).
+    """
+    notes: list[str] = []
+    optimizer = user.get("optimizer")
+    if isinstance(optimizer, dict):
+        kind = optimizer.get("type")
+        if isinstance(kind, str) and kind.lower() not in ADAM_TYPES:
+            raise ConfigError(
+                [("deepspeed.config_file", f"optimizer.type = {kind!r}: ZeRO-Pipe runs and records AdamW (train.lr, adam_beta1/2, adam_eps, weight_decay); "
+                  f"set \"type\": \"AdamW\" or remove the optimizer block (ZeRO-Pipe then writes its own from train.*)")]
+            )
+        params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+        for json_key, name in (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay")):
+            value = _explicit(params, json_key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                taken[("train", name)] = (float(value), f"optimizer.params.{json_key}")
+        betas = _explicit(params, "betas")
+        if isinstance(betas, list) and len(betas) == 2:
+            taken[("train", "adam_beta1")] = (float(betas[0]), "optimizer.params.betas[0]")
+            taken[("train", "adam_beta2")] = (float(betas[1]), "optimizer.params.betas[1]")
+        if kind == "Adam" and params.get("adam_w_mode") is False:
+            notes.append("optimizer Adam with adam_w_mode false: L2-regularised Adam, not AdamW; train.weight_decay is its L2 term")
+    scheduler = user.get("scheduler")
+    if isinstance(scheduler, dict):
+        kind = scheduler.get("type")
+        if kind not in SCHEDULERS:
+            raise ConfigError(
+                [("deepspeed.config_file", f"scheduler.type = {kind!r}: ZeRO-Pipe records its schedule as train.schedule (WarmupLR: constant, "
+                  "WarmupDecayLR: linear, WarmupCosineLR: cosine); use one of those, or remove the scheduler block (ZeRO-Pipe then writes its own)")]
+            )
+        schedule, floor = SCHEDULERS[kind]
+        taken[("train", "schedule")] = (schedule, f"scheduler.type {kind}")
+        params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
+        # A key the block leaves out is DeepSpeed's default, which is what runs (1000 warm-up steps, a 0.001 peak).
+        warmup = _explicit(params, "warmup_num_steps") if "warmup_num_steps" in params else DEEPSPEED_WARMUP_STEPS
+        if isinstance(warmup, int) and not isinstance(warmup, bool):
+            taken[("train", "warmup_steps")] = (warmup, "scheduler.params.warmup_num_steps" + ("" if "warmup_num_steps" in params else " (DeepSpeed's default)"))
+        peak = _explicit(params, "warmup_max_lr") if "warmup_max_lr" in params else DEEPSPEED_WARMUP_MAX_LR
+        if isinstance(peak, (int, float)) and not isinstance(peak, bool) and kind != "WarmupCosineLR":
+            # WarmupLR and WarmupDecayLR set the rate themselves; WarmupCosineLR scales the optimizer's lr.
+            taken[("train", "lr")] = (float(peak), "scheduler.params.warmup_max_lr" + ("" if "warmup_max_lr" in params else " (DeepSpeed's default)"))
+        ratio = _explicit(params, "cos_min_ratio")
+        if kind == "WarmupCosineLR" and isinstance(ratio, (int, float)):
+            taken[("train", "min_lr_ratio")] = (float(ratio), "scheduler.params.cos_min_ratio")
+        elif floor is not None and "cos_min_ratio" not in params:
+            taken[("train", "min_lr_ratio")] = (floor, f"{kind} decays to {floor} x lr")
+        start = _explicit(params, "warmup_min_lr" if kind != "WarmupCosineLR" else "warmup_min_ratio")
+        if isinstance(start, (int, float)) and start:
+            notes.append(f"scheduler.params warm-up starts at {start}, not at 0 as train.warmup_steps describes")
+        if "warmup_type" not in params:
+            notes.append(f"scheduler {kind} warms up with DeepSpeed's default warmup_type 'log', not linearly as train.warmup_steps describes")
+        total = _explicit(params, "total_num_steps")
+        if isinstance(total, int):
+            notes.append(f"scheduler.params.total_num_steps = {total}: the schedule ends there, whatever the run's length")
+    return notes
 
 
 def effective_batch_shape(ds_config: dict[str, Any]) -> tuple[int, int]:
