@@ -309,8 +309,9 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
         taken[("deepspeed", "zero_stage")] = (stage, "zero_optimization.stage")
     for block, field_name in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
         device = _explicit(user, "zero_optimization", block, "device")
-        if isinstance(device, str):
-            taken[("deepspeed", field_name)] = ("cpu" if device in ("cpu", "nvme") else "none", f"zero_optimization.{block}.device")
+        # NVMe is not folded as "cpu": `check` refuses it (ZP020), rather than planning host RAM it would not use.
+        if device in ("cpu", "none"):
+            taken[("deepspeed", field_name)] = (device, f"zero_optimization.{block}.device")
     fp16, bf16 = _explicit(user, "fp16", "enabled"), _explicit(user, "bf16", "enabled")
     left_auto = "auto" in (_enabled(user, "fp16"), _enabled(user, "bf16"))
     if fp16 is True:
