@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from zeropipe.convert.common import (
     as_number,
     find_path,
     is_unset,
+    list_rest,
     local_model,
     map_deepspeed,
     map_optimizer,
@@ -76,7 +78,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     rest = dict(raw)
     bases = (Path.cwd(), path.parent)
     rl = rest.pop("rl", None)
-    if not is_unset(rl):
+    if rl not in (None, "", False):
         name = RL_NAMES.get(str(rl).lower(), str(rl))
         raise ConversionError(
             f"{path}: rl: {rl} asks for {name} preference/RL training, which ZeRO-Pipe does not do (it trains supervised: "
@@ -95,11 +97,24 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
             conversion.skip("tokenizer_config", f"{tokenizer!r} is not a local folder: the tokenizer is read from model.path")
     if rest.pop("trust_remote_code", False):
         conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
-    if rest.pop("gradient_checkpointing", False):
+    checkpointing = rest.pop("gradient_checkpointing", None)
+    if checkpointing is True:
         conversion.set("model.gradient_checkpointing", True, "from gradient_checkpointing")
-    attention = [key for key in ATTENTION_KEYS if not is_unset(rest.get(key))]
-    for key in attention:
-        conversion.set("model.attn_implementation", "sdpa", f"from {key}: {rest.pop(key)} (PyTorch's sdpa uses flash kernels where it can)")
+    elif checkpointing is False:
+        conversion.set("model.gradient_checkpointing", False, "from gradient_checkpointing: false")
+    elif checkpointing == "offload":
+        # axolotl's "offload" keeps the checkpointed activations in host RAM; ZeRO-Pipe recomputes them on the GPU.
+        conversion.set("model.gradient_checkpointing", True, "from gradient_checkpointing: offload, as plain checkpointing (see the list above)")
+        conversion.skip("gradient_checkpointing", "'offload': activations are checkpointed but kept on the GPU, not offloaded to host RAM: `zeropipe plan` shows whether that fits")
+    elif not is_unset(checkpointing):
+        conversion.skip("gradient_checkpointing", f"{checkpointing!r}: true, false or offload")
+    for key in ATTENTION_KEYS:
+        value = rest.pop(key, None)
+        if value in (None, "", False):
+            if value is False:
+                conversion.already.append(f"{key}: false (attention runs on PyTorch's sdpa kernels)")
+            continue
+        conversion.set("model.attn_implementation", "sdpa", f"from {key}: {value} (PyTorch's sdpa uses flash kernels where it can)")
 
     _adapter(conversion, rest)
     _datasets(conversion, rest, bases)
@@ -139,17 +154,14 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         rest.pop("train_on_inputs")
         conversion.already.append("train_on_inputs: false (loss on responses only)")
 
-    for key, value in rest.items():
-        if is_unset(value):
-            continue
-        conversion.skip(key, NOT_MAPPED.get(key) or f"{value!r}: no ZeRO-Pipe equivalent, left out")
+    list_rest(conversion, rest, NOT_MAPPED)
     return conversion
 
 
 def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
     adapter = rest.pop("adapter", None)
     four_bit = bool(rest.pop("load_in_4bit", False))
-    if is_unset(adapter):
+    if adapter in (None, "", False):
         if four_bit:
             conversion.skip("load_in_4bit", "a 4-bit base can only train adapters: set adapter: qlora")
         for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear"):
@@ -170,6 +182,14 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         conversion.set("model.lora.target_modules", "all-linear", "from lora_target_linear: true")
         if not is_unset(modules):
             conversion.skip("lora_target_modules", "lora_target_linear: true already adapts every linear layer")
+    elif isinstance(modules, str) and re.search(r"[\\\[\]()|*+?^$]", modules):
+        # peft reads a string as a regular expression over whole module names (axolotl's vision recipes adapt the
+        # language model only); ZeRO-Pipe's target_modules are names, and a name list would adapt the vision tower too.
+        conversion.blocking.append(
+            f"lora_target_modules {modules!r} is a regular expression over module names; ZeRO-Pipe's model.lora.target_modules lists module "
+            "names (q_proj, v_proj, ...) and adapts them wherever they occur: set the names to adapt (or all-linear), knowing it covers every part of the model"
+        )
+        conversion.skip("lora_target_modules", "a regular expression: not converted (see CANNOT TRAIN YET above)")
     elif not is_unset(modules):
         conversion.set("model.lora.target_modules", [modules] if isinstance(modules, str) else list(modules), "from lora_target_modules")
     if adapter == "qlora" or four_bit:
