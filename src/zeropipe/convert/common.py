@@ -240,6 +240,9 @@ def map_trainer_keys(conversion: Conversion, rest: dict[str, Any], extra: dict[s
         if number is None:
             conversion.skip(key, f"{value!r} is not a number: left out")
             continue
+        if kind is int and number != int(number):
+            conversion.skip(key, f"{value!r} is not a whole number: left out (ZeRO-Pipe's default applies)")
+            continue
         conversion.set(target, kind(number), f"from {key}")
 
 
@@ -267,7 +270,9 @@ def map_optimizer(conversion: Conversion, key: str, value: Any) -> None:
     if is_unset(value):
         return
     if str(value) in ADAMW_OPTIMIZERS:
-        if str(value) != "adamw_torch":
+        if str(value) == "adamw_torch":
+            conversion.already.append(f"{key}: adamw_torch (DeepSpeed builds AdamW)")
+        else:
             conversion.skip(key, f"{value!r}: DeepSpeed builds AdamW (its CPU Adam under offload); 8-bit and paged states are not used: `zeropipe plan` shows what fits")
     else:
         conversion.skip(key, f"{value!r}: ZeRO-Pipe lets DeepSpeed build AdamW; other optimizers are not supported")
@@ -292,12 +297,13 @@ def map_precision(conversion: Conversion, rest: dict[str, Any], tool: str) -> No
     bf16, fp16 = rest.pop("bf16", None), rest.pop("fp16", None)
     if isinstance(bf16, str) and bf16 not in ("auto", "true", "false") or isinstance(fp16, str) and fp16 not in ("true", "false"):
         conversion.skip("bf16/fp16", f"bf16: {bf16!r}, fp16: {fp16!r}: not true or false")
+    also = f" (fp16: {str(fp16).lower()})" if fp16 is not None else ""
     if bf16 in (True, "auto", "true"):
-        conversion.set("deepspeed.precision", "bf16", f"from bf16: {str(bf16).lower()}")
+        conversion.set("deepspeed.precision", "bf16", f"from bf16: {str(bf16).lower()}{also}")
     elif fp16 in (True, "true"):
-        conversion.set("deepspeed.precision", "fp16", "from fp16: true")
+        conversion.set("deepspeed.precision", "fp16", f"from fp16: true (bf16: {str(bf16).lower()})")
     else:
-        conversion.set("deepspeed.precision", "fp32", f"neither bf16 nor fp16 is set: {tool} trains in fp32 then")
+        conversion.set("deepspeed.precision", "fp32", f"neither bf16 nor fp16 is set (bf16: {bf16}, fp16: {fp16}): {tool} trains in fp32 then")
 
 
 def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Path, ...]) -> None:

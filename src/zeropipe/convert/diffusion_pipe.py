@@ -368,6 +368,8 @@ def _optimizer(conversion: Conversion, optimizer: dict[str, Any]) -> None:
 
 
 def _monitoring(conversion: Conversion, monitoring: dict[str, Any]) -> None:
+    if monitoring.get("enable_wandb") is False:
+        conversion.already.append("[monitoring] enable_wandb = false (logging.wandb is off unless set)")
     if monitoring.pop("enable_wandb", False):
         conversion.set("logging.wandb", True, "from [monitoring] enable_wandb")
         if monitoring.get("wandb_tracker_name"):

@@ -90,13 +90,20 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         )
     if stage not in STAGES:
         raise ConversionError(f"{path}: stage: {stage} is not one ZeRO-Pipe knows (it converts sft and pt)")
-    if rest.pop("do_train", True) is False:
+    conversion.already.append(f"stage: {stage} ({STAGES[stage]})")
+    do_train = rest.pop("do_train", None)
+    if do_train is False:
         conversion.skip("do_train", "false: this config does not train; the conversion is a training config anyway")
+    elif do_train is not None:
+        conversion.already.append(f"do_train: {do_train}")
 
     local_model(conversion, "model_name_or_path", str(rest.pop("model_name_or_path", "")), bases)
     _prequantized(conversion, "model_name_or_path")
-    if rest.pop("trust_remote_code", False):
+    remote = rest.pop("trust_remote_code", None)
+    if remote:
         conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
+    elif remote is False:
+        conversion.already.append("trust_remote_code: false")
     # LLaMA-Factory checkpoints activations unless told not to.
     no_checkpointing = rest.pop("disable_gradient_checkpointing", False)
     conversion.set(
@@ -117,6 +124,8 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if neat or packing:
         note = "from neat_packing" if neat else "from packing (ZeRO-Pipe's packing is always 'neat': examples never attend to each other)"
         conversion.set("data.packing", True, note)
+    elif packing is False or neat is False:
+        conversion.already.append("packing: false (no packing)")
     val = as_number(rest.pop("val_size", None))
     if val:
         if val < 1:
@@ -156,6 +165,8 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         conversion.set("logging.wandb", True, "from report_to: wandb")
     elif report_to in ("none", "tensorboard", None):
         rest.pop("report_to", None)
+        if report_to is not None:
+            conversion.already.append(f"report_to: {report_to} (TensorBoard files are written to the run directory either way)")
 
     list_rest(conversion, rest, NOT_MAPPED)
     return conversion
@@ -163,6 +174,8 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
 
 def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
     method = str(rest.pop("finetuning_type", "lora"))
+    if method in ("full", "lora"):
+        conversion.already.append(f"finetuning_type: {method} ({'no model.lora: every weight trains' if method == 'full' else 'model.lora'})")
     lora_keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
     if method == "full":
         for key in lora_keys:
