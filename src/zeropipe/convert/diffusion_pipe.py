@@ -263,12 +263,9 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
                 "model.diffusion.denoiser_file", str(found or value),
                 f"from [model] transformer_path = {value!r}: a single-file transformer (original or ComfyUI layout) loaded over model.path's",
             )
-            if kind == "flux" and "kontext" in Path(value).name.lower():
-                conversion.skip(
-                    "model.transformer_path (Kontext)",
-                    "a FLUX.1 Kontext file over a FLUX.1 folder trains as text-to-image FLUX.1; for edit pairs (control_path) point model.path at a "
-                    "FluxKontextPipeline diffusers folder instead",
-                )
+            marker, note = TRANSFORMER_FILE_NOTES.get(kind, ("", ""))
+            if marker and marker in Path(value).name.lower():
+                conversion.skip(f"model.transformer_path ({marker})", note)
         else:
             conversion.skip("model.transformer_path", f"{value!r}: not a .safetensors file ZeRO-Pipe can read over model.path; the denoiser comes from model.path")
     for bound in ("min_t", "max_t"):
@@ -312,6 +309,11 @@ def _wan_transformer(conversion: Conversion, value: str, base: Path) -> None:
 # [model] types whose transformer_path ZeRO-Pipe reads, and how; types whose original checkpoint
 # folders have a diffusers release of their own on the Hub (the name it goes by there).
 TRANSFORMER_PATHS = {"wan": _wan_transformer}
+# type -> (a word in a transformer_path file name, what loading that file over model.path's folder means)
+TRANSFORMER_FILE_NOTES = {
+    "flux": ("kontext", "a FLUX.1 Kontext file over a FLUX.1 folder trains as text-to-image FLUX.1; for edit pairs (control_path) point model.path at a "
+                        "FluxKontextPipeline diffusers folder instead"),
+}
 # type -> (the original release's folder name, its diffusers release on the Hub, what to say for any other folder name)
 DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers", "the Wan-AI/Wan2.x-...-Diffusers repository of the same size and task")}
 
