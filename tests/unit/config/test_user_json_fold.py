@@ -79,3 +79,34 @@ def test_an_optimizer_or_scheduler_the_config_cannot_describe_is_refused(tmp_pat
     config = config_with(tmp_path, block)
     with pytest.raises(ConfigError, match=words):
         resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
+
+
+def test_the_saved_config_yaml_and_ds_config_json_say_the_same_run(tmp_path):
+    """prepare_run writes what ran: config.yaml's lr, betas, schedule and warm-up are the JSON's optimizer and scheduler."""
+    from zeropipe.config.load import validate_config
+    from zeropipe.launch.prepare import prepare_run
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "bf16": {"enabled": "auto"}, "fp16": {"enabled": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 2, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": 2},
+    }))
+    tiny = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = validate_config({
+        "run": {"name": "json", "output_dir": str(tmp_path / "runs")}, "model": {"config": tiny},
+        "data": {"synthetic": {"task": "arithmetic", "examples": 64}, "max_seq_len": 32},
+        "train": {"max_steps": 4, "micro_batch_size": 4, "lr": 1e-3, "schedule": "cosine"},
+        "deepspeed": {"config_file": str(ds_json), "precision": "fp32"}, "hardware": {"gpus": 2, "accelerator": "cpu"},
+    })
+    resolved = resolve_run(config, accelerator="cpu")
+    prepared = prepare_run(resolved)
+    saved = yaml.safe_load(prepared.run.config.read_text())
+    ds = json.loads(prepared.run.ds_config.read_text())
+    assert (saved["train"]["lr"], saved["train"]["adam_beta1"], saved["train"]["schedule"], saved["train"]["warmup_steps"]) == (3e-5, 0.8, "constant", 2)
+    assert ds["optimizer"]["params"]["lr"] == saved["train"]["lr"] and ds["scheduler"]["params"]["warmup_num_steps"] == saved["train"]["warmup_steps"]
+    assert ds["zero_optimization"]["stage"] == saved["deepspeed"]["zero_stage"] == 2
+    # The YAML's own lr and schedule lost to the JSON: said (ZP014), not silently replaced.
+    assert {"train.lr", "train.schedule"} <= {key for key, _ in resolved.conflicts}
