@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from zeropipe.config.load import validate_config
 from zeropipe.convert import ConversionError, convert_file, read_source
@@ -145,6 +146,9 @@ def outcome(tool: str, path: Path, monkeypatch) -> tuple[str, str]:
         expected = float(value) if isinstance(entries[target], float) else value
         if entries[target] != expected:
             return "silent", f"{key} = {value!r} became {target} = {entries[target]!r}"
+    # What `zeropipe convert` writes reads back as the same config (the comments are comments only).
+    if yaml.safe_load(conversion.to_yaml()) != conversion.raw():
+        return "unclear", "the written YAML does not read back as the converted config"
     try:
         validate_config(conversion.raw())
     except ConfigError as err:
