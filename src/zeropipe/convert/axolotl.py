@@ -197,13 +197,9 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         if not is_unset(modules):
             conversion.skip("lora_target_modules", "lora_target_linear: true already adapts every linear layer")
     elif isinstance(modules, str) and re.search(r"[\\\[\]()|*+?^$]", modules):
-        # peft reads a string as a regular expression over whole module names (axolotl's vision recipes adapt the
-        # language model only); ZeRO-Pipe's target_modules are names, and a name list would adapt the vision tower too.
-        conversion.blocking.append(
-            f"lora_target_modules {modules!r} is a regular expression over module names; ZeRO-Pipe's model.lora.target_modules lists module "
-            "names (q_proj, v_proj, ...) and adapts them wherever they occur: set the names to adapt (or all-linear), knowing it covers every part of the model"
-        )
-        conversion.skip("lora_target_modules", "a regular expression: not converted (see CANNOT TRAIN YET above)")
+        # peft reads a string as a regular expression over whole module names (axolotl's vision recipes adapt the language
+        # model's layers only): ZeRO-Pipe passes it on as such, where a one-name list would match nothing.
+        conversion.set("model.lora.target_modules", modules, "from lora_target_modules: a regular expression matched against whole module names, as peft reads it")
     elif not is_unset(modules):
         conversion.set("model.lora.target_modules", [modules] if isinstance(modules, str) else list(modules), "from lora_target_modules")
     if adapter == "qlora" or four_bit:

@@ -101,11 +101,12 @@ def test_migrate_doc_no_longer_says_video_models_cannot_train():
 
 
 # ------------------------------------------------------------------------------------------------ defect 4
-def test_a_regex_lora_target_of_axolotls_vision_recipes_is_not_a_module_name(monkeypatch):
+def test_a_regex_lora_target_of_axolotls_vision_recipes_stays_a_regex(monkeypatch):
+    """It became a one-element list of that string (a module name nothing is called): `check` passed, `train` refused."""
     monkeypatch.chdir(PEERS / "axolotl")
     conversion = convert_file(AXOLOTL / "qwen2_5-vl" / "lora-7b.yaml")
-    assert "model.lora.target_modules" not in values(conversion)
-    assert any("regular expression" in reason and "model.lora.target_modules" in reason for reason in conversion.blocking)
+    assert values(conversion)["model.lora.target_modules"] == r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"
+    assert conversion.blocking == []
 
 
 def test_double_quantization_false_turns_it_off(monkeypatch):
