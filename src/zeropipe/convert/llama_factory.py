@@ -112,10 +112,11 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         "from disable_gradient_checkpointing" if no_checkpointing else "LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing is set",
     )
     _method(conversion, rest)
+    vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
     _vision(conversion, rest)
 
     fmt_stage = "text" if stage == "pt" else None
-    _datasets(conversion, rest, path, fmt_stage)
+    _datasets(conversion, rest, path, fmt_stage, vision or "model.trainable" in conversion.entries)
     if "eval_dataset" in rest:
         conversion.skip("eval_dataset", f"{rest.pop('eval_dataset')!r}: set data.eval_path to its file (or use val_size)")
     cutoff = rest.pop("cutoff_len", None)
@@ -272,7 +273,7 @@ def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
     conversion.set("model.trainable", trainable, "from freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model (LLaMA-Factory's defaults where unset)")
 
 
-def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_format: str | None) -> None:
+def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_format: str | None, vision: bool = False) -> None:
     names = rest.pop("dataset", None)
     if is_unset(names):
         conversion.skip("dataset", "no dataset: set data.path to a local .jsonl/.json file")
@@ -297,6 +298,15 @@ def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_f
         raise ConversionError(f"{info_file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}): fix it") from None
     if not isinstance(info, dict):
         raise ConversionError(f"{info_file} must hold a JSON object of dataset descriptions")
+    # A vision-language recipe (an images column, or a VLM's freeze_* switches) reads one data.path: ZeRO-Pipe's
+    # vision-language runs do not draw mixtures (data.mixture is for causal language models).
+    with_images = [name for name in names if isinstance(info.get(name), dict) and "images" in (info[name].get("columns") or {})]
+    if len(names) > 1 and (with_images or vision):
+        imaged = f" ({', '.join(with_images)} with images)" if with_images else ""
+        conversion.blocking.append(
+            f"dataset: {', '.join(names)} is several datasets for a vision-language model{imaged}; "
+            "ZeRO-Pipe's vision-language runs read one data.path ({messages, images} JSONL): join the records into one file and set data.path to it"
+        )
     sources: list[tuple[str, Path, str]] = []
     for name in names:
         entry = info.get(name)

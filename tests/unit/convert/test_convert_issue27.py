@@ -221,3 +221,10 @@ def test_a_pre_quantized_base_cannot_train_and_says_what_to_use(monkeypatch, nam
     monkeypatch.chdir(LF)
     conversion = convert_file(LF / "examples" / "train_qlora" / name)
     assert any("pre-quantized" in reason and "quantization_bit: 4" in reason for reason in conversion.blocking)
+
+
+def test_a_vision_recipe_with_several_datasets_says_vlm_runs_read_one_file(monkeypatch):
+    """LLaMA-Factory's qwen3vl_lora_sft.yaml (mllm_demo, identity, alpaca_en_demo): no data.mixture that check then refuses for a VLM."""
+    monkeypatch.chdir(LF)
+    conversion = convert_file(LF / "examples" / "train_lora" / "qwen3vl_lora_sft.yaml")
+    assert any("vision-language" in reason and "one data.path" in reason for reason in conversion.blocking)
