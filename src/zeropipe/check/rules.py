@@ -209,7 +209,11 @@ def deepspeed_schema(ctx: CheckContext):
 
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    found = []
+    # What stopped the JSON from being resolved at all (an "auto" no rule fills, an optimizer train.* cannot describe): said here,
+    # with its key; ZP008 says the batch.
+    found = [(key, message, "change deepspeed.config_file (or the YAML) as the message says") for key, message in ctx.problems if key != "deepspeed.train_batch_size"]
+    if ctx.problems:
+        return found  # ds_config is the file as written then, "auto" values and all: DeepSpeed's parser would only repeat it
     whole = copy.deepcopy(ctx.ds_config)
     for block, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
         value = ctx.ds_config.get(block)
@@ -228,7 +232,9 @@ def deepspeed_schema(ctx: CheckContext):
         block = next((name for name, model in DEEPSPEED_BLOCK_MODELS.items() if model == err.title), err.title)
         found += _pydantic_findings(block, err)
     except Exception as err:  # DeepSpeed's own asserts and ValueErrors: its message is the best we have
-        found.append(("deepspeed", f"DeepSpeed refuses this config: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", "fix the key DeepSpeed names"))
+        said = str(err).splitlines()[0] if str(err) else ""
+        found.append(("deepspeed", f"DeepSpeed's config parser fails on this JSON ({type(err).__name__}: {said}): a value of the wrong type, or a block it does not read as given",
+                      "compare deepspeed.config_file with https://www.deepspeed.ai/docs/config-json/ and fix the value"))
     return found
 
 

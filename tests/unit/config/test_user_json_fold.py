@@ -51,7 +51,6 @@ def test_an_explicit_optimizer_and_scheduler_are_what_config_yaml_records(tmp_pa
     assert (train.lr, train.adam_beta1, train.weight_decay, train.schedule, train.warmup_steps) == (3e-5, 0.8, 3e-7, "constant", 500)
     # The YAML set lr and schedule itself: both are named as conflicts (ZP014), the JSON's values win.
     assert {"train.lr", "train.schedule"} <= {key for key, _ in resolved.conflicts}
-    assert any("warmup_type 'log'" in note for note in resolved.notes)
     ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, user_json=resolved.user_ds_config).config
     assert ds["optimizer"]["params"]["lr"] == train.lr and ds["scheduler"]["params"]["warmup_max_lr"] == train.lr
 
@@ -63,14 +62,23 @@ def test_an_auto_scheduler_block_still_decides_the_schedule(tmp_path):
     assert (resolved.config.train.schedule, resolved.config.train.lr, resolved.config.train.warmup_steps) == ("constant", 1e-4, 7)
     assert "train.schedule = 'constant'" in " ".join(resolved.notes)
     ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, user_json=resolved.user_ds_config).config
-    assert ds["scheduler"] == {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-4, "warmup_num_steps": 7}}
+    assert ds["scheduler"] == {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-4, "warmup_num_steps": 7, "warmup_type": "linear"}}
 
 
-def test_a_scheduler_without_params_runs_deepspeeds_defaults_and_says_so(tmp_path):
-    config = config_with(tmp_path, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}})
+def test_what_a_json_leaves_out_is_the_configs_and_is_written_in(tmp_path):
+    """Not DeepSpeed's defaults (betas 0.999, 1000 warm-up steps at a 0.001 peak, a log warm-up), which config.yaml would not say."""
+    ds_json = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}
+    config = config_with(tmp_path, ds_json, "train.adam_beta2=0.95", "train.warmup_steps=3")
     resolved = resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
     train = resolved.config.train
-    assert (train.schedule, train.lr, train.warmup_steps, train.min_lr_ratio) == ("linear", 0.001, 1000, 0.0)
+    assert (train.schedule, train.lr, train.warmup_steps, train.min_lr_ratio) == ("linear", 1e-4, 3, 0.0)
+    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, user_json=resolved.user_ds_config).config
+    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.95]
+    assert ds["scheduler"]["params"]["warmup_num_steps"] == 3 and ds["scheduler"]["params"]["warmup_max_lr"] == 1e-4
+    assert ds["scheduler"]["params"]["warmup_type"] == "linear" and ds["scheduler"]["params"]["total_num_steps"] == 100
+    # No precision or ZeRO block in the file: the config's are written in, not DeepSpeed's fp32 and stage 0.
+    assert ds["zero_optimization"]["stage"] == resolved.config.deepspeed.zero_stage
+    assert ("bf16" in ds or "fp16" in ds) or resolved.config.deepspeed.precision == "fp32"
 
 
 @pytest.mark.parametrize(("block", "words"), [({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "optimizer.type = 'OneBitAdam'"),

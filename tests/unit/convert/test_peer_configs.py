@@ -178,7 +178,7 @@ def test_the_tally_over_every_peer_example(monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------------------- DeepSpeed JSONs
-def _json_run(tmp_path: Path, path: Path):
+def _json_run(tmp_path: Path, path: Path, accelerator: str = "cuda"):
     from zeropipe.check import check_config
     from zeropipe.config.deepspeed import build_deepspeed_config
     from zeropipe.launch.resolve import resolve_run
@@ -188,11 +188,12 @@ def _json_run(tmp_path: Path, path: Path):
     raw = {"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "data": {"path": str(data)}, "hardware": {"gpus": 2},
            "deepspeed": {"config_file": str(path)}}
     config = validate_config(raw)
-    findings = check_config(config, accelerator="cpu")
+    # Judged for GPU ranks, which these JSONs are written for (fp16 is refused on CPU ranks, ZP010); no GPU is touched.
+    findings = check_config(config, world_size=2, accelerator=accelerator)
     errors = [f for f in findings if f.severity == "error"]
     if errors:
         return None, None, errors
-    resolved = resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
+    resolved = resolve_run(config, world_size=2, accelerator=accelerator, fill_auto_knobs=False)
     ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, hidden_size=32, user_json=resolved.user_ds_config).config
     return resolved, ds, []
 
@@ -214,12 +215,12 @@ def test_a_peers_deepspeed_json_runs_as_written_or_is_refused_with_the_key(tmp_p
     train, deepspeed = resolved.config.train, resolved.config.deepspeed
     # ...and config.yaml records what runs.
     assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (train.micro_batch_size, train.gradient_accumulation_steps)
-    assert ds["zero_optimization"].get("stage", 0) == deepspeed.zero_stage
+    assert ds.get("zero_optimization", {}).get("stage", 0) == deepspeed.zero_stage
     assert bool((ds.get("bf16") or {}).get("enabled")) == (deepspeed.precision == "bf16")
     assert bool((ds.get("fp16") or {}).get("enabled")) == (deepspeed.precision == "fp16")
     assert ds["optimizer"]["params"]["lr"] == train.lr and ds["optimizer"]["params"]["betas"] == [train.adam_beta1, train.adam_beta2]
     schedule = {"WarmupLR": "constant", "WarmupDecayLR": "linear", "WarmupCosineLR": "cosine"}[ds["scheduler"]["type"]]
     assert schedule == train.schedule
     for block in ("offload_optimizer", "offload_param"):
-        device = (ds["zero_optimization"].get(block) or {}).get("device", "none")
+        device = (ds.get("zero_optimization", {}).get(block) or {}).get("device", "none")
         assert device == getattr(deepspeed, block), block
