@@ -52,3 +52,14 @@ def test_nvme_offload_is_refused_not_planned_as_cpu(tmp_path):
 )
 def test_the_peers_plain_zero_jsons_pass_deepspeeds_whole_parser(tmp_path, name):
     assert not [f for f in errors(config_for(tmp_path, name)) if f.rule in ("ZP009", "ZP020")]
+
+
+@pytest.mark.parametrize(
+    ("ds_json", "words"),
+    [({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}, 'no rule fills "auto" for zero_optimization.sub_group_size'),
+     ("deepspeed/DeepSpeedExamples/bing_bert_1-bit_adam_nccl_deepspeed_bsz4k_onebitadam_config_seq128_nccl.json", "optimizer.type = 'OneBitAdam'")],
+)
+def test_what_stops_the_json_from_resolving_is_an_error_not_dropped(tmp_path, ds_json, words):
+    """check used to pass these (only a batch problem was reported); train then failed."""
+    found = [f for f in check_config(config_for(tmp_path, ds_json), accelerator="cuda") if f.severity == "error"]
+    assert any(f.rule == "ZP009" and f.key == "deepspeed.config_file" and words in f.message for f in found), [f.render() for f in found]
