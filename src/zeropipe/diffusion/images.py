@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -170,6 +171,7 @@ def scan_image_folder(
     missing_captions: list[Path] = []
     if metadata_files:
         layout = "metadata"
+        require_usable(metadata_files[0], "the captions file")  # a UI run's (zeropipe.confine): never through a symlink out of its folders
         candidates = _metadata_candidates(root, metadata_files[0], bad, bad_lines)
     elif kohya_folders:
         layout = "kohya"
@@ -180,6 +182,9 @@ def scan_image_folder(
 
     items = []
     for path, caption, repeats in candidates:
+        if not usable(path):  # a UI run's image that is a symlink out of its folders: counted, never decoded
+            bad.append(BadImage(path, OUTSIDE_REASON))
+            continue
         is_video = video_probe is not None and path.suffix.lower() in video_suffixes
         found = video_probe(path) if is_video else _decoded_size(path)
         if isinstance(found, str):
@@ -219,13 +224,17 @@ def _walk_images(top: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[
             subfolders[:] = []
             continue
         seen_folders.add(real_folder)
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        # A UI run's folder linked to elsewhere (zeropipe.confine) is not walked: its files would be skipped one by one anyway.
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith(".") and usable(Path(folder) / name))
         found += [Path(folder) / name for name in files if not name.startswith(".") and _is_image_name(Path(name), suffixes)]
     return sorted(found)
 
 
 def _read_caption(path: Path, bad: list[BadImage], image: Path) -> str | None:
-    """The stripped caption in ``path``; None (and a BadImage for ``image``) when it is not UTF-8 text."""
+    """The stripped caption in ``path``; None (and a BadImage for ``image``) when it is not UTF-8 text or leads out of a UI run's folders."""
+    if not usable(path):
+        bad.append(BadImage(image, f"its caption file {path.name} {OUTSIDE_REASON}"))
+        return None
     try:
         return path.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError as error:
@@ -368,6 +377,7 @@ def match_control_images(targets: list[Path], data_root: Path, control_root: Pat
     Raises:
         DataError: ``control_root`` is not a folder.
     """
+    require_usable(control_root, "data.control_path")
     control_root = Path(control_root).expanduser().resolve()
     if not control_root.is_dir():
         raise DataError(f"data.control_path {control_root} is not a folder: point it at the folder of control images (one per target image, same file name)")
@@ -386,6 +396,10 @@ def match_control_images(targets: list[Path], data_root: Path, control_root: Pat
         if len(candidates) > 1:
             found.append(None)
             problems.append(f"{target}: several control images have its name ({', '.join(p.name for p in candidates)}): keep one")
+            continue
+        if not usable(candidates[0]):
+            found.append(None)
+            problems.append(f"{target}: its control image {candidates[0]} {OUTSIDE_REASON}")
             continue
         size = _decoded_size(candidates[0])
         if isinstance(size, str):
@@ -484,6 +498,8 @@ def load_image_for_bucket(
         raise ValueError(f"crop '{crop}' is not one of {', '.join(CROPS)}")
     if crop == "random" and rng is None:
         raise ValueError("crop='random' needs rng (a random.Random) so the crops can be reproduced")
+    if not usable(path):  # swapped for a symlink since the folder was scanned: tested again when it is read
+        raise DataError(f"{path} {OUTSIDE_REASON}")
     try:
         with Image.open(path) as opened:
             opened.load()

@@ -115,6 +115,7 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> ModelSour
             "nor a LoRA adapter (adapter_config.json); give one of those"
         )
     info = checkpoint_of(path, run_path, checkpoint)
+    RunDir(info.path.parent.parent).use_checkpoint(info.path)  # a UI run's: never a checkpoint folder symlinked out of the run
     return ModelSource("run", info.path.parent.parent, checkpoint=info)
 
 

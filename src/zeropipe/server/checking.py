@@ -29,7 +29,10 @@ def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
 
     # Resolved once, for this machine (precision, the DeepSpeed JSON, the hardware): the checks
     # and the plan read the same resolved run, as train's would.
-    resolved, unresolved = resolve_for_page(config)
+    resolved, unresolved = resolve_for_page(config, store.confinement)
+    if isinstance(unresolved.get("refused"), ConfigError):
+        # Outside the roots (a DeepSpeed JSON writing elsewhere), a bad hostfile: the launch would be refused the same way.
+        return {"valid": False, "problems": problems_json(unresolved["refused"].problems), "findings": [], "plan": unplanned}
     try:
         findings = [finding.to_dict() for finding in check_config(resolved or config, hardware=detected_hardware())]
     except ZeroPipeError as err:
@@ -46,12 +49,22 @@ def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def resolve_for_page(config) -> tuple[Any, dict[str, Any]]:
-    """(the resolved run, None) or (None, the plan panel's reason) when the config cannot be resolved here."""
+def resolve_for_page(config, confinement=None) -> tuple[Any, dict[str, Any]]:
+    """(the resolved run, {}) or (None, the plan panel's reason) when the config cannot be resolved here.
+
+    Resolved confined to the UI's roots, as the launcher will resolve it. A config the launcher
+    would refuse when it resolves it (a path of the config or of its DeepSpeed JSON outside the
+    roots, a hostfile that is none, ssh options off the allow-list) is the reason's ``refused``
+    (a ConfigError); a batch that does not divide over the ranks is the check ZP008's to report.
+    """
     try:
         from zeropipe.launch.resolve import resolve_run
 
-        return resolve_run(config, fill_auto_knobs=False, hardware=detected_hardware()), {}
+        return resolve_run(config, fill_auto_knobs=False, hardware=detected_hardware(), confinement=confinement), {}
+    except ConfigError as err:
+        if not all(key == "deepspeed.train_batch_size" for key, _ in err.problems):
+            return None, {"available": False, "reason": "fix the problems first", "refused": err}
+        return None, {"available": False, "reason": f"the planner could not plan this config: {err}"}
     except ZeroPipeError as err:
         return None, {"available": False, "reason": f"the planner could not plan this config: {err}"}
     except Exception as err:  # noqa: BLE001 - the planner is young; its failure must not break the form

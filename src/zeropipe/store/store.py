@@ -58,12 +58,17 @@ class ActionRefused(ZeroPipeError):
 class RunStore:
     RunNotFound = RunNotFound  # for the store's parts (presets) that cannot import this module
 
-    def __init__(self, roots: Roots, db_path: str | Path | None = None, allow_remote_code: bool = False):
+    def __init__(self, roots: Roots, db_path: str | Path | None = None, allow_remote_code: bool = False, trust_multinode: bool = False):
         """Args:
             allow_remote_code: accept ``trust_remote_code`` in submitted configs (``zeropipe ui --allow-remote-code``).
+            trust_multinode: accept the fields that start commands on other machines (hardware.nodes, hostfile,
+                ssh_options from the allow-list, ...: ``zeropipe ui --trust-multinode``).
         """
         self.roots = roots
         self.allow_remote_code = allow_remote_code
+        self.trust_multinode = trust_multinode
+        # What every run launched here is confined to, by the launcher and every later reader of the run.
+        self.confinement = roots.confinement(multinode=trust_multinode)
         for root in roots.runs:
             root.mkdir(parents=True, exist_ok=True)
         self.db_path = Path(db_path).expanduser().resolve() if db_path else roots.primary_runs / ".zeropipe" / "runs.sqlite3"
@@ -319,7 +324,7 @@ class RunStore:
         """
         from zeropipe.config.load import validate_config
 
-        problems = config_path_problems(raw, self.roots, self.allow_remote_code)
+        problems = config_path_problems(raw, self.roots, self.allow_remote_code, self.trust_multinode)
         if too_deep(raw):  # refused before anything walks it recursively
             raise ConfigError(problems, source="the submitted config")
         absolute = absolutize(raw, self.roots)
@@ -339,7 +344,7 @@ class RunStore:
         from zeropipe.check import check_config
 
         config, absolute = self.validate(raw)
-        findings = check_config(config)
+        findings = check_config(self.resolve_confined(config) or config)
         if any(f.severity == "error" for f in findings):
             raise CheckFailed(findings)
         run_path = (Path(config.run.output_dir) / config.run.name).resolve()
@@ -352,7 +357,7 @@ class RunStore:
             configs.mkdir(parents=True, exist_ok=True)
             config_path = configs / f"{config.run.name}.yaml"
             config_path.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False))
-            argv = zeropipe_argv("train", config_path)
+            argv = zeropipe_argv("train", config_path, *self.confine_arguments())
             fields = dict(name=config.run.name, root=str(run_path.parent), origin="ui", state="starting", created_at=time.time(), missing=0,
                           started_at=None, ended_at=None, diagnosis=None, stop_requested_at=None, step=0, last_loss=None, first_loss=None)  # fmt: skip
             if row:
@@ -362,6 +367,33 @@ class RunStore:
                 run_id = self.db.insert_run(path=str(run_path), **fields)
             self.start(run_id, "train", argv, run_path / "logs" / "launcher.log", config_path=str(config_path))
         return self.run(run_id)
+
+    def resolve_confined(self, config):
+        """The config resolved as the launcher will resolve it, confined to the roots (the DeepSpeed JSON's paths included).
+
+        Returns None when it cannot be resolved for a reason ``check_config`` reports (ZP008: a
+        batch that does not divide over the ranks; no choice of the auto knobs fits).
+
+        Raises:
+            ConfinementError: a path of the config or of its DeepSpeed JSON outside the roots.
+            ConfigError: what the launcher would refuse when resolving it (a hostfile that is none,
+                ssh options off the allow-list): refused here, before a launcher starts.
+        """
+        from zeropipe.launch.resolve import resolve_run
+
+        try:
+            return resolve_run(config, fill_auto_knobs=False, confinement=self.confinement)
+        except ConfigError as err:
+            if all(key == "deepspeed.train_batch_size" for key, _ in err.problems):
+                return None
+            raise
+        except ZeroPipeError:
+            return None
+
+    def confine_arguments(self) -> list[str]:
+        """``zeropipe train``'s arguments that confine a run launched here (its resolved run applies them; run.json keeps them)."""
+        arguments = [part for root in self.confinement.roots for part in ("--confine-to", str(root))]
+        return arguments + (["--confine-multinode"] if self.trust_multinode else [])
 
     def start(self, run_id: int, action: str, argv: list[str], log_path: Path, stdout_path: Path | None = None, **fields: Any) -> int:
         if any(self.roots.runs_root_of(p) is None for p in (log_path, stdout_path) if p is not None):
@@ -417,6 +449,18 @@ class RunStore:
         return self.run(run["id"])
 
     def checkpoint_for(self, run: dict[str, Any], tag: str | None):
+        """A complete checkpoint of the run (default: the latest), for resume, export, eval and generate.
+
+        Raises:
+            ActionRefused: no such complete checkpoint.
+            OutsideRoots: its folder is a symlink leading out of the run (hidden from the list, and never used).
+        """
+        info = self.find_checkpoint(run, tag)
+        if self.own_or_none(run, f"checkpoints/{info.tag}") is None:
+            raise OutsideRoots(f"checkpoint {info.tag} of run {run['name']} leads outside the run directory (a symlink to elsewhere): it is not used")
+        return info
+
+    def find_checkpoint(self, run: dict[str, Any], tag: str | None):
         complete = list_checkpoints(Path(run["path"]))
         if tag is None:
             info = latest_checkpoint(Path(run["path"]))
@@ -455,7 +499,7 @@ class RunStore:
         run_dir = self.run_dir(run)
         config_file = run_dir.own(run_dir.config)  # what the resumed launcher reads: refused when it leads out of the run
         raw = run_dir.read_config_fields()
-        problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code) if p[0] not in ("run.name", "run.output_dir")]
+        problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code, self.trust_multinode) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
         if gpus is not None:
@@ -465,7 +509,7 @@ class RunStore:
             if self.busy_launch(run):
                 raise ActionRefused(f"run {run['name']} is already being started")
             ranks = [f"hardware.gpus={gpus}"] if gpus is not None else []
-            argv = zeropipe_argv("train", config_file, *ranks, "--resume", info.path)
+            argv = zeropipe_argv("train", config_file, *ranks, "--resume", info.path, *self.confine_arguments())
             self.db.update_run(run["id"], state="starting", stop_requested_at=None, diagnosis=None)
             detail = {"checkpoint": info.tag, **({"gpus": gpus} if gpus is not None else {})}
             self.start(run["id"], "resume", argv, run_dir.logs / "launcher.log", config_path=str(config_file), detail=detail)
