@@ -6,9 +6,11 @@ The same descriptions feed the CLI's error messages, the YAML reference in the d
 
 from __future__ import annotations
 
+import re
+
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, field_validator
 
 # The generated text tasks (data.synthetic.task); "shapes" is the image task of diffusion runs.
 TEXT_TASKS = ("arithmetic", "reverse", "mixed")
@@ -32,11 +34,22 @@ class LoraSection(Section):
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: float = Field(16, gt=0, description="LoRA alpha (scaling = alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: list[str] | Literal["auto", "all-linear"] = Field(
+    target_modules: list[str] | str = Field(
         "auto",
-        description="Module names to adapt (e.g. [q_proj, v_proj]), 'all-linear', or 'auto': the attention projections of the family "
-        "(q_proj, k_proj, v_proj, o_proj for language models; to_q, to_k, to_v, to_out.0 for diffusion models).",
+        description="Module names to adapt (e.g. [q_proj, v_proj]), 'all-linear', 'auto': the attention projections of the family "
+        "(q_proj, k_proj, v_proj, o_proj for language models; to_q, to_k, to_v, to_out.0 for diffusion models), or one string that is a "
+        "regular expression matched against whole module names, as peft reads it (e.g. 'model.language_model.layers.[\\d]+.self_attn.[qkvo]_proj': the language model's attention only, as axolotl's vision recipes write it).",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _a_pattern_compiles(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, str) and value not in ("auto", "all-linear"):
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"{value!r} is neither auto, all-linear, a list of module names nor a regular expression ({err})") from None
+        return value
 
 
 class QuantizationSection(Section):
