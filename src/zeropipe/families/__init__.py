@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.export.generate import check_sampling, pair_images, pick_device, pick_dtype
 from zeropipe.export.generate import resolve_source as locate
@@ -200,7 +201,7 @@ def load_drawing(path: str | Path, checkpoint: str | None = None, device: str | 
         ZeroPipeError: an unusable source, or a family that writes text rather than pictures.
     """
     path = Path(path).expanduser()
-    if (path / "zeropipe_export.json").is_file() and not (path / "model_index.json").is_file() and not (path / "adapter_config.json").is_file():
+    if (path / "zeropipe_export.json").is_file() and not is_pipeline_folder(path) and not (path / "adapter_config.json").is_file():
         # A diffusion LoRA export: the LoRA file, and its base named beside it.
         from zeropipe.export.generate import ModelSource
 

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.errors import ZeroPipeError
 from zeropipe.export.generate import LoadedModel, ModelSource, read_run_config
 
@@ -27,7 +28,7 @@ EXPORT_INFO = "zeropipe_export.json"
 
 def is_lora_export(path: Path) -> bool:
     """A diffusion LoRA written by ``zeropipe export`` (the LoRA file and its base named beside it, no pipeline)."""
-    return (path / EXPORT_INFO).is_file() and not (path / "model_index.json").is_file()
+    return (path / EXPORT_INFO).is_file() and not is_pipeline_folder(path)
 
 
 def export_info(path: Path) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dty
     elif source.kind == "adapter":
         info = export_info(source.path)
         base = Path(info.get("base_pipeline") or "")
-        if not (base / "model_index.json").is_file():
+        if not is_pipeline_folder(base):
             raise ZeroPipeError(f"the LoRA {source.path} was trained on {base}, which is no longer a pipeline folder: restore it, or draw from the run's checkpoint")
         pipeline = pipeline_class(info.get("architecture")).from_pretrained(str(base), torch_dtype=torch.float32)
         pipeline.load_lora_weights(str(source.path))
