@@ -7,7 +7,7 @@ from pathlib import Path as FilePath
 from typing import Any, Literal
 
 import yaml
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
@@ -51,6 +51,11 @@ class ResumeRequest(Strict):
         le=4096,
         description="ranks to resume on (default: the config's hardware.gpus); another count than the checkpoint's converts it "
         "to a universal checkpoint and keeps the global batch (the accumulation is recomputed)",
+    )
+    confirm: bool = Field(
+        False,
+        description="must be true: resuming from an older checkpoint moves the newer ones aside (into checkpoints/superseded-DATE), "
+        "so a resume is never done by a request that did not ask for it explicitly",
     )
 
 
@@ -176,6 +181,8 @@ def stop_run(request: Request, run_id: int = RunId):
 
 @router.post("/runs/{run_id}/resume", summary="Continue a run from a complete checkpoint")
 def resume_run(request: Request, body: ResumeRequest, run_id: int = RunId):
+    if not body.confirm:
+        raise HTTPException(400, "resuming moves the checkpoints newer than the chosen one aside: send \"confirm\": true to resume")
     return {"run": store_of(request).resume(run_id, body.checkpoint, body.gpus)}
 
 

@@ -123,11 +123,14 @@ class Database:
 
     # ------------------------------------------------------------------ runs
     def insert_run(self, **fields: Any) -> int:
+        """A new run's row; its id is past every id ever issued (a deleted run's id is never given again)."""
         fields = encode(fields)
         names = ", ".join(fields)
         marks = ", ".join("?" for _ in fields)
         with self.lock:
-            cursor = self.conn.execute(f"INSERT INTO runs ({names}) VALUES ({marks})", tuple(fields.values()))
+            cursor = self.conn.execute(
+                f"INSERT INTO runs (id, {names}) VALUES ((SELECT last + 1 FROM run_id_high_water), {marks})", tuple(fields.values())
+            )
             return int(cursor.lastrowid)
 
     def update_run(self, run_id: int, **fields: Any) -> None:

@@ -218,8 +218,15 @@
   }
 
   async function resumeRun(tag, gpus) {
+    // Resuming from an older checkpoint sets the newer ones aside: say so and ask first.
+    const chosen = (detail ? detail.checkpoints : []).find((c) => c.tag === tag);
+    const newer = (detail ? detail.checkpoints : []).filter((c) => chosen && c.step > chosen.step);
+    const aside = newer.length
+      ? `\n\n${newer.length} newer checkpoint${newer.length === 1 ? "" : "s"} (${newer.map((c) => c.tag).join(", ")}) will be moved aside into checkpoints/superseded-DATE (not deleted), and the metrics after step ${chosen.step} dropped.`
+      : "";
+    if (!confirm(`Resume ${detail ? detail.run.name : "this run"} from ${tag}${gpus ? ` on ${gpus} rank${gpus === 1 ? "" : "s"}` : ""}?${aside}`)) return;
     try {
-      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag, gpus } });
+      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag, gpus, confirm: true } });
       say(`Resuming from ${tag}${gpus ? ` on ${gpus} rank${gpus === 1 ? "" : "s"}` : ""}.`, "info");
       onRun(data.run);
       follow();
