@@ -60,6 +60,12 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.server.security import is_loopback, new_token
     from zeropipe.store import Roots, RunStore
 
+    from zeropipe.errors import ZeroPipeError
+
+    if args.token is not None and not args.token.strip():
+        # An empty token matches nothing a browser or script can send: the server would answer 401 to everything.
+        source = "--token" if "--token" in " ".join(sys.argv) else "$ZEROPIPE_UI_TOKEN"
+        raise ZeroPipeError(f"{source} is empty: give a token (any hard-to-guess text), or leave it out to have one generated when needed")
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
     store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code)
     token = args.token
@@ -74,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock.bind((args.host, args.port))
     except OSError as err:
-        from zeropipe.errors import ZeroPipeError
-
         raise ZeroPipeError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose another --port") from None
     port = sock.getsockname()[1]
     urls = [f"http://{f'[{host}]' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "") for host in shown_hosts(args.host)]

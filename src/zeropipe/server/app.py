@@ -69,6 +69,9 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
             ``store.refresh()`` themselves).
     """
 
+    if token is not None and not token.strip():
+        raise ValueError("an empty token matches no request: pass None for no token")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         refresher = Refresher(store, refresh_interval) if refresh_interval else None
