@@ -64,8 +64,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.token is not None and not args.token.strip():
         # An empty token matches nothing a browser or script can send: the server would answer 401 to everything.
-        source = "--token" if "--token" in " ".join(sys.argv) else "$ZEROPIPE_UI_TOKEN"
-        raise ZeroPipeError(f"{source} is empty: give a token (any hard-to-guess text), or leave it out to have one generated when needed")
+        raise ZeroPipeError(
+            "the token is empty (--token or $ZEROPIPE_UI_TOKEN): no request could ever carry it. Give a hard-to-guess token, "
+            "or leave both out to have one generated when the server is reachable from other machines"
+        )
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
     store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code)
     token = args.token
@@ -101,6 +103,16 @@ def run(args: argparse.Namespace) -> int:
     server = Server(config)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the Ctrl-C again once it has stopped: it is how the UI is meant to stop
     finally:
         store.close()
-    return 0
+    # Everything is saved and closed by now. The interpreter's own teardown (freeing torch,
+    # transformers and the rest module by module) would take seconds more, 5-7 s on a busy
+    # machine, while the terminal waits: skip it.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
