@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
             app.state.stopping.set()  # open event streams end now instead of holding the shutdown
             super().handle_exit(sig, frame)
 
-    # timeout_graceful_shutdown: whatever request still runs 5 s after Ctrl-C is cancelled.
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    # timeout_graceful_shutdown: whatever request still runs 1 s after Ctrl-C (a doctor report,
+    # a preview) is cancelled; runs are separate processes and go on.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     server = Server(config)
     try:
         server.run(sockets=[sock])
