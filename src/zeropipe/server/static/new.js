@@ -202,11 +202,11 @@
         value = jsyaml.load(yamlArea.value);
       } catch (err) {
         const where = err.mark ? ` (line ${err.mark.line + 1}, column ${err.mark.column + 1})` : "";
-        yamlError.replaceChildren(el("div", { class: "message error" }, `not valid YAML${where}: ${err.reason || err.message}`));
+        yamlInvalid(`not valid YAML${where}: ${err.reason || err.message}`);
         return;
       }
       if (value !== null && value !== undefined && (typeof value !== "object" || Array.isArray(value))) {
-        yamlError.replaceChildren(el("div", { class: "message error" }, "the top level must be a mapping of sections (model:, data:, train:, ...)"));
+        yamlInvalid("the top level must be a mapping of sections (model:, data:, train:, ...)");
         return;
       }
       yamlError.replaceChildren();
@@ -217,9 +217,21 @@
   });
 
   // ----------------------------------------------------------- check
+  // YAML that does not parse is not what the last check saw: the page must not keep saying
+  // "ready to launch" (nor keep Launch enabled) for the config as it was before the edit.
+  function yamlInvalid(text) {
+    clearTimeout(checkTimer);
+    checkSeq++; // a check still on its way answers for the old text: ignore it
+    yamlError.replaceChildren(el("div", { class: "message error" }, text));
+    document.getElementById("check").replaceChildren(el("div", { class: "message error" }, `The YAML cannot be read, so nothing was checked: ${text}`));
+    status.textContent = "the YAML is not valid";
+    launchButton.disabled = true;
+  }
+
   function scheduleCheck() {
     clearTimeout(checkTimer);
     status.textContent = "checking…";
+    launchButton.disabled = true; // until the check of this text answers
     checkTimer = setTimeout(runCheck, 400);
   }
 

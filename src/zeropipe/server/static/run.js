@@ -152,7 +152,9 @@
       const gpus = () => (/^[0-9]+$/.test(ranks.value) ? Number(ranks.value) : ranks.value === "" ? null : ranks.value);
       buttons.push(select, el("label", { for: "resume-ranks" }, "on"), ranks, el("span", {}, "ranks"), el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value, gpus()) }, "Resume"));
     }
-    if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    // The server says what this run's family can do (a diffusion model answers no prompts).
+    const generate = (detail && detail.actions && detail.actions.generate) || { available: true };
+    if ((detail ? detail.checkpoints : []).some((c) => c.complete) && generate.available) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
@@ -243,6 +245,7 @@
     if (!ENDED.includes(detail.run.state)) detailTimer = setTimeout(() => loadDetail().catch(() => {}), 5000);
     state = detail.run.state;
     renderHead(detail.run);
+    renderProgress();
     renderCheckpoints();
     renderExports();
     renderEvaluations();
@@ -253,6 +256,18 @@
     if (detail.tensorboard) paths.push(`TensorBoard: tensorboard --logdir ${detail.run.path}`);
     document.getElementById("paths").textContent = paths.join(" · ");
     if (detail.run.has_samples) loadGallery();
+  }
+
+  // Before its first step a run prepares (a diffusion run builds its pipeline, fills its
+  // caches): say what it is doing instead of showing nothing for minutes.
+  function renderProgress() {
+    const box = document.getElementById("progress");
+    const progress = detail.progress;
+    box.hidden = !progress;
+    if (!progress) return;
+    const count = progress.total ? ` ${progress.done ?? 0} of ${progress.total}` : "";
+    const ago = Math.max(0, Math.round(Date.now() / 1000 - progress.at));
+    box.replaceChildren(el("span", { class: "badge state-starting" }, "preparing"), " ", `${progress.phase}${count}`, el("span", { class: "muted" }, ` (${ago} s ago)`));
   }
 
   function renderCheckpoints() {
@@ -339,11 +354,14 @@
   function renderEvaluations() {
     const form = document.getElementById("eval-form");
     const complete = detail.checkpoints.filter((c) => c.complete);
-    const signature = complete.map((c) => c.tag).join() + String(detail.held_out);
+    const evaluate = (detail.actions && detail.actions.evaluate) || { available: true };
+    const signature = complete.map((c) => c.tag).join() + String(detail.held_out) + String(evaluate.available);
     if (form.dataset.signature !== signature || !form.childElementCount) {
       form.dataset.signature = signature;
       form.replaceChildren(
-        ...(complete.length
+        ...(!evaluate.available
+          ? [el("span", { class: "muted", id: "eval-unavailable" }, evaluate.reason)]
+          : complete.length
           ? [
               el("select", { id: "eval-checkpoint", "aria-label": "checkpoint to evaluate" }, complete.map((c) => el("option", { value: c.tag }, c.tag))),
               el("input", { id: "eval-data", type: "text", size: 34, placeholder: detail.held_out ? "data file (default: the run's held-out data)" : "data file to evaluate on (no held-out data)" }),
