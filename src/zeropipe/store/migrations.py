@@ -91,4 +91,12 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             """,
         ],
     ),
+    (
+        "0005_runs_first_started_at",
+        [
+            # started_at is the last launch's (a resume's); the runs list shows when the run first
+            # started and how long it has been going.
+            "ALTER TABLE runs ADD COLUMN first_started_at REAL",
+        ],
+    ),
 ]

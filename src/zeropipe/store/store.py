@@ -783,7 +783,10 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
         "step_time_s": row.get("step_time_s"),
         "created_at": row.get("created_at"),
         "started_at": row.get("started_at"),
+        "first_started_at": row.get("first_started_at") or row.get("started_at"),
         "ended_at": row.get("ended_at"),
+        # Wall time from the first start to the end (or now), pauses between a stop and a resume included.
+        "duration_s": duration_seconds(row),
         "world_size": row.get("world_size"),
         "zero_stage": row.get("zero_stage"),
         "accelerator": row.get("accelerator"),
@@ -792,6 +795,14 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
         "loss_preview": row.get("loss_preview"),
         "has_samples": bool(row.get("has_samples")),
     }
+
+
+def duration_seconds(row: dict[str, Any]) -> float | None:
+    start = row.get("first_started_at") or row.get("started_at")
+    if not start:
+        return None
+    end = row.get("ended_at") if row.get("state") in TERMINAL else None
+    return max(0.0, (end or time.time()) - start)
 
 
 def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:

@@ -212,3 +212,20 @@ def test_a_starting_run_says_what_it_is_doing_until_its_first_step(client, store
     done = add(store, "done", steps=3, checkpoints=())
     RunDir(store.roots.primary_runs / "done").write_progress("caching latents", 1, 2)
     assert client.get(f"/api/runs/{done['id']}").json()["progress"] is None  # an ended run prepares nothing
+
+
+def test_the_runs_list_says_when_a_resumed_run_first_started_and_for_how_long(client, store):
+    """The list showed the last resume as "started" and no duration."""
+    import json
+
+    run = add(store, "resumed", steps=12)
+    path = store.roots.primary_runs / "resumed"
+    first_row = json.loads((path / "metrics.jsonl").read_text().splitlines()[0])
+    status = json.loads((path / "status.json").read_text())
+    status.update(started_at=first_row["time"] + 3600, ended_at=first_row["time"] + 3700)  # resumed an hour later
+    (path / "status.json").write_text(json.dumps(status))
+    store.refresh()
+    shown = next(r for r in client.get("/api/runs").json()["runs"] if r["id"] == run["id"])
+    assert shown["started_at"] == first_row["time"] + 3600
+    assert abs(shown["first_started_at"] - (first_row["time"] - first_row["step_time_s"])) < 1e-6
+    assert abs(shown["duration_s"] - (3700 + first_row["step_time_s"])) < 1e-3

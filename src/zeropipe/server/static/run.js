@@ -127,7 +127,9 @@
       fact("step time", run.step_time_s ? `${ZP.fmtNumber(run.step_time_s, 3)} s` : "–"),
       fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}${runNodes().length ? ` on ${runNodes().length} nodes` : ""}` : "–"),
       fact("ZeRO", run.zero_stage ?? "–"),
-      fact("started", ZP.fmtTime(run.started_at || run.created_at)),
+      fact("started", ZP.fmtTime(run.first_started_at || run.started_at || run.created_at)),
+      run.started_at && run.first_started_at && run.started_at - run.first_started_at > 60 ? fact("resumed", ZP.fmtTime(run.started_at)) : "",
+      fact("duration", ZP.fmtDuration(run.duration_s)),
       run.ended_at ? fact("ended", ZP.fmtTime(run.ended_at)) : ""
     );
     renderActions(run);
