@@ -49,13 +49,14 @@ ZP.fmtNumber = function (value, digits = 4) {
   return Number(value.toPrecision(digits)).toString();
 };
 
+// Binary units, as the planner, the doctor and the diagnosis count memory (a "24 GB" card holds 24 GiB).
 ZP.fmtBytes = function (value) {
   if (value === null || value === undefined) return "–";
-  const units = ["B", "KB", "MB", "GB", "TB"];
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   let v = value;
-  while (Math.abs(v) >= 1000 && i < units.length - 1) {
-    v /= 1000;
+  while (Math.abs(v) >= 1024 && i < units.length - 1) {
+    v /= 1024;
     i += 1;
   }
   return `${i === 0 ? v.toFixed(0) : Number(v.toPrecision(3))} ${units[i]}`;
@@ -171,12 +172,49 @@ window.addEventListener("resize", () => {
   resizeTimer = setTimeout(() => ZP.charts.forEach((c) => c.resize()), 150);
 });
 
-// Server-sent events with the connection dot in the header.
-ZP.stream = function (url, handlers) {
+// The dot in the header: green while the server answers (live updates flowing, or a health
+// check every few seconds on pages without a stream), amber when it does not. It is never
+// left grey on a page where nothing is wrong.
+ZP.setConnection = function (ok, title) {
   const dot = document.getElementById("connection");
+  if (!dot) return;
+  dot.className = `connection ${ok ? "live" : "down"}`;
+  dot.title = title;
+  dot.dataset.state = ok ? "live" : "down";
+};
+ZP.openStreams = 0;
+ZP.checkConnection = async function () {
+  try {
+    const response = await fetch("/api/health", { cache: "no-store" });
+    ZP.setConnection(response.ok, response.ok ? "connected to the server" : `the server answered ${response.status}`);
+  } catch (error) {
+    ZP.setConnection(false, "the server does not answer (stopped?): this page retries by itself");
+  }
+};
+ZP.checkConnection();
+setInterval(() => ZP.openStreams || ZP.checkConnection(), 10000);
+
+// Server-sent events, which keep the connection dot up to date while they are open.
+ZP.stream = function (url, handlers) {
   const source = new EventSource(url);
-  source.onopen = () => dot && (dot.className = "connection live", dot.title = "live");
-  source.onerror = () => dot && (dot.className = "connection down", dot.title = "reconnecting…");
+  let open = false;
+  source.onopen = () => {
+    if (!open) ZP.openStreams++;
+    open = true;
+    ZP.setConnection(true, "live updates");
+  };
+  source.onerror = () => {
+    if (open) ZP.openStreams--;
+    open = false;
+    // A stream the server ended (the run finished) is not a lost connection: ask the server.
+    ZP.checkConnection();
+  };
+  const close = source.close.bind(source);
+  source.close = () => {
+    if (open) ZP.openStreams--;
+    open = false;
+    close();
+  };
   for (const [event, handler] of Object.entries(handlers)) {
     source.addEventListener(event, (message) => handler(JSON.parse(message.data)));
   }

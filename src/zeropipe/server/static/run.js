@@ -468,6 +468,26 @@
   }
 
   // ----------------------------------------------------------- gallery
+  // A sample at full size over the page (scaled up to fit when it is small); a click or Escape closes it.
+  function showFullSize(url, caption) {
+    const image = el("img", { src: url, alt: caption });
+    const box = el("div", { id: "lightbox", class: "lightbox", role: "dialog", "aria-label": caption },
+      el("figure", {}, image, el("figcaption", {}, caption, " · ", el("span", { class: "size" }), " · ", el("a", { href: url, target: "_blank" }, "open the file"))));
+    image.addEventListener("load", () => {
+      box.querySelector(".size").textContent = `${image.naturalWidth}×${image.naturalHeight} px`;
+      image.classList.toggle("pixelated", image.naturalWidth < 256);
+    });
+    const close = () => {
+      box.remove();
+      document.removeEventListener("keydown", onKey);
+    };
+    const onKey = (event) => event.key === "Escape" && close();
+    box.addEventListener("click", (event) => event.target.tagName !== "A" && close());
+    document.addEventListener("keydown", onKey);
+    document.getElementById("lightbox")?.remove();
+    document.body.append(box);
+  }
+
   async function loadGallery() {
     const { samples } = await api(`${base}/samples`);
     const card = document.getElementById("gallery-card");
@@ -488,7 +508,11 @@
               .filter((s) => s.step === step && (s.prompt ?? "") === prompt)
               .map((s) => {
                 const url = `${base}/samples/${s.file.split("/").map(encodeURIComponent).join("/")}`;
-                return el("a", { href: url, target: "_blank" }, el("img", { src: url, alt: `${prompt} at step ${step}`, loading: "lazy" }));
+                const caption = `${prompt || "(no prompt)"} · step ${step}`;
+                const image = el("img", { src: url, alt: `${prompt} at step ${step}`, loading: "lazy", title: "click for full size" });
+                // Tiny samples (a 32 px test model) are drawn big and sharp rather than as specks.
+                image.addEventListener("load", () => image.classList.toggle("pixelated", image.naturalWidth < 128));
+                return el("a", { href: url, target: "_blank", class: "sample", onclick: (event) => { event.preventDefault(); showFullSize(url, caption); } }, image);
               })
           )
         )
@@ -516,8 +540,8 @@
       run: onRun,
       reload: loadMetrics,
       end: () => {
-        source.close();
-        document.getElementById("connection").className = "connection";
+        source.close(); // the run has ended: nothing more will come, and the server is still there
+        ZP.checkConnection();
         loadDetail();
         loadMetrics();
       },
