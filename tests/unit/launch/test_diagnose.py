@@ -81,7 +81,7 @@ def test_an_oom_kill_in_the_kernel_log_gets_fixes_the_run_does_not_use_yet():
 def test_without_records_the_headroom_decides():
     exits = [RankExit(0, -signal.SIGKILL, 1.0, pid=4242)]
     roomy = diagnose(exits, int(1.7 * GB), int(25.3 * GB), oom=OomEvidence())
-    assert roomy.cause.startswith("probably not the OOM killer: host RAM peaked at 1.7 of 25.3 GB") and "dmesg" in roomy.cause
+    assert roomy.cause.startswith("probably not the OOM killer: host RAM peaked at 1.7 of 25.3 GiB") and "dmesg" in roomy.cause
     # A container's memory limit is the RAM that counts.
     limited = diagnose(exits, int(7.5 * GB), int(64 * GB), oom=OomEvidence(memory_limit_bytes=8 * GB))
     assert limited.cause.startswith("most likely the kernel's OOM killer: host RAM peaked at 7.5 of 8.0 GB")
