@@ -84,7 +84,7 @@ def test_without_records_the_headroom_decides():
     assert roomy.cause.startswith("probably not the OOM killer: host RAM peaked at 1.7 of 25.3 GiB") and "dmesg" in roomy.cause
     # A container's memory limit is the RAM that counts.
     limited = diagnose(exits, int(7.5 * GB), int(64 * GB), oom=OomEvidence(memory_limit_bytes=8 * GB))
-    assert limited.cause.startswith("most likely the kernel's OOM killer: host RAM peaked at 7.5 of 8.0 GB")
+    assert limited.cause.startswith("most likely the kernel's OOM killer: host RAM peaked at 7.5 of 8.0 GiB")
 
 
 def test_the_tail_shown_skips_known_deprecation_noise(tmp_path):
