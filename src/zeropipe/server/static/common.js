@@ -221,12 +221,32 @@ ZP.stream = function (url, handlers) {
   return source;
 };
 
+// Messages are written once for the terminal and the pages (the diagnosis, check findings, the
+// doctor). On a page, say the page's button instead of the command-line flag, and show
+// `code` as code rather than as literal backticks.
+const UI_WORDING = [
+  [/\b(?:then )?resume with --resume once the cause is fixed\b/g, "once the cause is fixed, resume the run (Resume, at the top of its page)"],
+  [/\b(then )?resume with --resume\b/g, "$1resume the run (Resume, at the top of its page)"],
+  [/\bfrom the last complete checkpoint with --resume\b/g, "from its last complete checkpoint (Resume)"],
+  [/\bwith --resume\b/g, "with Resume"],
+  [/--no-build was given/g, "the build was not tried (Check again with the CPU Adam build tries it)"],
+];
+ZP.uiText = function (text) {
+  if (typeof text !== "string") return text;
+  return UI_WORDING.reduce((out, [pattern, replacement]) => out.replace(pattern, replacement), text);
+};
+// Text with `code` spans as <code> elements (and the page's wording).
+ZP.rich = function (text) {
+  if (typeof text !== "string") return text;
+  return ZP.uiText(text).split(/`([^`\n]+)`/).map((part, i) => (i % 2 ? ZP.el("code", {}, part) : part));
+};
+
 ZP.message = function (container, text, kind = "error") {
   container.replaceChildren(text ? ZP.el("div", { class: `message ${kind}` }, text) : "");
 };
 
 ZP.problemList = function (problems) {
-  return ZP.el("ul", { class: "problems" }, problems.map((p) => ZP.el("li", {}, p.key ? ZP.el("code", {}, p.key) : "", p.key ? ": " : "", p.message)));
+  return ZP.el("ul", { class: "problems" }, problems.map((p) => ZP.el("li", {}, p.key ? ZP.el("code", {}, p.key) : "", p.key ? ": " : "", ZP.rich(p.message))));
 };
 
 // The error of a failed API call, with its problem list or check findings when there are some.
@@ -235,7 +255,7 @@ ZP.errorBox = function (error) {
   return ZP.el(
     "div",
     { class: "message error" },
-    ZP.el("div", {}, data.problems || data.findings ? (error.status === 422 ? "The config would not run:" : error.message) : error.message),
+    ZP.el("div", {}, data.problems || data.findings ? (error.status === 422 ? "The config would not run:" : ZP.rich(error.message)) : ZP.rich(error.message)),
     data.problems ? ZP.problemList(data.problems) : "",
     data.findings ? ZP.problemList(data.findings.filter((f) => f.severity === "error").map((f) => ({ key: f.key, message: `${f.message} — fix: ${f.fix}` }))) : ""
   );

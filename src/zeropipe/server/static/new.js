@@ -273,7 +273,7 @@
           "ul",
           { class: "findings problems" },
           result.findings.map((f) =>
-            el("li", { dataset: { rule: f.rule } }, el("span", { class: `badge sev-${f.severity}` }, f.severity), " ", el("b", {}, f.rule), " ", el("code", {}, f.key), ": ", f.message, el("div", { class: "small" }, "fix: ", f.fix, " ", f.link ? el("a", { href: f.link, target: "_blank", rel: "noopener" }, "docs") : ""))
+            el("li", { dataset: { rule: f.rule } }, el("span", { class: `badge sev-${f.severity}` }, f.severity), " ", el("b", {}, f.rule), " ", el("code", {}, f.key), ": ", ZP.rich(f.message), el("div", { class: "small" }, "fix: ", ZP.rich(f.fix), " ", f.link ? el("a", { href: f.link, target: "_blank", rel: "noopener" }, "docs") : ""))
           )
         )
       );

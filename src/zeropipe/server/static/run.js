@@ -170,7 +170,7 @@
     const diagnosis = (detail && detail.status && detail.status.diagnosis) || run.diagnosis;
     const show = ["failed", "lost"].includes(run.state) && diagnosis;
     box.hidden = !show;
-    if (show) document.getElementById("diagnosis-text").textContent = diagnosis.text || JSON.stringify(diagnosis, null, 2);
+    if (show) document.getElementById("diagnosis-text").replaceChildren(...[].concat(ZP.rich(diagnosis.text || JSON.stringify(diagnosis, null, 2))));
   }
 
   function say(text, kind = "ok") {
