@@ -1,5 +1,6 @@
 """Issue 26's hardening, tried as an outsider would: real HTTP requests against a running
-`zeropipe ui`, and Debian's Chromium for what only a browser shows (framing, the CSP).
+`zeropipe ui`, and Debian's Chromium for what only a browser shows (framing, the CSP); then
+the issue's product defects, seen in Chromium.
 
 One UI for the module (runs written as files, nothing trains); the last test stops it with
 Ctrl-C while event streams are open.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import threading
 import time
@@ -18,8 +20,30 @@ import urllib.request
 import pytest
 from playwright.sync_api import expect
 
-from tests.e2e.conftest import UiServer, end_training_processes
-from tests.e2e.fake_runs import TINY_CONFIG, live_pid, write_run
+import yaml
+
+from tests.e2e.conftest import UiServer, end_training_processes, screenshot
+from tests.e2e.fake_runs import TINY_CONFIG, live_pid, png, write_run
+
+FAILURE = """rank 0 was killed by SIGKILL
+likely cause: the kernel's OOM killer; host RAM peaked at 63.8 of 64.0 GiB
+fix: use deepspeed.zero_stage: 3; `dmesg | grep -i oom` confirms an OOM kill; then resume with --resume"""
+
+
+def diffusion_run(runs, name, **kwargs):
+    """A diffusion run as files: model.family diffusion, 32 px samples (what a tiny test pipeline draws)."""
+    path = write_run(runs, name, **kwargs)
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    config["model"] = {"family": "diffusion", "config": {"pipeline": "tiny-sdxl"}}
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    rows = []
+    for step in (6, 12):
+        folder = path / "samples" / f"step_{step:08d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "0.png").write_bytes(png(32, 32, (200, 60, 40)))
+        rows.append(json.dumps({"step": step, "prompt": "a red square", "file": f"step_{step:08d}/0.png"}))
+    (path / "samples" / "index.jsonl").write_text("\n".join(rows) + "\n")
+    return path
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +59,13 @@ def server(tmp_path_factory):
     write_run(ui.runs, "finished", steps=12, checkpoints=(6, 12))
     write_run(ui.runs, "older", steps=12, total_steps=24, checkpoints=(6, 12), state="stopped")
     write_run(ui.runs, "live", state="running", steps=4, total_steps=400, checkpoints=(), supervisor_pid=live_pid())
+    write_run(ui.runs, "oom", state="failed", steps=3, total_steps=40, checkpoints=(), diagnosis=FAILURE)
+    diffusion_run(ui.runs, "sd-lora", steps=12, checkpoints=(6, 12))
+    warming = diffusion_run(ui.runs, "sd-warming", state="running", steps=0, total_steps=100, checkpoints=(), supervisor_pid=live_pid())
+    from zeropipe.rundir import RunDir
+
+    time.sleep(0.02)
+    RunDir(warming).write_progress("caching latents", 40, 240)
     ui.start()
     ui.port = int(ui.url.rsplit(":", 1)[1])
     yield ui
@@ -189,6 +220,101 @@ def test_a_host_header_that_is_not_host_and_port_is_refused(server, host):
     status, _, answer = raw(server, "GET", "/api/runs", host=host.format(port=server.port))
     assert status in (400, 403), (host, status)
     assert raw(server, "GET", "/api/runs")[0] == 200
+
+
+# ------------------------------------------------------------------------ product defects
+def test_invalid_yaml_is_not_ready_to_launch(context, server):
+    """Invalid YAML still showed "ready to launch" with Launch enabled."""
+    page = context.new_page()
+    page.goto(server.url + "/new")
+    expect(page.locator("#check-status")).to_have_text("ready to launch", timeout=60_000)
+    expect(page.locator("#launch")).to_be_enabled()
+    page.locator("#yaml").fill(page.locator("#yaml").input_value() + "train: [unclosed\n")
+    expect(page.locator("#check-status")).to_have_text("the YAML is not valid")
+    expect(page.locator("#launch")).to_be_disabled()
+    expect(page.locator("#check")).to_contain_text("nothing was checked")
+    # The header says the server is there (it was grey on every page without a live stream).
+    expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+    page.close()
+
+
+def test_compare_shows_the_runs_that_exist_and_names_the_unknown_id(context, server):
+    """One unknown id blanked the whole Compare page."""
+    page = context.new_page()
+    page.goto(f"{server.url}/compare?ids={run_id(server, 'finished')},{run_id(server, 'older')},9999")
+    expect(page.locator("#compare-missing")).to_contain_text("No run 9999")
+    expect(page.locator("#compare-table tbody tr")).to_have_count(2)
+    expect(page.locator("#compare-chart canvas")).to_be_visible()
+    page.close()
+
+
+def test_a_diffusion_run_offers_only_what_works_and_its_samples_zoom(context, server):
+    """Generate and Evaluate were offered on diffusion runs and always failed; samples were 32 px specks without zoom."""
+    page = context.new_page()
+    page.goto(f"{server.url}/runs/{run_id(server, 'sd-lora')}")
+    expect(page.locator("#resume-checkpoint, #new-from-run").first).to_be_visible()
+    expect(page.locator("#eval-unavailable")).to_contain_text("diffusion")
+    assert page.locator("#generate-link").count() == 0 and page.locator("#evaluate").count() == 0
+    sample = page.locator("#gallery img").first
+    expect(sample).to_be_visible()
+    assert sample.bounding_box()["width"] >= 150
+    sample.click()
+    big = page.locator("#lightbox img")
+    expect(big).to_be_visible()
+    assert big.bounding_box()["width"] >= 500
+    expect(page.locator("#lightbox figcaption")).to_contain_text("32×32 px")
+    screenshot(page, "31-sample-full-size", full_page=False)
+    page.keyboard.press("Escape")
+    expect(page.locator("#lightbox")).to_have_count(0)
+    # A language-model run keeps both.
+    page.goto(f"{server.url}/runs/{run_id(server, 'finished')}")
+    expect(page.locator("#generate-link")).to_be_visible()
+    expect(page.locator("#evaluate")).to_be_visible()
+    page.close()
+
+
+def test_a_starting_run_says_what_it_is_doing(context, server):
+    """A starting diffusion run showed no progress for 2.5 minutes."""
+    page = context.new_page()
+    page.goto(f"{server.url}/runs/{run_id(server, 'sd-warming')}")
+    expect(page.locator("#progress")).to_contain_text("caching latents 40 of 240")
+    screenshot(page, "32-starting-run-progress", full_page=False)
+    page.close()
+
+
+def test_a_failure_reads_as_page_text(context, server):
+    """The diagnosis showed literal backticks and said "with --resume" next to the Resume button."""
+    page = context.new_page()
+    page.goto(f"{server.url}/runs/{run_id(server, 'oom')}")
+    text = page.locator("#diagnosis-text")
+    expect(text).to_contain_text("resume the run (Resume")
+    expect(text.locator("code")).to_have_text("dmesg | grep -i oom")
+    assert "`" not in text.inner_text() and "--resume" not in text.inner_text()
+    page.close()
+
+
+def test_the_runs_list_has_when_each_run_first_started_and_for_how_long(context, server):
+    page = context.new_page()
+    page.goto(server.url + "/")
+    row = page.locator(f"#runs tr[data-run-id='{run_id(server, 'finished')}']")
+    expect(row.locator(".run-duration")).to_have_text(re.compile(r"^\d+(s|m \d+s)$"))
+    page.close()
+
+
+def test_labels_of_the_essentials_are_not_cut(context, server):
+    """Labels and help text of the New-run essentials were cut with an ellipsis."""
+    page = context.new_page()
+    page.set_viewport_size({"width": 1400, "height": 900})
+    page.goto(server.url + "/new")
+    labels = page.locator("#essentials .field > label")
+    expect(labels.first).to_be_visible()
+    cut = labels.evaluate_all("ls => ls.filter(l => l.scrollWidth > l.clientWidth + 1).map(l => l.textContent)")
+    assert cut == [], cut
+    field = page.locator("#essentials .field[data-key='train.lr']")
+    field.locator("input").focus()
+    help_text = field.locator(".help")
+    assert help_text.evaluate("h => h.scrollWidth <= h.clientWidth + 1"), "the help of the field being edited is shown whole"
+    page.close()
 
 
 def test_ctrl_c_stops_the_ui_at_once_with_event_streams_open(server):
