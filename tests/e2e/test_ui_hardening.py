@@ -62,10 +62,8 @@ def server(tmp_path_factory):
     write_run(ui.runs, "oom", state="failed", steps=3, total_steps=40, checkpoints=(), diagnosis=FAILURE)
     diffusion_run(ui.runs, "sd-lora", steps=12, checkpoints=(6, 12))
     warming = diffusion_run(ui.runs, "sd-warming", state="running", steps=0, total_steps=100, checkpoints=(), supervisor_pid=live_pid())
-    from zeropipe.rundir import RunDir
-
-    time.sleep(0.02)
-    RunDir(warming).write_progress("caching latents", 40, 240)
+    time.sleep(0.02)  # after its metrics.jsonl: no step since
+    (warming / "progress.json").write_text(json.dumps({"phase": "caching latents", "done": 40, "total": 240, "at": time.time(), "pid": live_pid()}))
     ui.start()
     ui.port = int(ui.url.rsplit(":", 1)[1])
     yield ui
