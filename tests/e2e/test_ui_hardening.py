@@ -18,9 +18,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from playwright.sync_api import expect
-
 import yaml
+from playwright.sync_api import expect
 
 from tests.e2e.conftest import UiServer, end_training_processes, screenshot
 from tests.e2e.fake_runs import TINY_CONFIG, live_pid, png, write_run
@@ -215,7 +214,7 @@ def test_non_finite_learning_rates_are_refused(server, value):
 
 @pytest.mark.parametrize("host", ["127.0.0.1:{port}@evil.example", "127.0.0.1:{port}/x", "127.0.0.1 evil.example", "127.0.0.1:99999", ""])
 def test_a_host_header_that_is_not_host_and_port_is_refused(server, host):
-    status, _, answer = raw(server, "GET", "/api/runs", host=host.format(port=server.port))
+    status, _, _ = raw(server, "GET", "/api/runs", host=host.format(port=server.port))
     assert status in (400, 403), (host, status)
     assert raw(server, "GET", "/api/runs")[0] == 200
 

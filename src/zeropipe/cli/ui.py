@@ -56,11 +56,10 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from zeropipe.errors import ZeroPipeError
     from zeropipe.server import create_app
     from zeropipe.server.security import is_loopback, new_token
     from zeropipe.store import Roots, RunStore
-
-    from zeropipe.errors import ZeroPipeError
 
     if args.token is not None and not args.token.strip():
         # An empty token matches nothing a browser or script can send: the server would answer 401 to everything.

@@ -591,8 +591,7 @@ class RunStore:
         except ConfigError:
             family = None  # a plug-in this server has not loaded: offer everything, the action says what is wrong
         answers = family is None or family.answers_prompts
-        # zeropipe eval computes the loss of causal language models on held-out text.
-        evaluates = family is None or family.name == "causal_lm"
+        evaluates = family is None or getattr(family, "evaluates_loss", False)  # a plug-in that does not say: no
         drawn = "its pictures are in the sample gallery below"
         return {
             "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
