@@ -357,7 +357,7 @@
   function renderPlan(plan) {
     const box = document.getElementById("plan");
     if (!plan || !plan.available) {
-      box.replaceChildren(el("div", { class: "muted", id: "plan-unavailable" }, plan ? plan.reason : "planner unavailable"));
+      box.replaceChildren(el("div", { class: "muted", id: "plan-unavailable" }, plan ? ZP.rich(plan.reason) : "planner unavailable"));
       return;
     }
     const result = plan.result || {};
@@ -375,7 +375,7 @@
           : el("div", {}, candidateLine("Recommended", result.best, result), result.fragment ? el("button", { id: "apply-plan", onclick: () => applyFragment(result.fragment) }, "Use the recommended settings") : "")
       );
     } else {
-      parts.push(el("div", { class: "message error" }, result.reason || "nothing fits this hardware"));
+      parts.push(el("div", { class: "message error" }, ZP.rich(result.reason) || "nothing fits this hardware"));
     }
     for (const note of result.notes || []) parts.push(el("div", { class: "small muted" }, note));
     const shown = result.configured || result.best;
@@ -499,7 +499,7 @@
 
   function renderPreview(data) {
     if (!data.available) {
-      previewBox.replaceChildren(el("div", { class: "muted" }, data.reason));
+      previewBox.replaceChildren(el("div", { class: "muted" }, ZP.rich(data.reason)));
       return;
     }
     if (data.family === "diffusion") return renderImagePreview(data);
