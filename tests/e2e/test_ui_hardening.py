@@ -260,7 +260,7 @@ def test_a_diffusion_run_offers_only_what_works_and_its_samples_zoom(context, se
     expect(big).to_be_visible()
     assert big.bounding_box()["width"] >= 500
     expect(page.locator("#lightbox figcaption")).to_contain_text("32×32 px")
-    screenshot(page, "31-sample-full-size", full_page=False)
+    screenshot(page, "41-sample-full-size", full_page=False)
     page.keyboard.press("Escape")
     expect(page.locator("#lightbox")).to_have_count(0)
     # A language-model run keeps both.
@@ -275,7 +275,7 @@ def test_a_starting_run_says_what_it_is_doing(context, server):
     page = context.new_page()
     page.goto(f"{server.url}/runs/{run_id(server, 'sd-warming')}")
     expect(page.locator("#progress")).to_contain_text("caching latents 40 of 240")
-    screenshot(page, "32-starting-run-progress", full_page=False)
+    screenshot(page, "42-starting-run-progress", full_page=False)
     page.close()
 
 
