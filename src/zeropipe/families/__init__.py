@@ -40,7 +40,7 @@ BUILTIN = ("diffusion", "vlm", "causal_lm")
 
 _REGISTRY: dict[str, Family] = {}
 _loaded = False
-_ready = False
+_loading_now = False
 # The web UI serves requests on several threads: a second one asking while the first imports
 # the built-ins must wait for them, not find a half-filled registry ("no model family
 # recognises this model"). Re-entrant: plug-ins register from inside the loading.
@@ -64,20 +64,21 @@ def unregister(name: str) -> None:
 
 
 def _load_builtin() -> None:
-    global _loaded, _ready
-    if _ready:
+    global _loaded, _loading_now
+    if _loaded:
         return
     with _loading:
-        if _loaded:
-            return  # loaded, or being loaded by this thread (a plug-in registering)
-        _loaded = True  # before the plug-ins: their register() calls come back here
+        if _loaded or _loading_now:
+            return  # loaded by another thread meanwhile, or a plug-in registering from inside this loading
+        _loading_now = True
         try:
             for module in BUILTIN:
                 family = importlib.import_module(f"{__name__}.{module}").FAMILY
                 _REGISTRY[family.name] = family
             load_plugins()
         finally:
-            _ready = True
+            _loading_now = False
+            _loaded = True  # even when a plug-in failed: its error was raised once, as before
 
 
 def load_plugins() -> list[str]:
