@@ -92,7 +92,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     pipeline_dir = pipeline_dir_for(config, run)
     if config.model.path is None and not is_pipeline_folder(pipeline_dir):
         run.write_progress(f"building the {config.model.config.get('pipeline', 'inline')} pipeline")
-        build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed)
+        build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed, progress=run.write_progress)
         notes.append(f"built the {config.model.config['pipeline']} pipeline with random weights in {pipeline_dir}")
     arch = architecture_of(pipeline_dir)
     codec = arch.codec
