@@ -46,7 +46,7 @@ def diffusion_run(runs, name, **kwargs):
 
 pytestmark = pytest.mark.e2e
 
-PAGES = ["/", "/new", "/compare?ids=1,2", "/environment", "/generate", "/docs"]
+PAGES = ["/", "/new", "/compare?ids=1,2", "/environment", "/generate", "/chat", "/draw", "/dataset", "/docs"]
 
 
 @pytest.fixture(scope="module")

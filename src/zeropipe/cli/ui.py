@@ -1,4 +1,4 @@
-"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T] [--allow-remote-code]``: the web UI.
+"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T] [--allow-remote-code] [--trust-multinode]``: the web UI.
 
 Serves the runs under the runs folder (and any run started from the command line into it),
 a form to set up and launch new ones, live charts, logs, stop / resume / export, and the
@@ -25,6 +25,12 @@ def register(commands) -> None:
     parser.add_argument(
         "--allow-remote-code", action="store_true",
         help="accept trust_remote_code in configs submitted through the UI (it runs Python code from a model's folder: only for a UI nobody else can reach)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trust-multinode", action="store_true",
+        help="accept hardware.nodes, hostfile, ssh_options, ssh_port, launcher and master_addr in configs submitted through the UI: "
+        "whoever reaches the UI may then start commands on those machines over ssh with this user's keys (ssh options still pass "
+        "only an allow-list: never ProxyCommand, LocalCommand, -F or -J). Only for a UI nobody else can reach",
     )  # fmt: skip
     parser.set_defaults(run=run)
 
@@ -68,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             "or leave both out to have one generated when the server is reachable from other machines"
         )
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
-    store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code)
+    store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code, trust_multinode=args.trust_multinode)
     token = args.token
     if token is None and not is_loopback(args.host):
         token = new_token()
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  runs: {', '.join(map(str, roots.runs))}  data: {', '.join(map(str, roots.data))}  database: {store.db_path}", file=sys.stderr, flush=True)
     if args.allow_remote_code:
         print("  --allow-remote-code: configs sent from the UI may set trust_remote_code (Python code from model folders runs here)", file=sys.stderr, flush=True)
+    if args.trust_multinode:
+        print("  --trust-multinode: configs sent from the UI may name other machines (started over ssh with this user's keys)", file=sys.stderr, flush=True)
     if token and not args.token:
         print("  a token was generated because the server is reachable from other machines: keep the URL private", file=sys.stderr, flush=True)
     class Server(uvicorn.Server):

@@ -287,7 +287,11 @@ class TrainSection(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0 disables clipping).")
-    log_every: int = Field(1, ge=1, description="Write a line to rank 0's log every N steps (metrics.jsonl gets every step).")
+    log_every: int = Field(
+        1,
+        ge=1,
+        description="Write a line to rank 0's log every N steps; metrics.jsonl gets a row for every step, written every N steps (and at each checkpoint): the steps between read nothing back from the GPU.",
+    )
     save_every: int | None = Field(None, ge=1, description="Save a checkpoint every N optimizer steps (a final one is always saved).")
     eval_every: int | None = Field(
         None,

@@ -22,8 +22,9 @@ from typing import Any, Callable
 import torch
 
 from zeropipe.config.pipeline_index import read_pipeline_index
+from zeropipe.confine import OutsideRoots, require_usable
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
-from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
+from zeropipe.diffusion.architectures.base import character_tokenizer
 from zeropipe.diffusion.parts.text import prompt_rows
 from zeropipe.errors import ConfigError
 
@@ -178,6 +179,10 @@ def single_file_renamer(denoiser_class: str, checkpoint: Path) -> Callable[[str]
     if entry is None:
         raise ConfigError([(where, f"diffusers has no single-file converter for {denoiser_class}: give model.path a diffusers directory with its weights instead")])
     try:
+        require_usable(checkpoint, where)  # a UI run's single file: never through a symlink out of its folders
+    except OutsideRoots as err:
+        raise ConfigError([(where, str(err))]) from None
+    try:
         with safe_open(str(checkpoint), framework="pt") as handle:
             names = list(handle.keys())
     except Exception as err:  # missing file, not safetensors, damaged header: the same fix
@@ -274,7 +279,7 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
     parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device) for name in arch.text_encoders}
     parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
     parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
-    from diffusers import SchedulerMixin  # noqa: F401 - the scheduler is loaded for the pipeline's constructor
+    from diffusers import SchedulerMixin
 
     return _assemble(cls, arch, pipeline_dir, parts)
 

@@ -177,7 +177,7 @@ def load_model(path: str | Path, checkpoint: str | None = None, device: str | No
 
 def generate(
     loaded: "LoadedModel",
-    prompts: list[str],
+    prompts: list[str | list[dict[str, str]]],
     images: list[str] | None = None,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
@@ -189,7 +189,10 @@ def generate(
     """Answer each prompt; greedy unless ``temperature`` > 0.
 
     Args:
-        images: vision-language models: one image for every prompt, or one per prompt.
+        prompts: each one user turn's text, or a conversation (a list of system / user / assistant
+            messages ending with a user turn: the UI's Chat page sends the whole history each turn).
+        images: vision-language models: one image for every prompt, or one per prompt (with a
+            conversation, the image goes with its first user turn).
         raw: continue the prompt text as it is instead of rendering it as a user turn.
         streamer: text models: a transformers streamer given each answer's tokens as they are made.
 
@@ -203,14 +206,43 @@ def generate(
     return family.generate(loaded, prompts, pair_images(prompts, images), tokens, temperature, top_p, seed, raw, streamer)
 
 
+def load_drawing(path: str | Path, checkpoint: str | None = None, device: str | None = None) -> "LoadedModel":
+    """Load the pipeline of a run's checkpoint, an export or a LoRA export for drawing (the UI's Draw page).
+
+    Raises:
+        ZeroPipeError: an unusable source, or a family that writes text rather than pictures.
+    """
+    path = Path(path).expanduser()
+    if (path / "zeropipe_export.json").is_file() and not (path / "model_index.json").is_file() and not (path / "adapter_config.json").is_file():
+        # A diffusion LoRA export: the LoRA file, and its base named beside it.
+        from zeropipe.export.generate import ModelSource
+
+        source = ModelSource("adapter", path, family="diffusion")  # only the diffusion family's export writes this
+    else:
+        source = resolve_source(path, checkpoint)
+    family = family_named(source.family)
+    if not getattr(family, "draws_images", False):
+        raise ZeroPipeError(f"{source.describe()} is a {source.family} model: it writes text, it does not draw; talk to it on the Chat page")
+    torch_device = pick_device(device)
+    return family.load_for_drawing(source, torch_device, pick_dtype(None, torch_device))
+
+
+def draw(loaded: "LoadedModel", out_dir: str | Path, prompt: str, negative_prompt: str = "", width: int = 512, height: int = 512,
+         steps: int = 20, guidance: float = 5.0, seed: int = 0, frames: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Draw one picture (or clip, for a video model) with a loaded pipeline into ``out_dir``; returns what was written."""
+    return family_named(loaded.source.family).draw(loaded, Path(out_dir), prompt, negative_prompt, width, height, steps, guidance, seed, frames)
+
+
 __all__ = [
     "Family",
+    "draw",
     "export_run",
     "families",
     "family_named",
     "family_of",
     "family_of_dir",
     "generate",
+    "load_drawing",
     "load_model",
     "model_spec",
     "register",

@@ -291,10 +291,13 @@ class PreviewRequest(ConfigSubmission):
 
 @router.post("/data/preview", summary="The first records of a config's data as the trainer will see them, and the records it would skip")
 def data_preview(request: Request, body: PreviewRequest):
+    from zeropipe.confine import confining
     from zeropipe.server.preview import preview
 
-    config, _ = store_of(request).validate(body.raw())  # every path confined, as for a launch
-    return preview(config, body.limit)
+    store = store_of(request)
+    config, _ = store.validate(body.raw())  # every path confined, as for a launch
+    with confining(store.confinement):  # and every file the preview opens: a symlink out of a data folder is skipped, as training skips it
+        return preview(config, body.limit)
 
 
 # --------------------------------------------------------------- generate

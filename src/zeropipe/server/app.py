@@ -109,9 +109,10 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     app.add_middleware(Guard, token=token, allowed_hosts=allowed)
     add_error_handlers(app)
 
-    from zeropipe.server import api, pages
+    from zeropipe.server import api, pages, workbench
 
     app.include_router(api.router)
+    app.include_router(workbench.router)
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 

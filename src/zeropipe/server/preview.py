@@ -8,6 +8,9 @@ example as pieces of text marked "prompt" (no loss) or "learned". Records the tr
 skip are listed with their file, line and reason, and whether their share stops the run.
 
 For diffusion image folders it shows thumbnails with their caption and aspect-ratio bucket.
+
+The API runs it confined to the UI's folders (``zeropipe.confine.confining``): a file of a data
+folder that is a symlink to elsewhere is listed as skipped, with why, and never opened.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from zeropipe.confine import also_allowing, confining
 from zeropipe.errors import ZeroPipeError
 
 SHOWN_EXAMPLES = 20
@@ -49,7 +53,7 @@ def text_preview(config, limit: int) -> dict[str, Any]:
     from zeropipe.data.tokenize import IGNORE_INDEX, _conversation_segments, _tokenize_batch
 
     data = config.data
-    with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch, confining(also_allowing(Path(scratch))):  # generated data is read from scratch
         path, source = data_file(config, Path(scratch))
         size = sum(p.stat().st_size for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
         if size > MAX_DATA_BYTES:
@@ -167,7 +171,7 @@ def image_preview(config, limit: int) -> dict[str, Any]:
     from zeropipe.diffusion.images import assign_bucket, generate_shapes_dataset, make_buckets, scan_image_folder
 
     data, images = config.data, config.data.images
-    with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch, confining(also_allowing(Path(scratch))):  # generated data is read from scratch
         if data.synthetic is not None:
             folder = generate_shapes_dataset(
                 Path(scratch) / "shapes", min(data.synthetic.examples, 200), data.synthetic.seed, resolution=min(images.resolution, 256)

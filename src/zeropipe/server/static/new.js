@@ -203,6 +203,7 @@
       } catch (err) {
         const where = err.mark ? ` (line ${err.mark.line + 1}, column ${err.mark.column + 1})` : "";
         yamlInvalid(`not valid YAML${where}: ${err.reason || err.message}`);
+        renderCommand({ available: false, reason: "the YAML does not parse: fix it to see the command" });
         return;
       }
       if (value !== null && value !== undefined && (typeof value !== "object" || Array.isArray(value))) {
@@ -281,12 +282,65 @@
     if (!parts.length) parts.push(el("div", { class: "message ok" }, "No problems found: this config is ready to launch."));
     box.replaceChildren(...parts);
     const errors = result.problems.length + result.findings.filter((f) => f.severity === "error").length;
+    renderCommand(result.command);
     status.textContent = errors ? `${errors} problem(s)` : "ready to launch";
     launchButton.disabled = !result.valid;
   }
 
   // --------------------------------------------------------------- plan
   const FIRST = ["recommendation", "recommended", "verdict", "fits", "why", "reason", "reasons", "explanation"];
+
+  // ------------------------------------------------------ command preview
+  const commandBox = document.getElementById("command");
+
+  async function copyText(text, button) {
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (error) {
+      // No clipboard API (a page served over plain http to another host): copy through a selection.
+      const area = el("textarea", { style: "position:fixed;left:-9999px" });
+      area.value = text;
+      document.body.append(area);
+      area.select();
+      document.execCommand("copy");
+      area.remove();
+    }
+    const label = button.textContent;
+    button.textContent = "copied";
+    setTimeout(() => (button.textContent = label), 1200);
+  }
+
+  function copyBlock(id, title, text) {
+    const button = el("button", { id: `copy-${id}`, class: "small", title: `copy ${title}` }, "Copy");
+    button.addEventListener("click", () => copyText(text, button));
+    return el("div", { class: "copy-block" }, el("div", { class: "toolbar", style: "margin:4px 0" }, el("strong", { class: "small" }, title), el("span", { class: "spacer" }), button), el("pre", { id: `command-${id}`, class: "command" }, text));
+  }
+
+  function renderCommand(command) {
+    if (!command) {
+      commandBox.replaceChildren(el("span", { class: "muted" }, "fix the problems above to see the command"));
+      return;
+    }
+    if (!command.available) {
+      commandBox.replaceChildren(el("span", { class: "muted" }, command.reason));
+      return;
+    }
+    // The file folds away: the New-run page must stay one screen beside the plan.
+    const copyYaml = el("button", { id: "copy-yaml", class: "small", title: "copy the config file's text" }, "Copy");
+    copyYaml.addEventListener("click", () => copyText(command.yaml, copyYaml));
+    const lines = command.yaml.split("\n").length - 1;
+    commandBox.replaceChildren(
+      copyBlock("line", "command", command.command),
+      el("div", { class: "toolbar", style: "margin:4px 0" }, el("strong", { class: "small" }, command.config_path), el("span", { class: "spacer" }), copyYaml),
+      el(
+        "details",
+        { id: "command-details" },
+        el("summary", { class: "small" }, `the file (${lines} lines) and the process the UI starts`),
+        el("div", { class: "small muted" }, `run from ${command.cwd} as `, el("code", {}, command.argv.join(" ")), ", detached, its output in the run's logs/launcher.log"),
+        el("pre", { id: "command-yaml", class: "command" }, command.yaml)
+      )
+    );
+  }
 
   function isBytesKey(key) {
     return /bytes|memory|ram|_mem/.test(key);
@@ -554,9 +608,16 @@
       ["images", `${data.records}, ${data.skipped_count} skipped${data.missing_captions ? `, ${data.missing_captions} without a caption (trained on the empty caption)` : ""}`],
       ["buckets (images × repeats)", buckets || "–"],
     ];
+    // The whole folder, page by page, with every rejected file: the Dataset page, with this config's bucket settings.
+    const images = (config.data && config.data.images) || {};
+    const folder = config.data && config.data.path;
+    const datasetLink = folder
+      ? el("a", { id: "open-dataset", href: `/dataset?${new URLSearchParams({ path: folder, ...Object.fromEntries(["resolution", "bucket_step", "max_aspect", "caption_ext"].filter((k) => images[k] !== undefined).map((k) => [k, images[k]])), ...(images.bucketing === false ? { bucketing: "0" } : {}) })}` }, "see the whole folder on the Dataset page")
+      : "";
     previewBox.replaceChildren(
       el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
       el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      datasetLink,
       el(
         "div",
         { class: "thumbs" },

@@ -142,6 +142,9 @@
     if (["running", "starting", "stopping"].includes(run.state)) {
       buttons.push(el("button", { class: "danger", id: "stop", disabled: run.state === "stopping", onclick: stopRun }, run.state === "stopping" ? "Stopping…" : "Stop"));
     }
+    if (run.state === "running") {
+      buttons.push(el("button", { id: "sample-now", onclick: sampleNow, title: "every rank draws the run's samples (a diffusion run's images, a language model's answers) at its next step, with the current weights" }, "Sample now"));
+    }
     const complete = (detail ? detail.checkpoints : []).filter((c) => c.complete && (!run.total_steps || c.step < run.total_steps));
     if (ENDED.includes(run.state) && complete.length) {
       const select = el("select", { id: "resume-checkpoint", "aria-label": "checkpoint to resume from" }, complete.map((c) => el("option", { value: c.tag }, `${c.tag}${c.latest ? " (latest)" : ""}`)));
@@ -157,6 +160,7 @@
     // The server says what this run's family can do (a diffusion model answers no prompts).
     const generate = (detail && detail.actions && detail.actions.generate) || { available: true };
     if ((detail ? detail.checkpoints : []).some((c) => c.complete) && generate.available) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    if (run.has_samples && (detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "draw-link", href: `/draw?run=${run.id}` }, "Draw"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
@@ -183,6 +187,20 @@
       const data = await api(`${base}/stop`, { method: "POST", body: {} });
       say("Stop sent: the launcher is stopping every rank.", "info");
       onRun(data.run);
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  async function sampleNow() {
+    try {
+      const data = await api(`${base}/sample`, { method: "POST", body: {} });
+      say(
+        data.already_pending
+          ? "Samples were already asked for: the ranks draw them at their next step."
+          : `Asked at step ${data.step}: every rank draws the samples together at its next step; they appear below.`,
+        "info"
+      );
     } catch (error) {
       document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
     }
