@@ -671,7 +671,7 @@ class RunStore:
             family = None  # a plug-in this server has not loaded: offer everything, the action says what is wrong
         answers = family is None or family.answers_prompts
         evaluates = family is None or getattr(family, "evaluates_loss", False)  # a plug-in that does not say: no
-        drawn = "its pictures are in the sample gallery below"
+        drawn = "draw pictures with it on the Draw page; its samples are in the sample gallery below"
         return {
             "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
             "evaluate": {"available": evaluates, "reason": None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."},
