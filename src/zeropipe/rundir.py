@@ -187,6 +187,10 @@ class RunDir:
     # is the config as resolved and checked, and the two together are what ran.
     learned_file = property(lambda self: self.path / "learned.json")
     status_file = property(lambda self: self.path / "status.json")
+    # What a starting run is doing before its first step (building the pipeline, caching 40 of
+    # 240): written by the launcher and the node's setup process, shown by the UI. Its own file:
+    # the setup process writing status.json while the launcher does would lose fields.
+    progress_file = property(lambda self: self.path / "progress.json")
     tokenizer = property(lambda self: self.path / "tokenizer")
     data = property(lambda self: self.path / "data")
     cache = property(lambda self: self.path / "cache")
@@ -501,6 +505,19 @@ class RunDir:
         finally:
             self.release()
         return status
+
+    def write_progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        """Say what the run is doing now (``phase``, with ``done`` of ``total`` when counted); never fails the run."""
+        record = {"phase": phase, "done": done, "total": total, "at": time.time(), "pid": os.getpid()}
+        try:
+            write_atomic(self.progress_file, json.dumps(record))
+        except OSError:
+            pass  # a full disk shows no progress; the run goes on and says so where it matters
+
+    def read_progress(self) -> dict[str, Any]:
+        """progress.json, ``{}`` when missing or unreadable."""
+        value = self.read_json(self.progress_file, {})
+        return value if isinstance(value, dict) else {}
 
     def write_status(self, **fields: Any) -> None:
         """Merge ``fields`` into status.json.

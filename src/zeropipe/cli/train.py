@@ -112,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in prepared.notes:
         say(f"  {note}")
-    progress = Progress(run_dir, plan.total_steps)
+    # train.log_every as the config set it (rank 0's log follows it too); unset, a line every tenth of the run.
+    progress = Progress(run_dir, plan.total_steps, config.train.log_every if "log_every" in config.train.model_fields_set else None)
     if resolved is not None and resolved.nodes is not None:
         from zeropipe.launch.multinode import MultiNodeSupervisor
 

@@ -62,10 +62,17 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from zeropipe.errors import ZeroPipeError
     from zeropipe.server import create_app
     from zeropipe.server.security import is_loopback, new_token
     from zeropipe.store import Roots, RunStore
 
+    if args.token is not None and not args.token.strip():
+        # An empty token matches nothing a browser or script can send: the server would answer 401 to everything.
+        raise ZeroPipeError(
+            "the token is empty (--token or $ZEROPIPE_UI_TOKEN): no request could ever carry it. Give a hard-to-guess token, "
+            "or leave both out to have one generated when the server is reachable from other machines"
+        )
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
     store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code, trust_multinode=args.trust_multinode)
     token = args.token
@@ -80,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock.bind((args.host, args.port))
     except OSError as err:
-        from zeropipe.errors import ZeroPipeError
-
         raise ZeroPipeError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose another --port") from None
     port = sock.getsockname()[1]
     urls = [f"http://{f'[{host}]' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "") for host in shown_hosts(args.host)]
@@ -100,11 +105,22 @@ def run(args: argparse.Namespace) -> int:
             app.state.stopping.set()  # open event streams end now instead of holding the shutdown
             super().handle_exit(sig, frame)
 
-    # timeout_graceful_shutdown: whatever request still runs 5 s after Ctrl-C is cancelled.
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    # timeout_graceful_shutdown: whatever request still runs 1 s after Ctrl-C (a doctor report,
+    # a preview) is cancelled; runs are separate processes and go on.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     server = Server(config)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the Ctrl-C again once it has stopped: it is how the UI is meant to stop
     finally:
         store.close()
-    return 0
+    # Everything is saved and closed by now. The interpreter's own teardown (freeing torch,
+    # transformers and the rest module by module) would take seconds more, 5-7 s on a busy
+    # machine, while the terminal waits: skip it.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

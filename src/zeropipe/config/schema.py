@@ -17,7 +17,9 @@ TEXT_TASKS = ("arithmetic", "reverse", "mixed")
 
 class Section(BaseModel):
     # Unknown keys are errors: a typo such as `micro_batchsize` must not be silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # .inf and .nan are YAML floats but never a learning rate, a ratio or a scale: refused
+    # in every float field, here, rather than failing (or silently training on NaN) later.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(Section):

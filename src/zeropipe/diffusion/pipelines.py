@@ -47,8 +47,12 @@ def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, d
     return arch, components
 
 
-def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Architecture:
-    """Write a randomly initialised pipeline directory for an inline config; same config and seed, same weights."""
+def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: Callable[[str, int | None, int | None], None] | None = None) -> Architecture:
+    """Write a randomly initialised pipeline directory for an inline config; same config and seed, same weights.
+
+    Args:
+        progress: told what is being done (phase, done, total): fitting the VAE takes minutes on a busy CPU.
+    """
     import shutil
 
     import diffusers
@@ -72,7 +76,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
         elif name == "vae":
             parts[name] = getattr(diffusers, arch.codec.vae_class)(**fields)
             if config.get("vae_fit_steps"):
-                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch)
+                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
         else:
             parts[name] = arch.model_class()(**fields)
     for tokenizer_name in arch.tokenizers:
@@ -91,7 +95,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
     return arch
 
 
-def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16) -> None:
+def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16, progress: Callable[[str, int | None, int | None], None] | None = None) -> None:
     """Teach a random tiny VAE to reconstruct generated shape images (clips, for video VAEs), so that samples show shapes.
 
     A randomly initialised decoder turns any latent into noise, so the sample images of a
@@ -106,7 +110,9 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
     vae.train()
     batch = arch.codec.fitting_batch(batch)
-    for _ in range(steps):
+    for step in range(steps):
+        if progress is not None and step % 10 == 0:
+            progress("fitting the tiny VAE: step", step, steps)
         images = pixels[torch.randint(0, len(pixels), (batch,), generator=generator)]
         posterior = vae.encode(images).latent_dist
         reconstruction = vae.decode(posterior.sample(generator)).sample

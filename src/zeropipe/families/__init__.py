@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,11 @@ BUILTIN = ("diffusion", "vlm", "causal_lm")
 
 _REGISTRY: dict[str, Family] = {}
 _loaded = False
+_loading_now = False
+# The web UI serves requests on several threads: a second one asking while the first imports
+# the built-ins must wait for them, not find a half-filled registry ("no model family
+# recognises this model"). Re-entrant: plug-ins register from inside the loading.
+_loading = threading.RLock()
 
 
 def register(family: Family, first: bool = False) -> Family:
@@ -59,14 +65,21 @@ def unregister(name: str) -> None:
 
 
 def _load_builtin() -> None:
-    global _loaded
+    global _loaded, _loading_now
     if _loaded:
         return
-    _loaded = True  # before the plug-ins: their register() calls come back here
-    for module in BUILTIN:
-        family = importlib.import_module(f"{__name__}.{module}").FAMILY
-        _REGISTRY[family.name] = family
-    load_plugins()
+    with _loading:
+        if _loaded or _loading_now:
+            return  # loaded by another thread meanwhile, or a plug-in registering from inside this loading
+        _loading_now = True
+        try:
+            for module in BUILTIN:
+                family = importlib.import_module(f"{__name__}.{module}").FAMILY
+                _REGISTRY[family.name] = family
+            load_plugins()
+        finally:
+            _loading_now = False
+            _loaded = True  # even when a plug-in failed: its error was raised once, as before
 
 
 def load_plugins() -> list[str]:

@@ -30,6 +30,7 @@ class Family(Protocol):
     name: str  # written into config.yaml as model.family
     trains_tokenizer: bool  # a model without a tokenizer gets one trained on the data (curricula train one for all stages)
     answers_prompts: bool  # zeropipe generate and the UI's Generate page write its answers
+    evaluates_loss: bool  # zeropipe eval (and the UI's Evaluate) computes its loss and perplexity on held-out text
     takes_images: bool  # a prompt may come with an image
     streams_answers: bool  # generate() passes answers token by token to a streamer
     # Optional (read with getattr, default False): its rank task's batches report a global data

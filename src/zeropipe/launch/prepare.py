@@ -89,6 +89,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     shutil.rmtree(run.errors, ignore_errors=True)
     run.errors.mkdir()
     run.logs.mkdir(exist_ok=True)
+    run.write_progress("preparing the data")
 
     family = family_of(config.model)
     # Written into config.yaml, so every rank and every later command agrees on it.

@@ -645,6 +645,38 @@ class RunStore:
                                out_path=str(evals / f"{number}.json"), detail={"checkpoint": info.tag, "data": str(argv[-1]) if data else None})  # fmt: skip
         return next(e for e in self.evaluations(run) if e["id"] == launch_id)
 
+    def progress(self, run: dict[str, Any]) -> dict[str, Any]:
+        """What a starting run is doing before its first step (RUN/progress.json), ``{}`` once it trains or has ended."""
+        if run["state"] not in ("starting", "running"):
+            return {}
+        run_dir = self.run_dir(run)
+        progress = run_dir.read_progress()
+        if not progress.get("phase") or not isinstance(progress.get("at"), (int, float)):
+            return {}
+        try:
+            if run_dir.own(run_dir.metrics).stat().st_mtime > progress["at"]:
+                return {}  # a step was recorded since: the run trains, the page shows its steps
+        except (OSError, ZeroPipeError):
+            pass
+        return {key: progress.get(key) for key in ("phase", "done", "total", "at")}
+
+    def actions(self, run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """What the run's family can do beyond training, each with the reason when it cannot (the page offers only these)."""
+        from zeropipe.families import family_named
+
+        name = str(((self.run_dir(run).read_config_fields() or {}).get("model") or {}).get("family") or "auto")
+        try:
+            family = family_named(name) if name != "auto" else None
+        except ConfigError:
+            family = None  # a plug-in this server has not loaded: offer everything, the action says what is wrong
+        answers = family is None or family.answers_prompts
+        evaluates = family is None or getattr(family, "evaluates_loss", False)  # a plug-in that does not say: no
+        drawn = "draw pictures with it on the Draw page; its samples are in the sample gallery below"
+        return {
+            "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
+            "evaluate": {"available": evaluates, "reason": None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."},
+        }
+
     def has_held_out(self, run: dict[str, Any]) -> bool:
         """Whether the run kept held-out data (data.eval_fraction or data.eval_path), tokenized, to evaluate on."""
         info = self.own_or_none(run, "cache/eval/cache.json")
@@ -711,6 +743,9 @@ class RunStore:
                 doomed = path.with_name(f".deleting-{path.name}-{int(time.time())}")
                 path.rename(doomed)
                 shutil.rmtree(doomed)
+            launched = self.launched_config(run, path)
+            if launched is not None:
+                launched.unlink()  # RUNS/configs/NAME.yaml went with the run it launched
             self.series.forget(RunDir(path).metrics)
             self.signatures.pop(str(path), None)
             self.db.delete_run(run["id"])
@@ -739,7 +774,10 @@ class RunStore:
             # Read (and refused when it is not a config) before anything moves: a config.yaml that
             # leads out of the run is left as it is.
             raw = run_dir.read_config_fields() if run_dir.own_or_none(run_dir.config) and run_dir.config.is_file() else None
+            launched = self.launched_config(run, old)
             old.rename(new)
+            if launched is not None:
+                self.rename_launched_config(run["id"], launched, new_name)
             if raw is not None:
                 if not isinstance(raw.get("run"), dict):
                     raw["run"] = {}
@@ -754,6 +792,39 @@ class RunStore:
             self.signatures.pop(str(old), None)
         self.refresh(scan=False)
         return self.run(run["id"])
+
+    def launched_config(self, run: dict[str, Any], path: Path) -> Path | None:
+        """RUNS/configs/NAME.yaml when the UI launched this run from it and it is still there (a plain file, in the run's own runs folder)."""
+        configs = path.parent / "configs"
+        for launch in self.db.launches(run["id"]):
+            if launch["action"] != "train" or not launch.get("config_path"):
+                continue
+            candidate = Path(launch["config_path"])
+            if candidate.parent != configs or candidate.name != f"{run['name']}.yaml" or candidate.is_symlink() or not candidate.is_file():
+                continue
+            if self.roots.runs_root_of(candidate.resolve()) is not None:
+                return candidate
+        return None
+
+    def rename_launched_config(self, run_id: int, launched: Path, new_name: str) -> None:
+        """Move RUNS/configs/OLD.yaml to NEW.yaml with the new run.name, so rerunning it writes into the renamed run."""
+        target = launched.with_name(f"{new_name}.yaml")
+        if target.exists():
+            return  # another run's launch config has that name: leave both as they are
+        try:
+            fields = yaml.safe_load(launched.read_text()) or {}
+        except (OSError, yaml.YAMLError, ValueError):
+            return
+        if not isinstance(fields, dict):
+            return
+        if not isinstance(fields.get("run"), dict):
+            fields["run"] = {}
+        fields["run"]["name"] = new_name
+        target.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {target}\n" + yaml.safe_dump(fields, sort_keys=False))
+        launched.unlink()
+        for launch in self.db.launches(run_id):
+            if launch.get("config_path") == str(launched):
+                self.db.update_launch(launch["id"], config_path=str(target))
 
     def export_folder(self, ref: int | str, name: str) -> Path:
         """A finished export's folder, for download.
@@ -790,7 +861,10 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
         "step_time_s": row.get("step_time_s"),
         "created_at": row.get("created_at"),
         "started_at": row.get("started_at"),
+        "first_started_at": row.get("first_started_at") or row.get("started_at"),
         "ended_at": row.get("ended_at"),
+        # Wall time from the first start to the end (or now), pauses between a stop and a resume included.
+        "duration_s": duration_seconds(row),
         "world_size": row.get("world_size"),
         "zero_stage": row.get("zero_stage"),
         "accelerator": row.get("accelerator"),
@@ -799,6 +873,14 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
         "loss_preview": row.get("loss_preview"),
         "has_samples": bool(row.get("has_samples")),
     }
+
+
+def duration_seconds(row: dict[str, Any]) -> float | None:
+    start = row.get("first_started_at") or row.get("started_at")
+    if not start:
+        return None
+    end = row.get("ended_at") if row.get("state") in TERMINAL else None
+    return max(0.0, (end or time.time()) - start)
 
 
 def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:

@@ -189,7 +189,7 @@ def test_a_checkpoint_folder_symlinked_out_of_its_run_is_hidden_and_never_used(c
     store.refresh()
     run_id = store.run("linked")["id"]
     assert [c["tag"] for c in client.get(f"/api/runs/{run_id}").json()["checkpoints"]] == ["step_00000006"]
-    for path, body in (("export", {"checkpoint": "step_00000012"}), ("eval", {"checkpoint": "step_00000012", "data": "x"}), ("resume", {"checkpoint": "step_00000012"})):
+    for path, body in (("export", {"checkpoint": "step_00000012"}), ("eval", {"checkpoint": "step_00000012", "data": "x"}), ("resume", {"checkpoint": "step_00000012", "confirm": True})):
         response = client.post(f"/api/runs/{run_id}/{path}", json=body)
         assert response.status_code == 403 and "leads outside the run directory" in response.json()["detail"], (path, body, response.text)
     response = client.post("/api/generate", json={"run_id": run_id, "checkpoint": "step_00000012", "prompt": "hi"})

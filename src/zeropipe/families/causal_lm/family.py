@@ -32,6 +32,7 @@ class CausalLM:
     trains_tokenizer = True
     resumes_on_other_rank_counts = True  # its batches count the data for all ranks together (engine.task.SamplerBatches)
     answers_prompts = True
+    evaluates_loss = True
     takes_images = False
     streams_answers = True
 

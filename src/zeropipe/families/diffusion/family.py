@@ -37,6 +37,7 @@ class Diffusion:
     name = "diffusion"
     trains_tokenizer = False
     answers_prompts = False
+    evaluates_loss = False
     takes_images = False
     streams_answers = False
 

@@ -202,12 +202,12 @@
         value = jsyaml.load(yamlArea.value);
       } catch (err) {
         const where = err.mark ? ` (line ${err.mark.line + 1}, column ${err.mark.column + 1})` : "";
-        yamlError.replaceChildren(el("div", { class: "message error" }, `not valid YAML${where}: ${err.reason || err.message}`));
+        yamlInvalid(`not valid YAML${where}: ${err.reason || err.message}`);
         renderCommand({ available: false, reason: "the YAML does not parse: fix it to see the command" });
         return;
       }
       if (value !== null && value !== undefined && (typeof value !== "object" || Array.isArray(value))) {
-        yamlError.replaceChildren(el("div", { class: "message error" }, "the top level must be a mapping of sections (model:, data:, train:, ...)"));
+        yamlInvalid("the top level must be a mapping of sections (model:, data:, train:, ...)");
         return;
       }
       yamlError.replaceChildren();
@@ -218,9 +218,21 @@
   });
 
   // ----------------------------------------------------------- check
+  // YAML that does not parse is not what the last check saw: the page must not keep saying
+  // "ready to launch" (nor keep Launch enabled) for the config as it was before the edit.
+  function yamlInvalid(text) {
+    clearTimeout(checkTimer);
+    checkSeq++; // a check still on its way answers for the old text: ignore it
+    yamlError.replaceChildren(el("div", { class: "message error" }, text));
+    document.getElementById("check").replaceChildren(el("div", { class: "message error" }, `The YAML cannot be read, so nothing was checked: ${text}`));
+    status.textContent = "the YAML is not valid";
+    launchButton.disabled = true;
+  }
+
   function scheduleCheck() {
     clearTimeout(checkTimer);
     status.textContent = "checking…";
+    launchButton.disabled = true; // until the check of this text answers
     checkTimer = setTimeout(runCheck, 400);
   }
 
@@ -262,7 +274,7 @@
           "ul",
           { class: "findings problems" },
           result.findings.map((f) =>
-            el("li", { dataset: { rule: f.rule } }, el("span", { class: `badge sev-${f.severity}` }, f.severity), " ", el("b", {}, f.rule), " ", el("code", {}, f.key), ": ", f.message, el("div", { class: "small" }, "fix: ", f.fix, " ", f.link ? el("a", { href: f.link, target: "_blank", rel: "noopener" }, "docs") : ""))
+            el("li", { dataset: { rule: f.rule } }, el("span", { class: `badge sev-${f.severity}` }, f.severity), " ", el("b", {}, f.rule), " ", el("code", {}, f.key), ": ", ZP.rich(f.message), el("div", { class: "small" }, "fix: ", ZP.rich(f.fix), " ", f.link ? el("a", { href: f.link, target: "_blank", rel: "noopener" }, "docs") : ""))
           )
         )
       );
@@ -399,7 +411,7 @@
   function renderPlan(plan) {
     const box = document.getElementById("plan");
     if (!plan || !plan.available) {
-      box.replaceChildren(el("div", { class: "muted", id: "plan-unavailable" }, plan ? plan.reason : "planner unavailable"));
+      box.replaceChildren(el("div", { class: "muted", id: "plan-unavailable" }, plan ? ZP.rich(plan.reason) : "planner unavailable"));
       return;
     }
     const result = plan.result || {};
@@ -417,7 +429,7 @@
           : el("div", {}, candidateLine("Recommended", result.best, result), result.fragment ? el("button", { id: "apply-plan", onclick: () => applyFragment(result.fragment) }, "Use the recommended settings") : "")
       );
     } else {
-      parts.push(el("div", { class: "message error" }, result.reason || "nothing fits this hardware"));
+      parts.push(el("div", { class: "message error" }, ZP.rich(result.reason) || "nothing fits this hardware"));
     }
     for (const note of result.notes || []) parts.push(el("div", { class: "small muted" }, note));
     const shown = result.configured || result.best;
@@ -541,7 +553,7 @@
 
   function renderPreview(data) {
     if (!data.available) {
-      previewBox.replaceChildren(el("div", { class: "muted" }, data.reason));
+      previewBox.replaceChildren(el("div", { class: "muted" }, ZP.rich(data.reason)));
       return;
     }
     if (data.family === "diffusion") return renderImagePreview(data);
