@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.errors import DataError
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".txt")
@@ -82,16 +83,30 @@ def data_files(path: Path) -> list[Path]:
     Raises:
         DataError: the path does not exist, has an unsupported suffix, or is a folder without data files.
     """
+    return _data_files(path)[0]
+
+
+def _data_files(path: Path) -> tuple[list[Path], list[Path]]:
+    """The files to read, and those left out for resolving outside a UI run's folders (``zeropipe.confine``)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data.path {path}: no such file or directory. Fix data.path to point at your data.")
+    require_usable(path, "data.path")  # a UI run's data: never through a symlink out of its folders
     if path.is_file():
         if path.suffix not in SUPPORTED_SUFFIXES:
             raise DataError(f"data.path {path}: unsupported file type '{path.suffix}'. Use one of {', '.join(SUPPORTED_SUFFIXES)}.")
-        return [path]
-    saved = _saved_dataset_files(path)
-    if saved is not None:
-        return saved
+        return [path], []
+    listed = _saved_dataset_files(path)
+    if listed is None:
+        listed = _shard_files(path)
+    files = [file for file in listed if usable(file)]
+    if listed and not files:
+        raise DataError(f"data.path {path}: every data file in it {OUTSIDE_REASON}. Point data.path at your data.")
+    return files, [file for file in listed if file not in files]
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The data files of a folder: its top level, else its subfolders (the Hub's data/ layout)."""
 
     def visible(candidates) -> list[Path]:
         # Hidden files are editor and notebook leftovers, not data.
@@ -136,6 +151,10 @@ def _saved_dataset_files(folder: Path) -> list[Path] | None:
 def iter_records(path: Path, columns: Mapping[str, str] | None = None) -> Iterator[Record | BadRecord]:
     """Each record under ``path`` in order, or the reason it is malformed; nothing is held.
 
+    The files are listed (and checked against a UI run's confinement, ``zeropipe.confine``)
+    when this is called, not when the records are first asked for: a consumer in another
+    thread (the tokenizer trainer's) does not see the caller's confinement.
+
     Args:
         columns: ZeRO-Pipe's name -> the dataset's column name (``{"output": "answer"}``).
 
@@ -143,9 +162,15 @@ def iter_records(path: Path, columns: Mapping[str, str] | None = None) -> Iterat
         DataError: a file cannot be read at all (see :func:`data_files`, a damaged Parquet
             row group, a broken ``.json`` array, a binary file where text was expected).
     """
-    files = data_files(path)
-    several = len(files) > 1 or Path(path).is_dir()
+    files, outside = _data_files(path)
+    several = len(files) + len(outside) > 1 or Path(path).is_dir()
     renames = {theirs: ours for ours, theirs in (columns or {}).items() if theirs != ours}
+    return _iter_files(files, outside, several, renames)
+
+
+def _iter_files(files: list[Path], outside: list[Path], several: bool, renames: dict[str, str]) -> Iterator[Record | BadRecord]:
+    for file in outside:
+        yield BadRecord(0, OUTSIDE_REASON, file=file.name)  # each file left out is one skipped record, named
     for file in files:
         label = file.name if several else ""
         items = _read_file(file, label)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from zeropipe.doctor.calibrate import Calibration, read_calibration
 from zeropipe.doctor.facts import cpu_runs_bf16_natively
 from zeropipe.errors import ZeroPipeError
 
@@ -48,6 +49,9 @@ class Hardware:
     # Used on CPU ranks only: without it PyTorch emulates bf16, 18-56x slower than fp32, so the
     # planner then tries fp32 alone and precision "auto" picks fp32.
     cpu_bf16_native: bool = False
+    # What zeropipe calibrate measured on this kind of machine (read once, by detect_hardware);
+    # None: the cost model assumes its speeds (plan/cost.py says which).
+    calibration: Calibration | None = None
 
     @property
     def world_size(self) -> int:
@@ -130,12 +134,14 @@ def detect_hardware(cpu_ranks: int = 2) -> Hardware:
         notes = [f"detected {count} CUDA device(s): {', '.join(names)}; host RAM {format_gib(ram)}"]
         if len(names) > 1 or len({p.total_memory for p in props}) > 1:
             notes.append(f"GPUs differ: every rank is planned with the smallest ({smallest.name}, {format_gib(smallest.total_memory)})")
-        return Hardware(count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively())
+        return Hardware(
+            count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively(), calibration=read_calibration()
+        )
     note = (
         f"no CUDA device: {cpu_ranks} CPU ranks, and the 'GPU memory' of each CPU rank is its share of the "
         f"{format_gib(ram)} of host RAM ({format_gib(ram // cpu_ranks)}); both budgets are the same RAM"
     )
-    return Hardware(cpu_ranks, ram // cpu_ranks, 1, ram, None, "cpu", (note,), cpu_bf16_native=cpu_runs_bf16_natively())
+    return Hardware(cpu_ranks, ram // cpu_ranks, 1, ram, None, "cpu", (note,), cpu_bf16_native=cpu_runs_bf16_natively(), calibration=read_calibration())
 
 
 def supports_bf16(hardware: Hardware) -> bool:
