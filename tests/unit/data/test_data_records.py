@@ -328,3 +328,23 @@ def test_the_streamed_split_holds_out_the_records_the_list_split_did(tmp_path, t
     dataset = TokenDataset(tmp_path / "eval")
     answers = [tokenizer.decode(dataset[i]["input_ids"]).rsplit("\n", 1)[-1].replace("<|eos|>", "").strip() for i in range(len(dataset))]
     assert answers == expected
+
+
+def test_tokenizing_progress_reaches_the_ui_once_a_second(monkeypatch):
+    import time
+
+    from zeropipe.families.causal_lm.prepare import progress_bar
+
+    written = []
+
+    class Run:
+        def write_progress(self, phase, done=None, total=None):
+            written.append((phase, done))
+
+    clock = iter([100.0, 100.5, 101.2, 101.4, 102.5])
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    show = progress_bar("tokenizing", Path("data.parquet"), Run())
+    for records in (1000, 2000, 3000, 4000):
+        show(records)
+    show.done()
+    assert written == [("tokenizing data.parquet: 2,000 records, 1,667/s, 1 s", 2000), ("tokenizing data.parquet: 4,000 records, 1,600/s, 2 s", 4000)]

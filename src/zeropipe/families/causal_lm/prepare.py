@@ -84,7 +84,7 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
     info_file = run.cache / "cache.json"
     if reuse and info_file.is_file():
         return json.loads(info_file.read_text())
-    progress = progress_bar("tokenizing", records_path)
+    progress = progress_bar("tokenizing", records_path, run)
     build_token_cache(
         records_path,
         tokenizer,
@@ -98,8 +98,7 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
         progress=progress,
         num_workers=preparation_workers(config),
     )
-    if progress is not None:
-        progress.done()
+    progress.done()
     return json.loads(info_file.read_text())
 
 
@@ -110,22 +109,33 @@ def preparation_workers(config: RunConfig) -> int:
     return default_workers() if workers == "auto" else workers
 
 
-def progress_bar(what: str, source: Path):
-    """A callback drawing records read, records/s and the elapsed time on the launcher's terminal (stderr)."""
+def progress_bar(what: str, source: Path, run: RunDir):
+    """A callback showing records read and records/s: on the launcher's terminal (stderr) and, once a second, in the UI (progress.json)."""
 
     import sys
     import time
 
-    if not sys.stderr.isatty():
-        return None
-    started = time.monotonic()
+    started = last_written = time.monotonic()
+    terminal = sys.stderr.isatty()
 
     def show(records: int) -> None:
-        elapsed = max(time.monotonic() - started, 1e-9)
-        sys.stderr.write(f"\r{what} {source.name}: {records:,} records, {records / elapsed:,.0f}/s, {elapsed:.0f} s ")
-        sys.stderr.flush()
+        nonlocal last_written
+        now = time.monotonic()
+        elapsed = max(now - started, 1e-9)
+        line = f"{what} {source.name}: {records:,} records, {records / elapsed:,.0f}/s, {elapsed:.0f} s"
+        if terminal:
+            sys.stderr.write(f"\r{line} ")
+            sys.stderr.flush()
+        if now - last_written >= 1.0:
+            last_written = now
+            run.write_progress(line, records)
 
-    show.done = lambda: (sys.stderr.write("\n"), sys.stderr.flush())
+    def done() -> None:
+        if terminal:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+    show.done = done
     return show
 
 
