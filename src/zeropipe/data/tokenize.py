@@ -35,7 +35,8 @@ PLAIN_SYSTEM = "<|system|>\n{content}\n"
 PLAIN_USER = "<|user|>\n{content}\n"
 PLAIN_ASSISTANT_PROMPT = "<|assistant|>\n"
 
-CACHE_FILES = ("tokens.npy", "loss_mask.npy", "offsets.npy", "cache.json")
+TOKEN_CACHE_ARRAYS = ("tokens.npy", "loss_mask.npy", "offsets.npy")
+CACHE_FILES = (*TOKEN_CACHE_ARRAYS, "cache.json")
 BAD_RECORDS_KEPT = 50  # in cache.json: enough to fix a file, small enough to read
 BAD_RECORDS_SHOWN = 5  # in the error message
 TOKENIZE_BATCH = 1000  # records per call to the fast tokenizer, which parallelises a batch

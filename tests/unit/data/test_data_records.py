@@ -348,3 +348,34 @@ def test_tokenizing_progress_reaches_the_ui_once_a_second(monkeypatch):
         show(records)
     show.done()
     assert written == [("tokenizing data.parquet: 2,000 records, 1,667/s, 1 s", 2000), ("tokenizing data.parquet: 4,000 records, 1,600/s, 2 s", 4000)]
+
+
+def test_a_token_cache_is_reused_by_a_run_with_the_same_inputs_and_rebuilt_when_one_changes(tmp_path, tokenizer):
+    from zeropipe.config.load import validate_config
+    from zeropipe.families.causal_lm.prepare import prepare_cache
+    from zeropipe.rundir import RunDir
+
+    data = write_format(tmp_path, ".parquet")
+
+    def prepare(name: str, **data_keys):
+        raw = {
+            "run": {"name": name, "output_dir": str(tmp_path / "runs")},
+            "model": {"config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}},
+            "data": {"path": str(data), "max_seq_len": 64, **data_keys},
+            "hardware": {"gpus": 1, "accelerator": "cpu"},
+        }
+        run = RunDir(tmp_path / "runs" / name)
+        run.path.mkdir(parents=True)
+        return prepare_cache(validate_config(raw), run, data, tokenizer, reuse=False), run
+
+    first, first_run = prepare("first")
+    second, second_run = prepare("second")
+    third, _ = prepare("third", max_seq_len=32)
+    assert "reused_from" not in first and "reused_from" not in third
+    assert second["reused_from"].startswith(str(tmp_path / "runs" / ".zeropipe-cache" / "tokens"))
+    assert second["examples"] == first["examples"] == 5
+    for name in ("tokens.npy", "loss_mask.npy", "offsets.npy"):
+        assert (second_run.cache / name).read_bytes() == (first_run.cache / name).read_bytes()
+    # Linked, not copied: one copy on disk for every run that reads it.
+    assert (second_run.cache / "tokens.npy").stat().st_ino == (first_run.cache / "tokens.npy").stat().st_ino
+    assert len(TokenDataset(second_run.cache)) == 5

@@ -8,7 +8,10 @@ so that bad data stops the run before the ranks start and every rank reads the s
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,10 +19,10 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.data.formats import DETECTION_SAMPLE, detect_format
 from zeropipe.data.mixture import build_mixture
 from zeropipe.data.packing import build_pack_index, read_pack_info
-from zeropipe.data.records import Record, iter_records, sample_records
+from zeropipe.data.records import Record, data_files, iter_records, sample_records
 from zeropipe.data.split import RecordSplit
 from zeropipe.data.synthetic import generate_dataset
-from zeropipe.data.tokenize import build_token_cache, default_workers
+from zeropipe.data.tokenize import TOKEN_CACHE_ARRAYS, build_token_cache, default_workers
 from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.rundir import RunDir
 
@@ -84,6 +87,11 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
     info_file = run.cache / "cache.json"
     if reuse and info_file.is_file():
         return json.loads(info_file.read_text())
+    split = record_split(config, held_out=False)
+    shared = shared_token_cache(config, records_path, tokenizer, split)
+    if shared is not None and (shared / "cache.json").is_file():
+        link_cache(shared, run.cache)
+        return {**json.loads(info_file.read_text()), "reused_from": str(shared)}
     progress = progress_bar("tokenizing", records_path, run)
     build_token_cache(
         records_path,
@@ -93,13 +101,81 @@ def prepare_cache(config: RunConfig, run: RunDir, records_path: Path, tokenizer,
         max_seq_len=config.data.max_seq_len,
         max_bad_fraction=config.data.max_bad_fraction,
         max_bad_records=config.data.max_bad_records,
-        split=record_split(config, held_out=False),
+        split=split,
         columns=data_columns(config, records_path),
         progress=progress,
         num_workers=preparation_workers(config),
     )
     progress.done()
+    if shared is not None:
+        publish_cache(run.cache, shared)
     return json.loads(info_file.read_text())
+
+
+TOKEN_CACHE_VERSION = 2  # uint16/uint32 tokens and a byte loss mask
+
+
+def shared_token_cache(config: RunConfig, records_path: Path, tokenizer, split) -> Path | None:
+    """Where a token cache of these exact inputs is kept for other runs (and a curriculum's stages), by fingerprint.
+
+    The fingerprint is the data files' identity (resolved path, size, modification time), the
+    tokenizer (its full definition), its chat template and special tokens, the format, column
+    mapping, max_seq_len and held-out split: a change to any of them is another cache. None for
+    generated data (a mixture or a synthetic task is written into each run's own folder).
+    """
+
+    if config.data.mixture or config.data.synthetic is not None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None  # a slow tokenizer has no definition to fingerprint cheaply: the run keeps its own cache
+    files = [
+        [str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns] for file in data_files(records_path)
+    ]
+    identity = {
+        "version": TOKEN_CACHE_VERSION,
+        "files": files,
+        "tokenizer": hashlib.sha256(backend.to_str().encode()).hexdigest(),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, len(tokenizer)],
+        "format": config.data.format,
+        "columns": data_columns(config, records_path),
+        "max_seq_len": config.data.max_seq_len,
+        "split": [split.fraction, split.seed, split.held_out] if split is not None else None,
+    }
+    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    root = Path(config.data.cache.dir).expanduser() if config.data.cache.dir else Path(config.run.output_dir).expanduser() / ".zeropipe-cache"
+    return root / "tokens" / fingerprint
+
+
+def link_cache(source: Path, target: Path) -> None:
+    """The cache files of ``source`` in ``target``: hard links where the filesystem allows (no copy), else copies; cache.json last."""
+
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "cache.json").unlink(missing_ok=True)
+    for name in (*TOKEN_CACHE_ARRAYS, "cache.json"):
+        partial = target / f"{name}.partial"
+        partial.unlink(missing_ok=True)
+        try:
+            os.link(source / name, partial)
+        except OSError:
+            shutil.copyfile(source / name, partial)
+        # Replaced, never written into: a cache file shared by links is never changed in place.
+        os.replace(partial, target / name)
+
+
+def publish_cache(built: Path, shared: Path) -> None:
+    """Offer a run's new cache to later runs; a failure (a read-only folder, another run publishing) costs only the reuse."""
+
+    staging = shared.with_name(f"{shared.name}.partial-{os.getpid()}")
+    try:
+        link_cache(built, staging)
+        if shared.exists():
+            shutil.rmtree(staging)  # another run published the same inputs first
+        else:
+            os.replace(staging, shared)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def preparation_workers(config: RunConfig) -> int:
