@@ -182,7 +182,9 @@ class CacheSection(Section):
     latents: bool = Field(True, description="Encode every image with the VAE once and train on the stored latents.")
     text: bool = Field(True, description="Encode every caption with the text encoders once and train on the stored embeddings.")
     dir: str | None = Field(
-        None, description="Cache folder shared by runs; entries are keyed by a fingerprint of what they depend on. Default: OUTPUT_DIR/.zeropipe-cache."
+        None,
+        description="Cache folder shared by runs (diffusion latents and text embeddings; causal LMs' token caches under tokens/); entries are keyed "
+        "by a fingerprint of what they depend on. Default: OUTPUT_DIR/.zeropipe-cache.",
     )
 
 
