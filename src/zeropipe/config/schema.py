@@ -248,7 +248,7 @@ class DataSection(Section):
     num_workers: PositiveInt | Literal["auto"] = Field(
         "auto",
         description="Processes that render and tokenize the records side by side before the ranks start (causal LMs); 'auto': one per core "
-        "of the launcher (the ranks start after it). The token cache is the same whatever the number.",
+        "of the launcher (the ranks start after it), at most 8. The token cache is the same whatever the number.",
     )
     max_seq_len: int = Field(512, ge=8, description="Longest tokenized example; longer instruction examples are truncated, long texts are split.")
     max_bad_fraction: float = Field(

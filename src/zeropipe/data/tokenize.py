@@ -418,12 +418,16 @@ def _map_batches(work: _BatchWork, batches: Iterator[list], num_workers: int) ->
         _WORKER_TASK = None
 
 
+MOST_DEFAULT_WORKERS = 8  # past this one reading process feeds the workers no faster; each worker costs its own memory
+
+
 def default_workers() -> int:
-    """Processes for data preparation: the launcher's cores (the ranks start after it is done)."""
+    """Processes for data preparation: the launcher's cores (the ranks start after it is done), at most 8."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MOST_DEFAULT_WORKERS))
 
 
 class PreparedTokenizer:
