@@ -176,3 +176,34 @@ def test_gemma3_lora_under_zero3_resumes_exactly_and_exports(tmp_path):
     assert_ok(zeropipe_here("export", run_dir, "--out", export, "--merge", "--dtype", "fp32"))
     image = Path(generations[0]["image"])
     assert isinstance(generate_from_export(export, image), str)
+
+
+def test_hub_style_parquet_with_embedded_image_bytes_trains(tmp_path):
+    """A Hub image-text dataset as downloaded: data/train-*.parquet shards whose image column holds {bytes, path}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from zeropipe.diffusion.images import generate_shapes_dataset
+
+    folder = generate_shapes_dataset(tmp_path / "shapes", 96, seed=0, resolution=32) / "1_shapes"
+    rows = [{"image": {"bytes": png.read_bytes(), "path": None}, "text": png.with_suffix(".txt").read_text().strip()} for png in sorted(folder.glob("*.png"))]
+    shards = tmp_path / "hub-dataset" / "data"
+    shards.mkdir(parents=True)
+    for index in range(2):
+        pq.write_table(pa.Table.from_pylist(rows[index * 48 : (index + 1) * 48]), shards / f"train-0000{index}-of-00002.parquet", row_group_size=16)
+    config = tiny_run_config(
+        tmp_path,
+        name="gemma3-parquet",
+        model={"config": dict(TINY_GEMMA3), "trainable": ["language_model"], "lora": {"r": 8, "alpha": 16, "dropout": 0.0}},
+        data={"synthetic": None, "path": str(tmp_path / "hub-dataset"), "max_seq_len": 48},
+        train={"max_steps": 4, "micro_batch_size": 8, "lr": 1e-2, "warmup_steps": 1},
+        deepspeed={"zero_stage": 2},
+        generate={"prompts": [], "max_new_tokens": 4},
+    )
+    result = zeropipe("train", write_config(tmp_path, config, "gemma3-parquet.yaml"))
+    assert_ok(result)
+    assert "96 image-text examples" in result.stderr and "embedded images written" in result.stderr, result.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "gemma3-parquet"
+    losses = {row["step"]: row["loss"] for row in metrics(run_dir) if row.get("kind") is None}
+    assert len(losses) == 4 and losses[4] < losses[1], losses
+    assert len(list((run_dir / "data" / "images").glob("*.png"))) == 96

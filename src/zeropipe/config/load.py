@@ -332,7 +332,7 @@ def semantic_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
     if len(sources) > 1:
         problems.append(("data", f"set one of data.path, data.synthetic or data.mixture, not {' and '.join(sources)}"))
     elif not sources:
-        problems.append(("data", "no training data: set data.path to a .jsonl/.json/.txt file, data.synthetic: {task: mixed}, or data.mixture"))
+        problems.append(("data", "no training data: set data.path to a .jsonl/.json/.parquet/.csv/.txt file (or a folder of them), data.synthetic: {task: mixed}, or data.mixture"))
     if isinstance(data.get("mixture"), list):
         problems += mixture_problems(data)
     if isinstance(data.get("path"), str) and not Path(data["path"]).expanduser().exists():

@@ -182,7 +182,9 @@ class CacheSection(Section):
     latents: bool = Field(True, description="Encode every image with the VAE once and train on the stored latents.")
     text: bool = Field(True, description="Encode every caption with the text encoders once and train on the stored embeddings.")
     dir: str | None = Field(
-        None, description="Cache folder shared by runs; entries are keyed by a fingerprint of what they depend on. Default: OUTPUT_DIR/.zeropipe-cache."
+        None,
+        description="Cache folder shared by runs (diffusion latents and text embeddings; causal LMs' token caches under tokens/); entries are keyed "
+        "by a fingerprint of what they depend on. Default: OUTPUT_DIR/.zeropipe-cache.",
     )
 
 
@@ -217,21 +219,36 @@ class VisionDataSection(Section):
 class MixtureSource(Section):
     """One dataset of data.mixture: a file (or folder) or a generated task, and its share."""
 
-    path: str | None = Field(None, description="A .jsonl/.json/.txt file or a folder of them. Exclusive with synthetic.")
+    path: str | None = Field(
+        None, description="A .jsonl/.json/.txt/.parquet/.csv/.tsv/.arrow file, a folder of them or a datasets.save_to_disk folder. Exclusive with synthetic."
+    )
     synthetic: SyntheticSection | None = Field(None, description="A generated dataset instead of a file. Exclusive with path.")
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field("auto", description="Record format of this source (as data.format).")
+    columns: dict[str, str] | None = Field(None, description="This source's column for each name ZeRO-Pipe reads (as data.columns).")
     weight: float = Field(1.0, gt=0, description="Share of the mixture, relative to the other sources' weights (0.7 and 0.3, or 7 and 3).")
 
 
 class DataSection(Section):
     path: str | None = Field(
         None,
-        description="Training data: a .jsonl/.json/.txt file or a folder of them; for diffusion, an image folder (kohya layout or metadata.jsonl); "
+        description="Training data: a .jsonl/.json/.txt/.parquet/.csv/.tsv/.arrow file, a folder of shards of them (the Hub's data/*.parquet) "
+        "or a folder written by datasets' save_to_disk (its train split); for diffusion, an image folder (kohya layout or metadata.jsonl); "
         "for vision-language models, a captions file (Flickr8k image.jpg#0<TAB>caption, CSV image,caption, JSONL {image, caption} or "
         "{messages, images}) or an image folder. Exclusive with data.synthetic.",
     )
     format: Literal["auto", "alpaca", "dolly", "chat", "sharegpt", "text"] = Field(
         "auto", description="Record format; 'auto' detects alpaca, dolly, chat (messages), sharegpt (conversations) or text."
+    )
+    columns: dict[str, str] | None = Field(
+        None,
+        description="Your data's column (or key) for each name ZeRO-Pipe reads, e.g. {instruction: question, output: answer} or "
+        "{messages: dialog}: the names are instruction/input/output (alpaca), instruction/context/response (dolly), messages (chat), "
+        "conversations (sharegpt) and text, as LLaMA-Factory's dataset_info.json columns and axolotl's field keys map them.",
+    )
+    num_workers: PositiveInt | Literal["auto"] = Field(
+        "auto",
+        description="Processes that render and tokenize the records side by side before the ranks start (causal LMs); 'auto': one per core "
+        "of the launcher (the ranks start after it), at most 8. The token cache is the same whatever the number.",
     )
     max_seq_len: int = Field(512, ge=8, description="Longest tokenized example; longer instruction examples are truncated, long texts are split.")
     max_bad_fraction: float = Field(

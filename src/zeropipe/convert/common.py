@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from zeropipe.data.formats import read_records
+from zeropipe.data.records import Record, iter_records
 from zeropipe.errors import DataError, ZeroPipeError
 
 SECTION_ORDER = ("run", "model", "data", "train", "deepspeed", "hardware", "generate", "logging")
@@ -346,10 +346,9 @@ def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Pat
 def count_records(path: Path) -> int | None:
 
     try:
-        records, _ = read_records(path)
+        return sum(1 for item in iter_records(path) if isinstance(item, Record))  # counted as read, never all held
     except DataError:
         return None
-    return len(records)
 
 
 def map_sources(conversion: Conversion, sources: list[tuple[str, Path, str]], why: str) -> None:

@@ -1,23 +1,24 @@
-"""Reading training records and turning them into conversations.
+"""Telling the format of training records and turning them into conversations.
 
-Supported files: ``.jsonl`` (one JSON object per line), ``.json`` (an array of objects)
-and ``.txt`` (documents separated by blank lines), or a directory of them. A record that
-cannot be used is reported as a :class:`BadRecord` with its line number instead of
-stopping the run; the caller decides how many of those are acceptable.
+The records themselves are read by :mod:`zeropipe.data.records` (``.jsonl``, ``.json``,
+``.txt``, ``.parquet``, ``.csv``/``.tsv``, ``.arrow``, a folder of shards of these or a
+``datasets.save_to_disk`` folder), streamed; :func:`read_records` is the list of them for
+small files. A record that cannot be used is reported as a :class:`BadRecord` with its line
+(or row) number instead of stopping the run; the caller decides how many are acceptable.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
+from zeropipe.data.records import SUPPORTED_SUFFIXES, BadRecord, Record, iter_records, json_type
 from zeropipe.errors import DataError
 
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt")
+__all__ = ["SUPPORTED_SUFFIXES", "BadRecord", "Record", "detect_format", "read_located_records", "read_records", "to_conversation"]
+
 FORMATS = ("alpaca", "dolly", "chat", "sharegpt", "text")
 
 # What each format looks like, for error messages that tell the user what we accept.
@@ -44,199 +45,30 @@ SHAREGPT_ROLES = {
 DETECTION_SAMPLE = 100
 
 
-@dataclass(frozen=True)
-class BadRecord:
-    """A record that was skipped, with where it is and why."""
-
-    line_number: int
-    reason: str
-    file: str = ""  # set when data.path is a directory, so the line number can be found
-
-    def __str__(self) -> str:
-        where = f"{self.file} line {self.line_number}" if self.file else f"line {self.line_number}"
-        return f"{where}: {self.reason}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "line": self.line_number, "reason": self.reason}
-
-
-@dataclass(frozen=True)
-class Record:
-    """A good record and where it came from, so later problems can name its line."""
-
-    value: dict | str
-    line_number: int
-    file: str = ""
-
-    def bad(self, reason: str) -> BadRecord:
-        return BadRecord(self.line_number, reason, self.file)
-
-
 class RecordError(ValueError):
     """Raised by :func:`to_conversation` when a record does not fit its format."""
 
 
-def read_records(path: Path) -> tuple[list[dict | str], list[BadRecord]]:
-    """Read every record under ``path``; malformed ones are returned, not raised.
+def read_records(path: Path, columns: Mapping[str, str] | None = None) -> tuple[list[dict | str], list[BadRecord]]:
+    """Every record under ``path`` as a list; malformed ones are returned, not raised.
+
+    This holds the whole dataset: for small files (previews, conversions, mixtures of small
+    sources). Data preparation streams with :func:`zeropipe.data.records.iter_records`.
 
     Raises:
-        DataError: the path does not exist, has an unsupported suffix, or a ``.json``
-            file is not a JSON array.
+        DataError: the path does not exist, has an unsupported suffix, or a file cannot be read.
     """
-    located, bad = read_located_records(path)
+    located, bad = read_located_records(path, columns)
     return [record.value for record in located], bad
 
 
-def read_located_records(path: Path) -> tuple[list[Record], list[BadRecord]]:
+def read_located_records(path: Path, columns: Mapping[str, str] | None = None) -> tuple[list[Record], list[BadRecord]]:
     """Like :func:`read_records`, keeping each record's file and line number."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data.path {path}: no such file or directory. Fix data.path to point at your data.")
-    require_usable(path, "data.path")  # a UI run's data (zeropipe.confine): never through a symlink out of its folders
-    if path.is_dir():
-        # Hidden files are editor and notebook leftovers, not data.
-        listed = sorted(
-            p for p in path.iterdir() if p.is_file() and p.suffix in SUPPORTED_SUFFIXES and not p.name.startswith(".")
-        )
-        files = [p for p in listed if usable(p)]
-        outside = [BadRecord(0, OUTSIDE_REASON, file=p.name) for p in listed if p not in files]
-        if not files:
-            raise DataError(
-                f"data.path {path}: the directory has no {', '.join(SUPPORTED_SUFFIXES)} files. "
-                "Fix data.path or add data files to it."
-            )
-        records: list[Record] = []
-        bad: list[BadRecord] = outside  # each file skipped for leading out of the folders is one skipped record, named
-        for file in files:
-            file_records, file_bad = _read_file(file, label=file.name)
-            records += file_records
-            bad += file_bad
-        return records, bad
-    if path.suffix not in SUPPORTED_SUFFIXES:
-        raise DataError(
-            f"data.path {path}: unsupported file type '{path.suffix}'. "
-            f"Use one of {', '.join(SUPPORTED_SUFFIXES)}."
-        )
-    return _read_file(path, label="")
-
-
-def _read_file(path: Path, label: str) -> tuple[list[Record], list[BadRecord]]:
-    with open(path, "rb") as handle:
-        head = handle.read(8192)
-    if b"\0" in head:
-        # Text never holds NUL bytes: every "line" would be a malformed record, which hides the point.
-        raise DataError(
-            f"data.path {path}: this is a binary file, not {path.suffix} text (it holds NUL bytes). "
-            "Point data.path at your JSONL, JSON or text data."
-        )
-    if path.suffix == ".jsonl":
-        return _read_jsonl(path, label)
-    if path.suffix == ".json":
-        return _read_json_array(path, label)
-    return _read_text(path, label)
-
-
-def _read_jsonl(path: Path, label: str) -> tuple[list[Record], list[BadRecord]]:
     records: list[Record] = []
     bad: list[BadRecord] = []
-    # Bytes, not text: one line with broken UTF-8 should cost one record, not the file.
-    for line_number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        if line_number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-            raw = raw[3:]  # a UTF-8 byte order mark written by some editors
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            bad.append(BadRecord(line_number, f"not valid UTF-8 (byte {error.start + 1})", label))
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as error:
-            bad.append(BadRecord(line_number, f"not valid JSON ({error.msg} at column {error.colno})", label))
-            continue
-        if not isinstance(value, dict):
-            bad.append(BadRecord(line_number, f"expected a JSON object, got {_json_type(value)}", label))
-            continue
-        records.append(Record(value, line_number, label))
+    for item in iter_records(Path(path), columns):
+        (bad if isinstance(item, BadRecord) else records).append(item)
     return records, bad
-
-
-def _read_json_array(path: Path, label: str) -> tuple[list[Record], list[BadRecord]]:
-    where = f"data.path {path}"
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise DataError(f"{where}: not valid UTF-8 (byte {error.start + 1}). Save the file as UTF-8.") from None
-    decoder = json.JSONDecoder()
-    position = _skip_space(text, 0)
-    if position >= len(text) or text[position] != "[":
-        raise DataError(
-            f"{where}: a .json file must hold a JSON array of records ([{{...}}, {{...}}]). "
-            "Wrap the records in [ ] or save one object per line as .jsonl."
-        )
-    # Walk the array element by element rather than json.loads() so every record keeps
-    # the line it starts on; a broken element breaks the whole array, so that one raises.
-    records: list[Record] = []
-    bad: list[BadRecord] = []
-    position = _skip_space(text, position + 1)
-    if position < len(text) and text[position] == "]":
-        return records, bad
-    while True:
-        line_number = text.count("\n", 0, position) + 1
-        try:
-            value, position = decoder.raw_decode(text, position)
-        except json.JSONDecodeError as error:
-            raise DataError(
-                f"{where}: line {error.lineno}: not valid JSON ({error.msg} at column {error.colno}). "
-                "A broken .json array cannot be partly read: fix the file, or save one record per line "
-                "as .jsonl so broken lines are skipped."
-            ) from None
-        if isinstance(value, dict):
-            records.append(Record(value, line_number, label))
-        else:
-            bad.append(BadRecord(line_number, f"expected a JSON object, got {_json_type(value)}", label))
-        position = _skip_space(text, position)
-        if position < len(text) and text[position] == ",":
-            position = _skip_space(text, position + 1)
-            continue
-        if position < len(text) and text[position] == "]":
-            break
-        line_number = text.count("\n", 0, position) + 1
-        raise DataError(f"{where}: line {line_number}: expected ',' or ']' in the JSON array. Fix the file.")
-    if _skip_space(text, position + 1) != len(text):
-        line_number = text.count("\n", 0, position + 1) + 1
-        raise DataError(f"{where}: line {line_number}: extra data after the JSON array. Fix the file.")
-    return records, bad
-
-
-def _read_text(path: Path, label: str) -> tuple[list[Record], list[BadRecord]]:
-    text = path.read_text(encoding="utf-8-sig", errors="replace")
-    records: list[Record] = []
-    document: list[str] = []
-    start = 0
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            if not document:
-                start = line_number
-            document.append(line)
-        elif document:
-            records.append(Record("\n".join(document), start, label))
-            document = []
-    if document:
-        records.append(Record("\n".join(document), start, label))
-    return records, []
-
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in " \t\r\n":
-        position += 1
-    return position
-
-
-def _json_type(value: Any) -> str:
-    names = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _record_format(record: dict | str) -> str | None:
@@ -317,7 +149,7 @@ def _text(record: dict | str) -> str:
     if "text" not in record:
         raise RecordError("missing key 'text' (text format)")
     if not isinstance(record["text"], str):
-        raise RecordError(f"'text' should be a string, got {_json_type(record['text'])} (text format)")
+        raise RecordError(f"'text' should be a string, got {json_type(record['text'])} (text format)")
     return record["text"]
 
 
@@ -326,7 +158,7 @@ def _required_string(record: dict, key: str, fmt: str) -> str:
         raise RecordError(f"missing key '{key}' ({fmt} format)")
     value = record[key]
     if not isinstance(value, str):
-        raise RecordError(f"'{key}' should be a string, got {_json_type(value)} ({fmt} format)")
+        raise RecordError(f"'{key}' should be a string, got {json_type(value)} ({fmt} format)")
     return value
 
 
@@ -336,7 +168,7 @@ def _instruction_pair(record: dict, fmt: str, *, prompt_key: str, extra_key: str
     # The extra field is optional in both formats and often null in exported datasets.
     extra = record.get(extra_key) or ""
     if not isinstance(extra, str):
-        raise RecordError(f"'{extra_key}' should be a string, got {_json_type(extra)} ({fmt} format)")
+        raise RecordError(f"'{extra_key}' should be a string, got {json_type(extra)} ({fmt} format)")
     prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
@@ -348,21 +180,21 @@ def _turns(
         raise RecordError(f"missing key '{list_key}' ({fmt} format)")
     turns = record[list_key]
     if not isinstance(turns, list):
-        raise RecordError(f"'{list_key}' should be a list, got {_json_type(turns)} ({fmt} format)")
+        raise RecordError(f"'{list_key}' should be a list, got {json_type(turns)} ({fmt} format)")
     if not turns:
         raise RecordError(f"'{list_key}' is empty ({fmt} format)")
     known = sorted(roles) if roles else list(CHAT_ROLES)
     messages = []
     for number, turn in enumerate(turns, start=1):
         if not isinstance(turn, dict):
-            raise RecordError(f"{list_key}[{number}] should be an object, got {_json_type(turn)} ({fmt} format)")
+            raise RecordError(f"{list_key}[{number}] should be an object, got {json_type(turn)} ({fmt} format)")
         for key in (role_key, content_key):
             if key not in turn:
                 raise RecordError(f"{list_key}[{number}] is missing key '{key}' ({fmt} format)")
         role, content = turn[role_key], turn[content_key]
         if not isinstance(content, str):
             raise RecordError(
-                f"{list_key}[{number}].{content_key} should be a string, got {_json_type(content)} ({fmt} format)"
+                f"{list_key}[{number}].{content_key} should be a string, got {json_type(content)} ({fmt} format)"
             )
         if not isinstance(role, str) or role not in known:
             raise RecordError(

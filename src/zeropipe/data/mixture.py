@@ -83,7 +83,7 @@ def read_source(index: int, source, data: DataSection, out_dir: Path, seed: int)
         label = str(source.path)
         file = Path(source.path).expanduser()
     try:
-        records, bad = read_located_records(file)
+        records, bad = read_located_records(file, source.columns)
         if not records:
             raise DataError(f"no usable records ({len(bad)} malformed)")
         fmt = detect_format([record.value for record in records], source.format)

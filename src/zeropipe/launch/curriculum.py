@@ -27,6 +27,7 @@ at its last complete checkpoint; finished stages are not run again.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -40,11 +41,10 @@ from zeropipe.checkpoint.manager import latest_checkpoint, list_checkpoints, wri
 from zeropipe.config.load import dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.config.stages import stage_configs, stage_directory_name, stage_key
-from zeropipe.data.formats import detect_format, read_records
-from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
+from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import export_run, family_of
-from zeropipe.families.causal_lm.prepare import prepare_data_file
+from zeropipe.families.causal_lm.prepare import prepare_data_file, training_texts
 from zeropipe.launch.prepare import Prepared, prepare_run, run_dir_for
 from zeropipe.launch.resolve import ResolvedRun, resolve_stages
 from zeropipe.launch.supervisor import Supervisor, raise_keyboard_interrupt
@@ -212,12 +212,12 @@ class Curriculum:
     def train_shared_tokenizer(self) -> str:
         """One tokenizer for every stage (their model is the same), trained on every stage's data."""
 
-        texts: list[str] = []
+        texts = []
         for stage in self.stages:
             stage.run.path.mkdir(parents=True, exist_ok=True)
-            records, _ = read_records(prepare_data_file(stage.config, stage.run))
-            texts += texts_for_tokenizer(records, detect_format(records, stage.config.data.format))
-        train_tokenizer(texts, self.config.model.tokenizer_vocab_size, self.top.tokenizer)
+            texts.append(training_texts(stage.config, prepare_data_file(stage.config, stage.run)))
+        # Streamed stage after stage into the trainer: no stage's records are all held.
+        train_tokenizer(itertools.chain.from_iterable(texts), self.config.model.tokenizer_vocab_size, self.top.tokenizer)
         for stage in self.stages:
             stage.config.model.tokenizer = str(self.top.tokenizer.resolve())
         return f"tokenizer: trained once on the data of all {len(self.stages)} stages ({self.top.tokenizer})"

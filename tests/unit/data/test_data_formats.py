@@ -97,9 +97,9 @@ def test_missing_file_names_the_path_and_the_key_to_fix(tmp_path):
 
 
 def test_unsupported_suffix_is_refused(tmp_path):
-    path = tmp_path / "data.csv"
+    path = tmp_path / "data.xlsx"
     path.write_text("a,b\n")
-    with pytest.raises(DataError, match=r"unsupported file type '\.csv'"):
+    with pytest.raises(DataError, match=r"unsupported file type '\.xlsx'"):
         read_records(path)
 
 

@@ -273,7 +273,10 @@ def test_dataset_reads_back_exactly_what_was_rendered(tmp_path, tokenizer, write
         dataset[5]
 
     tokens = np.load(tmp_path / "cache" / "tokens.npy", mmap_mode="r")
-    assert isinstance(tokens, np.memmap) and tokens.dtype == np.int32
+    # A vocabulary under 65,536 stores tokens in two bytes, and a one-byte loss mask stands in for int32 labels.
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+    assert np.load(tmp_path / "cache" / "loss_mask.npy").dtype == np.uint8
+    assert not (tmp_path / "cache" / "labels.npy").exists()
     assert np.load(tmp_path / "cache" / "offsets.npy").dtype == np.int64
     # DataLoader workers get the dataset pickled: it must map the files again, not copy them.
     assert len(pickle.dumps(dataset)) < 1000

@@ -269,3 +269,35 @@ def test_manifest_round_trip(tmp_path, images):
     write_manifest(tmp_path / "m.jsonl", examples)
     assert read_manifest(tmp_path / "m.jsonl") == examples
     assert json.loads((tmp_path / "m.jsonl").read_text())["images"] == [str(images / "0.png")]
+
+
+def test_hub_style_parquet_with_embedded_image_bytes(tmp_path, images):
+    """As the Hub stores image datasets: an image column of {bytes, path} structs, several rows per image."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"image": {"bytes": (images / f"{i % 3}.png").read_bytes(), "path": None}, "caption": CAPTIONS[i % 3]} for i in range(6)]
+    rows.append({"image": {"bytes": b"\x89PNG\r\n\x1a\n not really a png", "path": "bad.png"}, "caption": "broken"})
+    rows.append({"image": None, "caption": "no image"})
+    folder = tmp_path / "hub" / "data"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train-00000-of-00001.parquet", row_group_size=3)
+    written = tmp_path / "run" / "data" / "images"
+    data = load_vlm_data(tmp_path / "hub", max_bad_fraction=0.5, image_dir=written)
+    assert [ex.messages[1]["content"] for ex in data.examples] == CAPTIONS * 2
+    # Each distinct image is written once, by content; the ranks read them as files.
+    assert len({ex.images[0] for ex in data.examples}) == 3 and all(ex.images[0].startswith(str(written)) for ex in data.examples)
+    assert load_rgb(data.examples[0].images[0]).size == (40, 30)
+    assert data.skipped == 1 and [str(b) for b in data.bad_records] == ["train-00000-of-00001.parquet row 8: no image: a vision-language record needs 'image' or 'images'"]
+    assert data.examples[4].where == "train-00000-of-00001.parquet row 5"
+
+
+def test_parquet_with_image_paths_and_chat_records(tmp_path, images):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"images": [f"{i}.png"], "messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": CAPTIONS[i]}]} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), images / "chat.parquet")
+    data = load_vlm_data(images / "chat.parquet")
+    assert [ex.images for ex in data.examples] == [[str((images / f"{i}.png").resolve())] for i in range(3)]
+    assert "Parquet/Arrow records (chat)" in data.layout

@@ -191,6 +191,7 @@ def evaluate_checkpoint(
                 max_seq_len=config.data.max_seq_len,
                 max_bad_fraction=config.data.max_bad_fraction,
                 max_bad_records=config.data.max_bad_records,
+                columns=config.data.columns,
             )
         else:
             cache_dir = run.eval_cache

@@ -60,9 +60,11 @@ class CausalLM:
         if config.data.mixture:
             notes += [note for note in [mixture_note(run.data)] if note]
         notes += describe_cache(cache, records_path, config.data.format)
+        if cache.get("reused_from"):
+            notes.append(f"token cache reused from {cache['reused_from']} (the same files, tokenizer, template, format and max_seq_len)")
         if cache.get("bad_records"):
             # A whole file skipped (line 0: it leads out of a UI run's folders) is named by its file alone.
-            shown = ", ".join(" ".join(filter(None, [b.get("file"), f"line {b['line']}" if b["line"] else ""])) + f": {b['reason']}" for b in cache["bad_records"][:3])
+            shown = ", ".join(" ".join(filter(None, [b.get("file"), f"{b.get('unit', 'line')} {b['line']}" if b["line"] else ""])) + f": {b['reason']}" for b in cache["bad_records"][:3])
             notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
         if config.model.config is not None and config.model.config.get("vocab_size") in (None, "auto"):
             config.model.config = {**config.model.config, "vocab_size": len(tokenizer)}

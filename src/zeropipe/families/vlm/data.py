@@ -13,6 +13,10 @@ Accepted data (``data.path``):
   Message content may be a string or a list of parts (``{"type": "image"}``,
   ``{"type": "text", "text": ...}``). ``<image>`` marks where each image goes; without
   markers the images go before the first user message;
+- **Parquet / Arrow** (a file, a folder of shards in the Hub's layout, a ``save_to_disk``
+  folder): the same records as columns, streamed; an image column holds paths or the Hub's
+  ``{bytes, path}`` structs, whose bytes are written once each (named by content) into the
+  run's ``data/images/`` so that the ranks load every image from a file;
 - an **image folder** with captions beside the images (the layouts
   :func:`zeropipe.diffusion.images.scan_image_folder` reads: kohya, metadata.jsonl/csv, flat).
 
@@ -38,8 +42,10 @@ image (LLaVA: N ``<image>`` tokens; Gemma 3: ``<start_of_image>`` + N soft token
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +56,7 @@ import torch
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.data.formats import SHAREGPT_ROLES, BadRecord, RecordError, read_located_records, to_conversation
+from zeropipe.data.records import iter_records
 from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
 from zeropipe.diffusion.images import BadImage, scan_image_folder
 from zeropipe.errors import DataError
@@ -57,7 +64,10 @@ from zeropipe.errors import DataError
 IMAGE_MARKER = "<image>"
 IMAGE_COLUMNS = ("image", "file_name", "image_path", "filename", "path", "image_name")
 CAPTION_COLUMNS = ("caption", "text", "captions", "description")
-CAPTION_SUFFIXES = (".txt", ".token", ".csv", ".tsv", ".jsonl", ".json")
+CAPTION_SUFFIXES = (".txt", ".token", ".csv", ".tsv", ".jsonl", ".json", ".parquet", ".arrow")
+TABLE_DATA_SUFFIXES = (".parquet", ".arrow")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_MAGIC = ((b"\x89PNG", ".png"), (b"\xff\xd8", ".jpg"), (b"GIF8", ".gif"), (b"BM", ".bmp"), (b"RIFF", ".webp"))
 FLICKR_LINE = re.compile(r"^(?P<image>[^\t]+?)(#\d+)?\t(?P<caption>.*)$")
 BAD_SHOWN = 3  # in the launcher's notes and error messages
 HELD_OUT_IMAGES = 3  # synthetic images generated for the end-of-run answers
@@ -105,8 +115,14 @@ def caption_messages(caption_prompt: str, caption: str | None = None) -> list[di
     return messages
 
 
-def read_vlm_data(path: str | Path, image_root: str | Path | None = None, caption_prompt: str = "Describe the image.") -> VlmData:
+def read_vlm_data(
+    path: str | Path, image_root: str | Path | None = None, caption_prompt: str = "Describe the image.", image_dir: Path | None = None
+) -> VlmData:
     """Every example under ``path`` (see the module docstring), without checking the images yet.
+
+    Args:
+        image_dir: where images stored as bytes in a Parquet or Arrow dataset are written, once
+            each (the run's data folder): the ranks load every image from a file.
 
     Raises:
         DataError: the path does not exist, is of an unknown type, or a CSV lacks its columns.
@@ -115,6 +131,8 @@ def read_vlm_data(path: str | Path, image_root: str | Path | None = None, captio
     if not path.exists():
         raise DataError(f"data.path {path}: no such file or directory. Fix data.path to point at your captions file or image folder.")
     require_usable(path, "data.path")  # a UI run's data (zeropipe.confine): never through a symlink out of its folders
+    if _is_table_dataset(path):
+        return _read_table_records(path, image_root, caption_prompt, image_dir)
     if path.is_dir():
         return _read_image_folder(path, caption_prompt)
     if path.suffix not in CAPTION_SUFFIXES:
@@ -129,6 +147,76 @@ def read_vlm_data(path: str | Path, image_root: str | Path | None = None, captio
     if path.suffix in (".csv", ".tsv") or ("\t" not in first and _header_columns(first, ",")):
         return _read_csv(path, text, "\t" if path.suffix == ".tsv" else ",", image_root, caption_prompt)
     return _read_flickr_tokens(path, text, image_root, caption_prompt)
+
+
+def _is_table_dataset(path: Path) -> bool:
+    """A Parquet or Arrow file, a folder of their shards, or a save_to_disk folder: the Hub's ways of storing image-text data."""
+    if path.is_file():
+        return path.suffix in TABLE_DATA_SUFFIXES
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return True
+    has_images = any(p.suffix.lower() in IMAGE_SUFFIXES for p in path.iterdir() if p.is_file())
+    return not has_images and any(p.suffix in TABLE_DATA_SUFFIXES for p in path.rglob("*") if p.is_file())
+
+
+def _read_table_records(path: Path, image_root, caption_prompt: str, image_dir: Path | None) -> VlmData:
+    """Image-text rows of a Parquet/Arrow dataset, streamed; embedded image bytes written out once each."""
+    resolve = _ImageResolver(path if path.is_file() else path / "x", image_root)
+    data = VlmData(examples=[], layout="Parquet/Arrow records")
+    kinds = set()
+    written = 0
+    for item in iter_records(path):
+        data.records += 1
+        if isinstance(item, BadRecord):
+            data.bad_records.append(item)
+            continue
+        value = dict(item.value)
+        try:
+            for key in ("images", "image"):
+                if value.get(key) is not None:
+                    value[key], count = _image_files(value[key], key, image_dir)
+                    written += count
+            examples, kind = _record_examples(value, resolve, caption_prompt)
+        except RecordError as error:
+            data.bad_records.append(item.bad(str(error)))
+            continue
+        kinds.add(kind)
+        where = f"{item.file or path.name} {item.unit} {item.line_number}"
+        data.examples += [VlmExample(ex.images, ex.messages, where) for ex in examples]
+    data.layout = f"Parquet/Arrow records ({', '.join(sorted(kinds)) or 'none usable'})" + (f", {written} embedded images written to {image_dir}" if written else "")
+    return data
+
+
+def _image_files(value: Any, key: str, image_dir: Path | None) -> tuple[str | list[str], int]:
+    """Paths for an image column's value: a path, or the Hub's {bytes, path} struct (bytes written to ``image_dir``), or a list of them."""
+    if isinstance(value, list):
+        paths, written = [], 0
+        for element in value:
+            element_path, count = _image_files(element, key, image_dir)
+            paths.append(element_path)
+            written += count
+        return paths, written
+    if isinstance(value, str):
+        return value, 0
+    if isinstance(value, dict) and value.get("bytes"):
+        if image_dir is None:
+            raise RecordError(f"'{key}' holds image bytes, and no folder was given to write them to")
+        content = value["bytes"]
+        suffix = Path(value.get("path") or "").suffix.lower()
+        if suffix not in IMAGE_SUFFIXES:
+            suffix = next((ending for magic, ending in IMAGE_MAGIC if content.startswith(magic)), ".png")
+        # Named by content: the same image in several rows is written once, and a rerun writes nothing.
+        target = Path(image_dir) / (hashlib.sha256(content).hexdigest()[:32] + suffix)
+        if target.is_file():
+            return str(target), 0
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        partial.write_bytes(content)
+        os.replace(partial, target)
+        return str(target), 1
+    if isinstance(value, dict) and isinstance(value.get("path"), str) and value["path"]:
+        return value["path"], 0
+    raise RecordError(f"'{key}' should be an image path or {{bytes, path}}, got {type(value).__name__}")
 
 
 def _header_columns(line: str, delimiter: str) -> tuple[str, str] | None:
@@ -396,14 +484,19 @@ def describe_bad(data: VlmData) -> str:
 
 
 def load_vlm_data(
-    path: str | Path, image_root=None, caption_prompt: str = "Describe the image.", max_bad_fraction: float = 0.01, max_bad_records: int | None = None
+    path: str | Path,
+    image_root=None,
+    caption_prompt: str = "Describe the image.",
+    max_bad_fraction: float = 0.01,
+    max_bad_records: int | None = None,
+    image_dir: Path | None = None,
 ) -> VlmData:
     """Read the examples, decode their images and refuse the data when too much of it is bad.
 
     Raises:
         DataError: unreadable data, too many bad examples, or nothing left to train on.
     """
-    data = check_images(read_vlm_data(path, image_root, caption_prompt))
+    data = check_images(read_vlm_data(path, image_root, caption_prompt, image_dir))
     check_bad_fraction(data, path, max_bad_fraction, max_bad_records)
     if not data.examples:
         why = describe_bad(data) or "the file is empty"

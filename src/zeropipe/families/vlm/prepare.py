@@ -60,7 +60,9 @@ def prepare_vlm_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedDat
         examples = read_manifest(manifest)
     else:
         vision = data_section.vision
-        found = load_vlm_data(source, vision.image_root, vision.caption_prompt, data_section.max_bad_fraction, data_section.max_bad_records)
+        found = load_vlm_data(
+            source, vision.image_root, vision.caption_prompt, data_section.max_bad_fraction, data_section.max_bad_records, image_dir=run.data / "images"
+        )
         examples = found.examples
         notes.append(f"{len(examples)} image-text examples from {source} ({found.layout}); images are loaded and processed in the ranks, not cached")
         if found.bad_count:
