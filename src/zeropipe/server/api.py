@@ -318,11 +318,7 @@ class GenerateRequest(Strict):
 def generate_answer(request: Request, body: GenerateRequest):
     store = store_of(request)
     run = store.run(body.run_id)
-    if body.export is not None:
-        source, checkpoint = store.export_folder(run["id"], body.export), None
-    else:
-        source = store.own_run_dir(run)
-        checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
+    source, checkpoint = store.model_source(run, body.export, body.checkpoint)
     settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": body.raw}
     image = store.readable_file(body.image) if body.image else None
     stream = request.app.state.generator.stream(source, checkpoint, body.prompt, settings, image)

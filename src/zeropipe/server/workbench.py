@@ -73,11 +73,7 @@ class ChatRequest(Strict):
 def chat(request: Request, body: ChatRequest):
     store = store_of(request)
     run = store.run(body.run_id)
-    if body.export is not None:
-        source, checkpoint = store.export_folder(run["id"], body.export), None
-    else:
-        source = store.own_run_dir(run)
-        checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
+    source, checkpoint = store.model_source(run, body.export, body.checkpoint)
     settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": False}
     image = store.readable_file(body.image) if body.image else None
     stream = request.app.state.generator.stream(source, checkpoint, body.conversation(), settings, image)
@@ -159,12 +155,8 @@ def draw(request: Request, body: DrawRequest):
 
     store = store_of(request)
     run = store.run(body.run_id)
-    if body.export is not None:
-        source, checkpoint, weights = store.export_folder(run["id"], body.export), None, f"export {body.export}"
-    else:
-        source = store.own_run_dir(run)
-        checkpoint = store.checkpoint_for(run, body.checkpoint).tag
-        weights = f"checkpoint {checkpoint}"
+    source, checkpoint = store.model_source(run, body.export, body.checkpoint)
+    weights = f"export {body.export}" if checkpoint is None else f"checkpoint {checkpoint}"
     now = time.time()
     name = time.strftime("draw-%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}"
     out_dir = store.own(run, f"draws/{name}")  # confined: a draws/ link out of the run is refused

@@ -826,6 +826,19 @@ class RunStore:
             if launch.get("config_path") == str(launched):
                 self.db.update_launch(launch["id"], config_path=str(target))
 
+    def model_source(self, run: dict[str, Any], export: str | None, checkpoint: str | None) -> tuple[Path, str | None]:
+        """What Generate, Chat and Draw load: a finished export of the run, or one of its complete checkpoints.
+
+        Returns:
+            (the folder, the checkpoint tag or None for an export).
+
+        Raises:
+            ActionRefused / OutsideRoots: no such export, or no complete checkpoint (with the reason).
+        """
+        if export is not None:
+            return self.export_folder(run["id"], export), None
+        return self.own_run_dir(run), self.checkpoint_for(run, checkpoint).tag  # a complete one: refused with a reason otherwise
+
     def export_folder(self, ref: int | str, name: str) -> Path:
         """A finished export's folder, for download.
 

@@ -184,7 +184,7 @@ def test_number_or_auto_fields_are_one_line_inputs(client):
     assert found["train.micro_batch_size"]["min"] == 0 and found["train.micro_batch_size"]["exclusive_min"] is True
     # What stays a YAML box holds lists or mappings.
     assert {k for k, f in found.items() if f["kind"] == "yaml"} <= {
-        "model.config", "model.trainable", "model.load_kwargs", "model.lora.target_modules", "data.mixture", "generate.prompts",
+        "model.config", "model.trainable", "data.columns", "model.load_kwargs", "model.lora.target_modules", "data.mixture", "generate.prompts",
         "generate.images", "deepspeed.overrides", "stages", "run.accept_warnings", "data.video.frame_buckets", "hardware.nodes",
     }  # fmt: skip
 

@@ -260,3 +260,25 @@ ZP.errorBox = function (error) {
     data.findings ? ZP.problemList(data.findings.filter((f) => f.severity === "error").map((f) => ({ key: f.key, message: `${f.message} — fix: ${f.fix}` }))) : ""
   );
 };
+
+// The run and weights pickers of Generate, Chat and Draw: runs in a <select>, then the run's
+// complete checkpoints and finished exports ("checkpoint:TAG" / "export:NAME").
+ZP.fillRuns = function (select, runs, emptyText, wanted) {
+  select.replaceChildren(...runs.map((r) => ZP.el("option", { value: r.id }, `${r.name} (${r.state})`)));
+  if (!runs.length) select.append(ZP.el("option", { value: "" }, emptyText));
+  if (wanted && runs.some((r) => String(r.id) === wanted)) select.value = wanted;
+};
+
+ZP.fillSources = async function (select, runId) {
+  select.replaceChildren();
+  if (!runId) return null;
+  const detail = await ZP.api(`/api/runs/${runId}`);
+  const complete = detail.checkpoints.filter((c) => c.complete);
+  const exports = detail.exports.filter((e) => e.state === "done");
+  select.append(
+    ...complete.map((c) => ZP.el("option", { value: `checkpoint:${c.tag}` }, `checkpoint ${c.tag}${c.latest ? " (latest)" : ""}`)),
+    ...exports.map((e) => ZP.el("option", { value: `export:${e.out_path.split("/").pop()}` }, `export ${e.out_path.split("/").pop()}${e.merge ? " (merged)" : ""}`))
+  );
+  if (!select.options.length) select.append(ZP.el("option", { value: "" }, "no complete checkpoint or export yet"));
+  return detail;
+};

@@ -12,23 +12,12 @@
   async function loadRuns() {
     const { runs } = await api("/api/runs");
     const usable = runs.filter((r) => !["starting"].includes(r.state));
-    runSelect.replaceChildren(...usable.map((r) => el("option", { value: r.id }, `${r.name} (${r.state})`)));
-    if (!usable.length) runSelect.append(el("option", { value: "" }, "no run yet"));
-    if (wanted && usable.some((r) => String(r.id) === wanted)) runSelect.value = wanted;
+    ZP.fillRuns(runSelect, usable, "no run yet", wanted);
     await loadSources();
   }
 
   async function loadSources() {
-    sourceSelect.replaceChildren();
-    if (!runSelect.value) return;
-    const detail = await api(`/api/runs/${runSelect.value}`);
-    const complete = detail.checkpoints.filter((c) => c.complete);
-    const exports = detail.exports.filter((e) => e.state === "done");
-    sourceSelect.append(
-      ...complete.map((c) => el("option", { value: `checkpoint:${c.tag}` }, `checkpoint ${c.tag}${c.latest ? " (latest)" : ""}`)),
-      ...exports.map((e) => el("option", { value: `export:${e.out_path.split("/").pop()}` }, `export ${e.out_path.split("/").pop()}${e.merge ? " (merged)" : ""}`))
-    );
-    if (!sourceSelect.options.length) sourceSelect.append(el("option", { value: "" }, "no complete checkpoint or export yet"));
+    if (!(await ZP.fillSources(sourceSelect, runSelect.value))) return;
     send.disabled = !sourceSelect.value;
   }
 
