@@ -37,30 +37,6 @@
       : `a model loads on ${state.device} (${state.device_reason}) and is let go after ${idle} idle`;
   }
 
-  function numberOf(id) {
-    const text = document.getElementById(id).value.trim();
-    return text === "" ? null : Number(text);
-  }
-
-  async function* events(response) {
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const block = buffer.slice(0, end);
-        buffer = buffer.slice(end + 2);
-        const event = (block.match(/^event: (.*)$/m) || [])[1];
-        const data = (block.match(/^data: (.*)$/m) || [])[1];
-        if (event && data) yield { event, data: JSON.parse(data) };
-      }
-    }
-  }
-
   function bubble(role, text) {
     const body = el("div", { class: "turn-text" }, text);
     const meta = el("div", { class: "turn-meta" });
@@ -85,10 +61,10 @@
       run_id: Number(runSelect.value),
       system: document.getElementById("chat-system").value,
       messages,
-      max_new_tokens: numberOf("chat-max-new-tokens"),
-      temperature: numberOf("chat-temperature") ?? 0,
-      top_p: numberOf("chat-top-p") ?? 1,
-      seed: numberOf("chat-seed") ?? 0,
+      max_new_tokens: ZP.numberOf("chat-max-new-tokens"),
+      temperature: ZP.numberOf("chat-temperature") ?? 0,
+      top_p: ZP.numberOf("chat-top-p") ?? 1,
+      seed: ZP.numberOf("chat-seed") ?? 0,
       image: document.getElementById("chat-image").value.trim() || null,
       ...(kind === "export" ? { export: name } : { checkpoint: name }),
     };
@@ -106,7 +82,7 @@
         const data = await response.json().catch(() => ({ detail: response.statusText }));
         throw Object.assign(new Error(data.detail || `HTTP ${response.status}`), { status: response.status, data });
       }
-      for await (const { event, data } of events(response)) {
+      for await (const { event, data } of ZP.postEvents(response)) {
         if (event === "source") answer.meta.textContent = `${data.source} on ${data.device}`;
         else if (event === "token") {
           output += data.text;

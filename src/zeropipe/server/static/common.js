@@ -282,3 +282,29 @@ ZP.fillSources = async function (select, runId) {
   if (!select.options.length) select.append(ZP.el("option", { value: "" }, "no complete checkpoint or export yet"));
   return detail;
 };
+
+// A number input's value, or null when it is empty.
+ZP.numberOf = function (id) {
+  const text = document.getElementById(id).value.trim();
+  return text === "" ? null : Number(text);
+};
+
+// Server-sent events from a POST: fetch's body read chunk by chunk (EventSource only sends GETs).
+ZP.postEvents = async function* (response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const event = (block.match(/^event: (.*)$/m) || [])[1];
+      const data = (block.match(/^data: (.*)$/m) || [])[1];
+      if (event && data) yield { event, data: JSON.parse(data) };
+    }
+  }
+};

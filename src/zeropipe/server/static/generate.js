@@ -21,31 +21,6 @@
     send.disabled = !sourceSelect.value;
   }
 
-  function numberOf(id) {
-    const text = document.getElementById(id).value.trim();
-    return text === "" ? null : Number(text);
-  }
-
-  // Server-sent events from a POST: fetch's body read chunk by chunk (EventSource only sends GETs).
-  async function* events(response) {
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let end;
-      while ((end = buffer.indexOf("\n\n")) >= 0) {
-        const block = buffer.slice(0, end);
-        buffer = buffer.slice(end + 2);
-        const event = (block.match(/^event: (.*)$/m) || [])[1];
-        const data = (block.match(/^data: (.*)$/m) || [])[1];
-        if (event && data) yield { event, data: JSON.parse(data) };
-      }
-    }
-  }
-
   async function generate() {
     const prompt = document.getElementById("gen-prompt").value.trim();
     if (!prompt) return ZP.message(document.getElementById("gen-message"), "Write a prompt first.", "error");
@@ -53,10 +28,10 @@
     const body = {
       run_id: Number(runSelect.value),
       prompt,
-      max_new_tokens: numberOf("gen-max-new-tokens"),
-      temperature: numberOf("gen-temperature") ?? 0,
-      top_p: numberOf("gen-top-p") ?? 1,
-      seed: numberOf("gen-seed") ?? 0,
+      max_new_tokens: ZP.numberOf("gen-max-new-tokens"),
+      temperature: ZP.numberOf("gen-temperature") ?? 0,
+      top_p: ZP.numberOf("gen-top-p") ?? 1,
+      seed: ZP.numberOf("gen-seed") ?? 0,
       raw: document.getElementById("gen-raw").checked,
       image: document.getElementById("gen-image").value.trim() || null,
       ...(kind === "export" ? { export: name } : { checkpoint: name }),
@@ -75,7 +50,7 @@
         const data = await response.json().catch(() => ({ detail: response.statusText }));
         throw Object.assign(new Error(data.detail || `HTTP ${response.status}`), { status: response.status, data });
       }
-      for await (const { event, data } of events(response)) {
+      for await (const { event, data } of ZP.postEvents(response)) {
         if (event === "source") meta.textContent = `${data.source} on ${data.device}`;
         else if (event === "token") {
           output.textContent += data.text;
