@@ -248,11 +248,10 @@ def precision_on_hardware(ctx: CheckContext):
             return [("deepspeed.config_file", f"{where} sets fp16.enabled: true, and DeepSpeed does not support fp16 on CPU ranks",
                      f'set "fp16": {{"enabled": false}} in {where} (add "bf16": {{"enabled": true}} for bf16), or remove its fp16 block')]
         return [("deepspeed.precision", "DeepSpeed does not support fp16 on CPU ranks", "set deepspeed.precision: auto, bf16 or fp32")]
-    if ctx.accelerator == "cuda" and precision == "bf16":
-        import torch
-
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-            return [("deepspeed.precision", f"bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(0)} is older)", "use fp16")]
+    hardware = ctx.hardware
+    if ctx.accelerator == "cuda" and precision == "bf16" and hardware is not None and hardware.accelerator == "cuda" and hardware.gpu_bf16_native is False:
+        # The hardware's compute capability, not torch.cuda.is_bf16_supported(), which counts emulation.
+        return [("deepspeed.precision", f"bf16 needs an Ampere or newer GPU (compute capability 8.0; {hardware.gpu_name or 'these GPUs'} is older)", "set deepspeed.precision: auto (fp16 here) or fp16")]
     return []
 
 
