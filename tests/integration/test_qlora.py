@@ -105,3 +105,54 @@ def test_qlora_trains_resumes_exports_and_generates_on_cpu_ranks(tmp_run, base_m
     config = qlora_run(make, base_model, "qlora2", 2)
     assert_ok(zeropipe("train", config))
     resume_matches(config, tmp_path / "runs" / "qlora2", tmp_path)
+
+
+MEASURE_LOAD = """
+import gc, json, sys
+import torch
+from peft import prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+def anonymous_rss():
+    # Anonymous memory only: the memory-mapped checkpoint's file pages are the page cache's, not the model's.
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+import bitsandbytes  # noqa: F401  (its import is not the model)
+gc.collect()
+before = anonymous_rss()
+quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, quantization_config=quantization)
+model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+gc.collect()
+print(json.dumps({"held": anonymous_rss() - before}))
+"""
+
+
+def test_planned_4bit_base_matches_a_measured_cpu_load_of_real_layers(tmp_path):
+    """Llama-3.2-1B's real layer and embedding shapes (2 of its 16 layers), loaded in 4-bit on CPU as a rank loads it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from zeropipe.config.load import validate_config
+    from zeropipe.families.causal_lm.spec import causal_lm_config_spec
+    from zeropipe.plan.memory import quantized_base_bytes
+
+    catalog = json.loads((Path(__file__).parents[2] / "src/zeropipe/plan/catalog/llama-3.2-1b.json").read_text())["config"]
+    fields = {key: value for key, value in catalog.items() if key not in ("architectures", "model_type")} | {"num_hidden_layers": 2}
+    torch.manual_seed(0)
+    base = tmp_path / "slice"
+    AutoModelForCausalLM.from_config(LlamaConfig(**fields), dtype=torch.bfloat16).save_pretrained(base)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "hi", "output": "yo"}\n')
+    config = validate_config({"model": {"path": str(base), "lora": {"r": 8}, "quantization": {}}, "data": {"path": str(data)}, "hardware": {"gpus": 2}})
+    planned = quantized_base_bytes(causal_lm_config_spec(config).quantized)
+
+    measured = subprocess.run([sys.executable, "-c", MEASURE_LOAD, str(base)], capture_output=True, text=True, timeout=300)
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    held = json.loads(measured.stdout.strip().splitlines()[-1])["held"]
+    # The 4-bit layers with their constants and the fp32 tied embedding: 1.11 GB planned, 1.19 GB measured here.
+    assert abs(held - planned) / planned < 0.15, (held, planned)
