@@ -222,6 +222,12 @@ def optimizer_step_bytes(trainable: int, world_size: int, choice: Choice) -> int
     return share * 4
 
 
+def frozen_model_bytes(models, precision: str) -> int:
+    """Frozen encoders as the ranks load them with caching off (``models.common.encoder_precision_for``):
+    text and image encoders in bf16 where the run is bf16, else fp32 (never fp16: T5 overflows); the VAE in fp32."""
+    return sum(model.params * (2 if precision == "bf16" and not model.name.startswith("vae") else 4) for model in models)
+
+
 def quantization_constant_bytes(base: QuantizedBase) -> int:
     """bitsandbytes' absmax per block (and, with double quantization, their own scales): attributes, whole on every rank."""
     blocks = math.ceil(base.params_4bit / QUANT_BLOCK_SIZE)
@@ -603,14 +609,15 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         terms.append(
             Term(
                 "frozen models (text encoders, VAE)",
-                spec.frozen_model_params * v,
-                f"{names}: {_count(spec.frozen_model_params)} weights on every GPU to encode captions and images each step; "
+                frozen_model_bytes(spec.frozen_models, choice.precision),
+                f"{names}: {_count(spec.frozen_model_params)} weights on every GPU to encode captions and images each step "
+                f"(encoders in {'bf16' if choice.precision == 'bf16' else 'fp32'}, the VAE in fp32); "
                 "caching latents and text embeddings removes them",
             )
         )
     if spec.cached_models:
         names = ", ".join(m.name for m in spec.cached_models)
-        saved = sum(m.params for m in spec.cached_models) * v
+        saved = frozen_model_bytes(spec.cached_models, choice.precision)
         terms.append(Term("frozen models (text encoders, VAE)", 0, f"{names} not loaded: their outputs are cached before training (saves {_gib(saved)} per GPU)"))
     if hardware.accelerator == "cuda":
         terms.append(
@@ -677,7 +684,7 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
         Term("rank processes", local * process, f"{local} x {_gib(process)}: Python, torch, DeepSpeed and the CUDA libraries per rank (assumed)")
     )
 
-    frozen_models = spec.frozen_model_params * v
+    frozen_models = frozen_model_bytes(spec.frozen_models, choice.precision)
     method = choice.loading_method
     if spec.quantized is not None:
         # QLoRA: every rank reads the memory-mapped checkpoint tensor by tensor and quantizes it
