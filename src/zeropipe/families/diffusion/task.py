@@ -102,9 +102,10 @@ class DiffusionTask(TaskDefaults):
         # would load them in (bf16 where the device computes in it; the VAE in fp32), as planned.
         if not self.config.data.cache.latents:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+        encoder_precision, _ = encoder_precision_for(self.plan.accelerator, self.plan.native_precision, self.plan.native_precision_why)
+        self.encoder_dtype = TORCH_DTYPES[encoder_precision]
         if not self.config.data.cache.text:
-            encoder_precision, _ = encoder_precision_for(self.plan.accelerator, self.plan.native_precision, self.plan.native_precision_why)
-            self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, TORCH_DTYPES[encoder_precision], self.device)
+            self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, self.encoder_dtype, self.device)
         scheduler_config = self.folder.files.scheduler_config()
         objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
         self.objective = objective(scheduler_config, self.config.model.diffusion)
@@ -261,7 +262,7 @@ class DiffusionTask(TaskDefaults):
         todo = sorted({text for text, row in zip(texts, rows) if row is None})
         if todo:
             if self.text_encoders is None:
-                self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+                self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, self.encoder_dtype, self.device)
             encoded = dict(zip(todo, encode_prompts(self.text_encoders, self.arch, todo, self.device)))
             rows = [row if row is not None else encoded[text] for text, row in zip(texts, rows)]
         return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
