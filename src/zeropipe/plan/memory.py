@@ -42,6 +42,7 @@ FORWARD_BACKWARD = "forward/backward"
 OPTIMIZER_STEP = "optimizer step"
 LOADING = "model loading"
 TRAINING = "training"
+CACHE_FILLING = "cache filling"  # the node's setup process, before any rank starts
 
 # DeepSpeed's own defaults, used when the model's hidden size is unknown (--params).
 DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -226,6 +227,27 @@ def frozen_model_bytes(models, precision: str) -> int:
     """Frozen encoders as the ranks load them with caching off (``models.common.encoder_precision_for``):
     text and image encoders in bf16 where the run is bf16, else fp32 (never fp16: T5 overflows); the VAE in fp32."""
     return sum(model.params * (2 if precision == "bf16" and not model.name.startswith("vae") else 4) for model in models)
+
+
+def cache_filling_placement(spec: ModelSpec, hardware: Hardware, precision: str) -> tuple[int, int, str]:
+    """(bytes on the node's first GPU, bytes streamed from host RAM, where) while the node's setup process encodes captions.
+
+    It loads the text encoders on the first GPU; one larger than that GPU is spread over the
+    node's GPUs and, beyond them, host RAM (``diffusion.pipelines.spread_placement``, which keeps
+    10% of each GPU free).
+    """
+    encoders = [m for m in spec.cached_models if not m.name.startswith("vae")]
+    text = frozen_model_bytes(encoders, precision)
+    vae = frozen_model_bytes([m for m in spec.cached_models if m.name.startswith("vae")], precision)
+    usable = int((hardware.gpu_memory_bytes - CUDA_CONTEXT_BYTES) * 0.9)
+    if text <= usable:
+        # The VAE (latents) and the text encoders (captions) are loaded one after the other.
+        return max(text, vae), 0, "on the node's first GPU"
+    gpus = hardware.gpus_per_node
+    on_each = min(math.ceil(text / gpus), usable)
+    streamed = max(0, text - on_each * gpus)
+    where = f"spread over the node's {gpus} GPUs ({_gib(on_each)} each)" + (f", {_gib(streamed)} streamed from host RAM" if streamed else "")
+    return max(on_each, vae), streamed, where
 
 
 def quantization_constant_bytes(base: QuantizedBase) -> int:
@@ -623,6 +645,19 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         terms.append(
             Term("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context, cuBLAS workspace and NCCL buffers: about 1 GiB on current drivers (assumed)")
         )
+    if hardware.accelerator == "cuda" and any(not m.name.startswith("vae") for m in spec.cached_models):
+        on_first, _streamed, where = cache_filling_placement(spec, hardware, choice.precision)
+        always = sum(t.bytes for t in terms if t.phase == ALWAYS)
+        names = ", ".join(m.name for m in spec.cached_models if not m.name.startswith("vae"))
+        terms.append(
+            Term(
+                "text encoders while filling the caches (node setup)",
+                max(0, on_first + CUDA_CONTEXT_BYTES - always),
+                f"{names}: {_gib(frozen_model_bytes([m for m in spec.cached_models if not m.name.startswith('vae')], choice.precision))} "
+                f"{where}, with a CUDA context, before any rank starts; counted as the part above what a rank always holds",
+                CACHE_FILLING,
+            )
+        )
     working = sum(t.bytes for t in terms if t.phase == FORWARD_BACKWARD)
     terms.append(
         Term(
@@ -714,6 +749,10 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
         why += f"; with the frozen models ({_gib(frozen_models)} per rank)"
     terms.append(Term("model loading peak", loading, why, LOADING))
 
+    if hardware.accelerator == "cuda" and any(not m.name.startswith("vae") for m in spec.cached_models):
+        _on_first, streamed, where = cache_filling_placement(spec, hardware, choice.precision)
+        if streamed:
+            terms.append(Term("text encoders streamed from host RAM (node setup)", streamed, f"while the caches are filled: {where}", CACHE_FILLING))
     if choice.offload_optimizer and choice.zero_stage > 0:
         share = partition_elements(trainable, n)
         k = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)

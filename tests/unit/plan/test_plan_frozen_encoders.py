@@ -38,3 +38,37 @@ def test_host_ram_while_loading_counts_the_same_bytes_per_rank(spec_of):
     hardware = parse_hardware("4x24GB", "64GB")
     (loading,) = [t for t in per_node_terms(spec, hardware, Choice(zero_stage=2, precision="bf16")) if t.name == "model loading peak"]
     assert loading.bytes == 4 * (spec.total_params * 2 + frozen_model_bytes(spec.frozen_models, "bf16"))
+
+
+def cached(spec):
+    """The spec as a run with its caches on sees it: the encoders are loaded only by the node's setup process."""
+    from dataclasses import replace
+
+    return replace(spec, cached_models=spec.frozen_models, frozen_models=())
+
+
+def test_flux2_text_encoder_is_planned_spread_over_the_node_while_the_caches_fill(spec_of):
+    """Mistral Small 3.1 (24B, 44.7 GiB in bf16) cannot sit on one 24 GB GPU: the setup process spreads it (issue 31, defect 3)."""
+    spec = cached(spec_of("flux.2-dev"))
+    choice = Choice(zero_stage=3, precision="bf16", gradient_checkpointing=True, offload_optimizer=True, offload_param=True)
+    five = per_gpu_terms(spec, parse_hardware("5x24GB", "64GB"), choice)
+    (setup,) = [t for t in five if t.name == "text encoders while filling the caches (node setup)"]
+    assert setup.phase == "cache filling" and "spread over the node's 5 GPUs (8.94 GiB each)" in setup.explanation
+    # One GPU: what does not fit there streams from host RAM, which the node's budget counts.
+    one = parse_hardware("1x24GB", "64GB")
+    (node,) = [t for t in per_node_terms(spec, one, choice) if t.name == "text encoders streamed from host RAM (node setup)"]
+    assert 20 * GIB < node.bytes < 30 * GIB
+
+
+def test_small_text_encoders_stay_on_the_first_gpu(spec_of):
+    spec = cached(spec_of("sdxl"))
+    (setup,) = [t for t in per_gpu_terms(spec, parse_hardware("4x24GB", "64GB"), Choice(precision="bf16")) if t.name.startswith("text encoders while")]
+    assert "on the node's first GPU" in setup.explanation
+
+
+def test_the_setup_process_spreads_only_what_does_not_fit_on_the_first_gpu():
+    from zeropipe.diffusion.pipelines import spread_placement
+
+    assert spread_placement(5 * GIB, [23 * GIB] * 5, 60 * GIB) is None
+    placement = spread_placement(int(44.7 * GIB), [23 * GIB] * 5, 60 * GIB)
+    assert [placement[index] for index in range(5)] == [int(23 * GIB * 0.9)] * 5 and placement["cpu"] == int(60 * GIB * 0.8)
