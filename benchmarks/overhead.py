@@ -23,7 +23,7 @@ Two figures are compared, both on rank 0, medians over the steps after the warm-
   previous step's metrics gathering and logging (so it sits between the two figures);
 * step period: time from the end of one step to the end of the next, so it also holds the
   work a loop does between steps (ZeRO-Pipe's metrics all_gather, metrics.jsonl write, ...).
-  This is what sets throughput, and the figure the 3% target is judged on.
+  This is what sets throughput, and the figure the 2% target is judged on.
 
 Repeats run in ABBA order (zeropipe, bare, bare, zeropipe, ...) so slow drift of the machine
 cancels. The losses of the first steps of every run are compared with the first ZeRO-Pipe run:
@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TARGET = 1.03  # ZeRO-Pipe step period / bare step period
+TARGET = 1.02  # ZeRO-Pipe step period / bare step period
 LOSS_STEPS = 10  # steps whose losses must agree
 LOSS_TOLERANCE = 1e-4  # relative
 QUIET_CORES = 0.1  # a run during which other processes used less CPU than this counts as quiet
@@ -124,6 +124,10 @@ def bare_rank(run_dir: Path, out: Path) -> None:
     sampler = ResumableDistributedSampler(len(dataset), rank, world_size, seed=seed, shuffle=True)
 
     fields = dict(config["model"]["config"])
+    # What the data preparation learned (the tokenizer's vocabulary size) is kept beside config.yaml.
+    learned_path = run_dir / "learned.json"
+    learned = json.loads(learned_path.read_text()) if learned_path.is_file() else {}
+    fields.update({key.removeprefix("model.config."): value for key, value in learned.items() if key.startswith("model.config.")})
     model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     model_config._attn_implementation = config["model"]["attn_implementation"]
     if stage == 3:

@@ -166,15 +166,15 @@ def hf_rank(run_dir: Path, out: Path, seed: int, mode: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
-    from zeropipe.config.load import load_config
     from zeropipe.data.tokenize import TokenDataset, collate
     from zeropipe.engine.trainer import seed_everything
     from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
     from zeropipe.families.causal_lm.model import build_model
     from zeropipe.models.common import model_config
+    from zeropipe.rundir import RunDir
 
     rank = int(os.environ["RANK"])
-    config = load_config(run_dir / "config.yaml")
+    config = RunDir(run_dir).read_config()  # config.yaml with learned.json (the vocabulary size) applied
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
     plan = json.loads((run_dir / "run.json").read_text())
     scheduler = ds_config["scheduler"]["params"]
@@ -354,14 +354,14 @@ def eval_before_training(run_dir: Path) -> float:
     import torch
     from transformers import AutoTokenizer
 
-    from zeropipe.config.load import load_config
     from zeropipe.data.tokenize import TokenDataset, collate
     from zeropipe.engine.trainer import seed_everything
     from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
     from zeropipe.families.causal_lm.model import build_model
     from zeropipe.models.common import model_config
+    from zeropipe.rundir import RunDir
 
-    config = load_config(run_dir / "config.yaml")
+    config = RunDir(run_dir).read_config()  # config.yaml with learned.json (the vocabulary size) applied
     seed_everything(config.run.seed)
     model = build_model(config.model, model_config(config.model), config.deepspeed.precision).eval()
     pad_id = AutoTokenizer.from_pretrained(str(run_dir / "tokenizer")).pad_token_id

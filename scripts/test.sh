@@ -21,7 +21,7 @@ trap 'echo "test.sh: interrupted" >&2; exit 130' INT TERM
 failed=()
 summary=()
 suite_started=$SECONDS
-for lane in unit integration e2e; do
+for lane in unit integration e2e gpu; do
     started=$SECONDS
     rc=0
     .venv/bin/python -m pytest "tests/$lane" || rc=$?

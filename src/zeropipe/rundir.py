@@ -39,6 +39,9 @@ import yaml
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.load import load_saved_config
 from zeropipe.config.yaml_text import parse_yaml_text
+
+# The test of a path against a folder lives in confine.py (below this layer), with the UI runs' Confinement.
+from zeropipe.confine import Confinement, OutsideRoots, confine_process, confined, is_inside, resolve_inside
 from zeropipe.errors import ZeroPipeError
 
 if TYPE_CHECKING:
@@ -54,45 +57,6 @@ _held: dict[str, int] = {}
 
 class RunDirBusy(ZeroPipeError):
     """Another live launcher owns the run directory."""
-
-
-class OutsideRoots(ZeroPipeError):
-    """A path that resolves outside the folder it must stay in (traversal, absolute path or symlink)."""
-
-
-def is_inside(path: Path, root: Path) -> bool:
-    try:
-        Path(path).resolve().relative_to(Path(root).resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def resolve_inside(root: Path, relative: str | Path) -> Path:
-    """``root / relative``, refused when it resolves outside ``root``.
-
-    Raises:
-        OutsideRoots: for absolute paths, ``..`` that climbs out, or a symlink that leads out.
-    """
-    text = str(relative)
-    if not text or "\x00" in text:
-        raise OutsideRoots("an empty or malformed path was given")
-    candidate = Path(text)
-    if candidate.is_absolute():
-        raise OutsideRoots(f"{text}: an absolute path is not allowed here; give a path inside the run")
-    resolved = (Path(root) / candidate).resolve()
-    if not is_inside(resolved, root):
-        raise OutsideRoots(f"{text}: leads outside {root}; nothing outside the run and data folders is served")
-    return resolved
-
-
-def confined(path: Path, root: Path) -> Path | None:
-    """``path`` resolved, or None when it resolves outside ``root`` (a symlink leading out)."""
-    try:
-        resolved = Path(path).resolve()
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return resolved if is_inside(resolved, root) else None
 
 
 def disk_problem(err: OSError, run_dir: Path) -> ZeroPipeError:
@@ -146,6 +110,10 @@ class RunPlan:
     # asking the hardware again.
     native_precision: str = "fp32"
     native_precision_why: str = ""
+    # A run submitted through the UI: the folders it may read and write (Confinement.to_json()), so
+    # that the ranks, the node's setup process, export, eval and generate skip or refuse a data
+    # file that resolves outside them. None: a command-line run, on the user's own files.
+    confined_to: dict | None = None
 
 
 @dataclass
@@ -177,6 +145,39 @@ class RunDir:
     def __init__(self, path: str | Path, confined_to: str | Path | None = None):
         self.path = Path(path)
         self.confined_to = Path(confined_to) if confined_to is not None else None
+        self._data_confinement: tuple[Confinement | None] | None = None  # read from run.json once, or set by the launcher
+
+    @property
+    def data_confinement(self) -> Confinement | None:
+        """The folders this run may read and write (a run submitted through the UI), as run.json records them; None for a command-line run.
+
+        Every reader of the run's data files (its preparation, the node's setup process, the
+        ranks, export, eval, generate) tests each file against it when it uses the file.
+        """
+        if self._data_confinement is None:
+            self._data_confinement = (Confinement.from_json(self.read_plan_fields().get("confined_to")),)
+        return self._data_confinement[0]
+
+    def use_checkpoint(self, checkpoint: Path) -> Path:
+        """A checkpoint folder of this run, as export, eval and generate take it.
+
+        For a run submitted through the UI (run.json's ``confined_to``) the run's confinement
+        becomes this process's (its data readers skip files leading out of the run's folders),
+        and a checkpoint folder that resolves outside the run directory (a symlink to elsewhere)
+        is refused; a command-line run's checkpoint is used as it is.
+
+        Raises:
+            OutsideRoots: naming the folder, never what it holds.
+        """
+        confinement = self.data_confinement
+        confine_process(confinement)
+        if confinement is not None and confined(checkpoint, self.path) is None:
+            raise OutsideRoots(f"{checkpoint} leads outside the run directory {self.path} (a symlink to elsewhere): it is not used")
+        return checkpoint
+
+    def confine_data(self, confinement: Confinement | None) -> None:
+        """The launcher's resolved run's confinement, before run.json is written (the data preparation reads it)."""
+        self._data_confinement = (confinement,)
 
     config = property(lambda self: self.path / "config.yaml")
     ds_config = property(lambda self: self.path / "ds_config.json")
@@ -186,6 +187,10 @@ class RunDir:
     # is the config as resolved and checked, and the two together are what ran.
     learned_file = property(lambda self: self.path / "learned.json")
     status_file = property(lambda self: self.path / "status.json")
+    # What a starting run is doing before its first step (building the pipeline, caching 40 of
+    # 240): written by the launcher and the node's setup process, shown by the UI. Its own file:
+    # the setup process writing status.json while the launcher does would lose fields.
+    progress_file = property(lambda self: self.path / "progress.json")
     tokenizer = property(lambda self: self.path / "tokenizer")
     data = property(lambda self: self.path / "data")
     cache = property(lambda self: self.path / "cache")
@@ -200,6 +205,8 @@ class RunDir:
     pipeline = property(lambda self: self.path / "pipeline")  # diffusion runs from an inline preset: the built pipeline
     samples = property(lambda self: self.path / "samples")  # diffusion sample images, with index.jsonl
     samples_index = property(lambda self: self.path / "samples" / "index.jsonl")
+    # "Sample now" from the UI: the request the ranks answer at their next step boundary (engine/trainer.py).
+    sample_request = property(lambda self: self.path / "sample_request.json")
     owner_lock = property(lambda self: self.path / OWNER_LOCK)
 
     def rank_log(self, rank: int) -> Path:
@@ -498,6 +505,19 @@ class RunDir:
         finally:
             self.release()
         return status
+
+    def write_progress(self, phase: str, done: int | None = None, total: int | None = None) -> None:
+        """Say what the run is doing now (``phase``, with ``done`` of ``total`` when counted); never fails the run."""
+        record = {"phase": phase, "done": done, "total": total, "at": time.time(), "pid": os.getpid()}
+        try:
+            write_atomic(self.progress_file, json.dumps(record))
+        except OSError:
+            pass  # a full disk shows no progress; the run goes on and says so where it matters
+
+    def read_progress(self) -> dict[str, Any]:
+        """progress.json, ``{}`` when missing or unreadable."""
+        value = self.read_json(self.progress_file, {})
+        return value if isinstance(value, dict) else {}
 
     def write_status(self, **fields: Any) -> None:
         """Merge ``fields`` into status.json.

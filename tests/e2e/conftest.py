@@ -128,7 +128,10 @@ def ui(tmp_path_factory):
 
 @pytest.fixture
 def page(browser, ui):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    # Playwright's wait_for_function polls its predicate with eval, which the UI's content
+    # security policy refuses (script-src 'self'): these pages bypass it. test_ui_hardening.py
+    # opens every page under the real policy.
+    context = browser.new_context(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))

@@ -27,7 +27,7 @@ TINY_CONFIG = {
 }
 
 DIAGNOSIS_TEXT = """rank 0 was killed by SIGKILL
-likely cause: the kernel's OOM killer is the usual cause; host RAM peaked at 63.8 of 64.0 GB - the node ran out of memory
+likely cause: the kernel's OOM killer is the usual cause; host RAM peaked at 63.8 of 64.0 GiB - the node ran out of memory
 fix: use deepspeed.zero_stage: 3 (partitioned loading), fewer ranks per node, or less CPU offload; `dmesg | grep -i oom` confirms an OOM kill
 the other ranks were then stopped (rank 1 exited 1) - effects, not causes"""
 

@@ -94,8 +94,27 @@ def test_create_a_run_from_the_form_and_watch_it_complete(page, ui):
     expect(plan).to_contain_text(re.compile(r"Your config|planner unavailable"), timeout=60_000)
     screenshot(page, "04-new-run-form", full_page=False)
 
+    # The command preview is what Launch writes and runs: the same file, byte for byte, and its command.
+    config_file = ui.runs / "configs" / "from-the-form.yaml"
+    # A run launched from the UI is confined to the UI's folders (docs/ui.md): the command says so.
+    expect(page.locator("#command-line")).to_contain_text(f"zeropipe train {config_file} --confine-to ")
+    command_line = page.locator("#command-line").text_content()
+    expect(page.locator("#command-yaml")).to_contain_text("micro_batch_size: 4")
+    previewed = page.locator("#command-yaml").text_content()
+    assert yaml.safe_load(previewed)["run"]["output_dir"] == str(ui.runs)  # the server's absolute path, as it writes it
+    page.click("#command-details > summary")
+    page.locator("#command-card").scroll_into_view_if_needed()
+    screenshot(page, "50-command-preview", full_page=False)
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=ui.url)
+    page.click("#copy-line")
+    expect(page.locator("#copy-line")).to_have_text("copied")
+    assert page.evaluate("navigator.clipboard.readText()") == command_line
+    page.click("#copy-yaml")
+    assert page.evaluate("navigator.clipboard.readText()") == previewed
+
     page.click("#launch")
     page.wait_for_url(re.compile(r"/runs/\d+$"), timeout=60_000)
+    assert config_file.read_text() == previewed
     seen = []
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -158,6 +177,20 @@ def test_stop_resume_across_a_ui_restart(page, ui):
         " return c.data[2].filter((v, i) => v !== null && c.data[0][i] > %d).length; })()"
     page.wait_for_function(f"{evaluated % last_seen(page)} >= 2", timeout=120_000)
     screenshot(page, "08-running-after-ui-restart", full_page=False)
+
+    # Sample now: asked from the page, the two ranks answer the run's prompts together at their next step.
+    run_dir = ui.runs / "long-one"
+    assert not (run_dir / "generations.jsonl").exists()  # a language-model run answers only at its end otherwise
+    asked_at = last_seen(page)
+    page.click("#sample-now")
+    expect(page.locator("#action-message")).to_contain_text("every rank draws the samples together at its next step")
+    expect(page.locator("#generations tbody tr").first).to_be_visible(timeout=120_000)
+    answers = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
+    assert answers and all(row["step"] > asked_at for row in answers), answers
+    assert not (run_dir / "sample_request.json").exists()  # answered: rank 0 removed the request
+    assert "samples asked for from the UI" in (run_dir / "logs" / "rank0.log").read_text()
+    page.locator("#generations-card").scroll_into_view_if_needed()
+    screenshot(page, "55-sample-now-answers", full_page=False)
 
     with page.expect_response(lambda r: r.url.endswith("/stop")) as stop:
         page.click("#stop")  # the confirm dialog is accepted by the fixture

@@ -17,9 +17,9 @@ from tests.e2e.fake_runs import write_run
 
 pytestmark = pytest.mark.e2e
 
-GB = 10**9
+GB = 2**30  # the page shows GiB
 TEXT = """rank 3 on node 1 (box2) was killed by SIGKILL
-likely cause: most likely the kernel's OOM killer: host RAM peaked at 63.1 of 64.0 GB - the node ran out of memory
+likely cause: most likely the kernel's OOM killer: host RAM peaked at 63.1 of 64.0 GiB - the node ran out of memory
 fix: deepspeed.zero_stage: 3 (each rank loads only its share of the weights)
 the other ranks were then stopped (rank 0 on node 0 (box1) got SIGTERM; rank 1 on node 0 (box1) got SIGTERM; rank 2 on node 1 (box2) got SIGTERM) - effects, not causes"""
 
@@ -55,9 +55,9 @@ def test_ranks_grouped_by_node_with_each_nodes_host_ram(page, ui, two_node_run):
     expect(rows.nth(1).locator(".node-ranks")).to_have_text("rank 2, rank 3")
     expect(rows.nth(1)).to_contain_text("ssh")
     # Host RAM per node: now, peak and total (the node that ran out shows its peak near its total).
-    expect(rows.nth(1)).to_contain_text("63.1 GB")
-    expect(rows.nth(1)).to_contain_text("64 GB")
-    expect(rows.nth(0)).to_contain_text("41 GB")
+    expect(rows.nth(1)).to_contain_text("63.1 GiB")
+    expect(rows.nth(1)).to_contain_text("64 GiB")
+    expect(rows.nth(0)).to_contain_text("41 GiB")
     # Each rank's log tab says which node it ran on.
     expect(page.locator("#log-tabs button[data-log='rank3']")).to_have_text("rank3 · node 1")
     expect(page.locator("#diagnosis")).to_contain_text("rank 3 on node 1 (box2) was killed by SIGKILL")

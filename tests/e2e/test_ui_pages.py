@@ -305,6 +305,51 @@ def test_preview_the_images_of_a_diffusion_example(page, ui):
     screenshot(page, "26-image-preview", full_page=False)
 
 
+def test_the_dataset_page_names_a_corrupted_image_as_rejected_with_why(page, ui):
+    from PIL import Image
+
+    folder = ui.data / "portraits"
+    folder.mkdir()
+    for name, size, caption in [("wide.png", (96, 48), "a wide red field"), ("tall.png", (48, 96), "a tall blue tower"), ("square.png", (64, 64), None)]:
+        Image.new("RGB", size, (200, 40, 40)).save(folder / name)
+        if caption:
+            (folder / name).with_suffix(".txt").write_text(caption)
+    good = (folder / "wide.png").read_bytes()
+    (folder / "broken.png").write_bytes(good[: len(good) // 2])  # cut off mid-file: it does not decode
+    Image.new("RGB", (64, 64)).save(ui.workdir / "elsewhere.png")
+    (folder / "link.png").symlink_to(ui.workdir / "elsewhere.png")  # leads out of the data folders
+    # From the New-run page's preview of a diffusion config on that folder, to the whole folder.
+    page.goto(ui.url + "/new")
+    page.wait_for_selector("#preset option[value='example:diffusion-quickstart']", state="attached")
+    page.select_option("#preset", "example:diffusion-quickstart")
+    expect(page.locator("#yaml")).to_have_value(re.compile("tiny-sdxl"))
+    raw = yaml_of(page)
+    raw["data"] = {"path": str(folder), "images": {"resolution": 64, "bucket_step": 16}}
+    page.locator("#yaml").fill(yaml.safe_dump(raw))
+    expect(page.locator("#field-data-path")).to_have_value(str(folder))
+    page.click("#preview-data")
+    page.click("#open-dataset", timeout=120_000)
+    expect(page).to_have_url(re.compile(r"/dataset\?path="))
+    expect(page.locator("#ds-resolution")).to_have_value("64")
+    rejected = page.locator("#ds-rejected tbody tr")
+    expect(rejected).to_have_count(2, timeout=60_000)
+    expect(page.locator("#ds-rejected tr[data-file='broken.png']")).to_contain_text("cannot be decoded")
+    expect(page.locator("#ds-rejected tr[data-file='link.png']")).to_contain_text("outside the folders this UI may read: not read")
+    files = page.locator("#ds-files figure.thumb")
+    expect(files).to_have_count(3)
+    expect(page.locator("#ds-files figure[data-file='tall.png']")).to_contain_text("a tall blue tower")
+    expect(page.locator("#ds-files figure[data-file='wide.png']")).to_contain_text("96×48 → bucket 80×48")
+    expect(page.locator("#ds-files figure[data-file='square.png']")).to_contain_text("(no caption)")
+    expect(page.locator("#ds-buckets tbody tr")).to_have_count(3)
+    expect(page.locator("#ds-buckets tr[data-bucket='64x64']")).to_contain_text("1")
+    assert page.locator("#ds-files img").first.evaluate("img => img.complete && img.naturalWidth > 0")
+    screenshot(page, "52-dataset", full_page=True)
+    # A folder outside the folders this UI may read is refused, not listed.
+    page.fill("#ds-path", "/etc")
+    page.click("#ds-open")
+    expect(page.locator("#ds-message")).to_contain_text("outside the folders this UI may read")
+
+
 # ------------------------------------------------------------------ generate
 def test_generate_from_a_trained_run_and_see_the_answer_stream_in(page, ui, trained):
     page.goto(f"{ui.url}/runs/{trained['id']}")
@@ -347,6 +392,65 @@ def test_generate_from_a_trained_run_and_see_the_answer_stream_in(page, ui, trai
     assert body.count("event: token") >= 5, body
     assert int(entry.get_attribute("data-tokens")) == body.count("event: token")
     screenshot(page, "27-generate", full_page=False)
+
+
+# ------------------------------------------------------------------ chat
+def test_chat_with_a_trained_run_remembers_the_earlier_turn(page, ui, trained):
+    """Two turns with a system prompt: the second is answered from the whole conversation, rendered with the run's template."""
+    import json
+
+    from zeropipe.data.tokenize import render_prompt
+    from zeropipe.families import generate, load_model
+
+    page.goto(f"{ui.url}/chat?run={trained['id']}")
+    expect(page.locator("#chat-source")).to_have_value("checkpoint:step_00000012")
+    # Where the model runs, and why (the Generate test before may have left it loaded: one model is kept).
+    expect(page.locator("#chat-device")).to_contain_text(re.compile(r"on (cpu|cuda:\d+) \((no CUDA GPU|a GPU no training rank)"))
+    page.fill("#chat-system", "Be brief.")
+    page.fill("#chat-max-new-tokens", "4")
+    page.fill("#chat-input", "What is 4 + 2?")
+    page.click("#chat-send")
+    first = page.locator("#chat-log .turn.assistant").nth(0)
+    expect(first).to_have_attribute("data-state", "done", timeout=180_000)
+    page.fill("#chat-input", "And 5 + 1?")
+    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as second_request:
+        page.click("#chat-send")
+    second = page.locator("#chat-log .turn.assistant").nth(1)
+    expect(second).to_have_attribute("data-state", "done", timeout=180_000)
+    expect(page.locator("#chat-log .turn.user")).to_have_text(["What is 4 + 2?", "And 5 + 1?"])
+    expect(page.locator("#chat-turns")).to_contain_text("2 turns")
+    expect(second).to_contain_text("checkpoint step_00000012 (consolidated) on cpu")
+    expect(page.locator("#chat-device")).to_contain_text("let go after 5m 0s idle")
+    first_answer = first.locator(".turn-text").inner_text()
+    # The page sent the earlier turn, its answer and the system prompt with the new question...
+    sent = json.loads(second_request.value.post_data)
+    assert sent["system"] == "Be brief."
+    assert sent["messages"] == [
+        {"role": "user", "content": "What is 4 + 2?"},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": "And 5 + 1?"},
+    ]
+    # ...and the model read all of it: the conversation's length rendered with the run's template, and the same answer.
+    conversation = [{"role": "system", "content": sent["system"]}, *sent["messages"]]
+    loaded = load_model(ui.runs / "trained", device="cpu")
+    assert int(second.get_attribute("data-prompt-tokens")) == len(render_prompt(loaded.tokenizer, conversation))
+    assert int(second.get_attribute("data-prompt-tokens")) > int(first.get_attribute("data-prompt-tokens"))
+    expected = generate(loaded, [conversation], max_new_tokens=4)[0]
+    assert second.locator(".turn-text").inner_text() == expected.output
+    screenshot(page, "51-chat", full_page=False)
+    # The tiny model reads 64 positions: a turn that would not fit is refused with what to do, and not kept.
+    page.fill("#chat-input", "And now what is 7 + 1 and 9 + 3 and 8 + 8?")
+    page.click("#chat-send")
+    third = page.locator("#chat-log .turn.assistant").nth(2)
+    expect(third).to_have_attribute("data-state", "failed", timeout=180_000)
+    expect(third).to_contain_text("the model reads at most 64: start a new conversation")
+    # New chat forgets: the next turn is sent alone.
+    page.click("#chat-new")
+    expect(page.locator("#chat-log .turn")).to_have_count(0)
+    with page.expect_request(lambda r: r.url.endswith("/api/chat")) as alone:
+        page.click("#chat-send")
+    assert json.loads(alone.value.post_data)["messages"] == [{"role": "user", "content": "And now what is 7 + 1 and 9 + 3 and 8 + 8?"}]
+    expect(page.locator("#chat-log .turn.assistant").first).to_have_attribute("data-state", "done", timeout=180_000)
 
 
 # ------------------------------------------------------------------ eval
@@ -454,3 +558,89 @@ def test_ask_a_vision_language_run_about_an_image(page, ui):
     page.fill("#gen-image", "/etc/hostname")
     page.click("#gen-send")
     expect(page.locator("#gen-answers .answer").first).to_contain_text("outside the folders this UI may read")
+
+    # Chat: the picture goes with the first turn; the second turn is answered from both.
+    vlm_id = page.locator("#gen-run").input_value()
+    page.goto(f"{ui.url}/chat?run={vlm_id}")
+    expect(page.locator("#chat-source")).to_have_value("checkpoint:step_00000004")
+    page.fill("#chat-image", str(image))
+    page.fill("#chat-input", "Describe the image.")
+    page.click("#chat-send")
+    expect(page.locator("#chat-log .turn.assistant").nth(0)).to_have_attribute("data-state", "done", timeout=180_000)
+    assert page.locator("#chat-log .turn.assistant .turn-text").nth(0).inner_text().strip() == shown  # the same first answer as Generate's
+    page.fill("#chat-input", "And its colour?")
+    page.click("#chat-send")
+    second = page.locator("#chat-log .turn.assistant").nth(1)
+    expect(second).to_have_attribute("data-state", "done", timeout=180_000)
+    assert int(second.get_attribute("data-prompt-tokens")) > int(page.locator("#chat-log .turn.assistant").nth(0).get_attribute("data-prompt-tokens"))
+
+
+# ------------------------------------------------------- diffusion: sample now, draw
+DIFFUSION_CONFIG = {
+    "run": {"name": "tiny-diffusion", "seed": 42},
+    "model": {"config": {"pipeline": "tiny-sdxl", "vae_fit_steps": 0}},
+    "data": {"synthetic": {"task": "shapes", "examples": 16}, "images": {"resolution": 32, "bucket_step": 8}},
+    "train": {"max_steps": 400, "micro_batch_size": 4, "lr": 2.0e-3, "warmup_steps": 1, "save_every": 2},
+    "deepspeed": {"zero_stage": 2, "precision": "fp32"},
+    "hardware": {"gpus": 1},
+    "generate": {"prompts": ["a red circle on a blue background"], "sample_steps": 2},
+}
+
+
+def test_sample_a_running_diffusion_run_now_then_draw_from_its_checkpoint(page, ui):
+    """One tiny SDXL-layout run (1 CPU rank): samples asked for while it trains, then a picture drawn from its checkpoint."""
+    import json
+
+    run = ui.api("/api/runs", {"yaml": yaml.safe_dump(json_copy(DIFFUSION_CONFIG))})["run"]
+    run_dir = ui.runs / "tiny-diffusion"
+    page.goto(f"{ui.url}/runs/{run['id']}")
+    expect(page.locator("#run-name .badge")).to_have_text("running", timeout=300_000)
+    expect(page.locator("#checkpoints tbody tr")).not_to_have_count(0, timeout=300_000)
+    assert not (run_dir / "samples").exists()  # generate.sample_every is unset: no sample until asked
+    page.click("#sample-now")
+    expect(page.locator("#action-message")).to_contain_text("every rank draws the samples together at its next step")
+    gallery = page.locator("#gallery img")
+    expect(gallery.first).to_be_visible(timeout=120_000)
+    page.wait_for_function("[...document.querySelectorAll('#gallery img')].every((img) => img.complete && img.naturalWidth === 32)")
+    rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == ["a red circle on a blue background"]
+    assert not (run_dir / "sample_request.json").exists()  # answered: rank 0 removed the request
+    page.locator("#gallery-card").scroll_into_view_if_needed()
+    screenshot(page, "53-sample-now", full_page=False)
+    with page.expect_response(lambda r: r.url.endswith("/stop")):
+        page.click("#stop")
+    expect(page.locator("#run-name .badge")).to_have_text("stopped", timeout=120_000)
+
+    page.click("#draw-link")
+    expect(page).to_have_url(re.compile(rf"/draw\?run={run['id']}$"))
+    expect(page.locator("#draw-source")).to_have_value(re.compile(r"^checkpoint:step_\d+$"))
+    page.fill("#draw-prompt", "a green square on a white background")
+    page.fill("#draw-width", "32")
+    page.fill("#draw-height", "48")
+    page.fill("#draw-steps", "3")
+    page.fill("#draw-seed", "7")
+    with page.expect_response(lambda r: r.url.endswith("/api/draw"), timeout=300_000) as answer:
+        page.click("#draw-go")
+    assert answer.value.status == 200, answer.value.text()
+    drawn = page.locator("#draw-results figure.drawing").first
+    expect(drawn).to_contain_text("a green square on a white background")
+    expect(drawn).to_contain_text("32×48 · 3 steps · guidance 5 · seed 7")
+    expect(drawn).to_contain_text(re.compile(r"checkpoint step_\d+ on cpu"))
+    page.wait_for_function("(() => { const img = document.querySelector('#draw-results img.drawn'); return img && img.complete && img.naturalWidth === 32 && img.naturalHeight === 48; })()")
+    files = list((run_dir / "draws").glob("draw-*/image.png"))
+    assert len(files) == 1
+    from PIL import Image
+
+    with Image.open(files[0]) as image:
+        assert image.size == (32, 48)
+    screenshot(page, "54-draw", full_page=False)
+    # Kept with the run: the page shows it again after a reload.
+    page.reload()
+    expect(page.locator("#draw-results figure.drawing")).to_have_count(1)
+    # A language-model run does not draw; the page says where to go instead.
+    page.goto(f"{ui.url}/draw?run={ui.run('baseline')['id']}")
+    page.fill("#draw-prompt", "anything")
+    page.fill("#draw-width", "32")
+    page.fill("#draw-height", "32")
+    page.click("#draw-go")
+    expect(page.locator("#draw-message")).to_contain_text(re.compile("does not draw|no complete checkpoint|cannot"), timeout=120_000)

@@ -40,5 +40,5 @@ def test_resume_on_another_rank_count_from_the_run_page(page, ui):
         page.click("#resume")
     assert started.value.status == 200, started.value.text()
     assert started.value.json()["run"]["state"] == "starting"
-    assert started.value.request.post_data_json == {"checkpoint": "step_00000006", "gpus": 1}
+    assert started.value.request.post_data_json == {"checkpoint": "step_00000006", "gpus": 1, "confirm": True}
     # What the launcher started with this count does is tested through the API (tests/unit/server/test_server_resume_ranks.py).

@@ -311,3 +311,35 @@ eps = 1e-8
     assert summary["steps"] == 10
     assert 0 < summary["parameters"]["trainable"] < 0.2 * summary["parameters"]["total"]
     assert summary["fixed_batch_loss_end"] < summary["fixed_batch_loss_start"], summary
+
+
+def test_llama_factorys_own_lora_ds3_example_trains_as_written(tmp_path, tiny_llama):
+    """LLaMA-Factory's examples/train_lora/qwen3_lora_sft_ds3.yaml with its ds_z3_config.json and dataset_info.json (tests/fixtures/peers),
+    only the Hub model and the demo data replaced by tiny local stand-ins: `zeropipe train FILE` from the LLaMA-Factory root, as its users run it."""
+    import shutil
+
+    peers = Path(__file__).resolve().parents[1] / "fixtures" / "peers" / "llama-factory"
+    root = tmp_path / "LLaMA-Factory"
+    (root / "examples" / "train_lora").mkdir(parents=True)
+    shutil.copytree(peers / "examples" / "deepspeed", root / "examples" / "deepspeed")
+    (root / "data").mkdir()
+    shutil.copy(peers / "data" / "dataset_info.json", root / "data")
+    (root / "data" / "identity.json").write_text(json.dumps(alpaca_records(64)))
+    (root / "data" / "alpaca_en_demo.json").write_text(json.dumps(alpaca_records(64, offset=3)))
+    example = (peers / "examples" / "train_lora" / "qwen3_lora_sft_ds3.yaml").read_text()
+    config = root / "examples" / "train_lora" / "qwen3_lora_sft_ds3.yaml"
+    config.write_text(example.replace("Qwen/Qwen3-4B-Instruct-2507", str(tiny_llama)).replace("output_dir: saves", f"output_dir: {tmp_path / 'saves'}"))
+
+    # Six steps in fp32 (bf16 on this CPU gains nothing): the two overrides are the only change to what the file asks.
+    result = zeropipe("train", config, "train.max_steps=6", "deepspeed.precision=fp32", "generate.max_new_tokens=2", cwd=root)
+    assert_ok(result)
+    run_dir = tmp_path / "saves" / "qwen3-4b" / "lora" / "sft"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    ds_config = json.loads((run_dir / "ds_config.json").read_text())
+    # What ran is what config.yaml says: the JSON's ZeRO-3, the file's lr and cosine schedule, LLaMA-Factory's LoRA.
+    assert ds_config["zero_optimization"]["stage"] == saved["deepspeed"]["zero_stage"] == 3
+    assert ds_config["optimizer"]["params"]["lr"] == saved["train"]["lr"] == 1e-4
+    assert ds_config["scheduler"]["type"] == "WarmupCosineLR" and saved["train"]["schedule"] == "cosine"
+    assert ds_config["bf16"]["enabled"] is False and ds_config["fp16"]["enabled"] is False and saved["deepspeed"]["precision"] == "fp32"
+    assert saved["model"]["lora"]["r"] == 8 and saved["model"]["lora"]["target_modules"] == "all-linear"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6

@@ -7,6 +7,7 @@ documented, and is run on a config before any process starts (`zeropipe check`, 
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import importlib.util
 import re
@@ -217,12 +218,24 @@ def batch_triple(ctx: CheckContext):
 
 @rule("ZP009", "error", "DeepSpeed rejects a key of its config", DS_CONFIG_DOCS)
 def deepspeed_schema(ctx: CheckContext):
-    """Run DeepSpeed's own pydantic models on the blocks it validates, before any process starts."""
+    """Run DeepSpeed's own config parser on the whole JSON, before any process starts.
+
+    The blocks with pydantic models of their own (zero_optimization, bf16, fp16) are validated
+    first, so that an error names its full key; then ``DeepSpeedConfig`` reads everything else
+    (compile, monitors, the batch keys...) as each rank's ``deepspeed.initialize`` would.
+    """
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from pydantic import ValidationError
 
-    found = []
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    # What stopped the JSON from being resolved at all (an "auto" no rule fills, an optimizer train.* cannot describe): said here,
+    # with its key; ZP008 says the batch.
+    found = [(key, message, "change deepspeed.config_file (or the YAML) as the message says") for key, message in ctx.problems if key != "deepspeed.train_batch_size"]
+    if ctx.problems:
+        return found  # ds_config is the file as written then, "auto" values and all: DeepSpeed's parser would only repeat it
+    whole = copy.deepcopy(ctx.ds_config)
     for block, model in (("zero_optimization", DeepSpeedZeroConfig), ("bf16", DeepSpeedBF16Config), ("fp16", DeepSpeedFP16Config)):
         value = ctx.ds_config.get(block)
         if not isinstance(value, dict):
@@ -230,12 +243,79 @@ def deepspeed_schema(ctx: CheckContext):
         try:
             model(**value)
         except ValidationError as err:
-            for error in err.errors():
-                key = ".".join(str(part) for part in (block, *error["loc"]))
-                if block == "bf16" and error["loc"] and error["loc"][0] in LOSS_SCALE_KEYS:
-                    continue  # ZP004 says it better
-                fix = f"remove {key}" if error["type"] == "extra_forbidden" else f"fix the value of {key}"
-                found.append((f"deepspeed: {key}", f"DeepSpeed says: {error['msg']}", fix))
+            found += _pydantic_findings(block, err)
+            whole.pop(block)  # said once, with its key; the whole parse below looks at the rest
+    # DeepSpeed checks train_batch_size against the world size it sees (1 here): ZP008 checks it for the run's ranks.
+    whole.pop("train_batch_size", None)
+    try:
+        DeepSpeedConfig(whole)
+    except ValidationError as err:
+        block = next((name for name, model in DEEPSPEED_BLOCK_MODELS.items() if model == err.title), err.title)
+        found += _pydantic_findings(block, err)
+    except Exception as err:  # DeepSpeed's own asserts and ValueErrors: its message is the best we have
+        said = str(err).splitlines()[0] if str(err) else ""
+        found.append(("deepspeed", f"DeepSpeed's config parser fails on this JSON ({type(err).__name__}: {said}): a value of the wrong type, or a block it does not read as given",
+                      "compare deepspeed.config_file with https://www.deepspeed.ai/docs/config-json/ and fix the value"))
+    return found
+
+
+# Top-level blocks of a DeepSpeed JSON and the pydantic model DeepSpeed validates each with (by class name).
+DEEPSPEED_BLOCK_MODELS = {
+    "compile": "CompileConfig",
+    "comms_logger": "CommsLoggerConfig",
+    "timers": "DeepSpeedThroughputTimerConfig",
+    "tensorboard": "TensorBoardConfig",
+    "wandb": "WandbConfig",
+    "csv_monitor": "CSVConfig",
+    "comet": "CometConfig",
+    "hybrid_engine": "HybridEngineConfig",
+    "tensor_parallel": "TPTrainingConfig",
+}
+
+
+def _pydantic_findings(block: str, err) -> list[tuple[str, str, str]]:
+    found = []
+    for error in err.errors():
+        key = ".".join(str(part) for part in (block, *error["loc"]))
+        if block == "bf16" and error["loc"] and error["loc"][0] in LOSS_SCALE_KEYS:
+            continue  # ZP004 says it better
+        fix = f"remove {key}" if error["type"] == "extra_forbidden" else f"fix the value of {key}"
+        found.append((f"deepspeed: {key}", f"DeepSpeed says: {error['msg']}", fix))
+    return found
+
+
+# Parts of DeepSpeed that ZeRO-Pipe's data-parallel ZeRO engine does not run: a JSON asking for
+# one would start and then fail on every rank (or silently train otherwise).
+UNSUPPORTED_DEEPSPEED = {
+    "tensor_parallel": (
+        "automatic tensor parallelism needs the model sharded by DeepSpeed's AutoTP and a data loader that feeds every rank of a TP group the same "
+        "batch; ZeRO-Pipe's ranks each read their own batch, so the first step fails with \"Data inconsistency within the TP group\"",
+        "remove the tensor_parallel block: ZeRO-3 (zero_optimization.stage 3) shards the parameters over the GPUs instead",
+    ),
+    "sequence_parallel_size": ("Ulysses sequence parallelism needs ZeRO-Pipe's data loader to split sequences across ranks, which it does not",
+                               "remove sequence_parallel_size"),
+}
+
+
+@rule("ZP020", "error", "a DeepSpeed feature ZeRO-Pipe does not run", DS_CONFIG_DOCS)
+def deepspeed_feature_unsupported(ctx: CheckContext):
+    """Blocks of the JSON that DeepSpeed accepts but that fail on every rank (or do nothing) under ZeRO-Pipe."""
+    found = []
+    where = ctx.config.deepspeed.config_file or "deepspeed.overrides"
+    for key, (why, fix) in UNSUPPORTED_DEEPSPEED.items():
+        value = ctx.ds_config.get(key)
+        if value in (None, {}, False, 1):
+            continue
+        found.append((f"deepspeed: {key}", f"{where} sets {key}: {why}", fix))
+    zero = ctx.ds_config.get("zero_optimization") or {}
+    for block in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(block), dict) and zero[block].get("device") == "nvme":
+            found.append((
+                f"deepspeed: zero_optimization.{block}.device",
+                f"{where} offloads to NVMe: ZeRO-Pipe neither plans nor checks NVMe offload (it needs nvme_path, an aio block and DeepSpeed's async_io op built, "
+                "and fails at start with \"Unable to JIT load the async_io op\" without them)",
+                f"set zero_optimization.{block}.device to \"cpu\" (host RAM), or remove the block",
+            ))
     return found
 
 

@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from zeropipe import __version__
-from zeropipe.cli import check, convert, doctor, export, generate, plan, runs, train, ui
+from zeropipe.cli import calibrate, check, convert, doctor, export, generate, plan, runs, train, ui
 from zeropipe.cli import eval as evaluate  # `eval` would shadow the builtin here
 from zeropipe.errors import ZeroPipeError
 
-COMMANDS = [train, convert, check, plan, export, evaluate, generate, doctor, ui, runs]
+COMMANDS = [train, convert, check, plan, export, evaluate, generate, doctor, calibrate, ui, runs]
 
 
 def build_parser() -> argparse.ArgumentParser:

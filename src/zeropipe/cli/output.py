@@ -22,15 +22,17 @@ def say(text: str) -> None:
 
 
 class Progress:
-    """Follows rank 0's metrics.jsonl: a live bar on a terminal, a line every tenth of the run otherwise."""
+    """Follows rank 0's metrics.jsonl: a live bar on a terminal; otherwise (a log file, the UI's
+    launcher log) a line every ``log_every`` steps when the config sets train.log_every, else
+    every tenth of the run."""
 
-    def __init__(self, run_dir: RunDir, total_steps: int):
+    def __init__(self, run_dir: RunDir, total_steps: int, log_every: int | None = None):
         self.run = run_dir
         self.path = run_dir.metrics
         self.total = total_steps
         self.offset = self.path.stat().st_size if self.path.exists() else 0
         self.bar = None
-        self.every = max(1, total_steps // 10)
+        self.every = log_every or max(1, total_steps // 10)
         if sys.stderr.isatty():
             from tqdm import tqdm
 

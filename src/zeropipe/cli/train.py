@@ -28,6 +28,13 @@ def register(commands) -> None:
         help="with --resume and another run length (train.max_steps or epochs): recompute the learning-rate schedule for the new length",
     )
     parser.add_argument("--nproc", type=int, default=None, help="ranks to start (default: hardware.gpus)")
+    parser.add_argument(
+        "--confine-to", action="append", default=None, metavar="DIR",
+        help="confine the run to these folders (repeatable), as zeropipe ui does for the runs it launches: every path of the config and "
+        "of its DeepSpeed JSON must lie inside them, other machines (hardware.nodes, hostfile, ssh) are refused, and data files that "
+        "resolve outside them (symlinks) are skipped",
+    )  # fmt: skip
+    parser.add_argument("--confine-multinode", action="store_true", help="with --confine-to: allow hardware.nodes/hostfile/ssh (zeropipe ui --trust-multinode)")
     parser.set_defaults(run=run)
 
 
@@ -50,9 +57,17 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.cli.convert import convert_for_train
 
     config = load_config(convert_for_train(args.config), overrides)
+    confinement = None
+    if args.confine_to:
+        from zeropipe.confine import Confinement
+
+        confinement = Confinement(tuple(args.confine_to), multinode=args.confine_multinode)
     resolved = None
     if config.stages:
         from zeropipe.launch.nodes import resolve_layout
+        from zeropipe.launch.resolve import confine
+
+        confine(config, confinement)  # before the hostfile is read
 
         layout = resolve_layout(config.hardware, 1)
         if layout is not None and len(layout.nodes) > 1:
@@ -63,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
         from zeropipe.launch.resolve import resolve_stages
 
         # Each stage resolved once, as the run it will be: checked, then run, as that.
-        stages = resolve_stages(config)
+        stages = resolve_stages(config, confinement=confinement)
         findings = check_config(config, resolved_stages=stages)
     else:
         # Decided once for this command: what the checks judge is what prepare_run writes.
-        resolved = resolve_run(config)
+        resolved = resolve_run(config, confinement=confinement)
         for note in resolved.notes:
             say(note)
         findings = check_config(resolved)
@@ -97,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     )
     for note in prepared.notes:
         say(f"  {note}")
-    progress = Progress(run_dir, plan.total_steps)
+    # train.log_every as the config set it (rank 0's log follows it too); unset, a line every tenth of the run.
+    progress = Progress(run_dir, plan.total_steps, config.train.log_every if "log_every" in config.train.model_fields_set else None)
     if resolved is not None and resolved.nodes is not None:
         from zeropipe.launch.multinode import MultiNodeSupervisor
 

@@ -1,4 +1,4 @@
-"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T] [--allow-remote-code]``: the web UI.
+"""``zeropipe ui [--host H] [--port P] [--runs-dir DIR] [--data-dir DIR] [--db PATH] [--token T] [--allow-remote-code] [--trust-multinode]``: the web UI.
 
 Serves the runs under the runs folder (and any run started from the command line into it),
 a form to set up and launch new ones, live charts, logs, stop / resume / export, and the
@@ -25,6 +25,12 @@ def register(commands) -> None:
     parser.add_argument(
         "--allow-remote-code", action="store_true",
         help="accept trust_remote_code in configs submitted through the UI (it runs Python code from a model's folder: only for a UI nobody else can reach)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trust-multinode", action="store_true",
+        help="accept hardware.nodes, hostfile, ssh_options, ssh_port, launcher and master_addr in configs submitted through the UI: "
+        "whoever reaches the UI may then start commands on those machines over ssh with this user's keys (ssh options still pass "
+        "only an allow-list: never ProxyCommand, LocalCommand, -F or -J). Only for a UI nobody else can reach",
     )  # fmt: skip
     parser.set_defaults(run=run)
 
@@ -56,12 +62,19 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from zeropipe.errors import ZeroPipeError
     from zeropipe.server import create_app
     from zeropipe.server.security import is_loopback, new_token
     from zeropipe.store import Roots, RunStore
 
+    if args.token is not None and not args.token.strip():
+        # An empty token matches nothing a browser or script can send: the server would answer 401 to everything.
+        raise ZeroPipeError(
+            "the token is empty (--token or $ZEROPIPE_UI_TOKEN): no request could ever carry it. Give a hard-to-guess token, "
+            "or leave both out to have one generated when the server is reachable from other machines"
+        )
     roots = Roots(runs=args.runs_dir or ["runs"], data=args.data_dir or ["."])
-    store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code)
+    store = RunStore(roots, args.db, allow_remote_code=args.allow_remote_code, trust_multinode=args.trust_multinode)
     token = args.token
     if token is None and not is_loopback(args.host):
         token = new_token()
@@ -74,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock.bind((args.host, args.port))
     except OSError as err:
-        from zeropipe.errors import ZeroPipeError
-
         raise ZeroPipeError(f"cannot listen on {args.host}:{args.port} ({err.strerror}): choose another --port") from None
     port = sock.getsockname()[1]
     urls = [f"http://{f'[{host}]' if ':' in host else host}:{port}/" + (f"?token={token}" if token else "") for host in shown_hosts(args.host)]
@@ -85,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  runs: {', '.join(map(str, roots.runs))}  data: {', '.join(map(str, roots.data))}  database: {store.db_path}", file=sys.stderr, flush=True)
     if args.allow_remote_code:
         print("  --allow-remote-code: configs sent from the UI may set trust_remote_code (Python code from model folders runs here)", file=sys.stderr, flush=True)
+    if args.trust_multinode:
+        print("  --trust-multinode: configs sent from the UI may name other machines (started over ssh with this user's keys)", file=sys.stderr, flush=True)
     if token and not args.token:
         print("  a token was generated because the server is reachable from other machines: keep the URL private", file=sys.stderr, flush=True)
     class Server(uvicorn.Server):
@@ -92,11 +105,22 @@ def run(args: argparse.Namespace) -> int:
             app.state.stopping.set()  # open event streams end now instead of holding the shutdown
             super().handle_exit(sig, frame)
 
-    # timeout_graceful_shutdown: whatever request still runs 5 s after Ctrl-C is cancelled.
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    # timeout_graceful_shutdown: whatever request still runs 1 s after Ctrl-C (a doctor report,
+    # a preview) is cancelled; runs are separate processes and go on.
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
     server = Server(config)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn raises the Ctrl-C again once it has stopped: it is how the UI is meant to stop
     finally:
         store.close()
-    return 0
+    # Everything is saved and closed by now. The interpreter's own teardown (freeing torch,
+    # transformers and the rest module by module) would take seconds more, 5-7 s on a busy
+    # machine, while the terminal waits: skip it.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -178,6 +178,8 @@ def resolve_user_config(
         "scheduler.params.warmup_max_lr": (train.lr, "train.lr"),
         "scheduler.params.warmup_num_steps": (max(1, train.warmup_steps), "train.warmup_steps"),
         "scheduler.params.total_num_steps": (total_steps, "steps of this run"),
+        # ZeRO-Pipe's export gathers the 16-bit weights from the ZeRO-3 shards (accelerate fills it so for save_16bit_model).
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save": (True, "ZeRO-Pipe's export gathers 16-bit weights"),
         "bf16.enabled": (precision == "bf16", "deepspeed.precision"),
         "fp16.enabled": (precision == "fp16", "deepspeed.precision"),
     }
@@ -215,6 +217,30 @@ def resolve_user_config(
         filled.append(f"train_batch_size = {user['train_batch_size']} (micro-batch {micro} x accumulation {accumulation} x {world_size} ranks)")
     if unresolved:
         raise ConfigError([("deepspeed.config_file", f'{path}: no rule fills "auto" for {", ".join(unresolved)}: write a value there')])
+    # What the file leaves out is not DeepSpeed's default but the config's, written in: config.yaml and
+    # ds_config.json then say the same (a missing betas would run DeepSpeed's 0.999 while the YAML says 0.95).
+    optimizer = user.get("optimizer")
+    if isinstance(optimizer, dict) and str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        params = optimizer.setdefault("params", {})
+        for key, (value, why) in (("lr", (train.lr, "train.lr")), ("betas", ([train.adam_beta1, train.adam_beta2], "train.adam_beta1/2")),
+                                  ("eps", (train.adam_eps, "train.adam_eps")), ("weight_decay", (train.weight_decay, "train.weight_decay"))):
+            if key not in params:
+                params[key] = value
+                filled.append(f"optimizer.params.{key} = {value!r} (from {why}; the file had none)")
+    scheduler = user.get("scheduler")
+    ours = scheduler_block(config, total_steps)
+    if isinstance(scheduler, dict) and scheduler.get("type") == ours["type"]:
+        params = scheduler.setdefault("params", {})
+        for key, value in ours["params"].items():
+            if key not in params:
+                params[key] = value
+                filled.append(f"scheduler.params.{key} = {value!r} (from train.*; the file had none)")
+    if "bf16" not in user and "fp16" not in user:
+        user.update(precision_block(precision))
+        filled.append(f"precision {precision} (from deepspeed.precision; the file has no bf16 or fp16 block)")
+    if "zero_optimization" not in user:
+        user["zero_optimization"] = zero_block(config, hidden_size)
+        filled.append(f"zero_optimization.stage = {config.deepspeed.zero_stage} (from deepspeed.zero_stage; the file has no zero_optimization block)")
     # DeepSpeed must build the optimizer and scheduler; add ours when the file has none.
     if "optimizer" not in user:
         user["optimizer"] = optimizer_block(config)
@@ -309,18 +335,23 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
         taken[("deepspeed", "zero_stage")] = (stage, "zero_optimization.stage")
     for block, field_name in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
         device = _explicit(user, "zero_optimization", block, "device")
-        if isinstance(device, str):
-            taken[("deepspeed", field_name)] = ("cpu" if device in ("cpu", "nvme") else "none", f"zero_optimization.{block}.device")
+        # NVMe is not folded as "cpu": `check` refuses it (ZP020), rather than planning host RAM it would not use.
+        if device in ("cpu", "none"):
+            taken[("deepspeed", field_name)] = (device, f"zero_optimization.{block}.device")
     fp16, bf16 = _explicit(user, "fp16", "enabled"), _explicit(user, "bf16", "enabled")
+    left_auto = "auto" in (_enabled(user, "fp16"), _enabled(user, "bf16"))
     if fp16 is True:
         taken[("deepspeed", "precision")] = ("fp16", "fp16.enabled")
     elif bf16 is True:
         taken[("deepspeed", "precision")] = ("bf16", "bf16.enabled")
-    elif fp16 is False or bf16 is False:
+    elif (fp16 is False or bf16 is False) and not left_auto:
+        # Only a JSON that turns both off (or the one it names) asks for fp32: LLaMA-Factory's
+        # `"bf16": {"enabled": "auto"}, "fp16": {"enabled": false}` leaves the choice to this config.
         taken[("deepspeed", "precision")] = ("fp32", "bf16.enabled/fp16.enabled false")
     clip = _explicit(user, "gradient_clipping")
     if isinstance(clip, (int, float)):
         taken[("train", "grad_clip")] = (float(clip), "gradient_clipping")
+    extra_notes = _fold_optimizer_and_scheduler(user, taken)
 
     folded = config.model_copy(deep=True)
     notes, conflicts = [], []
@@ -335,7 +366,84 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
             )
         setattr(part, name, value)
         notes.append(f"{section}.{name} = {value!r} (from {source}: {json_key})")
+    notes += [f"{source}: {note}" for note in extra_notes]
     return folded, notes, conflicts
+
+
+def _enabled(user: dict[str, Any], block: str) -> Any:
+    node = user.get(block)
+    return node.get("enabled") if isinstance(node, dict) else None
+
+
+# DeepSpeed's schedulers as ZeRO-Pipe's train.schedule: (schedule, what min_lr_ratio is when the JSON gives none).
+# DeepSpeed's schedulers as ZeRO-Pipe's train.schedule, and the min_lr_ratio a schedule decays to whatever the config says (None: the config's).
+SCHEDULERS = {"WarmupLR": ("constant", None), "WarmupDecayLR": ("linear", 0.0), "WarmupCosineLR": ("cosine", None)}
+ADAM_TYPES = ("adam", "adamw")
+
+
+def _fold_optimizer_and_scheduler(user: dict[str, Any], taken: dict[tuple[str, str], tuple[Any, str]]) -> list[str]:
+    """The JSON's explicit optimizer and scheduler as train.*: DeepSpeed runs them, so config.yaml must say them.
+
+    An "auto" value, or a key the block leaves out, is filled from the config later
+    (:func:`resolve_user_config`), so it is the config's already; an explicit one replaces it
+    here. What train.* cannot express (a warm-up that does not start at 0, a log warm-up, a
+    fixed schedule length) is returned as notes.
+
+    Raises:
+        ConfigError: an optimizer or scheduler type train.* cannot describe (Lamb, OneBitAdam, OneCycle...).
+    """
+    notes: list[str] = []
+    optimizer = user.get("optimizer")
+    if isinstance(optimizer, dict):
+        kind = optimizer.get("type")
+        if isinstance(kind, str) and kind.lower() not in ADAM_TYPES:
+            raise ConfigError(
+                [("deepspeed.config_file", f"optimizer.type = {kind!r}: ZeRO-Pipe runs and records AdamW (train.lr, adam_beta1/2, adam_eps, weight_decay); "
+                  f"set \"type\": \"AdamW\" or remove the optimizer block (ZeRO-Pipe then writes its own from train.*)")]
+            )
+        params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+        for json_key, name in (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay")):
+            value = _explicit(params, json_key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                taken[("train", name)] = (float(value), f"optimizer.params.{json_key}")
+        betas = _explicit(params, "betas")
+        if isinstance(betas, list) and len(betas) == 2:
+            taken[("train", "adam_beta1")] = (float(betas[0]), "optimizer.params.betas[0]")
+            taken[("train", "adam_beta2")] = (float(betas[1]), "optimizer.params.betas[1]")
+        if kind == "Adam" and params.get("adam_w_mode") is False:
+            notes.append("optimizer Adam with adam_w_mode false: L2-regularised Adam, not AdamW; train.weight_decay is its L2 term")
+    scheduler = user.get("scheduler")
+    if isinstance(scheduler, dict):
+        kind = scheduler.get("type")
+        if kind not in SCHEDULERS:
+            raise ConfigError(
+                [("deepspeed.config_file", f"scheduler.type = {kind!r}: ZeRO-Pipe records its schedule as train.schedule (WarmupLR: constant, "
+                  "WarmupDecayLR: linear, WarmupCosineLR: cosine); use one of those, or remove the scheduler block (ZeRO-Pipe then writes its own)")]
+            )
+        schedule, floor = SCHEDULERS[kind]
+        taken[("train", "schedule")] = (schedule, f"scheduler.type {kind}")
+        params = scheduler.get("params") if isinstance(scheduler.get("params"), dict) else {}
+        warmup = _explicit(params, "warmup_num_steps")
+        if isinstance(warmup, int) and not isinstance(warmup, bool):
+            taken[("train", "warmup_steps")] = (warmup, "scheduler.params.warmup_num_steps")
+        peak = _explicit(params, "warmup_max_lr")
+        if isinstance(peak, (int, float)) and not isinstance(peak, bool) and kind != "WarmupCosineLR":
+            # WarmupLR and WarmupDecayLR set the rate themselves; WarmupCosineLR scales the optimizer's lr.
+            taken[("train", "lr")] = (float(peak), "scheduler.params.warmup_max_lr")
+        ratio = _explicit(params, "cos_min_ratio")
+        if kind == "WarmupCosineLR" and isinstance(ratio, (int, float)):
+            taken[("train", "min_lr_ratio")] = (float(ratio), "scheduler.params.cos_min_ratio")
+        elif floor is not None:
+            taken[("train", "min_lr_ratio")] = (floor, f"{kind} decays to {floor} x lr")
+        start = _explicit(params, "warmup_min_lr" if kind != "WarmupCosineLR" else "warmup_min_ratio")
+        if isinstance(start, (int, float)) and start:
+            notes.append(f"scheduler.params warm-up starts at {start}, not at 0 as train.warmup_steps describes")
+        if params.get("warmup_type") == "log":
+            notes.append(f"scheduler {kind} warms up logarithmically (warmup_type 'log'), not linearly as train.warmup_steps describes")
+        total = _explicit(params, "total_num_steps")
+        if isinstance(total, int):
+            notes.append(f"scheduler.params.total_num_steps = {total}: the schedule ends there, whatever the run's length")
+    return notes
 
 
 def effective_batch_shape(ds_config: dict[str, Any]) -> tuple[int, int]:

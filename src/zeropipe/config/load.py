@@ -80,6 +80,11 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError([("", f"not valid YAML{where}: {problem}; fix the syntax (indentation, a missing ':' or quote)")], source=source) from None
+    except ValueError as err:
+        # Python refuses to read an integer of more than 4300 digits (a denial-of-service guard);
+        # no config value is that long.
+        reason = "a number has more digits than Python reads (4300)" if "digits" in str(err) else str(err)[:200]
+        raise ConfigError([("", f"the YAML cannot be read: {reason}; no setting needs a number that long, shorten it")], source=source) from None
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -94,7 +99,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError([(item, "an override must look like section.key=value, e.g. train.lr=2e-5")])
     try:
         value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer longer than Python reads
         value = text
     # YAML 1.1 reads on/off/yes/no as booleans: on the command line only true/false mean one
     # (run.name=on names the run "on").
@@ -211,10 +216,16 @@ def describe_errors(errors: list[dict[str, Any]]) -> list[tuple[str, str]]:
         if len(group) > 1 and all(expected):
             alternatives = list(dict.fromkeys(e for e in expected if e))
             shown = ", ".join(alternatives[:-1]) + f" or {alternatives[-1]}" if len(alternatives) > 1 else alternatives[0]
-            problems.append((key, f"must be {shown} (you gave {group[0].get('input')!r})"))
+            problems.append((key, f"must be {shown} (you gave {shown_input(group[0].get('input'))})"))
         else:
             problems += [describe_error(error) for error in group]
     return problems
+
+
+def shown_input(value: Any, limit: int = 80) -> str:
+    """The value a message quotes, cut short: a 5000-digit number or a pasted file is not repeated whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 20]}... ({len(text)} characters)"
 
 
 def user_loc(error: dict[str, Any]) -> list[str]:
@@ -246,12 +257,12 @@ def describe_error(error: dict[str, Any]) -> tuple[str, str]:
         hint = f"did you mean '{close[0]}'?" if close else f"known keys here: {', '.join(sorted(known))}"
         return key, f"unknown key; {hint}"
     if kind == "literal_error":
-        return key, f"{error['msg'].replace('Input should be', 'must be')} (you gave {error.get('input')!r})"
+        return key, f"{error['msg'].replace('Input should be', 'must be')} (you gave {shown_input(error.get('input'))})"
     if kind in EXPECTED:
-        return key, f"must be {EXPECTED[kind]} (you gave {error.get('input')!r})"
+        return key, f"must be {EXPECTED[kind]} (you gave {shown_input(error.get('input'))})"
     message = error["msg"].replace("Input should be", "must be")
     if "input" in error and kind not in {"missing"}:
-        message += f" (you gave {error['input']!r})"
+        message += f" (you gave {shown_input(error['input'])})"
     return key, message
 
 

@@ -6,16 +6,20 @@ The same descriptions feed the CLI's error messages, the YAML reference in the d
 
 from __future__ import annotations
 
+import re
+
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, field_validator
 
 # The generated text tasks (data.synthetic.task); "shapes" is the image task of diffusion runs.
 TEXT_TASKS = ("arithmetic", "reverse", "mixed")
 
 class Section(BaseModel):
     # Unknown keys are errors: a typo such as `micro_batchsize` must not be silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # .inf and .nan are YAML floats but never a learning rate, a ratio or a scale: refused
+    # in every float field, here, rather than failing (or silently training on NaN) later.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(Section):
@@ -32,11 +36,22 @@ class LoraSection(Section):
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: float = Field(16, gt=0, description="LoRA alpha (scaling = alpha / r).")
     dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: list[str] | Literal["auto", "all-linear"] = Field(
+    target_modules: list[str] | str = Field(
         "auto",
-        description="Module names to adapt (e.g. [q_proj, v_proj]), 'all-linear', or 'auto': the attention projections of the family "
-        "(q_proj, k_proj, v_proj, o_proj for language models; to_q, to_k, to_v, to_out.0 for diffusion models).",
+        description="Module names to adapt (e.g. [q_proj, v_proj]), 'all-linear', 'auto': the attention projections of the family "
+        "(q_proj, k_proj, v_proj, o_proj for language models; to_q, to_k, to_v, to_out.0 for diffusion models), or one string that is a "
+        "regular expression matched against whole module names, as peft reads it (e.g. 'model.language_model.layers.[\\d]+.self_attn.[qkvo]_proj': the language model's attention only, as axolotl's vision recipes write it).",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _a_pattern_compiles(cls, value: list[str] | str) -> list[str] | str:
+        if isinstance(value, str) and value not in ("auto", "all-linear"):
+            try:
+                re.compile(value)
+            except re.error as err:
+                raise ValueError(f"{value!r} is neither auto, all-linear, a list of module names nor a regular expression ({err})") from None
+        return value
 
 
 class QuantizationSection(Section):
@@ -285,7 +300,11 @@ class TrainSection(Section):
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this value (0 disables clipping).")
-    log_every: int = Field(1, ge=1, description="Write a line to rank 0's log every N steps (metrics.jsonl gets every step).")
+    log_every: int = Field(
+        1,
+        ge=1,
+        description="Write a line to rank 0's log every N steps; metrics.jsonl gets a row for every step, written every N steps (and at each checkpoint): the steps between read nothing back from the GPU.",
+    )
     save_every: int | None = Field(None, ge=1, description="Save a checkpoint every N optimizer steps (a final one is always saved).")
     eval_every: int | None = Field(
         None,

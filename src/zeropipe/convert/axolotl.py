@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from zeropipe.convert.common import (
     as_number,
     find_path,
     is_unset,
+    list_rest,
     local_model,
     map_deepspeed,
     map_optimizer,
@@ -76,7 +78,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     rest = dict(raw)
     bases = (Path.cwd(), path.parent)
     rl = rest.pop("rl", None)
-    if not is_unset(rl):
+    if rl not in (None, "", False):
         name = RL_NAMES.get(str(rl).lower(), str(rl))
         raise ConversionError(
             f"{path}: rl: {rl} asks for {name} preference/RL training, which ZeRO-Pipe does not do (it trains supervised: "
@@ -93,23 +95,44 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
             conversion.set("model.tokenizer", str(found), "from tokenizer_config")
         else:
             conversion.skip("tokenizer_config", f"{tokenizer!r} is not a local folder: the tokenizer is read from model.path")
-    if rest.pop("trust_remote_code", False):
+    remote = rest.pop("trust_remote_code", None)
+    if remote:
         conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
-    if rest.pop("gradient_checkpointing", False):
+    elif remote is False:
+        conversion.already.append("trust_remote_code: false")
+    checkpointing = rest.pop("gradient_checkpointing", None)
+    if checkpointing is True:
         conversion.set("model.gradient_checkpointing", True, "from gradient_checkpointing")
-    attention = [key for key in ATTENTION_KEYS if not is_unset(rest.get(key))]
-    for key in attention:
-        conversion.set("model.attn_implementation", "sdpa", f"from {key}: {rest.pop(key)} (PyTorch's sdpa uses flash kernels where it can)")
+    elif checkpointing is False:
+        conversion.set("model.gradient_checkpointing", False, "from gradient_checkpointing: false")
+    elif checkpointing == "offload":
+        # axolotl's "offload" keeps the checkpointed activations in host RAM; ZeRO-Pipe recomputes them on the GPU.
+        conversion.set("model.gradient_checkpointing", True, "from gradient_checkpointing: offload, as plain checkpointing (see the list above)")
+        conversion.skip("gradient_checkpointing", "'offload': activations are checkpointed but kept on the GPU, not offloaded to host RAM: `zeropipe plan` shows whether that fits")
+    elif not is_unset(checkpointing):
+        conversion.skip("gradient_checkpointing", f"{checkpointing!r}: true, false or offload")
+    for key in ATTENTION_KEYS:
+        value = rest.pop(key, None)
+        if value in (None, "", False):
+            if value is False:
+                conversion.already.append(f"{key}: false (attention runs on PyTorch's sdpa kernels)")
+            continue
+        conversion.set("model.attn_implementation", "sdpa", f"from {key}: {value} (PyTorch's sdpa uses flash kernels where it can)")
 
     _adapter(conversion, rest)
     _datasets(conversion, rest, bases)
 
     if "sequence_len" in rest:
         conversion.set("data.max_seq_len", to_int(rest.pop("sequence_len"), "sequence_len"), "from sequence_len")
-    if rest.pop("sample_packing", False):
+    packing = rest.pop("sample_packing", None)
+    if packing is True:
         conversion.set("data.packing", True, "from sample_packing (examples never attend to each other, as axolotl's multipack)")
+    elif packing is False:
+        conversion.already.append("sample_packing: false (no packing)")
     val = as_number(rest.pop("val_set_size", None))
-    if val:
+    if val == 0:
+        conversion.already.append("val_set_size: 0 (no held-out data)")
+    elif val:
         if val < 1:
             conversion.set("data.eval_fraction", to_float(val, "val_set_size"), "from val_set_size")
         else:
@@ -139,17 +162,17 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         rest.pop("train_on_inputs")
         conversion.already.append("train_on_inputs: false (loss on responses only)")
 
-    for key, value in rest.items():
-        if is_unset(value):
-            continue
-        conversion.skip(key, NOT_MAPPED.get(key) or f"{value!r}: no ZeRO-Pipe equivalent, left out")
+    list_rest(conversion, rest, NOT_MAPPED)
     return conversion
 
 
 def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
     adapter = rest.pop("adapter", None)
-    four_bit = bool(rest.pop("load_in_4bit", False))
-    if is_unset(adapter):
+    four_bit_value = rest.pop("load_in_4bit", None)
+    four_bit = bool(four_bit_value)
+    if four_bit_value is False:
+        conversion.already.append("load_in_4bit: false (the base is held in deepspeed.precision)")
+    if adapter in (None, "", False):
         if four_bit:
             conversion.skip("load_in_4bit", "a 4-bit base can only train adapters: set adapter: qlora")
         for key in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear"):
@@ -159,21 +182,29 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         return
     if adapter not in ("lora", "qlora"):
         conversion.skip("adapter", f"{adapter!r}: ZeRO-Pipe trains LoRA and QLoRA adapters; converted as LoRA")
-    conversion.set("model.lora.r", to_int(rest.pop("lora_r", 8) or 8, "lora_r"), "from lora_r")
+    conversion.set("model.lora.r", to_int(rest.pop("lora_r", 8) or 8, "lora_r"), f"from lora_r (adapter: {adapter})")
     alpha = rest.pop("lora_alpha", None)
     if alpha is not None:
         conversion.set("model.lora.alpha", to_float(alpha, "lora_alpha"), "from lora_alpha")
     dropout = rest.pop("lora_dropout", None)
     conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "axolotl's default lora_dropout is 0")
     modules = rest.pop("lora_target_modules", None)
-    if rest.pop("lora_target_linear", False):
+    linear = rest.pop("lora_target_linear", None)
+    if linear is False:
+        conversion.already.append("lora_target_linear: false (the modules adapted are lora_target_modules, or auto)")
+    if linear:
         conversion.set("model.lora.target_modules", "all-linear", "from lora_target_linear: true")
         if not is_unset(modules):
             conversion.skip("lora_target_modules", "lora_target_linear: true already adapts every linear layer")
+    elif isinstance(modules, str) and re.search(r"[\\\[\]()|*+?^$]", modules):
+        # peft reads a string as a regular expression over whole module names (axolotl's vision recipes adapt the language
+        # model's layers only): ZeRO-Pipe passes it on as such, where a one-name list would match nothing.
+        conversion.set("model.lora.target_modules", modules, "from lora_target_modules: a regular expression matched against whole module names, as peft reads it")
     elif not is_unset(modules):
         conversion.set("model.lora.target_modules", [modules] if isinstance(modules, str) else list(modules), "from lora_target_modules")
     if adapter == "qlora" or four_bit:
-        conversion.set("model.quantization.load_in_4bit", True, f"from {'adapter: qlora' if adapter == 'qlora' else 'load_in_4bit'} (nf4 with double quantization, as axolotl's default)")
+        said = " and ".join(name for name, given in (("adapter: qlora", adapter == "qlora"), ("load_in_4bit: true", four_bit)) if given)
+        conversion.set("model.quantization.load_in_4bit", True, f"from {said} (nf4 with double quantization, as axolotl's default)")
 
 
 def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, ...]) -> None:

@@ -207,8 +207,26 @@ ADAMW_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_bnb_8
 
 
 def is_unset(value: Any) -> bool:
-    """Keys left empty (``wandb_project:``) or off are simply not set, in every tool."""
-    return value is None or value == "" or value == [] or value == {} or value is False
+    """Keys left empty (``wandb_project:``) are simply not set, in every tool.
+
+    ``false`` is a value: it can turn off what the tool (or ZeRO-Pipe) does by default
+    (LLaMA-Factory's ``double_quantization: false``), so it is mapped or listed, never dropped.
+    """
+    return value is None or value == "" or value == [] or value == {}
+
+
+def list_rest(conversion: "Conversion", rest: dict[str, Any], reasons: dict[str, str]) -> None:
+    """Every source key no mapping took: listed with why (a key set to false too), unless it is empty."""
+    for key, value in rest.items():
+        if is_unset(value):
+            continue
+        if value is False:
+            if key in reasons:  # a feature ZeRO-Pipe does not have: off is what it does
+                conversion.already.append(f"{key}: false")
+            else:
+                conversion.skip(key, "false: not a key ZeRO-Pipe knows; nothing is turned on for it")
+            continue
+        conversion.skip(key, reasons.get(key) or f"{value!r}: no ZeRO-Pipe equivalent, left out")
 
 
 def map_trainer_keys(conversion: Conversion, rest: dict[str, Any], extra: dict[str, tuple[str, type]] | None = None) -> None:
@@ -221,6 +239,9 @@ def map_trainer_keys(conversion: Conversion, rest: dict[str, Any], extra: dict[s
         number = as_number(value) if kind in (int, float) else value
         if number is None:
             conversion.skip(key, f"{value!r} is not a number: left out")
+            continue
+        if kind is int and number != int(number):
+            conversion.skip(key, f"{value!r} is not a whole number: left out (ZeRO-Pipe's default applies)")
             continue
         conversion.set(target, kind(number), f"from {key}")
 
@@ -249,7 +270,9 @@ def map_optimizer(conversion: Conversion, key: str, value: Any) -> None:
     if is_unset(value):
         return
     if str(value) in ADAMW_OPTIMIZERS:
-        if str(value) != "adamw_torch":
+        if str(value) == "adamw_torch":
+            conversion.already.append(f"{key}: adamw_torch (DeepSpeed builds AdamW)")
+        else:
             conversion.skip(key, f"{value!r}: DeepSpeed builds AdamW (its CPU Adam under offload); 8-bit and paged states are not used: `zeropipe plan` shows what fits")
     else:
         conversion.skip(key, f"{value!r}: ZeRO-Pipe lets DeepSpeed build AdamW; other optimizers are not supported")
@@ -272,12 +295,15 @@ def map_warmup_ratio(conversion: Conversion, key: str, value: Any) -> None:
 
 def map_precision(conversion: Conversion, rest: dict[str, Any], tool: str) -> None:
     bf16, fp16 = rest.pop("bf16", None), rest.pop("fp16", None)
+    if isinstance(bf16, str) and bf16 not in ("auto", "true", "false") or isinstance(fp16, str) and fp16 not in ("true", "false"):
+        conversion.skip("bf16/fp16", f"bf16: {bf16!r}, fp16: {fp16!r}: not true or false")
+    also = f" (fp16: {str(fp16).lower()})" if fp16 is not None else ""
     if bf16 in (True, "auto", "true"):
-        conversion.set("deepspeed.precision", "bf16", f"from bf16: {str(bf16).lower()}")
+        conversion.set("deepspeed.precision", "bf16", f"from bf16: {str(bf16).lower()}{also}")
     elif fp16 in (True, "true"):
-        conversion.set("deepspeed.precision", "fp16", "from fp16: true")
+        conversion.set("deepspeed.precision", "fp16", f"from fp16: true (bf16: {str(bf16).lower()})")
     else:
-        conversion.set("deepspeed.precision", "fp32", f"neither bf16 nor fp16 is set: {tool} trains in fp32 then")
+        conversion.set("deepspeed.precision", "fp32", f"neither bf16 nor fp16 is set (bf16: {bf16}, fp16: {fp16}): {tool} trains in fp32 then")
 
 
 def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Path, ...]) -> None:
@@ -310,7 +336,11 @@ def map_deepspeed(conversion: Conversion, key: str, value: Any, bases: tuple[Pat
         if device == "cpu":
             conversion.set(f"deepspeed.offload_{part}", "cpu", f"read from {found.name}")
         elif device == "nvme":
-            conversion.skip(f"{key} offload_{part}", "NVMe offload is not planned or checked by ZeRO-Pipe; the JSON keeps it")
+            conversion.blocking.append(
+                f"{found.name} offloads {part}s to NVMe (zero_optimization.offload_{part}.device: nvme), which ZeRO-Pipe does not plan or run: "
+                f"set the device to \"cpu\" in {found} (host RAM), or remove the block"
+            )
+            conversion.skip(f"{key} offload_{part}", "nvme: not supported by ZeRO-Pipe (see CANNOT TRAIN YET above)")
 
 
 def count_records(path: Path) -> int | None:

@@ -22,17 +22,57 @@ from zeropipe.diffusion.architectures import architectures
 from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
 
+# Every [model] type diffusion-pipe's train.py accepts (models/*.py, docs/supported_models.md), as ZeRO-Pipe's
+# architecture entry, or None where ZeRO-Pipe has none. The architecture itself is read from model.path's
+# model_index.json: a qwen_image type on a Qwen-Image-Edit folder trains qwen-image-edit, flux on a Kontext folder flux-kontext.
+DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
+    "sdxl": "sdxl",
+    "sd3": "sd3",
+    "flux": "flux",
+    "chroma": "chroma",
+    "qwen_image": "qwen-image",
+    "z_image": "z-image",
+    "flux2": "flux2",
+    "wan": "wan",
+    "hunyuan-video": "hunyuan-video",
+    "ltx-video": "ltx-video",
+    "lumina_2": None,
+    "cosmos": None,
+    "cosmos_predict2": None,
+    "anima": None,
+    "hidream": None,
+    "omnigen2": None,
+    "hunyuan_image": None,
+    "auraflow": None,
+    "hunyuan_video_15": None,
+    "ernie_image": None,
+    "ltx2": None,
+    "ideogram4": None,
+    "krea2": None,
+    "minimax_h3": None,
+    "kandinsky5": None,
+    "longcat_video": None,
+    "hy_framepack": None,
+    "qwen_image21": None,
+}
+
+
 def trainable_architecture(kind: str) -> str | None:
-    """ZeRO-Pipe's architecture entry for a diffusion-pipe [model] type (the names coincide), or None."""
-    return kind if kind in architectures() else None
+    """ZeRO-Pipe's architecture entry for a diffusion-pipe [model] type, or None.
+
+    diffusion-pipe's own spelling (qwen_image, z_image) is mapped; ZeRO-Pipe's (qwen-image) is
+    accepted too, for files written by hand.
+    """
+    name = DIFFUSION_PIPE_TYPES.get(kind, kind)
+    return name if name is not None and name in architectures() else None
 
 
 def is_video(kind: str) -> bool:
-    arch = architectures().get(kind)
+    arch = architectures().get(trainable_architecture(kind) or "")
     return arch.video if arch is not None else kind in VIDEO_TYPES
 
 
-VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack")
+VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack", "minimax_h3")
 MODEL_PATH_KEYS = ("diffusers_path", "checkpoint_path", "ckpt_path")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 ADAMW_TYPES = ("adamw", "adamw_optimi", "adamw8bit", "adamw8bitkahan", "adamw_kahan", "adamw8bit_kahan")
@@ -159,12 +199,15 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
     arch = trainable_architecture(kind)
     if arch is None:
         what = "a video model" if kind in VIDEO_TYPES else "an image architecture"
+        trained = sorted(name for name, ours in DIFFUSION_PIPE_TYPES.items() if ours is not None)
         reason = (
-            f"[model] type = {kind!r} is {what} ZeRO-Pipe does not train yet (it trains {', '.join(architectures())} pipelines); "
+            f"[model] type = {kind!r} is {what} ZeRO-Pipe does not train yet (of diffusion-pipe's types it trains {', '.join(trained)}); "
             "the rest of this file is converted so that it runs once the architecture is added"
         )
         conversion.blocking.append(reason)
         conversion.skip("model.type", reason)
+    else:
+        conversion.already.append(f"[model] type = {kind!r} (ZeRO-Pipe's {arch}; the architecture is read from model.path's model_index.json)")
     dtype = model.pop("dtype", None)
     if dtype is not None:
         if dtype in DTYPES:
@@ -184,15 +227,18 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         else:
             conversion.set("model.path", value, f"from [model] {key}: see the list above")
             if found is not None and found.is_file():
-                cls = architectures()[kind].pipeline_class if trainable_architecture(kind) else "DiffusionPipeline"
+                cls = architectures()[arch].pipeline_class if arch else "DiffusionPipeline"
                 why = (
                     f"{value} is a single-file checkpoint; ZeRO-Pipe loads diffusers pipeline folders: "
                     f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
                 )
             elif kind in DIFFUSERS_RELEASES:
+                release = DIFFUSERS_RELEASES[kind]
+                name = Path(value).name
+                example = release[1].format(name=name) if re.fullmatch(release[0], name) else release[2]
                 why = (
-                    f"{value} is not a diffusers pipeline folder (no model_index.json there): ZeRO-Pipe reads it from the diffusers "
-                    f"release of the same model (e.g. {DIFFUSERS_RELEASES[kind].format(name=Path(value).name)}): point model.path at it"
+                    f"{value} is not a diffusers pipeline folder (no model_index.json there): ZeRO-Pipe reads the model from the diffusers "
+                    f"release of the same model ({example}): point model.path at it"
                 )
             else:
                 why = f"{value} is not a diffusers pipeline folder (no model_index.json there): point model.path at one"
@@ -200,10 +246,28 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         for other in named[1:]:
             conversion.skip(f"model.{other}", f"model.path is taken from {key}; {other} = {model.pop(other)!r} is not used")
     if "transformer_path" in model:
+        value = str(model.pop("transformer_path"))
         if kind in TRANSFORMER_PATHS:
-            TRANSFORMER_PATHS[kind](conversion, str(model.pop("transformer_path")), base)
+            TRANSFORMER_PATHS[kind](conversion, value, base)
+        elif kind == "chroma":
+            # diffusion-pipe loads Chroma's transformer file over a FLUX.1 diffusers folder (for its VAE and T5); ZeRO-Pipe takes the
+            # architecture from model.path, so that folder would train FLUX.1 with Chroma's weights renamed as FLUX's.
+            conversion.blocking.append(
+                f"[model] transformer_path = {value!r} is Chroma's transformer over a FLUX.1 diffusers folder; ZeRO-Pipe reads Chroma from a ChromaPipeline "
+                "diffusers folder (e.g. lodestones/Chroma1-HD converted by diffusers): point model.path at one (no transformer_path needed)"
+            )
+            conversion.skip("model.transformer_path", "Chroma over a FLUX.1 folder (see CANNOT TRAIN YET above)")
+        elif arch is not None and (Path(value).suffix == ".safetensors" or (find_path(value, Path.cwd(), base) or Path(value)).is_file()):
+            found = find_path(value, Path.cwd(), base)
+            conversion.set(
+                "model.diffusion.denoiser_file", str(found or value),
+                f"from [model] transformer_path = {value!r}: a single-file transformer (original or ComfyUI layout) loaded over model.path's",
+            )
+            marker, note = TRANSFORMER_FILE_NOTES.get(kind, ("", ""))
+            if marker and marker in Path(value).name.lower():
+                conversion.skip(f"model.transformer_path ({marker})", note)
         else:
-            conversion.skip("model.transformer_path", f"{model.pop('transformer_path')!r}: single-file transformer overrides are not read; the denoiser comes from model.path")
+            conversion.skip("model.transformer_path", f"{value!r}: not a .safetensors file ZeRO-Pipe can read over model.path; the denoiser comes from model.path")
     for bound in ("min_t", "max_t"):
         if bound in model:
             conversion.set(f"model.diffusion.{bound}", to_float(model.pop(bound), f"model.{bound}"), f"from [model] {bound} (the training timestep range, 0 no noise, 1 pure noise)")
@@ -245,7 +309,13 @@ def _wan_transformer(conversion: Conversion, value: str, base: Path) -> None:
 # [model] types whose transformer_path ZeRO-Pipe reads, and how; types whose original checkpoint
 # folders have a diffusers release of their own on the Hub (the name it goes by there).
 TRANSFORMER_PATHS = {"wan": _wan_transformer}
-DIFFUSERS_RELEASES = {"wan": "Wan-AI/{name}-Diffusers"}
+# type -> (a word in a transformer_path file name, what loading that file over model.path's folder means)
+TRANSFORMER_FILE_NOTES = {
+    "flux": ("kontext", "a FLUX.1 Kontext file over a FLUX.1 folder trains as text-to-image FLUX.1; for edit pairs (control_path) point model.path at a "
+                        "FluxKontextPipeline diffusers folder instead"),
+}
+# type -> (the original release's folder name, its diffusers release on the Hub, what to say for any other folder name)
+DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers", "the Wan-AI/Wan2.x-...-Diffusers repository of the same size and task")}
 
 
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
@@ -300,6 +370,8 @@ def _optimizer(conversion: Conversion, optimizer: dict[str, Any]) -> None:
 
 
 def _monitoring(conversion: Conversion, monitoring: dict[str, Any]) -> None:
+    if monitoring.get("enable_wandb") is False:
+        conversion.already.append("[monitoring] enable_wandb = false (logging.wandb is off unless set)")
     if monitoring.pop("enable_wandb", False):
         conversion.set("logging.wandb", True, "from [monitoring] enable_wandb")
         if monitoring.get("wandb_tracker_name"):
@@ -414,6 +486,8 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
     elif buckets is not None and buckets != [1]:
         conversion.skip("dataset.frame_buckets", f"{frames}: this is an image model; images (frame bucket 1) train")
 
+    # diffusion-pipe reads these at the top of the dataset TOML as every [[directory]]'s default.
+    default_repeats = rest.pop("num_repeats", 1)
     directories = rest.pop("directory", [])
     if not directories:
         raise ConversionError(f"{path}: no [[directory]] entries: add one with path = '/folder/of/images'")
@@ -428,8 +502,12 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
             continue
         folder = find_path(folder_name, Path.cwd(), path.parent)
         if folder is None or not folder.is_dir():
-            raise ConversionError(f"{path}: [[directory]] path = {folder_name!r} is not a folder (looked relative to {Path.cwd()} and {path.parent}): fix the path")
-        repeats = to_int(directory.pop("num_repeats", 1), f"{key}.num_repeats")
+            # People convert before copying their images over: the config is written, `zeropipe check` refuses until the folder is there.
+            folder = Path(folder_name).expanduser()
+            folder = folder if folder.is_absolute() else (path.parent / folder)
+            conversion.skip(f"{key}.path", f"{folder_name!r} is not a folder on this machine (looked relative to {Path.cwd()} and {path.parent}): "
+                                           "copy the images there (or fix data.path) before `zeropipe check`")
+        repeats = to_int(directory.pop("num_repeats", default_repeats), f"{key}.num_repeats")
         if repeats < 1:
             conversion.skip(key, f"num_repeats = {repeats}: never used, left out")
             continue
@@ -439,7 +517,9 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         if control is not None:
             control_folder = find_path(str(control), Path.cwd(), path.parent)
             if control_folder is None or not control_folder.is_dir():
-                raise ConversionError(f"{path}: [[directory]] control_path = {control!r} is not a folder (looked relative to {Path.cwd()} and {path.parent}): fix the path")
+                control_folder = Path(str(control)).expanduser()
+                control_folder = control_folder if control_folder.is_absolute() else (path.parent / control_folder)
+                conversion.skip(f"{key}.control_path", f"{control!r} is not a folder on this machine: copy the control images there before `zeropipe check`")
             controls.append((key, control_folder))
         for override, value in directory.items():
             conversion.skip(f"{key}.{override}", f"{value!r}: per-directory settings are not supported; the top-level ones apply to every folder")
@@ -447,21 +527,31 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
 
     linked = not (len(kept) == 1 and kept[0][1] == 1)
     for folder, repeats, concept, key in kept:
-        _check_folder(conversion, key, folder, concept if linked else None, video)
+        if folder.is_dir():
+            _check_folder(conversion, key, folder, concept if linked else None, video)
     if not linked:
         conversion.set("data.path", str(kept[0][0]), f"from {where} [[directory]] path: images with .txt captions beside them")
         if controls:
             conversion.set("data.control_path", str(controls[0][1]), f"from {where} [[directory]] control_path: a control image per target image, by file name")
-    elif controls:
+        return _rest_of_dataset(conversion, rest)
+    if controls:
         # data.control_path is one folder matched by file name; several linked folders would need their control folders linked alike.
+        conversion.blocking.append(
+            f"{where} has edit pairs (control_path) in several [[directory]] entries or with num_repeats; ZeRO-Pipe's edit training reads one image "
+            "folder and its one control folder (data.path, data.control_path): train one [[directory]] per run, with num_repeats 1"
+        )
         for key, folder in controls:
-            conversion.skip(f"{key}.control_path", f"{str(folder)!r}: edit training reads one control folder for one image folder (data.control_path); with several [[directory]] entries or num_repeats, train one folder per run")
-    elif kept:
+            conversion.skip(f"{key}.control_path", f"{str(folder)!r}: see CANNOT TRAIN YET above")
+    if kept:
         # Several folders or repeats: the kohya layout expresses both as <repeats>_<name> subfolders.
         conversion.links_dir = links_dir
         conversion.links = {f"{repeats}_{concept}": folder for folder, repeats, concept, _ in kept}
         listing = ", ".join(f"{repeats}_{concept} -> {folder}" for folder, repeats, concept, _ in kept)
         conversion.set("data.path", str(links_dir), f"from {where} [[directory]] entries with num_repeats, as kohya-layout links: {listing}")
+    _rest_of_dataset(conversion, rest)
+
+
+def _rest_of_dataset(conversion: Conversion, rest: dict[str, Any]) -> None:
     for key, value in rest.items():
         conversion.skip(f"dataset.{key}", DATASET_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
 

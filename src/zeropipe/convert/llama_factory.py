@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from zeropipe.convert.common import (
     as_number,
     find_path,
     is_unset,
+    list_rest,
     local_model,
     map_deepspeed,
     map_optimizer,
@@ -30,6 +32,11 @@ REFUSED_STAGES = {"rm": "reward-model", "ppo": "PPO", "dpo": "DPO", "kto": "KTO"
 # LLaMA-Factory's defaults where they differ from ZeRO-Pipe's (hparams/finetuning_args.py, data_args.py).
 DEFAULT_CUTOFF_LEN = 2048
 DEFAULT_EPOCHS = 3.0
+# Hugging Face TrainingArguments' defaults, which LLaMA-Factory trains with when the YAML sets none.
+HF_DEFAULT_LR = 5e-5
+HF_DEFAULT_BATCH = 8
+# Pre-quantized checkpoints (config.json's quantization_config.quant_method, or the Hub name's usual suffix).
+PREQUANTIZED = ("awq", "gptq", "aqlm", "hqq", "eetq", "exl2", "marlin")
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system"}
 OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "system_tag": "system"}
@@ -83,12 +90,20 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         )
     if stage not in STAGES:
         raise ConversionError(f"{path}: stage: {stage} is not one ZeRO-Pipe knows (it converts sft and pt)")
-    if rest.pop("do_train", True) is False:
+    conversion.already.append(f"stage: {stage} ({STAGES[stage]})")
+    do_train = rest.pop("do_train", None)
+    if do_train is False:
         conversion.skip("do_train", "false: this config does not train; the conversion is a training config anyway")
+    elif do_train is not None:
+        conversion.already.append(f"do_train: {do_train}")
 
     local_model(conversion, "model_name_or_path", str(rest.pop("model_name_or_path", "")), bases)
-    if rest.pop("trust_remote_code", False):
+    _prequantized(conversion, "model_name_or_path")
+    remote = rest.pop("trust_remote_code", None)
+    if remote:
         conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
+    elif remote is False:
+        conversion.already.append("trust_remote_code: false")
     # LLaMA-Factory checkpoints activations unless told not to.
     no_checkpointing = rest.pop("disable_gradient_checkpointing", False)
     conversion.set(
@@ -97,10 +112,11 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         "from disable_gradient_checkpointing" if no_checkpointing else "LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing is set",
     )
     _method(conversion, rest)
+    vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
     _vision(conversion, rest)
 
     fmt_stage = "text" if stage == "pt" else None
-    _datasets(conversion, rest, path, fmt_stage)
+    _datasets(conversion, rest, path, fmt_stage, vision or "model.trainable" in conversion.entries)
     if "eval_dataset" in rest:
         conversion.skip("eval_dataset", f"{rest.pop('eval_dataset')!r}: set data.eval_path to its file (or use val_size)")
     cutoff = rest.pop("cutoff_len", None)
@@ -109,6 +125,8 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if neat or packing:
         note = "from neat_packing" if neat else "from packing (ZeRO-Pipe's packing is always 'neat': examples never attend to each other)"
         conversion.set("data.packing", True, note)
+    elif packing is False or neat is False:
+        conversion.already.append("packing: false (no packing)")
     val = as_number(rest.pop("val_size", None))
     if val:
         if val < 1:
@@ -129,6 +147,10 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
 
     if "per_device_train_batch_size" in rest:
         conversion.set("train.micro_batch_size", to_int(rest.pop("per_device_train_batch_size"), "per_device_train_batch_size"), "from per_device_train_batch_size")
+    else:
+        conversion.set("train.micro_batch_size", HF_DEFAULT_BATCH, f"Hugging Face's default per_device_train_batch_size is {HF_DEFAULT_BATCH}")
+    if "learning_rate" not in rest:
+        conversion.set("train.lr", HF_DEFAULT_LR, f"Hugging Face's default learning_rate is {HF_DEFAULT_LR}")
     epochs = rest.pop("num_train_epochs", None)
     conversion.set("train.epochs", to_float(epochs if epochs is not None else DEFAULT_EPOCHS, "num_train_epochs"), "from num_train_epochs" if epochs is not None else "Hugging Face's default num_train_epochs is 3")
     map_trainer_keys(conversion, rest)
@@ -144,16 +166,17 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         conversion.set("logging.wandb", True, "from report_to: wandb")
     elif report_to in ("none", "tensorboard", None):
         rest.pop("report_to", None)
+        if report_to is not None:
+            conversion.already.append(f"report_to: {report_to} (TensorBoard files are written to the run directory either way)")
 
-    for key, value in rest.items():
-        if is_unset(value):
-            continue
-        conversion.skip(key, NOT_MAPPED.get(key) or f"{value!r}: no ZeRO-Pipe equivalent, left out")
+    list_rest(conversion, rest, NOT_MAPPED)
     return conversion
 
 
 def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
     method = str(rest.pop("finetuning_type", "lora"))
+    if method in ("full", "lora"):
+        conversion.already.append(f"finetuning_type: {method} ({'no model.lora: every weight trains' if method == 'full' else 'model.lora'})")
     lora_keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
     if method == "full":
         for key in lora_keys:
@@ -185,11 +208,44 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
     else:
         raise ConversionError(f"{conversion.source}: finetuning_type: {method} is not one ZeRO-Pipe knows (lora, full, freeze)")
     bits = rest.pop("quantization_bit", None)
+    double = rest.pop("double_quantization", None)
+    quant_type = rest.pop("quantization_type", None)
     if bits is not None:
         if to_int(bits, "quantization_bit") == 4 and method == "lora":
-            conversion.set("model.quantization.load_in_4bit", True, "from quantization_bit: 4 (QLoRA: nf4 with double quantization, as LLaMA-Factory's default)")
+            conversion.set("model.quantization.load_in_4bit", True, "from quantization_bit: 4 (QLoRA)")
+            conversion.set("model.quantization.double_quant", bool(double) if double is not None else True,
+                           "from double_quantization" if double is not None else "LLaMA-Factory's default double_quantization is true")
+            if quant_type is not None:
+                if quant_type in ("nf4", "fp4"):
+                    conversion.set("model.quantization.quant_type", quant_type, "from quantization_type")
+                else:
+                    conversion.skip("quantization_type", f"{quant_type!r}: nf4 or fp4")
+            else:
+                conversion.set("model.quantization.quant_type", "nf4", "LLaMA-Factory's default quantization_type is nf4")
         else:
             conversion.skip("quantization_bit", f"{bits}: ZeRO-Pipe quantizes only for QLoRA: 4-bit with finetuning_type: lora")
+    for key, value in (("double_quantization", double), ("quantization_type", quant_type)):
+        if value is not None and bits is None:
+            conversion.skip(key, f"{value!r}: applies to quantization_bit, which is not set")
+
+
+def _prequantized(conversion: Conversion, key: str) -> None:
+    """A base already quantized by AWQ, GPTQ, AQLM...: LoRA on it is not something ZeRO-Pipe can load or shard."""
+    name = str(conversion.entries["model.path"].value)
+    method = None
+    config_file = Path(name) / "config.json"
+    if config_file.is_file():
+        try:
+            method = (json.loads(config_file.read_text()).get("quantization_config") or {}).get("quant_method")
+        except (json.JSONDecodeError, AttributeError):
+            method = None
+    else:
+        method = next((kind for kind in PREQUANTIZED if kind in re.split(r"[-_./]", name.lower())), None)
+    if method and str(method).lower() != "bitsandbytes":
+        conversion.blocking.append(
+            f"{key} {name!r} is a pre-quantized {str(method).upper()} checkpoint: ZeRO-Pipe trains LoRA on a base in deepspeed.precision or "
+            "4-bit bitsandbytes (QLoRA), and cannot load or shard these kernels: use the unquantized base, with quantization_bit: 4 for QLoRA"
+        )
 
 
 def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
@@ -205,8 +261,11 @@ def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
         except json.JSONDecodeError:
             is_vlm = False
     if not is_vlm:
+        why = ("the model is not a vision-language model (no vision_config in its config.json)" if config_file is not None and config_file.is_file()
+               else "the model's config.json could not be read (model.path is not a local folder yet), so whether it is a vision-language model is not known: "
+                    "convert again once it is downloaded, or set model.trainable")
         for key in given:
-            conversion.skip(key, "the model is not a vision-language model (no vision_config in its config.json)")
+            conversion.skip(key, why)
         return
     # LLaMA-Factory's defaults: tower and projector frozen, language model trained.
     frozen = {"vision_tower": given.get("freeze_vision_tower", True), "projector": given.get("freeze_multi_modal_projector", True), "language_model": given.get("freeze_language_model", False)}
@@ -214,15 +273,20 @@ def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
     conversion.set("model.trainable", trainable, "from freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model (LLaMA-Factory's defaults where unset)")
 
 
-def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_format: str | None) -> None:
+def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_format: str | None, vision: bool = False) -> None:
     names = rest.pop("dataset", None)
     if is_unset(names):
         conversion.skip("dataset", "no dataset: set data.path to a local .jsonl/.json file")
         return
     names = [name.strip() for name in (names.split(",") if isinstance(names, str) else names) if str(name).strip()]
     folder_name = str(rest.pop("dataset_dir", "data"))
-    folder = find_path(folder_name, Path.cwd(), path.parent)
-    info_file = folder / "dataset_info.json" if folder is not None else None
+    if folder_name.startswith("REMOTE:"):
+        raise ConversionError(
+            f"{path}: dataset_dir: {folder_name} is a dataset folder on the Hub; ZeRO-Pipe downloads nothing: "
+            f"`huggingface-cli download --repo-type dataset {folder_name[len('REMOTE:'):]} --local-dir DIR`, then set dataset_dir: DIR"
+        )
+    # Every base is tried for the file itself: a data/ folder without dataset_info.json in the first one does not hide the second.
+    info_file = find_path(str(Path(folder_name) / "dataset_info.json"), Path.cwd(), path.parent)
     if info_file is None or not info_file.is_file():
         raise ConversionError(
             f"{path}: dataset: {', '.join(names)} is described in dataset_dir/dataset_info.json, but {folder_name}/dataset_info.json "
@@ -234,6 +298,15 @@ def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_f
         raise ConversionError(f"{info_file} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}): fix it") from None
     if not isinstance(info, dict):
         raise ConversionError(f"{info_file} must hold a JSON object of dataset descriptions")
+    # A vision-language recipe (an images column, or a VLM's freeze_* switches) reads one data.path: ZeRO-Pipe's
+    # vision-language runs do not draw mixtures (data.mixture is for causal language models).
+    with_images = [name for name in names if isinstance(info.get(name), dict) and "images" in (info[name].get("columns") or {})]
+    if len(names) > 1 and (with_images or vision):
+        imaged = f" ({', '.join(with_images)} with images)" if with_images else ""
+        conversion.blocking.append(
+            f"dataset: {', '.join(names)} is several datasets for a vision-language model{imaged}; "
+            "ZeRO-Pipe's vision-language runs read one data.path ({messages, images} JSONL): join the records into one file and set data.path to it"
+        )
     sources: list[tuple[str, Path, str]] = []
     for name in names:
         entry = info.get(name)

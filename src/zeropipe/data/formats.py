@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.errors import DataError
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".txt")
@@ -91,18 +92,21 @@ def read_located_records(path: Path) -> tuple[list[Record], list[BadRecord]]:
     path = Path(path)
     if not path.exists():
         raise DataError(f"data.path {path}: no such file or directory. Fix data.path to point at your data.")
+    require_usable(path, "data.path")  # a UI run's data (zeropipe.confine): never through a symlink out of its folders
     if path.is_dir():
         # Hidden files are editor and notebook leftovers, not data.
-        files = sorted(
+        listed = sorted(
             p for p in path.iterdir() if p.is_file() and p.suffix in SUPPORTED_SUFFIXES and not p.name.startswith(".")
         )
+        files = [p for p in listed if usable(p)]
+        outside = [BadRecord(0, OUTSIDE_REASON, file=p.name) for p in listed if p not in files]
         if not files:
             raise DataError(
                 f"data.path {path}: the directory has no {', '.join(SUPPORTED_SUFFIXES)} files. "
                 "Fix data.path or add data files to it."
             )
         records: list[Record] = []
-        bad: list[BadRecord] = []
+        bad: list[BadRecord] = outside  # each file skipped for leading out of the folders is one skipped record, named
         for file in files:
             file_records, file_bad = _read_file(file, label=file.name)
             records += file_records

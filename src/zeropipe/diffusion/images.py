@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.errors import DataError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -109,6 +110,8 @@ class ImageScan:
     bad_lines: list[str] = field(default_factory=list)
     # Flat layout only: images with no caption file, trained with the empty caption.
     missing_captions: list[Path] = field(default_factory=list)
+    # Files found but not decoded because the scan was asked to stop at ``max_files`` (the UI's Dataset page).
+    unscanned: int = 0
 
 
 @dataclass
@@ -126,7 +129,13 @@ class PreparedImage:
 
 
 def scan_image_folder(
-    root: Path, caption_ext: str = ".txt", video_probe: Callable[[Path], tuple[int, int, int, float] | str] | None = None, video_suffixes: tuple[str, ...] = ()
+    root: Path,
+    caption_ext: str = ".txt",
+    video_probe: Callable[[Path], tuple[int, int, int, float] | str] | None = None,
+    video_suffixes: tuple[str, ...] = (),
+    max_files: int | None = None,
+    refuse: Callable[[Path], str | None] | None = None,
+    require_items: bool = True,
 ) -> ImageScan:
     """Find the captioned images under ``root`` and check that each one decodes.
 
@@ -141,6 +150,12 @@ def scan_image_folder(
         video_probe: for video models, reads a video file (``video_suffixes``) in full and returns
             (width, height, frames, frames per second) or the reason it cannot be used; videos
             and images are then scanned together (an image is a one-frame video).
+        max_files: decode at most this many files (a bounded look for the UI); the rest are
+            counted in ``unscanned``.
+        refuse: given each file before it is opened, returns the reason not to read it (the UI
+            refuses a link leading out of its folders), or None.
+        require_items: False to return a scan without a usable image instead of raising (the
+            UI lists what was rejected and why).
 
     Returns:
         The usable images sorted by path, and the files and metadata lines that were skipped.
@@ -170,6 +185,7 @@ def scan_image_folder(
     missing_captions: list[Path] = []
     if metadata_files:
         layout = "metadata"
+        require_usable(metadata_files[0], "the captions file")  # a UI run's (zeropipe.confine): never through a symlink out of its folders
         candidates = _metadata_candidates(root, metadata_files[0], bad, bad_lines)
     elif kohya_folders:
         layout = "kohya"
@@ -179,7 +195,17 @@ def scan_image_folder(
         candidates = _flat_candidates(root, caption_ext, bad, missing_captions, suffixes)
 
     items = []
+    unscanned = 0
     for path, caption, repeats in candidates:
+        if max_files is not None and len(items) + len(bad) >= max_files:
+            unscanned += 1
+            continue
+        if not usable(path):  # a UI run's image that is a symlink out of its folders: counted, never decoded
+            bad.append(BadImage(path, OUTSIDE_REASON))
+            continue
+        if refuse is not None and (reason := refuse(path)) is not None:
+            bad.append(BadImage(path, reason))
+            continue
         is_video = video_probe is not None and path.suffix.lower() in video_suffixes
         found = video_probe(path) if is_video else _decoded_size(path)
         if isinstance(found, str):
@@ -189,7 +215,7 @@ def scan_image_folder(
         frames, fps = timing if timing else (1, 0.0)
         items.append(ImageItem(path=path, caption=caption, repeats=repeats, width=width, height=height, frames=frames, fps=fps))
 
-    if not items:
+    if not items and require_items:
         problems = ""
         if bad:
             problems += f" {len(bad)} file(s) could not be used, the first: {bad[0]}."
@@ -202,7 +228,7 @@ def scan_image_folder(
     items.sort(key=lambda item: item.path)
     bad.sort(key=lambda problem: problem.path)
     missing_captions.sort()
-    return ImageScan(items=items, bad=bad, layout=layout, bad_lines=bad_lines, missing_captions=missing_captions)
+    return ImageScan(items=items, bad=bad, layout=layout, bad_lines=bad_lines, missing_captions=missing_captions, unscanned=unscanned)
 
 
 def _is_image_name(path: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> bool:
@@ -219,13 +245,17 @@ def _walk_images(top: Path, suffixes: tuple[str, ...] = IMAGE_SUFFIXES) -> list[
             subfolders[:] = []
             continue
         seen_folders.add(real_folder)
-        subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
+        # A UI run's folder linked to elsewhere (zeropipe.confine) is not walked: its files would be skipped one by one anyway.
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith(".") and usable(Path(folder) / name))
         found += [Path(folder) / name for name in files if not name.startswith(".") and _is_image_name(Path(name), suffixes)]
     return sorted(found)
 
 
 def _read_caption(path: Path, bad: list[BadImage], image: Path) -> str | None:
-    """The stripped caption in ``path``; None (and a BadImage for ``image``) when it is not UTF-8 text."""
+    """The stripped caption in ``path``; None (and a BadImage for ``image``) when it is not UTF-8 text or leads out of a UI run's folders."""
+    if not usable(path):
+        bad.append(BadImage(image, f"its caption file {path.name} {OUTSIDE_REASON}"))
+        return None
     try:
         return path.read_text(encoding="utf-8").strip()
     except UnicodeDecodeError as error:
@@ -368,6 +398,7 @@ def match_control_images(targets: list[Path], data_root: Path, control_root: Pat
     Raises:
         DataError: ``control_root`` is not a folder.
     """
+    require_usable(control_root, "data.control_path")
     control_root = Path(control_root).expanduser().resolve()
     if not control_root.is_dir():
         raise DataError(f"data.control_path {control_root} is not a folder: point it at the folder of control images (one per target image, same file name)")
@@ -386,6 +417,10 @@ def match_control_images(targets: list[Path], data_root: Path, control_root: Pat
         if len(candidates) > 1:
             found.append(None)
             problems.append(f"{target}: several control images have its name ({', '.join(p.name for p in candidates)}): keep one")
+            continue
+        if not usable(candidates[0]):
+            found.append(None)
+            problems.append(f"{target}: its control image {candidates[0]} {OUTSIDE_REASON}")
             continue
         size = _decoded_size(candidates[0])
         if isinstance(size, str):
@@ -484,6 +519,8 @@ def load_image_for_bucket(
         raise ValueError(f"crop '{crop}' is not one of {', '.join(CROPS)}")
     if crop == "random" and rng is None:
         raise ValueError("crop='random' needs rng (a random.Random) so the crops can be reproduced")
+    if not usable(path):  # swapped for a symlink since the folder was scanned: tested again when it is read
+        raise DataError(f"{path} {OUTSIDE_REASON}")
     try:
         with Image.open(path) as opened:
             opened.load()

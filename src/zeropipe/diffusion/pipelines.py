@@ -22,8 +22,9 @@ from typing import Any, Callable
 import torch
 
 from zeropipe.config.pipeline_index import read_pipeline_index
+from zeropipe.confine import OutsideRoots, require_usable
 from zeropipe.diffusion.architectures import Architecture, architecture_for_preset, architecture_of, presets
-from zeropipe.diffusion.architectures.base import character_tokenizer  # noqa: F401 - re-exported: tests and plug-ins build tokenizers with it
+from zeropipe.diffusion.architectures.base import character_tokenizer
 from zeropipe.diffusion.parts.text import prompt_rows
 from zeropipe.errors import ConfigError
 
@@ -46,8 +47,12 @@ def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, d
     return arch, components
 
 
-def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Architecture:
-    """Write a randomly initialised pipeline directory for an inline config; same config and seed, same weights."""
+def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: Callable[[str, int | None, int | None], None] | None = None) -> Architecture:
+    """Write a randomly initialised pipeline directory for an inline config; same config and seed, same weights.
+
+    Args:
+        progress: told what is being done (phase, done, total): fitting the VAE takes minutes on a busy CPU.
+    """
     import shutil
 
     import diffusers
@@ -71,7 +76,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
         elif name == "vae":
             parts[name] = getattr(diffusers, arch.codec.vae_class)(**fields)
             if config.get("vae_fit_steps"):
-                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch)
+                fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
         else:
             parts[name] = arch.model_class()(**fields)
     for tokenizer_name in arch.tokenizers:
@@ -90,7 +95,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int) -> Archite
     return arch
 
 
-def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16) -> None:
+def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16, progress: Callable[[str, int | None, int | None], None] | None = None) -> None:
     """Teach a random tiny VAE to reconstruct generated shape images (clips, for video VAEs), so that samples show shapes.
 
     A randomly initialised decoder turns any latent into noise, so the sample images of a
@@ -105,7 +110,9 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
     vae.train()
     batch = arch.codec.fitting_batch(batch)
-    for _ in range(steps):
+    for step in range(steps):
+        if progress is not None and step % 10 == 0:
+            progress("fitting the tiny VAE: step", step, steps)
         images = pixels[torch.randint(0, len(pixels), (batch,), generator=generator)]
         posterior = vae.encode(images).latent_dist
         reconstruction = vae.decode(posterior.sample(generator)).sample
@@ -171,6 +178,10 @@ def single_file_renamer(denoiser_class: str, checkpoint: Path) -> Callable[[str]
     entry = SINGLE_FILE_LOADABLE_CLASSES.get(denoiser_class)
     if entry is None:
         raise ConfigError([(where, f"diffusers has no single-file converter for {denoiser_class}: give model.path a diffusers directory with its weights instead")])
+    try:
+        require_usable(checkpoint, where)  # a UI run's single file: never through a symlink out of its folders
+    except OutsideRoots as err:
+        raise ConfigError([(where, str(err))]) from None
     try:
         with safe_open(str(checkpoint), framework="pt") as handle:
             names = list(handle.keys())
@@ -319,7 +330,7 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
     parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device, spread) for name in arch.text_encoders}
     parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
     parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
-    from diffusers import SchedulerMixin  # noqa: F401 - the scheduler is loaded for the pipeline's constructor
+    from diffusers import SchedulerMixin
 
     return _assemble(cls, arch, pipeline_dir, parts)
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from zeropipe.confine import OUTSIDE_REASON, usable
 from zeropipe.diffusion.images import COLOURS, SHAPES, PreparedImage, fit_to_bucket, load_image_for_bucket
 from zeropipe.errors import DataError
 
@@ -131,6 +132,8 @@ def load_clip_for_bucket(
     if path.suffix.lower() not in VIDEO_SUFFIXES:
         image = load_image_for_bucket(path, (width, height), crop=crop, flip=flip, rng=random.Random(crop_seed) if crop == "random" else rng)
         return PreparedImage(image.pixels.unsqueeze(1).expand(-1, length, -1, -1).contiguous(), image.original_size, image.crop_top_left, image.target_size)
+    if not usable(path):  # swapped for a symlink out of a UI run's folders since the folder was scanned
+        raise DataError(f"{path} {OUTSIDE_REASON}")
     wanted = [source_index(start + i, fps, target_fps) for i in range(length)]
     decoded: dict[int, PreparedImage] = {}
     try:

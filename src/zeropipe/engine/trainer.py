@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -54,6 +55,31 @@ def restore_rng_state(state: dict[str, Any], cuda: Any = torch.cuda) -> None:
             cuda.set_rng_state(generator, device)
 
 
+@dataclass
+class PendingStep:
+    """One step's figures on this rank, kept (the tensors on the device) until the next flush of metrics."""
+
+    step: int
+    epoch: int
+    loss: torch.Tensor | float
+    lr: float
+    tokens: float
+    samples: float
+    step_time: float
+    rss: int
+    gpu: int
+    grad_norm: torch.Tensor | float | None
+    time: float
+    extra: dict[str, Any]
+
+
+def host_value(value: Any) -> Any:
+    """A task's extra figure as JSON: a 0-d tensor kept on the device until the flush becomes a float."""
+    if isinstance(value, torch.Tensor):
+        return float(value)
+    return value
+
+
 class Trainer:
     """One rank of a ZeRO-Pipe run, driven by the files the launcher wrote into the run directory.
 
@@ -77,6 +103,8 @@ class Trainer:
         # from the checkpoint); None: the beginning, or a family that counts in steps.
         self.data_position = DataPosition.from_dict(self.plan.resume_data_position) if self.plan.resume_data_position else None
         self.batches = None
+        self.pending_metrics: list[PendingStep] = []
+        self.samples_asked = False  # the UI asked for samples: seen by rank 0 at the last flush, known to every rank
         self.process = psutil.Process()
         self.task = make_task(self)
 
@@ -152,25 +180,45 @@ class Trainer:
             self.record_metrics(epoch, loss, lr, tokens, samples, now - previous_end)
             recorded = time.perf_counter()
             self.task.after_step()
+            if self.samples_asked:
+                self.samples_asked = False
+                self.sample_now()
             if save_every and self.step % save_every == 0 and self.step < total:
                 self.save_checkpoint()
             previous_end = now + (time.perf_counter() - recorded)
         self.save_checkpoint()
 
-    def train_step(self, batches: Iterator[tuple[int, Any]]) -> tuple[int, float, float, float, float]:
+    def sample_now(self) -> None:
+        """Every rank draws the run's samples (answers) with the current weights; rank 0 then removes the request.
+
+        The UI asks by writing ``RUN/sample_request.json``. Sampling is a collective under ZeRO
+        (every rank runs the partitioned model), so no rank decides alone from a file it sees at
+        a slightly different time: rank 0 looks when the metrics are flushed and its answer
+        travels with the flush's one collective (:meth:`flush_metrics`), so asking costs the
+        steps between flushes nothing.
+        """
+        log.info("step %d: samples asked for from the UI", self.step)
+        self.task.generate_samples()
+        if self.rank == 0:
+            self.run.sample_request.unlink(missing_ok=True)
+
+    def train_step(self, batches: Iterator[tuple[int, Any]]) -> tuple[int, torch.Tensor, float, float, float]:
         """One optimizer step over ``accumulation`` micro-batches from ``batches``.
 
         Returns:
-            (epoch, mean loss, learning rate, tokens, samples) of the step, this rank's.
+            (epoch, mean loss, learning rate, tokens, samples) of the step, this rank's; the
+            loss stays a tensor on the device (float64: the sum a Python float would give),
+            so that the step waits for no device work to finish.
         """
-        loss_sum = tokens = samples = 0.0
+        loss_sum: torch.Tensor | float = 0.0
+        tokens = samples = 0.0
         lr = self.current_lr()
         for _ in range(self.accumulation):
             epoch, batch = next(batches)
             loss, batch_tokens, batch_samples = self.task.forward_loss(batch)
             self.engine.backward(loss)
             self.engine.step()
-            loss_sum += loss.detach().float().item()
+            loss_sum = loss_sum + loss.detach().double()
             tokens += batch_tokens
             samples += batch_samples
         self.step += 1
@@ -180,47 +228,93 @@ class Trainer:
         # The rate this step will use: the scheduler set it on the optimizer after the last step.
         return float(self.engine.optimizer.param_groups[0]["lr"])
 
-    def record_metrics(self, epoch: int, loss: float, lr: float, tokens: float, samples: float, step_time: float) -> None:
-        """One collective per step gathers every rank's figures; rank 0 appends them to metrics.jsonl."""
+    def record_metrics(self, epoch: int, loss: torch.Tensor | float, lr: float, tokens: float, samples: float, step_time: float) -> None:
+        """Keep this step's figures; every ``log_every`` steps (and before a checkpoint and at the end) write them all.
+
+        A step that does not log copies nothing from the device and makes no collective: its
+        loss (and grad norm, and the task's extra figures) stay tensors until the flush, which
+        gathers every rank's figures of all pending steps in one collective and one host copy.
+        metrics.jsonl still gets a row for every step, written at the flush.
+        """
+        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        grad_norm = self.engine.get_global_grad_norm()
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.detach().clone()  # DeepSpeed may reuse the tensor next step
+        self.pending_metrics.append(
+            PendingStep(
+                step=self.step,
+                epoch=epoch,
+                loss=loss,
+                lr=lr,
+                tokens=tokens,
+                samples=samples,
+                step_time=step_time,
+                rss=self.process.memory_info().rss,
+                gpu=gpu,
+                grad_norm=grad_norm,
+                time=time.time(),
+                extra=self.task.extra_metrics(),
+            )
+        )
+        if self.step % self.config.train.log_every == 0 or self.step >= self.plan.total_steps:
+            self.flush_metrics()
+
+    def flush_metrics(self) -> None:
+        """One collective gathers every rank's pending steps; rank 0 appends their rows to metrics.jsonl.
+
+        Every rank calls it at the same steps (a function of the step number), with the same
+        number of pending steps.
+        """
         import deepspeed.comm as dist
 
-        rss = self.process.memory_info().rss
-        gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
-        local = torch.tensor([loss, tokens, samples, rss, gpu], dtype=torch.float64, device=self.device)
+        pending, self.pending_metrics = self.pending_metrics, []
+        if not pending:
+            return
+        losses = torch.stack([torch.as_tensor(p.loss, dtype=torch.float64, device=self.device) for p in pending])
+        asked = float(self.rank == 0 and self.run.sample_request.is_file())
+        figures = torch.tensor([[p.tokens, p.samples, p.rss, p.gpu, asked] for p in pending], dtype=torch.float64).to(self.device)
+        local = torch.cat([losses.reshape(-1, 1), figures], dim=1)  # steps x (loss, tokens, samples, rss, gpu, samples asked)
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local)
         if self.rank != 0:
+            self.samples_asked = bool(gathered[0][-1, 5].item())  # rank 0's answer, read where it is read anyway: at the flush
             return
-        rows = torch.stack(gathered).cpu()
-        grad_norm = self.engine.get_global_grad_norm()
-        record = {
-            "step": self.step,
-            "epoch": epoch,
-            "loss": float(rows[:, 0].mean()),
-            "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "samples_per_s": float(rows[:, 2].sum()) / step_time,
-            "step_time_s": step_time,
-            "host_rss_bytes": [int(v) for v in rows[:, 3]],
-            "time": time.time(),
-        }
-        if float(rows[:, 1].sum()) > 0:  # families without tokens (diffusion) report samples/s only
-            record["tokens_per_s"] = float(rows[:, 1].sum()) / step_time
-        record.update(self.task.extra_metrics())
-        if self.device.type == "cuda":
-            record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
+        table = torch.stack(gathered).cpu()  # ranks x steps x figures: the flush's one host copy
+        self.samples_asked = bool(asked)
+        lines = []
+        for number, p in enumerate(pending):
+            rows = table[:, number, :]
+            record = {
+                "step": p.step,
+                "epoch": p.epoch,
+                "loss": float(rows[:, 0].mean()),
+                "lr": p.lr,
+                "grad_norm": float(p.grad_norm) if p.grad_norm is not None else None,
+                "samples_per_s": float(rows[:, 2].sum()) / p.step_time,
+                "step_time_s": p.step_time,
+                "host_rss_bytes": [int(v) for v in rows[:, 3]],
+                "time": p.time,
+            }
+            if float(rows[:, 1].sum()) > 0:  # families without tokens (diffusion) report samples/s only
+                record["tokens_per_s"] = float(rows[:, 1].sum()) / p.step_time
+            record.update({key: host_value(value) for key, value in p.extra.items()})
+            if self.device.type == "cuda":
+                record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
+            lines.append(record)
         with open(self.run.metrics, "a") as handle:
-            handle.write(json.dumps(record) + "\n")
-        self.sinks.log(record)
-        if self.step % self.config.train.log_every == 0 or self.step == self.plan.total_steps:
-            speed = f"{record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else f"{record['samples_per_s']:.2f} samples/s"
-            log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %s", self.step, self.plan.total_steps, record["loss"], lr, record["grad_norm"], speed)
+            handle.write("".join(json.dumps(record) + "\n" for record in lines))
+        for record in lines:
+            self.sinks.log(record)
+        record = lines[-1]
+        speed = f"{record['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in record else f"{record['samples_per_s']:.2f} samples/s"
+        log.info("step %d/%d loss %.4f lr %.3g grad_norm %s %s", record["step"], self.plan.total_steps, record["loss"], record["lr"], record["grad_norm"], speed)
 
     # ------------------------------------------------------------- checkpoint
     def save_checkpoint(self) -> None:
         """Every rank saves its shards (a collective); rank 0 then seals the checkpoint."""
         import deepspeed.comm as dist
 
+        self.flush_metrics()  # the rows of every step the checkpoint holds
         tag = manager.tag_for(self.step)
         if (self.run.checkpoints / tag / manager.COMPLETE_MARKER).is_file():
             return

@@ -74,6 +74,7 @@ class Generation:
     prompt: str
     output: str
     image: str | None = None
+    prompt_tokens: int | None = None  # the rendered prompt's length (a conversation's grows each turn)
 
     def to_dict(self) -> dict[str, Any]:
         row = {"prompt": self.prompt, "output": self.output}
@@ -115,6 +116,7 @@ def resolve_source(path: str | Path, checkpoint: str | None = None) -> ModelSour
             "nor a LoRA adapter (adapter_config.json); give one of those"
         )
     info = checkpoint_of(path, run_path, checkpoint)
+    RunDir(info.path.parent.parent).use_checkpoint(info.path)  # a UI run's: never a checkpoint folder symlinked out of the run
     return ModelSource("run", info.path.parent.parent, checkpoint=info)
 
 
@@ -187,6 +189,49 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 # --------------------------------------------------------------- generating
+Conversation = list  # [{"role": "system" | "user" | "assistant", "content": str}, ...], ending with a user turn
+
+
+def as_messages(prompt: "str | Conversation") -> list[dict[str, str]]:
+    """A prompt as the messages it renders: one user turn, or a whole conversation (the UI's Chat page).
+
+    Raises:
+        ZeroPipeError: a conversation that does not end with a user turn, or a message without a role or text.
+    """
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    messages = [{"role": m.get("role"), "content": m.get("content")} for m in prompt if isinstance(m, dict)]
+    if len(messages) != len(prompt) or any(m["role"] not in ("system", "user", "assistant") or not isinstance(m["content"], str) for m in messages):
+        raise ZeroPipeError("a conversation is a list of {role: system|user|assistant, content: text} messages")
+    if not messages or messages[-1]["role"] != "user":
+        raise ZeroPipeError("a conversation must end with a user turn: that is the one the model answers")
+    return messages
+
+
+def last_user_text(prompt: "str | Conversation") -> str:
+    return prompt if isinstance(prompt, str) else next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
+
+
+def context_length(model: Any) -> int | None:
+    """How many positions the model reads (None when its config does not say)."""
+    config = getattr(model, "config", None)
+    for holder in (config, getattr(config, "text_config", None)):
+        value = getattr(holder, "max_position_embeddings", None) if holder is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_context(model: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Raises ZeroPipeError when the prompt and the answer would not fit the model's positions."""
+    limit = context_length(model)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ZeroPipeError(
+            f"the prompt is {prompt_tokens} tokens and the answer may take {max_new_tokens} more, but the model reads at most {limit}: "
+            "start a new conversation (or drop earlier turns), or ask for fewer new tokens"
+        )
+
+
 def check_sampling(prompts: list[str], temperature: float, top_p: float) -> None:
     """Raises ZeroPipeError for no prompt or sampling settings out of range."""
     if not prompts:

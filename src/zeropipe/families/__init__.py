@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.export.generate import check_sampling, pair_images, pick_device, pick_dtype
 from zeropipe.export.generate import resolve_source as locate
@@ -39,6 +41,11 @@ BUILTIN = ("diffusion", "vlm", "causal_lm")
 
 _REGISTRY: dict[str, Family] = {}
 _loaded = False
+_loading_now = False
+# The web UI serves requests on several threads: a second one asking while the first imports
+# the built-ins must wait for them, not find a half-filled registry ("no model family
+# recognises this model"). Re-entrant: plug-ins register from inside the loading.
+_loading = threading.RLock()
 
 
 def register(family: Family, first: bool = False) -> Family:
@@ -58,14 +65,21 @@ def unregister(name: str) -> None:
 
 
 def _load_builtin() -> None:
-    global _loaded
+    global _loaded, _loading_now
     if _loaded:
         return
-    _loaded = True  # before the plug-ins: their register() calls come back here
-    for module in BUILTIN:
-        family = importlib.import_module(f"{__name__}.{module}").FAMILY
-        _REGISTRY[family.name] = family
-    load_plugins()
+    with _loading:
+        if _loaded or _loading_now:
+            return  # loaded by another thread meanwhile, or a plug-in registering from inside this loading
+        _loading_now = True
+        try:
+            for module in BUILTIN:
+                family = importlib.import_module(f"{__name__}.{module}").FAMILY
+                _REGISTRY[family.name] = family
+            load_plugins()
+        finally:
+            _loading_now = False
+            _loaded = True  # even when a plug-in failed: its error was raised once, as before
 
 
 def load_plugins() -> list[str]:
@@ -164,7 +178,7 @@ def load_model(path: str | Path, checkpoint: str | None = None, device: str | No
 
 def generate(
     loaded: "LoadedModel",
-    prompts: list[str],
+    prompts: list[str | list[dict[str, str]]],
     images: list[str] | None = None,
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
@@ -176,7 +190,10 @@ def generate(
     """Answer each prompt; greedy unless ``temperature`` > 0.
 
     Args:
-        images: vision-language models: one image for every prompt, or one per prompt.
+        prompts: each one user turn's text, or a conversation (a list of system / user / assistant
+            messages ending with a user turn: the UI's Chat page sends the whole history each turn).
+        images: vision-language models: one image for every prompt, or one per prompt (with a
+            conversation, the image goes with its first user turn).
         raw: continue the prompt text as it is instead of rendering it as a user turn.
         streamer: text models: a transformers streamer given each answer's tokens as they are made.
 
@@ -190,14 +207,43 @@ def generate(
     return family.generate(loaded, prompts, pair_images(prompts, images), tokens, temperature, top_p, seed, raw, streamer)
 
 
+def load_drawing(path: str | Path, checkpoint: str | None = None, device: str | None = None) -> "LoadedModel":
+    """Load the pipeline of a run's checkpoint, an export or a LoRA export for drawing (the UI's Draw page).
+
+    Raises:
+        ZeroPipeError: an unusable source, or a family that writes text rather than pictures.
+    """
+    path = Path(path).expanduser()
+    if (path / "zeropipe_export.json").is_file() and not is_pipeline_folder(path) and not (path / "adapter_config.json").is_file():
+        # A diffusion LoRA export: the LoRA file, and its base named beside it.
+        from zeropipe.export.generate import ModelSource
+
+        source = ModelSource("adapter", path, family="diffusion")  # only the diffusion family's export writes this
+    else:
+        source = resolve_source(path, checkpoint)
+    family = family_named(source.family)
+    if not getattr(family, "draws_images", False):
+        raise ZeroPipeError(f"{source.describe()} is a {source.family} model: it writes text, it does not draw; talk to it on the Chat page")
+    torch_device = pick_device(device)
+    return family.load_for_drawing(source, torch_device, pick_dtype(None, torch_device))
+
+
+def draw(loaded: "LoadedModel", out_dir: str | Path, prompt: str, negative_prompt: str = "", width: int = 512, height: int = 512,
+         steps: int = 20, guidance: float = 5.0, seed: int = 0, frames: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Draw one picture (or clip, for a video model) with a loaded pipeline into ``out_dir``; returns what was written."""
+    return family_named(loaded.source.family).draw(loaded, Path(out_dir), prompt, negative_prompt, width, height, steps, guidance, seed, frames)
+
+
 __all__ = [
     "Family",
+    "draw",
     "export_run",
     "families",
     "family_named",
     "family_of",
     "family_of_dir",
     "generate",
+    "load_drawing",
     "load_model",
     "model_spec",
     "register",

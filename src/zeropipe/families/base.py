@@ -30,11 +30,17 @@ class Family(Protocol):
     name: str  # written into config.yaml as model.family
     trains_tokenizer: bool  # a model without a tokenizer gets one trained on the data (curricula train one for all stages)
     answers_prompts: bool  # zeropipe generate and the UI's Generate page write its answers
+    evaluates_loss: bool  # zeropipe eval (and the UI's Evaluate) computes its loss and perplexity on held-out text
     takes_images: bool  # a prompt may come with an image
     streams_answers: bool  # generate() passes answers token by token to a streamer
     # Optional (read with getattr, default False): its rank task's batches report a global data
     # position (engine.task.SamplerBatches), so a run resumes on another number of ranks.
     resumes_on_other_rank_counts: bool
+    # Optional (read with getattr, default False): it draws pictures outside training, for the
+    # UI's Draw page, with ``load_for_drawing(source, device, dtype) -> LoadedModel`` and
+    # ``draw(loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames)``
+    # (the diffusion family's ``draw.py``); ``zeropipe.families.load_drawing`` / ``draw`` ask it.
+    draws_images: bool
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""
@@ -69,7 +75,7 @@ class Family(Protocol):
     def generate(
         self,
         loaded: "LoadedModel",
-        prompts: list[str],
+        prompts: list[str | list[dict[str, str]]],
         images: list[str | None],
         tokens: int,
         temperature: float,
@@ -78,7 +84,12 @@ class Family(Protocol):
         raw: bool,
         streamer: Any = None,
     ) -> list["Generation"]:
-        """Answers to prompts (with an image each, for families that take them); ``streamer`` gets tokens as they come, where the family streams."""
+        """Answers to prompts (with an image each, for families that take them); ``streamer`` gets tokens as they come, where the family streams.
+
+        A prompt is one user turn's text or a whole conversation (``export.generate.as_messages``:
+        system, user and assistant messages ending with a user turn), rendered with the template
+        the model was trained with; each answer's ``prompt_tokens`` says how long that rendering was.
+        """
 
 
 def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:

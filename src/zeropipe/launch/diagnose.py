@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from zeropipe.launch.oom import OomEvidence
 
-GB = 1e9
+GIB = 2**30  # the planner, the doctor and the UI count memory in GiB too
 DISK_FULL_BYTES = 16 * 2**20
 GPU_OOM = "the GPU ran out of memory"
 DISK_FULL_FIX = "free space where the run directory lives (or set run.output_dir on another disk), or lower train.keep_last; then resume with --resume"
@@ -187,7 +187,7 @@ def diagnose(
     primary = primary or choose_primary(exits)
     if oom is not None and oom.memory_limit_bytes:
         host_ram_total_bytes = oom.memory_limit_bytes  # a container's limit is the RAM that counts
-    ram = f"host RAM peaked at {host_ram_peak_bytes / GB:.1f} of {host_ram_total_bytes / GB:.1f} GB"
+    ram = f"host RAM peaked at {host_ram_peak_bytes / GIB:.1f} of {host_ram_total_bytes / GIB:.1f} GiB"
     text = "\n".join(primary.log_tail) + "\n" + (primary.error or {}).get("traceback", "")
     sig = primary.signal_name
     if primary.lost:

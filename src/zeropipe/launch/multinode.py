@@ -44,7 +44,7 @@ from zeropipe.errors import LaunchError
 from zeropipe.launch import oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, choose_primary, diagnose
 from zeropipe.launch.node import TOKEN_FILE, versions
-from zeropipe.launch.nodes import NodeLayout, is_this_machine
+from zeropipe.launch.nodes import NodeLayout, check_host, is_this_machine, ssh_arguments
 from zeropipe.launch.supervisor import Outcome, Supervisor, disk_free, free_port, run_settings, signal_group, tail
 from zeropipe.rundir import RunDir
 
@@ -69,10 +69,13 @@ def ssh_command(layout: NodeLayout, host: str, remote: list[str]) -> list[str]:
     command = ["ssh", *SSH_OPTIONS]
     if layout.ssh_port:
         command += ["-p", str(layout.ssh_port)]
-    command += shlex.split(os.path.expanduser(layout.ssh_options)) if layout.ssh_options else []
+    # Only the allow-listed options pass (never ProxyCommand, LocalCommand, -F, -J...), and the
+    # host comes after "--", so that even a host name that slipped through is never an option.
+    command += ssh_arguments(layout.ssh_options)
+    check_host(host, "hardware.nodes")
     exports = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(exported_environment().items()))
     script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; exec env {exports} {' '.join(shlex.quote(part) for part in remote)}"
-    return command + [host, script]
+    return command + ["--", host, script]
 
 
 def srun_command(host: str, remote: list[str]) -> list[str]:

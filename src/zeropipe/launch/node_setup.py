@@ -43,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
         import torch
 
+        from zeropipe.confine import Confinement, confine_process
         from zeropipe.models.common import TORCH_DTYPES
         from zeropipe.rundir import RunDir
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
         run = RunDir(run_dir)
         plan = run.read_plan()
+        confine_process(Confinement.from_json(plan.confined_to))  # a UI run's: no image read through a symlink out of its folders
         if not plan.node_setup:
             return 0
         module, _, function = plan.node_setup.partition(":")

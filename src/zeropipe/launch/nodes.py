@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -25,6 +26,117 @@ from zeropipe.errors import ConfigError
 # name goes through SSH, even one that resolves to an address of this machine (that is how
 # the tests use 127.0.0.2 as a second host).
 LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+# A host name as ssh, srun and DeepSpeed's hostfile take it (user@host, an IPv6 address): never
+# starting with '-', which ssh would read as an option (`-oProxyCommand=...` as a "host").
+HOST_NAME = re.compile(r"^[A-Za-z0-9_\[][A-Za-z0-9._:%@\[\]-]{0,252}$")
+
+# hardware.ssh_options is split into words (shlex) and only these pass: options that choose the
+# key, the user, the port and how patient or strict ssh is. Everything else is refused, above all
+# what runs a command or reads a config on this machine (ProxyCommand, LocalCommand, KnownHostsCommand,
+# ProxyJump/-J, -F, Match exec, Include, PKCS11Provider...), forwards ports or writes files (-E, -S).
+SSH_FLAGS_WITH_VALUE = {"-i": "IdentityFile", "-l": "User", "-p": "Port"}
+SSH_FLAGS_ALONE = {"-4", "-6", "-q", "-v", "-vv", "-vvv", "-C", "-T", "-x", "-a", "-k"}
+SSH_OPTION_KEYS = {
+    key.lower(): key
+    for key in (
+        "IdentityFile", "IdentitiesOnly", "User", "Port", "StrictHostKeyChecking", "UserKnownHostsFile", "GlobalKnownHostsFile",
+        "HostKeyAlias", "CheckHostIP", "UpdateHostKeys", "HashKnownHosts", "ConnectTimeout", "ConnectionAttempts",
+        "ServerAliveInterval", "ServerAliveCountMax", "TCPKeepAlive", "BatchMode", "Compression", "AddressFamily", "LogLevel",
+        "PreferredAuthentications", "PubkeyAuthentication", "PasswordAuthentication", "KbdInteractiveAuthentication",
+        "GSSAPIAuthentication", "Ciphers", "MACs", "KexAlgorithms", "HostKeyAlgorithms", "PubkeyAcceptedAlgorithms",
+    )
+}  # fmt: skip
+SSH_VALUE = re.compile(r"^[A-Za-z0-9_./~:@%+,=-]{1,1024}$")  # no spaces, quotes, $, ;, |, backquotes or newlines
+PATH_OPTIONS = {"IdentityFile", "UserKnownHostsFile", "GlobalKnownHostsFile"}
+
+
+def ssh_option_problem(word: str) -> str:
+    return (f"{word!r} is not an ssh option ZeRO-Pipe passes on: hardware.ssh_options takes -i KEY, -l USER, -p PORT, "
+            f"{', '.join(sorted(SSH_FLAGS_ALONE))} and -o KEY=VALUE for {', '.join(sorted(SSH_OPTION_KEYS.values()))}; "
+            "put anything else (ProxyJump, ProxyCommand...) in ~/.ssh/config on this machine, where you chose it")  # fmt: skip
+
+
+def ssh_arguments(options: str) -> list[str]:
+    """hardware.ssh_options as ssh's arguments, each checked against the allow-list (``~`` expanded in file names).
+
+    Raises:
+        ConfigError: a word that is not an allowed option or value (naming it and what is allowed).
+    """
+    try:
+        words = shlex.split(options or "")
+    except ValueError as err:
+        raise ConfigError([("hardware.ssh_options", f"cannot be split into words ({err}): check its quotes")]) from None
+    out: list[str] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        if word in SSH_FLAGS_ALONE:
+            out.append(word)
+            index += 1
+            continue
+        flag, value = word[:2], word[2:]
+        if flag in SSH_FLAGS_WITH_VALUE or flag == "-o":
+            if not value:
+                if index + 1 >= len(words):
+                    raise ConfigError([("hardware.ssh_options", f"{word} needs a value after it")])
+                value = words[index + 1]
+                index += 1
+            index += 1
+            if flag == "-o":
+                key, _, setting = value.replace("=", " ", 1).partition(" ")
+                key, setting = key.strip(), setting.strip()
+            else:
+                key, setting = SSH_FLAGS_WITH_VALUE[flag], value
+            name = SSH_OPTION_KEYS.get(key.lower())
+            if name is None:
+                raise ConfigError([("hardware.ssh_options", ssh_option_problem(f"-o {key}" if flag == "-o" else word))])
+            if not SSH_VALUE.match(setting) or setting.startswith("-"):
+                raise ConfigError([("hardware.ssh_options", (f"{name}'s value {setting!r} is not allowed: a plain word, number or file name "
+                                                             "(no spaces, quotes, $, ;, | or leading '-')"))])  # fmt: skip
+            if name == "Port" and not (setting.isdigit() and 1 <= int(setting) <= 65535):
+                raise ConfigError([("hardware.ssh_options", f"Port {setting!r} is not a port number (1-65535)")])
+            if name in PATH_OPTIONS:
+                setting = os.path.expanduser(setting)
+            out += ["-o", f"{name}={setting}"]
+            continue
+        raise ConfigError([("hardware.ssh_options", ssh_option_problem(word))])
+    return out
+
+
+def hardware_problems(hardware: object) -> list[tuple[str, str]]:
+    """The ssh options and host names of a hardware section (plain values), each problem with its key.
+
+    What ``resolve_layout`` refuses, said when a config is validated (the UI's check and launch
+    of a config naming other machines), before anything is resolved or started.
+    """
+    if not isinstance(hardware, dict):
+        return []
+    problems: list[tuple[str, str]] = []
+    checks = [(lambda: ssh_arguments(hardware.get("ssh_options") or "")) if isinstance(hardware.get("ssh_options") or "", str) else None]
+    nodes = hardware.get("nodes")
+    if isinstance(nodes, list):
+        checks += [(lambda host=host, index=index: check_host(host, f"hardware.nodes[{index}]")) for index, host in enumerate(nodes)]
+    if hardware.get("master_addr") is not None:
+        checks.append(lambda: check_host(hardware["master_addr"], "hardware.master_addr"))
+    for check in filter(None, checks):
+        try:
+            check()
+        except ConfigError as err:
+            problems += err.problems
+    return problems
+
+
+def check_host(host: object, key: str) -> str:
+    """A host name that ssh, srun and the node agent take as a host and never as an option.
+
+    Raises:
+        ConfigError: naming ``key``: not a string, empty, starting with '-', or with spaces or shell characters.
+    """
+    if not isinstance(host, str) or not HOST_NAME.match(host):
+        raise ConfigError([(key, (f"{str(host)[:100]!r} is not a host name: letters, digits, '.', '-', '_', ':', '@' and '[]', "
+                                  "not starting with '-' (a name starting with '-' would be read as an ssh option)"))])  # fmt: skip
+    return host
 
 
 @dataclass(frozen=True)
@@ -70,25 +182,40 @@ def is_this_machine(host: str) -> bool:
     return host in LOCAL_NAMES or host in (socket.gethostname(), socket.getfqdn())
 
 
+# DeepSpeed's hostfile line (deepspeed.launcher.runner._parse_hostfile's pattern): HOST slots=N.
+HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
+
+
 def parse_hostfile_text(text: str, where: str) -> list[Node]:
-    """DeepSpeed's hostfile format, read by DeepSpeed's parser.
+    """DeepSpeed's hostfile format (``HOST slots=N`` lines, ``#`` comments), as its runner reads it.
+
+    Read here rather than by DeepSpeed's ``_parse_hostfile``, which logs the whole file when a
+    line is wrong: the file named may be anything (a hostfile: /etc/shadow), so an error names
+    the file and the line number, never what the line holds.
 
     Raises:
         ConfigError: a line that is not ``HOST slots=N``, a host twice, or no host.
     """
-    # The private parser is DeepSpeed's definition of the format; its public wrapper only
-    # adds reading the file and a warning when it is missing.
-    from deepspeed.launcher.runner import _parse_hostfile
-
-    try:
-        pool = _parse_hostfile(text.splitlines())
-    except ValueError as err:
-        raise ConfigError([("hardware.hostfile", f"{where}: {err}; each line must read 'HOST slots=N' (DeepSpeed's hostfile format)")]) from None
-    nodes = [Node(host, slots) for host, slots in pool.items()]
-    for node in nodes:
-        if node.ranks < 1:
-            raise ConfigError([("hardware.hostfile", f"{where}: {node.host} has slots={node.ranks}; every host needs at least 1 slot (or remove the line)")])
-    return nodes
+    nodes: dict[str, Node] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = HOSTFILE_LINE.search(line)
+        if not match:
+            raise ConfigError([("hardware.hostfile", f"{where}: line {number} is not a hostfile line; each line must read 'HOST slots=N' (DeepSpeed's hostfile format)")])
+        host, slots = match.group(1), int(match.group(2))
+        if host in nodes:
+            raise ConfigError([("hardware.hostfile", f"{where}: line {number} names a host of an earlier line again (multiple entries for one host): list each machine once")])
+        if not HOST_NAME.match(host):
+            raise ConfigError([("hardware.hostfile", (f"{where}: line {number} does not start with a host name (letters, digits, '.', '-', '_', ':', '@'; "
+                                                      "not starting with '-', which ssh would read as an option)"))])  # fmt: skip
+        if slots < 1:
+            raise ConfigError([("hardware.hostfile", f"{where}: line {number} has slots={slots}; every host needs at least 1 slot (or remove the line)")])
+        nodes[host] = Node(host, slots)
+    if not nodes:
+        raise ConfigError([("hardware.hostfile", f"{where} is empty or names no host: each line must read 'HOST slots=N' (DeepSpeed's hostfile format)")])
+    return list(nodes.values())
 
 
 def expand_slurm_nodelist(nodelist: str) -> list[str]:
@@ -241,7 +368,7 @@ def resolve_layout(hardware, gpus_per_node: int, env: Mapping[str, str] | None =
     if hardware.nodes:
         if len(set(hardware.nodes)) != len(hardware.nodes):
             raise ConfigError([("hardware.nodes", f"{hardware.nodes} names a host twice: list each machine once (hardware.gpus ranks run on each)")])
-        nodes = [Node(host, gpus_per_node) for host in hardware.nodes]
+        nodes = [Node(check_host(host, f"hardware.nodes[{index}]"), gpus_per_node) for index, host in enumerate(hardware.nodes)]
         source, launcher = "hardware.nodes", "slurm" if hardware.launcher == "slurm" else "ssh"
     elif hardware.hostfile:
         path = os.path.expanduser(hardware.hostfile)
@@ -249,15 +376,20 @@ def resolve_layout(hardware, gpus_per_node: int, env: Mapping[str, str] | None =
             text = open(path).read()
         except OSError as err:
             raise ConfigError([("hardware.hostfile", f"cannot read {path}: {err.strerror or err}")]) from None
+        except UnicodeDecodeError:
+            raise ConfigError([("hardware.hostfile", f"{path} is not a text file: a hostfile has one 'HOST slots=N' line per machine")]) from None
         nodes = parse_hostfile_text(text, path)
         source, launcher = f"hostfile {path}", "slurm" if hardware.launcher == "slurm" else "ssh"
     elif hardware.launcher != "ssh" and in_slurm_allocation(env):
         layout = slurm_layout(env, hardware.gpus, hostnames)
         if hardware.master_addr:
-            layout.master_addr = hardware.master_addr
+            layout.master_addr = check_host(hardware.master_addr, "hardware.master_addr")
         return layout
     else:
         if hardware.launcher == "slurm":
             raise ConfigError([("hardware.launcher", "slurm was asked for but this command does not run inside a SLURM allocation (no SLURM_JOB_ID): run it in an sbatch script or salloc")])
         return None
+    if hardware.master_addr:
+        check_host(hardware.master_addr, "hardware.master_addr")
+    ssh_arguments(hardware.ssh_options)  # refused now, with the key, rather than when ssh starts
     return NodeLayout(nodes, hardware.master_addr or nodes[0].host, launcher, source, hardware.ssh_port, hardware.ssh_options)

@@ -20,6 +20,7 @@ from zeropipe.checkpoint.universal import convert_to_universal, has_partitioned_
 from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
 from zeropipe.config.load import config_changes, dump_config
 from zeropipe.config.schema import RunConfig
+from zeropipe.confine import confining
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.models.common import encoder_precision_for
@@ -88,6 +89,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     shutil.rmtree(run.errors, ignore_errors=True)
     run.errors.mkdir()
     run.logs.mkdir(exist_ok=True)
+    run.write_progress("preparing the data")
 
     family = family_of(config.model)
     # Written into config.yaml, so every rank and every later command agrees on it.
@@ -105,7 +107,9 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         config.train.gradient_accumulation_steps = accumulation
         notes += shape_notes
     checked = config.model_copy(deep=True)
-    data = family.prepare_data(config, run, reuse=bool(resume_tag))
+    run.confine_data(resolved.confinement)
+    with confining(resolved.confinement):  # a UI run's data preparation skips files that resolve outside its roots
+        data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
     # What preparing the data learned (vocabulary size, an expert's noise range) is saved as its
     # own record beside config.yaml, which stays the config as it was resolved and checked.
@@ -174,6 +178,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         node_setup=data.node_setup,
         native_precision=resolved.native_precision[0],
         native_precision_why=resolved.native_precision[1],
+        confined_to=resolved.confinement.to_json() if resolved.confinement is not None else None,
     )
     if data.node_setup:
         precision, why = encoder_precision_for(accelerator, *resolved.native_precision)

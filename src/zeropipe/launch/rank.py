@@ -106,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
     try:
         check_owner(run_dir)
+        from zeropipe.confine import confine_process
         from zeropipe.engine.trainer import Trainer
         from zeropipe.families import family_of
         from zeropipe.rundir import RunDir
 
-        family = family_of(RunDir(run_dir).read_config().model)
+        run = RunDir(run_dir)
+        confine_process(run.data_confinement)  # a UI run's: no data file read through a symlink out of its folders
+        family = family_of(run.read_config().model)
         Trainer(run_dir, family.rank_task).run_all()
     except BaseException as err:  # noqa: BLE001 - every failure is recorded for the diagnosis
         record_failure(run_dir, rank, err)

@@ -15,6 +15,7 @@ from typing import Any
 
 from zeropipe.config.deepspeed import fold_user_config, read_user_config
 from zeropipe.config.schema import RunConfig
+from zeropipe.confine import Confinement, ConfinementError
 from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import model_spec
@@ -44,6 +45,10 @@ class ResolvedRun:
     # deepspeed.config_file as read once, when the run was resolved (None without one): the
     # checks, the plan and the DeepSpeed JSON written for the ranks take it from here.
     user_ds_config: dict[str, Any] | None = None
+    # The folders a run submitted through the UI may read and write (None: a command-line run,
+    # unconfined). Applied here, to the config and its DeepSpeed JSON, before anything reads a
+    # path; saved in run.json, where every later reader of the run's data finds it.
+    confinement: Confinement | None = None
     _plan: tuple[Any, Any, PlanResult] | None = field(default=None, repr=False, compare=False)  # (config, hardware, their plan)
 
     def plan(self, spec: Any = None, margin: float = 0.1) -> PlanResult:
@@ -134,8 +139,26 @@ def ranks_on_gpus(hardware: Hardware, world_size: int, layout: NodeLayout | None
     return replace(hardware.with_gpus(per_node), nodes=nodes, notes=hardware.notes + (note,))
 
 
+def confine(config: RunConfig, confinement: Confinement | None, user_ds_config: dict[str, Any] | None = None) -> None:
+    """Refuse a confined run's paths outside its roots (the DeepSpeed JSON's contents included) and, unless trusted, other machines.
+
+    Raises:
+        ConfinementError: every problem, each naming its key (``deepspeed.config_file:csv_monitor.output_path``).
+    """
+    if confinement is None:
+        return
+    problems = confinement.run_problems(config.model_dump(mode="json"), user_ds_config)
+    if problems:
+        raise ConfinementError(problems)
+
+
 def resolve_run(
-    config: RunConfig, world_size: int | None = None, accelerator: str | None = None, fill_auto_knobs: bool = True, hardware: Hardware | None = None
+    config: RunConfig,
+    world_size: int | None = None,
+    accelerator: str | None = None,
+    fill_auto_knobs: bool = True,
+    hardware: Hardware | None = None,
+    confinement: Confinement | None = None,
 ) -> ResolvedRun:
     """Resolve a config for this machine.
 
@@ -144,10 +167,14 @@ def resolve_run(
         fill_auto_knobs: ask the planner for the knobs left "auto" (train does; check and plan judge them as "auto").
         hardware: the machine to decide for; detected here (once) when not given. On CPU ranks its
             ``cpu_bf16_native`` decides precision "auto"; tests inject it to decide as on another CPU.
+        confinement: the roots of a run submitted through the UI: every path of the config (a
+            hostfile, the DeepSpeed JSON) is checked before it is read, and the JSON's own paths after.
 
     Raises:
         ConfigError: with the key and the fix; ZeroPipeError when no choice of the auto knobs fits.
+        ConfinementError: a confined run's path outside its roots, or a field choosing other machines.
     """
+    confine(config, confinement)  # before the hostfile or the DeepSpeed JSON is read
     detected_accelerator, detected_ranks = detect_accelerator(config)
     accelerator = accelerator or detected_accelerator
     if hardware is not None and accelerator == "cuda" and hardware.accelerator == "cuda" and config.hardware.gpus == "auto":
@@ -185,6 +212,7 @@ def resolve_run(
         hardware = ranks_on_gpus(hardware, world_size, layout)
     native_precision = auto_precision(accelerator, hardware)
     user_json = read_user_config(Path(config.deepspeed.config_file)) if config.deepspeed.config_file else None
+    confine(config, confinement, user_json)  # what the JSON writes to: csv_monitor, tensorboard, nvme_path...
     config, fold_notes, conflicts = fold_user_config(config, world_size, user_json)
     notes += fold_notes
     user_set = user_set_knobs(config)
@@ -193,7 +221,7 @@ def resolve_run(
         config = config.model_copy(deep=True)
         config.deepspeed.precision = precision
         notes.append(f"deepspeed.precision = {precision} ({why})")
-    resolved = ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set, hardware, native_precision, user_json)
+    resolved = ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set, hardware, native_precision, user_json, confinement)
     if fill_auto_knobs and auto_knobs(config):
         resolved.config, auto_notes = fill_auto_knobs_from(config, resolved.plan())
         resolved.notes += auto_notes
@@ -201,7 +229,11 @@ def resolve_run(
 
 
 def resolve_stages(
-    config: RunConfig, world_size: int | None = None, accelerator: str | None = None, hardware: Hardware | None = None
+    config: RunConfig,
+    world_size: int | None = None,
+    accelerator: str | None = None,
+    hardware: Hardware | None = None,
+    confinement: Confinement | None = None,
 ) -> list[ResolvedRun | ZeroPipeError]:
     """A curriculum's stages, each resolved once as the run it will be (its own ZeRO stage, LoRA, batch, auto knobs).
 
@@ -214,7 +246,9 @@ def resolve_stages(
     stages: list[ResolvedRun | ZeroPipeError] = []
     for stage in stage_configs(config):
         try:
-            resolved = resolve_run(stage, world_size, accelerator, hardware=hardware)
+            resolved = resolve_run(stage, world_size, accelerator, hardware=hardware, confinement=confinement)
+        except ConfinementError:
+            raise  # not one stage's finding: the whole curriculum is refused
         except ZeroPipeError as err:
             stages.append(err)
             continue

@@ -215,6 +215,7 @@ class Supervisor:
 
     def start_setup(self) -> None:
         """Start the node's setup process; wait() starts the ranks once it has finished."""
+        self.run.write_progress("starting the node's setup (filling the caches)")
         try:
             log = open(self.run.node_setup_log, "a")
             log.write(f"==== zeropipe node setup ({self.node_setup}) started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
@@ -238,6 +239,7 @@ class Supervisor:
 
     def start_ranks(self) -> None:
         self.ranks_started = True
+        self.run.write_progress(f"starting {self.world_size} rank(s): loading the model")
         try:
             self.spawn_ranks()
         except BaseException as err:

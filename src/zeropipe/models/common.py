@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
@@ -99,6 +100,13 @@ def resolve_lora_targets(lora, defaults: tuple[str, ...]) -> list[str] | str:
     if lora.target_modules == "auto":
         # A string is a regular expression peft matches against whole module names.
         return defaults if isinstance(defaults, str) else list(defaults)
-    if lora.target_modules == "all-linear":
-        return "all-linear"
+    if isinstance(lora.target_modules, str):
+        return lora.target_modules  # "all-linear", or a regular expression peft matches against whole module names
     return list(lora.target_modules)
+
+
+def is_lora_target(name: str, targets: list[str] | str) -> bool:
+    """Whether the module ``name`` is adapted, as peft decides: a string is a whole-name regular expression, a list holds name suffixes."""
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == target or name.endswith("." + target) for target in targets)

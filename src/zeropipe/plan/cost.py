@@ -14,11 +14,15 @@ things that differ between them, each with a stated speed:
 - a fixed overhead per micro-batch (kernel launches, Python), so fewer, larger micro-batches win.
 
 Communication is not assumed to overlap compute. 1.00 means the bare forward + backward.
+
+The speeds are measured ones when ``zeropipe calibrate`` has measured this kind of machine
+(``Hardware.calibration``, read once by ``detect_hardware``), else round figures assumed for
+a consumer box; ``Speeds.measured`` names which figures were measured, and the plan says so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeropipe.plan.hardware import Hardware
 from zeropipe.plan.memory import Choice, value_bytes
@@ -36,6 +40,8 @@ class Speeds:
     host_link_bytes_per_second: float = 12e9  # GPU <-> host RAM over PCIe, per GPU
     cpu_adam_params_per_second: float = 1e9  # DeepSpeed CPU Adam, one node's cores together
     micro_step_seconds: float = 0.005
+    measured: frozenset[str] = frozenset()  # the fields above that zeropipe calibrate measured; the rest are assumed
+    source: str = "assumed round figures for an RTX 3090/4090-class box"
 
 
 CPU_SPEEDS = Speeds(
@@ -50,7 +56,41 @@ CPU_SPEEDS = Speeds(
 
 
 def speeds_for(hardware: Hardware) -> Speeds:
-    return CPU_SPEEDS if hardware.accelerator == "cpu" else Speeds()
+    """The speeds of ``hardware``: measured by ``zeropipe calibrate`` where its profile describes this machine, else assumed."""
+    assumed = CPU_SPEEDS if hardware.accelerator == "cpu" else Speeds()
+    calibration = hardware.calibration
+    if calibration is None or not calibration.describes(hardware.accelerator, hardware.gpu_name):
+        if hardware.accelerator == "cpu":
+            return replace(assumed, source="assumed round figures for CPU ranks")
+        return assumed
+    flops = calibration.matmul_flops
+    fast = flops.get("bf16") or flops.get("fp16") or flops["fp32"]
+    measured = {"gpu_flops", "fp32_slowdown", "cpu_adam_params_per_second"}
+    values: dict = {"gpu_flops": fast, "fp32_slowdown": fast / flops["fp32"], "cpu_adam_params_per_second": calibration.optimizer_params_per_second}
+    if calibration.collective_bytes_per_second:
+        values["intra_node_bytes_per_second"] = calibration.collective_bytes_per_second
+        measured.add("intra_node_bytes_per_second")
+    if calibration.host_link_bytes_per_second:
+        values["host_link_bytes_per_second"] = calibration.host_link_bytes_per_second
+        measured.add("host_link_bytes_per_second")
+    return replace(
+        assumed,
+        **values,
+        measured=frozenset(measured),
+        source=f"measured by zeropipe calibrate on {calibration.measured_at or 'an unknown date'} ({calibration.device_name})",
+    )
+
+
+def offload_param_measured(hardware: Hardware, speeds: Speeds | None = None) -> bool:
+    """Whether the host link that parameter offload crosses every micro-batch was measured on GPUs.
+
+    CPU ranks never offload, and until a GPU's host link is measured the planner does not rank
+    ``offload_param`` ahead of a setting without it that also fits: DeepSpeed's users measure
+    parameter offload at about twice the step time of plain ZeRO-3 (DeepSpeed #3901), more than
+    the assumed 12 GB/s link predicts.
+    """
+    speeds = speeds or speeds_for(hardware)
+    return hardware.accelerator == "cuda" and "host_link_bytes_per_second" in speeds.measured
 
 
 def forward_flops_per_sample(spec: ModelSpec, seq_len: int) -> float:

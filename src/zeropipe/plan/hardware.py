@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from zeropipe.doctor.calibrate import Calibration, read_calibration
 from zeropipe.doctor.facts import cpu_runs_bf16_natively
 from zeropipe.errors import ZeroPipeError
 
@@ -48,6 +49,9 @@ class Hardware:
     # Used on CPU ranks only: without it PyTorch emulates bf16, 18-56x slower than fp32, so the
     # planner then tries fp32 alone and precision "auto" picks fp32.
     cpu_bf16_native: bool = False
+    # What zeropipe calibrate measured on this kind of machine (read once, by detect_hardware);
+    # None: the cost model assumes its speeds (plan/cost.py says which).
+    calibration: Calibration | None = None
     # The GPUs compute in bf16 in hardware (compute capability 8.0, Ampere, or newer; read once,
     # by detect_hardware). None where not known (GPUs described on the command line: judged by name).
     gpu_bf16_native: bool | None = None
@@ -135,12 +139,15 @@ def detect_hardware(cpu_ranks: int = 2) -> Hardware:
             notes.append(f"GPUs differ: every rank is planned with the smallest ({smallest.name}, {format_gib(smallest.total_memory)})")
         # torch.cuda.is_bf16_supported() counts emulation (pre-Ampere GPUs say yes): ask the capability.
         bf16 = all(p.major >= 8 for p in props)
-        return Hardware(count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively(), gpu_bf16_native=bf16)
+        return Hardware(
+            count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively(),
+            calibration=read_calibration(), gpu_bf16_native=bf16,
+        )
     note = (
         f"no CUDA device: {cpu_ranks} CPU ranks, and the 'GPU memory' of each CPU rank is its share of the "
         f"{format_gib(ram)} of host RAM ({format_gib(ram // cpu_ranks)}); both budgets are the same RAM"
     )
-    return Hardware(cpu_ranks, ram // cpu_ranks, 1, ram, None, "cpu", (note,), cpu_bf16_native=cpu_runs_bf16_natively())
+    return Hardware(cpu_ranks, ram // cpu_ranks, 1, ram, None, "cpu", (note,), cpu_bf16_native=cpu_runs_bf16_natively(), calibration=read_calibration())
 
 
 def supports_bf16(hardware: Hardware) -> bool:

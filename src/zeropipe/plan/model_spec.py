@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from zeropipe.config.pipeline_index import PipelineIndex, is_pipeline_folder, read_pipeline_index
 from zeropipe.diffusion.architectures import architecture_for_denoiser, architecture_for_pipeline, architecture_named
 from zeropipe.errors import ConfigError, ZeroPipeError
-from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, resolve_lora_targets
+from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, is_lora_target, resolve_lora_targets
 from zeropipe.plan.trace import ActivationTrace, trace_diffusion
 
 if TYPE_CHECKING:
@@ -384,8 +384,9 @@ def _lora_targets(model, lora: LoraSection, family: str) -> list[tuple[str, torc
         # As peft does: every linear layer except the output head.
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return [(n, m) for n, m in linears if m is not output]
-    targets = list(lora_targets(lora, family))
-    chosen = [(n, m) for n, m in linears if any(n == t or n.endswith("." + t) for t in targets)]
+    resolved = lora_targets(lora, family)
+    targets = resolved if isinstance(resolved, str) else list(resolved)
+    chosen = [(n, m) for n, m in linears if is_lora_target(n, targets)]
     if not chosen:
         names = sorted({n.rsplit(".", 1)[-1] for n, _ in linears})
         raise ConfigError(
@@ -409,7 +410,7 @@ def _lora_counts(model, lora: LoraSection, layer, family: str) -> tuple[LoraShap
                 entry = groups.setdefault(group, [linear.in_features, 0])
                 entry[1] += 1
     resolved = lora_targets(lora, family)
-    targets = ("all-linear",) if resolved == "all-linear" else tuple(resolved)
+    targets = (resolved,) if isinstance(resolved, str) else tuple(resolved)
     shape = LoraShape(
         r=lora.r,
         dropout=lora.dropout > 0,

@@ -14,7 +14,7 @@ import yaml
 
 from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
-from zeropipe.plan.cost import relative_cost, step_seconds
+from zeropipe.plan.cost import offload_param_measured, relative_cost, speeds_for, step_seconds
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
 from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import ModelSpec
@@ -320,6 +320,17 @@ def recommend(
     candidates = [evaluate(spec, hardware, choice, margin) for choice in choices]
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=_rank) if fitting else None
+    speeds = speeds_for(hardware)
+    if best is not None and best.choice.offload_param and not offload_param_measured(hardware, speeds):
+        without = [c for c in fitting if not c.choice.offload_param]
+        if without:
+            cheaper = best
+            best = min(without, key=_rank)
+            notes.append(
+                f"the cost model rates {_label(cheaper.choice)} faster ({cheaper.relative_cost:.2f} vs {best.relative_cost:.2f}), but parameter offload's "
+                "host link has not been measured on this machine (zeropipe calibrate on the GPUs does): a setting without it that fits is planned instead"
+            )
+    notes.append(f"speeds: {speeds.source}" + ("" if speeds.measured else "; zeropipe calibrate measures this machine"))
     result = PlanResult(spec, hardware, margin, global_batch, candidates, best, notes=notes)
     if best is None:
         result.reason = _nothing_fits(result, fixed)

@@ -7,7 +7,7 @@ from pathlib import Path as FilePath
 from typing import Any, Literal
 
 import yaml
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
@@ -15,7 +15,7 @@ from starlette.concurrency import iterate_in_threadpool
 from zeropipe.errors import ConfigError
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
-from zeropipe.store import RunStore, parse_yaml_text
+from zeropipe.store import RunNotFound, RunStore, parse_yaml_text
 from zeropipe.store.archive import tar_size, tar_stream
 
 router = APIRouter(prefix="/api")
@@ -51,6 +51,11 @@ class ResumeRequest(Strict):
         le=4096,
         description="ranks to resume on (default: the config's hardware.gpus); another count than the checkpoint's converts it "
         "to a universal checkpoint and keeps the global batch (the accumulation is recomputed)",
+    )
+    confirm: bool = Field(
+        False,
+        description="must be true: resuming from an older checkpoint moves the newer ones aside (into checkpoints/superseded-DATE), "
+        "so a resume is never done by a request that did not ask for it explicitly",
     )
 
 
@@ -100,6 +105,8 @@ def run_detail(request: Request, run_id: int = RunId):
         "exports": store.exports(run),
         "evaluations": store.evaluations(run),
         "held_out": store.has_held_out(run),
+        "actions": store.actions(run),
+        "progress": store.progress(run) or None,
         "generations": store.generations(run),
         "tensorboard": bool(store.own_or_none(run, "tensorboard")) and (FilePath(run["path"]) / "tensorboard").is_dir(),
     }
@@ -176,6 +183,8 @@ def stop_run(request: Request, run_id: int = RunId):
 
 @router.post("/runs/{run_id}/resume", summary="Continue a run from a complete checkpoint")
 def resume_run(request: Request, body: ResumeRequest, run_id: int = RunId):
+    if not body.confirm:
+        raise HTTPException(400, "resuming moves the checkpoints newer than the chosen one aside: send \"confirm\": true to resume")
     return {"run": store_of(request).resume(run_id, body.checkpoint, body.gpus)}
 
 
@@ -230,12 +239,20 @@ def compare(
     width: int = Query(900, ge=10, le=20000),
 ):
     store = store_of(request)
-    out = []
+    out, missing, first_miss = [], [], None
     for run_id in dict.fromkeys(int(i) for i in ids.split(",")):
-        run = store.run(run_id)  # an id past any run's (even past SQLite's range) is "no run", a 404
+        try:
+            run = store.run(run_id)  # an id past any run's (even past SQLite's range) is "no run"
+        except RunNotFound as err:
+            # One deleted run (an old link) must not hide the others: they are drawn, it is named.
+            missing.append(run_id)
+            first_miss = first_miss or err
+            continue
         data = store.metrics(run, [key], width)
         out.append({"id": run["id"], "name": run["name"], "state": run["state"], "step": data["step"], "values": data["series"].get(key, [])})
-    return {"key": key, "runs": out}
+    if not out and first_miss is not None:
+        raise first_miss  # none of them: a 404
+    return {"key": key, "runs": out, "missing": missing}
 
 
 # ----------------------------------------------------------------- config
@@ -274,10 +291,13 @@ class PreviewRequest(ConfigSubmission):
 
 @router.post("/data/preview", summary="The first records of a config's data as the trainer will see them, and the records it would skip")
 def data_preview(request: Request, body: PreviewRequest):
+    from zeropipe.confine import confining
     from zeropipe.server.preview import preview
 
-    config, _ = store_of(request).validate(body.raw())  # every path confined, as for a launch
-    return preview(config, body.limit)
+    store = store_of(request)
+    config, _ = store.validate(body.raw())  # every path confined, as for a launch
+    with confining(store.confinement):  # and every file the preview opens: a symlink out of a data folder is skipped, as training skips it
+        return preview(config, body.limit)
 
 
 # --------------------------------------------------------------- generate

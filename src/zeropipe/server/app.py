@@ -14,8 +14,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -70,6 +69,9 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
             ``store.refresh()`` themselves).
     """
 
+    if token is not None and not token.strip():
+        raise ValueError("an empty token matches no request: pass None for no token")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         refresher = Refresher(store, refresh_interval) if refresh_interval else None
@@ -107,20 +109,23 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     app.add_middleware(Guard, token=token, allowed_hosts=allowed)
     add_error_handlers(app)
 
-    from zeropipe.server import api, pages
+    from zeropipe.server import api, pages, workbench
 
     app.include_router(api.router)
+    app.include_router(workbench.router)
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
     @app.get("/docs", include_in_schema=False)
     def api_docs():
-        return get_swagger_ui_html(
-            openapi_url=app.openapi_url,
-            title="ZeRO-Pipe API",
-            swagger_js_url=f"/static/vendor/swagger-ui-bundle.js?v={__version__}",
-            swagger_css_url=f"/static/vendor/swagger-ui.css?v={__version__}",
-            swagger_favicon_url="/favicon.ico",
+        # FastAPI's get_swagger_ui_html starts Swagger UI from an inline script, which the
+        # content security policy refuses: the same page, started from static/api-docs.js.
+        return HTMLResponse(
+            "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><meta name=\"viewport\" content=\"width=device-width, initial-scale=1.0\">"
+            f'<link rel="stylesheet" href="/static/vendor/swagger-ui.css?v={__version__}"><link rel="icon" href="/favicon.ico">'
+            "<title>ZeRO-Pipe API</title></head><body><div id=\"swagger-ui\"></div>"
+            f'<script src="/static/vendor/swagger-ui-bundle.js?v={__version__}"></script><script src="/static/api-docs.js?v={__version__}"></script>'
+            "</body></html>"
         )
 
     return app

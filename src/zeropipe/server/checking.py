@@ -22,19 +22,23 @@ def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
     """Validation problems, check findings and the plan of a config, never raising for a bad config."""
     unplanned = {"available": False, "reason": "fix the problems first"}
     try:
-        config, _ = store.validate(raw)
+        config, absolute = store.validate(raw)
     except ConfigError as err:
         return {"valid": False, "problems": problems_json(err.problems), "findings": [], "plan": unplanned}
+    command = command_preview(store, raw, config, absolute)
     from zeropipe.check import check_config
 
     # Resolved once, for this machine (precision, the DeepSpeed JSON, the hardware): the checks
     # and the plan read the same resolved run, as train's would.
-    resolved, unresolved = resolve_for_page(config)
+    resolved, unresolved = resolve_for_page(config, store.confinement)
+    if isinstance(unresolved.get("refused"), ConfigError):
+        # Outside the roots (a DeepSpeed JSON writing elsewhere), a bad hostfile: the launch would be refused the same way.
+        return {"valid": False, "problems": problems_json(unresolved["refused"].problems), "findings": [], "plan": unplanned, "command": command}
     try:
         findings = [finding.to_dict() for finding in check_config(resolved or config, hardware=detected_hardware())]
     except ZeroPipeError as err:
         problems = problems_json(err.problems) if isinstance(err, ConfigError) else [{"key": "", "message": str(err)}]
-        return {"valid": False, "problems": problems, "findings": [], "plan": unplanned}
+        return {"valid": False, "problems": problems, "findings": [], "plan": unplanned, "command": command}
     except Exception as err:  # noqa: BLE001 - a broken rule must not take the form down; train will say it again
         log.warning("zeropipe check failed: %s", err, exc_info=True)
         findings = [{"rule": "check", "severity": "warning", "key": "", "message": f"the checks could not run ({type(err).__name__}: {err})", "fix": "run zeropipe check on the YAML for details", "link": ""}]
@@ -43,15 +47,33 @@ def check_submission(store: RunStore, raw: dict[str, Any]) -> dict[str, Any]:
         "problems": [],
         "findings": findings,
         "plan": plan_of(resolved) if resolved is not None else unresolved,
+        "command": command,
     }
 
 
-def resolve_for_page(config) -> tuple[Any, dict[str, Any]]:
-    """(the resolved run, None) or (None, the plan panel's reason) when the config cannot be resolved here."""
+def command_preview(store: RunStore, raw: dict[str, Any], config, absolute: dict[str, Any]) -> dict[str, Any]:
+    """The command and config file a launch of this config would write and run (``RunStore.launch_command``)."""
+    if not isinstance(raw.get("run"), dict) or not raw["run"].get("name"):
+        return {"available": False, "reason": "name the run (run.name): the config file is written as RUNS/configs/NAME.yaml"}
+    return {"available": True, **store.launch_command(config, absolute)}
+
+
+def resolve_for_page(config, confinement=None) -> tuple[Any, dict[str, Any]]:
+    """(the resolved run, {}) or (None, the plan panel's reason) when the config cannot be resolved here.
+
+    Resolved confined to the UI's roots, as the launcher will resolve it. A config the launcher
+    would refuse when it resolves it (a path of the config or of its DeepSpeed JSON outside the
+    roots, a hostfile that is none, ssh options off the allow-list) is the reason's ``refused``
+    (a ConfigError); a batch that does not divide over the ranks is the check ZP008's to report.
+    """
     try:
         from zeropipe.launch.resolve import resolve_run
 
-        return resolve_run(config, fill_auto_knobs=False, hardware=detected_hardware()), {}
+        return resolve_run(config, fill_auto_knobs=False, hardware=detected_hardware(), confinement=confinement), {}
+    except ConfigError as err:
+        if not all(key == "deepspeed.train_batch_size" for key, _ in err.problems):
+            return None, {"available": False, "reason": "fix the problems first", "refused": err}
+        return None, {"available": False, "reason": f"the planner could not plan this config: {err}"}
     except ZeroPipeError as err:
         return None, {"available": False, "reason": f"the planner could not plan this config: {err}"}
     except Exception as err:  # noqa: BLE001 - the planner is young; its failure must not break the form

@@ -37,6 +37,21 @@ def generate_page(request: Request):
     return page(request, "generate.html", "Generate", nav="generate")
 
 
+@router.get("/chat", response_class=HTMLResponse)
+def chat_page(request: Request):
+    return page(request, "chat.html", "Chat", nav="chat")
+
+
+@router.get("/draw", response_class=HTMLResponse)
+def draw_page(request: Request):
+    return page(request, "draw.html", "Draw", nav="draw")
+
+
+@router.get("/dataset", response_class=HTMLResponse)
+def dataset_page(request: Request):
+    return page(request, "dataset.html", "Dataset", nav="dataset")
+
+
 @router.get("/compare", response_class=HTMLResponse)
 def compare_page(request: Request):
     return page(request, "compare.html", "Compare", nav="compare")

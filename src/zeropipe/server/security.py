@@ -7,12 +7,17 @@
 - Requests that change anything must be JSON from the same origin: a cross-site form or
   ``fetch`` from another page cannot send them (CSRF).
 - Request bodies are capped, so an upload cannot exhaust memory.
+- Every response forbids being framed (``X-Frame-Options: DENY`` and CSP
+  ``frame-ancestors 'none'``: a page elsewhere cannot lay this UI under a decoy and borrow the
+  user's clicks) and carries a content security policy that lets the pages run only the
+  scripts they ship.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import secrets
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qsl, urlencode
@@ -21,6 +26,21 @@ COOKIE = "zeropipe_token"
 MAX_BODY_BYTES = 1024 * 1024
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
+# A Host header is a name or an address and an optional port, nothing else: `127.0.0.1:8811@evil.example`
+# or `a b` are not hosts (a lax parser would take the first as 127.0.0.1).
+HOST_HEADER = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))(?::(\d{1,5}))?$")
+# Scripts only from this server's own files (no inline script, no eval); inline style
+# attributes are allowed: the templates and Swagger UI use them, and a style cannot run code.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+    "connect-src 'self'; font-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = [
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),  # the first URL carries ?token=: never pass it on to another site
+]
 
 
 def is_loopback(host: str) -> bool:
@@ -43,11 +63,41 @@ def header(scope, name: bytes) -> str | None:
     return None
 
 
-def host_name(host_header: str) -> str:
-    """``example.org:8765`` -> ``example.org``; ``[::1]:8765`` -> ``[::1]``."""
-    if host_header.startswith("["):
-        return host_header[: host_header.find("]") + 1]
-    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+def host_name(host_header: str) -> str | None:
+    """``example.org:8765`` -> ``example.org``; ``[::1]:8765`` -> ``[::1]``; None for anything that is not a host[:port]."""
+    match = HOST_HEADER.match(host_header)
+    if match is None or (match.group(2) is not None and int(match.group(2)) > 65535):
+        return None
+    return match.group(1).lower()
+
+
+def same_origin(origin: str, scheme: str, host_header: str) -> bool:
+    """Whether a browser's ``Origin`` is this server: scheme, host and port all equal (``https://`` to an http server is another origin)."""
+    if host_name(host_header) is None:
+        return False
+    default_port = {"http": "80", "https": "443"}.get(scheme, "")
+
+    def parts(value: str) -> tuple[str, str] | None:
+        match = HOST_HEADER.match(value)
+        if match is None:
+            return None
+        return match.group(1).lower(), match.group(2) or default_port
+
+    given_scheme, sep, rest = origin.partition("://")
+    return bool(sep) and given_scheme.lower() == scheme and parts(rest) is not None and parts(rest) == parts(host_header)
+
+
+def with_security_headers(send):
+    """``send`` adding the framing and content-security headers to every response start."""
+
+    async def wrapped(message):
+        if message["type"] == "http.response.start":
+            present = {key.lower() for key, _ in message.get("headers", [])}
+            extra = [(key, value) for key, value in SECURITY_HEADERS if key not in present]
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return wrapped
 
 
 class Guard:
@@ -61,7 +111,10 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        send = with_security_headers(send)
         host = header(scope, b"host") or ""
+        if host_name(host) is None:
+            return await reply(send, 400, f"the Host header {host[:100]!r} is not a host name or address with an optional port")
         if self.allowed_hosts is not None and host_name(host) not in self.allowed_hosts:
             return await reply(send, 403, f"requests for host {host!r} are refused: open the UI at http://127.0.0.1 (protects against DNS rebinding)")
         if self.token is not None:
@@ -74,8 +127,9 @@ class Guard:
         length = header(scope, b"content-length")
         if method not in SAFE_METHODS:
             origin = header(scope, b"origin")
-            if origin is not None and origin.split("://", 1)[-1] != host:
-                return await reply(send, 403, f"cross-origin request from {origin} refused")
+            # Scheme, host and port: https://127.0.0.1:PORT is not this http server, even on the same host and port.
+            if origin is not None and not same_origin(origin, scope.get("scheme", "http"), host):
+                return await reply(send, 403, f"cross-origin request from {origin[:200]} refused")
             # Browsers say where a request comes from; another site (even another port of this host) may change nothing.
             fetch_site = header(scope, b"sec-fetch-site")
             if fetch_site is not None and fetch_site not in ("same-origin", "none"):

@@ -20,7 +20,7 @@ from zeropipe.store.migrations import MIGRATIONS
 RUN_COLUMNS = (
     "id", "path", "name", "root", "origin", "state", "created_at", "started_at", "ended_at", "updated_at", "step",
     "total_steps", "first_loss", "last_loss", "step_time_s", "world_size", "zero_stage", "accelerator", "supervisor_pid",
-    "pids", "diagnosis", "loss_preview", "missing", "stop_requested_at", "has_samples",
+    "pids", "diagnosis", "loss_preview", "missing", "stop_requested_at", "has_samples", "first_started_at",
 )  # fmt: skip
 JSON_COLUMNS = {"pids", "loss_preview", "command", "detail", "diagnosis"}
 LAUNCH_COLUMNS = ("id", "run_id", "action", "pid", "command", "log_path", "config_path", "out_path", "detail", "started_at", "ended_at", "exit_code")
@@ -123,11 +123,14 @@ class Database:
 
     # ------------------------------------------------------------------ runs
     def insert_run(self, **fields: Any) -> int:
+        """A new run's row; its id is past every id ever issued (a deleted run's id is never given again)."""
         fields = encode(fields)
         names = ", ".join(fields)
         marks = ", ".join("?" for _ in fields)
         with self.lock:
-            cursor = self.conn.execute(f"INSERT INTO runs ({names}) VALUES ({marks})", tuple(fields.values()))
+            cursor = self.conn.execute(
+                f"INSERT INTO runs (id, {names}) VALUES ((SELECT last + 1 FROM run_id_high_water), {marks})", tuple(fields.values())
+            )
             return int(cursor.lastrowid)
 
     def update_run(self, run_id: int, **fields: Any) -> None:

@@ -139,11 +139,16 @@ def read_run(path: Path, root: Path | None = None) -> dict[str, Any]:
         created = min(p.stat().st_mtime for p in (run.config, run.plan_file) if p.exists())
     except ValueError:
         created = path.stat().st_mtime if path.exists() else time.time()
+    # The first recorded step was at the run's first start (a resume keeps the rows before its
+    # checkpoint): started_at alone is the last resume's.
+    first_step_at = first["time"] - (first["step_time_s"] if is_number(first.get("step_time_s")) else 0) if is_number(first.get("time")) else None
+    starts = [t for t in (first_step_at, status.get("started_at")) if is_number(t)]
     return {
         "name": path.name,
         "state": state,
         "created_at": plan.get("created_at") or created,
         "started_at": status.get("started_at"),
+        "first_started_at": min(starts) if starts else None,
         "ended_at": status.get("ended_at"),
         "step": int(last["step"]) if "step" in last else (summary.get("steps") or 0),
         "total_steps": plan.get("total_steps"),

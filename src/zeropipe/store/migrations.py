@@ -73,4 +73,30 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             "CREATE INDEX runs_by_state ON runs(state)",
         ],
     ),
+    (
+        "0004_run_ids_never_reused",
+        [
+            # SQLite gives a new row max(id) + 1, so deleting the newest run handed its id to the
+            # next one and old links showed another run. The highest id ever issued is kept
+            # here (and raised by every insert), and new runs are numbered past it. (Instead of
+            # AUTOINCREMENT: that needs the table rebuilt, which launches' foreign key forbids
+            # inside a migration.)
+            "CREATE TABLE run_id_high_water (last INTEGER NOT NULL)",
+            "INSERT INTO run_id_high_water (last) SELECT COALESCE(MAX(id), 0) FROM runs",
+            """
+            CREATE TRIGGER runs_raise_high_water AFTER INSERT ON runs
+            BEGIN
+                UPDATE run_id_high_water SET last = MAX(last, NEW.id);
+            END
+            """,
+        ],
+    ),
+    (
+        "0005_runs_first_started_at",
+        [
+            # started_at is the last launch's (a resume's); the runs list shows when the run first
+            # started and how long it has been going.
+            "ALTER TABLE runs ADD COLUMN first_started_at REAL",
+        ],
+    ),
 ]

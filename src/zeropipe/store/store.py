@@ -13,7 +13,9 @@ launcher's pid, the metrics) is on disk.
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
 import threading
 import time
@@ -23,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints
+from zeropipe.checkpoint.manager import COMPLETE_MARKER, TAG_PATTERN, latest_checkpoint, list_checkpoints, write_atomic
 from zeropipe.config.yaml_text import too_deep
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.rundir import RunDir
@@ -58,12 +60,17 @@ class ActionRefused(ZeroPipeError):
 class RunStore:
     RunNotFound = RunNotFound  # for the store's parts (presets) that cannot import this module
 
-    def __init__(self, roots: Roots, db_path: str | Path | None = None, allow_remote_code: bool = False):
+    def __init__(self, roots: Roots, db_path: str | Path | None = None, allow_remote_code: bool = False, trust_multinode: bool = False):
         """Args:
             allow_remote_code: accept ``trust_remote_code`` in submitted configs (``zeropipe ui --allow-remote-code``).
+            trust_multinode: accept the fields that start commands on other machines (hardware.nodes, hostfile,
+                ssh_options from the allow-list, ...: ``zeropipe ui --trust-multinode``).
         """
         self.roots = roots
         self.allow_remote_code = allow_remote_code
+        self.trust_multinode = trust_multinode
+        # What every run launched here is confined to, by the launcher and every later reader of the run.
+        self.confinement = roots.confinement(multinode=trust_multinode)
         for root in roots.runs:
             root.mkdir(parents=True, exist_ok=True)
         self.db_path = Path(db_path).expanduser().resolve() if db_path else roots.primary_runs / ".zeropipe" / "runs.sqlite3"
@@ -319,7 +326,7 @@ class RunStore:
         """
         from zeropipe.config.load import validate_config
 
-        problems = config_path_problems(raw, self.roots, self.allow_remote_code)
+        problems = config_path_problems(raw, self.roots, self.allow_remote_code, self.trust_multinode)
         if too_deep(raw):  # refused before anything walks it recursively
             raise ConfigError(problems, source="the submitted config")
         absolute = absolutize(raw, self.roots)
@@ -339,7 +346,7 @@ class RunStore:
         from zeropipe.check import check_config
 
         config, absolute = self.validate(raw)
-        findings = check_config(config)
+        findings = check_config(self.resolve_confined(config) or config)
         if any(f.severity == "error" for f in findings):
             raise CheckFailed(findings)
         run_path = (Path(config.run.output_dir) / config.run.name).resolve()
@@ -348,11 +355,11 @@ class RunStore:
             written = RunDir(run_path)
             if any(p.exists() for p in (written.status_file, written.metrics, written.checkpoints)) or (row and self.open_launch(row["id"])):
                 raise ActionRefused(f"{run_path} already holds a run: choose another run.name (e.g. {config.run.name}-2), or resume that run from its page")
-            configs = run_path.parent / "configs"
-            configs.mkdir(parents=True, exist_ok=True)
-            config_path = configs / f"{config.run.name}.yaml"
-            config_path.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False))
-            argv = zeropipe_argv("train", config_path)
+            command = self.launch_command(config, absolute)
+            config_path = Path(command["config_path"])
+            config_path.parent.mkdir(parents=True, exist_ok=True)
+            config_path.write_text(command["yaml"])
+            argv = command["argv"]
             fields = dict(name=config.run.name, root=str(run_path.parent), origin="ui", state="starting", created_at=time.time(), missing=0,
                           started_at=None, ended_at=None, diagnosis=None, stop_requested_at=None, step=0, last_loss=None, first_loss=None)  # fmt: skip
             if row:
@@ -362,6 +369,46 @@ class RunStore:
                 run_id = self.db.insert_run(path=str(run_path), **fields)
             self.start(run_id, "train", argv, run_path / "logs" / "launcher.log", config_path=str(config_path))
         return self.run(run_id)
+
+    def resolve_confined(self, config):
+        """The config resolved as the launcher will resolve it, confined to the roots (the DeepSpeed JSON's paths included).
+
+        Returns None when it cannot be resolved for a reason ``check_config`` reports (ZP008: a
+        batch that does not divide over the ranks; no choice of the auto knobs fits).
+
+        Raises:
+            ConfinementError: a path of the config or of its DeepSpeed JSON outside the roots.
+            ConfigError: what the launcher would refuse when resolving it (a hostfile that is none,
+                ssh options off the allow-list): refused here, before a launcher starts.
+        """
+        from zeropipe.launch.resolve import resolve_run
+
+        try:
+            return resolve_run(config, fill_auto_knobs=False, confinement=self.confinement)
+        except ConfigError as err:
+            if all(key == "deepspeed.train_batch_size" for key, _ in err.problems):
+                return None
+            raise
+        except ZeroPipeError:
+            return None
+
+    def confine_arguments(self) -> list[str]:
+        """``zeropipe train``'s arguments that confine a run launched here (its resolved run applies them; run.json keeps them)."""
+        arguments = [part for root in self.confinement.roots for part in ("--confine-to", str(root))]
+        return arguments + (["--confine-multinode"] if self.trust_multinode else [])
+
+    def launch_command(self, config, absolute: dict[str, Any]) -> dict[str, Any]:
+        """What a launch of ``config`` writes and runs: the config file's path and text, and the command.
+
+        The New-run page's command preview shows this, so it is the launch itself, not a copy of it.
+        """
+        run_path = (Path(config.run.output_dir) / config.run.name).resolve()
+        config_path = run_path.parent / "configs" / f"{config.run.name}.yaml"
+        text = f"# Launched from zeropipe ui. Run it again: zeropipe train {config_path}\n" + yaml.safe_dump(absolute, sort_keys=False)
+        confine = self.confine_arguments()
+        argv = zeropipe_argv("train", config_path, *confine)
+        command = " ".join(shlex.quote(part) for part in ["zeropipe", "train", str(config_path), *confine])
+        return {"config_path": str(config_path), "yaml": text, "argv": argv, "command": command, "cwd": str(self.roots.base)}
 
     def start(self, run_id: int, action: str, argv: list[str], log_path: Path, stdout_path: Path | None = None, **fields: Any) -> int:
         if any(self.roots.runs_root_of(p) is None for p in (log_path, stdout_path) if p is not None):
@@ -393,6 +440,26 @@ class RunStore:
             return None
         return launch
 
+    def request_samples(self, ref: int | str) -> dict[str, Any]:
+        """Ask a running run for samples now: a request file its ranks answer together at the next step boundary.
+
+        The UI never joins the run's collective itself; rank 0 sees the file, tells every rank, they
+        sample together (as at ``generate.sample_every``) and rank 0 removes the file.
+
+        Raises:
+            ActionRefused: the run is not training now.
+        """
+        self.refresh(scan=False)
+        run = self.run(ref)
+        status = self.run_dir(run).read_status_fields()
+        if run["state"] != "running" or status.get("state") != "running":
+            raise ActionRefused(f"run {run['name']} is {run['state']}, not training: samples are drawn by its ranks while it trains")
+        request = self.own(run, RunDir(run["path"]).sample_request.name)
+        pending = request.is_file()
+        if not pending:
+            write_atomic(request, json.dumps({"requested_at": time.time(), "by": "zeropipe ui"}))
+        return {"requested": True, "already_pending": pending, "step": run["step"]}
+
     def stop(self, ref: int | str) -> dict[str, Any]:
         """SIGTERM the run's launcher: it stops every rank and marks the run stopped.
 
@@ -417,6 +484,18 @@ class RunStore:
         return self.run(run["id"])
 
     def checkpoint_for(self, run: dict[str, Any], tag: str | None):
+        """A complete checkpoint of the run (default: the latest), for resume, export, eval and generate.
+
+        Raises:
+            ActionRefused: no such complete checkpoint.
+            OutsideRoots: its folder is a symlink leading out of the run (hidden from the list, and never used).
+        """
+        info = self.find_checkpoint(run, tag)
+        if self.own_or_none(run, f"checkpoints/{info.tag}") is None:
+            raise OutsideRoots(f"checkpoint {info.tag} of run {run['name']} leads outside the run directory (a symlink to elsewhere): it is not used")
+        return info
+
+    def find_checkpoint(self, run: dict[str, Any], tag: str | None):
         complete = list_checkpoints(Path(run["path"]))
         if tag is None:
             info = latest_checkpoint(Path(run["path"]))
@@ -455,7 +534,7 @@ class RunStore:
         run_dir = self.run_dir(run)
         config_file = run_dir.own(run_dir.config)  # what the resumed launcher reads: refused when it leads out of the run
         raw = run_dir.read_config_fields()
-        problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code) if p[0] not in ("run.name", "run.output_dir")]
+        problems = [p for p in config_path_problems(raw, self.roots, self.allow_remote_code, self.trust_multinode) if p[0] not in ("run.name", "run.output_dir")]
         if problems:
             raise ConfigError(problems, source=str(config_file))
         if gpus is not None:
@@ -465,7 +544,7 @@ class RunStore:
             if self.busy_launch(run):
                 raise ActionRefused(f"run {run['name']} is already being started")
             ranks = [f"hardware.gpus={gpus}"] if gpus is not None else []
-            argv = zeropipe_argv("train", config_file, *ranks, "--resume", info.path)
+            argv = zeropipe_argv("train", config_file, *ranks, "--resume", info.path, *self.confine_arguments())
             self.db.update_run(run["id"], state="starting", stop_requested_at=None, diagnosis=None)
             detail = {"checkpoint": info.tag, **({"gpus": gpus} if gpus is not None else {})}
             self.start(run["id"], "resume", argv, run_dir.logs / "launcher.log", config_path=str(config_file), detail=detail)
@@ -566,6 +645,38 @@ class RunStore:
                                out_path=str(evals / f"{number}.json"), detail={"checkpoint": info.tag, "data": str(argv[-1]) if data else None})  # fmt: skip
         return next(e for e in self.evaluations(run) if e["id"] == launch_id)
 
+    def progress(self, run: dict[str, Any]) -> dict[str, Any]:
+        """What a starting run is doing before its first step (RUN/progress.json), ``{}`` once it trains or has ended."""
+        if run["state"] not in ("starting", "running"):
+            return {}
+        run_dir = self.run_dir(run)
+        progress = run_dir.read_progress()
+        if not progress.get("phase") or not isinstance(progress.get("at"), (int, float)):
+            return {}
+        try:
+            if run_dir.own(run_dir.metrics).stat().st_mtime > progress["at"]:
+                return {}  # a step was recorded since: the run trains, the page shows its steps
+        except (OSError, ZeroPipeError):
+            pass
+        return {key: progress.get(key) for key in ("phase", "done", "total", "at")}
+
+    def actions(self, run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """What the run's family can do beyond training, each with the reason when it cannot (the page offers only these)."""
+        from zeropipe.families import family_named
+
+        name = str(((self.run_dir(run).read_config_fields() or {}).get("model") or {}).get("family") or "auto")
+        try:
+            family = family_named(name) if name != "auto" else None
+        except ConfigError:
+            family = None  # a plug-in this server has not loaded: offer everything, the action says what is wrong
+        answers = family is None or family.answers_prompts
+        evaluates = family is None or getattr(family, "evaluates_loss", False)  # a plug-in that does not say: no
+        drawn = "draw pictures with it on the Draw page; its samples are in the sample gallery below"
+        return {
+            "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
+            "evaluate": {"available": evaluates, "reason": None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."},
+        }
+
     def has_held_out(self, run: dict[str, Any]) -> bool:
         """Whether the run kept held-out data (data.eval_fraction or data.eval_path), tokenized, to evaluate on."""
         info = self.own_or_none(run, "cache/eval/cache.json")
@@ -632,6 +743,9 @@ class RunStore:
                 doomed = path.with_name(f".deleting-{path.name}-{int(time.time())}")
                 path.rename(doomed)
                 shutil.rmtree(doomed)
+            launched = self.launched_config(run, path)
+            if launched is not None:
+                launched.unlink()  # RUNS/configs/NAME.yaml went with the run it launched
             self.series.forget(RunDir(path).metrics)
             self.signatures.pop(str(path), None)
             self.db.delete_run(run["id"])
@@ -660,7 +774,10 @@ class RunStore:
             # Read (and refused when it is not a config) before anything moves: a config.yaml that
             # leads out of the run is left as it is.
             raw = run_dir.read_config_fields() if run_dir.own_or_none(run_dir.config) and run_dir.config.is_file() else None
+            launched = self.launched_config(run, old)
             old.rename(new)
+            if launched is not None:
+                self.rename_launched_config(run["id"], launched, new_name)
             if raw is not None:
                 if not isinstance(raw.get("run"), dict):
                     raw["run"] = {}
@@ -675,6 +792,39 @@ class RunStore:
             self.signatures.pop(str(old), None)
         self.refresh(scan=False)
         return self.run(run["id"])
+
+    def launched_config(self, run: dict[str, Any], path: Path) -> Path | None:
+        """RUNS/configs/NAME.yaml when the UI launched this run from it and it is still there (a plain file, in the run's own runs folder)."""
+        configs = path.parent / "configs"
+        for launch in self.db.launches(run["id"]):
+            if launch["action"] != "train" or not launch.get("config_path"):
+                continue
+            candidate = Path(launch["config_path"])
+            if candidate.parent != configs or candidate.name != f"{run['name']}.yaml" or candidate.is_symlink() or not candidate.is_file():
+                continue
+            if self.roots.runs_root_of(candidate.resolve()) is not None:
+                return candidate
+        return None
+
+    def rename_launched_config(self, run_id: int, launched: Path, new_name: str) -> None:
+        """Move RUNS/configs/OLD.yaml to NEW.yaml with the new run.name, so rerunning it writes into the renamed run."""
+        target = launched.with_name(f"{new_name}.yaml")
+        if target.exists():
+            return  # another run's launch config has that name: leave both as they are
+        try:
+            fields = yaml.safe_load(launched.read_text()) or {}
+        except (OSError, yaml.YAMLError, ValueError):
+            return
+        if not isinstance(fields, dict):
+            return
+        if not isinstance(fields.get("run"), dict):
+            fields["run"] = {}
+        fields["run"]["name"] = new_name
+        target.write_text(f"# Launched from zeropipe ui. Run it again: zeropipe train {target}\n" + yaml.safe_dump(fields, sort_keys=False))
+        launched.unlink()
+        for launch in self.db.launches(run_id):
+            if launch.get("config_path") == str(launched):
+                self.db.update_launch(launch["id"], config_path=str(target))
 
     def export_folder(self, ref: int | str, name: str) -> Path:
         """A finished export's folder, for download.
@@ -711,7 +861,10 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
         "step_time_s": row.get("step_time_s"),
         "created_at": row.get("created_at"),
         "started_at": row.get("started_at"),
+        "first_started_at": row.get("first_started_at") or row.get("started_at"),
         "ended_at": row.get("ended_at"),
+        # Wall time from the first start to the end (or now), pauses between a stop and a resume included.
+        "duration_s": duration_seconds(row),
         "world_size": row.get("world_size"),
         "zero_stage": row.get("zero_stage"),
         "accelerator": row.get("accelerator"),
@@ -720,6 +873,14 @@ def public(row: dict[str, Any]) -> dict[str, Any]:
         "loss_preview": row.get("loss_preview"),
         "has_samples": bool(row.get("has_samples")),
     }
+
+
+def duration_seconds(row: dict[str, Any]) -> float | None:
+    start = row.get("first_started_at") or row.get("started_at")
+    if not start:
+        return None
+    end = row.get("ended_at") if row.get("state") in TERMINAL else None
+    return max(0.0, (end or time.time()) - start)
 
 
 def launcher_diagnosis(launch: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import zeropipe.cli
 from tests.integration.conftest import tiny_run_config
 from zeropipe.cli.main import COMMANDS, build_parser, main
 
-EXPECTED = ["train", "convert", "check", "plan", "export", "eval", "generate", "doctor", "ui", "runs"]
+EXPECTED = ["train", "convert", "check", "plan", "export", "eval", "generate", "doctor", "calibrate", "ui", "runs"]
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

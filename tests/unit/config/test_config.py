@@ -232,3 +232,24 @@ def test_a_wrong_type_is_one_problem_in_the_users_words(tmp_path, override, expe
         load_config(write(tmp_path, minimal(tmp_path)), [override])
     assert caught.value.problems == [(expected.split(": ", 1)[0], expected.split(": ", 1)[1])]
     assert "constrained-" not in str(caught.value) and "Input should" not in str(caught.value)
+
+
+@pytest.mark.parametrize("section,key,value", [("train", "lr", float("inf")), ("train", "lr", float("nan")), ("train", "weight_decay", -float("inf")), ("data", "max_bad_fraction", float("nan"))])
+def test_non_finite_numbers_are_refused(tmp_path, section, key, value):
+    """`lr: .inf` was accepted: a float field takes only finite numbers."""
+    config = yaml.safe_dump(minimal(tmp_path, **{section: {key: value}}))
+    assert ".inf" in config or ".nan" in config
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, config))
+    assert [k for k, _ in info.value.problems] == [f"{section}.{key}"] and "finite" in str(info.value)
+
+
+def test_a_number_too_long_to_read_is_a_config_error_not_a_crash(tmp_path):
+    """A 5000-digit integer raised ValueError out of the YAML reader (HTTP 500 in the UI, a traceback in the CLI)."""
+    config = yaml.safe_dump(minimal(tmp_path)) + "train:\n  max_steps: " + "9" * 5000 + "\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, config))
+    assert "more digits than Python reads" in str(info.value) and len(str(info.value)) < 500
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, minimal(tmp_path)), overrides=["train.max_steps=" + "9" * 5000])
+    assert "train.max_steps" in str(info.value) and len(str(info.value)) < 500

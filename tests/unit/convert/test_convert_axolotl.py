@@ -126,7 +126,7 @@ train_on_inputs: false
         "logging.wandb_project": "my-project",
     }
     assert conversion.unmapped == []
-    assert conversion.already == ["train_on_inputs: false (loss on responses only)"]
+    assert conversion.already == ["optimizer: adamw_torch (DeepSpeed builds AdamW)", "train_on_inputs: false (loss on responses only)", "load_in_8bit: false"]
 
 
 @pytest.mark.parametrize("rl", ["dpo", "kto", "orpo", "grpo"])

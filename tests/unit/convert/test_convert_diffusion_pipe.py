@@ -328,8 +328,10 @@ def test_bad_toml_and_missing_files_are_clear(tmp_path):
     (tmp_path / "gone.toml").write_text("[[directory]]\npath = '/no/such/folder'\n")
     gone = tmp_path / "gone_main.toml"
     gone.write_text("dataset = 'gone.toml'\n[model]\ntype = 'flux'\n")
-    with pytest.raises(ConversionError, match=r"path = '/no/such/folder' is not a folder"):
-        convert_file(gone)
+    # People convert before copying their images: the folder is kept and listed; `zeropipe check` refuses until it exists.
+    conversion = convert_file(gone)
+    assert values(conversion)["data.path"] == "/no/such/folder"
+    assert "not a folder on this machine" in unmapped(conversion)["dataset.directory[0].path"]
 
 
 def test_a_control_path_becomes_data_control_path_for_one_folder_and_is_listed_for_several(tmp_path):
@@ -345,9 +347,10 @@ def test_a_control_path_becomes_data_control_path_for_one_folder_and_is_listed_f
     assert not any("control_path" in key for key in unmapped(conversion))
 
     path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_path = '{controls}'\nnum_repeats = 3\n")
-    why = unmapped(convert_file(path))
-    assert "edit training reads one control folder for one image folder" in why["dataset.directory[0].control_path"]
+    conversion = convert_file(path)
+    assert "CANNOT TRAIN YET" in unmapped(conversion)["dataset.directory[0].control_path"] or "see CANNOT TRAIN YET" in unmapped(conversion)["dataset.directory[0].control_path"]
+    assert any("edit training reads one image folder and its one control folder" in reason for reason in conversion.blocking)
+    assert "data.path" in values(conversion)  # the images are still named, as links with their repeats
 
     path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_path = 'missing'\n")
-    with pytest.raises(ConversionError, match="control_path = 'missing' is not a folder"):
-        convert_file(path)
+    assert "not a folder on this machine" in unmapped(convert_file(path))["dataset.directory[0].control_path"]

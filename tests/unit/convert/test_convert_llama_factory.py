@@ -95,6 +95,8 @@ train_on_prompt: false
         "model.lora.dropout": 0.0,
         "model.lora.target_modules": ["q_proj", "v_proj"],
         "model.quantization.load_in_4bit": True,
+        "model.quantization.double_quant": True,
+        "model.quantization.quant_type": "nf4",
         "data.path": str(data / "alpaca_en_demo.json"),
         "data.format": "alpaca",
         "data.max_seq_len": 1024,

@@ -172,6 +172,27 @@ def test_a_plugin_that_cannot_be_imported_is_named_with_its_error(tmp_path, monk
         registry.load_plugins()
 
 
+def test_a_second_thread_waits_for_the_built_ins_instead_of_finding_none(monkeypatch):
+    """The web UI asked from two threads at once: the second found a half-filled registry ("no model family recognises this model")."""
+    import importlib
+    import threading
+    import time
+    import types
+
+    def slow_import(name):
+        time.sleep(0.2)  # the first import of a family module takes a while (torch, transformers)
+        return importlib.import_module(name)
+
+    registry._REGISTRY.clear()
+    monkeypatch.setattr(registry, "_loaded", False)
+    monkeypatch.setattr(registry, "importlib", types.SimpleNamespace(import_module=slow_import))
+    first = threading.Thread(target=registry.families)
+    first.start()
+    time.sleep(0.05)  # the first thread is loading now
+    assert registry.family_of(ModelSection(config=llama())).name == "causal_lm"
+    first.join()
+
+
 @pytest.mark.parametrize("model", [{"config": {"pipeline": "tiny-sdxl"}}, {"config": {"model_type": "llava", "vision_config": {}, "text_config": llama()}}])
 def test_quantization_outside_causal_lms_is_refused_by_check(tmp_path, model):
     """QLoRA's 4-bit base on a diffusion run (ignored) or a VLM run (failed in the ranks): ZP000 names the key before anything starts."""

@@ -3,7 +3,7 @@ import signal
 from zeropipe.launch.diagnose import RankExit, RunSettings, choose_primary, diagnose
 from zeropipe.launch.oom import OomEvidence
 
-GB = 10**9
+GB = 2**30  # GiB, as the diagnosis says
 SURVIVOR_LOG = [
     "Traceback (most recent call last):",
     '  File "deepspeed/comm/torch.py", line 120, in all_reduce',
@@ -15,7 +15,7 @@ def test_sigkill_names_rank_signal_and_host_ram():
     exits = [RankExit(0, -signal.SIGKILL, 10.0, ["loading shard 3 of 4"]), RankExit(1, 1, 10.1, SURVIVOR_LOG)]
     text = diagnose(exits, host_ram_peak_bytes=int(63.8 * GB), host_ram_total_bytes=64 * GB).render()
     assert text.startswith("rank 0 was killed by SIGKILL")
-    assert "OOM killer" in text and "host RAM peaked at 63.8 of 64.0 GB" in text and "ran out of memory" in text
+    assert "OOM killer" in text and "host RAM peaked at 63.8 of 64.0 GiB" in text and "ran out of memory" in text
     assert "rank 1 exited 1" in text and "effects, not causes" in text
     assert "loading shard 3 of 4" in text
 
@@ -62,7 +62,7 @@ def test_a_sigkill_the_records_do_not_call_oom_is_not_blamed_on_memory():
     exits = [RankExit(0, -signal.SIGKILL, 1.0, pid=4242), RankExit(1, 1, 1.1, SURVIVOR_LOG)]
     diagnosis = diagnose(exits, int(1.7 * GB), int(25.3 * GB), oom=no_kill, settings=RunSettings(zero_stage=3, ranks=2))
     assert diagnosis.cause.startswith("not the OOM killer (the kernel log and the cgroup's OOM-kill count record no OOM kill")
-    assert "host RAM peaked at 1.7 of 25.3 GB" in diagnosis.cause
+    assert "host RAM peaked at 1.7 of 25.3 GiB" in diagnosis.cause
     assert "zero_stage" not in diagnosis.fix
 
 
@@ -81,10 +81,10 @@ def test_an_oom_kill_in_the_kernel_log_gets_fixes_the_run_does_not_use_yet():
 def test_without_records_the_headroom_decides():
     exits = [RankExit(0, -signal.SIGKILL, 1.0, pid=4242)]
     roomy = diagnose(exits, int(1.7 * GB), int(25.3 * GB), oom=OomEvidence())
-    assert roomy.cause.startswith("probably not the OOM killer: host RAM peaked at 1.7 of 25.3 GB") and "dmesg" in roomy.cause
+    assert roomy.cause.startswith("probably not the OOM killer: host RAM peaked at 1.7 of 25.3 GiB") and "dmesg" in roomy.cause
     # A container's memory limit is the RAM that counts.
     limited = diagnose(exits, int(7.5 * GB), int(64 * GB), oom=OomEvidence(memory_limit_bytes=8 * GB))
-    assert limited.cause.startswith("most likely the kernel's OOM killer: host RAM peaked at 7.5 of 8.0 GB")
+    assert limited.cause.startswith("most likely the kernel's OOM killer: host RAM peaked at 7.5 of 8.0 GiB")
 
 
 def test_the_tail_shown_skips_known_deprecation_noise(tmp_path):

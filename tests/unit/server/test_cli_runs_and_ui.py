@@ -146,5 +146,19 @@ def test_ctrl_c_stops_the_ui_while_a_browser_holds_event_streams(runs, tmp_path)
         for connection, _ in streams:
             connection.close()
     stderr = proc.stderr.read()
-    assert took < 5, f"zeropipe ui took {took:.1f} s to stop"
+    assert took < 2, f"zeropipe ui took {took:.1f} s to stop"  # 5.5-7.5 s when the interpreter tore itself down (issue 26)
     assert "Traceback" not in stderr and "CancelledError" not in stderr, stderr
+
+
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_before_the_server_starts(runs, capsys, monkeypatch, token):
+    """`--token ""` started a server that answered 401 to everything."""
+    monkeypatch.delenv("ZEROPIPE_UI_TOKEN", raising=False)
+    assert zp("ui", "--token", token, "--port", "0", "--runs-dir", str(runs)) == 2
+    assert "the token is empty" in capsys.readouterr().err
+    monkeypatch.setenv("ZEROPIPE_UI_TOKEN", token)
+    from zeropipe.cli.main import build_parser
+
+    args = build_parser().parse_args(["ui", "--port", "0", "--runs-dir", str(runs)])
+    with pytest.raises(Exception, match="the token is empty"):
+        args.run(args)

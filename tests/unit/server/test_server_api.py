@@ -244,7 +244,7 @@ def test_actions_on_runs_in_the_wrong_state_are_409_with_the_reason(client, stor
     assert client.post(f"/api/runs/{ids['done']}/stop", json={}).status_code == 409
     response = client.post(f"/api/runs/{ids['live']}/stop", json={})  # its "launcher" is this test process: never signalled
     assert response.status_code == 409 and "no live launcher" in response.json()["detail"]
-    response = client.post(f"/api/runs/{ids['oom']}/resume", json={})
+    response = client.post(f"/api/runs/{ids['oom']}/resume", json={"confirm": True})
     assert response.status_code == 409 and "no complete checkpoint" in response.json()["detail"]
     response = client.post(f"/api/runs/{ids['done']}/export", json={"checkpoint": "step_00000099"})
     assert response.status_code == 409 and "no complete checkpoint step_00000099" in response.json()["detail"]

@@ -47,6 +47,9 @@ OUTSIDE = [
     ("generate__images", ["data/ok.png", "/etc/passwd"], "generate.images[1]"),
     ("model__load_kwargs", {"cache_dir": "OUT"}, "model.load_kwargs.cache_dir"),
     ("model__load_kwargs", {"offload_folder": "../../elsewhere"}, "model.load_kwargs.offload_folder"),
+    # Not confined at all before issue 26 (defect 4).
+    ("data__control_path", "/etc", "data.control_path"),
+    ("model__diffusion__denoiser_file", "/etc/shadow", "model.diffusion.denoiser_file"),
 ]
 
 
@@ -176,3 +179,51 @@ def test_a_run_indexed_at_an_outside_path_by_an_older_version_is_dropped(client,
     store.refresh()
     assert client.get(f"/api/runs/{run_id}/logs/rank0").status_code == 404
     assert client.get(f"/api/runs/{run_id}/config").status_code == 404
+
+
+def test_a_checkpoint_folder_symlinked_out_of_its_run_is_hidden_and_never_used(client, store, tmp_path):
+    """Hidden from the run page's list, and refused by export, eval, resume and generate (issue 26, defect 4)."""
+    run = write_run(store.roots.primary_runs, "linked", steps=12, total_steps=20, checkpoints=(6,))
+    elsewhere = write_run(tmp_path / "elsewhere", "private", steps=12, checkpoints=(12,))
+    os.symlink(elsewhere / "checkpoints" / "step_00000012", run / "checkpoints" / "step_00000012")
+    store.refresh()
+    run_id = store.run("linked")["id"]
+    assert [c["tag"] for c in client.get(f"/api/runs/{run_id}").json()["checkpoints"]] == ["step_00000006"]
+    for path, body in (("export", {"checkpoint": "step_00000012"}), ("eval", {"checkpoint": "step_00000012", "data": "x"}), ("resume", {"checkpoint": "step_00000012", "confirm": True})):
+        response = client.post(f"/api/runs/{run_id}/{path}", json=body)
+        assert response.status_code == 403 and "leads outside the run directory" in response.json()["detail"], (path, body, response.text)
+    response = client.post("/api/generate", json={"run_id": run_id, "checkpoint": "step_00000012", "prompt": "hi"})
+    assert response.status_code == 403
+    assert not (run / "exports").exists()  # nothing was started
+
+
+MULTINODE = [
+    ("nodes", ["localhost", "box2"]),
+    ("hostfile", "data/hosts"),
+    ("ssh_options", "-l trainer"),
+    ("ssh_port", 2222),
+    ("launcher", "ssh"),
+    ("master_addr", "10.0.0.1"),
+]
+
+
+@pytest.mark.parametrize("field, value", MULTINODE, ids=[case[0] for case in MULTINODE])
+def test_fields_that_choose_where_commands_run_are_refused_unless_trusted(store, tmp_path, field, value):
+    """Issue 26, defect 1: each of them decides which machines are started over ssh/srun, with this user's keys."""
+    (tmp_path / "data" / "hosts").write_text("localhost slots=1\nbox2 slots=1\n")
+    raw = tiny(hardware={"gpus": 1, field: value})
+    with TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1") as client:
+        result = client.post("/api/config/check", json={"config": raw}).json()
+        launched = client.post("/api/runs", json={"config": raw})
+    assert not result["valid"] and f"hardware.{field}" in {p["key"] for p in result["problems"]}
+    assert launched.status_code == 422 and "--trust-multinode" in launched.json()["detail"]
+    trusting = RunStore(store.roots, tmp_path / "trusting.sqlite3", trust_multinode=True)
+    trusting.validate(raw)  # raises ConfigError on any problem
+    assert f"hardware.{field}" not in {key for key, _ in config_problems(trusting, raw)}
+    trusting.close()
+
+
+def config_problems(store, raw) -> list[tuple[str, str]]:
+    from zeropipe.store.sandbox import config_path_problems
+
+    return config_path_problems(raw, store.roots, allow_multinode=store.trust_multinode)

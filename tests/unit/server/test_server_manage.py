@@ -128,3 +128,104 @@ def test_evaluation_refusals_say_why(client, store, tmp_path):
     response = client.post(f"/api/runs/{run['id']}/eval", json={"checkpoint": "step_00000099", "data": "data/x.jsonl"})
     assert response.status_code == 409 and "no complete checkpoint step_00000099" in response.json()["detail"]
     assert store.db.launches() == []
+
+
+def launched_from_ui(store, run):
+    """What Launch leaves: RUNS/configs/NAME.yaml, and the train launch that ran it."""
+    configs = store.roots.primary_runs / "configs"
+    configs.mkdir(exist_ok=True)
+    config_path = configs / f"{run['name']}.yaml"
+    config_path.write_text("# Launched from zeropipe ui.\n" + yaml.safe_dump({"run": {"name": run["name"], "output_dir": str(store.roots.primary_runs)}}))
+    store.db.insert_launch(run_id=run["id"], action="train", pid=999999, command=["zeropipe", "train", str(config_path)], log_path=str(store.roots.primary_runs / run["name"] / "logs" / "launcher.log"),
+                           config_path=str(config_path), started_at=time.time(), ended_at=time.time(), exit_code=0)  # fmt: skip
+    return config_path
+
+
+def test_rename_and_delete_take_the_launch_config_along(client, store):
+    """RUNS/configs/<old>.yaml stayed behind: rerunning it started a new run under the old name."""
+    run = add(store, "first-try", steps=12)
+    launched = launched_from_ui(store, run)
+    assert client.post(f"/api/runs/{run['id']}/rename", json={"name": "lr-1e-2"}).status_code == 200
+    moved = launched.with_name("lr-1e-2.yaml")
+    assert not launched.exists() and moved.is_file()
+    assert yaml.safe_load(moved.read_text())["run"]["name"] == "lr-1e-2" and f"zeropipe train {moved}" in moved.read_text()
+    assert client.request("DELETE", f"/api/runs/{run['id']}", json={"confirm": "lr-1e-2"}).status_code == 200
+    assert not moved.exists()
+    other = add(store, "unrelated", steps=3, checkpoints=())
+    kept = store.roots.primary_runs / "configs" / "unrelated.yaml"
+    kept.write_text("run: {name: unrelated}\n")  # not what launched it (started from the command line): left alone
+    assert client.request("DELETE", f"/api/runs/{other['id']}", json={"confirm": "unrelated"}).status_code == 200
+    assert kept.is_file()
+
+
+def test_a_deleted_runs_id_is_not_given_to_the_next_run(client, store):
+    """Run ids were reused after a delete: /runs/2 silently showed another run."""
+    add(store, "a", steps=3, checkpoints=())
+    b = add(store, "b", steps=3, checkpoints=())
+    assert client.request("DELETE", f"/api/runs/{b['id']}", json={"confirm": "b"}).status_code == 200
+    c = add(store, "c", steps=3, checkpoints=())
+    assert c["id"] > b["id"]
+    assert client.get(f"/api/runs/{b['id']}").status_code == 404
+
+
+def test_compare_draws_the_runs_that_exist_and_names_the_missing_one(client, store):
+    """One unknown id blanked the whole Compare page."""
+    a = add(store, "a", steps=5, checkpoints=())
+    response = client.get("/api/compare", params={"ids": f"{a['id']},4242"})
+    assert response.status_code == 200
+    assert [r["name"] for r in response.json()["runs"]] == ["a"] and response.json()["missing"] == [4242]
+    assert client.get("/api/compare", params={"ids": "4242"}).status_code == 404
+
+
+def as_diffusion_run(store, run):
+    config_file = store.roots.primary_runs / run["name"] / "config.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    config["model"] = {"family": "diffusion", "config": {"pipeline": "tiny-sdxl"}}
+    config_file.write_text(yaml.safe_dump(config))
+
+
+def test_the_run_says_what_its_family_can_do(client, store):
+    """Diffusion runs offered Generate and Evaluate, which always failed."""
+    llm = add(store, "llm", steps=12)
+    sd = add(store, "sd", steps=12)
+    as_diffusion_run(store, sd)
+    actions = client.get(f"/api/runs/{llm['id']}").json()["actions"]
+    assert actions["generate"]["available"] and actions["evaluate"]["available"]
+    actions = client.get(f"/api/runs/{sd['id']}").json()["actions"]
+    assert not actions["generate"]["available"] and "sample gallery" in actions["generate"]["reason"]
+    assert not actions["evaluate"]["available"] and "diffusion" in actions["evaluate"]["reason"]
+
+
+def test_a_starting_run_says_what_it_is_doing_until_its_first_step(client, store):
+    """A starting diffusion run showed nothing for 2.5 minutes while it built its pipeline and filled its caches."""
+    from zeropipe.rundir import RunDir
+
+    run = add(store, "warming", state="running", steps=0, total_steps=40, checkpoints=(), supervisor_pid=live_pid())
+    run_dir = RunDir(store.roots.primary_runs / "warming")
+    time.sleep(0.01)
+    run_dir.write_progress("caching latents", 40, 240)
+    progress = client.get(f"/api/runs/{run['id']}").json()["progress"]
+    assert progress["phase"] == "caching latents" and (progress["done"], progress["total"]) == (40, 240)
+    time.sleep(0.01)
+    run_dir.metrics.write_text(run_dir.metrics.read_text() + '{"step": 1, "loss": 2.0}\n')  # the first step: training now
+    assert client.get(f"/api/runs/{run['id']}").json()["progress"] is None
+    done = add(store, "done", steps=3, checkpoints=())
+    RunDir(store.roots.primary_runs / "done").write_progress("caching latents", 1, 2)
+    assert client.get(f"/api/runs/{done['id']}").json()["progress"] is None  # an ended run prepares nothing
+
+
+def test_the_runs_list_says_when_a_resumed_run_first_started_and_for_how_long(client, store):
+    """The list showed the last resume as "started" and no duration."""
+    import json
+
+    run = add(store, "resumed", steps=12)
+    path = store.roots.primary_runs / "resumed"
+    first_row = json.loads((path / "metrics.jsonl").read_text().splitlines()[0])
+    status = json.loads((path / "status.json").read_text())
+    status.update(started_at=first_row["time"] + 3600, ended_at=first_row["time"] + 3700)  # resumed an hour later
+    (path / "status.json").write_text(json.dumps(status))
+    store.refresh()
+    shown = next(r for r in client.get("/api/runs").json()["runs"] if r["id"] == run["id"])
+    assert shown["started_at"] == first_row["time"] + 3600
+    assert abs(shown["first_started_at"] - (first_row["time"] - first_row["step_time_s"])) < 1e-6
+    assert abs(shown["duration_s"] - (3700 + first_row["step_time_s"])) < 1e-3

@@ -45,7 +45,7 @@ def stopped_run(store):
 @pytest.mark.timeout(180)
 def test_a_resume_on_another_rank_count_starts_the_launcher_with_it(client, store):
     run = stopped_run(store)
-    response = client.post(f"/api/runs/{run['id']}/resume", json={"checkpoint": "step_00000006", "gpus": 1})
+    response = client.post(f"/api/runs/{run['id']}/resume", json={"checkpoint": "step_00000006", "gpus": 1, "confirm": True})
     assert response.status_code == 200, response.text
     assert response.json()["run"]["state"] == "starting"
     (launch,) = store.db.launches(run["id"])
@@ -65,7 +65,7 @@ def test_a_resume_on_another_rank_count_starts_the_launcher_with_it(client, stor
 
 def test_a_rank_count_that_cannot_keep_the_global_batch_is_refused_with_the_counts_that_can(client, store):
     run = stopped_run(store)
-    response = client.post(f"/api/runs/{run['id']}/resume", json={"checkpoint": "step_00000006", "gpus": 3})
+    response = client.post(f"/api/runs/{run['id']}/resume", json={"checkpoint": "step_00000006", "gpus": 3, "confirm": True})
     assert response.status_code == 409
     detail = response.json()["detail"]
     assert "global batch of 16 (micro-batch 8 x accumulation 1 x 2 ranks)" in detail
@@ -76,7 +76,7 @@ def test_a_rank_count_that_cannot_keep_the_global_batch_is_refused_with_the_coun
 @pytest.mark.parametrize("gpus", [0, -2, "two", 1.5])
 def test_a_malformed_rank_count_is_a_422_naming_the_field(client, store, gpus):
     run = stopped_run(store)
-    response = client.post(f"/api/runs/{run['id']}/resume", json={"gpus": gpus})
+    response = client.post(f"/api/runs/{run['id']}/resume", json={"gpus": gpus, "confirm": True})
     assert response.status_code == 422
     assert "gpus" in response.json()["detail"]
     assert store.db.launches(run["id"]) == []

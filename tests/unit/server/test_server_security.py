@@ -92,3 +92,46 @@ def test_host_names_from_host_headers():
     assert host_name("127.0.0.1:8765") == "127.0.0.1"
     assert host_name("[::1]:8765") == "[::1]"
     assert host_name("localhost") == "localhost"
+
+
+@pytest.mark.parametrize(
+    "origin,same",
+    [
+        ("http://127.0.0.1:8765", True),
+        ("HTTP://127.0.0.1:8765", True),
+        ("https://127.0.0.1:8765", False),  # another scheme is another origin (issue 26: it deleted a preset)
+        ("http://127.0.0.1:8766", False),
+        ("http://127.0.0.1", False),
+        ("http://127.0.0.1:8765.evil.example", False),
+        ("http://evil.example", False),
+        ("null", False),
+        ("", False),
+    ],
+)
+def test_an_origin_is_this_server_only_with_the_same_scheme_host_and_port(origin, same):
+    from zeropipe.server.security import same_origin
+
+    assert same_origin(origin, "http", "127.0.0.1:8765") is same
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8811@evil.example", "127.0.0.1:8811/x", "a b", "127.0.0.1:99999", "", "[::1", "127.0.0.1:"])
+def test_a_host_header_that_is_not_a_host_and_port_is_refused(store, host):
+    assert host_name(host) is None
+    app = create_app(store, refresh_interval=None)
+    with TestClient(app, base_url="http://127.0.0.1:8765") as client:
+        response = client.get("/api/runs", headers={"Host": host})
+        assert response.status_code in (400, 403) and response.headers["x-frame-options"] == "DENY"
+
+
+def test_every_response_refuses_framing_and_inline_scripts(store):
+    app = create_app(store, refresh_interval=None)
+    with TestClient(app, base_url="http://127.0.0.1:8765") as client:
+        for response in (client.get("/"), client.get("/docs"), client.get("/api/runs"), client.get("/nothing"), client.post("/api/runs/1/resume", json={})):
+            assert response.headers["x-frame-options"] == "DENY"
+            assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+        assert "<script>" not in client.get("/docs").text  # Swagger UI starts from a file: no inline script to allow
+
+
+def test_an_empty_token_is_no_token_at_all(store):
+    with pytest.raises(ValueError, match="empty token"):
+        create_app(store, token="", refresh_interval=None)

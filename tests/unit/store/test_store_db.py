@@ -88,3 +88,28 @@ def test_json_columns_round_trip(tmp_path):
     assert row["pids"] == [1, 2] and row["diagnosis"] == {"text": "rank 0 died"}
     with pytest.raises(ValueError, match="unknown run columns"):
         db.update_run(run_id, **{"state = 'x'; --": 1})
+
+
+def test_a_deleted_runs_id_is_never_given_again(tmp_path):
+    """Deleting the newest run handed its id to the next one: an old link showed another run."""
+    db = Database(tmp_path / "runs.sqlite3")
+    first = db.insert_run(path="/r/a", name="a", root="/r", state="completed")
+    second = db.insert_run(path="/r/b", name="b", root="/r", state="completed")
+    db.delete_run(second)
+    third = db.insert_run(path="/r/c", name="c", root="/r", state="completed")
+    assert third > second > first
+    db.close()
+    assert Database(tmp_path / "runs.sqlite3").insert_run(path="/r/d", name="d", root="/r", state="completed") == third + 1
+
+
+def test_a_database_from_before_the_high_water_mark_never_reuses_its_ids_either(tmp_path):
+    path = tmp_path / "runs.sqlite3"
+    conn = sqlite3.connect(path, isolation_level=None)
+    migrate(conn, MIGRATIONS[:3])  # a database written before run ids were kept
+    for n in (1, 2, 3):
+        conn.execute("INSERT INTO runs (path, name, root, state) VALUES (?, ?, '/r', 'completed')", (f"/r/{n}", str(n)))
+    conn.close()
+    db = Database(path)
+    assert "0004_run_ids_never_reused" in db.applied
+    db.delete_run(3)
+    assert db.insert_run(path="/r/new", name="new", root="/r", state="completed") == 4

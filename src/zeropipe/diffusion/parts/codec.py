@@ -149,7 +149,9 @@ class ImageLatents(Part):
         from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
 
         size = int(getattr(vae.config, "sample_size", 32))
-        with tempfile.TemporaryDirectory() as folder:
+        from zeropipe.confine import also_allowing, confining
+
+        with tempfile.TemporaryDirectory() as folder, confining(also_allowing(Path(folder))):  # its own generated images
             generate_shapes_dataset(Path(folder), 256, seed=seed + 7, resolution=size)
             items = scan_image_folder(Path(folder)).items
             return torch.stack([load_image_for_bucket(Path(item.path), (size, size), crop="center", flip=False).pixels for item in items])

@@ -159,6 +159,7 @@ def evaluate_checkpoint(
     else:
         run_path, info = resolve_checkpoint(source)
     run = RunDir(run_path)
+    run.use_checkpoint(info.path)  # a UI run's: never a checkpoint folder symlinked out of the run; its data confined
     config = run.read_config()
     if config.model.family not in ("causal_lm", "auto"):
         raise ZeroPipeError(f"zeropipe eval computes the loss of causal language models; {run.path} is a {config.model.family} run")

@@ -32,6 +32,7 @@ class CausalLM:
     trains_tokenizer = True
     resumes_on_other_rank_counts = True  # its batches count the data for all ranks together (engine.task.SamplerBatches)
     answers_prompts = True
+    evaluates_loss = True
     takes_images = False
     streams_answers = True
 
@@ -60,7 +61,8 @@ class CausalLM:
             notes += [note for note in [mixture_note(run.data)] if note]
         notes += describe_cache(cache, records_path, config.data.format)
         if cache.get("bad_records"):
-            shown = ", ".join(f"line {b['line']}: {b['reason']}" for b in cache["bad_records"][:3])
+            # A whole file skipped (line 0: it leads out of a UI run's folders) is named by its file alone.
+            shown = ", ".join(" ".join(filter(None, [b.get("file"), f"line {b['line']}" if b["line"] else ""])) + f": {b['reason']}" for b in cache["bad_records"][:3])
             notes.append(f"skipped {cache.get('bad_record_count', len(cache['bad_records']))} malformed record(s) in {records_path} ({shown})")
         if config.model.config is not None and config.model.config.get("vocab_size") in (None, "auto"):
             config.model.config = {**config.model.config, "vocab_size": len(tokenizer)}

@@ -16,7 +16,7 @@ import torch
 from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
 from zeropipe.data.tokenize import render_prompt
 from zeropipe.errors import ZeroPipeError
-from zeropipe.export.generate import DEFAULT_MAX_NEW_TOKENS, Generation, LoadedModel, ModelSource, read_run_config
+from zeropipe.export.generate import DEFAULT_MAX_NEW_TOKENS, Conversation, Generation, LoadedModel, ModelSource, as_messages, check_context, last_user_text, read_run_config
 from zeropipe.families.causal_lm.model import add_lora, trained_weights
 from zeropipe.models.common import model_config
 
@@ -96,7 +96,7 @@ def with_pad_token(tokenizer):
 
 def generate_text(
     loaded: LoadedModel,
-    prompts: list[str],
+    prompts: list[str | Conversation],
     images: list[str | None],
     tokens: int,
     temperature: float,
@@ -108,14 +108,19 @@ def generate_text(
     """A causal language model's answers; greedy unless ``temperature`` > 0.
 
     Args:
+        prompts: each a user turn's text, or a whole conversation (system, user and assistant
+            messages ending with a user turn) rendered with the training template.
         raw: continue the prompt text as it is instead of rendering it as a user turn
             (for models trained on plain text).
         streamer: a transformers streamer (``TextIteratorStreamer``) given each answer's tokens
             as they are made (the web UI streams them to the page).
 
     Raises:
-        ZeroPipeError: images given to a text-only model.
+        ZeroPipeError: images given to a text-only model, a conversation with raw, or a prompt
+            and answer longer than the model's positions.
     """
+    if raw and any(not isinstance(prompt, str) for prompt in prompts):
+        raise ZeroPipeError("raw continues one text; a conversation is rendered with the chat template: send raw false")
     if any(image is not None for image in images):
         raise ZeroPipeError(f"--image needs a vision-language model; {loaded.source.describe()} is a text-only language model: drop --image")
 
@@ -126,7 +131,8 @@ def generate_text(
         for prompt in prompts:
             # The same seed for every prompt: a prompt's sample does not depend on its position.
             torch.manual_seed(seed)
-            ids = tokenizer(prompt)["input_ids"] if raw else render_prompt(tokenizer, [{"role": "user", "content": prompt}])
+            ids = tokenizer(prompt)["input_ids"] if raw else render_prompt(tokenizer, as_messages(prompt))
+            check_context(model, len(ids), tokens)
             input_ids = torch.tensor([ids], device=loaded.device)
             output = model.generate(
                 input_ids=input_ids,
@@ -138,5 +144,5 @@ def generate_text(
                 **sampling,
             )
             text = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
-            results.append(Generation(prompt, text.strip()))
+            results.append(Generation(last_user_text(prompt), text.strip(), prompt_tokens=len(ids)))
     return results

@@ -72,15 +72,18 @@ class CausalLMTask(TaskDefaults):
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
         """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""
         engine, device = self.trainer.engine, self.trainer.device
-        batch = {key: value.to(device) for key, value in batch.items()}
+        # Tokens and examples are counted on the host batch, before it moves: a count read
+        # back from the device would make the step wait for it.
         if "num_tokens" not in batch:
-            return engine(**batch).loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+            tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+            return engine(**{key: value.to(device) for key, value in batch.items()}).loss, tokens, examples
         # Packed batches: no attention mask to count real tokens from, and several examples
         # per row; the collator counts both. transformers reads the boundaries between
         # examples from position_ids only when there is no KV cache.
-        num_tokens, num_examples = batch.pop("num_tokens"), batch.pop("num_examples")
-        loss = engine(**batch, use_cache=False).loss
-        return loss, float(num_tokens), float(num_examples)
+        batch = dict(batch)
+        tokens, examples = float(batch.pop("num_tokens")), float(batch.pop("num_examples"))
+        loss = engine(**{key: value.to(device) for key, value in batch.items()}, use_cache=False).loss
+        return loss, tokens, examples
 
     def after_step(self) -> None:
         trainer = self.trainer

@@ -62,14 +62,17 @@ def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder
         save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
 
 
-def export_diffusion(job: ExportJob) -> Path:
-    run, config, info, out, merge, dtype = job.run, job.config, job.info, job.out, job.merge, job.dtype
-    state = job.state_dict()
+def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
+    """(architecture, the run's data plan, its pipeline folder, the denoiser with the checkpoint's weights): what an export writes and Draw draws with.
+
+    Raises:
+        CheckpointError: the run's pipeline folder is gone, or the checkpoint does not match the denoiser.
+    """
     plan = read_plan(run)
     arch = architecture_named(plan.architecture)
     pipeline_dir = Path(plan.pipeline_dir)
     if not is_pipeline_folder(pipeline_dir):
-        raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: the export needs its VAE, text encoders and scheduler; restore it there")
+        raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: its VAE, text encoders and scheduler are needed; restore it there")
     denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file)
     lora = config.model.lora
     if lora is not None:
@@ -86,6 +89,13 @@ def export_diffusion(job: ExportJob) -> Path:
                 original = name.replace(".base_layer.", ".")
                 if "lora_" not in name and original in base:
                     tensor.copy_(base[original])
+    return arch, plan, pipeline_dir, denoiser
+
+
+def export_diffusion(job: ExportJob) -> Path:
+    run, config, info, out, merge, dtype = job.run, job.config, job.info, job.out, job.merge, job.dtype
+    arch, plan, pipeline_dir, denoiser = trained_denoiser(run, config, info, job.state_dict())
+    lora = config.model.lora
 
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -20,6 +20,7 @@ from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.export.hf import ExportJob
 from zeropipe.families.base import text_only_problems
+from zeropipe.families.diffusion import draw as drawing
 from zeropipe.families.diffusion.export import export_diffusion
 from zeropipe.families.diffusion.prepare import prepare_diffusion_data
 from zeropipe.families.diffusion.spec import diffusion_config_spec
@@ -36,6 +37,7 @@ class Diffusion:
     name = "diffusion"
     trains_tokenizer = False
     answers_prompts = False
+    evaluates_loss = False
     takes_images = False
     streams_answers = False
 
@@ -111,6 +113,14 @@ class Diffusion:
 
     def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
         raise ZeroPipeError("zeropipe generate writes text; diffusion runs draw samples during training (generate.sample_every)")
+
+    draws_images = True
+
+    def load_for_drawing(self, source, device, dtype):
+        return drawing.load_for_drawing(source, device, dtype)
+
+    def draw(self, loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames):
+        return drawing.draw(loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames)
 
 
 FAMILY = Diffusion()

@@ -91,7 +91,8 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     notes: list[str] = []
     pipeline_dir = pipeline_dir_for(config, run)
     if config.model.path is None and not is_pipeline_folder(pipeline_dir):
-        build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed)
+        run.write_progress(f"building the {config.model.config.get('pipeline', 'inline')} pipeline")
+        build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed, progress=run.write_progress)
         notes.append(f"built the {config.model.config['pipeline']} pipeline with random weights in {pipeline_dir}")
     arch = architecture_of(pipeline_dir)
     codec = arch.codec
@@ -103,6 +104,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     if images.crop == "random" and config.data.cache.latents:
         raise ConfigError([("data.images.crop", "random crops cannot come from cached latents: set crop: center, or data.cache.latents: false")])
 
+    run.write_progress(f"reading the {codec.file_noun}s")
     image_dir = prepare_image_folder(config, run, codec)
     scan = codec.scan(image_dir, images.caption_ext)
     problems = [f"{bad.path}: {bad.reason}" for bad in scan.bad] + list(scan.bad_lines)
@@ -267,6 +269,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     conditions = [condition for condition in arch.conditions if condition.active(folder)]
     skipped: set[int] = set()  # items unreadable now (they were readable when the launcher scanned them)
     if plan.missing_latents:
+        run.write_progress("loading the VAE to fill the latent cache")
         vae = load_component(pipeline_dir, "vae", torch.float32, device)
         # What each condition encodes with besides the VAE (Wan 2.1 I2V: the pipeline's image encoder).
         encoders = [condition.encoder(folder, encoder_dtype, device) for condition in conditions]
@@ -275,8 +278,11 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
         for index in plan.missing_latents:
             for flip, key in zip(plan.flips, plan.latent_keys[index]):
                 jobs.setdefault((tuple(plan.buckets[index]), flip), []).append((index, flip, key))
+        total, done = sum(len(entries) for entries in jobs.values()), 0
         for (bucket, _), entries in jobs.items():
             for start in range(0, len(entries), LATENT_BATCH):
+                run.write_progress("caching latents", done, total)
+                done += len(entries[start : start + LATENT_BATCH])
                 prepared, keys, loaded = [], [], []
                 for index, flip, key in entries[start : start + LATENT_BATCH]:
                     try:
@@ -302,6 +308,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                         "target_size": torch.tensor(image.target_size),
                     })
         del vae, encoders
+    run.write_progress("encoding the captions with the text encoders")
     # The ranks are not started yet: a text encoder larger than the first GPU may spread over all of them.
     texts = arch.text.fill_cache(plan, arch, lambda: text_pipeline(pipeline_dir, arch, encoder_dtype, device, spread=True), device, cache_dir)
     log.info(

@@ -170,7 +170,7 @@ class DiffusionTask(TaskDefaults):
     def forward_loss(self, indices: list[int]) -> tuple[torch.Tensor, float, float]:
         latents, condition = self.assemble(indices)
         noised = self.objective.noise(latents)
-        self.timesteps_drawn.append(noised.timesteps.detach().float().cpu())
+        self.timesteps_drawn.append(noised.timesteps.detach().float())  # on the device: read when the metrics are written
         prediction = self.predict(noised.model_input, noised.timesteps, condition)
         return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
 
@@ -321,8 +321,9 @@ class DiffusionTask(TaskDefaults):
         if self.timesteps_drawn:
             # This rank's range of training timesteps since the last row (scheduler units: 0-1000):
             # it shows that an expert's min_t/max_t range is the one trained.
+            # Tensors on the device: the trainer reads them when it writes the rows, not every step.
             drawn = torch.cat(self.timesteps_drawn)
-            row["timestep_min"], row["timestep_max"] = round(float(drawn.min()), 2), round(float(drawn.max()), 2)
+            row["timestep_min"], row["timestep_max"] = drawn.min(), drawn.max()
             self.timesteps_drawn = []
         return row
 

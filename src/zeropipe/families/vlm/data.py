@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from zeropipe.checkpoint.manager import write_atomic
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.data.formats import SHAREGPT_ROLES, BadRecord, RecordError, read_located_records, to_conversation
 from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
 from zeropipe.diffusion.images import BadImage, scan_image_folder
@@ -113,6 +114,7 @@ def read_vlm_data(path: str | Path, image_root: str | Path | None = None, captio
     path = Path(path).expanduser()
     if not path.exists():
         raise DataError(f"data.path {path}: no such file or directory. Fix data.path to point at your captions file or image folder.")
+    require_usable(path, "data.path")  # a UI run's data (zeropipe.confine): never through a symlink out of its folders
     if path.is_dir():
         return _read_image_folder(path, caption_prompt)
     if path.suffix not in CAPTION_SUFFIXES:
@@ -328,12 +330,14 @@ def image_problem(path: str | Path) -> str | None:
     path = Path(path)
     if not path.is_file():
         return "file not found"
+    if not usable(path):  # a UI run's image outside its folders (an absolute name, a symlink): counted, never decoded
+        return OUTSIDE_REASON
     try:
         with Image.open(path) as image:
             image.load()
             width, height = image.size
     # Pillow raises many kinds of errors on damaged files; each means "skip this image".
-    except Exception as error:  # noqa: BLE001
+    except Exception as error:
         return f"cannot be decoded ({type(error).__name__}: {error})"
     if width == 0 or height == 0:
         return f"zero-size image ({width}x{height})"
@@ -434,6 +438,8 @@ def load_rgb(path: str | Path):
     """
     from PIL import Image, ImageOps
 
+    if not usable(path):  # swapped for a symlink out of a UI run's folders since the launcher checked it
+        raise DataError(f"{path} {OUTSIDE_REASON}")
     try:
         with Image.open(path) as opened:
             opened.load()
@@ -443,7 +449,7 @@ def load_rgb(path: str | Path):
                 white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
                 return Image.alpha_composite(white, rgba).convert("RGB")
             return image.convert("RGB")
-    except Exception as error:  # noqa: BLE001 - any decoding failure means the same
+    except Exception as error:
         raise DataError(f"{path} cannot be decoded any more ({error}); it was readable when the run started: restore the file and resume") from error
 
 

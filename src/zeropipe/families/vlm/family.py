@@ -30,6 +30,7 @@ class VisionLanguage:
     trains_tokenizer = False
     resumes_on_other_rank_counts = True  # its batches count the data for all ranks together (engine.task.SamplerBatches)
     answers_prompts = True
+    evaluates_loss = False  # zeropipe eval reads text-only held-out data
     takes_images = True
     streams_answers = False
 

@@ -7,7 +7,7 @@ import torch
 from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
 from zeropipe.data.tokenize import pad_token_id
 from zeropipe.errors import ZeroPipeError
-from zeropipe.export.generate import Generation, LoadedModel, read_run_config
+from zeropipe.export.generate import Generation, LoadedModel, as_messages, check_context, last_user_text, read_run_config
 from zeropipe.families.vlm.data import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
 from zeropipe.families.vlm.model import build_vlm_for_export
 from zeropipe.rundir import RunDir
@@ -80,14 +80,18 @@ def generate_with_images(loaded, prompts: list[str], images: list[str | None], m
     with torch.no_grad():
         for prompt, image in zip(prompts, images):
             torch.manual_seed(seed)
-            content = f"{IMAGE_MARKER}\n{prompt}" if image is not None else prompt
-            example = encoder.encode([{"role": "user", "content": content}], [load_rgb(image)] if image is not None else [], for_generation=True)
+            messages = as_messages(prompt)
+            if image is not None:  # the picture goes with the first user turn, as in the training records
+                first = next(index for index, message in enumerate(messages) if message["role"] == "user")
+                messages[first] = {"role": "user", "content": f"{IMAGE_MARKER}\n{messages[first]['content']}"}
+            example = encoder.encode(messages, [load_rgb(image)] if image is not None else [], for_generation=True)
             inputs = {key: value[None].to(loaded.device) for key, value in example.items() if key not in ("images", "labels")}
+            check_context(loaded.model, inputs["input_ids"].shape[1], max_new_tokens)
             inputs.update({key: value.to(loaded.device, dtype=dtype if value.is_floating_point() else value.dtype) for key, value in example["images"].items()})
             output = loaded.model.generate(
                 **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=max_new_tokens,
                 pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, **sampling,
             )
             answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
-            results.append(Generation(prompt, answer, image))
+            results.append(Generation(last_user_text(prompt), answer, image, prompt_tokens=int(inputs["input_ids"].shape[1])))
     return results

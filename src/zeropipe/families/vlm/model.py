@@ -33,7 +33,7 @@ import torch
 from zeropipe.config.schema import LoraSection, ModelSection
 from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
-from zeropipe.models.common import TORCH_DTYPES, model_config
+from zeropipe.models.common import TORCH_DTYPES, is_lora_target, model_config
 from zeropipe.models.loading import load_pretrained
 
 PARTS = ("vision_tower", "projector", "language_model")
@@ -181,6 +181,9 @@ def lora_module_names(model: torch.nn.Module, lora: LoraSection, parts: tuple[st
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and part_of(n) == part and m is not output]
         if lora.target_modules == "all-linear":
             names = [n for n, _ in linears]
+        elif isinstance(lora.target_modules, str) and lora.target_modules != "auto":
+            # A regular expression over whole module names (axolotl's vision recipes name the language model's layers so).
+            names = [n for n, _ in linears if is_lora_target(n, lora.target_modules)]
         else:
             targets = LORA_AUTO_TARGETS[part] if lora.target_modules == "auto" else tuple(lora.target_modules)
             names = [n for n, _ in linears if targets is None or n.rsplit(".", 1)[-1] in targets or any(n.endswith("." + t) for t in targets)]

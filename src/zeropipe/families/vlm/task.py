@@ -74,9 +74,10 @@ class VisionLanguageTask(TaskDefaults):
         return {key: value.to(device, dtype=self.compute_dtype if value.is_floating_point() else value.dtype) for key, value in tensors.items()}
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
-        batch = self.to_device(batch)
-        loss = self.trainer.engine(**batch).loss
-        return loss, float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+        # Counted on the host batch, before it moves: a count read back from the device would wait for it.
+        tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+        loss = self.trainer.engine(**self.to_device(batch)).loss
+        return loss, tokens, examples
 
     def after_step(self) -> None:
         counts = self.trainer.parameter_counts

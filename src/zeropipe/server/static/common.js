@@ -49,13 +49,14 @@ ZP.fmtNumber = function (value, digits = 4) {
   return Number(value.toPrecision(digits)).toString();
 };
 
+// Binary units, as the planner, the doctor and the diagnosis count memory (a "24 GB" card holds 24 GiB).
 ZP.fmtBytes = function (value) {
   if (value === null || value === undefined) return "–";
-  const units = ["B", "KB", "MB", "GB", "TB"];
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
   let i = 0;
   let v = value;
-  while (Math.abs(v) >= 1000 && i < units.length - 1) {
-    v /= 1000;
+  while (Math.abs(v) >= 1024 && i < units.length - 1) {
+    v /= 1024;
     i += 1;
   }
   return `${i === 0 ? v.toFixed(0) : Number(v.toPrecision(3))} ${units[i]}`;
@@ -171,16 +172,73 @@ window.addEventListener("resize", () => {
   resizeTimer = setTimeout(() => ZP.charts.forEach((c) => c.resize()), 150);
 });
 
-// Server-sent events with the connection dot in the header.
-ZP.stream = function (url, handlers) {
+// The dot in the header: green while the server answers (live updates flowing, or a health
+// check every few seconds on pages without a stream), amber when it does not. It is never
+// left grey on a page where nothing is wrong.
+ZP.setConnection = function (ok, title) {
   const dot = document.getElementById("connection");
+  if (!dot) return;
+  dot.className = `connection ${ok ? "live" : "down"}`;
+  dot.title = title;
+  dot.dataset.state = ok ? "live" : "down";
+};
+ZP.openStreams = 0;
+ZP.checkConnection = async function () {
+  try {
+    const response = await fetch("/api/health", { cache: "no-store" });
+    ZP.setConnection(response.ok, response.ok ? "connected to the server" : `the server answered ${response.status}`);
+  } catch (error) {
+    ZP.setConnection(false, "the server does not answer (stopped?): this page retries by itself");
+  }
+};
+ZP.checkConnection();
+setInterval(() => ZP.openStreams || ZP.checkConnection(), 10000);
+
+// Server-sent events, which keep the connection dot up to date while they are open.
+ZP.stream = function (url, handlers) {
   const source = new EventSource(url);
-  source.onopen = () => dot && (dot.className = "connection live", dot.title = "live");
-  source.onerror = () => dot && (dot.className = "connection down", dot.title = "reconnecting…");
+  let open = false;
+  source.onopen = () => {
+    if (!open) ZP.openStreams++;
+    open = true;
+    ZP.setConnection(true, "live updates");
+  };
+  source.onerror = () => {
+    if (open) ZP.openStreams--;
+    open = false;
+    // A stream the server ended (the run finished) is not a lost connection: ask the server.
+    ZP.checkConnection();
+  };
+  const close = source.close.bind(source);
+  source.close = () => {
+    if (open) ZP.openStreams--;
+    open = false;
+    close();
+  };
   for (const [event, handler] of Object.entries(handlers)) {
     source.addEventListener(event, (message) => handler(JSON.parse(message.data)));
   }
   return source;
+};
+
+// Messages are written once for the terminal and the pages (the diagnosis, check findings, the
+// doctor). On a page, say the page's button instead of the command-line flag, and show
+// `code` as code rather than as literal backticks.
+const UI_WORDING = [
+  [/\b(?:then )?resume with --resume once the cause is fixed\b/g, "once the cause is fixed, resume the run (Resume, at the top of its page)"],
+  [/\b(then )?resume with --resume\b/g, "$1resume the run (Resume, at the top of its page)"],
+  [/\bfrom the last complete checkpoint with --resume\b/g, "from its last complete checkpoint (Resume)"],
+  [/\bwith --resume\b/g, "with Resume"],
+  [/--no-build was given/g, "the build was not tried (Check again with the CPU Adam build tries it)"],
+];
+ZP.uiText = function (text) {
+  if (typeof text !== "string") return text;
+  return UI_WORDING.reduce((out, [pattern, replacement]) => out.replace(pattern, replacement), text);
+};
+// Text with `code` spans as <code> elements (and the page's wording).
+ZP.rich = function (text) {
+  if (typeof text !== "string") return text;
+  return ZP.uiText(text).split(/`([^`\n]+)`/).map((part, i) => (i % 2 ? ZP.el("code", {}, part) : part));
 };
 
 ZP.message = function (container, text, kind = "error") {
@@ -188,7 +246,7 @@ ZP.message = function (container, text, kind = "error") {
 };
 
 ZP.problemList = function (problems) {
-  return ZP.el("ul", { class: "problems" }, problems.map((p) => ZP.el("li", {}, p.key ? ZP.el("code", {}, p.key) : "", p.key ? ": " : "", p.message)));
+  return ZP.el("ul", { class: "problems" }, problems.map((p) => ZP.el("li", {}, p.key ? ZP.el("code", {}, p.key) : "", p.key ? ": " : "", ZP.rich(p.message))));
 };
 
 // The error of a failed API call, with its problem list or check findings when there are some.
@@ -197,7 +255,7 @@ ZP.errorBox = function (error) {
   return ZP.el(
     "div",
     { class: "message error" },
-    ZP.el("div", {}, data.problems || data.findings ? (error.status === 422 ? "The config would not run:" : error.message) : error.message),
+    ZP.el("div", {}, data.problems || data.findings ? (error.status === 422 ? "The config would not run:" : ZP.rich(error.message)) : ZP.rich(error.message)),
     data.problems ? ZP.problemList(data.problems) : "",
     data.findings ? ZP.problemList(data.findings.filter((f) => f.severity === "error").map((f) => ({ key: f.key, message: `${f.message} — fix: ${f.fix}` }))) : ""
   );

@@ -37,7 +37,22 @@
       return;
     }
     const width = Math.max(400, container.clientWidth || 800);
-    const data = await api(`/api/compare?ids=${[...selected].join(",")}&key=${encodeURIComponent(metric.value)}&width=${width}`);
+    const note = document.getElementById("compare-missing");
+    let data;
+    try {
+      data = await api(`/api/compare?ids=${[...selected].join(",")}&key=${encodeURIComponent(metric.value)}&width=${width}`);
+    } catch (error) {
+      if (error.status !== 404) throw error;
+      data = { runs: [], missing: [...selected] }; // none of them is there any more
+    }
+    const missing = data.missing || [];
+    note.hidden = !missing.length;
+    note.textContent = missing.length ? `No run ${missing.join(", ")} (deleted, or never there): ${missing.length === 1 ? "it is" : "they are"} left out.` : "";
+    if (!data.runs.length) {
+      container.replaceChildren(el("div", { class: "empty muted" }, "None of these runs is there: pick runs on the left."));
+      body.replaceChildren();
+      return;
+    }
     const [steps, columns] = join(data.runs);
     chart = new ZP.Chart(container, { title: metric.options[metric.selectedIndex].text, labels: data.runs.map((r) => r.name), height: 400 });
     chart.set(steps, columns);

@@ -29,9 +29,9 @@
                 { class: "finding", dataset: { status: f.status } },
                 el("span", { class: `badge sev-${f.status}` }, f.status),
                 " ",
-                el("b", {}, f.title),
-                f.detail ? el("div", { class: "detail small" }, f.detail) : "",
-                f.fix && f.status !== "ok" ? el("div", { class: "fix small" }, el("b", {}, "fix: "), f.fix) : ""
+                el("b", {}, ZP.rich(f.title)),
+                f.detail ? el("div", { class: "detail small" }, ZP.rich(f.detail)) : "",
+                f.fix && f.status !== "ok" ? el("div", { class: "fix small" }, el("b", {}, "fix: "), ZP.rich(f.fix)) : ""
               )
             )
         )

@@ -202,11 +202,12 @@
         value = jsyaml.load(yamlArea.value);
       } catch (err) {
         const where = err.mark ? ` (line ${err.mark.line + 1}, column ${err.mark.column + 1})` : "";
-        yamlError.replaceChildren(el("div", { class: "message error" }, `not valid YAML${where}: ${err.reason || err.message}`));
+        yamlInvalid(`not valid YAML${where}: ${err.reason || err.message}`);
+        renderCommand({ available: false, reason: "the YAML does not parse: fix it to see the command" });
         return;
       }
       if (value !== null && value !== undefined && (typeof value !== "object" || Array.isArray(value))) {
-        yamlError.replaceChildren(el("div", { class: "message error" }, "the top level must be a mapping of sections (model:, data:, train:, ...)"));
+        yamlInvalid("the top level must be a mapping of sections (model:, data:, train:, ...)");
         return;
       }
       yamlError.replaceChildren();
@@ -217,9 +218,21 @@
   });
 
   // ----------------------------------------------------------- check
+  // YAML that does not parse is not what the last check saw: the page must not keep saying
+  // "ready to launch" (nor keep Launch enabled) for the config as it was before the edit.
+  function yamlInvalid(text) {
+    clearTimeout(checkTimer);
+    checkSeq++; // a check still on its way answers for the old text: ignore it
+    yamlError.replaceChildren(el("div", { class: "message error" }, text));
+    document.getElementById("check").replaceChildren(el("div", { class: "message error" }, `The YAML cannot be read, so nothing was checked: ${text}`));
+    status.textContent = "the YAML is not valid";
+    launchButton.disabled = true;
+  }
+
   function scheduleCheck() {
     clearTimeout(checkTimer);
     status.textContent = "checking…";
+    launchButton.disabled = true; // until the check of this text answers
     checkTimer = setTimeout(runCheck, 400);
   }
 
@@ -261,7 +274,7 @@
           "ul",
           { class: "findings problems" },
           result.findings.map((f) =>
-            el("li", { dataset: { rule: f.rule } }, el("span", { class: `badge sev-${f.severity}` }, f.severity), " ", el("b", {}, f.rule), " ", el("code", {}, f.key), ": ", f.message, el("div", { class: "small" }, "fix: ", f.fix, " ", f.link ? el("a", { href: f.link, target: "_blank", rel: "noopener" }, "docs") : ""))
+            el("li", { dataset: { rule: f.rule } }, el("span", { class: `badge sev-${f.severity}` }, f.severity), " ", el("b", {}, f.rule), " ", el("code", {}, f.key), ": ", ZP.rich(f.message), el("div", { class: "small" }, "fix: ", ZP.rich(f.fix), " ", f.link ? el("a", { href: f.link, target: "_blank", rel: "noopener" }, "docs") : ""))
           )
         )
       );
@@ -269,12 +282,65 @@
     if (!parts.length) parts.push(el("div", { class: "message ok" }, "No problems found: this config is ready to launch."));
     box.replaceChildren(...parts);
     const errors = result.problems.length + result.findings.filter((f) => f.severity === "error").length;
+    renderCommand(result.command);
     status.textContent = errors ? `${errors} problem(s)` : "ready to launch";
     launchButton.disabled = !result.valid;
   }
 
   // --------------------------------------------------------------- plan
   const FIRST = ["recommendation", "recommended", "verdict", "fits", "why", "reason", "reasons", "explanation"];
+
+  // ------------------------------------------------------ command preview
+  const commandBox = document.getElementById("command");
+
+  async function copyText(text, button) {
+    try {
+      await navigator.clipboard.writeText(text);
+    } catch (error) {
+      // No clipboard API (a page served over plain http to another host): copy through a selection.
+      const area = el("textarea", { style: "position:fixed;left:-9999px" });
+      area.value = text;
+      document.body.append(area);
+      area.select();
+      document.execCommand("copy");
+      area.remove();
+    }
+    const label = button.textContent;
+    button.textContent = "copied";
+    setTimeout(() => (button.textContent = label), 1200);
+  }
+
+  function copyBlock(id, title, text) {
+    const button = el("button", { id: `copy-${id}`, class: "small", title: `copy ${title}` }, "Copy");
+    button.addEventListener("click", () => copyText(text, button));
+    return el("div", { class: "copy-block" }, el("div", { class: "toolbar", style: "margin:4px 0" }, el("strong", { class: "small" }, title), el("span", { class: "spacer" }), button), el("pre", { id: `command-${id}`, class: "command" }, text));
+  }
+
+  function renderCommand(command) {
+    if (!command) {
+      commandBox.replaceChildren(el("span", { class: "muted" }, "fix the problems above to see the command"));
+      return;
+    }
+    if (!command.available) {
+      commandBox.replaceChildren(el("span", { class: "muted" }, command.reason));
+      return;
+    }
+    // The file folds away: the New-run page must stay one screen beside the plan.
+    const copyYaml = el("button", { id: "copy-yaml", class: "small", title: "copy the config file's text" }, "Copy");
+    copyYaml.addEventListener("click", () => copyText(command.yaml, copyYaml));
+    const lines = command.yaml.split("\n").length - 1;
+    commandBox.replaceChildren(
+      copyBlock("line", "command", command.command),
+      el("div", { class: "toolbar", style: "margin:4px 0" }, el("strong", { class: "small" }, command.config_path), el("span", { class: "spacer" }), copyYaml),
+      el(
+        "details",
+        { id: "command-details" },
+        el("summary", { class: "small" }, `the file (${lines} lines) and the process the UI starts`),
+        el("div", { class: "small muted" }, `run from ${command.cwd} as `, el("code", {}, command.argv.join(" ")), ", detached, its output in the run's logs/launcher.log"),
+        el("pre", { id: "command-yaml", class: "command" }, command.yaml)
+      )
+    );
+  }
 
   function isBytesKey(key) {
     return /bytes|memory|ram|_mem/.test(key);
@@ -345,7 +411,7 @@
   function renderPlan(plan) {
     const box = document.getElementById("plan");
     if (!plan || !plan.available) {
-      box.replaceChildren(el("div", { class: "muted", id: "plan-unavailable" }, plan ? plan.reason : "planner unavailable"));
+      box.replaceChildren(el("div", { class: "muted", id: "plan-unavailable" }, plan ? ZP.rich(plan.reason) : "planner unavailable"));
       return;
     }
     const result = plan.result || {};
@@ -363,7 +429,7 @@
           : el("div", {}, candidateLine("Recommended", result.best, result), result.fragment ? el("button", { id: "apply-plan", onclick: () => applyFragment(result.fragment) }, "Use the recommended settings") : "")
       );
     } else {
-      parts.push(el("div", { class: "message error" }, result.reason || "nothing fits this hardware"));
+      parts.push(el("div", { class: "message error" }, ZP.rich(result.reason) || "nothing fits this hardware"));
     }
     for (const note of result.notes || []) parts.push(el("div", { class: "small muted" }, note));
     const shown = result.configured || result.best;
@@ -487,7 +553,7 @@
 
   function renderPreview(data) {
     if (!data.available) {
-      previewBox.replaceChildren(el("div", { class: "muted" }, data.reason));
+      previewBox.replaceChildren(el("div", { class: "muted" }, ZP.rich(data.reason)));
       return;
     }
     if (data.family === "diffusion") return renderImagePreview(data);
@@ -542,9 +608,16 @@
       ["images", `${data.records}, ${data.skipped_count} skipped${data.missing_captions ? `, ${data.missing_captions} without a caption (trained on the empty caption)` : ""}`],
       ["buckets (images × repeats)", buckets || "–"],
     ];
+    // The whole folder, page by page, with every rejected file: the Dataset page, with this config's bucket settings.
+    const images = (config.data && config.data.images) || {};
+    const folder = config.data && config.data.path;
+    const datasetLink = folder
+      ? el("a", { id: "open-dataset", href: `/dataset?${new URLSearchParams({ path: folder, ...Object.fromEntries(["resolution", "bucket_step", "max_aspect", "caption_ext"].filter((k) => images[k] !== undefined).map((k) => [k, images[k]])), ...(images.bucketing === false ? { bucketing: "0" } : {}) })}` }, "see the whole folder on the Dataset page")
+      : "";
     previewBox.replaceChildren(
       el("dl", { class: "kv" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))])),
       el("div", { class: `message ${data.verdict.starts ? "ok" : "error"}`, id: "preview-verdict" }, data.verdict.text),
+      datasetLink,
       el(
         "div",
         { class: "thumbs" },

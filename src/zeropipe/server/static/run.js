@@ -127,7 +127,9 @@
       fact("step time", run.step_time_s ? `${ZP.fmtNumber(run.step_time_s, 3)} s` : "–"),
       fact("ranks", run.world_size ? `${run.world_size} × ${run.accelerator}${runNodes().length ? ` on ${runNodes().length} nodes` : ""}` : "–"),
       fact("ZeRO", run.zero_stage ?? "–"),
-      fact("started", ZP.fmtTime(run.started_at || run.created_at)),
+      fact("started", ZP.fmtTime(run.first_started_at || run.started_at || run.created_at)),
+      run.started_at && run.first_started_at && run.started_at - run.first_started_at > 60 ? fact("resumed", ZP.fmtTime(run.started_at)) : "",
+      fact("duration", ZP.fmtDuration(run.duration_s)),
       run.ended_at ? fact("ended", ZP.fmtTime(run.ended_at)) : ""
     );
     renderActions(run);
@@ -139,6 +141,9 @@
     const buttons = [];
     if (["running", "starting", "stopping"].includes(run.state)) {
       buttons.push(el("button", { class: "danger", id: "stop", disabled: run.state === "stopping", onclick: stopRun }, run.state === "stopping" ? "Stopping…" : "Stop"));
+    }
+    if (run.state === "running") {
+      buttons.push(el("button", { id: "sample-now", onclick: sampleNow, title: "every rank draws the run's samples (a diffusion run's images, a language model's answers) at its next step, with the current weights" }, "Sample now"));
     }
     const complete = (detail ? detail.checkpoints : []).filter((c) => c.complete && (!run.total_steps || c.step < run.total_steps));
     if (ENDED.includes(run.state) && complete.length) {
@@ -152,7 +157,10 @@
       const gpus = () => (/^[0-9]+$/.test(ranks.value) ? Number(ranks.value) : ranks.value === "" ? null : ranks.value);
       buttons.push(select, el("label", { for: "resume-ranks" }, "on"), ranks, el("span", {}, "ranks"), el("button", { class: "primary", id: "resume", onclick: () => resumeRun(select.value, gpus()) }, "Resume"));
     }
-    if ((detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    // The server says what this run's family can do (a diffusion model answers no prompts).
+    const generate = (detail && detail.actions && detail.actions.generate) || { available: true };
+    if ((detail ? detail.checkpoints : []).some((c) => c.complete) && generate.available) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
+    if (run.has_samples && (detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "draw-link", href: `/draw?run=${run.id}` }, "Draw"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
@@ -166,7 +174,7 @@
     const diagnosis = (detail && detail.status && detail.status.diagnosis) || run.diagnosis;
     const show = ["failed", "lost"].includes(run.state) && diagnosis;
     box.hidden = !show;
-    if (show) document.getElementById("diagnosis-text").textContent = diagnosis.text || JSON.stringify(diagnosis, null, 2);
+    if (show) document.getElementById("diagnosis-text").replaceChildren(...[].concat(ZP.rich(diagnosis.text || JSON.stringify(diagnosis, null, 2))));
   }
 
   function say(text, kind = "ok") {
@@ -179,6 +187,20 @@
       const data = await api(`${base}/stop`, { method: "POST", body: {} });
       say("Stop sent: the launcher is stopping every rank.", "info");
       onRun(data.run);
+    } catch (error) {
+      document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
+    }
+  }
+
+  async function sampleNow() {
+    try {
+      const data = await api(`${base}/sample`, { method: "POST", body: {} });
+      say(
+        data.already_pending
+          ? "Samples were already asked for: the ranks draw them at their next step."
+          : `Asked at step ${data.step}: every rank draws the samples together at its next step; they appear below.`,
+        "info"
+      );
     } catch (error) {
       document.getElementById("action-message").replaceChildren(ZP.errorBox(error));
     }
@@ -218,8 +240,15 @@
   }
 
   async function resumeRun(tag, gpus) {
+    // Resuming from an older checkpoint sets the newer ones aside: say so and ask first.
+    const chosen = (detail ? detail.checkpoints : []).find((c) => c.tag === tag);
+    const newer = (detail ? detail.checkpoints : []).filter((c) => chosen && c.step > chosen.step);
+    const aside = newer.length
+      ? `\n\n${newer.length} newer checkpoint${newer.length === 1 ? "" : "s"} (${newer.map((c) => c.tag).join(", ")}) will be moved aside into checkpoints/superseded-DATE (not deleted), and the metrics after step ${chosen.step} dropped.`
+      : "";
+    if (!confirm(`Resume ${detail ? detail.run.name : "this run"} from ${tag}${gpus ? ` on ${gpus} rank${gpus === 1 ? "" : "s"}` : ""}?${aside}`)) return;
     try {
-      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag, gpus } });
+      const data = await api(`${base}/resume`, { method: "POST", body: { checkpoint: tag, gpus, confirm: true } });
       say(`Resuming from ${tag}${gpus ? ` on ${gpus} rank${gpus === 1 ? "" : "s"}` : ""}.`, "info");
       onRun(data.run);
       follow();
@@ -236,6 +265,7 @@
     if (!ENDED.includes(detail.run.state)) detailTimer = setTimeout(() => loadDetail().catch(() => {}), 5000);
     state = detail.run.state;
     renderHead(detail.run);
+    renderProgress();
     renderCheckpoints();
     renderExports();
     renderEvaluations();
@@ -246,6 +276,18 @@
     if (detail.tensorboard) paths.push(`TensorBoard: tensorboard --logdir ${detail.run.path}`);
     document.getElementById("paths").textContent = paths.join(" · ");
     if (detail.run.has_samples) loadGallery();
+  }
+
+  // Before its first step a run prepares (a diffusion run builds its pipeline, fills its
+  // caches): say what it is doing instead of showing nothing for minutes.
+  function renderProgress() {
+    const box = document.getElementById("progress");
+    const progress = detail.progress;
+    box.hidden = !progress;
+    if (!progress) return;
+    const count = progress.total ? ` ${progress.done ?? 0} of ${progress.total}` : "";
+    const ago = Math.max(0, Math.round(Date.now() / 1000 - progress.at));
+    box.replaceChildren(el("span", { class: "badge state-starting" }, "preparing"), " ", `${progress.phase}${count}`, el("span", { class: "muted" }, ` (${ago} s ago)`));
   }
 
   function renderCheckpoints() {
@@ -332,11 +374,14 @@
   function renderEvaluations() {
     const form = document.getElementById("eval-form");
     const complete = detail.checkpoints.filter((c) => c.complete);
-    const signature = complete.map((c) => c.tag).join() + String(detail.held_out);
+    const evaluate = (detail.actions && detail.actions.evaluate) || { available: true };
+    const signature = complete.map((c) => c.tag).join() + String(detail.held_out) + String(evaluate.available);
     if (form.dataset.signature !== signature || !form.childElementCount) {
       form.dataset.signature = signature;
       form.replaceChildren(
-        ...(complete.length
+        ...(!evaluate.available
+          ? [el("span", { class: "muted", id: "eval-unavailable" }, evaluate.reason)]
+          : complete.length
           ? [
               el("select", { id: "eval-checkpoint", "aria-label": "checkpoint to evaluate" }, complete.map((c) => el("option", { value: c.tag }, c.tag))),
               el("input", { id: "eval-data", type: "text", size: 34, placeholder: detail.held_out ? "data file (default: the run's held-out data)" : "data file to evaluate on (no held-out data)" }),
@@ -441,6 +486,26 @@
   }
 
   // ----------------------------------------------------------- gallery
+  // A sample at full size over the page (scaled up to fit when it is small); a click or Escape closes it.
+  function showFullSize(url, caption) {
+    const image = el("img", { src: url, alt: caption });
+    const box = el("div", { id: "lightbox", class: "lightbox", role: "dialog", "aria-label": caption },
+      el("figure", {}, image, el("figcaption", {}, caption, " · ", el("span", { class: "size" }), " · ", el("a", { href: url, target: "_blank" }, "open the file"))));
+    image.addEventListener("load", () => {
+      box.querySelector(".size").textContent = `${image.naturalWidth}×${image.naturalHeight} px`;
+      image.classList.toggle("pixelated", image.naturalWidth < 256);
+    });
+    const close = () => {
+      box.remove();
+      document.removeEventListener("keydown", onKey);
+    };
+    const onKey = (event) => event.key === "Escape" && close();
+    box.addEventListener("click", (event) => event.target.tagName !== "A" && close());
+    document.addEventListener("keydown", onKey);
+    document.getElementById("lightbox")?.remove();
+    document.body.append(box);
+  }
+
   async function loadGallery() {
     const { samples } = await api(`${base}/samples`);
     const card = document.getElementById("gallery-card");
@@ -461,7 +526,11 @@
               .filter((s) => s.step === step && (s.prompt ?? "") === prompt)
               .map((s) => {
                 const url = `${base}/samples/${s.file.split("/").map(encodeURIComponent).join("/")}`;
-                return el("a", { href: url, target: "_blank" }, el("img", { src: url, alt: `${prompt} at step ${step}`, loading: "lazy" }));
+                const caption = `${prompt || "(no prompt)"} · step ${step}`;
+                const image = el("img", { src: url, alt: `${prompt} at step ${step}`, loading: "lazy", title: "click for full size" });
+                // Tiny samples (a 32 px test model) are drawn big and sharp rather than as specks.
+                image.addEventListener("load", () => image.classList.toggle("pixelated", image.naturalWidth < 128));
+                return el("a", { href: url, target: "_blank", class: "sample", onclick: (event) => { event.preventDefault(); showFullSize(url, caption); } }, image);
               })
           )
         )
@@ -489,8 +558,8 @@
       run: onRun,
       reload: loadMetrics,
       end: () => {
-        source.close();
-        document.getElementById("connection").className = "connection";
+        source.close(); // the run has ended: nothing more will come, and the server is still there
+        ZP.checkConnection();
         loadDetail();
         loadMetrics();
       },

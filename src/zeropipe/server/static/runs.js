@@ -43,9 +43,17 @@
       el("td", { class: "num" }, ZP.fmtDuration(run.eta_s)),
       el("td", { class: "num" }, ZP.fmtNumber(run.last_loss)),
       el("td", {}, ZP.sparkline(run.loss_preview)),
-      el("td", { class: "small" }, ZP.fmtTime(run.started_at || run.created_at)),
+      started(run),
+      el("td", { class: "num small run-duration", title: "from the first start to the end (or now), pauses between a stop and a resume included" }, ZP.fmtDuration(run.duration_s)),
       el("td", { class: "small" }, run.world_size ? `${run.world_size} × ${run.accelerator || "?"} · ${run.zero_stage ?? "?"}` : "–")
     );
+  }
+
+  // When the run first started; a resume is said beside it, not in its place.
+  function started(run) {
+    const first = run.first_started_at || run.started_at || run.created_at;
+    const resumed = run.started_at && first && run.started_at - first > 60 ? run.started_at : null;
+    return el("td", { class: "small run-started" }, ZP.fmtTime(first), resumed ? el("div", { class: "muted" }, `resumed ${ZP.fmtTime(resumed)}`) : "");
   }
 
   function render() {

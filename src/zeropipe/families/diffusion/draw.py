@@ -1,0 +1,134 @@
+"""Drawing with a diffusion run's weights outside training: the UI's Draw page.
+
+The weights come from a run's checkpoint (consolidated in memory; a LoRA fused into the
+denoiser, as ``export --merge`` would write it), from a full or merged export (a diffusers
+pipeline folder) or from a LoRA export (its base pipeline, named in ``zeropipe_export.json``,
+with the LoRA loaded). The pipeline is the architecture's own diffusers class, called with the
+prompt as its users call it; images are written as PNG, clips as mp4 with an animated WebP beside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zeropipe.config.pipeline_index import is_pipeline_folder
+from zeropipe.errors import ZeroPipeError
+from zeropipe.export.generate import LoadedModel, ModelSource, read_run_config
+
+EXPORT_INFO = "zeropipe_export.json"
+
+
+def is_lora_export(path: Path) -> bool:
+    """A diffusion LoRA written by ``zeropipe export`` (the LoRA file and its base named beside it, no pipeline)."""
+    return (path / EXPORT_INFO).is_file() and not is_pipeline_folder(path)
+
+
+def export_info(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads((path / EXPORT_INFO).read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def pipeline_class(architecture: str | None):
+    from zeropipe.diffusion.architectures import architecture_named
+
+    if architecture:
+        try:
+            return architecture_named(architecture).pipeline()
+        except Exception:  # noqa: BLE001, S110 - an unknown name: diffusers reads the class from model_index.json
+            pass
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline
+
+
+def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """The pipeline of a run's checkpoint, a pipeline export or a LoRA export, on ``device``.
+
+    Raises:
+        ZeroPipeError: the run's pipeline folder or an export's base is gone, or the checkpoint does not match.
+    """
+    if source.kind == "run":
+        from zeropipe.checkpoint.consolidate import consolidated_state_dict
+        from zeropipe.families.diffusion.export import trained_denoiser
+        from zeropipe.rundir import RunDir
+
+        config = read_run_config(source.path)
+        # zero_to_fp32 reports its progress on stdout.
+        with contextlib.redirect_stdout(sys.stderr):
+            state = consolidated_state_dict(source.checkpoint)
+        arch, plan, pipeline_dir, denoiser = trained_denoiser(RunDir(source.path), config, source.checkpoint, state)
+        del state
+        if config.model.lora is not None:
+            denoiser.fuse_lora(lora_scale=1.0)
+            denoiser.unload_lora()
+        pipeline = arch.pipeline().from_pretrained(str(pipeline_dir), **{plan.denoiser: denoiser}, torch_dtype=torch.float32)
+    elif source.kind == "adapter":
+        info = export_info(source.path)
+        base = Path(info.get("base_pipeline") or "")
+        if not is_pipeline_folder(base):
+            raise ZeroPipeError(f"the LoRA {source.path} was trained on {base}, which is no longer a pipeline folder: restore it, or draw from the run's checkpoint")
+        pipeline = pipeline_class(info.get("architecture")).from_pretrained(str(base), torch_dtype=torch.float32)
+        pipeline.load_lora_weights(str(source.path))
+    else:
+        pipeline = pipeline_class(export_info(source.path).get("architecture")).from_pretrained(str(source.path), torch_dtype=torch.float32)
+    pipeline = pipeline.to(device)
+    if dtype != torch.float32:  # bf16 on a GPU (export.generate.pick_dtype); the CPU draws in fp32
+        pipeline = pipeline.to(dtype=dtype)
+    pipeline.set_progress_bar_config(disable=True)
+    return LoadedModel(pipeline, None, source, device)
+
+
+def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, width: int, height: int, steps: int, guidance: float, seed: int, frames: int | None) -> list[dict[str, Any]]:
+    """Draw one picture (or clip) and write it into ``out_dir``; returns [{file, kind, width, height, frames}].
+
+    Arguments the pipeline does not take (a negative prompt, a frame count for an image model) are left out.
+    """
+    pipeline = loaded.model
+    accepted = set(inspect.signature(pipeline.__call__).parameters)
+    kwargs: dict[str, Any] = {
+        "prompt": prompt, "height": height, "width": width, "num_inference_steps": steps,
+        "generator": torch.Generator(device="cpu").manual_seed(seed),
+    }  # fmt: skip
+    if "guidance_scale" in accepted:
+        kwargs["guidance_scale"] = guidance
+    if negative_prompt and "negative_prompt" in accepted:
+        kwargs["negative_prompt"] = negative_prompt
+    video = "num_frames" in accepted
+    if video and frames:
+        kwargs["num_frames"] = frames
+    if "output_type" in accepted:
+        kwargs["output_type"] = "np"
+    with torch.no_grad():
+        result = pipeline(**kwargs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if hasattr(result, "frames"):
+        clip = to_uint8(np.asarray(result.frames[0]))
+        from zeropipe.diffusion.videos import write_preview, write_video
+
+        fps = float(getattr(getattr(pipeline, "config", None), "fps", 0) or 16.0)
+        mp4 = write_video(out_dir / "clip.mp4", clip, fps)
+        preview = write_preview(out_dir / "clip.webp", clip, fps)
+        return [{"file": mp4.name, "preview": preview.name, "kind": "video", "width": int(clip.shape[2]), "height": int(clip.shape[1]), "frames": int(clip.shape[0])}]
+    image = to_uint8(np.asarray(result.images[0]))
+    from PIL import Image
+
+    path = out_dir / "image.png"
+    Image.fromarray(image).save(path)
+    return [{"file": path.name, "kind": "image", "width": int(image.shape[1]), "height": int(image.shape[0]), "frames": 1}]
+
+
+def to_uint8(array: np.ndarray) -> np.ndarray:
+    if array.dtype != np.uint8:
+        array = (np.clip(array.astype(np.float32), 0, 1) * 255).round().astype(np.uint8)
+    return array

@@ -1,0 +1,102 @@
+// Draw page: pictures (clips for video models) from a diffusion run's checkpoint or export, kept with the run.
+"use strict";
+(function () {
+  const { el, api } = ZP;
+  const runSelect = document.getElementById("draw-run");
+  const sourceSelect = document.getElementById("draw-source");
+  const results = document.getElementById("draw-results");
+  const go = document.getElementById("draw-go");
+  const status = document.getElementById("draw-status");
+  const message = document.getElementById("draw-message");
+  const deviceBox = document.getElementById("draw-device");
+  const wanted = new URLSearchParams(location.search).get("run");
+  const number = (id) => Number(document.getElementById(id).value);
+
+  async function loadRuns() {
+    const { runs } = await api("/api/runs");
+    // Runs with samples are diffusion runs; the others are listed after them (the server says when one cannot draw).
+    const usable = runs.filter((r) => r.state !== "starting").sort((a, b) => Number(b.has_samples) - Number(a.has_samples));
+    runSelect.replaceChildren(...usable.map((r) => el("option", { value: r.id }, `${r.name} (${r.state})`)));
+    if (!usable.length) runSelect.append(el("option", { value: "" }, "no run yet"));
+    if (wanted && usable.some((r) => String(r.id) === wanted)) runSelect.value = wanted;
+    await loadSources();
+  }
+
+  async function loadSources() {
+    sourceSelect.replaceChildren();
+    results.replaceChildren();
+    if (!runSelect.value) return;
+    const detail = await api(`/api/runs/${runSelect.value}`);
+    const complete = detail.checkpoints.filter((c) => c.complete);
+    const exports = detail.exports.filter((e) => e.state === "done");
+    sourceSelect.append(
+      ...complete.map((c) => el("option", { value: `checkpoint:${c.tag}` }, `checkpoint ${c.tag}${c.latest ? " (latest)" : ""}`)),
+      ...exports.map((e) => el("option", { value: `export:${e.out_path.split("/").pop()}` }, `export ${e.out_path.split("/").pop()}${e.merge ? " (merged)" : ""}`))
+    );
+    if (!sourceSelect.options.length) sourceSelect.append(el("option", { value: "" }, "no complete checkpoint or export yet"));
+    go.disabled = !sourceSelect.value;
+    const { draws } = await api(`/api/runs/${runSelect.value}/draws`);
+    results.replaceChildren(...draws.map(drawing));
+  }
+
+  async function showDevice() {
+    const state = await api("/api/model");
+    const idle = ZP.fmtDuration(state.idle_seconds);
+    deviceBox.textContent = state.loaded
+      ? `loaded: ${state.loaded} on ${state.device} (${state.device_reason}); let go after ${idle} idle`
+      : `a model loads on ${state.device} (${state.device_reason}) and is let go after ${idle} idle`;
+  }
+
+  function drawing(d) {
+    const base = `/api/runs/${runSelect.value}/draws/${d.name}`;
+    const media = d.files.map((f) =>
+      f.kind === "video"
+        ? el("a", { href: `${base}/${f.file}`, target: "_blank", title: "the mp4 clip, full size" }, el("img", { src: `${base}/${f.preview}`, alt: d.prompt, class: "drawn" }))
+        : el("a", { href: `${base}/${f.file}`, target: "_blank", title: "full size" }, el("img", { src: `${base}/${f.file}`, alt: d.prompt, class: "drawn" }))
+    );
+    const settings = `${d.width}×${d.height}${d.frames ? ` · ${d.frames} frames` : ""} · ${d.steps} steps · guidance ${d.guidance} · seed ${d.seed}`;
+    return el(
+      "figure",
+      { class: "drawing", dataset: { name: d.name } },
+      media,
+      el("figcaption", {}, el("div", { class: "drawing-prompt" }, d.prompt), el("div", { class: "small muted" }, settings), el("div", { class: "small muted" }, `${d.weights} on ${d.device} · ${d.seconds} s`))
+    );
+  }
+
+  async function drawNow() {
+    const prompt = document.getElementById("draw-prompt").value.trim();
+    if (!prompt) return ZP.message(message, "Write a prompt first.");
+    const [kind, name] = sourceSelect.value.split(/:(.*)/s);
+    const frames = document.getElementById("draw-frames").value.trim();
+    const body = {
+      run_id: Number(runSelect.value),
+      prompt,
+      negative_prompt: document.getElementById("draw-negative").value.trim(),
+      width: number("draw-width"),
+      height: number("draw-height"),
+      steps: number("draw-steps"),
+      guidance: number("draw-guidance"),
+      seed: number("draw-seed"),
+      frames: frames === "" ? null : Number(frames),
+      ...(kind === "export" ? { export: name } : { checkpoint: name }),
+    };
+    ZP.message(message, "");
+    go.disabled = true;
+    status.textContent = "loading the model and drawing…";
+    try {
+      const d = await api("/api/draw", { method: "POST", body });
+      results.prepend(drawing(d));
+    } catch (error) {
+      message.replaceChildren(ZP.errorBox(error));
+    } finally {
+      go.disabled = !sourceSelect.value;
+      status.textContent = "";
+      showDevice().catch(() => {});
+    }
+  }
+
+  runSelect.addEventListener("change", () => loadSources().catch((e) => ZP.message(message, e.message)));
+  go.addEventListener("click", drawNow);
+  loadRuns().catch((error) => ZP.message(message, error.message));
+  showDevice().catch((error) => (deviceBox.textContent = error.message));
+})();

@@ -1,0 +1,213 @@
+"""The API of the Chat page (multi-turn answers from a run), the Dataset page and the loaded model's state.
+
+Everything a request sends is bounded here (turns, characters, new tokens) before a model
+sees it; runs are named by id and their weights by checkpoint tag or export name, never by path.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Path, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import iterate_in_threadpool
+
+from zeropipe.rundir import is_inside
+from zeropipe.server import events
+from zeropipe.store import RunStore
+
+router = APIRouter(prefix="/api")
+
+MAX_TURNS = 40  # user messages in one conversation
+MAX_MESSAGE_CHARS = 8000
+MAX_CONVERSATION_CHARS = 64_000
+MAX_SYSTEM_CHARS = 4000
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def store_of(request: Request) -> RunStore:
+    return request.app.state.store
+
+
+# -------------------------------------------------------------------- chat
+class Message(Strict):
+    role: Literal["user", "assistant"] = Field(..., description="who wrote it: the person (user) or the model (assistant)")
+    content: str = Field(..., max_length=MAX_MESSAGE_CHARS, description="the message's text")
+
+
+class ChatRequest(Strict):
+    run_id: int = Field(..., ge=1, le=2**53, description="the run whose model answers")
+    checkpoint: str | None = Field(None, max_length=64, description="a complete checkpoint of the run (default: the latest)")
+    export: str | None = Field(None, max_length=100, description="a finished export of the run instead of a checkpoint (its folder name)")
+    system: str = Field("", max_length=MAX_SYSTEM_CHARS, description="the system prompt (empty: none)")
+    messages: list[Message] = Field(
+        ..., min_length=1, max_length=2 * MAX_TURNS, description="the conversation so far, oldest first, ending with the user turn to answer"
+    )
+    max_new_tokens: int | None = Field(None, ge=1, le=1024, description="default: the run's generate.max_new_tokens")
+    temperature: float = Field(0.0, ge=0, le=10, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, ge=0, le=2**31)
+    image: str | None = Field(None, max_length=1000, description="vision-language models: an image file inside the runs or data folders, shown with the first user turn")
+
+    @model_validator(mode="after")
+    def a_conversation(self):
+        if self.messages[-1].role != "user":
+            raise ValueError("the conversation must end with the user turn to answer")
+        if sum(len(m.content) for m in self.messages) + len(self.system) > MAX_CONVERSATION_CHARS:
+            raise ValueError(f"the conversation holds more than {MAX_CONVERSATION_CHARS} characters: start a new one")
+        if sum(m.role == "user" for m in self.messages) > MAX_TURNS:
+            raise ValueError(f"more than {MAX_TURNS} turns: start a new conversation")
+        if self.checkpoint is not None and self.export is not None:
+            raise ValueError("name a checkpoint or an export, not both")
+        return self
+
+    def conversation(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system.strip() else []
+        return system + [m.model_dump() for m in self.messages]
+
+
+@router.post("/chat", summary="The next assistant turn of a conversation with a run's checkpoint or export; server-sent events as /api/generate")
+def chat(request: Request, body: ChatRequest):
+    store = store_of(request)
+    run = store.run(body.run_id)
+    if body.export is not None:
+        source, checkpoint = store.export_folder(run["id"], body.export), None
+    else:
+        source = store.own_run_dir(run)
+        checkpoint = store.checkpoint_for(run, body.checkpoint).tag  # a complete one: refused with a reason otherwise
+    settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": False}
+    image = store.readable_file(body.image) if body.image else None
+    stream = request.app.state.generator.stream(source, checkpoint, body.conversation(), settings, image)
+    return events.streaming(iterate_in_threadpool(stream))
+
+
+@router.get("/model", summary="The model loaded for Generate and Chat: what, on which device and why, and when it is let go")
+def loaded_model(request: Request):
+    return request.app.state.generator.state()
+
+
+# ----------------------------------------------------------------- dataset
+class DatasetRequest(Strict):
+    path: str = Field(..., min_length=1, max_length=1000, description="an image or video folder inside the data (or runs) folders")
+    caption_ext: str = Field(".txt", pattern=r"^\.?[A-Za-z0-9_-]{1,16}$", description="the caption file's suffix beside each image (data.images.caption_ext)")
+    resolution: int = Field(1024, ge=16, le=8192, description="data.images.resolution: the buckets' area is about resolution squared")
+    bucket_step: int = Field(64, ge=8, le=1024, description="data.images.bucket_step")
+    max_aspect: float = Field(2.0, ge=1.0, le=8.0, description="data.images.max_aspect")
+    bucketing: bool = Field(True, description="data.images.bucketing: false trains every image at resolution x resolution")
+    videos: bool = Field(False, description="a video model's folder: clips are probed (frames, frame rate) with the images")
+    offset: int = Field(0, ge=0, le=1_000_000, description="the first file shown (files are sorted by path)")
+    limit: int = Field(24, ge=1, le=60, description="files shown, with thumbnails")
+
+
+@router.post("/dataset", summary="An image or video folder as diffusion training reads it: buckets, captions, and the files it rejects with why")
+def dataset(request: Request, body: DatasetRequest):
+    from zeropipe.server.dataset import dataset_view
+    from zeropipe.store import OutsideRoots
+
+    store = store_of(request)
+    folder = store.roots.absolute(body.path)
+    readable = store.roots.readable()
+    if not any(is_inside(folder, root) for root in readable):
+        raise OutsideRoots(f"{body.path} is outside the folders this UI may read ({', '.join(map(str, readable))})")
+    return dataset_view(folder, readable, body.caption_ext, body.resolution, body.bucket_step, body.max_aspect, body.bucketing, body.videos, body.offset, body.limit)
+
+
+# -------------------------------------------------------------- sample now
+@router.post("/runs/{run_id}/sample", status_code=202, summary="Ask a running run for samples now: its ranks draw them together at the next step")
+def sample_now(request: Request, run_id: int = Path(ge=1, le=2**53, description="the run's id in the store")):
+    return store_of(request).request_samples(run_id)
+
+
+# -------------------------------------------------------------------- draw
+MAX_DRAW_PIXELS = 2048 * 2048  # width x height x frames of one drawing: minutes on a CPU, seconds on a GPU
+DRAW_NAME = r"^draw-[0-9]{8}-[0-9]{6}-[0-9]{3}$"
+DRAW_FILE = r"^[A-Za-z0-9_-]{1,64}\.(png|mp4|webp|json)$"
+
+
+class DrawRequest(Strict):
+    run_id: int = Field(..., ge=1, le=2**53, description="the diffusion run whose weights draw")
+    checkpoint: str | None = Field(None, max_length=64, description="a complete checkpoint of the run (default: the latest)")
+    export: str | None = Field(None, max_length=100, description="a finished export of the run instead (a pipeline folder or a LoRA)")
+    prompt: str = Field(..., min_length=1, max_length=2000, description="what to draw")
+    negative_prompt: str = Field("", max_length=2000, description="what not to draw (pipelines that take one)")
+    width: int = Field(512, ge=16, le=2048, multiple_of=8, description="pixels; a multiple of 8")
+    height: int = Field(512, ge=16, le=2048, multiple_of=8, description="pixels; a multiple of 8")
+    steps: int = Field(20, ge=1, le=150, description="denoising steps")
+    guidance: float = Field(5.0, ge=0, le=30, description="classifier-free guidance scale")
+    seed: int = Field(0, ge=0, le=2**31)
+    frames: int | None = Field(None, ge=1, le=257, description="video models: frames of the clip (default: the pipeline's)")
+
+    @model_validator(mode="after")
+    def bounded(self):
+        if self.width * self.height * (self.frames or 1) > MAX_DRAW_PIXELS:
+            raise ValueError(f"width x height x frames is over {MAX_DRAW_PIXELS:,} pixels: draw smaller (or fewer frames)")
+        if self.checkpoint is not None and self.export is not None:
+            raise ValueError("name a checkpoint or an export, not both")
+        return self
+
+
+@router.post("/draw", summary="Draw a picture (a clip for video models) with a diffusion run's checkpoint or export; kept in RUN/draws/")
+def draw(request: Request, body: DrawRequest):
+    import json
+    import time
+
+    from zeropipe.server.generation import ModelBusy
+    from zeropipe.store import ActionRefused
+
+    store = store_of(request)
+    run = store.run(body.run_id)
+    if body.export is not None:
+        source, checkpoint, weights = store.export_folder(run["id"], body.export), None, f"export {body.export}"
+    else:
+        source = store.own_run_dir(run)
+        checkpoint = store.checkpoint_for(run, body.checkpoint).tag
+        weights = f"checkpoint {checkpoint}"
+    now = time.time()
+    name = time.strftime("draw-%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}"
+    out_dir = store.own(run, f"draws/{name}")  # confined: a draws/ link out of the run is refused
+    settings = body.model_dump(include={"prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed", "frames"})
+    try:
+        result = request.app.state.generator.draw(source, checkpoint, out_dir, settings)
+    except ModelBusy as err:
+        raise ActionRefused(str(err)) from None
+    record = {"name": name, "weights": weights, **settings, **result, "created_at": now}
+    (out_dir / "draw.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+@router.get("/runs/{run_id}/draws", summary="The pictures drawn with a run's weights, newest first")
+def list_draws(request: Request, run_id: int = Path(ge=1, le=2**53)):
+    import json
+    import re
+
+    store = store_of(request)
+    run = store.run(run_id)
+    folder = store.own_or_none(run, "draws")
+    out = []
+    if folder is not None and folder.is_dir():
+        for entry in sorted(folder.iterdir(), reverse=True)[:100]:
+            info = store.own_or_none(run, f"draws/{entry.name}/draw.json") if re.match(DRAW_NAME, entry.name) else None
+            if info is None or not info.is_file():
+                continue
+            try:
+                out.append(json.loads(info.read_text()))
+            except ValueError:
+                continue
+    return {"draws": out}
+
+
+@router.get("/runs/{run_id}/draws/{name}/{file}", summary="A file of a drawing (PNG, mp4 or animated WebP)")
+def draw_file(request: Request, run_id: int = Path(ge=1, le=2**53), name: str = Path(pattern=DRAW_NAME), file: str = Path(pattern=DRAW_FILE)):
+    from fastapi.responses import FileResponse
+
+    from zeropipe.store import RunNotFound
+
+    store = store_of(request)
+    run = store.run(run_id)
+    path = store.own_or_none(run, f"draws/{name}/{file}")
+    if path is None or not path.is_file():
+        raise RunNotFound(f"no file {file} in drawing {name} of run {run['name']}")
+    return FileResponse(path)

@@ -1,0 +1,56 @@
+"""scripts/gpu-check.sh: what only a GPU shows, run on the GPUs when there are some, and its CPU-runnable parts here.
+
+On a machine with CUDA the whole check runs (a few minutes) and must pass. Everywhere, the
+steps that also run on CPU ranks run through the same driver: ``zeropipe calibrate`` and a
+planned per-rank peak set against the peak the ranks measured, rendered in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+@pytest.mark.skipif(not has_cuda(), reason="no CUDA device on this machine: the GPU steps of gpu-check need one (run scripts/gpu-check.sh there)")
+def test_gpu_check_passes_on_this_gpu_machine(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True, timeout=3600)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert done.returncode == 0, (tmp_path / "report.md").read_text()
+    assert report["quickstart"]["final_loss"] < 0.5 * report["quickstart"]["first_loss"]
+    assert all(0.5 < row["planned_over_measured"] < 2.0 for row in report["plan_vs_measured"]["rows"])
+
+
+def test_gpu_check_cpu_steps_measure_and_compare_the_plan(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--only", "environment,calibrate,plan_vs_measured,quickstart", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["quickstart"] == {"skipped": "needs CUDA"}
+    calibration = report["calibrate"]["calibration"]
+    assert calibration["accelerator"] == "cpu" and calibration["all_gather_bytes_per_second"] > 0
+    (row,) = report["plan_vs_measured"]["rows"]
+    assert row["config"] == "zero3-lora" and row["planned_bytes"] > 0 and row["measured_bytes"] > 0 and row["planned_over_measured"] > 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| zero3-lora |" in text and "GiB" in text and "RSS" in text
+
+
+def test_gpu_check_names_an_unknown_step(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--only", "quickstrat", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown steps ['quickstrat']" in done.stderr
