@@ -13,7 +13,7 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,qlora]'
 # System packages, installed when missing and we are root (without them the tests that need them
 # are skipped): Debian's Chromium for the browser tests (tests/e2e drive it through Playwright's
 # executablePath; Playwright's own browser download is never used) and OpenSSH's server for the

@@ -8,7 +8,9 @@ documented, and is run on a config before any process starts (`zeropipe check`, 
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -173,21 +175,40 @@ def qlora_quant_storage(ctx: CheckContext):
                 f"set quant_storage: auto (or {precision})",
             )
         )
-    install = "pip install bitsandbytes (or pip install 'zeropipe[qlora]')"
-    if ctx.accelerator != "cuda":
-        # One finding: on a machine without CUDA, installing bitsandbytes would not help by itself.
-        missing = "" if bitsandbytes_installed() else f" (bitsandbytes is not installed either: {install} there)"
-        found.append(("model.quantization", "bitsandbytes' 4-bit kernels need CUDA and this run has no GPU", f"remove model.quantization (plain LoRA runs on CPU) or run on a CUDA machine{missing}"))
-    elif not bitsandbytes_installed():
+    install = f"pip install 'bitsandbytes>={BITSANDBYTES_CPU_4BIT}' (or pip install 'zeropipe[qlora]')"
+    installed = bitsandbytes_version()
+    if installed is None:
         found.append(("model.quantization", "bitsandbytes is not installed; QLoRA loads the 4-bit base with it", install))
+    elif ctx.accelerator != "cuda" and installed < version_tuple(BITSANDBYTES_CPU_4BIT):
+        # CUDA kernels exist in every version; CPU ranks need the CPU 4-bit backend. Neither here: one finding.
+        found.append(
+            (
+                "model.quantization",
+                f"this run has no GPU and bitsandbytes {'.'.join(map(str, installed))} has no CPU 4-bit backend (it came in {BITSANDBYTES_CPU_4BIT})",
+                f"{install}, remove model.quantization (plain LoRA runs on CPU) or run on a CUDA machine",
+            )
+        )
     if not ctx.config.model.path:
         found.append(("model.quantization", "4-bit loading quantizes pretrained weights; a randomly initialised model.config has none", "set model.path to a pretrained model"))
     return found
 
 
-def bitsandbytes_installed() -> bool:
-    # find_spec, not import: importing bitsandbytes without CUDA prints warnings and can take seconds.
-    return importlib.util.find_spec("bitsandbytes") is not None
+# The first bitsandbytes whose 4-bit quantisation and matmul run on CPU tensors (its CPU backend).
+BITSANDBYTES_CPU_4BIT = "0.47"
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def bitsandbytes_version() -> tuple[int, ...] | None:
+    """bitsandbytes' installed version, or None; read from its metadata, not by importing it (which can take seconds)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    try:
+        return version_tuple(importlib.metadata.version("bitsandbytes"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @rule("ZP008", "error", "batch sizes inconsistent with train_batch_size", DS_CONFIG_DOCS + "#batch-size-related-parameters")
@@ -307,11 +328,10 @@ def precision_on_hardware(ctx: CheckContext):
             return [("deepspeed.config_file", f"{where} sets fp16.enabled: true, and DeepSpeed does not support fp16 on CPU ranks",
                      f'set "fp16": {{"enabled": false}} in {where} (add "bf16": {{"enabled": true}} for bf16), or remove its fp16 block')]
         return [("deepspeed.precision", "DeepSpeed does not support fp16 on CPU ranks", "set deepspeed.precision: auto, bf16 or fp32")]
-    if ctx.accelerator == "cuda" and precision == "bf16":
-        import torch
-
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-            return [("deepspeed.precision", f"bf16 needs an Ampere or newer GPU ({torch.cuda.get_device_name(0)} is older)", "use fp16")]
+    hardware = ctx.hardware
+    if ctx.accelerator == "cuda" and precision == "bf16" and hardware is not None and hardware.accelerator == "cuda" and hardware.gpu_bf16_native is False:
+        # The hardware's compute capability, not torch.cuda.is_bf16_supported(), which counts emulation.
+        return [("deepspeed.precision", f"bf16 needs an Ampere or newer GPU (compute capability 8.0; {hardware.gpu_name or 'these GPUs'} is older)", "set deepspeed.precision: auto (fp16 here) or fp16")]
     return []
 
 

@@ -55,7 +55,7 @@ class LoraSection(Section):
 
 
 class QuantizationSection(Section):
-    """QLoRA: the frozen base in 4-bit (bitsandbytes), LoRA adapters trained on top. Needs CUDA."""
+    """QLoRA: the frozen base in 4-bit (bitsandbytes), LoRA adapters trained on top. Runs on CUDA, or on CPU ranks with bitsandbytes >= 0.47."""
 
     load_in_4bit: bool = Field(True, description="Load the base weights in 4-bit.")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; nf4 is what QLoRA uses.")
@@ -147,7 +147,7 @@ class ModelSection(Section):
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel passed to transformers.")
     lora: LoraSection | None = Field(None, description="Train LoRA adapters (peft) instead of all weights; only adapter weights are trainable.")
-    quantization: QuantizationSection | None = Field(None, description="QLoRA: load the base in 4-bit with bitsandbytes (needs CUDA and model.lora).")
+    quantization: QuantizationSection | None = Field(None, description="QLoRA: load the base in 4-bit with bitsandbytes (needs model.lora; on CPU ranks bitsandbytes >= 0.47, whose CPU backend runs 4-bit).")
     load_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for from_pretrained (e.g. {revision: main, trust_remote_code: true})."
     )

@@ -201,13 +201,61 @@ def single_file_renamer(denoiser_class: str, checkpoint: Path) -> Callable[[str]
 
 
 # ------------------------------------------------------------------------------ loading parts
-def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: torch.device):
-    """One frozen component (VAE or text encoder) of a pipeline directory, in eval mode without gradients."""
+def component_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """What a component's weights take loaded in ``dtype``, from its safetensors headers (nothing is read but them)."""
+    from safetensors import safe_open
+
+    elements = 0
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                elements += _numel(handle.get_slice(key).get_shape())
+    return elements * torch.tensor([], dtype=dtype).element_size()
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def spread_placement(needed: int, free_per_gpu: list[int], host_free: int) -> dict[Any, int] | None:
+    """accelerate's max_memory for a component that does not fit on the first GPU, or None where it does.
+
+    The node's setup process has the node's GPUs to itself (no rank is resident): a text encoder
+    larger than one GPU (FLUX.2 [dev]'s 24B Mistral, 44.7 GiB in bf16) is spread over all of them,
+    and what does not fit there streams from host RAM. 10% of each is kept for activations.
+    """
+    if not free_per_gpu or needed <= free_per_gpu[0] * 0.9:
+        return None
+    placement: dict[Any, int] = {index: int(free * 0.9) for index, free in enumerate(free_per_gpu)}
+    placement["cpu"] = int(host_free * 0.8)
+    return placement
+
+
+def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: torch.device, spread: bool = False):
+    """One frozen component (VAE or text encoder) of a pipeline directory, in eval mode without gradients.
+
+    ``spread``: the caller has every GPU of the node to itself (the node's setup process): a
+    transformers component that does not fit on ``device`` is spread over the GPUs (and host
+    RAM) by accelerate's device map instead of failing with an out-of-memory error.
+    """
     import diffusers
     import transformers
 
     library, class_name = read_pipeline_index(pipeline_dir).required_component(name)
     cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+    if spread and library == "transformers" and device.type == "cuda" and torch.cuda.device_count() > 1:
+        import psutil
+
+        folder = Path(pipeline_dir) / name
+        free = [torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count())]
+        placement = spread_placement(component_bytes(folder, dtype), free, psutil.virtual_memory().available)
+        if placement is not None:
+            model = cls.from_pretrained(str(folder), dtype=dtype, device_map="auto", max_memory=placement)
+            model.requires_grad_(False)
+            return model.eval()
     model = cls.from_pretrained(str(Path(pipeline_dir) / name), dtype=dtype) if library == "transformers" else cls.from_pretrained(
         str(Path(pipeline_dir) / name), torch_dtype=dtype
     )
@@ -273,10 +321,13 @@ def _per_channel(value: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     return value.view(1, -1, *([1] * (latents.dim() - 2))) if value.dim() == 1 else value
 
 
-def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device):
-    """The architecture's pipeline holding only its text encoders and tokenizers: its encode_prompt is the reference."""
+def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, device: torch.device, spread: bool = False):
+    """The architecture's pipeline holding only its text encoders and tokenizers: its encode_prompt is the reference.
+
+    ``spread``: see :func:`load_component` (the node's setup process only; a rank shares the node's GPUs).
+    """
     cls = arch.pipeline()
-    parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device) for name in arch.text_encoders}
+    parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device, spread) for name in arch.text_encoders}
     parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
     parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
     from diffusers import SchedulerMixin

@@ -190,12 +190,21 @@ def check_cuda_toolkit(torch_cuda_version: str | None, toolkit: CudaToolkit, env
         return [Finding("cuda.toolkit", f"CUDA minor versions differ (torch {wanted}, nvcc {nvcc_text}); DeepSpeed accepts this pair", "warning", f"{pair}.", f"if a DeepSpeed op fails to build, {match_toolkit}")]
     if skip_check:
         return [Finding("cuda.toolkit", f"CUDA minor versions differ (torch {wanted}, nvcc {nvcc_text}); allowed by DS_SKIP_CUDA_CHECK=1", "ok", f"{pair}.")]
+    listed = accepted.get(nvcc[0], [])
+    # Why the pair is refused: CUDA keeps minor releases of one major compatible, and DeepSpeed's
+    # table lags NVIDIA's releases (no 12.7, no 13.x entries in DeepSpeed 0.19), so the usual
+    # cause is a gap in the table, not an incompatibility.
+    if not listed:
+        why = f"DeepSpeed's table lists no CUDA {nvcc[0]}.x releases at all, so it refuses every minor mismatch of CUDA {nvcc[0]}"
+    else:
+        missing = [version for version in (wanted, nvcc_text) if version not in listed]
+        why = f"DeepSpeed's CUDA {nvcc[0]} list ({', '.join(listed)}) lacks {' and '.join(missing)}"
     return [
         Finding(
             "cuda.toolkit",
             f"CUDA minor versions differ and DeepSpeed refuses the pair: torch {wanted}, nvcc {nvcc_text}",
             "error",
-            f"{pair}. DeepSpeed only accepts minor mismatches it lists as compatible, and this one is not listed.",
+            f"{pair}. {why}; minor releases of one CUDA major are compatible, so this is a gap in DeepSpeed's table rather than a real conflict.",
             f"set DS_SKIP_CUDA_CHECK=1 (a minor mismatch is normally safe), or {match_toolkit}",
         )
     ]

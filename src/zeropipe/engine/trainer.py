@@ -37,14 +37,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state(cuda: Any = torch.cuda) -> dict[str, Any]:
+    """Every generator a step draws from; on GPUs the CUDA generators too (dropout masks are drawn there)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if cuda.is_available():
+        state["cuda"] = cuda.get_rng_state_all()
+    return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], cuda: Any = torch.cuda) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and cuda.is_available():
+        # Device by device: a resume on a machine with fewer visible GPUs restores those it has.
+        for device, generator in enumerate(state["cuda"][: cuda.device_count()]):
+            cuda.set_rng_state(generator, device)
 
 
 @dataclass

@@ -64,10 +64,15 @@ def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     return ExportJob(run, info, config, out, merge, dtype)
 
 
-def write_transformers_export(job: ExportJob, model) -> Path:
-    """Load the checkpoint into ``model`` (a transformers or peft model) and write it to job.out."""
+def write_transformers_export(job: ExportJob, model, state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Load the checkpoint into ``model`` (a transformers or peft model) and write it to job.out.
+
+    ``state`` is what to load when the family picks from the checkpoint (a QLoRA run: its
+    adapters only, the base being model.path's full-precision weights); the whole
+    consolidated checkpoint by default.
+    """
     section = job.config.model
-    load_checked(model, job.state_dict(), job.info)
+    load_checked(model, job.state_dict() if state is None else state, job.info)
     tmp = job.out.with_name(f".{job.out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     if section.lora is not None and job.merge:

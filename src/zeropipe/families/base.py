@@ -93,12 +93,22 @@ class Family(Protocol):
 
 
 def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:
-    """The causal-LM data features a run of another family set."""
-    return [
+    """The causal-LM features (data features, QLoRA's 4-bit base) a run of another family set."""
+    problems = [
         (f"data.{key}", f"is implemented for causal language models only, and this is a {family} run: remove it")
         for key in TEXT_ONLY_DATA_KEYS
         if getattr(config.data, key)
     ]
+    if config.model.quantization is not None:
+        # Said before anything starts: the diffusion family would ignore it, the VLM's ranks fail on it.
+        problems.append(
+            (
+                "model.quantization",
+                f"4-bit loading (QLoRA) is implemented for causal language models only, and this is a {family} run: "
+                "remove model.quantization (LoRA on the 16-bit model stays: model.lora)",
+            )
+        )
+    return problems
 
 
 def read_model_config_json(section: "ModelSection") -> dict[str, Any] | None:

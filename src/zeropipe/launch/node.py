@@ -64,6 +64,30 @@ def network_interfaces() -> list[str]:
     return sorted(names)
 
 
+def visible_gpu_count(environ=os.environ, driver_dir: Path = Path("/proc/driver/nvidia/gpus")) -> int | None:
+    """The NVIDIA GPUs the ranks here would see, without importing torch (seconds in a probe); None: not known.
+
+    CUDA_VISIBLE_DEVICES when set, else the devices NVIDIA's driver lists.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([device for device in visible.split(",") if device.strip() and not device.strip().startswith("-")])
+    try:
+        return len(list(driver_dir.iterdir()))
+    except OSError:
+        return None
+
+
+def too_few_gpus(accelerator: str, ranks: int, gpus: int | None, host: str) -> str | None:
+    """Why this node cannot run its ranks, one per GPU: otherwise the extra ones fail in set_device with no word of why."""
+    if accelerator != "cuda" or gpus is None or ranks <= gpus:
+        return None
+    return (
+        f"{host} has {gpus} GPU(s) but {ranks} ranks are assigned to it (one rank per GPU): give it slots={gpus} in the hostfile, "
+        f"ranks: {gpus} in hardware.nodes, or as many SLURM tasks per node as GPUs"
+    )
+
+
 def shared_problem(run_dir: Path, token: str, host: str) -> str | None:
     """Why this node cannot use the run directory, or None: it must hold the token the launcher just wrote.
 
@@ -125,6 +149,9 @@ class Agent:
     def hello(self) -> dict:
         args = self.args
         problem = None if args.probe else shared_problem(Path(args.run_dir), args.token, self.host)
+        gpus = visible_gpu_count()
+        if problem is None and not args.probe:
+            problem = too_few_gpus(args.accelerator, args.ranks, gpus, self.host)
         memory = psutil.virtual_memory()
         return dict(
             host=self.host,
@@ -134,6 +161,7 @@ class Agent:
             host_ram_total_bytes=memory.total,
             host_ram_used_bytes=memory.used,
             cpus=os.cpu_count(),
+            gpus=gpus,
             problem=problem,
         )
 

@@ -23,15 +23,7 @@ from pathlib import Path
 
 from zeropipe.engine.noise import quiet_known_noise
 from zeropipe.launch.rank import check_owner, die_with_launcher, leave, record_failure
-
-
-def encoder_precision_for(accelerator: str, device_precision: str, why: str) -> tuple[str, str]:
-    """bf16 where the device computes in it (UMT5-XXL then takes 11.4 GB instead of 22.7 GB), else fp32, never fp16 (T5 encoders overflow in it)."""
-    if device_precision == "bf16":
-        return "bf16", why
-    if accelerator == "cuda":
-        return "fp32", f"{why}, and text encoders such as T5 overflow in fp16"
-    return "fp32", why
+from zeropipe.models.common import encoder_precision_for  # the ranks load encoders by it too (caching off)
 
 
 def setup_device(accelerator: str):

@@ -303,8 +303,11 @@ def in_slurm_allocation(env: Mapping[str, str]) -> bool:
 def slurm_layout(env: Mapping[str, str], gpus: int | str, hostnames=slurm_hostnames) -> NodeLayout:
     """The nodes of the SLURM allocation this command runs in, with their rank counts.
 
-    Ranks per node: hardware.gpus when set, else the allocation's tasks per node
-    (SLURM_NTASKS_PER_NODE, else SLURM_TASKS_PER_NODE), else SLURM_GPUS_ON_NODE.
+    Ranks per node: hardware.gpus when set, else the tasks per node the job asked for
+    (SLURM_NTASKS_PER_NODE; SLURM_TASKS_PER_NODE when --ntasks was given), else the GPUs per
+    node (SLURM_GPUS_ON_NODE), else SLURM_TASKS_PER_NODE. sbatch always sets
+    SLURM_TASKS_PER_NODE, to one task per node when no task count was asked for: read first, it
+    would start one rank per node of ``--nodes=2 --gpus-per-node=4``.
 
     Raises:
         ConfigError: the command runs as one of several tasks of a step (each would start
@@ -330,12 +333,13 @@ def slurm_layout(env: Mapping[str, str], gpus: int | str, hostnames=slurm_hostna
     elif env.get("SLURM_NTASKS_PER_NODE"):
         counts = [int(env["SLURM_NTASKS_PER_NODE"])] * len(hosts)
         why = "SLURM_NTASKS_PER_NODE"
-    elif env.get("SLURM_TASKS_PER_NODE"):
+    elif env.get("SLURM_TASKS_PER_NODE") and (env.get("SLURM_NTASKS") or not env.get("SLURM_GPUS_ON_NODE")):
+        # SLURM_NTASKS is set only when the job asked for a task count (--ntasks).
         counts = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"], len(hosts))
         why = "SLURM_TASKS_PER_NODE"
     elif env.get("SLURM_GPUS_ON_NODE"):
         counts = [int(env["SLURM_GPUS_ON_NODE"])] * len(hosts)
-        why = "SLURM_GPUS_ON_NODE"
+        why = "SLURM_GPUS_ON_NODE (no task count asked for: one rank per GPU)"
     else:
         raise ConfigError([("hardware.gpus", "inside a SLURM allocation without tasks or GPUs per node: set hardware.gpus (ranks per node) or sbatch --ntasks-per-node")])
     node_id = env.get("SLURM_NODEID")

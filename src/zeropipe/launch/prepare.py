@@ -23,7 +23,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.confine import confining
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
-from zeropipe.launch.node_setup import encoder_precision_for
+from zeropipe.models.common import encoder_precision_for
 from zeropipe.launch.resolve import ResolvedRun, resolve_run
 from zeropipe.launch.resume import (
     check_resume_schedule,

@@ -9,7 +9,7 @@ config.yaml and builds ds_config.json from it, so the two cannot disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from zeropipe.families import model_spec
 from zeropipe.launch.auto import auto_knobs, fill_auto_knobs_from
 from zeropipe.launch.nodes import NodeLayout, resolve_layout
 from zeropipe.plan import PlanResult, plan_run
-from zeropipe.plan.hardware import Hardware, detect_hardware
+from zeropipe.plan.hardware import Hardware, detect_hardware, supports_bf16
 
 
 @dataclass
@@ -115,14 +115,28 @@ def detect_accelerator(config: RunConfig) -> tuple[str, int]:
 def auto_precision(accelerator: str, hardware: Hardware) -> tuple[str, str]:
     """(precision, why) for deepspeed.precision: auto on this hardware (on CPU ranks, the hardware object's CPU fact)."""
     if accelerator == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
+        # The hardware object's GPU facts (compute capability, read once by detect_hardware).
+        if hardware.accelerator != "cuda":
             return "bf16", "GPUs of Ampere or newer assumed (no GPU visible here to ask)"
-        if torch.cuda.is_bf16_supported():
+        if supports_bf16(hardware):
             return "bf16", "the GPUs support bf16"
-        return "fp16", f"{torch.cuda.get_device_name(0)} has no bf16"
+        return "fp16", f"{hardware.gpu_name or 'these GPUs'} has no bf16 (compute capability below 8.0)"
     return cpu_precision(hardware.cpu_bf16_native)
+
+
+def ranks_on_gpus(hardware: Hardware, world_size: int, layout: NodeLayout | None) -> Hardware:
+    """The machine as the run uses it: as many GPUs per node as ranks start there, not as many as are visible.
+
+    The auto knobs, the checks and the plan then count the ranks' memory and communication
+    (2 ranks on a 4-GPU box are planned on 2 GPUs; several nodes as the layout says).
+    """
+    if layout is None and hardware.nodes > 1:
+        return hardware  # several nodes described by the caller (zeropipe plan --nodes): planned as given
+    per_node, nodes = (layout.nodes[0].ranks, len(layout.nodes)) if layout is not None else (world_size, 1)
+    if (per_node, nodes) == (hardware.gpus_per_node, hardware.nodes):
+        return hardware
+    note = f"planned for the run's {per_node} rank(s) per node{f' on {nodes} nodes' if nodes > 1 else ''}, one GPU each ({hardware.gpus_per_node} visible)"
+    return replace(hardware.with_gpus(per_node), nodes=nodes, notes=hardware.notes + (note,))
 
 
 def confine(config: RunConfig, confinement: Confinement | None, user_ds_config: dict[str, Any] | None = None) -> None:
@@ -163,6 +177,9 @@ def resolve_run(
     confine(config, confinement)  # before the hostfile or the DeepSpeed JSON is read
     detected_accelerator, detected_ranks = detect_accelerator(config)
     accelerator = accelerator or detected_accelerator
+    if hardware is not None and accelerator == "cuda" and hardware.accelerator == "cuda" and config.hardware.gpus == "auto":
+        # hardware.gpus: auto is one rank per GPU of the machine decided for, which may not be this one.
+        detected_ranks = hardware.gpus_per_node
     layout = resolve_layout(config.hardware, detected_ranks)
     notes = []
     if layout is not None:
@@ -173,9 +190,26 @@ def resolve_run(
         else:
             detected_ranks = layout.world_size
             notes.append(f"{len(layout.nodes)} nodes from {layout.source}: {', '.join(f'{n.host} ({n.ranks} ranks)' for n in layout.nodes)}; world size {layout.world_size}")
+    ranks_from_config = world_size is None
     world_size = world_size or detected_ranks
     if hardware is None:
         hardware = detect_hardware(cpu_ranks=world_size)
+        if ranks_from_config and accelerator == "cuda" and hardware.accelerator == "cuda" and (layout is None or layout.launcher == "slurm"):
+            # This machine runs the ranks (of the first node, for SLURM): one GPU each.
+            ranks_here = layout.nodes[0].ranks if layout is not None else world_size
+            if ranks_here > hardware.gpus_per_node:
+                raise ConfigError(
+                    [
+                        (
+                            "hardware.gpus",
+                            f"{ranks_here} ranks would start on this machine, which has {hardware.gpus_per_node} GPUs (one rank per GPU): "
+                            f"each extra rank would fail to find its device. Set hardware.gpus: {hardware.gpus_per_node} (or auto), "
+                            "or ask the allocation for as many tasks per node as GPUs",
+                        )
+                    ]
+                )
+    if accelerator == "cuda" and hardware.accelerator == "cuda":
+        hardware = ranks_on_gpus(hardware, world_size, layout)
     native_precision = auto_precision(accelerator, hardware)
     user_json = read_user_config(Path(config.deepspeed.config_file)) if config.deepspeed.config_file else None
     confine(config, confinement, user_json)  # what the JSON writes to: csv_monitor, tensorboard, nvme_path...

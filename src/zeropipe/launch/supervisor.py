@@ -62,6 +62,14 @@ def free_port() -> int:
 CPU_RANK_MMAP_THRESHOLD = 1 << 20  # bytes: host buffers of CPU ranks above 1 MiB are mappings of their own
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a SLURM or container CPU set, not every core of the machine)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def rank_environment(
     rank: int, world_size: int, port: int, accelerator: str, local_rank: int | None = None, local_world_size: int | None = None,
     master_addr: str = "127.0.0.1", node_rank: int = 0, zero_stage: int | None = None,
@@ -85,10 +93,11 @@ def rank_environment(
         # The rank exits when this process does (see zeropipe.launch.rank.die_with_launcher).
         ZEROPIPE_LAUNCHER_PID=str(os.getpid()),
     )
+    # Ranks share the cores: without this each rank starts one thread per core and they thrash
+    # (CPU ranks' every op; GPU ranks' CPU Adam with optimizer offload: 5 ranks x all cores).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // local_world_size)))
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
-        # Ranks share the cores: without this each rank starts one thread per core and they thrash.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_world_size)))
         # On CPU ranks ZeRO-3 gathers every layer into new host buffers and frees them after use.
         # glibc raises its mmap threshold to the size of each freed block (up to 32 MiB), so
         # later buffers come from the heap and their holes are never given back: 0.4B-parameter

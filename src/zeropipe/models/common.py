@@ -21,6 +21,20 @@ TRANSFORMERS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def encoder_precision_for(accelerator: str, device_precision: str, why: str) -> tuple[str, str]:
+    """The dtype frozen text encoders are loaded in, by the node's setup process and by ranks encoding with caching off.
+
+    bf16 where the device computes in it (UMT5-XXL then takes 11.4 GB instead of 22.7 GB), else
+    fp32, never fp16 (T5 encoders overflow in it). VAEs stay fp32 (image VAEs overflow in half
+    precision). The planner counts the same (``plan.memory.frozen_model_bytes``).
+    """
+    if device_precision == "bf16":
+        return "bf16", why
+    if accelerator == "cuda":
+        return "fp32", f"{why}, and text encoders such as T5 overflow in fp16"
+    return "fp32", why
+
+
 def model_config(section: ModelSection, vocab_size: int | None = None):
     """The transformers config of the model (inline or read from model.path)."""
     from transformers import CONFIG_MAPPING, AutoConfig

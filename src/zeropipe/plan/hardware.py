@@ -52,6 +52,9 @@ class Hardware:
     # What zeropipe calibrate measured on this kind of machine (read once, by detect_hardware);
     # None: the cost model assumes its speeds (plan/cost.py says which).
     calibration: Calibration | None = None
+    # The GPUs compute in bf16 in hardware (compute capability 8.0, Ampere, or newer; read once,
+    # by detect_hardware). None where not known (GPUs described on the command line: judged by name).
+    gpu_bf16_native: bool | None = None
 
     @property
     def world_size(self) -> int:
@@ -134,8 +137,11 @@ def detect_hardware(cpu_ranks: int = 2) -> Hardware:
         notes = [f"detected {count} CUDA device(s): {', '.join(names)}; host RAM {format_gib(ram)}"]
         if len(names) > 1 or len({p.total_memory for p in props}) > 1:
             notes.append(f"GPUs differ: every rank is planned with the smallest ({smallest.name}, {format_gib(smallest.total_memory)})")
+        # torch.cuda.is_bf16_supported() counts emulation (pre-Ampere GPUs say yes): ask the capability.
+        bf16 = all(p.major >= 8 for p in props)
         return Hardware(
-            count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively(), calibration=read_calibration()
+            count, int(smallest.total_memory), 1, ram, smallest.name, "cuda", tuple(notes), cpu_bf16_native=cpu_runs_bf16_natively(),
+            calibration=read_calibration(), gpu_bf16_native=bf16,
         )
     note = (
         f"no CUDA device: {cpu_ranks} CPU ranks, and the 'GPU memory' of each CPU rank is its share of the "
@@ -148,6 +154,8 @@ def supports_bf16(hardware: Hardware) -> bool:
     """bf16 on GPUs needs Ampere or newer (names of older cards are recognised, unknown ones are assumed new); on CPU ranks, bf16 in hardware."""
     if hardware.accelerator == "cpu":
         return hardware.cpu_bf16_native
+    if hardware.gpu_bf16_native is not None:
+        return hardware.gpu_bf16_native
     if not hardware.gpu_name:
         return True
     name = hardware.gpu_name.lower()

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from zeropipe.plan.hardware import GIB, Hardware
 
 if TYPE_CHECKING:
-    from zeropipe.plan.model_spec import BlockShape, LoraShape, ModelSpec
+    from zeropipe.plan.model_spec import BlockShape, LoraShape, ModelSpec, QuantizedBase
 
 # Phases of a rank's life: the peak is what is always there plus the larger phase.
 ALWAYS = "always"
@@ -42,6 +42,7 @@ FORWARD_BACKWARD = "forward/backward"
 OPTIMIZER_STEP = "optimizer step"
 LOADING = "model loading"
 TRAINING = "training"
+CACHE_FILLING = "cache filling"  # the node's setup process, before any rank starts
 
 # DeepSpeed's own defaults, used when the model's hidden size is unknown (--params).
 DEFAULT_REDUCE_BUCKET_ELEMENTS = 500_000_000
@@ -52,6 +53,10 @@ STAGE3_SUB_GROUP_ELEMENTS = 1_000_000_000  # DeepSpeed's default sub_group_size:
 # decide how many gathered weights ZeRO-3 keeps whole on every rank (see zero3_retained_elements).
 DEFAULT_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
 DEFAULT_STAGE3_REUSE_DISTANCE = 1_000_000_000
+# bitsandbytes' 4-bit format: one absmax per 64 weights; double quantization stores those as uint8
+# with one fp32 scale per 256 of them.
+QUANT_BLOCK_SIZE = 64
+NESTED_QUANT_BLOCK_SIZE = 256
 PARTITION_ALIGNMENT = 2  # ZeRO-1/2 pad the flat buffer to a multiple of 2 x ranks elements (NCCL 4-byte alignment)
 
 # Assumptions about the software stack; each is said in the term that uses it.
@@ -218,6 +223,71 @@ def optimizer_step_bytes(trainable: int, world_size: int, choice: Choice) -> int
     return share * 4
 
 
+def frozen_model_bytes(models, precision: str) -> int:
+    """Frozen encoders as the ranks load them with caching off (``models.common.encoder_precision_for``):
+    text and image encoders in bf16 where the run is bf16, else fp32 (never fp16: T5 overflows); the VAE in fp32."""
+    return sum(model.params * (2 if precision == "bf16" and not model.name.startswith("vae") else 4) for model in models)
+
+
+def cache_filling_placement(spec: ModelSpec, hardware: Hardware, precision: str) -> tuple[int, int, str]:
+    """(bytes on the node's first GPU, bytes streamed from host RAM, where) while the node's setup process encodes captions.
+
+    It loads the text encoders on the first GPU; one larger than that GPU is spread over the
+    node's GPUs and, beyond them, host RAM (``diffusion.pipelines.spread_placement``, which keeps
+    10% of each GPU free).
+    """
+    encoders = [m for m in spec.cached_models if not m.name.startswith("vae")]
+    text = frozen_model_bytes(encoders, precision)
+    vae = frozen_model_bytes([m for m in spec.cached_models if m.name.startswith("vae")], precision)
+    usable = int((hardware.gpu_memory_bytes - CUDA_CONTEXT_BYTES) * 0.9)
+    if text <= usable:
+        # The VAE (latents) and the text encoders (captions) are loaded one after the other.
+        return max(text, vae), 0, "on the node's first GPU"
+    gpus = hardware.gpus_per_node
+    on_each = min(math.ceil(text / gpus), usable)
+    streamed = max(0, text - on_each * gpus)
+    where = f"spread over the node's {gpus} GPUs ({_gib(on_each)} each)" + (f", {_gib(streamed)} streamed from host RAM" if streamed else "")
+    return max(on_each, vae), streamed, where
+
+
+def quantization_constant_bytes(base: QuantizedBase) -> int:
+    """bitsandbytes' absmax per block (and, with double quantization, their own scales): attributes, whole on every rank."""
+    blocks = math.ceil(base.params_4bit / QUANT_BLOCK_SIZE)
+    return blocks + 4 * math.ceil(blocks / NESTED_QUANT_BLOCK_SIZE) if base.double_quant else 4 * blocks
+
+
+def quantized_base_bytes(base: QuantizedBase) -> int:
+    """The whole QLoRA base as bitsandbytes holds it: two 4-bit weights per byte, the constants, the fp32 upcasts."""
+    return math.ceil(base.params_4bit / 2) + quantization_constant_bytes(base) + base.params_upcast * 4
+
+
+def quantized_base_terms(base: QuantizedBase, world_size: int, choice: Choice) -> list[Term]:
+    """QLoRA's frozen base on one GPU: 4-bit linear layers and fp32 upcasts, a 1/N share of each under ZeRO-3."""
+    n = world_size
+
+    def held(total: int) -> int:
+        if choice.zero_stage < 3:
+            return total
+        return 0 if choice.offload_param else math.ceil(total / n)
+
+    share = "all of them" if choice.zero_stage < 3 else (f"a 1/{n} share (ZeRO-3)" if not choice.offload_param else "none: offloaded to host RAM (ZeRO-3)")
+    constants = quantization_constant_bytes(base)
+    return [
+        Term(
+            "frozen 4-bit base",
+            held(math.ceil(base.params_4bit / 2)) + constants,
+            f"{_count(base.params_4bit)} linear-layer weights, two per byte, {share}; plus bitsandbytes' quantization constants "
+            f"({_gib(constants)}{', double-quantized' if base.double_quant else ''}), whole on every rank",
+        ),
+        Term(
+            "frozen weights upcast to fp32",
+            held(base.params_upcast * 4),
+            f"{_count(base.params_upcast)} weights outside the linear layers (embeddings, output head, norms), which "
+            f"prepare_model_for_kbit_training casts to fp32, {share}",
+        ),
+    ]
+
+
 def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[Term]:
     """Weights, gradients and optimizer states on one GPU: the ZeRO paper's 2Ψ + 2Ψ + KΨ, partitioned."""
     n = world_size
@@ -232,13 +302,16 @@ def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[
         # LoRA, or frozen parts without LoRA (a vision-language model's frozen vision tower).
         label, what = ("LoRA adapters", f"trainable adapter weights (r={spec.lora.r})") if spec.lora is not None else ("trainable weights", "trainable weights")
         terms.append(Term(f"{label} ({bits})", parameter_bytes(trainable, 0, n, choice), f"{_count(trainable)} {what}, {share}"))
-        terms.append(
-            Term(
-                f"frozen base weights ({bits})",
-                parameter_bytes(0, frozen, n, choice),
-                f"{_count(frozen)} frozen weights: no gradients or optimizer states, {share}",
+        if spec.quantized is not None:
+            terms += quantized_base_terms(spec.quantized, n, choice)
+        else:
+            terms.append(
+                Term(
+                    f"frozen base weights ({bits})",
+                    parameter_bytes(0, frozen, n, choice),
+                    f"{_count(frozen)} frozen weights: no gradients or optimizer states, {share}",
+                )
             )
-        )
     grads = gradient_bytes(trainable, n, choice, spec.parameter_sizes)
     if stage == 0:
         why = "one per trainable weight (plain data parallelism)"
@@ -498,10 +571,17 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             what += ", twice while gloo gathers it (CPU ranks)"
         if whole:
             what = "full gradient" if spec.lora is None else "nothing more (every layer stays gathered, below)"
+        # QLoRA: the largest module is the embedding or the output head, upcast to fp32; the
+        # kept-gathered weights are counted at the base's mean bytes per weight.
+        gathered_v = 4 if spec.quantized is not None else v
+        retained_bytes = retained * v
+        if spec.quantized is not None:
+            base = spec.quantized
+            retained_bytes = math.ceil(retained * quantized_base_bytes(base) / max(1, base.params_4bit + base.params_upcast))
         terms.append(
             Term(
                 "gathered layer + prefetch (ZeRO-3)",
-                (gathered + (0 if whole else prefetch_bucket)) * v,
+                gathered * gathered_v + (0 if whole else prefetch_bucket) * v,
                 f"the largest layer's {what} ({_count(largest)} weights, {spec.largest_layer_name or 'largest module'})"
                 + ("" if whole else f" plus a {_count(prefetch_bucket)}-element prefetch bucket"),
                 FORWARD_BACKWARD,
@@ -511,7 +591,7 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         terms.append(
             Term(
                 "parameters kept gathered (ZeRO-3)",
-                retained * v,
+                retained_bytes,
                 (
                     f"from the second step on DeepSpeed prefetches and keeps gathered weights up to stage3_max_live_parameters "
                     f"({_count(live)}) and keeps those used again within stage3_max_reuse_distance ({_count(distance)}): "
@@ -522,6 +602,20 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
                 if retained
                 else f"stage3_max_live_parameters {live}, stage3_max_reuse_distance {distance}: each layer is released after use",
                 FORWARD_BACKWARD,
+            )
+        )
+    if spec.quantized is not None and stage == 3:
+        # transformers builds a quantized model outside deepspeed.zero.Init: every rank first
+        # loads the whole 4-bit base onto its device; DeepSpeed partitions it only in initialize.
+        whole = quantized_base_bytes(spec.quantized)
+        held = sum(t.bytes for t in quantized_base_terms(spec.quantized, n, choice))
+        terms.append(
+            Term(
+                "whole 4-bit base while loading (QLoRA)",
+                max(0, whole - held),
+                f"transformers loads a quantized model without deepspeed.zero.Init: each rank holds the whole base "
+                f"({_gib(whole)}: 4-bit layers, constants, fp32 upcasts) until DeepSpeed partitions it",
+                LOADING,
             )
         )
     if choice.offload_optimizer and stage in (1, 2):
@@ -537,18 +631,32 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         terms.append(
             Term(
                 "frozen models (text encoders, VAE)",
-                spec.frozen_model_params * v,
-                f"{names}: {_count(spec.frozen_model_params)} weights on every GPU to encode captions and images each step; "
+                frozen_model_bytes(spec.frozen_models, choice.precision),
+                f"{names}: {_count(spec.frozen_model_params)} weights on every GPU to encode captions and images each step "
+                f"(encoders in {'bf16' if choice.precision == 'bf16' else 'fp32'}, the VAE in fp32); "
                 "caching latents and text embeddings removes them",
             )
         )
     if spec.cached_models:
         names = ", ".join(m.name for m in spec.cached_models)
-        saved = sum(m.params for m in spec.cached_models) * v
+        saved = frozen_model_bytes(spec.cached_models, choice.precision)
         terms.append(Term("frozen models (text encoders, VAE)", 0, f"{names} not loaded: their outputs are cached before training (saves {_gib(saved)} per GPU)"))
     if hardware.accelerator == "cuda":
         terms.append(
             Term("CUDA context", CUDA_CONTEXT_BYTES, "CUDA context, cuBLAS workspace and NCCL buffers: about 1 GiB on current drivers (assumed)")
+        )
+    if hardware.accelerator == "cuda" and any(not m.name.startswith("vae") for m in spec.cached_models):
+        on_first, _streamed, where = cache_filling_placement(spec, hardware, choice.precision)
+        always = sum(t.bytes for t in terms if t.phase == ALWAYS)
+        names = ", ".join(m.name for m in spec.cached_models if not m.name.startswith("vae"))
+        terms.append(
+            Term(
+                "text encoders while filling the caches (node setup)",
+                max(0, on_first + CUDA_CONTEXT_BYTES - always),
+                f"{names}: {_gib(frozen_model_bytes([m for m in spec.cached_models if not m.name.startswith('vae')], choice.precision))} "
+                f"{where}, with a CUDA context, before any rank starts; counted as the part above what a rank always holds",
+                CACHE_FILLING,
+            )
         )
     working = sum(t.bytes for t in terms if t.phase == FORWARD_BACKWARD)
     terms.append(
@@ -611,9 +719,17 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
         Term("rank processes", local * process, f"{local} x {_gib(process)}: Python, torch, DeepSpeed and the CUDA libraries per rank (assumed)")
     )
 
-    frozen_models = spec.frozen_model_params * v
+    frozen_models = frozen_model_bytes(spec.frozen_models, choice.precision)
     method = choice.loading_method
-    if method == "partitioned":
+    if spec.quantized is not None:
+        # QLoRA: every rank reads the memory-mapped checkpoint tensor by tensor and quantizes it
+        # onto its device (on CPU ranks that device is host RAM: the per-rank peak below holds it).
+        loading = local * spec.largest_parameter * v
+        why = (
+            f"{local} ranks each stage one checkpoint tensor at a time ({_gib(spec.largest_parameter * v)}) while bitsandbytes "
+            "quantizes it on the rank's device; every rank ends with the whole 4-bit base (no deepspeed.zero.Init for quantized models)"
+        )
+    elif method == "partitioned":
         share = (partition_elements(everything, n) + spec.largest_layer_params) * v
         loading = local * (share + frozen_models)
         why = (
@@ -633,6 +749,10 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
         why += f"; with the frozen models ({_gib(frozen_models)} per rank)"
     terms.append(Term("model loading peak", loading, why, LOADING))
 
+    if hardware.accelerator == "cuda" and any(not m.name.startswith("vae") for m in spec.cached_models):
+        _on_first, streamed, where = cache_filling_placement(spec, hardware, choice.precision)
+        if streamed:
+            terms.append(Term("text encoders streamed from host RAM (node setup)", streamed, f"while the caches are filled: {where}", CACHE_FILLING))
     if choice.offload_optimizer and choice.zero_stage > 0:
         share = partition_elements(trainable, n)
         k = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)
@@ -676,7 +796,12 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
             )
     if choice.offload_param and choice.zero_stage == 3:
         share = partition_elements(everything, n)
-        terms.append(Term("offloaded parameters", local * share * v, f"{local} ranks x a 1/{n} share of the weights, 16-bit", TRAINING))
+        offloaded, what = share * v, "16-bit"
+        if spec.quantized is not None:
+            # QLoRA: the base's share is offloaded as it is held, 4-bit layers and fp32 upcasts.
+            offloaded = math.ceil((quantized_base_bytes(spec.quantized) - quantization_constant_bytes(spec.quantized)) / n) + partition_elements(trainable, n) * v
+            what = "the base as bitsandbytes holds it, the adapters 16-bit"
+        terms.append(Term("offloaded parameters", local * offloaded, f"{local} ranks x a 1/{n} share of the weights, {what}", TRAINING))
         if hardware.accelerator == "cuda":
             terms.append(
                 Term(

@@ -74,6 +74,20 @@ class LoraShape:
 
 
 @dataclass(frozen=True)
+class QuantizedBase:
+    """QLoRA's frozen base as bitsandbytes holds it: the linear layers' weights in 4 bits, the rest upcast to fp32.
+
+    transformers quantizes every linear layer but the output head; peft's
+    ``prepare_model_for_kbit_training`` then casts every other 16-bit weight (embeddings, the
+    output head, norms, biases) to fp32.
+    """
+
+    params_4bit: int  # weights of the quantized linear layers
+    params_upcast: int  # the other frozen weights, fp32 after prepare_model_for_kbit_training
+    double_quant: bool = True
+
+
+@dataclass(frozen=True)
 class FrozenModel:
     name: str
     params: int
@@ -102,6 +116,8 @@ class ModelSpec:
     activation_trace: ActivationTrace | None = None
     source: str = ""
     published_params: int | None = None
+    quantizable_params: int = 0  # weights of the linear layers but the output head: what 4-bit loading quantizes
+    quantized: QuantizedBase | None = None  # QLoRA (model.quantization): how the frozen base is held
 
     @property
     def frozen_base_params(self) -> int:
@@ -126,6 +142,7 @@ class ModelSpec:
             "lora": None if self.lora is None else {"r": self.lora.r, "target_modules": list(self.lora.target_modules), "dropout": self.lora.dropout},
             "frozen_models": [{"name": m.name, "params": m.params} for m in self.frozen_models],
             "activation_trace": None if self.activation_trace is None else vars(self.activation_trace),
+            "quantized": None if self.quantized is None else vars(self.quantized),
             "source": self.source,
         }
 
@@ -278,7 +295,16 @@ def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection |
         parameter_sizes=tuple(sizes),
         block=block,
         lora=lora_shape,
+        quantizable_params=_quantizable_params(model),
     )
+
+
+def _quantizable_params(model) -> int:
+    """Weights of the linear layers transformers' bitsandbytes loading quantizes: all but the output head."""
+    import torch
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not output)
 
 
 def _decoder_layers(model, count: int):

@@ -90,15 +90,15 @@ def test_zp006_device_map_and_low_cpu_mem_usage(make):
 
 
 def test_zp007_qlora_storage_under_zero3(make, monkeypatch):
-    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_installed", lambda: True)
+    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_version", lambda: (0, 43, 1))
     qlora = {"path": "BASE", "lora": {"r": 8}, "quantization": {"quant_storage": "uint8"}}
     findings = check_config(make(model=qlora, deepspeed={"zero_stage": 3}), accelerator="cuda")
     assert any(f.rule == "ZP007" and "quant_storage" in f.key for f in findings)
     qlora["quantization"]["quant_storage"] = "auto"
     assert "ZP007" not in rule_ids(make(model=qlora, deepspeed={"zero_stage": 3}), accelerator="cuda")
-    # Without a GPU the same config is refused plainly.
+    # Without a GPU, a bitsandbytes without its CPU backend is refused plainly.
     findings = check_config(make(model=qlora, deepspeed={"zero_stage": 3}))
-    assert any(f.rule == "ZP007" and "need CUDA" in f.message for f in findings)
+    assert any(f.rule == "ZP007" and "no CPU 4-bit backend" in f.message for f in findings)
 
 
 def test_qlora_storage_auto_follows_compute_dtype_under_zero3(make):

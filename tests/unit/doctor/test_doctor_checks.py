@@ -106,6 +106,14 @@ def test_cuda_versions(torch_cuda, nvcc, expected):
         assert "DS_SKIP_CUDA_CHECK=1" in finding.fix
 
 
+def test_cuda_minor_pairs_missing_from_deepspeeds_table_are_explained():
+    # CUDA 12.7 (between 12.6 and 12.8 in the table) and 13.x (no entries): gaps in DeepSpeed's list.
+    gap = by_id(checks.check_cuda_toolkit("12.8", toolkit("12.7"), environment()), "cuda.toolkit")
+    assert gap.status == "error" and "lacks 12.7" in gap.detail and "gap in DeepSpeed's table" in gap.detail
+    thirteen = by_id(checks.check_cuda_toolkit("13.0", toolkit("13.1"), environment()), "cuda.toolkit")
+    assert "lists no CUDA 13.x releases at all" in thirteen.detail and "DS_SKIP_CUDA_CHECK=1" in thirteen.fix
+
+
 def test_cuda_torch_without_nvcc_is_a_warning():
     finding = by_id(checks.check_cuda_toolkit("12.8", toolkit(None), environment()), "cuda.toolkit")
     assert finding.status == "warning"

@@ -191,3 +191,21 @@ def test_a_second_thread_waits_for_the_built_ins_instead_of_finding_none(monkeyp
     time.sleep(0.05)  # the first thread is loading now
     assert registry.family_of(ModelSection(config=llama())).name == "causal_lm"
     first.join()
+
+
+@pytest.mark.parametrize("model", [{"config": {"pipeline": "tiny-sdxl"}}, {"config": {"model_type": "llava", "vision_config": {}, "text_config": llama()}}])
+def test_quantization_outside_causal_lms_is_refused_by_check(tmp_path, model):
+    """QLoRA's 4-bit base on a diffusion run (ignored) or a VLM run (failed in the ranks): ZP000 names the key before anything starts."""
+    from zeropipe.check.run import check_config
+    from zeropipe.config.load import validate_config
+    from zeropipe.plan.hardware import GIB, Hardware
+
+    images = tmp_path / "images"
+    images.mkdir()
+    config = validate_config(
+        {"model": {**model, "lora": {"r": 4}, "quantization": {}}, "data": {"path": str(images)}, "deepspeed": {"zero_stage": 2, "precision": "fp32"}, "hardware": {"gpus": 2}}
+    )
+    hardware = Hardware(gpus_per_node=2, gpu_memory_bytes=24 * GIB, nodes=1, host_ram_bytes=64 * GIB, accelerator="cuda", gpu_bf16_native=True)
+    findings = [f for f in check_config(config, accelerator="cuda", hardware=hardware) if f.key == "model.quantization"]
+    family = registry.family_of(config.model).name
+    assert any(f.rule == "ZP000" and f.severity == "error" and f"this is a {family} run" in f.message for f in findings), findings

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from zeropipe.launch.diagnose import RankExit, diagnose
-from zeropipe.launch.node import HEARTBEAT_TIMEOUT, TOKEN_FILE, shared_problem, versions
+from zeropipe.launch.node import HEARTBEAT_TIMEOUT, TOKEN_FILE, shared_problem, too_few_gpus, versions, visible_gpu_count
 
 SRC = Path(__file__).resolve().parents[3] / "src"
 
@@ -78,3 +78,19 @@ def test_a_lost_node_is_the_cause_not_the_survivors_connection_errors():
     assert text.startswith("rank 1 on node 1 (box2) was lost with its node: the SSH connection was lost")
     assert "ssh HOST true" in diagnosis.fix
     assert "rank 0 on node 0 (box1) exited 1" in text
+
+
+def test_a_node_with_fewer_gpus_than_its_slots_is_named_before_any_rank_starts(tmp_path):
+    """A hostfile's slots=4 on a 2-GPU node: the agent says so in its hello, and the launcher refuses to start (issue 31)."""
+    driver = tmp_path / "gpus"
+    driver.mkdir()
+    for bus in ("0000:01:00.0", "0000:02:00.0"):
+        (driver / bus).mkdir()
+    assert visible_gpu_count({}, driver) == 2
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "0,1,2"}, driver) == 3
+    assert visible_gpu_count({}, tmp_path / "no-driver") is None
+    problem = too_few_gpus("cuda", 4, 2, "gpu07")
+    assert "gpu07 has 2 GPU(s) but 4 ranks are assigned to it" in problem and "slots=2" in problem
+    assert too_few_gpus("cuda", 2, 2, "gpu07") is None
+    assert too_few_gpus("cpu", 4, 0, "box") is None, "CPU ranks need no GPU"
+    assert too_few_gpus("cuda", 4, None, "gpu07") is None, "unknown: left to the ranks"

@@ -72,6 +72,27 @@ def test_slurm_uneven_tasks_per_node_and_explicit_gpus():
     assert [n.ranks for n in layout.nodes] == [1, 1, 1]
 
 
+def test_slurm_gpus_per_node_without_a_task_count_starts_a_rank_per_gpu():
+    # sbatch --nodes=2 --gpus-per-node=4 (no --ntasks...): sbatch still sets SLURM_TASKS_PER_NODE, to 1(x2).
+    env = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "gpu[01-02]",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_TASKS_PER_NODE": "1(x2)",
+        "SLURM_GPUS_ON_NODE": "4",
+    }
+    layout = resolve_layout(HardwareSection(), 2, env, hostnames=parser_only)
+    assert [n.ranks for n in layout.nodes] == [4, 4] and layout.world_size == 8
+    assert "SLURM_GPUS_ON_NODE" in layout.notes[0]
+    # With a task count asked for (--ntasks=2), the tasks decide, as before.
+    layout = resolve_layout(HardwareSection(), 2, env | {"SLURM_NTASKS": "2"}, hostnames=parser_only)
+    assert [n.ranks for n in layout.nodes] == [1, 1]
+    # A CPU allocation (no GPUs): the tasks per node.
+    env.pop("SLURM_GPUS_ON_NODE")
+    assert [n.ranks for n in resolve_layout(HardwareSection(), 2, env, hostnames=parser_only).nodes] == [1, 1]
+
+
 def test_zeropipe_started_as_one_of_many_srun_tasks_is_refused():
     env = SLURM_THREE_NODES | {"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "12"}
     with pytest.raises(ConfigError, match="every task would start the whole run"):

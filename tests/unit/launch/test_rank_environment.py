@@ -24,3 +24,16 @@ def test_a_threshold_the_user_set_is_kept(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     for stage in (2, 3):
         assert rank_environment(1, 2, 29500, "cpu", zero_stage=stage)["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
+
+def test_gpu_and_cpu_ranks_share_the_cores(monkeypatch):
+    """GPU ranks too: with optimizer offload each runs DeepSpeed's CPU Adam on OpenMP threads (issue 31)."""
+    import zeropipe.launch.supervisor as supervisor
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(supervisor, "usable_cores", lambda: 20)  # this machine's CPU set, as the one function reads it
+    for accelerator in ("cuda", "cpu"):
+        assert rank_environment(0, 5, 29500, accelerator)["OMP_NUM_THREADS"] == "4"
+    assert rank_environment(0, 8, 29500, "cuda", local_world_size=4)["OMP_NUM_THREADS"] == "5"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert rank_environment(0, 5, 29500, "cuda")["OMP_NUM_THREADS"] == "2", "the user's own setting is kept"

@@ -60,7 +60,7 @@ def test_transformers_accepts_the_arguments_without_a_gpu(qlora):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_zp007_storage_must_match_the_model_dtype_under_zero3(qlora, monkeypatch, precision):
-    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_installed", lambda: True)
+    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_version", lambda: (0, 50, 2))
     other = "fp16"
     storage = [f for f in check_config(qlora(precision, 3, quant_storage=other), accelerator="cuda") if f.rule == "ZP007"]
     assert [f.key for f in storage] == ["model.quantization.quant_storage"]
@@ -69,13 +69,30 @@ def test_zp007_storage_must_match_the_model_dtype_under_zero3(qlora, monkeypatch
     assert not [f for f in check_config(qlora(precision, 3), accelerator="cuda") if f.rule == "ZP007"]
 
 
-def test_zp007_without_cuda_or_bitsandbytes(qlora, monkeypatch):
-    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_installed", lambda: False)
-    # No CUDA: one finding, which says CUDA is needed and how to install bitsandbytes where it is.
-    (cpu,) = [f for f in check_config(qlora("bf16", 3), accelerator="cpu") if f.rule == "ZP007"]
-    assert cpu.key == "model.quantization" and "need CUDA" in cpu.message and "pip install bitsandbytes" in cpu.fix
-    (cuda,) = [f for f in check_config(qlora("bf16", 3), accelerator="cuda") if f.rule == "ZP007"]
-    assert "not installed" in cuda.message and cuda.fix.startswith("pip install bitsandbytes")
-    monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_installed", lambda: True)
-    (cpu,) = [f for f in check_config(qlora("bf16", 3), accelerator="cpu") if f.rule == "ZP007"]
-    assert "pip install" not in cpu.fix
+def test_zp007_refuses_only_where_no_4bit_backend_exists(qlora, monkeypatch):
+    def findings(accelerator, installed):
+        monkeypatch.setattr("zeropipe.check.rules.bitsandbytes_version", lambda: installed)
+        return [f for f in check_config(qlora("fp32", 3), accelerator=accelerator) if f.rule == "ZP007"]
+
+    # bitsandbytes with its CPU 4-bit backend: QLoRA runs on CPU ranks as on GPUs.
+    assert findings("cpu", (0, 50, 2)) == [] and findings("cuda", (0, 50, 2)) == []
+    # An older bitsandbytes has CUDA kernels only: fine on GPUs, refused on CPU ranks with the version to install.
+    assert findings("cuda", (0, 43, 1)) == []
+    (old,) = findings("cpu", (0, 43, 1))
+    assert old.key == "model.quantization" and "0.43.1 has no CPU 4-bit backend" in old.message and "bitsandbytes>=0.47" in old.fix
+    # None installed: one finding on either machine, naming the install.
+    for accelerator in ("cpu", "cuda"):
+        (missing,) = findings(accelerator, None)
+        assert "not installed" in missing.message and missing.fix.startswith("pip install 'bitsandbytes>=0.47'")
+
+
+def test_zp007_reads_the_installed_version_without_importing_bitsandbytes(monkeypatch):
+    import sys
+
+    from zeropipe.check.rules import bitsandbytes_version, version_tuple
+
+    assert version_tuple("0.50.2") == (0, 50, 2) and version_tuple("0.47.0.dev0") == (0, 47, 0)
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+    installed = bitsandbytes_version()
+    assert "bitsandbytes" not in sys.modules
+    assert installed is None or installed >= (0, 43)

@@ -19,7 +19,7 @@ from zeropipe.data.tokenize import describe_cache
 from zeropipe.errors import ConfigError
 from zeropipe.export.hf import ExportJob, write_transformers_export
 from zeropipe.families.causal_lm import generate as text_generation
-from zeropipe.families.causal_lm.model import causal_lm_for_export
+from zeropipe.families.causal_lm.model import causal_lm_for_export, trained_weights
 from zeropipe.families.causal_lm.prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
 from zeropipe.families.causal_lm.spec import causal_lm_config_spec
 from zeropipe.families.causal_lm.task import CausalLMTask
@@ -101,7 +101,8 @@ class CausalLM:
         return causal_lm_config_spec(config)
 
     def export(self, job: ExportJob) -> Path:
-        return write_transformers_export(job, causal_lm_for_export(job.config))
+        model = causal_lm_for_export(job.config)
+        return write_transformers_export(job, model, trained_weights(model, job.config.model, job.state_dict()))
 
     def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
         return text_generation.load_causal_lm(source, device, dtype)

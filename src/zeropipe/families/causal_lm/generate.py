@@ -17,7 +17,7 @@ from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checke
 from zeropipe.data.tokenize import render_prompt
 from zeropipe.errors import ZeroPipeError
 from zeropipe.export.generate import DEFAULT_MAX_NEW_TOKENS, Conversation, Generation, LoadedModel, ModelSource, as_messages, check_context, last_user_text, read_run_config
-from zeropipe.families.causal_lm.model import add_lora
+from zeropipe.families.causal_lm.model import add_lora, trained_weights
 from zeropipe.models.common import model_config
 
 
@@ -44,11 +44,6 @@ def causal_lm_from_run(source: ModelSource):
     assert source.checkpoint is not None
     config = read_run_config(source.path)
     section = config.model
-    if section.quantization is not None:
-        raise ZeroPipeError(
-            f"{source.path} is a QLoRA run: its checkpoint holds 4-bit packed weights. Export the adapter "
-            f"(zeropipe export {source.path} --out DIR) and generate from DIR on a CUDA machine"
-        )
     tokenizer_dir = source.path / "tokenizer"
     if not tokenizer_dir.is_dir():
         raise ZeroPipeError(f"{source.path} has no tokenizer/ directory: the run did not finish preparing; generate from another run")
@@ -63,7 +58,8 @@ def causal_lm_from_run(source: ModelSource):
     # zero_to_fp32 reports its progress on stdout, which is where --json writes the result.
     with contextlib.redirect_stdout(sys.stderr):
         state = consolidated_state_dict(source.checkpoint)
-    load_checked(model, state, source.checkpoint)
+    # A QLoRA run answers with its adapters on model.path's full-precision base, as its export does.
+    load_checked(model, trained_weights(model, section, state), source.checkpoint)
     return model, with_pad_token(AutoTokenizer.from_pretrained(str(tokenizer_dir))), config.generate.max_new_tokens
 
 

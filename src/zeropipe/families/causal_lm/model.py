@@ -71,6 +71,7 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
             from peft import prepare_model_for_kbit_training
 
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=section.gradient_checkpointing)
+            prepare_4bit_modules(model)
     else:
         config._attn_implementation = section.attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -84,6 +85,49 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
     if section.lora is not None:
         model = add_lora(model, section)
     return model
+
+
+QUANT_STATE_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".quant_state.")
+
+
+def prepare_4bit_modules(model) -> None:
+    """Make a QLoRA base's 4-bit layers fit the trainer's checkpoints and every CPU.
+
+    - A resume loads the checkpoint's module state strictly. The frozen 4-bit base is rebuilt
+      from model.path by the rank itself; the quantisation constants bitsandbytes writes beside
+      each packed weight (``weight.absmax``, ``weight.quant_map``, ...) have no parameter to go
+      into, so each 4-bit layer drops them from what it is handed (torch's load pre-hook).
+    - On a CPU with AVX512-BF16, bitsandbytes' Linear4bit repacks its weight on the first
+      forward pass in eval mode (samples, evaluation), replacing ``weight.data`` with a tensor of
+      another shape and dtype: ZeRO-3's partitioned parameters cannot take that, and the repack
+      needs in_features to be a multiple of the block size. Training ranks run the same kernels
+      in train and eval mode, on every CPU.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            module.register_load_state_dict_pre_hook(drop_quant_state)
+
+
+def drop_quant_state(module, state_dict, prefix, *args) -> None:
+    for key in [key for key in state_dict if key.startswith(prefix + "weight.") and any(suffix in key[len(prefix) + 6 :] for suffix in QUANT_STATE_SUFFIXES)]:
+        del state_dict[key]
+
+
+def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights to load into ``causal_lm_for_export``'s model.
+
+    A QLoRA checkpoint holds the base as 4-bit packed bytes and their quantisation constants;
+    the exported model is the full-precision base of model.path, so only what trained (the
+    adapters) is taken from the checkpoint and the rest is the base's own. Other runs load the
+    whole checkpoint.
+    """
+    if section.quantization is None:
+        return state
+    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    # A trained tensor missing from the checkpoint stays missing: load_checked names it.
+    base = {name: value for name, value in model.state_dict().items() if name not in trained}
+    return base | {name: state[name] for name in trained if name in state}
 
 
 def add_lora(model, section: ModelSection):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.models.common import model_config
-from zeropipe.plan.model_spec import ModelSpec, _causal_lm_spec  # the planner's meta-device counters
+from zeropipe.plan.model_spec import ModelSpec, QuantizedBase, _causal_lm_spec  # the planner's meta-device counters
 
 
 def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
@@ -25,4 +25,7 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
     hf_config = model_config(section, vocab_size=vocab)
     name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
     spec = _causal_lm_spec(hf_config, name, section.lora)
-    return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}")
+    quantized = None
+    if section.quantization is not None and section.quantization.load_in_4bit:
+        quantized = QuantizedBase(spec.quantizable_params, spec.frozen_base_params - spec.quantizable_params, section.quantization.double_quant)
+    return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}", quantized=quantized)

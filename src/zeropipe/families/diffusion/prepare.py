@@ -309,7 +309,8 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                     })
         del vae, encoders
     run.write_progress("encoding the captions with the text encoders")
-    texts = arch.text.fill_cache(plan, arch, lambda: text_pipeline(pipeline_dir, arch, encoder_dtype, device), device, cache_dir)
+    # The ranks are not started yet: a text encoder larger than the first GPU may spread over all of them.
+    texts = arch.text.fill_cache(plan, arch, lambda: text_pipeline(pipeline_dir, arch, encoder_dtype, device, spread=True), device, cache_dir)
     log.info(
         "caches filled: %d %s and %d caption(s) encoded on %s (text encoders in %s)%s",
         len(plan.missing_latents) - len(skipped), arch.codec.noun, texts, device, str(encoder_dtype).removeprefix("torch."),

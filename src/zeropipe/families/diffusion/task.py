@@ -51,7 +51,7 @@ from zeropipe.diffusion.pipelines import (
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion.prepare import load_item_pixels, read_plan
-from zeropipe.models.common import TORCH_DTYPES, count_parameters, resolve_lora_targets
+from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
 
 log = logging.getLogger("zeropipe")
@@ -98,10 +98,14 @@ class DiffusionTask(TaskDefaults):
         self.skipped_images: set[str] = set()
         self.timesteps_drawn: list[torch.Tensor] = []  # since the last metrics row: what min_t/max_t restricted
         # The caches were filled before this rank started (diffusion.prepare.fill_caches, one process per node).
+        # Without them each rank encodes, with the encoders in the dtype the node's setup process
+        # would load them in (bf16 where the device computes in it; the VAE in fp32), as planned.
         if not self.config.data.cache.latents:
             self.vae = load_component(self.pipeline_dir, "vae", torch.float32, self.device)
+        encoder_precision, _ = encoder_precision_for(self.plan.accelerator, self.plan.native_precision, self.plan.native_precision_why)
+        self.encoder_dtype = TORCH_DTYPES[encoder_precision]
         if not self.config.data.cache.text:
-            self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+            self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, self.encoder_dtype, self.device)
         scheduler_config = self.folder.files.scheduler_config()
         objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
         self.objective = objective(scheduler_config, self.config.model.diffusion)
@@ -258,7 +262,7 @@ class DiffusionTask(TaskDefaults):
         todo = sorted({text for text, row in zip(texts, rows) if row is None})
         if todo:
             if self.text_encoders is None:
-                self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, torch.float32, self.device)
+                self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, self.encoder_dtype, self.device)
             encoded = dict(zip(todo, encode_prompts(self.text_encoders, self.arch, todo, self.device)))
             rows = [row if row is not None else encoded[text] for text, row in zip(texts, rows)]
         return {name: stack_padded([row[name] for row in rows]).to(self.device, self.compute_dtype) for name in rows[0]}
