@@ -80,7 +80,7 @@ train:
   log_every: 1000000
 deepspeed:
   zero_stage: {stage}
-  precision: bf16
+  precision: {precision}
 hardware:
   gpus: 2
   accelerator: cpu
@@ -126,7 +126,7 @@ def bare_rank(run_dir: Path, out: Path) -> None:
     fields = dict(config["model"]["config"])
     # What the data preparation learned (the tokenizer's vocabulary size) is kept beside config.yaml.
     learned_path = run_dir / "learned.json"
-    learned = json.loads(learned_path.read_text()) if learned_path.is_file() else {}
+    learned = json.loads(learned_path.read_text()).get("values", {}) if learned_path.is_file() else {}
     fields.update({key.removeprefix("model.config."): value for key, value in learned.items() if key.startswith("model.config.")})
     model_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     model_config._attn_implementation = config["model"]["attn_implementation"]
@@ -288,6 +288,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians (default 10, 6 with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="zeropipe/bare pairs, in ABBA order (default 2, 1 with --quick)")
     parser.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="bf16 (default; judge it only on a CPU with bf16 in hardware) or fp32")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=16)
@@ -324,6 +325,7 @@ def main() -> int:
             steps=steps,
             micro=args.micro_batch,
             stage=args.zero_stage,
+            precision=args.precision,
         )
     )
 
@@ -331,7 +333,7 @@ def main() -> int:
 
     threads = rank_environment(0, 2, 0, "cpu")["OMP_NUM_THREADS"]
     print(
-        f"overhead benchmark: llama hidden {args.hidden} x {args.layers} layers, ZeRO-{args.zero_stage} bf16, 2 CPU ranks "
+        f"overhead benchmark: llama hidden {args.hidden} x {args.layers} layers, ZeRO-{args.zero_stage} {args.precision}, 2 CPU ranks "
         f"(OMP_NUM_THREADS={threads} each, {os.cpu_count()} cores), micro-batch {args.micro_batch} x seq <= 64, "
         f"{steps} steps per run (first {warmup} left out), {repeats} repeat(s)",
         flush=True,
