@@ -296,7 +296,7 @@ def measured_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
         values = sorted(row[key] for row in later if key in row)
         if values:
             figures[f"{key}_median"] = values[len(values) // 2]
-    for key in ("gpu_max_allocated_bytes", "host_rss_bytes"):
+    for key in ("gpu_max_allocated_bytes", "gpu_max_reserved_bytes", "host_rss_bytes"):
         values = [max(row[key]) for row in rows if row.get(key)]
         if values:
             figures[f"{key}_peak"] = max(values)
@@ -315,6 +315,8 @@ def planned_peak(plan: dict[str, Any], key: str = "per_gpu_bytes") -> int | None
 def compare_peaks(name: str, planned: int | None, trained: dict[str, Any], key: str) -> dict[str, Any]:
     measured = trained.get(f"{key}_peak")
     row: dict[str, Any] = {"config": name, "planned_bytes": planned, "measured_bytes": measured}
+    if trained.get("gpu_max_reserved_bytes_peak"):
+        row["reserved_bytes"] = trained["gpu_max_reserved_bytes_peak"]  # what the allocator held: allocated plus its cache
     if planned and measured:
         row["planned_over_measured"] = round(planned / measured, 3)
     return row

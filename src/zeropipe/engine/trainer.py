@@ -68,6 +68,7 @@ class PendingStep:
     step_time: float
     rss: int
     gpu: int
+    reserved: int
     grad_norm: torch.Tensor | float | None
     time: float
     extra: dict[str, Any]
@@ -236,7 +237,10 @@ class Trainer:
         gathers every rank's figures of all pending steps in one collective and one host copy.
         metrics.jsonl still gets a row for every step, written at the flush.
         """
+        # The caching allocator's own counters (host-side, no sync): allocated is what tensors hold,
+        # reserved what the allocator took from the driver (what nvidia-smi and an OOM see).
         gpu = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        reserved = torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else 0
         grad_norm = self.engine.get_global_grad_norm()
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.detach().clone()  # DeepSpeed may reuse the tensor next step
@@ -251,6 +255,7 @@ class Trainer:
                 step_time=step_time,
                 rss=self.process.memory_info().rss,
                 gpu=gpu,
+                reserved=reserved,
                 grad_norm=grad_norm,
                 time=time.time(),
                 extra=self.task.extra_metrics(),
@@ -272,8 +277,8 @@ class Trainer:
             return
         losses = torch.stack([torch.as_tensor(p.loss, dtype=torch.float64, device=self.device) for p in pending])
         asked = float(self.rank == 0 and self.run.sample_request.is_file())
-        figures = torch.tensor([[p.tokens, p.samples, p.rss, p.gpu, asked] for p in pending], dtype=torch.float64).to(self.device)
-        local = torch.cat([losses.reshape(-1, 1), figures], dim=1)  # steps x (loss, tokens, samples, rss, gpu, samples asked)
+        figures = torch.tensor([[p.tokens, p.samples, p.rss, p.gpu, asked, p.reserved] for p in pending], dtype=torch.float64).to(self.device)
+        local = torch.cat([losses.reshape(-1, 1), figures], dim=1)  # steps x (loss, tokens, samples, rss, gpu, samples asked, gpu reserved)
         gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local)
         if self.rank != 0:
@@ -300,6 +305,7 @@ class Trainer:
             record.update({key: host_value(value) for key, value in p.extra.items()})
             if self.device.type == "cuda":
                 record["gpu_max_allocated_bytes"] = [int(v) for v in rows[:, 4]]
+                record["gpu_max_reserved_bytes"] = [int(v) for v in rows[:, 6]]
             lines.append(record)
         with open(self.run.metrics, "a") as handle:
             handle.write("".join(json.dumps(record) + "\n" for record in lines))
@@ -358,6 +364,9 @@ class Trainer:
                 "mean_tokens_per_s": float(np.mean([m["tokens_per_s"] for m in metrics])) if metrics and "tokens_per_s" in metrics[0] else None,
                 "mean_samples_per_s": float(np.mean([m["samples_per_s"] for m in metrics])) if metrics else None,
                 "host_rss_peak_bytes": max((max(m["host_rss_bytes"]) for m in metrics), default=None),
+                # The largest rank's peaks on its GPU (CUDA runs): what the plan's per-GPU figure is compared with.
+                "gpu_max_allocated_peak_bytes": max((max(m["gpu_max_allocated_bytes"]) for m in metrics if m.get("gpu_max_allocated_bytes")), default=None),
+                "gpu_max_reserved_peak_bytes": max((max(m["gpu_max_reserved_bytes"]) for m in metrics if m.get("gpu_max_reserved_bytes")), default=None),
                 "parameters": self.parameter_counts,
                 "world_size": self.world_size,
                 "zero_stage": self.plan.zero_stage,
