@@ -64,7 +64,7 @@ model:
     num_key_value_heads: 2
     max_position_embeddings: 128
     tie_word_embeddings: false
-  tokenizer_vocab_size: 300
+  tokenizer_vocab_size: 300{lora}
 data:
   synthetic:
     task: mixed
@@ -134,7 +134,18 @@ def bare_rank(run_dir: Path, out: Path) -> None:
         from transformers.integrations import HfDeepSpeedConfig
 
         hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive while the model is built
-    model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    if config["model"].get("lora"):
+        # LoRA: the adapters are built by ZeRO-Pipe's own model builder (peft, the same targets
+        # and init in the same seeded order), so both loops train the same model; the loop is
+        # still this file's.
+        from zeropipe.families.causal_lm.model import build_model
+        from zeropipe.models.common import model_config as zeropipe_model_config
+        from zeropipe.rundir import RunDir
+
+        saved = RunDir(run_dir).read_config()
+        model = build_model(saved.model, zeropipe_model_config(saved.model), saved.deepspeed.precision, stage)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     model.config.use_cache = False
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
 
@@ -288,6 +299,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians (default 10, 6 with --quick)")
     parser.add_argument("--repeats", type=int, default=None, help="zeropipe/bare pairs, in ABBA order (default 2, 1 with --quick)")
     parser.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    parser.add_argument("--lora-r", type=int, default=0, help="train LoRA adapters of this rank instead of the whole model (0: full fine-tune)")
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="bf16 (default; judge it only on a CPU with bf16 in hardware) or fp32")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
@@ -326,6 +338,7 @@ def main() -> int:
             micro=args.micro_batch,
             stage=args.zero_stage,
             precision=args.precision,
+            lora=f"\n  lora:\n    r: {args.lora_r}" if args.lora_r else "",
         )
     )
 
@@ -333,7 +346,7 @@ def main() -> int:
 
     threads = rank_environment(0, 2, 0, "cpu")["OMP_NUM_THREADS"]
     print(
-        f"overhead benchmark: llama hidden {args.hidden} x {args.layers} layers, ZeRO-{args.zero_stage} {args.precision}, 2 CPU ranks "
+        f"overhead benchmark: llama hidden {args.hidden} x {args.layers} layers, ZeRO-{args.zero_stage} {args.precision}{f' LoRA r={args.lora_r}' if args.lora_r else ''}, 2 CPU ranks "
         f"(OMP_NUM_THREADS={threads} each, {os.cpu_count()} cores), micro-batch {args.micro_batch} x seq <= 64, "
         f"{steps} steps per run (first {warmup} left out), {repeats} repeat(s)",
         flush=True,
