@@ -249,7 +249,7 @@ def cpu_model() -> str:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
+    except OSError:  # no /proc (not Linux): the platform module names the processor below
         pass
     return platform.processor() or platform.machine()
 

@@ -656,7 +656,7 @@ class RunStore:
         try:
             if run_dir.own(run_dir.metrics).stat().st_mtime > progress["at"]:
                 return {}  # a step was recorded since: the run trains, the page shows its steps
-        except (OSError, ZeroPipeError):
+        except (OSError, ZeroPipeError):  # no metrics yet, or unreadable: the progress file stands
             pass
         return {key: progress.get(key) for key in ("phase", "done", "total", "at")}
 
