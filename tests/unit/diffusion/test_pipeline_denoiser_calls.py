@@ -1,0 +1,118 @@
+"""Lumina 2, HiDream-I1, AuraFlow, Qwen-Image 2.1, HunyuanImage 2.1: each entry's ``predict`` is its pipeline's own denoiser step.
+
+The pipeline is run as a user runs it (a prompt string, its own latents and timesteps); the
+velocity it hands its scheduler at the first step, and the latents that step starts from, are
+recorded. The entry, given those latents and timestep in its own layout and the prompt's
+conditioning as its text part encodes it (what the text cache holds), must return the same
+velocity: that checks the prompt's preparation, the latents' layout and packing, the timestep's
+convention and the output's sign in one comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeropipe.diffusion.architectures import PredictContext, architecture_of
+from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+
+CPU = torch.device("cpu")
+PROMPT = "a red circle on a blue square"
+# preset -> (the pipeline call's arguments that turn classifier-free guidance off: one denoiser call per step, the latents of a 64-pixel image).
+PRESETS = {
+    "tiny-lumina2": ({"guidance_scale": 1.0}, (4, 8, 8)),
+    "tiny-hidream": ({"guidance_scale": 1.0}, (4, 32, 32)),
+}
+
+
+@pytest.fixture(scope="module", params=list(PRESETS))
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param) / "pipeline"
+    arch = build_tiny_pipeline({"pipeline": request.param}, folder, seed=1)
+    return request.param, arch, folder
+
+
+def first_step(arch, pipeline, **kwargs):
+    """(velocity, latents, timestep) the pipeline, called as sampling calls it, hands its scheduler at its first step."""
+    scheduler = pipeline.scheduler
+    seen = []
+    step = scheduler.step
+
+    def record(model_output, timestep, sample, *args, **more):
+        if not seen:
+            seen.append((model_output.clone(), sample.clone(), torch.as_tensor(timestep).clone()))
+        return step(model_output, timestep, sample, *args, **more)
+
+    scheduler.step = record
+    try:
+        arch.call_pipeline(pipeline, kwargs)
+    finally:
+        del scheduler.step
+    return seen[0]
+
+
+def test_predict_is_the_pipelines_denoiser_step_on_its_own_prompt_preparation(tiny):
+    preset, arch, folder = tiny
+    assert architecture_of(folder) is arch and arch.preset_name == preset
+    pipeline = arch.pipeline().from_pretrained(str(folder), **arch.pipeline_kwargs())
+    pipeline.set_progress_bar_config(disable=True)
+    size = 64
+    velocity, latents, timestep = first_step(
+        arch, pipeline, prompt=PROMPT, height=size, width=size, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent", return_dict=False,
+        **PRESETS[preset][0],
+    )
+    factor = vae_scale_factor(folder)
+    ours_latents = arch.unpack_latents(pipeline, latents, size, factor)
+    expected = arch.unpack_latents(pipeline, velocity, size, factor)
+
+    encoders = text_pipeline(folder, arch, torch.float32, CPU)
+    rows = encode_prompts(encoders, arch, [PROMPT], CPU)  # what the text cache holds for the caption
+    condition = {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
+    context = PredictContext(CPU, torch.float32, factor, 1.0)
+    with torch.no_grad():
+        out = arch.predict(pipeline.transformer, ours_latents, timestep.reshape(1).float(), condition, context)
+    assert out.shape == ours_latents.shape and expected.abs().mean() > 1e-3  # a zero output would match any call
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_captions_prediction_does_not_depend_on_the_padding_its_batch_adds(tiny):
+    """Captions are cached alone and stacked per micro-batch: a longer neighbour must not change a caption's prediction."""
+    preset, arch, folder = tiny
+    encoders = text_pipeline(folder, arch, torch.float32, CPU)
+    alone = encode_prompts(encoders, arch, ["a red circle"], CPU)[0]
+    with_long = encode_prompts(encoders, arch, ["a red circle", "a small green square on a white background, seen from above"], CPU)
+    batch = {key: stack_padded([row[key] for row in with_long]) for key in alone}
+    model = arch.model_class().from_pretrained(str(folder / arch.denoiser)).eval()
+    factor = vae_scale_factor(folder)
+    context = PredictContext(CPU, torch.float32, factor, 1.0)
+    latents = torch.randn(1, *PRESETS[preset][1], generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([700.0])
+    with torch.no_grad():
+        reference = arch.predict(model, latents, timesteps, {key: value[None] for key, value in alone.items()}, context)
+        both = arch.predict(model, latents.repeat(2, *[1] * (latents.dim() - 1)), timesteps.repeat(2), batch, context)
+    torch.testing.assert_close(both[:1], reference, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(both[0], both[1], atol=1e-4)  # the caption reaches the denoiser
+
+
+def test_hidream_trains_on_the_prediction_the_pipeline_samples_with(tmp_path):
+    """In training mode HiDream's transformer returns its output patch-major (padded to its longest sequence for a
+    non-square image) and routes experts by another path: the entry's prediction must be the eval-mode one, square or not."""
+    from zeropipe.diffusion.architectures import architecture_named
+
+    arch = architecture_named("hidream")
+    build_tiny_pipeline({"pipeline": "tiny-hidream"}, tmp_path / "pipeline", seed=2)
+    encoders = text_pipeline(tmp_path / "pipeline", arch, torch.float32, CPU)
+    rows = encode_prompts(encoders, arch, ["a red circle", "a blue square"], CPU)
+    condition = {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
+    model = arch.model_class().from_pretrained(str(tmp_path / "pipeline" / "transformer"))
+    context = PredictContext(CPU, torch.float32, 2, 1.0)
+    for shape in ((2, 4, 16, 16), (2, 4, 12, 20)):
+        latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        timesteps = torch.tensor([800.0, 250.0])
+        with torch.no_grad():
+            model.eval()
+            sampled = arch.predict(model, latents, timesteps, condition, context)
+            model.train()
+            trained = arch.predict(model, latents, timesteps, condition, context)
+        assert trained.shape == latents.shape
+        torch.testing.assert_close(trained, sampled, rtol=1e-4, atol=1e-5)
