@@ -116,3 +116,25 @@ def test_hidream_trains_on_the_prediction_the_pipeline_samples_with(tmp_path):
             trained = arch.predict(model, latents, timesteps, condition, context)
         assert trained.shape == latents.shape
         torch.testing.assert_close(trained, sampled, rtol=1e-4, atol=1e-5)
+
+
+def test_hidream_lora_in_comfyui_names_converts_back_with_diffusers_to_the_trained_change():
+    """``diffusion_model.`` names with alpha / r folded into lora_B: diffusers' HiDream converter gives back every module's change at scale 1."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_hidream_lora_to_diffusers
+
+    from tests.unit.diffusion.test_image_architectures import deltas, random_lora
+    from zeropipe.diffusion.architectures import architecture_named
+
+    inner = 2560  # HiDream-I1: 20 heads x 128
+    shapes = {f"double_stream_blocks.0.block.attn1.{name}": (inner, inner) for name in ("to_q", "to_k", "to_v", "to_out", "to_q_t", "to_out_t")}
+    shapes |= {f"single_stream_blocks.31.block.attn1.{name}": (inner, inner) for name in ("to_q", "to_v")}
+    rank, alpha = 4, 16.0
+    layers = random_lora(shapes, rank)
+    original = architecture_named("hidream").original_lora_layout(layers, alpha)
+    assert "diffusion_model.double_stream_blocks.0.block.attn1.to_q_t.lora_A.weight" in original and not any(key.endswith(".alpha") for key in original)
+    converted = _convert_non_diffusers_hidream_lora_to_diffusers(dict(original))
+    recovered = {key.removeprefix("transformer."): value for key, value in deltas(converted, 1.0).items()}
+    expected = deltas(layers, alpha / rank)
+    assert set(recovered) == set(expected)
+    for module, delta in expected.items():
+        torch.testing.assert_close(recovered[module], delta, rtol=1e-4, atol=1e-3)

@@ -14,6 +14,8 @@ from zeropipe.plan.model_spec import CATALOG_DIR, _build_component, catalog_name
 PUBLISHED = {
     # Lumina-Image 2.0 paper (arXiv 2503.21758): a 2.6B unified DiT; Gemma-2-2B: 2.61B (google/gemma-2-2b, 2,614,341,888).
     "lumina-image-2.0": (2.6e9, {"text_encoder": 2.614e9}),
+    # HiDream-I1 model card (HiDream-ai/HiDream-I1-Full): 17B; Llama-3.1-8B-Instruct 8.03B (its model card); T5-XXL's encoder 4.76B.
+    "hidream-i1-full": (17.0e9, {"text_encoder_4": 8.03e9, "text_encoder_3": 4.76e9}),
 }
 
 

@@ -93,14 +93,9 @@ class HiDream(Architecture):
         return TEXT_TOKENS
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
-        layers = max(config.llama_layers) + 1
-        return {
-            "hidden_states": torch.randn(1, config.in_channels, latent, latent, dtype=dtype), "timesteps": torch.tensor([500.0], dtype=dtype),
-            # caption_channels: (T5's width, Llama's).
-            "encoder_hidden_states_t5": torch.randn(1, text_tokens, config.caption_channels[0], dtype=dtype),
-            "encoder_hidden_states_llama3": torch.randn(layers, 1, text_tokens, config.caption_channels[1], dtype=dtype),
-            "pooled_embeds": torch.randn(1, config.text_emb_dim, dtype=dtype),
-        }
+        # Not traced: the experts pick their tokens by value (boolean indexing in training, bincount in inference), which the
+        # meta device cannot run; assuming every token reaches every expert would count the expert activations twice over.
+        return None
 
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {
