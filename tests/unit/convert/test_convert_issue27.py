@@ -23,7 +23,8 @@ DIFFUSION_PIPE_TRAIN_PY_TYPES = (
     "auraflow z_image hunyuan_video_15 flux2 ernie_image ltx2 ideogram4 krea2 minimax_h3"
 ).split()
 OURS_BY_THEIR_NAME = {"qwen_image": "qwen-image", "z_image": "z-image", "flux": "flux", "chroma": "chroma", "sdxl": "sdxl", "sd3": "sd3", "flux2": "flux2",
-                      "wan": "wan", "hunyuan-video": "hunyuan-video", "ltx-video": "ltx-video", "lumina_2": "lumina2", "hidream": "hidream"}
+                      "wan": "wan", "hunyuan-video": "hunyuan-video", "ltx-video": "ltx-video", "lumina_2": "lumina2", "hidream": "hidream",
+                      "auraflow": "auraflow"}
 
 
 def values(conversion) -> dict:

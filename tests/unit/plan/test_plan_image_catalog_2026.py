@@ -16,6 +16,8 @@ PUBLISHED = {
     "lumina-image-2.0": (2.6e9, {"text_encoder": 2.614e9}),
     # HiDream-I1 model card (HiDream-ai/HiDream-I1-Full): 17B; Llama-3.1-8B-Instruct 8.03B (its model card); T5-XXL's encoder 4.76B.
     "hidream-i1-full": (17.0e9, {"text_encoder_4": 8.03e9, "text_encoder_3": 4.76e9}),
+    # AuraFlow v0.3 model card and fal's announcement: 6.8B; its VAE is SDXL's (83.65M, as the sdxl catalog entry counts it).
+    "auraflow-v0.3": (6.8e9, {"vae": 83.65e6}),
 }
 
 
