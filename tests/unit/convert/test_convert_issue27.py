@@ -24,7 +24,7 @@ DIFFUSION_PIPE_TRAIN_PY_TYPES = (
 ).split()
 OURS_BY_THEIR_NAME = {"qwen_image": "qwen-image", "z_image": "z-image", "flux": "flux", "chroma": "chroma", "sdxl": "sdxl", "sd3": "sd3", "flux2": "flux2",
                       "wan": "wan", "hunyuan-video": "hunyuan-video", "ltx-video": "ltx-video", "lumina_2": "lumina2", "hidream": "hidream",
-                      "auraflow": "auraflow"}
+                      "auraflow": "auraflow", "hunyuan_image": "hunyuan-image"}
 
 
 def values(conversion) -> dict:

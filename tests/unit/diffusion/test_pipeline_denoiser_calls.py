@@ -17,12 +17,13 @@ from zeropipe.diffusion.architectures import PredictContext, architecture_of
 from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")
-PROMPT = "a red circle on a blue square"
+PROMPT = 'a red circle on a sign that says "open"'  # the quoted text is HunyuanImage's glyph prompt
 # preset -> (the pipeline call's arguments that turn classifier-free guidance off: one denoiser call per step, the latents of a 64-pixel image).
 PRESETS = {
     "tiny-lumina2": ({"guidance_scale": 1.0}, (4, 8, 8)),
     "tiny-hidream": ({"guidance_scale": 1.0}, (4, 32, 32)),
     "tiny-auraflow": ({"guidance_scale": 1.0}, (4, 32, 32)),
+    "tiny-hunyuan-image": ({}, (16, 16, 16)),  # no guider in the folder: the pipeline's default (off)
 }
 
 
@@ -139,3 +140,30 @@ def test_hidream_lora_in_comfyui_names_converts_back_with_diffusers_to_the_train
     assert set(recovered) == set(expected)
     for module, delta in expected.items():
         torch.testing.assert_close(recovered[module], delta, rtol=1e-4, atol=1e-3)
+
+
+def test_hunyuan_image_trains_with_gradient_checkpointing_as_without():
+    """HunyuanImage's transformer hands attention_mask= to the checkpointing function, which diffusers' default cannot take:
+    the rank's function passes it on, and the gradients are those of a run without checkpointing."""
+    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.task import checkpoint_with_keywords
+
+    arch = architecture_named("hunyuan-image")
+    generator = torch.Generator().manual_seed(0)
+    # Short captions (the transformer takes any length): 12 Qwen tokens and 8 glyph bytes, the second caption padded.
+    condition = {
+        "prompt_embeds": torch.randn(2, 12, 32, generator=generator), "prompt_embeds_mask": torch.tensor([[1.0] * 12, [1.0] * 7 + [0.0] * 5]),
+        "prompt_embeds_2": torch.randn(2, 8, 64, generator=generator), "prompt_embeds_mask_2": torch.tensor([[1.0] * 3 + [0.0] * 5, [0.0] * 8]),
+    }
+    context = PredictContext(CPU, torch.float32, 4, 1.0)
+    latents = torch.randn(2, 16, 8, 8, generator=generator)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(1)
+        model = arch.model_class()(**arch.preset["transformer"]).train()
+        if checkpointing:
+            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_with_keywords)
+        arch.predict(model, latents, torch.tensor([900.0, 300.0]), condition, context).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

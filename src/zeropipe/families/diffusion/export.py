@@ -123,7 +123,16 @@ def export_diffusion(job: ExportJob) -> Path:
         metadata = denoiser.peft_config["default"].to_dict()
         if "lora_dropout" in metadata:
             metadata["lora_dropout"] = 0.0
-        arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        pipeline_cls = arch.pipeline()
+        if hasattr(pipeline_cls, "save_lora_weights"):
+            pipeline_cls.save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        else:
+            # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanImage): the same file, written by the
+            # loaders' common base as every pipeline's save_lora_weights writes it, which the denoiser's
+            # load_lora_adapter reads (draw.load_adapter_export).
+            from diffusers.loaders.lora_base import LoraBaseMixin
+
+            LoraBaseMixin._save_lora_weights(str(tmp), lora_layers={arch.denoiser: layers}, lora_metadata={arch.denoiser: metadata})
         if lora.kind == "lora":
             write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
         else:

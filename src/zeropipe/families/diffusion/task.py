@@ -129,7 +129,7 @@ class DiffusionTask(TaskDefaults):
         )
         section = self.config.model
         if section.gradient_checkpointing:
-            model.enable_gradient_checkpointing()
+            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_with_keywords)
         if section.lora is not None:
             model.requires_grad_(False)
             lora = section.lora
@@ -407,3 +407,14 @@ class DiffusionTask(TaskDefaults):
             # Loaded for the samples only: training goes on without it.
             self.vae = None
             release_memory()
+
+
+def checkpoint_with_keywords(module, *args, **kwargs):
+    """diffusers' default checkpointing function, keyword arguments passed on too.
+
+    diffusers 0.42's default takes positional arguments only, and HunyuanImage's transformer passes
+    ``attention_mask=`` to it: with this one every denoiser checkpoints as diffusers' default does.
+    """
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
