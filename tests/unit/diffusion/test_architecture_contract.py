@@ -283,5 +283,41 @@ def test_dora_lokr_and_loha_train_under_zero3_and_export_what_diffusers_loads(tm
     keys = set(load_file(str(adapter / "pytorch_lora_weights.safetensors")))
     marker = {"dora": "lora_magnitude_vector", "lokr": ".lokr_w"}[kind]
     assert any(marker in key for key in keys), f"{name} {kind}: no {marker} in {sorted(keys)[:4]}"
-    assert not (adapter / "lora_comfyui.safetensors").exists()  # the original layouts are LoRA's
     assert_exports_load(f"{name} {kind}", arch, run, batch, adapter, tmp_path)
+    comfy = adapter / "lora_comfyui.safetensors"
+    # The original (ComfyUI) layout of a LoKr where the entry has one (Z-Image: ai-toolkit's, diffusers' converter reads it).
+    assert comfy.exists() == (arch.original_lokr_layout({}, 1.0) is not None and kind == "lokr"), f"{name} {kind}: {sorted(p.name for p in adapter.iterdir())}"
+    if comfy.exists():
+        assert all(key.startswith("diffusion_model.") and ".lokr_w" in key for key in load_file(str(comfy)))
+        via_diffusers, via_comfy = (arch.pipeline().from_pretrained(str(run.pipeline)) for _ in range(2))
+        via_diffusers.load_lora_weights(str(adapter))
+        via_comfy.load_lora_weights(str(adapter), weight_name="lora_comfyui.safetensors")
+        torch.testing.assert_close(denoiser_output(arch, via_comfy.transformer, batch), denoiser_output(arch, via_diffusers.transformer, batch), rtol=1e-4, atol=1e-5)
+
+    # Resume: the launcher's resume of the run, one more step; the rank starts from the checkpoint's adapter weights.
+    from peft.utils import get_peft_model_state_dict
+
+    from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.resolve import resolve_run
+
+    config["train"]["max_steps"] = 3
+    import yaml
+
+    from zeropipe.config.load import validate_config
+
+    prepare_run(resolve_run(validate_config(yaml.safe_load(yaml.safe_dump(config)))), resume=True, new_schedule=True)  # a constant rate: the same schedule
+    trainer = one_rank(run.path, monkeypatch)
+    trainer.setup()
+    assert trainer.step == 2, f"{name} {kind}: resumed at step {trainer.step}"
+    import deepspeed
+
+    module = trainer.engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        resumed = {key: value.detach().clone() for key, value in get_peft_model_state_dict(module).items()}
+    exported = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
+    assert resumed and all(torch.equal(value, exported[f"{arch.denoiser}.{key}"]) for key, value in resumed.items()), f"{name} {kind}: the resumed adapter is not the checkpoint's"
+    trainer.task.before_train()
+    trainer.train()
+    trainer.task.after_train()
+    assert trainer.step == 3
+    trainer.cleanup()
