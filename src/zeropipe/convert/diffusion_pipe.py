@@ -36,14 +36,14 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "wan": "wan",
     "hunyuan-video": "hunyuan-video",
     "ltx-video": "ltx-video",
-    "lumina_2": None,
+    "lumina_2": "lumina2",
     "cosmos": None,
     "cosmos_predict2": None,
     "anima": None,
-    "hidream": None,
+    "hidream": "hidream",
     "omnigen2": None,
-    "hunyuan_image": None,
-    "auraflow": None,
+    "hunyuan_image": "hunyuan-image",
+    "auraflow": "auraflow",
     "hunyuan_video_15": None,
     "ernie_image": None,
     "ltx2": None,
@@ -126,6 +126,13 @@ MODEL_NOT_MAPPED = {
     "text_encoder_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
     "text_encoder_1_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
     "text_encoder_2_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
+    "llama3_path": "HiDream's Llama 3.1 comes from the diffusers pipeline folder (text_encoder_4)",
+    "llama3_4bit": "the text encoders stay in deepspeed.precision; with data.cache.text (the default) Llama is loaded only while the captions are cached",
+    "max_llama3_sequence_length": "HiDream's prompts are encoded at HiDreamImagePipeline's 128 tokens for every encoder",
+    "max_sequence_length": "AuraFlow's prompts are encoded at AuraFlowPipeline's 256 tokens; Pony V7's 768 is not configurable yet",
+    "byt5_path": "HunyuanImage's glyph ByT5 comes from the diffusers pipeline folder (text_encoder_2)",
+    "text_encoder_path": "text encoders come from the diffusers pipeline folder",
+    "lumina_shift": "ZeRO-Pipe's flow-matching shift is a fixed number (model.diffusion.shift), not resolution-dependent",
     "bypass_guidance_embedding": "the guidance input of Flux is fed model.diffusion.guidance, not bypassed",
     "llm_path": "text encoders come from the diffusers pipeline folder",
     "clip_path": "text encoders come from the diffusers pipeline folder",
@@ -321,14 +328,22 @@ DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
     kind = adapter.pop("type", "lora")
     rank = to_int(adapter.pop("rank"), "adapter.rank") if "rank" in adapter else 16
-    if kind != "lora":
-        # LoKr's "very high rank" (1e6) means a full-matrix LoKr: no LoRA rank corresponds to it.
+    if kind == "lokr":
+        # diffusion-pipe's "very high rank" (1e6) means full-matrix Kronecker factors; peft's LoKr builds full
+        # factors too wherever r is at least half a factor's side, so the rank carries over as it is.
+        conversion.set("model.lora.kind", "lokr", "from [adapter] type = 'lokr' (peft's LoKr)")
+        if "decompose_factor" in adapter:
+            conversion.set("model.lora.factor", to_int(adapter.pop("decompose_factor"), "adapter.decompose_factor"), "from [adapter] decompose_factor")
+    elif kind != "lora":
         rank = 16 if rank > 1024 else rank
-        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains LoRA adapters only; converted as LoRA of rank {rank}: check model.lora")
+        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains lora, dora, lokr and loha adapters; converted as LoRA of rank {rank}: check model.lora")
     conversion.set("model.lora.r", rank, "from [adapter] rank")
     alpha = adapter.pop("alpha", None)
     conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else rank, "adapter.alpha"), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
     dropout = adapter.pop("dropout", None)
+    if kind == "lokr" and dropout:
+        conversion.skip("adapter.dropout", f"{dropout!r}: peft's LoKr has no dropout on its input; trained without")
+        dropout = None
     conversion.set("model.lora.dropout", to_float(dropout or 0.0, "adapter.dropout"), "from [adapter] dropout" if dropout is not None else "diffusion-pipe's default dropout is 0")
     conversion.skip(
         "adapter (target modules)",

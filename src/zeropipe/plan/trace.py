@@ -124,7 +124,10 @@ def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, 
     saved, largest, flops = count_saved(model, lambda: model(**inputs), per_block=True)
     checkpointed = saved
     if getattr(model, "_supports_gradient_checkpointing", False):
-        model.enable_gradient_checkpointing()
+        # diffusers' default checkpointing function takes no keyword arguments, which HunyuanImage's transformer passes.
+        model.enable_gradient_checkpointing(
+            gradient_checkpointing_func=lambda module, *args, **kwargs: torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+        )
         try:
             checkpointed, _, _ = count_saved(model, lambda: model(**inputs))
         finally:

@@ -23,7 +23,8 @@ DIFFUSION_PIPE_TRAIN_PY_TYPES = (
     "auraflow z_image hunyuan_video_15 flux2 ernie_image ltx2 ideogram4 krea2 minimax_h3"
 ).split()
 OURS_BY_THEIR_NAME = {"qwen_image": "qwen-image", "z_image": "z-image", "flux": "flux", "chroma": "chroma", "sdxl": "sdxl", "sd3": "sd3", "flux2": "flux2",
-                      "wan": "wan", "hunyuan-video": "hunyuan-video", "ltx-video": "ltx-video"}
+                      "wan": "wan", "hunyuan-video": "hunyuan-video", "ltx-video": "ltx-video", "lumina_2": "lumina2", "hidream": "hidream",
+                      "auraflow": "auraflow", "hunyuan_image": "hunyuan-image"}
 
 
 def values(conversion) -> dict:
@@ -67,7 +68,7 @@ def test_every_diffusion_pipe_model_type_is_mapped_or_named_as_not_trained():
     assert set(DIFFUSION_PIPE_TRAIN_PY_TYPES) <= set(DIFFUSION_PIPE_TYPES)
     for theirs, ours in OURS_BY_THEIR_NAME.items():
         assert trainable_architecture(theirs) == ours, theirs
-    assert trainable_architecture("hidream") is None and trainable_architecture("qwen-image") == "qwen-image"
+    assert trainable_architecture("omnigen2") is None and trainable_architecture("qwen-image") == "qwen-image"
 
 
 def test_diffusion_pipes_own_qwen_image_example_trains_as_converted(tmp_path):
@@ -86,9 +87,9 @@ def test_diffusion_pipes_own_qwen_image_example_trains_as_converted(tmp_path):
 def test_a_type_zeropipe_does_not_train_says_which_of_diffusion_pipes_it_does(tmp_path):
     folder = images(tmp_path, "imgs")
     (tmp_path / "dataset.toml").write_text(f"[[directory]]\npath = '{folder}'\n")
-    (tmp_path / "main.toml").write_text("dataset = 'dataset.toml'\n[model]\ntype = 'hidream'\ndiffusers_path = '/x'\n")
+    (tmp_path / "main.toml").write_text("dataset = 'dataset.toml'\n[model]\ntype = 'omnigen2'\ndiffusers_path = '/x'\n")
     conversion = convert_file(tmp_path / "main.toml")
-    assert "'hidream'" in conversion.blocking[0] and "qwen_image" in conversion.blocking[0] and "z_image" in conversion.blocking[0]
+    assert "'omnigen2'" in conversion.blocking[0] and "qwen_image" in conversion.blocking[0] and "z_image" in conversion.blocking[0]
     with pytest.raises(ConversionError, match="cannot train yet"):
         convert_for_train(str(tmp_path / "main.toml"))
 
