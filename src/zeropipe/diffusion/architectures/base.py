@@ -42,6 +42,8 @@ class Architecture:
         objective: ``ddpm`` (noise/velocity prediction) or ``flow`` (rectified flow).
         text_encoders, tokenizers: the components whose outputs the text cache holds.
         related_pipelines: other pipeline class names saved with the same components (img2img...).
+        pipeline_settings: (key, value) pairs the pipeline folder's ``model_index.json`` must hold for this entry to be
+            its architecture, where entries share a pipeline class (Wan 2.2 TI2V-5B: ``expand_timesteps`` true).
         patch_factor: latent pixels per denoiser token along a side (buckets must be multiples of it).
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
         lora_targets: module names LoRA adapts by default (suffixes, as peft matches a list), or one regular
@@ -62,6 +64,7 @@ class Architecture:
     text_encoders: tuple[str, ...]
     tokenizers: tuple[str, ...]
     related_pipelines: tuple[str, ...] = ()
+    pipeline_settings: tuple[tuple[str, Any], ...] = ()
     patch_factor: int = 1
     preset_name: str | None = None
     preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -161,6 +164,14 @@ class Architecture:
     def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
         """The denoiser's output for a batch of latents, called as the pipeline calls it."""
         raise NotImplementedError
+
+    def loss_region(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of the denoiser's prediction and of the target that the loss compares: all of them by default.
+
+        An entry whose input holds given (not noised) latents leaves them out, as its trainers do
+        (Wan 2.2 TI2V's image-to-video: the first latent frame is the image itself).
+        """
+        return prediction, target
 
     # -------------------------------------------------------------- sampling
     def sample_kwargs(self, condition: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], guidance_scale: float, guidance: float) -> dict[str, Any]:

@@ -1,0 +1,25 @@
+"""The 2026 video models in the planner's catalog: counted from their real configs on the meta device, against the published sizes, with a video trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropipe.plan.model_spec import catalog_names
+
+
+@pytest.mark.parametrize(
+    "name,published,frozen,frames,resolution",
+    [
+        # Wan2.2-TI2V-5B: "5B" (its name and model card); UMT5-XXL's encoder 5.68B as for every Wan; the Wan 2.2 VAE.
+        ("wan2.2-ti2v-5b", 5.0e9, {"text_encoder": 5.68e9, "vae": 704.7e6}, 121, 704),
+    ],
+)
+def test_video_entries_count_their_transformer_and_frozen_models(name, published, frozen, frames, resolution, spec_of):
+    assert name in catalog_names()
+    spec = spec_of(name)
+    assert spec.total_params == pytest.approx(published, rel=0.01) and spec.family == "diffusion_transformer"
+    counted = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
+    assert counted == pytest.approx(frozen, rel=0.01)
+    trace = spec.activation_trace
+    assert trace is not None and (trace.frames, trace.resolution) == (frames, resolution)
+    assert trace.checkpointed_bytes < trace.saved_bytes / 10
