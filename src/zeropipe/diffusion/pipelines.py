@@ -348,7 +348,7 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
     kwargs.update(arch.pipeline_kwargs())
-    pipeline = cls(**kwargs)
+    pipeline = arch.construct_pipeline(cls, kwargs, folder)
     # The VAE is not loaded: the pipeline's default factor (8) would size latents wrongly.
     pipeline.vae_scale_factor = vae_scale_factor(pipeline_dir)
     if hasattr(pipeline, "vae_scale_factor_spatial"):  # video pipelines keep a spatial and a temporal factor

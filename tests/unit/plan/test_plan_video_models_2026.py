@@ -12,6 +12,8 @@ from zeropipe.plan.model_spec import catalog_names
     [
         # Wan2.2-TI2V-5B: "5B" (its name and model card); UMT5-XXL's encoder 5.68B as for every Wan; the Wan 2.2 VAE.
         ("wan2.2-ti2v-5b", 5.0e9, {"text_encoder": 5.68e9, "vae": 704.7e6}, 121, 704),
+        # HunyuanVideo 1.5: "8.3B parameters" (its model card and report); Qwen2.5-VL-7B's language model 7.07B; ByT5-small's encoder.
+        ("hunyuan-video-1.5", 8.3e9, {"text_encoder": 7.07e9, "text_encoder_2": 217.7e6, "vae": 1.26e9}, None, None),
     ],
 )
 def test_video_entries_count_their_transformer_and_frozen_models(name, published, frozen, frames, resolution, spec_of):
@@ -21,5 +23,8 @@ def test_video_entries_count_their_transformer_and_frozen_models(name, published
     counted = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
     assert counted == pytest.approx(frozen, rel=0.01)
     trace = spec.activation_trace
+    if frames is None:  # not traceable on the meta device (HunyuanVideo 1.5's forward branches on its inputs' values)
+        assert trace is None
+        return
     assert trace is not None and (trace.frames, trace.resolution) == (frames, resolution)
     assert trace.checkpointed_bytes < trace.saved_bytes / 10

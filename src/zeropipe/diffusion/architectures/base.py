@@ -114,6 +114,10 @@ class Architecture:
         """Constructor arguments the pipeline needs besides its components (safety checkers off...)."""
         return {}
 
+    def construct_pipeline(self, cls, kwargs: dict[str, Any], folder: Any):
+        """The pipeline of these components (missing ones None: a text pipeline has no denoiser and no VAE); ``folder`` is its ``PipelineIndex``."""
+        return cls(**kwargs)
+
     def tokenizer_length(self, tokenizer: str) -> int:
         """model_max_length of a tiny preset's tokenizer."""
         return 77
