@@ -44,7 +44,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "omnigen2": None,
     "hunyuan_image": None,
     "auraflow": None,
-    "hunyuan_video_15": None,
+    "hunyuan_video_15": "hunyuan-video-1.5",
     "ernie_image": None,
     "ltx2": None,
     "ideogram4": None,
@@ -216,7 +216,13 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
             conversion.skip("model.dtype", f"{dtype!r} is not bfloat16, float16 or float32")
 
     named = [key for key in MODEL_PATH_KEYS if key in model]
-    if not named:
+    if not named and kind in COMFY_RELEASES and "diffusion_model" in model:
+        # diffusion-pipe's ComfyUI-backed types name single files (diffusion_model, vae, text_encoders), not a folder.
+        release = COMFY_RELEASES[kind]
+        for key in ("diffusion_model", "vae", "text_encoders"):
+            if key in model:
+                conversion.skip(f"model.{key}", f"{model.pop(key)!r} is a ComfyUI file; ZeRO-Pipe reads the diffusers release of the same model ({release}): set model.path to it")
+    elif not named:
         conversion.skip("model", f"no {' / '.join(MODEL_PATH_KEYS)}: set model.path to a diffusers pipeline folder")
     else:
         key = named[0]
@@ -315,6 +321,10 @@ TRANSFORMER_FILE_NOTES = {
                         "FluxKontextPipeline diffusers folder instead"),
 }
 # type -> (the original release's folder name, its diffusers release on the Hub, what to say for any other folder name)
+# diffusion-pipe types that load ComfyUI files, and the diffusers release ZeRO-Pipe reads instead.
+COMFY_RELEASES = {
+    "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
+}
 DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers", "the Wan-AI/Wan2.x-...-Diffusers repository of the same size and task")}
 
 

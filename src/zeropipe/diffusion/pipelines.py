@@ -78,7 +78,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
             if config.get("vae_fit_steps"):
                 fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
         else:
-            parts[name] = arch.model_class()(**fields)
+            parts[name] = arch.tiny_component(name, fields)
     for tokenizer_name in arch.tokenizers:
         parts[tokenizer_name] = arch.tiny_tokenizer(tokenizer_name)
     cls = arch.pipeline()

@@ -14,6 +14,8 @@ from zeropipe.plan.model_spec import catalog_names
         ("wan2.2-ti2v-5b", 5.0e9, {"text_encoder": 5.68e9, "vae": 704.7e6}, 121, 704),
         # HunyuanVideo 1.5: "8.3B parameters" (its model card and report); Qwen2.5-VL-7B's language model 7.07B; ByT5-small's encoder.
         ("hunyuan-video-1.5", 8.3e9, {"text_encoder": 7.07e9, "text_encoder_2": 217.7e6, "vae": 1.26e9}, None, None),
+        # Its image-to-video release: the same transformer, and SigLIP so400m's vision tower ("400M", 27 x 27 = 729 image tokens).
+        ("hunyuan-video-1.5-i2v", 8.3e9, {"text_encoder": 7.07e9, "text_encoder_2": 217.7e6, "image_encoder": 428.2e6, "vae": 1.26e9}, None, None),
     ],
 )
 def test_video_entries_count_their_transformer_and_frozen_models(name, published, frozen, frames, resolution, spec_of):

@@ -130,6 +130,10 @@ class Architecture:
         """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
         return character_tokenizer(self.tokenizer_length(tokenizer))
 
+    def tiny_component(self, name: str, fields: dict[str, Any]):
+        """A tiny preset's component besides the scheduler, text encoders and VAE, from its preset fields: the denoiser (an image encoder, an entry's own)."""
+        return self.model_class()(**fields)
+
     def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
         """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder, built without a download."""
         raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot build a tiny one")

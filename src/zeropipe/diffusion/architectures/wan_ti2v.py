@@ -23,11 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures.wan import ARCHITECTURE as WAN_T2V
 from zeropipe.diffusion.architectures.wan import WAN_SCHEDULER, Wan
-from zeropipe.diffusion.parts import FirstFrame, PerChannelVideoLatents
-from zeropipe.diffusion.parts.base import Encoding
+from zeropipe.diffusion.parts import PerChannelVideoLatents
 
 LATENT_CHANNELS = 48  # the Wan 2.2 VAE's z_dim
 
@@ -64,16 +62,6 @@ class WanTI2V(Wan):
         inputs = super().trace_inputs(config, latent_side, latent_frames, text_tokens, dtype)
         tokens = latent_frames * (latent_side // config.patch_size[1]) * (latent_side // config.patch_size[2])
         return {**inputs, "timestep": torch.full((1, tokens), 500.0)}
-
-
-@dataclass(frozen=True)
-class FirstFrameAlone(FirstFrame):
-    """The first frame encoded alone (one latent frame), as ``WanImageToVideoPipeline.prepare_latents`` encodes the image with ``expand_timesteps``."""
-
-    key_suffix = "-first-frame-alone"
-
-    def encode(self, encoding: Encoding) -> list[torch.Tensor]:
-        return list(cache.encode_latent_distribution(encoding.vae, encoding.pixels[:, :, :1])[0])
 
 
 @dataclass(frozen=True)

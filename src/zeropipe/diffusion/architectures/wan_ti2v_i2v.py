@@ -8,7 +8,8 @@ whose ``model_index.json`` names ``WanImageToVideoPipeline`` (docs/video.md).
 from __future__ import annotations
 
 from zeropipe.diffusion.architectures.wan_ti2v import ARCHITECTURE as TI2V
-from zeropipe.diffusion.architectures.wan_ti2v import FirstFrameAlone, WanTI2VImageToVideo, tiny_preset
+from zeropipe.diffusion.architectures.wan_ti2v import WanTI2VImageToVideo, tiny_preset
+from zeropipe.diffusion.parts import FirstFrameAlone
 
 ARCHITECTURE = WanTI2VImageToVideo(
     **{

@@ -53,3 +53,18 @@ class FirstFrame(Condition):
         index = videos[0] if videos else 0
         pixels = sampling.load_pixels(index, sampling.bucket, crop="center", flip=False).pixels
         return SampleInputs(kwargs={"image": first_frame_image(pixels)}, rows=[{"first_frame": items[index]["path"]}] * len(sampling.prompts))
+
+
+@dataclass(frozen=True)
+class FirstFrameAlone(FirstFrame):
+    """The first frame encoded alone (one latent frame), as pipelines that take the image's own latents encode it.
+
+    Wan 2.2 TI2V-5B's ``WanImageToVideoPipeline`` with ``expand_timesteps`` and
+    ``HunyuanVideo15ImageToVideoPipeline`` encode the image as a one-frame clip (the distribution's
+    mode), not the clip with its other frames blacked out.
+    """
+
+    key_suffix = "-first-frame-alone"
+
+    def encode(self, encoding: Encoding) -> list[torch.Tensor]:
+        return list(cache.encode_latent_distribution(encoding.vae, encoding.pixels[:, :, :1])[0])
