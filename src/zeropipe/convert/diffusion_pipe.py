@@ -239,9 +239,9 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
                     f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
                 )
             elif kind in DIFFUSERS_RELEASES:
-                release = DIFFUSERS_RELEASES[kind]
+                releases, fallback = DIFFUSERS_RELEASES[kind]
                 name = Path(value).name
-                example = release[1].format(name=name) if re.fullmatch(release[0], name) else release[2]
+                example = next((template.format(name=name) for pattern, template in releases if re.fullmatch(pattern, name)), fallback)
                 why = (
                     f"{value} is not a diffusers pipeline folder (no model_index.json there): ZeRO-Pipe reads the model from the diffusers "
                     f"release of the same model ({example}): point model.path at it"
@@ -325,7 +325,12 @@ TRANSFORMER_FILE_NOTES = {
 COMFY_RELEASES = {
     "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
 }
-DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers", "the Wan-AI/Wan2.x-...-Diffusers repository of the same size and task")}
+DIFFUSERS_RELEASES = {
+    "wan": (
+        ((r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers"), (r"SkyReels-V2-(T2V|I2V)-[\d.]+B-\d+P", "Skywork/{name}-Diffusers")),
+        "the Wan-AI/Wan2.x-...-Diffusers (or Skywork/SkyReels-V2-...-Diffusers) repository of the same size and task",
+    )
+}
 
 
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:

@@ -23,3 +23,16 @@ def test_hunyuan_video_15_comfyui_files_point_at_the_diffusers_release(tmp_path)
     assert "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v" in unmapped["model.diffusion_model"]
     assert set(unmapped) >= {"model.vae", "model.text_encoders"}
     assert conversion.entries["data.video.frame_buckets"].value == [1, 33]
+
+
+def test_a_skyreels_v2_checkpoint_folder_of_diffusion_pipes_wan_type_points_at_skyworks_diffusers_release(tmp_path):
+    """diffusion-pipe trains SkyReels-V2 as type 'wan' with ckpt_path its original folder (it tells it by the folder's name)."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    skyreels = tmp_path / "SkyReels-V2-I2V-14B-540P"
+    skyreels.mkdir()
+    (tmp_path / "dataset.toml").write_text(f"frame_buckets = [1, 49]\n[[directory]]\npath = '{clips}'\n")
+    (tmp_path / "sky.toml").write_text(f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{skyreels}'\ndtype = 'bfloat16'\n")
+    conversion = convert_file(tmp_path / "sky.toml")
+    assert not conversion.blocking
+    assert "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers" in dict(conversion.unmapped)["model.ckpt_path"]

@@ -23,7 +23,7 @@ from zeropipe.errors import ConfigError
 BUILTIN = (
     "sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image",
     "flux2", "flux2_klein", "qwen_image_edit", "flux_kontext",
-    "wan_ti2v", "wan_ti2v_i2v", "hunyuan_video15", "hunyuan_video15_i2v",
+    "wan_ti2v", "wan_ti2v_i2v", "hunyuan_video15", "hunyuan_video15_i2v", "skyreels_v2", "skyreels_v2_i2v",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
