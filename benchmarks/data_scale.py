@@ -16,6 +16,10 @@ every 100 ms (file-backed pages, memory-mapped files among them, reported beside
   zeropipe-parquet   the same from the Parquet file
   before-jsonl       zeropipe-jsonl with the ``src/`` of another checkout (--before-src), e.g. the
                      main branch before streaming: every record held, int32 tokens and labels
+  train-parquet      ``zeropipe train`` on the Parquet file: the launcher prepares the data as above,
+                     then one CPU rank trains a small Llama for 2 steps from the token cache (the
+                     whole run's tree is measured: launcher, data workers and the rank)
+  train-saved        the same on a folder written by ``datasets``' ``save_to_disk`` from the Parquet
   datasets-jsonl     the field's standard: ``load_dataset("json")`` from a cold cache, then a
                      batched ``map`` that renders the same template and tokenizes prompt and answer
                      with the same tokenizer, ``num_proc`` = --processes
@@ -120,6 +124,31 @@ def write_records(workdir: Path, count: int, seed: int) -> tuple[Path, Path]:
     return jsonl, parquet
 
 
+TRAIN_CONFIG = """
+run: {{output_dir: {out}, name: run, seed: 0}}
+model:
+  tokenizer: {tokenizer}
+  config: {{model_type: llama, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4,
+           num_key_value_heads: 2, max_position_embeddings: 512, tie_word_embeddings: false}}
+data: {{path: {data}, max_seq_len: 512, num_workers: {processes}, max_bad_fraction: 0.01}}
+train: {{max_steps: 2, micro_batch_size: 2, gradient_accumulation_steps: 1, lr: 1.0e-3, log_every: 1}}
+deepspeed: {{zero_stage: 2, precision: fp32}}
+hardware: {{gpus: 1}}
+"""
+
+
+def save_to_disk(workdir: Path, parquet: Path) -> Path:
+    """The Parquet records as a folder written by ``datasets``' ``save_to_disk`` (Arrow files and its JSON)."""
+    out = workdir / f"{parquet.stem}-saved"
+    if (out / "dataset_info.json").is_file():
+        return out
+    from datasets import Dataset
+
+    Dataset.from_parquet(str(parquet), cache_dir=str(workdir / "hf-cache")).save_to_disk(str(out))
+    shutil.rmtree(workdir / "hf-cache", ignore_errors=True)
+    return out
+
+
 def train_tokenizer(workdir: Path, jsonl: Path) -> Path:
     out = workdir / "tokenizer"
     if (out / "tokenizer.json").is_file():
@@ -202,12 +231,23 @@ def main() -> None:
         if case == "before-jsonl":
             case_env = dict(env, PYTHONPATH=str(args.before_src))
             argv = [sys.executable, "-c", ZEROPIPE_CASE, str(jsonl), str(tokenizer), str(out / "cache"), str(args.processes)]
+        elif case.startswith("train-"):
+            source = parquet if case == "train-parquet" else save_to_disk(args.workdir, parquet)
+            config = out / "train.yaml"
+            config.write_text(TRAIN_CONFIG.format(out=out, tokenizer=tokenizer, data=source, processes=args.processes))
+            argv = [sys.executable, "-m", "zeropipe", "train", str(config)]
         elif case.startswith("zeropipe"):
             source = jsonl if case.endswith("jsonl") else parquet
             argv = [sys.executable, "-c", ZEROPIPE_CASE, str(source), str(tokenizer), str(out / "cache"), str(args.processes)]
         else:
             argv = [sys.executable, "-c", DATASETS_CASE, str(jsonl), str(tokenizer), str(out), str(args.processes)]
         result = run_case(case, argv, case_env)
+        if case.startswith("train-"):
+            summary = json.loads((out / "run" / "summary.json").read_text())
+            cache = json.loads((out / "run" / "cache" / "cache.json").read_text())
+            result["output"] = {key: cache.get(key) for key in ("records", "examples", "tokens", "bad_record_count")} | {
+                "steps": summary["steps"], "first_loss": round(summary["first_loss"], 3), "final_loss": round(summary["final_loss"], 3),
+            }  # fmt: skip
         results.append(result)
         print(json.dumps(result), flush=True)
     baseline = next((r for r in results if r["case"] == "datasets-jsonl"), None)

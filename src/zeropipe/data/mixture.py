@@ -4,6 +4,8 @@ Each source is read and checked like ``data.path`` (malformed records are counte
 ``data.max_bad_fraction`` per source), turned into conversations (or texts), and then the
 mixture is drawn with ``run.seed``: source k gives ``round(N * w_k / sum(w))`` examples, its
 records shuffled and repeated as many times as that takes, and the whole is shuffled.
+Sources are streamed (see :func:`build_mixture`): a mixture of millions of records holds
+their offsets, not the records.
 Writing the result as one chat-format JSONL file keeps everything after it (tokenizer
 training, the token cache, packing, the held-out split) exactly as for a single file.
 """
@@ -12,12 +14,16 @@ from __future__ import annotations
 
 import json
 import math
-import random
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from zeropipe.config.schema import DataSection
-from zeropipe.data.formats import RecordError, detect_format, read_located_records, to_conversation
+from zeropipe.data.formats import DETECTION_SAMPLE, RecordError, detect_format, to_conversation
+from zeropipe.data.records import BadRecord, iter_records, sample_records
 from zeropipe.data.synthetic import generate_dataset
 from zeropipe.errors import DataError
 
@@ -32,6 +38,11 @@ def spec_of(data: DataSection, seed: int) -> dict[str, Any]:
 
 def build_mixture(data: DataSection, out_dir: Path, seed: int) -> Path:
     """Draw ``data.mixture`` into ``out_dir/mixture.jsonl`` (reused when already drawn from the same spec).
+
+    Each source is streamed once into a spool file of converted records (one JSON line each)
+    while only their byte offsets are kept; the draw is then a shuffled array of (source,
+    offset) pairs, and the mixture is written by reading those lines back. Memory is bounded by
+    the offsets (16 bytes a drawn example), not by the records.
 
     Raises:
         DataError: a source is missing, unreadable, has too many malformed records, or the
@@ -49,30 +60,61 @@ def build_mixture(data: DataSection, out_dir: Path, seed: int) -> Path:
             pass
     assert data.mixture is not None
     sources = [read_source(index, source, data, out_dir, seed) for index, source in enumerate(data.mixture)]
-    kinds = {label: isinstance(items[0], str) for label, _, items in sources}
-    if len(set(kinds.values())) > 1:
-        texts = [label for label, is_text in kinds.items() if is_text]
-        raise DataError(
-            f"data.mixture mixes plain text ({', '.join(texts)}) with conversations: a run trains on one or the other. "
-            "Mix texts with texts and instructions or chats with each other"
-        )
-    total = data.mixture_examples or sum(len(items) for _, _, items in sources)
-    counts = apportion(total, [weight for _, weight, _ in sources])
-    rng = random.Random(seed)
-    drawn: list[Any] = []
-    rows = []
-    for (label, weight, items), count in zip(sources, counts):
-        drawn += draw(items, count, rng)
-        rows.append({"source": label, "weight": weight, "records": len(items), "drawn": count, "passes": round(count / len(items), 2)})
-    rng.shuffle(drawn)
-    lines = [json.dumps({"text": item} if isinstance(item, str) else {"messages": item}) for item in drawn]
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    summary_file.write_text(json.dumps({"spec": spec, "examples": len(drawn), "sources": rows}, indent=2))
+    try:
+        kinds = {source.label: source.is_text for source in sources}
+        if len(set(kinds.values())) > 1:
+            texts = [label for label, is_text in kinds.items() if is_text]
+            raise DataError(
+                f"data.mixture mixes plain text ({', '.join(texts)}) with conversations: a run trains on one or the other. "
+                "Mix texts with texts and instructions or chats with each other"
+            )
+        total = data.mixture_examples or sum(len(source.offsets) for source in sources)
+        counts = apportion(total, [source.weight for source in sources])
+        rng = np.random.default_rng(seed)
+        drawn_sources, drawn_offsets, rows = [], [], []
+        for number, (source, count) in enumerate(zip(sources, counts)):
+            drawn_offsets.append(source.offsets[draw(len(source.offsets), count, rng)])
+            drawn_sources.append(np.full(count, number, dtype=np.int32))
+            records = len(source.offsets)
+            rows.append({"source": source.label, "weight": source.weight, "records": records, "drawn": count, "passes": round(count / records, 2)})
+        order = rng.permutation(sum(counts))
+        which, where = np.concatenate(drawn_sources)[order], np.concatenate(drawn_offsets)[order]
+        partial = path.with_name(path.name + ".partial")
+        spools = [source.spool.open("rb") for source in sources]
+        try:
+            with partial.open("wb") as out:
+                for number, offset in zip(which.tolist(), where.tolist()):
+                    spool = spools[number]
+                    spool.seek(offset)
+                    out.write(spool.readline())
+        finally:
+            for spool in spools:
+                spool.close()
+        partial.replace(path)
+    finally:
+        for source in sources:
+            source.spool.unlink(missing_ok=True)
+    summary_file.write_text(json.dumps({"spec": spec, "examples": int(sum(counts)), "sources": rows}, indent=2))
     return path
 
 
-def read_source(index: int, source, data: DataSection, out_dir: Path, seed: int) -> tuple[str, float, list]:
+@dataclass
+class Source:
+    """One source streamed into its spool file: the byte offset of each usable record's line."""
 
+    label: str
+    weight: float
+    spool: Path
+    offsets: np.ndarray
+    is_text: bool
+
+
+def read_source(index: int, source, data: DataSection, out_dir: Path, seed: int) -> Source:
+    """Stream one source: check and convert each record, spool it, keep its offset.
+
+    Malformed records are counted as they stream by (the first one by file and line is kept
+    for the message), against the source's ``data.max_bad_fraction`` / ``max_bad_records``.
+    """
     key = f"data.mixture[{index}]"
     if source.synthetic is not None:
         label = f"synthetic {source.synthetic.task}"
@@ -83,27 +125,53 @@ def read_source(index: int, source, data: DataSection, out_dir: Path, seed: int)
         label = str(source.path)
         file = Path(source.path).expanduser()
     try:
-        records, bad = read_located_records(file, source.columns)
-        if not records:
-            raise DataError(f"no usable records ({len(bad)} malformed)")
-        fmt = detect_format([record.value for record in records], source.format)
+        sample, sample_bad = sample_records(file, source.columns, DETECTION_SAMPLE)
+        if not sample:
+            raise DataError(f"no usable records ({len(sample_bad)} malformed)")
+        fmt = detect_format([record.value for record in sample], source.format)
     except DataError as err:
         raise DataError(f"{key} ({label}): {err}") from None
-    total = len(records) + len(bad)
-    items = []
-    for record in records:
-        try:
-            items.append(to_conversation(record.value, fmt))
-        except RecordError as error:
-            bad.append(record.bad(str(error)))
+    del sample, sample_bad
+    spool = out_dir / f"mixture-{index}.spool.jsonl"
+    offsets = array("q")
+    bad_count, first_bad, is_text = 0, None, None
+
+    def count_bad(item: BadRecord) -> None:
+        nonlocal bad_count, first_bad
+        bad_count += 1
+        if first_bad is None or (item.file, item.line_number) < (first_bad.file, first_bad.line_number):
+            first_bad = item
+
+    try:
+        with spool.open("wb") as out:
+            for item in iter_records(file, source.columns):
+                if isinstance(item, BadRecord):
+                    count_bad(item)
+                    continue
+                try:
+                    converted = to_conversation(item.value, fmt)
+                except RecordError as error:
+                    count_bad(item.bad(str(error)))
+                    continue
+                if is_text is None:
+                    is_text = isinstance(converted, str)
+                offsets.append(out.tell())
+                line = {"text": converted} if isinstance(converted, str) else {"messages": converted}
+                out.write((json.dumps(line) + "\n").encode("utf-8"))
+    except DataError as err:
+        spool.unlink(missing_ok=True)
+        raise DataError(f"{key} ({label}): {err}") from None
+    total = len(offsets) + bad_count
     allowed = data.max_bad_records if data.max_bad_records is not None else math.floor(data.max_bad_fraction * total)
-    if len(bad) > allowed or not items:
-        first = sorted(bad, key=lambda b: (b.file, b.line_number))[0]
+    if bad_count > allowed or not offsets:
+        spool.unlink(missing_ok=True)
+        if first_bad is None:
+            raise DataError(f"{key} ({label}): no usable records")
         raise DataError(
-            f"{key} ({label}): {len(bad)} of {total} records are malformed (first: {first}), more than the {allowed} "
+            f"{key} ({label}): {bad_count} of {total} records are malformed (first: {first_bad}), more than the {allowed} "
             "data.max_bad_fraction / data.max_bad_records allow: fix the file or raise the limit"
         )
-    return label, source.weight, items
+    return Source(label, source.weight, spool, np.frombuffer(offsets, dtype=np.int64), bool(is_text))
 
 
 def apportion(total: int, weights: list[float]) -> list[int]:
@@ -117,14 +185,13 @@ def apportion(total: int, weights: list[float]) -> list[int]:
     return [max(1, count) for count in counts]
 
 
-def draw(items: list, count: int, rng: random.Random) -> list:
-    """``count`` items: whole shuffled passes over ``items``, then part of one more."""
-    out: list = []
-    order = list(range(len(items)))
-    while len(out) < count:
-        rng.shuffle(order)
-        out += [items[i] for i in order[: count - len(out)]]
-    return out
+def draw(records: int, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` indices into ``records``: whole shuffled passes, then part of one more."""
+    passes, rest = divmod(count, records)
+    parts = [rng.permutation(records) for _ in range(passes)]
+    if rest:
+        parts.append(rng.permutation(records)[:rest])
+    return np.concatenate(parts)
 
 
 def mixture_note(out_dir: Path) -> str | None:

@@ -69,3 +69,43 @@ def test_a_source_with_too_many_malformed_records_is_named(tmp_path, sources):
     # Within the tolerance, the malformed ones are left out and the rest is used.
     tolerant = DataSection(mixture=[{"path": alpaca}, {"path": broken}], max_bad_records=2)
     assert len(read_records(build_mixture(tolerant, tmp_path / "ok", seed=0))[0]) == 30 + 5
+
+
+def test_sources_stream_through_the_mixture_a_record_at_a_time(tmp_path, monkeypatch):
+    """A mixture of big sources holds offsets, not records: at most a handful are alive at once, and no spool is left."""
+    import weakref
+
+    from zeropipe.data import mixture as mixture_module
+    from zeropipe.data.records import iter_records
+
+    big = jsonl(tmp_path / "big.jsonl", [{"instruction": f"add {i}", "output": str(i + 1)} for i in range(3000)])
+    parquet = tmp_path / "chat.parquet"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]} for i in range(2000)]
+    pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=500)
+    alive = {"now": 0, "most": 0}
+
+    def freed():
+        alive["now"] -= 1
+
+    def counted(path, columns=None):
+        for item in iter_records(path, columns):
+            alive["now"] += 1
+            alive["most"] = max(alive["most"], alive["now"])
+            weakref.finalize(item, freed)
+            yield item
+            del item
+
+    monkeypatch.setattr(mixture_module, "iter_records", counted)
+    out = tmp_path / "out"
+    path = build_mixture(DataSection(mixture=[{"path": big, "weight": 1}, {"path": str(parquet), "weight": 1}], mixture_examples=6000), out, seed=5)
+    assert alive["most"] <= 2, alive
+    records, bad = read_records(path)
+    assert not bad and len(records) == 6000
+    firsts = Counter(record["messages"][0]["content"].split()[0] for record in records)
+    assert firsts == {"add": 3000, "hi": 3000}
+    # The chat source is drawn 1.5 times: every record once, half of them twice.
+    assert sorted(Counter(r["messages"][1]["content"] for r in records if r["messages"][0]["content"].startswith("hi")).values())[-1] == 2
+    assert sorted(p.name for p in out.iterdir()) == ["mixture.json", "mixture.jsonl"]
