@@ -48,6 +48,20 @@ def text_to_video_inputs(latents: torch.Tensor, semantic_dim: int) -> dict[str, 
 
 
 @dataclass(frozen=True)
+class HunyuanVideo15Latents(VideoLatents):
+    """HunyuanVideo 1.5's VAE, encoded one clip at a time.
+
+    Its causal mid-block attention builds a (batch, tokens, tokens) mask that scaled-dot-product
+    attention broadcasts against the batch as if it were heads (diffusers 0.42): a batch of more
+    than one clip fails, so the clips of a chunk are encoded one by one (the pipeline encodes one image).
+    """
+
+    def encode(self, vae, pixels):
+        means, stds = zip(*(super(HunyuanVideo15Latents, self).encode(vae, clip[None]) for clip in pixels))
+        return torch.cat(means), torch.cat(stds)
+
+
+@dataclass(frozen=True)
 class HunyuanVideo15(Architecture):
     def tokenizer_length(self, tokenizer):
         return GLYPH_TOKENS if tokenizer == "tokenizer_2" else PROMPT_TOKENS + TEMPLATE_START
@@ -154,7 +168,7 @@ ARCHITECTURE = HunyuanVideo15(
     text_encoders=("text_encoder", "text_encoder_2"),
     tokenizers=("tokenizer", "tokenizer_2"),
     patch_factor=1,
-    codec=VideoLatents(vae_class="AutoencoderKLHunyuanVideo15", frame_multiple=4, frame_rate=24.0),
+    codec=HunyuanVideo15Latents(vae_class="AutoencoderKLHunyuanVideo15", frame_multiple=4, frame_rate=24.0),
     preset_name="tiny-hunyuan-video-1.5",
     preset={
         "transformer": {

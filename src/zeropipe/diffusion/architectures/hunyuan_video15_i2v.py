@@ -41,7 +41,12 @@ class HunyuanVideo15ImageToVideo(HunyuanVideo15):
         return torch.cat([latents, mask], dim=1), condition["image_embeds"]
 
     def call_pipeline(self, pipeline, kwargs):
-        # The pipeline sizes the video from the image (its bucket nearest the transformer's target_size), not from height/width.
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        # The pipeline sizes the video from the image (its bucket nearest the transformer's target_size) and crops the
+        # image with its own processor, which the shared assembly replaced by a plain VideoProcessor: made again as
+        # HunyuanVideo15ImageToVideoPipeline.__init__ makes it.
+        pipeline.video_processor = HunyuanVideo15ImageProcessor(vae_scale_factor=pipeline.vae_scale_factor_spatial, do_resize=False, do_convert_rgb=True)
         return super().call_pipeline(pipeline, {key: value for key, value in kwargs.items() if key not in ("height", "width")})
 
     def tiny_component(self, name, fields):

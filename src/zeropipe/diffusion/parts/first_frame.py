@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from zeropipe.diffusion import cache
 from zeropipe.diffusion.images import first_frame_image
 from zeropipe.diffusion.parts.base import Condition, Encoding, Inputs, SampleInputs, Sampling
 
@@ -38,7 +37,7 @@ class FirstFrame(Condition):
         return condition
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
-        return list(cache.encode_latent_distribution(encoding.vae, self.conditioning_pixels(encoding.pixels))[0])
+        return list(encoding.codec.encode(encoding.vae, self.conditioning_pixels(encoding.pixels))[0])
 
     def inputs(self, values: list[torch.Tensor], batch: Inputs) -> dict[str, torch.Tensor]:
         return {"first_frame_latents": batch.normalize(torch.stack(values).to(batch.device))}
@@ -67,4 +66,4 @@ class FirstFrameAlone(FirstFrame):
     key_suffix = "-first-frame-alone"
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
-        return list(cache.encode_latent_distribution(encoding.vae, encoding.pixels[:, :, :1])[0])
+        return list(encoding.codec.encode(encoding.vae, encoding.pixels[:, :, :1])[0])

@@ -123,7 +123,15 @@ def export_diffusion(job: ExportJob) -> Path:
         metadata = denoiser.peft_config["default"].to_dict()
         if "lora_dropout" in metadata:
             metadata["lora_dropout"] = 0.0
-        arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        if hasattr(arch.pipeline(), "save_lora_weights"):
+            arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        else:
+            # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanVideo 1.5, Cosmos 2): the same file, written by the
+            # loaders' common writer (keys under the denoiser's name, the adapter's config in the metadata), which the
+            # denoiser's own load_lora_adapter reads.
+            from diffusers.loaders.lora_base import LoraBaseMixin
+
+            LoraBaseMixin._save_lora_weights(str(tmp), {arch.denoiser: layers}, {arch.denoiser: metadata})
         if lora.kind == "lora":
             write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
         else:

@@ -195,7 +195,7 @@ class DiffusionTask(TaskDefaults):
             dropped_flags.append(dropped)
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
             pixels = self.arch.codec.vae_pixels(torch.stack([source for source, _ in distributions]))
-            means, stds = cache.encode_latent_distribution(self.vae, pixels)
+            means, stds = self.arch.codec.encode(self.vae, pixels)
             values = [
                 condition.encode(Encoding(self.vae, pixels, [loaded[number] for _, loaded in distributions], None, self.arch.codec, self.device))
                 for number, condition in enumerate(self.conditions)
