@@ -320,11 +320,11 @@ TRANSFORMER_FILE_NOTES = {
     "flux": ("kontext", "a FLUX.1 Kontext file over a FLUX.1 folder trains as text-to-image FLUX.1; for edit pairs (control_path) point model.path at a "
                         "FluxKontextPipeline diffusers folder instead"),
 }
-# type -> (the original release's folder name, its diffusers release on the Hub, what to say for any other folder name)
 # diffusion-pipe types that load ComfyUI files, and the diffusers release ZeRO-Pipe reads instead.
 COMFY_RELEASES = {
     "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
 }
+# type -> ((an original release's folder name, its diffusers release on the Hub), ...), what to say for any other folder name
 DIFFUSERS_RELEASES = {
     "wan": (
         ((r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers"), (r"SkyReels-V2-(T2V|I2V)-[\d.]+B-\d+P", "Skywork/{name}-Diffusers")),

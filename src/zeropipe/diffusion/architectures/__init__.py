@@ -12,8 +12,9 @@ docs/architecture.md.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.diffusion.architectures.base import Architecture, PredictContext
@@ -75,9 +76,9 @@ def architecture_for_pipeline(class_name: str | None, index: Mapping[str, Any] |
     """
     _load_builtin()
     for arch in reversed(list(_REGISTRY.values())):
-        if class_name == arch.pipeline_class or class_name in arch.related_pipelines:
-            if all((index or {}).get(key) == value for key, value in arch.pipeline_settings):
-                return arch
+        named = class_name == arch.pipeline_class or class_name in arch.related_pipelines
+        if named and all((index or {}).get(key) == value for key, value in arch.pipeline_settings):
+            return arch
     return None
 
 
