@@ -44,7 +44,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "omnigen2": None,
     "hunyuan_image": "hunyuan-image",
     "auraflow": "auraflow",
-    "hunyuan_video_15": None,
+    "hunyuan_video_15": "hunyuan-video-1.5",
     "ernie_image": None,
     "ltx2": None,
     "ideogram4": None,
@@ -223,7 +223,13 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
             conversion.skip("model.dtype", f"{dtype!r} is not bfloat16, float16 or float32")
 
     named = [key for key in MODEL_PATH_KEYS if key in model]
-    if not named:
+    if not named and kind in COMFY_RELEASES and "diffusion_model" in model:
+        # diffusion-pipe's ComfyUI-backed types name single files (diffusion_model, vae, text_encoders), not a folder.
+        release = COMFY_RELEASES[kind]
+        for key in ("diffusion_model", "vae", "text_encoders"):
+            if key in model:
+                conversion.skip(f"model.{key}", f"{model.pop(key)!r} is a ComfyUI file; ZeRO-Pipe reads the diffusers release of the same model ({release}): set model.path to it")
+    elif not named:
         conversion.skip("model", f"no {' / '.join(MODEL_PATH_KEYS)}: set model.path to a diffusers pipeline folder")
     else:
         key = named[0]
@@ -240,9 +246,9 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
                     f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
                 )
             elif kind in DIFFUSERS_RELEASES:
-                release = DIFFUSERS_RELEASES[kind]
+                releases, fallback = DIFFUSERS_RELEASES[kind]
                 name = Path(value).name
-                example = release[1].format(name=name) if re.fullmatch(release[0], name) else release[2]
+                example = next((template.format(name=name) for pattern, template in releases if re.fullmatch(pattern, name)), fallback)
                 why = (
                     f"{value} is not a diffusers pipeline folder (no model_index.json there): ZeRO-Pipe reads the model from the diffusers "
                     f"release of the same model ({example}): point model.path at it"
@@ -321,8 +327,17 @@ TRANSFORMER_FILE_NOTES = {
     "flux": ("kontext", "a FLUX.1 Kontext file over a FLUX.1 folder trains as text-to-image FLUX.1; for edit pairs (control_path) point model.path at a "
                         "FluxKontextPipeline diffusers folder instead"),
 }
-# type -> (the original release's folder name, its diffusers release on the Hub, what to say for any other folder name)
-DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers", "the Wan-AI/Wan2.x-...-Diffusers repository of the same size and task")}
+# diffusion-pipe types that load ComfyUI files, and the diffusers release ZeRO-Pipe reads instead.
+COMFY_RELEASES = {
+    "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
+}
+# type -> ((an original release's folder name, its diffusers release on the Hub), ...), what to say for any other folder name
+DIFFUSERS_RELEASES = {
+    "wan": (
+        ((r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers"), (r"SkyReels-V2-(T2V|I2V)-[\d.]+B-\d+P", "Skywork/{name}-Diffusers")),
+        "the Wan-AI/Wan2.x-...-Diffusers (or Skywork/SkyReels-V2-...-Diffusers) repository of the same size and task",
+    )
+}
 
 
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:

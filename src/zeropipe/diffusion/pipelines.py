@@ -78,7 +78,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
             if config.get("vae_fit_steps"):
                 fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
         else:
-            parts[name] = arch.model_class()(**fields)
+            parts[name] = arch.tiny_component(name, fields)
     for tokenizer_name in arch.tokenizers:
         parts[tokenizer_name] = arch.tiny_tokenizer(tokenizer_name)
     cls = arch.pipeline()
@@ -348,7 +348,7 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
     kwargs.update(arch.pipeline_kwargs())
-    pipeline = cls(**kwargs)
+    pipeline = arch.construct_pipeline(cls, kwargs, folder)
     # The VAE is not loaded: the pipeline's default factor (8) would size latents wrongly.
     pipeline.vae_scale_factor = vae_scale_factor(pipeline_dir)
     if hasattr(pipeline, "vae_scale_factor_spatial"):  # video pipelines keep a spatial and a temporal factor

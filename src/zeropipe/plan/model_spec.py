@@ -559,7 +559,7 @@ def _text_encoder_model_type(class_name: str) -> str:
 
 def _architecture(folder: PipelineIndex):
     """The diffusion architecture of a pipeline folder, or None when its pipeline class is none ZeRO-Pipe knows."""
-    return architecture_for_pipeline(folder.class_name)
+    return architecture_for_pipeline(folder.class_name, folder.index)
 
 
 def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:

@@ -12,7 +12,9 @@ docs/architecture.md.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.diffusion.architectures.base import Architecture, PredictContext
@@ -23,6 +25,7 @@ BUILTIN = (
     "sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image",
     "flux2", "flux2_klein", "qwen_image_edit", "flux_kontext",
     "lumina2", "hidream", "auraflow", "hunyuan_image",
+    "wan_ti2v", "wan_ti2v_i2v", "hunyuan_video15", "hunyuan_video15_i2v", "skyreels_v2", "skyreels_v2_i2v",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
@@ -64,14 +67,18 @@ def architecture_named(name: str) -> Architecture:
     return _REGISTRY[name]
 
 
-def architecture_for_pipeline(class_name: str | None) -> Architecture | None:
+def architecture_for_pipeline(class_name: str | None, index: Mapping[str, Any] | None = None) -> Architecture | None:
     """The architecture a diffusers pipeline class name (``model_index.json``'s ``_class_name``) belongs to.
 
     The latest registered entry wins, so a plug-in can replace a built-in for its pipeline class.
+    ``index`` (``model_index.json`` as read) is matched against an entry's ``pipeline_settings``:
+    Wan 2.2 TI2V-5B is a ``WanPipeline`` saved with ``expand_timesteps: true``; without it, an
+    entry that names settings is passed over.
     """
     _load_builtin()
     for arch in reversed(list(_REGISTRY.values())):
-        if class_name == arch.pipeline_class or class_name in arch.related_pipelines:
+        named = class_name == arch.pipeline_class or class_name in arch.related_pipelines
+        if named and all((index or {}).get(key) == value for key, value in arch.pipeline_settings):
             return arch
     return None
 
@@ -102,7 +109,7 @@ def architecture_of(pipeline_dir: Path) -> Architecture:
     """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_index``)."""
     folder = read_pipeline_index(pipeline_dir)
     name = folder.class_name
-    arch = architecture_for_pipeline(name)
+    arch = architecture_for_pipeline(name, folder.index)
     if arch is None:
         known = ", ".join(sorted(a.pipeline_class for a in architectures().values()))
         raise ConfigError([("model.path", f"{folder.index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])

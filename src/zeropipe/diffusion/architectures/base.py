@@ -42,6 +42,8 @@ class Architecture:
         objective: ``ddpm`` (noise/velocity prediction) or ``flow`` (rectified flow).
         text_encoders, tokenizers: the components whose outputs the text cache holds.
         related_pipelines: other pipeline class names saved with the same components (img2img...).
+        pipeline_settings: (key, value) pairs the pipeline folder's ``model_index.json`` must hold for this entry to be
+            its architecture, where entries share a pipeline class (Wan 2.2 TI2V-5B: ``expand_timesteps`` true).
         patch_factor: latent pixels per denoiser token along a side (buckets must be multiples of it).
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
         lora_targets: module names LoRA adapts by default (suffixes, as peft matches a list), or one regular
@@ -62,6 +64,7 @@ class Architecture:
     text_encoders: tuple[str, ...]
     tokenizers: tuple[str, ...]
     related_pipelines: tuple[str, ...] = ()
+    pipeline_settings: tuple[tuple[str, Any], ...] = ()
     patch_factor: int = 1
     preset_name: str | None = None
     preset: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -111,6 +114,10 @@ class Architecture:
         """Constructor arguments the pipeline needs besides its components (safety checkers off...)."""
         return {}
 
+    def construct_pipeline(self, cls, kwargs: dict[str, Any], folder: Any):
+        """The pipeline of these components (missing ones None: a text pipeline has no denoiser and no VAE); ``folder`` is its ``PipelineIndex``."""
+        return cls(**kwargs)
+
     def tokenizer_length(self, tokenizer: str) -> int:
         """model_max_length of a tiny preset's tokenizer."""
         return 77
@@ -122,6 +129,10 @@ class Architecture:
     def tiny_tokenizer(self, tokenizer: str):
         """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
         return character_tokenizer(self.tokenizer_length(tokenizer))
+
+    def tiny_component(self, name: str, fields: dict[str, Any]):
+        """A tiny preset's component besides the scheduler, text encoders and VAE, from its preset fields: the denoiser (an image encoder, an entry's own)."""
+        return self.model_class()(**fields)
 
     def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
         """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder, built without a download."""
@@ -169,6 +180,14 @@ class Architecture:
     def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
         """The denoiser's output for a batch of latents, called as the pipeline calls it."""
         raise NotImplementedError
+
+    def loss_region(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of the denoiser's prediction and of the target that the loss compares: all of them by default.
+
+        An entry whose input holds given (not noised) latents leaves them out, as its trainers do
+        (Wan 2.2 TI2V's image-to-video: the first latent frame is the image itself).
+        """
+        return prediction, target
 
     # -------------------------------------------------------------- sampling
     def sample_kwargs(self, condition: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], guidance_scale: float, guidance: float) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from zeropipe.diffusion.parts.base import Condition, Encoding, Inputs, Part, Pla
 from zeropipe.diffusion.parts.codec import ImageLatents, PerChannelVideoLatents, VideoLatents
 from zeropipe.diffusion.parts.control_image import ControlImage
 from zeropipe.diffusion.parts.control_prompt import PromptWithControlImage
-from zeropipe.diffusion.parts.first_frame import FirstFrame
+from zeropipe.diffusion.parts.first_frame import FirstFrame, FirstFrameAlone
 from zeropipe.diffusion.parts.first_frame_embeddings import FirstFrameEmbeddings
 from zeropipe.diffusion.parts.text import PromptText
 
@@ -33,6 +33,6 @@ def _setting(config: Any, key: str) -> Any:
 
 
 __all__ = [
-    "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameEmbeddings", "ImageLatents", "Inputs", "Part", "PerChannelVideoLatents",
+    "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "ImageLatents", "Inputs", "Part", "PerChannelVideoLatents",
     "Planning", "PromptText", "PromptWithControlImage", "SampleInputs", "Sampling", "VideoLatents", "part_problems",
 ]

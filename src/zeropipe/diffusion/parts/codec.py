@@ -115,6 +115,12 @@ class ImageLatents(Part):
         """The VAE's decoded output as a batch of images (B, 3, H, W) or clips (B, 3, T, H, W): the inverse of ``vae_pixels``."""
         return decoded
 
+    def encode(self, vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the VAE's latent distribution for a batch of what ``vae_pixels`` gave (cached; a sample is drawn per step)."""
+        from zeropipe.diffusion import cache
+
+        return cache.encode_latent_distribution(vae, pixels)
+
     def from_vae(self, latents: torch.Tensor) -> torch.Tensor:
         """The VAE's latents laid out as they are normalised and the denoiser sees them (FLUX.2 folds 2x2 patches first); ``decode`` undoes it."""
         return latents

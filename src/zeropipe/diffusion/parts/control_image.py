@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from zeropipe.diffusion import cache
 from zeropipe.diffusion.images import first_frame_image, load_image_for_bucket, match_control_images
 from zeropipe.diffusion.parts.base import Condition, Encoding, Inputs, Planning, SampleInputs, Sampling
 from zeropipe.errors import ConfigError, DataError
@@ -87,7 +86,7 @@ class ControlImage(Condition):
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
         # The control image's latents, as the pipeline encodes its image (the mode, the mean).
-        return list(cache.encode_latent_distribution(encoding.vae, encoding.codec.vae_pixels(torch.stack(encoding.loaded)))[0])
+        return list(encoding.codec.encode(encoding.vae, encoding.codec.vae_pixels(torch.stack(encoding.loaded)))[0])
 
     def inputs(self, values: list[torch.Tensor], batch: Inputs) -> dict[str, torch.Tensor]:
         return {"control_latents": batch.normalize(torch.stack(values).to(batch.device))}

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from zeropipe.diffusion import cache
 from zeropipe.diffusion.images import first_frame_image
 from zeropipe.diffusion.parts.base import Condition, Encoding, Inputs, SampleInputs, Sampling
 
@@ -38,7 +37,7 @@ class FirstFrame(Condition):
         return condition
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
-        return list(cache.encode_latent_distribution(encoding.vae, self.conditioning_pixels(encoding.pixels))[0])
+        return list(encoding.codec.encode(encoding.vae, self.conditioning_pixels(encoding.pixels))[0])
 
     def inputs(self, values: list[torch.Tensor], batch: Inputs) -> dict[str, torch.Tensor]:
         return {"first_frame_latents": batch.normalize(torch.stack(values).to(batch.device))}
@@ -53,3 +52,18 @@ class FirstFrame(Condition):
         index = videos[0] if videos else 0
         pixels = sampling.load_pixels(index, sampling.bucket, crop="center", flip=False).pixels
         return SampleInputs(kwargs={"image": first_frame_image(pixels)}, rows=[{"first_frame": items[index]["path"]}] * len(sampling.prompts))
+
+
+@dataclass(frozen=True)
+class FirstFrameAlone(FirstFrame):
+    """The first frame encoded alone (one latent frame), as pipelines that take the image's own latents encode it.
+
+    Wan 2.2 TI2V-5B's ``WanImageToVideoPipeline`` with ``expand_timesteps`` and
+    ``HunyuanVideo15ImageToVideoPipeline`` encode the image as a one-frame clip (the distribution's
+    mode), not the clip with its other frames blacked out.
+    """
+
+    key_suffix = "-first-frame-alone"
+
+    def encode(self, encoding: Encoding) -> list[torch.Tensor]:
+        return list(encoding.codec.encode(encoding.vae, encoding.pixels[:, :, :1])[0])

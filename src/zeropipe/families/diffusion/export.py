@@ -138,7 +138,7 @@ def export_diffusion(job: ExportJob) -> Path:
         if hasattr(pipeline_cls, "save_lora_weights"):
             pipeline_cls.save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
         else:
-            # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanImage): the same file, written by the
+            # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanImage, HunyuanVideo 1.5): the same file, written by the
             # loaders' common base as every pipeline's save_lora_weights writes it, which the denoiser's
             # load_lora_adapter reads (draw.load_adapter_export).
             from diffusers.loaders.lora_base import LoraBaseMixin

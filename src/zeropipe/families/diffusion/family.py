@@ -79,7 +79,7 @@ class Diffusion:
                 folder = read_pipeline_index(section.path)
             except ConfigError:
                 return None
-            return architecture_for_pipeline(folder.class_name)
+            return architecture_for_pipeline(folder.class_name, folder.index)
         return None
 
     def objective(self, config: RunConfig) -> str | None:

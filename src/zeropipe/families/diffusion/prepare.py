@@ -296,7 +296,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                 if not prepared:
                     continue
                 pixels = arch.codec.vae_pixels(torch.stack([image.pixels for image in prepared]))
-                means, stds = cache.encode_latent_distribution(vae, pixels)
+                means, stds = arch.codec.encode(vae, pixels)
                 values = [
                     condition.encode(Encoding(vae, pixels, [row[number] for row in loaded], encoder, arch.codec, device))
                     for number, (condition, encoder) in enumerate(zip(conditions, encoders))

@@ -172,8 +172,8 @@ class DiffusionTask(TaskDefaults):
         latents, condition = self.assemble(indices)
         noised = self.objective.noise(latents)
         self.timesteps_drawn.append(noised.timesteps.detach().float())  # on the device: read when the metrics are written
-        prediction = self.predict(noised.model_input, noised.timesteps, condition)
-        return weighted_mse(prediction, noised.target, noised.weights), 0.0, float(len(indices))
+        prediction, target = self.arch.loss_region(self.predict(noised.model_input, noised.timesteps, condition), noised.target)
+        return weighted_mse(prediction, target, noised.weights), 0.0, float(len(indices))
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
@@ -195,7 +195,7 @@ class DiffusionTask(TaskDefaults):
             dropped_flags.append(dropped)
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
             pixels = self.arch.codec.vae_pixels(torch.stack([source for source, _ in distributions]))
-            means, stds = cache.encode_latent_distribution(self.vae, pixels)
+            means, stds = self.arch.codec.encode(self.vae, pixels)
             values = [
                 condition.encode(Encoding(self.vae, pixels, [loaded[number] for _, loaded in distributions], None, self.arch.codec, self.device))
                 for number, condition in enumerate(self.conditions)
@@ -296,7 +296,8 @@ class DiffusionTask(TaskDefaults):
         noised = self.objective.noise(latents, generator=generator)
         was_training = self.engine.module.training
         self.engine.module.eval()
-        loss = weighted_mse(self.predict(noised.model_input, noised.timesteps, condition), noised.target, noised.weights).float()
+        prediction, target = self.arch.loss_region(self.predict(noised.model_input, noised.timesteps, condition), noised.target)
+        loss = weighted_mse(prediction, target, noised.weights).float()
         if was_training:
             self.engine.module.train()
         torch.set_rng_state(state[0])

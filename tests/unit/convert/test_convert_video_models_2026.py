@@ -1,0 +1,38 @@
+"""diffusion-pipe configs of the 2026 video models: their type names map to ZeRO-Pipe's entries, their ComfyUI files to the diffusers release."""
+
+from __future__ import annotations
+
+from zeropipe.convert import convert_file
+from zeropipe.convert.diffusion_pipe import trainable_architecture
+
+
+def test_hunyuan_video_15_comfyui_files_point_at_the_diffusers_release(tmp_path):
+    """diffusion-pipe's docs/supported_models.md HunyuanVideo-1.5 block, as a user has it."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    (tmp_path / "dataset.toml").write_text(f"resolutions = [480]\nframe_buckets = [1, 33]\n[[directory]]\npath = '{clips}'\n")
+    (tmp_path / "hv15.toml").write_text(
+        "output_dir = 'out'\ndataset = 'dataset.toml'\nepochs = 10\nmicro_batch_size_per_gpu = 1\n[model]\ntype = 'hunyuan_video_15'\n"
+        "diffusion_model = '/m/hunyuanvideo1.5_480p_t2v_fp16.safetensors'\nvae = '/m/hunyuanvideo15_vae_fp16.safetensors'\n"
+        "text_encoders = [{paths = ['/m/qwen_2.5_vl_7b.safetensors', '/m/byt5_small_glyphxl_fp16.safetensors'], type = 'hunyuan_video_15'}]\n"
+        "dtype = 'bfloat16'\ntimestep_sample_method = 'logit_normal'\n[adapter]\ntype = 'lora'\nrank = 32\n"
+    )
+    conversion = convert_file(tmp_path / "hv15.toml")
+    assert trainable_architecture("hunyuan_video_15") == "hunyuan-video-1.5" and not conversion.blocking
+    unmapped = dict(conversion.unmapped)
+    assert "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v" in unmapped["model.diffusion_model"]
+    assert set(unmapped) >= {"model.vae", "model.text_encoders"}
+    assert conversion.entries["data.video.frame_buckets"].value == [1, 33]
+
+
+def test_a_skyreels_v2_checkpoint_folder_of_diffusion_pipes_wan_type_points_at_skyworks_diffusers_release(tmp_path):
+    """diffusion-pipe trains SkyReels-V2 as type 'wan' with ckpt_path its original folder (it tells it by the folder's name)."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    skyreels = tmp_path / "SkyReels-V2-I2V-14B-540P"
+    skyreels.mkdir()
+    (tmp_path / "dataset.toml").write_text(f"frame_buckets = [1, 49]\n[[directory]]\npath = '{clips}'\n")
+    (tmp_path / "sky.toml").write_text(f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{skyreels}'\ndtype = 'bfloat16'\n")
+    conversion = convert_file(tmp_path / "sky.toml")
+    assert not conversion.blocking
+    assert "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers" in dict(conversion.unmapped)["model.ckpt_path"]
