@@ -50,7 +50,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "ideogram4": None,
     "krea2": None,
     "minimax_h3": None,
-    "kandinsky5": None,
+    "kandinsky5": "kandinsky5-t2i",
     "longcat_video": None,
     "hy_framepack": None,
     "qwen_image21": None,

@@ -123,6 +123,13 @@ class Architecture:
         """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
         return character_tokenizer(self.tokenizer_length(tokenizer))
 
+    def tiny_denoiser(self, model) -> None:
+        """Give a tiny preset's freshly built denoiser the weights it needs to learn (default: as its class initialises them).
+
+        A class that zero-initialises its modulations (adaLN-zero: Kandinsky 5) builds blocks whose
+        every output is gated by zero, through which a LoRA gets no gradient; a checkpoint's are trained.
+        """
+
     def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
         """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder, built without a download."""
         raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot build a tiny one")
