@@ -48,7 +48,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "ernie_image": None,
     "ltx2": None,
     "ideogram4": None,
-    "krea2": None,
+    "krea2": "krea2",
     "minimax_h3": None,
     "kandinsky5": "kandinsky5-t2i",
     "longcat_video": None,

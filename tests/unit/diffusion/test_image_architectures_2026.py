@@ -53,7 +53,18 @@ def kandinsky_case(pipeline):
     )
 
 
-CASES = {"kandinsky5-t2i": kandinsky_case}
+def krea2_case(pipeline):
+    from zeropipe.diffusion.architectures.krea2 import unpack
+
+    side = 32 // pipeline.vae_scale_factor
+    return (
+        {"guidance_scale": 0.0},  # Krea 2's convention: 0 is no guidance
+        lambda kwargs: (unpack(kwargs["hidden_states"], side, side), kwargs["timestep"] * 1000),
+        lambda output: unpack(first(output), side, side),
+    )
+
+
+CASES = {"kandinsky5-t2i": kandinsky_case, "krea2": krea2_case}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +123,7 @@ def test_the_codec_normalises_latents_as_the_pipeline_decodes_them(name):
     torch.testing.assert_close(torch.as_tensor(got_scale).float(), torch.full_like(torch.as_tensor(got_scale).float(), scale))
 
 
-@pytest.mark.parametrize("theirs,ours", [("kandinsky5", "kandinsky5-t2i")])
+@pytest.mark.parametrize("theirs,ours", [("kandinsky5", "kandinsky5-t2i"), ("krea2", "krea2")])
 def test_diffusion_pipes_type_converts_to_the_entry(theirs, ours):
     """diffusion-pipe's [model] type (models/*.py there); the architecture itself is read from model.path's model_index.json."""
     from zeropipe.convert.diffusion_pipe import trainable_architecture

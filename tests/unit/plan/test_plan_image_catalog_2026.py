@@ -17,6 +17,8 @@ from zeropipe.plan.model_spec import CATALOG_DIR, catalog_names
 PUBLISHED = {
     # Kandinsky 5.0 Image Lite: "6B" (model card; the config counts 6.02B); Qwen2.5-VL-7B with its vision tower 8.29B; CLIP ViT-L/14's text model 123M.
     "kandinsky5-t2i-lite": (6.0e9, 0.01, {"text_encoder": 8.29e9, "text_encoder_2": 0.123e9}),
+    # Krea 2: 12.9B (the diffusers conversions' cards; Krea's card rounds to 12B); Qwen3-VL-4B-Instruct without its (tied) head 4.44B.
+    "krea-2": (12.9e9, 0.01, {"text_encoder": 4.44e9}),
 }
 
 
@@ -47,7 +49,7 @@ def test_each_catalog_entry_counts_its_published_size(name):
         assert meta_count(frozen[component]) == pytest.approx(count, rel=0.01), component
 
 
-@pytest.mark.parametrize("preset", ["tiny-kandinsky5-t2i"])
+@pytest.mark.parametrize("preset", ["tiny-kandinsky5-t2i", "tiny-krea2"])
 def test_the_planner_traces_each_entry_and_counts_its_own_lora_targets(preset):
     """target_modules auto is the entry's own targets, as training resolves them (the planner used to take to_q/to_k/to_v/to_out.0 for every model)."""
     from zeropipe.config.schema import RunConfig
