@@ -129,3 +129,23 @@ def test_diffusion_pipes_type_converts_to_the_entry(theirs, ours):
     from zeropipe.convert.diffusion_pipe import trainable_architecture
 
     assert trainable_architecture(theirs) == ours
+
+
+def test_krea2_lora_in_krea_names_converts_back_with_diffusers_to_the_same_updates():
+    """The original layout (no alpha keys: diffusers' Krea 2 converter refuses any) recovers each module's B @ A x alpha / r."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_krea2_lora_to_diffusers
+
+    modules = [f"transformer_blocks.{block}.{name}" for block in (0, 27) for name in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0", "ff.gate", "ff.up", "ff.down")]
+    generator = torch.Generator().manual_seed(0)
+    rank, alpha = 4, 16.0
+    layers = {}
+    for module in modules:
+        layers[f"{module}.lora_A.weight"] = torch.randn(rank, 24, generator=generator)
+        layers[f"{module}.lora_B.weight"] = torch.randn(24, rank, generator=generator)
+    original = architecture_named("krea2").original_lora_layout(layers, alpha)
+    assert "diffusion_model.blocks.27.attn.wq.lora_A.weight" in original and "diffusion_model.blocks.0.mlp.down.lora_B.weight" in original
+    converted = _convert_non_diffusers_krea2_lora_to_diffusers(dict(original))
+    for module in modules:
+        expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
+        got = converted[f"transformer.{module}.lora_B.weight"] @ converted[f"transformer.{module}.lora_A.weight"]
+        torch.testing.assert_close(got, expected)
