@@ -45,7 +45,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "hunyuan_image": None,
     "auraflow": None,
     "hunyuan_video_15": None,
-    "ernie_image": None,
+    "ernie_image": "ernie-image",
     "ltx2": None,
     "ideogram4": None,
     "krea2": "krea2",

@@ -64,7 +64,11 @@ def krea2_case(pipeline):
     )
 
 
-CASES = {"kandinsky5-t2i": kandinsky_case, "krea2": krea2_case}
+def ernie_case(pipeline):
+    return ({"guidance_scale": 1.0, "use_pe": False}, lambda kwargs: (kwargs["hidden_states"], kwargs["timestep"]), first)
+
+
+CASES = {"kandinsky5-t2i": kandinsky_case, "krea2": krea2_case, "ernie-image": ernie_case}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +116,8 @@ def test_predict_is_the_pipelines_own_denoiser_call_on_its_own_prompt_encoding_a
 DECODED_WITH = {
     # Kandinsky5T2IPipeline: latents / scaling_factor, although the Flux VAE's config has a shift factor.
     "kandinsky5-t2i": ({"scaling_factor": 0.3611, "shift_factor": 0.1159, "block_out_channels": [128, 256, 512, 512]}, (0.0, 0.3611)),
+    # ErnieImagePipeline: latents x sqrt(running_var + 1e-5) + running_mean, with eps 1e-5 whatever the config says (no VAE folder: mean 0, var 1).
+    "ernie-image": ({"latent_channels": 32, "batch_norm_eps": 1e-4, "block_out_channels": [128, 256, 512, 512]}, (0.0, 1 / (1 + 1e-5) ** 0.5)),
 }
 
 
@@ -123,7 +129,7 @@ def test_the_codec_normalises_latents_as_the_pipeline_decodes_them(name):
     torch.testing.assert_close(torch.as_tensor(got_scale).float(), torch.full_like(torch.as_tensor(got_scale).float(), scale))
 
 
-@pytest.mark.parametrize("theirs,ours", [("kandinsky5", "kandinsky5-t2i"), ("krea2", "krea2")])
+@pytest.mark.parametrize("theirs,ours", [("kandinsky5", "kandinsky5-t2i"), ("krea2", "krea2"), ("ernie_image", "ernie-image")])
 def test_diffusion_pipes_type_converts_to_the_entry(theirs, ours):
     """diffusion-pipe's [model] type (models/*.py there); the architecture itself is read from model.path's model_index.json."""
     from zeropipe.convert.diffusion_pipe import trainable_architecture
