@@ -155,3 +155,26 @@ def test_krea2_lora_in_krea_names_converts_back_with_diffusers_to_the_same_updat
         expected = layers[f"{module}.lora_B.weight"] @ layers[f"{module}.lora_A.weight"] * (alpha / rank)
         got = converted[f"transformer.{module}.lora_B.weight"] @ converted[f"transformer.{module}.lora_A.weight"]
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_captions_prediction_does_not_depend_on_the_other_captions_of_its_batch(tiny_pipelines, name):
+    """Captions are cached one by one and padded per micro-batch: each row predicts as it does alone (masks, lengths, or one call per length)."""
+    from zeropipe.diffusion.pipelines import encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+
+    arch = architecture_named(name)
+    folder = tiny_pipelines(name)
+    cpu = torch.device("cpu")
+    encoders = text_pipeline(folder, arch, torch.float32, cpu)
+    rows = [encode_prompts(encoders, arch, [prompt], cpu)[0] for prompt in (PROMPT, "a small green square on a white background, seen from above")]
+    batch = {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
+    model = arch.model_class().from_pretrained(str(folder / arch.denoiser)).eval()
+    context = PredictContext(cpu, torch.float32, vae_scale_factor(folder), 1.0)
+    shape = (2, 16, 1, 8, 8) if arch.codec.vae_class == "AutoencoderKLQwenImage" else (2, 16 if arch.codec.vae_class == "AutoencoderKLFlux2" else 4, 8, 8)
+    latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([700.0, 300.0])
+    with torch.no_grad():
+        together = arch.predict(model, latents, timesteps, batch, context)
+        for index, row in enumerate(rows):
+            alone = arch.predict(model, latents[index : index + 1], timesteps[index : index + 1], {key: value[None] for key, value in row.items()}, context)
+            torch.testing.assert_close(together[index : index + 1], alone, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: row {index} differs in a batch: {m}")
