@@ -1,4 +1,4 @@
-"""The 2026 image models in the planner's catalog: counted from their published configs on the meta device, and planned with each entry's own LoRA targets.
+"""Kandinsky 5 T2I, Krea 2 and ERNIE-Image in the planner's catalog: counted from their published configs on the meta device, and planned with each entry's own LoRA targets.
 
 Tracing a catalog entry at 1024 px takes 40 s on a CI core (see test_plan_image_catalog.py); the
 trace inputs are checked on the tiny presets here, and the counts on the catalog's configs.

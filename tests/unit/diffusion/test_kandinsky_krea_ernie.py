@@ -1,4 +1,4 @@
-"""The 2026 image entries (Kandinsky 5 T2I, Krea 2, ERNIE-Image, Ideogram 4) against their own diffusers pipelines.
+"""Kandinsky 5 T2I, Krea 2 and ERNIE-Image against their own diffusers pipelines (Ideogram 4 is not an entry yet: docs/diffusion.md).
 
 For each entry: the pipeline itself draws from a prompt (its own prompt encoding, latent
 preparation and denoiser call, captured by a hook on its transformer), and the entry's
