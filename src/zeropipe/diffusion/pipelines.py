@@ -79,6 +79,8 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
                 fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
         else:
             parts[name] = arch.tiny_component(name, fields)
+            if name == arch.denoiser:
+                arch.tiny_denoiser(parts[name])
     for tokenizer_name in arch.tokenizers:
         parts[tokenizer_name] = arch.tiny_tokenizer(tokenizer_name)
     cls = arch.pipeline()

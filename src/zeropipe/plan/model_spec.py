@@ -371,21 +371,21 @@ def _count(model) -> dict[str, Any]:
     }
 
 
-def lora_targets(lora: LoraSection, family: str) -> list[str] | str:
-    """model.lora.target_modules resolved: "auto" is the attention projections as the model's library names them."""
+def lora_targets(lora: LoraSection, family: str, auto: tuple[str, ...] | str | None = None) -> list[str] | str:
+    """model.lora.target_modules resolved: "auto" is ``auto`` (a diffusion entry's own targets, as training resolves them), else the attention projections as the model's library names them."""
 
-    return resolve_lora_targets(lora, DIFFUSERS_LORA_TARGETS if family.startswith("diffusion") else TRANSFORMERS_LORA_TARGETS)
+    return resolve_lora_targets(lora, auto or (DIFFUSERS_LORA_TARGETS if family.startswith("diffusion") else TRANSFORMERS_LORA_TARGETS))
 
 
-def _lora_targets(model, lora: LoraSection, family: str) -> list[tuple[str, torch.nn.Linear]]:
+def _lora_targets(model, lora: LoraSection, family: str, auto=None) -> list[tuple[str, torch.nn.Linear]]:
     import torch
 
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    if lora_targets(lora, family) == "all-linear":
+    if lora_targets(lora, family, auto) == "all-linear":
         # As peft does: every linear layer except the output head.
         output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return [(n, m) for n, m in linears if m is not output]
-    resolved = lora_targets(lora, family)
+    resolved = lora_targets(lora, family, auto)
     targets = resolved if isinstance(resolved, str) else list(resolved)
     chosen = [(n, m) for n, m in linears if is_lora_target(n, targets)]
     if not chosen:
@@ -396,9 +396,9 @@ def _lora_targets(model, lora: LoraSection, family: str) -> list[tuple[str, torc
     return chosen
 
 
-def _lora_counts(model, lora: LoraSection, layer, family: str) -> tuple[LoraShape, int, list[int]]:
+def _lora_counts(model, lora: LoraSection, layer, family: str, auto=None) -> tuple[LoraShape, int, list[int]]:
     """Adapter weights: r x (in + out) per adapted linear layer, from the layers' shapes."""
-    chosen = _lora_targets(model, lora, family)
+    chosen = _lora_targets(model, lora, family, auto)
     sizes: list[int] = []
     for _, linear in chosen:
         sizes += adapter_parameter_sizes(lora, linear.in_features, linear.out_features)
@@ -410,7 +410,7 @@ def _lora_counts(model, lora: LoraSection, layer, family: str) -> tuple[LoraShap
                 group = LINEAR_INPUT_GROUPS.get(module_name.rsplit(".", 1)[-1], module_name.rsplit(".", 1)[-1])
                 entry = groups.setdefault(group, [linear.in_features, 0])
                 entry[1] += 1
-    resolved = lora_targets(lora, family)
+    resolved = lora_targets(lora, family, auto)
     targets = (resolved,) if isinstance(resolved, str) else tuple(resolved)
     shape = LoraShape(
         r=lora.r,
@@ -461,8 +461,11 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     counts = _count(model)
     trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
     if lora is not None:
-        lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion")
-        _inject_lora(model, lora)
+        named = entry.get("architecture")
+        arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
+        auto = arch.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
+        lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion", auto)
+        _inject_lora(model, lora, auto)
     resolution = int(entry.get("resolution", 1024))
     trace = _trace(model, entry, resolution)
     config = model.config
@@ -486,14 +489,14 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     )
 
 
-def _inject_lora(model, lora: LoraSection) -> None:
+def _inject_lora(model, lora: LoraSection, auto=None) -> None:
     """Adapters on the meta model, so the trace sees what frozen base layers and adapters save."""
     import torch
     from peft import inject_adapter_in_model
 
     from zeropipe.models.adapters import is_adapter_parameter, peft_adapter_config
 
-    targets = lora_targets(lora, "diffusion")
+    targets = lora_targets(lora, "diffusion", auto)
     with torch.device("meta"):
         inject_adapter_in_model(peft_adapter_config(lora, targets), model)
     for name, param in model.named_parameters():

@@ -134,6 +134,13 @@ class Architecture:
         """A tiny preset's component besides the scheduler, text encoders and VAE, from its preset fields: the denoiser (an image encoder, an entry's own)."""
         return self.model_class()(**fields)
 
+    def tiny_denoiser(self, model) -> None:
+        """Give a tiny preset's freshly built denoiser the weights it needs to learn (default: as its class initialises them).
+
+        A class that zero-initialises its modulations (adaLN-zero: Kandinsky 5) builds blocks whose
+        every output is gated by zero, through which a LoRA gets no gradient; a checkpoint's are trained.
+        """
+
     def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
         """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder, built without a download."""
         raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot build a tiny one")
