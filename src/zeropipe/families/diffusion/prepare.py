@@ -25,7 +25,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import architecture_named, architecture_of
 from zeropipe.diffusion.images import PreparedImage, assign_bucket, make_buckets, micro_batches_per_rank
-from zeropipe.diffusion.parts import Encoding, Planning, part_problems
+from zeropipe.diffusion.parts import Encoding, Planning, active_conditions, part_problems
 from zeropipe.diffusion.pipelines import PipelineFolder, build_tiny_pipeline, load_component, text_pipeline, vae_scale_factor
 from zeropipe.errors import ConfigError, DataError
 from zeropipe.rundir import PreparedData, RunDir
@@ -135,7 +135,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
 
     cache_dir = cache_dir_for(config).resolve()
     folder = PipelineFolder(pipeline_dir, arch, cache_dir / "fingerprints.json")
-    conditions = [condition for condition in arch.conditions if condition.active(folder)]
+    conditions = active_conditions(arch, folder, config)
     prompts = list(config.generate.prompts or [])
     if config.generate.prompts is None:
         prompts = codec.synthetic_prompts(4, seed=config.run.seed + 1) if config.data.synthetic is not None else sorted({item["caption"] for item in items})[:4]
@@ -266,7 +266,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     arch = architecture_named(plan.architecture)
     pipeline_dir, cache_dir = Path(plan.pipeline_dir), Path(plan.cache_dir)
     folder = PipelineFolder(pipeline_dir, arch)
-    conditions = [condition for condition in arch.conditions if condition.active(folder)]
+    conditions = active_conditions(arch, folder, run.read_config())
     skipped: set[int] = set()  # items unreadable now (they were readable when the launcher scanned them)
     if plan.missing_latents:
         run.write_progress("loading the VAE to fill the latent cache")
