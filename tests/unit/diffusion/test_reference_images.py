@@ -15,7 +15,8 @@ from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.parts.reference_images import attach_reference_images, find_reference_images
 from zeropipe.diffusion.parts.reference_prompt import references_text_key
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, vae_scale_factor
+from zeropipe.diffusion.parts import Encoding, Inputs
+from zeropipe.diffusion.pipelines import build_tiny_pipeline, latent_scaling, normalize_latents, vae_scale_factor
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion import FAMILY
 
@@ -146,10 +147,17 @@ def flux2_reference(pipeline, latents, references, timestep, condition, guidance
     return out[:, : latents.shape[-2] * latents.shape[-1]]
 
 
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """The tiny pipelines, built once for the tests below."""
+    root = tmp_path_factory.mktemp("pipelines")
+    return {preset: (build_tiny_pipeline({"pipeline": preset}, root / preset, seed=1), root / preset) for preset in ("tiny-qwen-image-edit-plus", "tiny-flux2")}
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen-image-edit-plus", "tiny-flux2"])
-def test_an_entrys_prediction_is_its_pipelines_denoiser_call_and_the_second_reference_changes_it(tmp_path, preset):
-    arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=1)
-    pipeline = arch.pipeline().from_pretrained(str(tmp_path / "pipeline"), **({"processor": None} if arch.text.processors else {}))
+def test_an_entrys_prediction_is_its_pipelines_denoiser_call_and_the_second_reference_changes_it(tiny_folders, preset):
+    arch, folder = tiny_folders[preset]
+    pipeline = arch.pipeline().from_pretrained(str(folder), **({"processor": None} if arch.text.processors else {}))
     generator = torch.Generator().manual_seed(0)
     # The pipelines' own encoding of two reference images (VAE mode, normalised; FLUX.2's patched), as the entries' normalised references.
     if arch.name == "qwen-image-edit-plus":
@@ -160,9 +168,16 @@ def test_an_entrys_prediction_is_its_pipelines_denoiser_call_and_the_second_refe
         condition = {"prompt_embeds": torch.randn(1, 9, 48, generator=generator)}
         pixels = [pipeline.image_processor.preprocess(drawing(c), SIZE, SIZE) for c in ((200, 40, 40), (40, 200, 40))]
         references = [pipeline._encode_vae_image(p, generator) for p in pixels]
+    # The reference images part gives predict what the pipeline's own encoding gives: encoded (with the VAE's mean) and normalised as the target.
+    (part,) = arch.conditions
+    shift, scale = latent_scaling(folder, arch)
+    item = torch.cat([p.squeeze(2) for p in pixels])  # one item's two references, (2, 3, H, W), as the part's load gives them
+    values = part.encode(Encoding(pipeline.vae, item[:1], [item], None, arch.codec, torch.device("cpu")))
+    given = part.inputs(values, Inputs(torch.device("cpu"), torch.float32, lambda x: normalize_latents(arch.codec.from_vae(x), shift, scale)))["reference_latents"]
+    torch.testing.assert_close(given, torch.stack(references, dim=1), rtol=1e-4, atol=1e-5)
     latents = torch.randn(references[0].shape, generator=generator)
     timestep = torch.tensor([600.0])
-    context = PredictContext(torch.device("cpu"), torch.float32, vae_scale_factor(tmp_path / "pipeline"), 3.5)
+    context = PredictContext(torch.device("cpu"), torch.float32, vae_scale_factor(folder), 3.5)
 
     def mine(refs):
         return arch.predict(pipeline.transformer, latents, timestep, {**condition, "reference_latents": torch.stack(refs, dim=1)}, context)
@@ -179,31 +194,39 @@ def test_an_entrys_prediction_is_its_pipelines_denoiser_call_and_the_second_refe
     assert (changed - ours).abs().max() > 1e-3  # the second reference conditions the prediction
 
 
-def test_qwen_image_edit_plus_samples_as_its_pipeline_draws_from_prompts_and_two_references(tmp_path):
-    """At 1024 px, where the entry's loop and the pipeline agree on the references' size, the entry's text encoding of the
-    prompt with both references (encode_prompts_with_images) and its loop give the pipeline's own latents, true CFG included."""
-    vae = {"base_dim": 8, "dim_mult": [1, 1, 1, 1, 1], "temperal_downsample": [False, True, True, True]}
-    arch = build_tiny_pipeline({"pipeline": "tiny-qwen-image-edit-plus", "vae": vae}, tmp_path / "pipeline", seed=2)
-    folder = tmp_path / "pipeline"
+def test_qwen_image_edit_plus_samples_as_its_pipeline_draws_from_prompts_and_two_references(tiny_folders, monkeypatch):
+    """The entry's text encoding of the prompt with both references (encode_prompts_with_images) and its sampling loop give the
+    pipeline's own latents, true CFG included, where the pipeline takes the references at the sample size. Its call resizes them
+    to VAE_IMAGE_SIZE (a megapixel, which the entry's loop replaces by the sample size): set to the sample size here, which saves
+    four 1024 px VAE encodings."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
     from zeropipe.diffusion.pipelines import text_pipeline
 
+    size = 64
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", size * size)
+    arch, folder = tiny_folders["tiny-qwen-image-edit-plus"]
     encoders = text_pipeline(folder, arch, torch.float32, torch.device("cpu"))
     pipeline = arch.pipeline().from_pretrained(str(folder), processor=encoders.processor)
     pipeline.set_progress_bar_config(disable=True)
-    images = [drawing((200, 40, 40), 1024), drawing((40, 200, 40), 1024)]
+    images = [drawing((200, 40, 40), size), drawing((40, 200, 40), size)]
     prompt = "Put the cup of Picture 1 on the table of Picture 2."
-
-    def encode(refs):
-        return [arch.encode_prompts_with_images(encoders, [text], [refs], torch.device("cpu")) for text in (prompt, " ")]
-
-    def draw(refs):
-        condition, negative = encode(refs)
-        kwargs = {"height": 1024, "width": 1024, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sample_kwargs(condition, negative, 3.0, 1.0)}
-        return arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": refs})
-
     with torch.no_grad():
-        ours = draw(images)
-        theirs = pipeline(image=images, prompt=prompt, negative_prompt=" ", true_cfg_scale=3.0, height=1024, width=1024, num_inference_steps=2,
+        condition, negative = (arch.encode_prompts_with_images(encoders, [text], [images], torch.device("cpu")) for text in (prompt, " "))
+        kwargs = {"height": size, "width": size, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sample_kwargs(condition, negative, 3.0, 1.0)}
+        ours = arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": images})
+        theirs = pipeline(image=images, prompt=prompt, negative_prompt=" ", true_cfg_scale=3.0, height=size, width=size, num_inference_steps=2,
                           output_type="latent", return_dict=False, generator=torch.Generator().manual_seed(5))[0]
-    assert ours.shape == (1, 32 * 32, 64)
+    assert ours.shape == (1, (size // 8) ** 2, 64)
     torch.testing.assert_close(ours, theirs)
+
+
+def test_the_qwen_image_edit_2509_catalog_entry_is_traced_with_two_references_appended():
+    """Its catalog entry names the plus entry, whose trace inputs hold the target's and two references' tokens (the planner's activations)."""
+    from types import SimpleNamespace
+
+    from zeropipe.plan.model_spec import CATALOG_DIR, catalog_names
+
+    assert "qwen-image-edit-2509" in catalog_names() and json.loads((CATALOG_DIR / "qwen-image-edit-2509.json").read_text())["architecture"] == "qwen-image-edit-plus"
+    inputs = architecture_named("qwen-image-edit-plus").trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 128, 1, 20, torch.float32)
+    assert inputs["hidden_states"].shape == (1, 3 * 64 * 64, 64) and inputs["img_shapes"] == [[(1, 64, 64)] * 3]
