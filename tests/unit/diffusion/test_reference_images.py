@@ -91,7 +91,11 @@ def test_missing_broken_and_uneven_references_are_each_named_before_any_rank_sta
 def test_the_settings_are_checked_per_entry(tmp_path):
     assert FAMILY.config_problems(config(tmp_path, "tiny-qwen-image-edit-plus", control_paths=[str(tmp_path)])) == []
     assert FAMILY.config_problems(config(tmp_path, "tiny-flux2")) == []  # FLUX.2 without references: text-to-image
-    assert FAMILY.config_problems(config(tmp_path, "tiny-flux2", control_paths=[str(tmp_path)])) == []
+    assert FAMILY.config_problems(config(tmp_path, "tiny-flux2", control_paths=[str(tmp_path)], images={"resolution": 64})) == []
+    # Flux2Pipeline's image processor refuses reference images under 64 px, which samples would give it.
+    assert dict(FAMILY.config_problems(config(tmp_path, "tiny-flux2", control_paths=[str(tmp_path)], images={"resolution": 32})))["data.images.resolution"].startswith(
+        "the flux2 pipeline takes reference images of 64 px or more"
+    )
     problems = dict(FAMILY.config_problems(config(tmp_path, "tiny-qwen-image-edit-plus")))
     assert "set data.path and data.control_paths" in problems["data.control_paths"]
     problems = dict(FAMILY.config_problems(config(tmp_path, "tiny-qwen-image-edit-plus", control_paths=[str(tmp_path / "nowhere")], cache={"latents": False})))

@@ -318,5 +318,5 @@ ARCHITECTURE = Flux2(
     },
     lora_targets=FLUX2_LORA_TARGETS,
     # Reference images where the settings name them (data.control_paths / data.control_path); text-to-image otherwise.
-    conditions=(ReferenceImages(required=False),),
+    conditions=(ReferenceImages(required=False, min_size=64),),  # Flux2ImageProcessor.check_image_input: 64 px or more
 )

@@ -66,5 +66,5 @@ ARCHITECTURE = Flux2Klein(
     },
     lora_targets=FLUX2_LORA_TARGETS,
     # Reference images where the settings name them, as [dev] (Flux2KleinPipeline appends them the same way).
-    conditions=(ReferenceImages(required=False),),
+    conditions=(ReferenceImages(required=False, min_size=64),),  # Flux2ImageProcessor.check_image_input: 64 px or more
 )

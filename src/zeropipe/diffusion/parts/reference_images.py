@@ -187,9 +187,12 @@ class ReferenceImages(Condition):
     Attributes:
         required: the entry trains only with references (Qwen-Image-Edit-Plus); else (FLUX.2) they are
             used where the settings name them and the entry trains text-to-image otherwise.
+        min_size: the smallest side the pipeline takes a reference image at (FLUX.2's image processor
+            refuses images under 64 px), which the sample size must reach.
     """
 
     required: bool = True
+    min_size: int = 0
     entry = "references"
     key_suffix = "-references"
 
@@ -217,6 +220,8 @@ class ReferenceImages(Condition):
         for key, folder in [("data.control_path", data.control_path)] + [(f"data.control_paths[{number}]", path) for number, path in enumerate(data.control_paths or [])]:
             if folder and not Path(folder).expanduser().is_dir():
                 problems.append((key, f"{folder} is not a folder: point it at a folder of reference images (same file names as the targets)"))
+        if data.images.resolution < self.min_size:
+            problems.append(("data.images.resolution", f"the {arch.name} pipeline takes reference images of {self.min_size} px or more (samples give it the references at data.images.resolution, {data.images.resolution}): set it to {self.min_size} or more"))
         if not (data.cache.latents and data.cache.text):
             problems.append(("data.cache", "multi-reference edit training reads the reference images' latents from the cache: set data.cache.latents and data.cache.text to true"))
         return problems
