@@ -41,6 +41,8 @@ BAD_SHOWN = 3
 METADATA_FILE = "metadata.jsonl"
 # musubi-tuner's JSONL keys: control_path is the first reference, control_path_0, control_path_1, ... the rest in order.
 METADATA_KEY = re.compile(r"^control_path(?:_(\d+))?$")
+# musubi-tuner's control_directory: NAME_0, NAME_1, ... after NAME itself.
+NUMBERED_STEM = re.compile(r"^(.+)_(\d+)$")
 
 
 def metadata_references(data_root: Path) -> dict[Path, list[str]]:
@@ -76,16 +78,18 @@ def _suffixed_references(targets: list[Path], data_root: Path, control_root: Pat
     for path in sorted(control_root.rglob("*")):
         if path.suffix.lower() in IMAGE_SUFFIXES and not any(part.startswith(".") for part in path.relative_to(control_root).parts):
             by_stem.setdefault(path.relative_to(control_root).with_suffix(""), []).append(path)
+    # NAME_<n> stems by NAME, indexed once (a dataset has thousands of targets).
+    numbered: dict[Path, list[tuple[int, Path]]] = {}
+    for stem in by_stem:
+        match = NUMBERED_STEM.match(stem.name)
+        if match:
+            numbered.setdefault(stem.with_name(match.group(1)), []).append((int(match.group(2)), stem))
     found, problems = [], []
     for target in targets:
         relative = Path(target).resolve().relative_to(Path(data_root).resolve()).with_suffix("")
         references: list[Path] = []
         for base in (relative, Path(relative.name)):
-            numbered = []
-            for stem, paths in by_stem.items():
-                if stem.parent == base.parent and stem.name.startswith(base.name + "_") and stem.name[len(base.name) + 1 :].isdigit():
-                    numbered.append((int(stem.name[len(base.name) + 1 :]), stem))
-            stems = ([base] if base in by_stem else []) + [stem for _, stem in sorted(numbered)]
+            stems = ([base] if base in by_stem else []) + [stem for _, stem in sorted(numbered.get(base, []))]
             if stems:
                 for stem in stems:
                     if len(by_stem[stem]) > 1:
