@@ -122,6 +122,8 @@ def find_reference_images(targets: list[Path], data_root: Path, control_path: st
         from_folders, problems = _suffixed_references(rest, data_root, Path(control_path))
     else:
         from_folders = [[] for _ in rest]
+    # match_control_images decoded what it found already; the rest (musubi's layout, metadata paths) is decoded below, once.
+    checked = {path for references in from_folders for path in references} if control_paths else set()
     by_target = dict(zip(rest, from_folders))
     found = [
         [Path(value) if Path(value).is_absolute() else Path(data_root) / value for value in listed[Path(target).resolve()]] if target not in by_target else by_target[target]
@@ -135,7 +137,7 @@ def find_reference_images(targets: list[Path], data_root: Path, control_path: st
             elif not usable(reference):
                 problems.append(f"{target}: its reference image {reference} {OUTSIDE_REASON}")
             else:
-                reason = _unreadable(reference)
+                reason = None if reference in checked else _unreadable(reference)
                 if reason:
                     problems.append(f"{target}: its reference image {reference} cannot be used ({reason})")
                 else:
