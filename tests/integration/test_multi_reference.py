@@ -50,10 +50,10 @@ def test_qwen_image_edit_plus_lora_learns_from_two_references_samples_reuses_cac
             "path": str(targets), "control_paths": [str(greys), str(backgrounds)],
             "images": {"resolution": 32, "bucket_step": 16, "bucketing": False}, "cache": {"dir": str(tmp_path / "cache")},
         },
-        "train": {"max_steps": 10, "micro_batch_size": 1, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
+        "train": {"max_steps": 16, "micro_batch_size": 2, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
         "deepspeed": {"zero_stage": 3, "precision": "fp32"},
         "hardware": {"gpus": 2},
-        "generate": {"prompts": [prompt], "sample_steps": 2, "sample_every": 10},
+        "generate": {"prompts": [prompt], "sample_steps": 2, "sample_every": 16},
     }
     path = tmp_path / "plus.yaml"
     path.write_text(f"# Run it: zeropipe train {path.name}\n" + yaml.safe_dump(config, sort_keys=False))
@@ -67,7 +67,7 @@ def test_qwen_image_edit_plus_lora_learns_from_two_references_samples_reuses_cac
     # The sample is one pipeline call with the two references of the item whose caption it is.
     rows = [json.loads(line) for line in (run_dir / "samples" / "index.jsonl").read_text().splitlines()]
     first = [str((folder / "1_shapes" / "00000.png").resolve()) for folder in (greys, backgrounds)]
-    assert [(row["step"], row["references"]) for row in rows] == [(10, first)]
+    assert [(row["step"], row["references"]) for row in rows] == [(16, first)]
     assert Image.open(run_dir / "samples" / rows[0]["file"]).size == (32, 32)
 
     # The second reference of one target changes: the next data step re-encodes that target's latents and its two text entries only.
