@@ -217,11 +217,11 @@ def test_an_entry_caches_trains_under_zero3_samples_and_exports_what_diffusers_l
     assert_exports_load(name, arch, run, batch, lora_dir, tmp_path)
 
 
-def train_one_rank(name: str, arch, run, monkeypatch):
+def train_one_rank(name: str, arch, run, monkeypatch, zero_stage: int = 3):
     """The rank's own path (setup, the fixed-batch loss, two steps, samples, cleanup); returns a fixed micro-batch to compare denoisers on."""
     trainer = one_rank(run.path, monkeypatch)
     trainer.setup()
-    assert trainer.engine.zero_optimization_stage() == 3, f"{name}: not trained under ZeRO-3"
+    assert trainer.engine.zero_optimization_stage() == zero_stage, f"{name}: not trained under ZeRO-{zero_stage}"
     task = trainer.task
     task.before_train()
     trainer.train()
@@ -265,7 +265,8 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
 
 
 # The adapter kinds beyond LoRA (model.lora.kind), on a UNet and on transformers whose pipelines load them differently:
-# SD 1.x's pipeline reads DoRA; LoKr goes through the denoiser's load_lora_adapter (Flux) or Z-Image's own pipeline loader.
+# SD 1.x's pipeline reads DoRA; LoKr goes through the denoiser's load_lora_adapter (Flux, Z-Image); LoHa, which no
+# diffusers loader reads, is refused unmerged and exported merged (ZeRO-2: see check ZP021).
 ADAPTER_CASES = [("sd15", "dora"), ("flux", "lokr"), ("z-image", "lokr"), ("qwen-image", "loha")]
 
 
@@ -279,9 +280,12 @@ def test_dora_lokr_and_loha_train_under_zero3_and_export_what_diffusers_loads(tm
     arch = architectures.architecture_named(name)
     config = run_config(arch, tmp_path, f"{name}-{kind}", data_section(arch, tmp_path))
     config["model"]["lora"] = {"kind": kind, "r": 4, "alpha": 8}
+    # peft's LoHa cannot be added to a ZeRO-3 partitioned model (check ZP021 refuses it): ZeRO-2.
+    stage = 2 if kind == "loha" else 3
+    config["deepspeed"]["zero_stage"] = stage
     run = prepare(config).run
     fill_caches(run, torch.device("cpu"), torch.float32)
-    batch = train_one_rank(name, arch, run, monkeypatch)
+    batch = train_one_rank(name, arch, run, monkeypatch, stage)
     adapter = tmp_path / "adapter"
     if kind == "loha":  # diffusers 0.42 has no LoHa loader: refused with the exports that do load; merged below
         with pytest.raises(CheckpointError, match="no loader for a LoHa adapter.*--merge"):
@@ -300,5 +304,41 @@ def test_dora_lokr_and_loha_train_under_zero3_and_export_what_diffusers_loads(tm
     keys = set(load_file(str(adapter / "pytorch_lora_weights.safetensors")))
     marker = {"dora": "lora_magnitude_vector", "lokr": ".lokr_w"}[kind]
     assert any(marker in key for key in keys), f"{name} {kind}: no {marker} in {sorted(keys)[:4]}"
-    assert not (adapter / "lora_comfyui.safetensors").exists()  # the original layouts are LoRA's
     assert_exports_load(f"{name} {kind}", arch, run, batch, adapter, tmp_path)
+    comfy = adapter / "lora_comfyui.safetensors"
+    # The original (ComfyUI) layout of a LoKr where the entry has one (Z-Image: ai-toolkit's, diffusers' converter reads it).
+    assert comfy.exists() == (arch.original_lokr_layout({}, 1.0) is not None and kind == "lokr"), f"{name} {kind}: {sorted(p.name for p in adapter.iterdir())}"
+    if comfy.exists():
+        assert all(key.startswith("diffusion_model.") and ".lokr_w" in key for key in load_file(str(comfy)))
+        via_diffusers, via_comfy = (arch.pipeline().from_pretrained(str(run.pipeline)) for _ in range(2))
+        via_diffusers.load_lora_weights(str(adapter))
+        via_comfy.load_lora_weights(str(adapter), weight_name="lora_comfyui.safetensors")
+        torch.testing.assert_close(denoiser_output(arch, via_comfy.transformer, batch), denoiser_output(arch, via_diffusers.transformer, batch), rtol=1e-4, atol=1e-5)
+
+    # Resume: the launcher's resume of the run, one more step; the rank starts from the checkpoint's adapter weights.
+    from peft.utils import get_peft_model_state_dict
+
+    from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.resolve import resolve_run
+
+    config["train"]["max_steps"] = 3
+    import yaml
+
+    from zeropipe.config.load import validate_config
+
+    prepare_run(resolve_run(validate_config(yaml.safe_load(yaml.safe_dump(config)))), resume=True, new_schedule=True)  # a constant rate: the same schedule
+    trainer = one_rank(run.path, monkeypatch)
+    trainer.setup()
+    assert trainer.step == 2, f"{name} {kind}: resumed at step {trainer.step}"
+    import deepspeed
+
+    module = trainer.engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        resumed = {key: value.detach().clone() for key, value in get_peft_model_state_dict(module).items()}
+    exported = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
+    assert resumed and all(torch.equal(value, exported[f"{arch.denoiser}.{key}"]) for key, value in resumed.items()), f"{name} {kind}: the resumed adapter is not the checkpoint's"
+    trainer.task.before_train()
+    trainer.train()
+    trainer.task.after_train()
+    assert trainer.step == 3
+    trainer.cleanup()

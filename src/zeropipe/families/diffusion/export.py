@@ -63,6 +63,17 @@ def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder
         save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
 
 
+def write_original_lokr(arch, layers: dict[str, torch.Tensor], scaling: float, folder: Path) -> bool:
+    """A LoKr adapter again in the architecture's original key layout, where the entry has one; whether it was written."""
+    from safetensors.torch import save_file
+
+    original = arch.original_lokr_layout(layers, scaling)
+    if original is None:
+        return False
+    save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
+    return True
+
+
 def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     """(architecture, the run's data plan, its pipeline folder, the denoiser with the checkpoint's weights): what an export writes and Draw draws with.
 
@@ -126,10 +137,12 @@ def export_diffusion(job: ExportJob) -> Path:
         arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
         if lora.kind == "lora":
             write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
+        elif lora.kind == "lokr" and write_original_lokr(arch, layers, lora.alpha / lora.r, tmp):
+            notes.append(f"LoKr: {ORIGINAL_LORA_FILE} holds it in {arch.name}'s original key layout (ComfyUI's)")
         else:
             # The entries' original (ComfyUI) layouts are LoRA's down/up pairs; a DoRA magnitude or
             # LoKr factors would be dropped or misread there: the diffusers file alone is written.
-            notes.append(f"{adapter_name(lora)}: {ORIGINAL_LORA_FILE} (the original key layout) is written for LoRA only; {adapter_name(lora)} is the diffusers file pytorch_lora_weights.safetensors")
+            notes.append(f"{adapter_name(lora)}: no original (ComfyUI) key layout is written for a {arch.name} {adapter_name(lora)}; the diffusers file is pytorch_lora_weights.safetensors")
         kind = lora.kind
     else:
         if lora is not None:
