@@ -75,7 +75,7 @@ def confined(path: Path, root: Path) -> Path | None:
 # curriculum stage. The launcher reads them; data.cache.dir and run.output_dir are written to.
 PATH_FIELDS = {
     "model.path", "model.tokenizer", "model.processor", "model.diffusion.denoiser_file",
-    "data.path", "data.eval_path", "data.control_path", "data.cache.dir", "data.vision.image_root", "data.mixture[*].path",
+    "data.path", "data.eval_path", "data.control_path", "data.control_paths[*]", "data.cache.dir", "data.vision.image_root", "data.mixture[*].path",
     "generate.images[*]", "deepspeed.config_file", "hardware.hostfile",
 }  # fmt: skip
 # Free-form mappings handed on to other libraries (transformers' from_pretrained, DeepSpeed's

@@ -305,7 +305,15 @@ class DataSection(Section):
         None,
         description="Edit training (Qwen-Image-Edit): a folder with a control image per target image of data.path, found by the same "
         "file name (stem; any image type), at the same relative path or at the folder's top. The model learns to turn the control "
-        "image into the target as the caption says. As diffusion-pipe's [[directory]] control_path.",
+        "image into the target as the caption says. As diffusion-pipe's [[directory]] control_path. Multi-reference edit training "
+        "(Qwen-Image-Edit-Plus, FLUX.2 with reference images) reads several per target from this one folder as musubi-tuner's "
+        "control_directory does: NAME.* (if any), then NAME_0.*, NAME_1.*, ... in that order.",
+    )
+    control_paths: list[str] | None = Field(
+        None,
+        description="Multi-reference edit training (Qwen-Image-Edit-Plus, FLUX.2 with reference images): one folder per reference "
+        "image, each with an image per target of data.path found by its file name as in data.control_path; the first folder gives "
+        "the first reference ('Picture 1'). As diffusion-pipe's [[directory]] control_paths. Exclusive with data.control_path.",
     )
     images: ImagesSection = Field(default_factory=ImagesSection, description="Bucketing, cropping, flips and caption dropout (diffusion).")
     cache: CacheSection = Field(default_factory=CacheSection, description="Latent and text-embedding caches (diffusion).")

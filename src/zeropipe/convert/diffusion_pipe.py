@@ -24,7 +24,8 @@ from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
 # Every [model] type diffusion-pipe's train.py accepts (models/*.py, docs/supported_models.md), as ZeRO-Pipe's
 # architecture entry, or None where ZeRO-Pipe has none. The architecture itself is read from model.path's
-# model_index.json: a qwen_image type on a Qwen-Image-Edit folder trains qwen-image-edit, flux on a Kontext folder flux-kontext.
+# model_index.json: a qwen_image type on a Qwen-Image-Edit folder trains qwen-image-edit, on a Qwen-Image-Edit-2509/2511 folder
+# (QwenImageEditPlusPipeline) qwen-image-edit-plus, flux on a Kontext folder flux-kontext.
 DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "sdxl": "sdxl",
     "sd3": "sd3",
@@ -544,13 +545,16 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         if "mask_path" in directory:
             conversion.skip(f"{key}.mask_path", f"{directory.pop('mask_path')!r}: masked loss is not supported: the whole image trains")
         control = directory.pop("control_path", None)
+        # Multi-reference edit datasets (diffusion-pipe's control_paths, its PR #529): a folder per reference image.
+        several = directory.pop("control_paths", None)
+        if several is not None and control is not None:
+            conversion.skip(f"{key}.control_path", f"{control!r}: diffusion-pipe takes control_path or control_paths, not both; control_paths is used")
+            control = None
         if control is not None:
-            control_folder = find_path(str(control), Path.cwd(), path.parent)
-            if control_folder is None or not control_folder.is_dir():
-                control_folder = Path(str(control)).expanduser()
-                control_folder = control_folder if control_folder.is_absolute() else (path.parent / control_folder)
-                conversion.skip(f"{key}.control_path", f"{control!r} is not a folder on this machine: copy the control images there before `zeropipe check`")
-            controls.append((key, control_folder))
+            controls.append((key, _control_folder(conversion, f"{key}.control_path", control, path)))
+        if several is not None:
+            named = several if isinstance(several, list) else [several]
+            controls.append((key, [_control_folder(conversion, f"{key}.control_paths[{n}]", folder, path) for n, folder in enumerate(named)]))
         for override, value in directory.items():
             conversion.skip(f"{key}.{override}", f"{value!r}: per-directory settings are not supported; the top-level ones apply to every folder")
         kept.append((folder, repeats, _concept(folder, {concept for _, _, concept, _ in kept}), key))
@@ -561,7 +565,13 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
             _check_folder(conversion, key, folder, concept if linked else None, video)
     if not linked:
         conversion.set("data.path", str(kept[0][0]), f"from {where} [[directory]] path: images with .txt captions beside them")
-        if controls:
+        if controls and isinstance(controls[0][1], list):
+            conversion.set(
+                "data.control_paths", [str(folder) for folder in controls[0][1]],
+                f"from {where} [[directory]] control_paths: a folder per reference image, each with an image per target by file name "
+                "(multi-reference edit training: Qwen-Image-Edit-Plus, FLUX.2)",
+            )
+        elif controls:
             conversion.set("data.control_path", str(controls[0][1]), f"from {where} [[directory]] control_path: a control image per target image, by file name")
         return _rest_of_dataset(conversion, rest)
     if controls:
@@ -571,7 +581,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
             "folder and its one control folder (data.path, data.control_path): train one [[directory]] per run, with num_repeats 1"
         )
         for key, folder in controls:
-            conversion.skip(f"{key}.control_path", f"{str(folder)!r}: see CANNOT TRAIN YET above")
+            conversion.skip(f"{key}.control_path{'s' if isinstance(folder, list) else ''}", f"{str(folder)!r}: see CANNOT TRAIN YET above")
     if kept:
         # Several folders or repeats: the kohya layout expresses both as <repeats>_<name> subfolders.
         conversion.links_dir = links_dir
@@ -579,6 +589,16 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         listing = ", ".join(f"{repeats}_{concept} -> {folder}" for folder, repeats, concept, _ in kept)
         conversion.set("data.path", str(links_dir), f"from {where} [[directory]] entries with num_repeats, as kohya-layout links: {listing}")
     _rest_of_dataset(conversion, rest)
+
+
+def _control_folder(conversion: Conversion, key: str, value: Any, path: Path) -> Path:
+    """A control_path(s) folder, relative to the TOML's folder as diffusion-pipe reads it; noted where it is not on this machine yet."""
+    folder = find_path(str(value), Path.cwd(), path.parent)
+    if folder is None or not folder.is_dir():
+        folder = Path(str(value)).expanduser()
+        folder = folder if folder.is_absolute() else (path.parent / folder)
+        conversion.skip(key, f"{value!r} is not a folder on this machine: copy the control images there before `zeropipe check`")
+    return folder
 
 
 def _rest_of_dataset(conversion: Conversion, rest: dict[str, Any]) -> None:

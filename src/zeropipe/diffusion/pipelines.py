@@ -365,7 +365,11 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     if hasattr(pipeline, "image_processor") and not hasattr(pipeline, "video_processor"):
         from diffusers.image_processor import VaeImageProcessor
 
-        pipeline.image_processor = VaeImageProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
+        # The pipeline's own processor class where it has one (Flux2ImageProcessor checks the reference images Flux2Pipeline takes), at the right factor.
+        processor = pipeline.image_processor
+        cls = type(processor) if isinstance(processor, VaeImageProcessor) else VaeImageProcessor
+        config = processor.config if isinstance(processor, VaeImageProcessor) else {}
+        pipeline.image_processor = cls.from_config(config, vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
     return pipeline
 
 

@@ -354,3 +354,22 @@ def test_a_control_path_becomes_data_control_path_for_one_folder_and_is_listed_f
 
     path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_path = 'missing'\n")
     assert "not a folder on this machine" in unmapped(convert_file(path))["dataset.directory[0].control_path"]
+
+
+def test_control_paths_become_data_control_paths_for_a_multi_reference_edit_model(tmp_path):
+    """diffusion-pipe's multi-reference edit datasets ([[directory]] control_paths, a folder per reference) map to data.control_paths, in order;
+    a qwen_image type on a Qwen-Image-Edit-2509 folder (QwenImageEditPlusPipeline) trains qwen-image-edit-plus, read from its model_index.json."""
+    from zeropipe.diffusion.architectures import architecture_of
+
+    plus = pipeline_dir(tmp_path, "Qwen-Image-Edit-2509")
+    (plus / "model_index.json").write_text('{"_class_name": "QwenImageEditPlusPipeline"}')
+    (plus / "transformer").mkdir()
+    targets = image_dir(tmp_path, "targets")
+    first, second = image_dir(tmp_path, "first", captions=False), image_dir(tmp_path, "second", captions=False)
+    main = f"dataset = 'dataset.toml'\n[model]\ntype = 'qwen_image'\ndiffusers_path = '{plus}'\n"
+    path = write(tmp_path, main, f"[[directory]]\npath = '{targets}'\ncontrol_paths = ['first', '{second}']\ncontrol_path = 'first'\n")
+    conversion = convert_file(path)
+    assert values(conversion)["data.control_paths"] == [str(first), str(second)]
+    assert "data.control_path" not in values(conversion)
+    assert "control_path or control_paths, not both" in unmapped(conversion)["dataset.directory[0].control_path"]
+    assert architecture_of(Path(values(conversion)["model.path"])).name == "qwen-image-edit-plus"

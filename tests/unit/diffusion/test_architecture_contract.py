@@ -83,7 +83,28 @@ def control_images(data: dict, targets: Path, tmp_path: Path) -> None:
     data["control_path"] = str(tmp_path / "controls")
 
 
-PROVIDERS = {"data.control_path": control_images}
+def reference_images(data: dict, targets: Path, tmp_path: Path) -> None:
+    """Two reference images per target, a folder each (diffusion-pipe's control_paths): the target in grey, and its background alone.
+
+    They replace data.control_path where an entry's part reads both (FLUX.2), and the images are 64 px, the smallest
+    reference image FLUX.2's pipeline takes (its samples give it the references at the training size).
+    """
+    from PIL import Image
+
+    grey, background = tmp_path / "reference-grey", tmp_path / "reference-background"
+    grey_controls(targets, grey)
+    for image in sorted(targets.rglob("*.png")):
+        out = background / image.relative_to(targets)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(image) as opened:
+            Image.new("RGB", opened.size, opened.convert("RGB").getpixel((0, 0))).save(out)
+    data.pop("control_path", None)
+    data["control_paths"] = [str(grey), str(background)]
+    data["images"]["resolution"] = max(data["images"]["resolution"], 64)
+    data["images"]["bucket_step"] = data["images"]["resolution"]
+
+
+PROVIDERS = {"data.control_path": control_images, "data.control_paths": reference_images}
 
 
 def run_config(arch, tmp_path: Path, name: str, data: dict, **overrides) -> dict:

@@ -29,7 +29,9 @@ FLAGS = {
     "video", "frame_conditioned", "control_images", "control_in_prompt", "samples_with_vae", "image_encoders", "prompt_processors",
     "shifted_latents", "vae_while_sampling", "frame_multiple", "frame_rate", "shifted",
 }
-PART_CLASSES = {"FirstFrame", "FirstFrameEmbeddings", "ControlImage", "PromptText", "PromptWithControlImage", "ImageLatents", "VideoLatents"}
+PART_CLASSES = {
+    "FirstFrame", "FirstFrameEmbeddings", "ControlImage", "ReferenceImages", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ImageLatents", "VideoLatents",
+}
 
 
 def flag_branches(source: str) -> list[int]:
@@ -72,8 +74,12 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
     entries = architectures.architectures()
     assert {name for name, arch in entries.items() if arch.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video", "wan-ti2v", "wan-ti2v-i2v", "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "skyreels-v2", "skyreels-v2-i2v"}
     conditions = {name: [part.entry for part in arch.conditions] for name, arch in entries.items() if arch.conditions}
-    assert conditions == {"wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"], "wan-ti2v-i2v": ["condition"], "hunyuan-video-1.5-i2v": ["condition", "image_embeds"], "skyreels-v2-i2v": ["condition", "image_embeds"]}
-    assert [name for name, arch in entries.items() if arch.text.processors] == ["qwen-image-edit"]
+    assert conditions == {
+        "wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"],
+        "qwen-image-edit-plus": ["references"], "flux2": ["references"], "flux2-klein": ["references"],
+        "wan-ti2v-i2v": ["condition"], "hunyuan-video-1.5-i2v": ["condition", "image_embeds"], "skyreels-v2-i2v": ["condition", "image_embeds"],
+    }
+    assert [name for name, arch in entries.items() if arch.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus"]
 
 
 @pytest.fixture

@@ -28,8 +28,15 @@ adapters are stacked into one adapter of their summed rank (block diagonal), whi
 fused weight exactly as the parts change theirs. That format has no alpha (ComfyUI and diffusers
 apply it at scale 1), so the strength ``alpha / r`` is folded into ``lora_B``.
 
-Reference images (FLUX.2's editing: reference latents appended to the image tokens, with time
-coordinate 10, 20, ...) are not trained here; see docs/diffusion.md.
+Reference images (FLUX.2's multi-reference editing) are the entry's optional condition
+(``parts/reference_images.py``): where ``data.control_paths`` or ``data.control_path`` names them,
+each target's references are taken at its bucket, their latents patched and normalised as the
+target's and appended to its tokens in order, with the position ids ``Flux2Pipeline``
+gives them (``_prepare_image_ids``: time coordinate 10 for the first, 20 for the second, ...);
+only the target's tokens of the output are the prediction. The prompt is encoded alone, as the
+pipeline does (Mistral does not see the references), so the text cache stays per caption.
+Samples call the pipeline with the item's references as its ``image`` list. Without those
+settings the entry trains text-to-image, its caches keyed as before.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from pathlib import Path
 import torch
 
 from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS, Architecture, original_layout_name
-from zeropipe.diffusion.parts import ImageLatents
+from zeropipe.diffusion.parts import ImageLatents, ReferenceImages
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -217,12 +224,19 @@ class Flux2(Architecture):
         embeds = condition["prompt_embeds"]
         module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
         guidance = torch.full((batch,), context.guidance, device=context.device, dtype=torch.float32) if module.config.guidance_embeds else None
+        tokens, ids = pack(model_input), Flux2Pipeline._prepare_latent_ids(model_input)
+        references = condition.get("reference_latents")  # (B, N, C, H, W): the reference images condition, where the run has it
+        if references is not None:
+            # As Flux2Pipeline appends its prepare_image_latents: each reference packed in order, ids with time 10, 20, ...
+            listed = [references[:1, number] for number in range(references.shape[1])]
+            tokens = torch.cat([tokens, *(pack(references[:, number].to(model_input.dtype)) for number in range(references.shape[1]))], dim=1)
+            ids = torch.cat([ids, Flux2Pipeline._prepare_image_ids(listed).to(ids.device).expand(batch, -1, -1)], dim=1)
         out = model(
-            hidden_states=pack(model_input), timestep=(timesteps / 1000).to(context.dtype), guidance=guidance, encoder_hidden_states=embeds,
-            txt_ids=Flux2Pipeline._prepare_text_ids(embeds).to(context.device), img_ids=Flux2Pipeline._prepare_latent_ids(model_input).to(context.device),
+            hidden_states=tokens, timestep=(timesteps / 1000).to(context.dtype), guidance=guidance, encoder_hidden_states=embeds,
+            txt_ids=Flux2Pipeline._prepare_text_ids(embeds).to(context.device), img_ids=ids.to(context.device),
             return_dict=False,
         )[0]
-        return unpack(out, height, width)
+        return unpack(out[:, : height * width], height, width)
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
         tokens = (latent // 2) ** 2  # 2x2 patches of the VAE's latents
@@ -303,4 +317,6 @@ ARCHITECTURE = Flux2(
         "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
     },
     lora_targets=FLUX2_LORA_TARGETS,
+    # Reference images where the settings name them (data.control_paths / data.control_path); text-to-image otherwise.
+    conditions=(ReferenceImages(required=False, min_size=64),),  # Flux2ImageProcessor.check_image_input: 64 px or more
 )

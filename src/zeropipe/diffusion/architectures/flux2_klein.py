@@ -20,6 +20,7 @@ import torch
 from zeropipe.diffusion.architectures.flux2 import FLUX2_LORA_TARGETS, Flux2, Flux2Latents, tiny_flux2_transformer, tiny_flux2_vae
 from zeropipe.diffusion.architectures.qwen_image import character_qwen_tokenizer
 from zeropipe.diffusion.architectures.z_image import CHAT_TEMPLATE
+from zeropipe.diffusion.parts import ReferenceImages
 
 
 @dataclass(frozen=True)
@@ -64,4 +65,6 @@ ARCHITECTURE = Flux2Klein(
         "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
     },
     lora_targets=FLUX2_LORA_TARGETS,
+    # Reference images where the settings name them, as [dev] (Flux2KleinPipeline appends them the same way).
+    conditions=(ReferenceImages(required=False, min_size=64),),  # Flux2ImageProcessor.check_image_input: 64 px or more
 )

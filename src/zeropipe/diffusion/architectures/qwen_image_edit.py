@@ -16,8 +16,8 @@ control image to about a megapixel at inference (its ``calculate_dimensions``), 
 training at ``resolution: 1024``; samples during training go through the pipeline, so they see
 what inference sees.
 
-Qwen-Image-Edit-2509 (``QwenImageEditPlusPipeline``, several control images, the VL image at
-384x384) is not covered by this entry.
+Qwen-Image-Edit-2509 and -2511 (``QwenImageEditPlusPipeline``, several reference images, each
+given to the VL model at about 384x384) are their own entry, ``qwen_image_edit_plus.py``.
 """
 
 from __future__ import annotations

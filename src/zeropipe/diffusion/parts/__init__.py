@@ -10,12 +10,22 @@ from zeropipe.diffusion.parts.control_image import ControlImage
 from zeropipe.diffusion.parts.control_prompt import PromptWithControlImage
 from zeropipe.diffusion.parts.first_frame import FirstFrame, FirstFrameAlone
 from zeropipe.diffusion.parts.first_frame_embeddings import FirstFrameEmbeddings
+from zeropipe.diffusion.parts.reference_images import ReferenceImages
+from zeropipe.diffusion.parts.reference_prompt import PromptWithReferenceImages
 from zeropipe.diffusion.parts.text import PromptText
 
 # Settings only some parts read, and what to tell a user who sets one for an entry without such a part.
 PART_SETTINGS = {
     "data.control_path": lambda config, arch: ("data.control_path", f"this {arch.name} pipeline takes no control image: remove data.control_path, or train an edit model (qwen-image-edit)"),
+    "data.control_paths": lambda config, arch: (
+        "data.control_paths", f"this {arch.name} pipeline takes no reference images: remove data.control_paths, or train a multi-reference edit model (qwen-image-edit-plus, flux2)"
+    ),
 }
+
+
+def active_conditions(arch: Any, folder: Any, config: Any) -> list[Any]:
+    """The entry's conditions a run has: those its pipeline folder supports (``active``) and its settings ask for (``wanted``)."""
+    return [condition for condition in arch.conditions if condition.active(folder) and condition.wanted(config)]
 
 
 def part_problems(config: Any, arch: Any) -> list[tuple[str, str]]:
@@ -34,5 +44,6 @@ def _setting(config: Any, key: str) -> Any:
 
 __all__ = [
     "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "ImageLatents", "Inputs", "Part", "PerChannelVideoLatents",
-    "Planning", "PromptText", "PromptWithControlImage", "SampleInputs", "Sampling", "VideoLatents", "part_problems",
+    "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs", "Sampling", "VideoLatents",
+    "active_conditions", "part_problems",
 ]

@@ -126,6 +126,10 @@ class Condition(Part):
         """Whether this pipeline folder has what the condition needs (Wan 2.2 I2V has no image encoder); inactive, it is skipped everywhere."""
         return True
 
+    def wanted(self, config: Any) -> bool:
+        """Whether the run's settings ask for this condition (FLUX.2's reference images: only where data.control_path(s) is set); unwanted, it is skipped everywhere."""
+        return True
+
     # ------------------------------------------------------------------ the launcher
     def attach(self, planning: Planning) -> None:
         """Add what the condition needs to each item (its control image's path), or refuse the data."""

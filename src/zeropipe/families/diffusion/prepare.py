@@ -25,7 +25,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import architecture_named, architecture_of
 from zeropipe.diffusion.images import PreparedImage, assign_bucket, make_buckets, micro_batches_per_rank
-from zeropipe.diffusion.parts import Encoding, Planning, part_problems
+from zeropipe.diffusion.parts import Encoding, Planning, active_conditions, part_problems
 from zeropipe.diffusion.pipelines import PipelineFolder, build_tiny_pipeline, load_component, text_pipeline, vae_scale_factor
 from zeropipe.errors import ConfigError, DataError
 from zeropipe.rundir import PreparedData, RunDir
@@ -73,6 +73,8 @@ class DiffusionPlan:
     sample_controls: list[int] = field(default_factory=list)  # per sample prompt, the item whose control image it edits
     sample_text_keys: list[list[str]] = field(default_factory=list)  # PromptWithControlImage: per sample prompt, keys of (prompt, control) and ("", control)
     missing_control_texts: list[list] = field(default_factory=list)  # [key, text, item index, bucket] to encode with the item's control image
+    # The entry's conditions this run has (their entry names), decided here once: those the folder has and the settings ask for. None: a plan from before.
+    conditions: list[str] | None = None
 
     def __post_init__(self):
         if not self.denoiser:  # a plan written before experts: the architecture's own
@@ -85,6 +87,11 @@ class DiffusionPlan:
 
 def read_plan(run: RunDir) -> DiffusionPlan:
     return DiffusionPlan(**json.loads((run.data / PLAN_FILE).read_text()))
+
+
+def planned_conditions(arch: Any, folder: PipelineFolder, plan: DiffusionPlan) -> list[Any]:
+    """The conditions the launcher's data step chose for the run (``DiffusionPlan.conditions``; for a plan from before it, those the folder has)."""
+    return [condition for condition in arch.conditions if condition.active(folder) and (plan.conditions is None or condition.entry in plan.conditions)]
 
 
 def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
@@ -135,7 +142,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
 
     cache_dir = cache_dir_for(config).resolve()
     folder = PipelineFolder(pipeline_dir, arch, cache_dir / "fingerprints.json")
-    conditions = [condition for condition in arch.conditions if condition.active(folder)]
+    conditions = active_conditions(arch, folder, config)
     prompts = list(config.generate.prompts or [])
     if config.generate.prompts is None:
         prompts = codec.synthetic_prompts(4, seed=config.run.seed + 1) if config.data.synthetic is not None else sorted({item["caption"] for item in items})[:4]
@@ -186,6 +193,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         fps=fps,
         sample_frames=sample_frames,
         denoiser=denoiser,
+        conditions=[condition.entry for condition in conditions],
         **fields,
     )
     texts_missing = arch.text.missing(plan)
@@ -266,7 +274,7 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
     arch = architecture_named(plan.architecture)
     pipeline_dir, cache_dir = Path(plan.pipeline_dir), Path(plan.cache_dir)
     folder = PipelineFolder(pipeline_dir, arch)
-    conditions = [condition for condition in arch.conditions if condition.active(folder)]
+    conditions = planned_conditions(arch, folder, plan)
     skipped: set[int] = set()  # items unreadable now (they were readable when the launcher scanned them)
     if plan.missing_latents:
         run.write_progress("loading the VAE to fill the latent cache")

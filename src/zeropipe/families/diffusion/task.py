@@ -50,7 +50,7 @@ from zeropipe.diffusion.pipelines import (
 )
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
-from zeropipe.families.diffusion.prepare import load_item_pixels, read_plan
+from zeropipe.families.diffusion.prepare import load_item_pixels, planned_conditions, read_plan
 from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, hf_zero3_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
@@ -88,8 +88,8 @@ class DiffusionTask(TaskDefaults):
         self.pipeline_dir = Path(self.data.pipeline_dir)
         self.cache_dir = Path(self.data.cache_dir)
         self.folder = PipelineFolder(self.pipeline_dir, self.arch)
-        # The entry's conditions this pipeline folder has (Wan 2.2 I2V has no image encoder for Wan 2.1's embeddings).
-        self.conditions = [condition for condition in self.arch.conditions if condition.active(self.folder)]
+        # The conditions the launcher chose: those this pipeline folder has (Wan 2.2 I2V has no image encoder for Wan 2.1's embeddings) and the settings ask for.
+        self.conditions = planned_conditions(self.arch, self.folder, self.data)
         self.latent_shift, self.latent_scale = latent_scaling(self.pipeline_dir, self.arch)
         self.vae_factor = vae_scale_factor(self.pipeline_dir)
         self.compute_dtype = TORCH_DTYPES[self.config.deepspeed.precision]
