@@ -22,6 +22,7 @@ from zeropipe.errors import ConfigError
 BUILTIN = (
     "sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image",
     "flux2", "flux2_klein", "qwen_image_edit", "flux_kontext",
+    "ltx2",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
