@@ -122,3 +122,22 @@ def loudness(waveform: np.ndarray) -> float:
     """The RMS level of a waveform, in dBFS (silence is -inf)."""
     rms = float(np.sqrt(np.mean(np.square(waveform, dtype=np.float64)))) if waveform.size else 0.0
     return 20 * math.log10(rms) if rms > 0 else -math.inf
+
+
+# A tone per shape: the synthetic clips' sound follows what is seen, so a tiny model has something to learn.
+SHAPE_TONES = {"circle": 220.0, "square": 440.0, "triangle": 880.0}
+
+
+def generate_sounding_shapes_dataset(out_dir: Path, examples: int, seed: int, resolution: int = 32, frames: int = 17, fps: float = 24.0,
+                                     sample_rate: int = 16000) -> Path:
+    """The moving-shapes clips (``videos.generate_moving_shapes_dataset``, no stills) with a sine tone per shape as their audio track."""
+    from zeropipe.diffusion.videos import generate_moving_shapes_dataset
+
+    folder = generate_moving_shapes_dataset(out_dir, examples, seed, resolution=resolution, frames=frames, fps=fps, still_every=0)
+    for clip in sorted(folder.glob("clip_*.mp4")):
+        caption = clip.with_suffix(".txt").read_text(encoding="utf-8")
+        tone = next((hz for shape, hz in SHAPE_TONES.items() if f" {shape}" in caption), 330.0)
+        t = np.arange(int(round(sample_rate * frames / fps))) / sample_rate
+        wave = (0.4 * np.sin(2 * np.pi * tone * t)).astype(np.float32)
+        mux_audio(clip, np.stack([wave, wave]), sample_rate)
+    return folder

@@ -47,6 +47,16 @@ class LTX2Latents(LTXVideoLatents):
     def sample_kwargs(self, plan):
         return {"num_frames": plan.sample_frames, "frame_rate": float(plan.fps or self.frame_rate)}
 
+    def synthetic_folder(self, root, config):
+        """``data.synthetic``: moving shapes with a tone per shape as their sound (a circle hums at 220 Hz)."""
+        from zeropipe.diffusion.audio import generate_sounding_shapes_dataset
+
+        synthetic, resolution = config.data.synthetic, config.data.images.resolution
+        frames = max(config.data.video.frame_buckets)
+        return root / f"sounding-shapes-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}", lambda folder: generate_sounding_shapes_dataset(
+            folder, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames, fps=self.frame_rate
+        )
+
 
 class ConnectorOutputs(torch.nn.Module):
     """Stands in for the text connectors while sampling: the prompt embeddings given are the connectors' outputs (the text cache's), joined.

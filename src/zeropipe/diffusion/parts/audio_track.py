@@ -62,11 +62,6 @@ class AudioTrack(Condition):
     key_suffix = "-audio"
 
     # ------------------------------------------------------------------ the launcher
-    def problems(self, config, arch):
-        if config.data.synthetic is not None:
-            return [("data.synthetic", f"a {arch.name} model trains video with its sound, and the generated shape clips are silent: set data.path to a folder of clips with audio")]
-        return []
-
     def attach(self, planning: Planning) -> None:
         """Leave out the clips of files without an audio track, as LTX-2's trainer does; refuse the run when none has one.
 
