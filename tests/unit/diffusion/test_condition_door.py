@@ -70,10 +70,10 @@ def test_the_flag_finder_finds_flags_and_part_checks():
 
 def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions():
     entries = architectures.architectures()
-    assert {name for name, arch in entries.items() if arch.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video"}
+    assert {name for name, arch in entries.items() if arch.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video", "ltx2"}
     conditions = {name: [part.entry for part in arch.conditions] for name, arch in entries.items() if arch.conditions}
-    assert conditions == {"wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"]}
-    assert [name for name, arch in entries.items() if arch.text.processors] == ["qwen-image-edit"]
+    assert conditions == {"wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"], "ltx2": ["audio"]}
+    assert [name for name, arch in entries.items() if arch.text.processors] == ["qwen-image-edit", "ltx2"]
 
 
 @pytest.fixture

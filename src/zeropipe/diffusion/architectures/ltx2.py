@@ -95,10 +95,13 @@ class LTX2(LTXVideo):
         """The tiny preset's connectors are one of its components, written with the pipeline."""
 
     def load_prompt_processor(self, pipeline_dir, processor, parts):
-        from zeropipe.diffusion.pipelines import load_component
+        """The text connectors, frozen, in the text encoder's dtype and place."""
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
         encoder = parts["text_encoder"]
-        return load_component(pipeline_dir, processor, encoder.dtype, encoder.device)
+        connectors = LTX2TextConnectors.from_pretrained(str(pipeline_dir / processor), torch_dtype=encoder.dtype)
+        connectors.requires_grad_(False)
+        return connectors.to(encoder.device).eval()
 
     # -------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts, device):
