@@ -132,3 +132,15 @@ def test_the_original_lora_layout_converts_back_with_diffusers_ltx2_converter():
     back = _convert_non_diffusers_ltx2_lora_to_diffusers(original)
     assert set(back) == {f"transformer.{key}" for key in layers}
     assert torch.allclose(back["transformer.transformer_blocks.1.ff.net.2.lora_B.weight"], layers["transformer_blocks.1.ff.net.2.lora_B.weight"] * 2.0)
+
+
+def test_audio_comes_from_the_latent_cache_and_turning_it_off_is_refused_with_the_key(tmp_path):
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.parts import part_problems
+
+    config = RunConfig.model_validate({
+        "run": {"name": "ltx2", "output_dir": str(tmp_path)}, "model": {"config": {"pipeline": "tiny-ltx2"}},
+        "data": {"synthetic": {"task": "shapes", "examples": 10}, "cache": {"latents": False}},
+    })
+    assert [key for key, _ in part_problems(config, LTX2)] == ["data.cache.latents"]
+    assert part_problems(config.model_copy(update={"data": config.data.model_copy(update={"cache": config.data.cache.model_copy(update={"latents": True})})}), LTX2) == []

@@ -62,6 +62,11 @@ class AudioTrack(Condition):
     key_suffix = "-audio"
 
     # ------------------------------------------------------------------ the launcher
+    def problems(self, config, arch):
+        if not config.data.cache.latents:
+            return [("data.cache.latents", f"a {arch.name} model's audio latents are encoded once, with the video's, into the latent cache (the ranks hold no audio VAE): set data.cache.latents: true")]
+        return []
+
     def attach(self, planning: Planning) -> None:
         """Leave out the clips of files without an audio track, as LTX-2's trainer does; refuse the run when none has one.
 
