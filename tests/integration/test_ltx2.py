@@ -43,7 +43,7 @@ def write_clip(path, frames: np.ndarray, fps: float, tone: float | None) -> None
             container.mux(audio.encode())
 
 
-def test_ltx2_lora_trains_video_and_audio_samples_a_clip_with_sound_and_exports_both_lora_layouts(tmp_path):
+def test_ltx2_lora_trains_video_and_audio_samples_a_clip_with_sound_and_exports_both_lora_layouts_and_the_merged_pipeline(tmp_path):
     data = tmp_path / "clips"
     data.mkdir()
     rng = random.Random(1)
@@ -118,3 +118,9 @@ def test_ltx2_lora_trains_video_and_audio_samples_a_clip_with_sound_and_exports_
     comfy_pipeline.load_lora_weights(str(out), weight_name="lora_comfyui.safetensors")  # diffusers' converter of LTX-2's original layout
     video_comfy, audio_comfy = draw(comfy_pipeline)
     assert torch.allclose(video_comfy, video_lora, atol=1e-4) and torch.allclose(audio_comfy, audio_lora, atol=1e-4)
+
+    # The adapter merged into the transformer: a whole diffusers folder that draws what base + LoRA draws.
+    merged = tmp_path / "merged"
+    assert_ok(zeropipe_here("export", run_dir, "--out", merged, "--merge", "--dtype", "fp32"))
+    video_merged, audio_merged = draw(LTX2Pipeline.from_pretrained(str(merged)))
+    assert torch.allclose(video_merged, video_lora, atol=1e-4) and torch.allclose(audio_merged, audio_lora, atol=1e-4)
