@@ -140,15 +140,21 @@ class LTX2(LTXVideo):
         return audio_latent_frames(pixel_frames / self.codec.frame_rate, int(config.audio_sampling_rate), int(config.audio_hop_length), int(config.audio_scale_factor))
 
     def predict(self, model, model_input, timesteps, condition, context):
-        """The video velocity, the audio noised at the same level (pure noise where the batch carries no audio latents)."""
+        """The video velocity, the audio noised at the same level (pure noise where the batch carries no audio latents).
+
+        The audio noise comes from a fixed seed, so that the same inputs give the same output (training draws
+        its own in ``loss``).
+        """
         module = getattr(model, "module", model)
         sigma = (timesteps.float() / 1000.0).view(-1, 1, 1)
+        generator = torch.Generator().manual_seed(0)
         if "audio_latents" in condition:
             audio = condition["audio_latents"].float()
-            audio = (1 - sigma) * audio + sigma * torch.randn_like(audio)
+            noise = torch.randn(audio.shape, generator=generator).to(audio)
+            audio = (1 - sigma.to(audio)) * audio + sigma.to(audio) * noise
         else:
-            width = module.config.audio_in_channels
-            audio = torch.randn(model_input.shape[0], self.audio_tokens(module, model_input), width, device=model_input.device)
+            shape = (model_input.shape[0], self.audio_tokens(module, model_input), module.config.audio_in_channels)
+            audio = torch.randn(shape, generator=generator).to(model_input.device)
         return self.joint_predict(model, model_input, audio, timesteps, condition, context)[0]
 
     def loss(self, model, noised, condition, context):
