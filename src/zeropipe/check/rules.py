@@ -193,6 +193,20 @@ def qlora_quant_storage(ctx: CheckContext):
     return found
 
 
+@rule("ZP021", "error", "an adapter peft cannot add to a ZeRO-3 partitioned model", "docs/adapters.md")
+def adapter_under_zero3(ctx: CheckContext):
+    lora = ctx.config.model.lora
+    if lora is None or lora.kind != "loha" or ctx.zero_stage != 3:
+        return []
+    # peft's LoHa sizes its factors from the base layer's weight tensor (LoRA, DoRA and LoKr from the
+    # layer's in/out features); ZeRO-3 has partitioned that tensor away by then, so every rank would fail.
+    return [(
+        "model.lora.kind",
+        "peft's LoHa reads each adapted layer's full weight when it adds the adapter, which ZeRO-3 has partitioned by then",
+        "use deepspeed.zero_stage 2 (or 0/1) for LoHa, or kind: lokr (LyCORIS's other adapter), which trains under ZeRO-3",
+    )]
+
+
 # The first bitsandbytes whose 4-bit quantisation and matmul run on CPU tensors (its CPU backend).
 BITSANDBYTES_CPU_4BIT = "0.47"
 

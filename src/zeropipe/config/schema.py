@@ -10,7 +10,7 @@ import re
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraints, field_validator, model_validator
 
 # The generated text tasks (data.synthetic.task); "shapes" is the image task of diffusion runs.
 TEXT_TASKS = ("arithmetic", "reverse", "mixed")
@@ -33,15 +33,37 @@ class RunSection(Section):
 
 
 class LoraSection(Section):
-    r: int = Field(8, ge=1, description="LoRA rank.")
-    alpha: float = Field(16, gt=0, description="LoRA alpha (scaling = alpha / r).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    kind: Literal["lora", "dora", "lokr", "loha"] = Field(
+        "lora",
+        description="The adapter (peft builds each): lora; dora (LoRA with a magnitude per output feature, peft's use_dora); "
+        "lokr (LyCORIS's Kronecker product, peft's LoKr); loha (LyCORIS's Hadamard product, peft's LoHa). docs/adapters.md says which "
+        "exports ComfyUI and diffusers load for each.",
+    )
+    r: int = Field(8, ge=1, description="Adapter rank (LoKr: the rank its large factor is decomposed to).")
+    alpha: float = Field(16, gt=0, description="Adapter alpha (scaling = alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter's input (lora and dora; peft's LoKr and LoHa have none).")
+    factor: int = Field(-1, description="LoKr only: the Kronecker factor each dimension is split by (peft's decompose_factor, LyCORIS's factor); -1: the most balanced split.")
     target_modules: list[str] | str = Field(
         "auto",
         description="Module names to adapt (e.g. [q_proj, v_proj]), 'all-linear', 'auto': the attention projections of the family "
         "(q_proj, k_proj, v_proj, o_proj for language models; to_q, to_k, to_v, to_out.0 for diffusion models), or one string that is a "
         "regular expression matched against whole module names, as peft reads it (e.g. 'model.language_model.layers.[\\d]+.self_attn.[qkvo]_proj': the language model's attention only, as axolotl's vision recipes write it).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _options_of_the_kind(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kind = data.get("kind", "lora")
+        if kind in ("lokr", "loha"):
+            dropout = data.get("dropout")
+            if dropout not in (None, 0, 0.0):
+                raise ValueError(f"dropout: peft's {'LoKr' if kind == 'lokr' else 'LoHa'} has no dropout on its input: remove model.lora.dropout (or set it to 0)")
+            data = {**data, "dropout": 0.0}  # LoRA's default 0.05 does not apply: written as what runs
+        if kind != "lokr" and data.get("factor", -1) != -1:
+            raise ValueError(f"factor: is LoKr's Kronecker factor, and this adapter is {kind}: remove model.lora.factor or set kind: lokr")
+        return data
 
     @field_validator("target_modules")
     @classmethod

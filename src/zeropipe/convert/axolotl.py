@@ -188,6 +188,11 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         conversion.set("model.lora.alpha", to_float(alpha, "lora_alpha"), "from lora_alpha")
     dropout = rest.pop("lora_dropout", None)
     conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "axolotl's default lora_dropout is 0")
+    dora = rest.pop("peft_use_dora", None)
+    if dora:
+        conversion.set("model.lora.kind", "dora", "from peft_use_dora: true (peft's DoRA, as axolotl trains it)")
+    elif dora is False:
+        conversion.already.append("peft_use_dora: false (model.lora.kind: lora)")
     modules = rest.pop("lora_target_modules", None)
     linear = rest.pop("lora_target_linear", None)
     if linear is False:

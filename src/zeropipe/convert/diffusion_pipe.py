@@ -324,14 +324,22 @@ DIFFUSERS_RELEASES = {"wan": (r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d
 def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
     kind = adapter.pop("type", "lora")
     rank = to_int(adapter.pop("rank"), "adapter.rank") if "rank" in adapter else 16
-    if kind != "lora":
-        # LoKr's "very high rank" (1e6) means a full-matrix LoKr: no LoRA rank corresponds to it.
+    if kind == "lokr":
+        # diffusion-pipe's "very high rank" (1e6) means full-matrix Kronecker factors; peft's LoKr builds full
+        # factors too wherever r is at least half a factor's side, so the rank carries over as it is.
+        conversion.set("model.lora.kind", "lokr", "from [adapter] type = 'lokr' (peft's LoKr)")
+        if "decompose_factor" in adapter:
+            conversion.set("model.lora.factor", to_int(adapter.pop("decompose_factor"), "adapter.decompose_factor"), "from [adapter] decompose_factor")
+    elif kind != "lora":
         rank = 16 if rank > 1024 else rank
-        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains LoRA adapters only; converted as LoRA of rank {rank}: check model.lora")
+        conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains lora, dora, lokr and loha adapters; converted as LoRA of rank {rank}: check model.lora")
     conversion.set("model.lora.r", rank, "from [adapter] rank")
     alpha = adapter.pop("alpha", None)
     conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else rank, "adapter.alpha"), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
     dropout = adapter.pop("dropout", None)
+    if kind == "lokr" and dropout:
+        conversion.skip("adapter.dropout", f"{dropout!r}: peft's LoKr has no dropout on its input; trained without")
+        dropout = None
     conversion.set("model.lora.dropout", to_float(dropout or 0.0, "adapter.dropout"), "from [adapter] dropout" if dropout is not None else "diffusion-pipe's default dropout is 0")
     conversion.skip(
         "adapter (target modules)",

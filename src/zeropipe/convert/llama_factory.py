@@ -66,7 +66,6 @@ NOT_MAPPED = {
     "mask_history": "loss is on every assistant turn",
     "additional_target": "only LoRA adapters train in a LoRA run",
     "create_new_adapter": "a LoRA run starts fresh adapters",
-    "use_dora": "DoRA is not supported: plain LoRA",
     "use_rslora": "rank-stabilised LoRA is not supported: plain LoRA (set model.lora.alpha to r x sqrt(r) for the same scale)",
     "pissa_init": "PiSSA initialisation is not supported: plain LoRA",
     "use_unsloth": "unsloth kernels are not used",
@@ -179,6 +178,9 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
         conversion.already.append(f"finetuning_type: {method} ({'no model.lora: every weight trains' if method == 'full' else 'model.lora'})")
     lora_keys = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
     if method == "full":
+        if rest.get("use_dora"):
+            conversion.skip("use_dora", "finetuning_type: full trains every weight; DoRA does not apply")
+        rest.pop("use_dora", None)
         for key in lora_keys:
             if key in rest:
                 conversion.skip(key, "finetuning_type: full trains every weight; LoRA settings do not apply")
@@ -199,6 +201,11 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
         conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else 2 * rank, "lora_alpha"), "from lora_alpha" if alpha is not None else "LLaMA-Factory's default lora_alpha is 2 x lora_rank")
         dropout = rest.pop("lora_dropout", None)
         conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "LLaMA-Factory's default lora_dropout is 0")
+        dora = rest.pop("use_dora", None)
+        if dora:
+            conversion.set("model.lora.kind", "dora", "from use_dora: true (peft's DoRA, as LLaMA-Factory trains it)")
+        elif dora is False:
+            conversion.already.append("use_dora: false (model.lora.kind: lora)")
         target = rest.pop("lora_target", "all")
         if target == "all":
             conversion.set("model.lora.target_modules", "all-linear", "from lora_target: all" if "lora_target" in given else "LLaMA-Factory's default lora_target is all")

@@ -20,6 +20,7 @@ from zeropipe.config.pipeline_index import PipelineIndex, is_pipeline_folder, re
 from zeropipe.diffusion.architectures import architecture_for_denoiser, architecture_for_pipeline, architecture_named
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, is_lora_target, resolve_lora_targets
+from zeropipe.models.adapters import adapter_parameter_sizes
 from zeropipe.plan.trace import ActivationTrace, trace_diffusion
 
 if TYPE_CHECKING:
@@ -400,7 +401,7 @@ def _lora_counts(model, lora: LoraSection, layer, family: str) -> tuple[LoraShap
     chosen = _lora_targets(model, lora, family)
     sizes: list[int] = []
     for _, linear in chosen:
-        sizes += [lora.r * linear.in_features, linear.out_features * lora.r]
+        sizes += adapter_parameter_sizes(lora, linear.in_features, linear.out_features)
     groups: dict[str, list[int]] = {}
     if layer is not None:
         in_layer = {id(m) for m in layer.modules()}
@@ -488,13 +489,15 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
 def _inject_lora(model, lora: LoraSection) -> None:
     """Adapters on the meta model, so the trace sees what frozen base layers and adapters save."""
     import torch
-    from peft import LoraConfig, inject_adapter_in_model
+    from peft import inject_adapter_in_model
+
+    from zeropipe.models.adapters import is_adapter_parameter, peft_adapter_config
 
     targets = lora_targets(lora, "diffusion")
     with torch.device("meta"):
-        inject_adapter_in_model(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets), model)
+        inject_adapter_in_model(peft_adapter_config(lora, targets), model)
     for name, param in model.named_parameters():
-        param.requires_grad_("lora_" in name)
+        param.requires_grad_(is_adapter_parameter(name))
 
 
 def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:

@@ -178,3 +178,10 @@ def test_the_quickstart_checks_without_warnings():
 
     findings = check_config(load_config(ROOT / "examples" / "quickstart.yaml"), world_size=2, accelerator="cpu")
     assert findings == [], [f.render() for f in findings]
+
+
+def test_loha_under_zero3_is_refused_with_the_stages_and_kind_that_train(make):
+    findings = [f for f in check_config(make(model={"config": {"model_type": "llama", "hidden_size": 32}, "lora": {"kind": "loha"}}, deepspeed={"zero_stage": 3})) if f.rule == "ZP021"]
+    assert len(findings) == 1 and findings[0].key == "model.lora.kind" and "zero_stage 2" in findings[0].fix and "lokr" in findings[0].fix
+    for kind, stage in (("loha", 2), ("lokr", 3), ("dora", 3)):
+        assert "ZP021" not in rule_ids(make(model={"config": {"model_type": "llama", "hidden_size": 32}, "lora": {"kind": kind}}, deepspeed={"zero_stage": stage}))

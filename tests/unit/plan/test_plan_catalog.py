@@ -83,3 +83,23 @@ def test_unknown_names_and_paths_say_what_is_available(tmp_path):
 
 def test_catalog_names_are_forgiving():
     assert spec_from_catalog("Llama-3.1-8B").total_params == spec_from_catalog("llama3.1-8b").total_params
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_each_adapter_kind_is_counted_as_peft_builds_it(kind):
+    """The planner's trainable count of DoRA/LoKr/LoHa equals the trainable weights peft adds to the real (tiny) model."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from zeropipe.models.adapters import peft_adapter_config
+
+    fields = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    lora = LoraSection(kind=kind, r=4, target_modules="all-linear")
+    spec = spec_from_config(RunConfig(model=ModelSection(config={"model_type": "llama", **fields}, tokenizer_vocab_size=300, lora=lora)))
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(LlamaConfig(**fields, vocab_size=300)), peft_adapter_config(lora, "all-linear", task_type="CAUSAL_LM"))
+    built = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert spec.trainable_params == built
+    plain = spec_from_config(RunConfig(model=ModelSection(config={"model_type": "llama", **fields}, tokenizer_vocab_size=300, lora=LoraSection(r=4, target_modules="all-linear"))))
+    assert spec.trainable_params != plain.trainable_params

@@ -153,6 +153,14 @@ class Architecture:
         """The LoRA in the original (ComfyUI) key layout, from its diffusers layout; None when the architecture has none."""
         return None
 
+    def original_lokr_layout(self, layers: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor] | None:
+        """A LoKr adapter (peft's ``module.lokr_w1``, ``lokr_w2_a``...) in the original (ComfyUI) key layout; None when there is none.
+
+        ``scaling`` is peft's alpha / r, which the layout folds into the first factor (LyCORIS applies no
+        alpha to full factors, and a file without ``.alpha`` keys is read at scale 1 by ComfyUI and diffusers).
+        """
+        return None
+
     # -------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
         """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""

@@ -84,6 +84,16 @@ class ZImage(Architecture):
         return out
 
 
+    def original_lokr_layout(self, layers, scaling):
+        """``diffusion_model.<module>.lokr_w1`` ...: ai-toolkit's Z-Image LoKr layout, which diffusers' Z-Image loader converts and ComfyUI reads."""
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in layers.items():
+            module, _, part = key.rpartition(".lokr_")
+            first = f"{module}.lokr_w1" if f"{module}.lokr_w1" in layers else f"{module}.lokr_w1_a"
+            out[f"{COMFY_PREFIX}{key}"] = (tensor * scaling if key == first else tensor).contiguous()
+        return out
+
+
 ARCHITECTURE = ZImage(
     name="z-image",
     pipeline_class="ZImagePipeline",

@@ -16,6 +16,7 @@ import torch
 
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.errors import ConfigError
+from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, model_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
 
@@ -131,17 +132,11 @@ def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]
 
 
 def add_lora(model, section: ModelSection):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     lora = section.lora
     assert lora is not None
-    peft_config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS),
-        task_type="CAUSAL_LM",
-    )
+    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, peft_config)
     except ValueError as err:

@@ -52,6 +52,22 @@ def pipeline_class(architecture: str | None):
     return DiffusionPipeline
 
 
+def load_adapter_export(pipeline, folder: Path, info: dict[str, Any]) -> None:
+    """An adapter export into its base pipeline, by diffusers' loader of that file.
+
+    The pipeline's ``load_lora_weights`` reads LoRA and DoRA files (and LoKr for Z-Image and FLUX.2);
+    the denoiser's own ``load_lora_adapter`` reads LoKr files for every model, and is the only loader
+    of a pipeline that has none (diffusers 0.42: HunyuanVideo 1.5, Cosmos 2, HunyuanImage).
+    """
+    from zeropipe.diffusion.architectures import architecture_named
+
+    arch = architecture_named(info["architecture"])
+    if info.get("kind", "lora") in ("lora", "dora") and hasattr(pipeline, "load_lora_weights"):
+        pipeline.load_lora_weights(str(folder))
+    else:  # the file's keys are under the architecture's denoiser name; a Wan 2.2 expert's go into its own transformer_2
+        getattr(pipeline, info.get("denoiser") or arch.denoiser).load_lora_adapter(str(folder), weight_name="pytorch_lora_weights.safetensors", prefix=arch.denoiser)
+
+
 def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     """The pipeline of a run's checkpoint, a pipeline export or a LoRA export, on ``device``.
 
@@ -79,7 +95,7 @@ def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dty
         if not is_pipeline_folder(base):
             raise ZeroPipeError(f"the LoRA {source.path} was trained on {base}, which is no longer a pipeline folder: restore it, or draw from the run's checkpoint")
         pipeline = pipeline_class(info.get("architecture")).from_pretrained(str(base), torch_dtype=torch.float32)
-        pipeline.load_lora_weights(str(source.path))
+        load_adapter_export(pipeline, source.path, info)
     else:
         pipeline = pipeline_class(export_info(source.path).get("architecture")).from_pretrained(str(source.path), torch_dtype=torch.float32)
     pipeline = pipeline.to(device)

@@ -28,6 +28,7 @@ from zeropipe.diffusion.architectures import architecture_named
 from zeropipe.errors import CheckpointError
 from zeropipe.export.hf import ExportJob
 from zeropipe.families.diffusion.prepare import read_plan
+from zeropipe.models.adapters import adapter_name, is_adapter_parameter, peft_adapter_config
 from zeropipe.models.common import resolve_lora_targets
 
 ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
@@ -62,6 +63,17 @@ def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder
         save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
 
 
+def write_original_lokr(arch, layers: dict[str, torch.Tensor], scaling: float, folder: Path) -> bool:
+    """A LoKr adapter again in the architecture's original key layout, where the entry has one; whether it was written."""
+    from safetensors.torch import save_file
+
+    original = arch.original_lokr_layout(layers, scaling)
+    if original is None:
+        return False
+    save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
+    return True
+
+
 def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     """(architecture, the run's data plan, its pipeline folder, the denoiser with the checkpoint's weights): what an export writes and Draw draws with.
 
@@ -76,9 +88,7 @@ def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file)
     lora = config.model.lora
     if lora is not None:
-        from peft import LoraConfig
-
-        denoiser.add_adapter(LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=resolve_lora_targets(lora, arch.lora_targets)))
+        denoiser.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, arch.lora_targets)))
     load_checked(denoiser, state, info, what="denoiser")
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
@@ -87,7 +97,7 @@ def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
         with torch.no_grad():
             for name, tensor in denoiser.named_parameters():
                 original = name.replace(".base_layer.", ".")
-                if "lora_" not in name and original in base:
+                if not is_adapter_parameter(name) and original in base:
                     tensor.copy_(base[original])
     return arch, plan, pipeline_dir, denoiser
 
@@ -96,15 +106,22 @@ def export_diffusion(job: ExportJob) -> Path:
     run, config, info, out, merge, dtype = job.run, job.config, job.info, job.out, job.merge, job.dtype
     arch, plan, pipeline_dir, denoiser = trained_denoiser(run, config, info, job.state_dict())
     lora = config.model.lora
+    notes: list[str] = []
 
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    if lora is not None and not merge and lora.kind == "loha":
+        # diffusers 0.42 reads LoRA, DoRA and LoKr files, no LoHa (its loaders check for lora/lokr keys).
+        raise CheckpointError(
+            f"diffusers has no loader for a LoHa adapter, so no {arch.name} LoHa file would load in it: export with --merge "
+            "(a full pipeline folder, the adapter merged into the denoiser), or train kind: lokr or dora, which diffusers loads"
+        )
     if lora is not None and not merge:
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         layers = get_peft_model_state_dict(denoiser)
-        if arch.denoiser == "unet":
+        if arch.denoiser == "unet" and lora.kind == "lora":
             # UNets: the attention-processor names their training scripts write. Transformers keep
             # peft's lora_A/lora_B names, which every transformer loader reads (Qwen-Image's reads no other).
             layers = convert_state_dict_to_diffusers(layers)
@@ -114,10 +131,19 @@ def export_diffusion(job: ExportJob) -> Path:
         # load_lora_weights assumes alpha = r and the adapter acts at the wrong strength.
         # Dropout is written as 0: the adapter layers load_lora_weights adds are in training
         # mode, and dropout would make every image random.
-        metadata = {**denoiser.peft_config["default"].to_dict(), "lora_dropout": 0.0}
+        metadata = denoiser.peft_config["default"].to_dict()
+        if "lora_dropout" in metadata:
+            metadata["lora_dropout"] = 0.0
         arch.pipeline().save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
-        write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
-        kind = "lora"
+        if lora.kind == "lora":
+            write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
+        elif lora.kind == "lokr" and write_original_lokr(arch, layers, lora.alpha / lora.r, tmp):
+            notes.append(f"LoKr: {ORIGINAL_LORA_FILE} holds it in {arch.name}'s original key layout (ComfyUI's)")
+        else:
+            # The entries' original (ComfyUI) layouts are LoRA's down/up pairs; a DoRA magnitude or
+            # LoKr factors would be dropped or misread there: the diffusers file alone is written.
+            notes.append(f"{adapter_name(lora)}: no original (ComfyUI) key layout is written for a {arch.name} {adapter_name(lora)}; the diffusers file is pytorch_lora_weights.safetensors")
+        kind = lora.kind
     else:
         if lora is not None:
             denoiser.fuse_lora(lora_scale=1.0)
@@ -129,7 +155,7 @@ def export_diffusion(job: ExportJob) -> Path:
     (tmp / "zeropipe_export.json").write_text(
         json.dumps(
             {"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "kind": kind, "architecture": arch.name,
-             "base_pipeline": str(pipeline_dir), "dtype": str(dtype).replace("torch.", ""), "denoiser": plan.denoiser,
+             "base_pipeline": str(pipeline_dir), "dtype": str(dtype).replace("torch.", ""), "denoiser": plan.denoiser, **({"notes": notes} if notes else {}),
              **({"expert": config.model.diffusion.expert} if config.model.diffusion.expert else {})},
             indent=2,
         )

@@ -51,7 +51,8 @@ from zeropipe.diffusion.pipelines import (
 from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion.prepare import load_item_pixels, read_plan
-from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, resolve_lora_targets
+from zeropipe.models.adapters import peft_adapter_config
+from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, hf_zero3_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
 
 log = logging.getLogger("zeropipe")
@@ -130,13 +131,13 @@ class DiffusionTask(TaskDefaults):
         if section.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         if section.lora is not None:
-            from peft import LoraConfig
-
             model.requires_grad_(False)
             lora = section.lora
-            model.add_adapter(
-                LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, self.arch.lora_targets))
-            )
+            # peft gathers a ZeRO-3 partitioned base layer where an adapter's initialisation reads it (DoRA's
+            # weight norms) only while transformers knows the run is ZeRO-3: its config kept alive around the call.
+            zero3 = hf_zero3_config(self.trainer.ds_config, self.plan.zero_stage)
+            model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, self.arch.lora_targets), gaussian_init=True))
+            del zero3
             for param in model.parameters():
                 if param.requires_grad:
                     param.data = param.data.to(self.compute_dtype)

@@ -33,6 +33,7 @@ import torch
 from zeropipe.config.schema import LoraSection, ModelSection
 from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
+from zeropipe.models.adapters import adapter_parameter_sizes, is_adapter_parameter, peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, is_lora_target, model_config
 from zeropipe.models.loading import load_pretrained
 
@@ -108,7 +109,7 @@ def parameters_by_part(model: torch.nn.Module) -> dict[str, list[tuple[str, torc
     groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {part: [] for part in PARTS}
     unknown = []
     for name, param in model.named_parameters():
-        if "lora_" in name:
+        if is_adapter_parameter(name):
             continue  # adapters are counted with what they adapt by the caller, not here
         part = part_of(name)
         if part is None:
@@ -161,7 +162,7 @@ def part_counts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
         part = part_of(name)
         if part is None:
             continue
-        if "lora_" not in name:
+        if not is_adapter_parameter(name):
             counts[part]["total"] += numel(param)
         if param.requires_grad:
             counts[part]["trainable"] += numel(param)
@@ -213,12 +214,12 @@ def lora_module_names(model: torch.nn.Module, lora: LoraSection, parts: tuple[st
 
 def add_vlm_lora(model: torch.nn.Module, section: ModelSection) -> torch.nn.Module:
     """LoRA adapters on the chosen parts; everything else, the rest of those parts included, frozen."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     lora = section.lora
     assert lora is not None
     targets = lora_module_names(model, lora, trainable_parts(section))
-    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type="CAUSAL_LM")
+    peft_config = peft_adapter_config(lora, targets, task_type="CAUSAL_LM")
     return get_peft_model(model, peft_config)
 
 
@@ -315,7 +316,7 @@ def trainable_counts(model: torch.nn.Module, section: ModelSection) -> tuple[int
     sizes = []
     for name in names:
         linear = modules[name]
-        sizes += [section.lora.r * linear.in_features, linear.out_features * section.lora.r]
+        sizes += adapter_parameter_sizes(section.lora, linear.in_features, linear.out_features)
     return sum(sizes), sizes, tuple(sorted({n.rsplit(".", 1)[-1] for n in names}))
 
 
