@@ -77,6 +77,8 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
             parts[name] = getattr(diffusers, arch.codec.vae_class)(**fields)
             if config.get("vae_fit_steps"):
                 fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
+        elif "class" in fields:  # another component of the pipeline (LTX-2's audio VAE, vocoder and text connectors)
+            parts[name] = component_class("diffusers", fields.pop("class"))(**fields)
         else:
             parts[name] = arch.tiny_component(name, fields)
             if name == arch.denoiser:
@@ -236,6 +238,23 @@ def spread_placement(needed: int, free_per_gpu: list[int], host_free: int) -> di
     return placement
 
 
+def component_class(library: str, class_name: str):
+    """The class of a component as model_index.json names it: diffusers', transformers', or one of a diffusers pipeline's own
+    module (``["ltx2", "LTX2TextConnectors"]``; ``"ltx2.LTX2Vocoder"`` in a tiny preset), where diffusers' from_pretrained finds it."""
+    import importlib
+
+    import diffusers
+    import transformers
+
+    if "." in class_name:
+        library, class_name = class_name.rsplit(".", 1)
+    if library == "transformers":
+        return getattr(transformers, class_name)
+    if library == "diffusers" or hasattr(diffusers, class_name):
+        return getattr(diffusers, class_name)
+    return getattr(importlib.import_module(f"diffusers.pipelines.{library}"), class_name)
+
+
 def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: torch.device, spread: bool = False):
     """One frozen component (VAE or text encoder) of a pipeline directory, in eval mode without gradients.
 
@@ -247,7 +266,7 @@ def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: to
     import transformers
 
     library, class_name = read_pipeline_index(pipeline_dir).required_component(name)
-    cls = getattr(diffusers if library == "diffusers" else transformers, class_name)
+    cls = component_class(library, class_name)
     if spread and library == "transformers" and device.type == "cuda" and torch.cuda.device_count() > 1:
         import psutil
 

@@ -63,15 +63,14 @@ def data_section(arch, tmp_path: Path) -> dict:
     unknown = [key for key in keys if key not in PROVIDERS]
     assert not unknown, f"{arch.name}: its parts read {unknown}, which the contract test does not provide yet: add them to PROVIDERS"
     # A few files of generated shapes (data.synthetic's smallest set is 10: more encoding than a contract needs).
+    # Written by the entry's codec, as data.synthetic would be: shapes, moving-shape clips, or LTX-2's clips with a tone as their sound.
+    from types import SimpleNamespace
+
     targets = tmp_path / "targets"
-    if arch.codec.video:
-        from zeropipe.diffusion.videos import generate_moving_shapes_dataset
-
-        generate_moving_shapes_dataset(targets, EXAMPLES, seed=5, resolution=RESOLUTION, frames=1 + arch.codec.frame_multiple)
-    else:
-        from zeropipe.diffusion.images import generate_shapes_dataset
-
-        generate_shapes_dataset(targets, EXAMPLES, seed=5, resolution=RESOLUTION)
+    frames = [1 + arch.codec.frame_multiple] if arch.codec.video else [1]
+    synthetic = SimpleNamespace(data=SimpleNamespace(synthetic=SimpleNamespace(examples=EXAMPLES, seed=5), images=SimpleNamespace(resolution=RESOLUTION), video=SimpleNamespace(frame_buckets=frames)))
+    _, write = arch.codec.synthetic_folder(tmp_path, synthetic)
+    write(targets)
     data["path"] = str(targets)
     for key in keys:
         PROVIDERS[key](data, targets, tmp_path)

@@ -28,6 +28,7 @@ BUILTIN = (
     "wan_ti2v", "wan_ti2v_i2v", "hunyuan_video15", "hunyuan_video15_i2v", "skyreels_v2", "skyreels_v2_i2v",
     "kandinsky5_t2i", "krea2", "ernie_image",
     "qwen_image_edit_plus",
+    "ltx2",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

@@ -196,6 +196,17 @@ class Architecture:
         """
         return prediction, target
 
+    def loss(self, model, noised: Any, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
+        """The training loss of a noised micro-batch (``objectives.NoisedBatch``): the denoiser's error on its latents.
+
+        An entry whose denoiser also denoises a target a condition carries (LTX-2's audio latents,
+        noised at the same level) adds that term here.
+        """
+        from zeropipe.diffusion.objectives import weighted_mse
+
+        prediction, target = self.loss_region(self.predict(model, noised.model_input, noised.timesteps, condition, context), noised.target)
+        return weighted_mse(prediction, target, noised.weights)
+
     # -------------------------------------------------------------- sampling
     def sample_kwargs(self, condition: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], guidance_scale: float, guidance: float) -> dict[str, Any]:
         """The pipeline call's conditioning and guidance arguments (classifier-free guidance by default)."""
@@ -209,6 +220,10 @@ class Architecture:
     def call_pipeline(self, pipeline, kwargs: dict[str, Any]) -> torch.Tensor:
         """Latents of the samples the pipeline draws with these arguments (the conditions' included: a control image as ``image``)."""
         return pipeline(**kwargs)[0]
+
+    def sample_outputs(self, pipeline, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The samples' latents and what else the pipeline drew, by name (LTX-2's audio latents), which the parts' ``add_to_samples`` read."""
+        return self.call_pipeline(pipeline, kwargs), {}
 
     def unpack_latents(self, pipeline, latents: torch.Tensor, size: int, vae_factor: int) -> torch.Tensor:
         """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""

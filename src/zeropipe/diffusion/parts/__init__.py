@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeropipe.diffusion.parts.audio_track import AudioTrack
 from zeropipe.diffusion.parts.base import Condition, Encoding, Inputs, Part, Planning, SampleInputs, Sampling
 from zeropipe.diffusion.parts.codec import ImageLatents, PerChannelVideoLatents, VideoLatents
 from zeropipe.diffusion.parts.control_image import ControlImage
@@ -43,7 +44,7 @@ def _setting(config: Any, key: str) -> Any:
 
 
 __all__ = [
-    "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "ImageLatents", "Inputs", "Part", "PerChannelVideoLatents",
-    "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs", "Sampling", "VideoLatents",
-    "active_conditions", "part_problems",
+    "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "ImageLatents", "Inputs", "Part",
+    "PerChannelVideoLatents", "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
+    "Sampling", "VideoLatents", "active_conditions", "part_problems",
 ]

@@ -109,6 +109,10 @@ class Part:
         """Frozen pipeline components the pipeline needs while it draws samples (the VAE, an image encoder)."""
         return {}
 
+    def add_to_samples(self, sampling: Sampling, outputs: dict[str, torch.Tensor], written: list[dict[str, Any]], folder: Path) -> None:
+        """On rank 0, after the codec wrote the samples (``written``: their index rows): add what this part makes of the
+        pipeline's other outputs (``Architecture.sample_outputs``), such as an audio track muxed into each video."""
+
 
 class Condition(Part):
     """One input the denoiser sees besides the noisy latents and the prompt, cached with each item's latents.

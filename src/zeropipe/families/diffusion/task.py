@@ -33,7 +33,7 @@ import torch
 from zeropipe.diffusion import cache
 from zeropipe.diffusion.architectures import PredictContext, architecture_named
 from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches
-from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective
 from zeropipe.diffusion.parts import Encoding, Inputs, Sampling
 from zeropipe.diffusion.pipelines import (
     PipelineFolder,
@@ -172,8 +172,7 @@ class DiffusionTask(TaskDefaults):
         latents, condition = self.assemble(indices)
         noised = self.objective.noise(latents)
         self.timesteps_drawn.append(noised.timesteps.detach().float())  # on the device: read when the metrics are written
-        prediction, target = self.arch.loss_region(self.predict(noised.model_input, noised.timesteps, condition), noised.target)
-        return weighted_mse(prediction, target, noised.weights), 0.0, float(len(indices))
+        return self.arch.loss(self.engine, noised, condition, self.predict_context), 0.0, float(len(indices))
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
@@ -296,8 +295,7 @@ class DiffusionTask(TaskDefaults):
         noised = self.objective.noise(latents, generator=generator)
         was_training = self.engine.module.training
         self.engine.module.eval()
-        prediction, target = self.arch.loss_region(self.predict(noised.model_input, noised.timesteps, condition), noised.target)
-        loss = weighted_mse(prediction, target, noised.weights).float()
+        loss = self.arch.loss(self.engine, noised, condition, self.predict_context).float()
         if was_training:
             self.engine.module.train()
         torch.set_rng_state(state[0])
@@ -385,9 +383,11 @@ class DiffusionTask(TaskDefaults):
                 per_prompt = [{**(mine or {}), **extra} for mine, extra in zip(per_prompt or [None] * len(prompts), added.per_prompt)]
         pipeline.set_progress_bar_config(disable=True)
         if per_prompt is not None:  # a part gives each prompt its own arguments (a control image): one call per prompt
-            latents = torch.cat([self.arch.call_pipeline(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)])
+            drawn = [self.arch.sample_outputs(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)]
+            latents = torch.cat([latent for latent, _ in drawn])
+            outputs = {name: torch.cat([other[name] for _, other in drawn]) for name in drawn[0][1]}
         else:
-            latents = self.arch.call_pipeline(pipeline, kwargs)
+            latents, outputs = self.arch.sample_outputs(pipeline, kwargs)
         if was_training:
             module.train()
         if self.rank != 0:
@@ -401,6 +401,8 @@ class DiffusionTask(TaskDefaults):
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)
         written = codec.write_samples(folder, prompts, pixels, self.data, self.step, rows)
+        for part in parts:  # what the parts make of the pipeline's other outputs (an audio track muxed into each video)
+            part.add_to_samples(sampling, outputs, written, folder)
         with open(self.run.path / "samples" / "index.jsonl", "a") as handle:
             handle.writelines(json.dumps(row) + "\n" for row in written)
         log.info("step %d: %d sample %s written to %s", self.step, len(written), codec.sample_noun, folder)
