@@ -904,7 +904,7 @@ def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable
         expected = {key: shape for key, shape in expected.items() if not key.endswith("." + SCALE_KEY)}
         ignore_unexpected = [*ignore_unexpected, rf"(^|\.){SCALE_KEY}$", *COMFY_EXTRA_KEYS]
     else:
-        scaled = [name for name in index if name.endswith(SCALE_KEY) or name == "scaled_fp8"]
+        scaled = [name for name in index if name.rsplit(".", 1)[-1] in (SCALE_KEY, "scaled_fp8")]
         if scaled:
             raise CheckpointError(
                 f"{path} is an fp8_scaled checkpoint ({scaled[0]}: its fp8 weights are stored divided by a scale): "

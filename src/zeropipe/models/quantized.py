@@ -190,3 +190,21 @@ def quantized_weight_names(model: nn.Module) -> list[str]:
             prefix = f"{name}." if name else ""
             names += [prefix + "weight", prefix + SCALE_KEY]
     return names
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Swap every ``QuantizedLinear`` back for an ``nn.Linear`` holding its dequantized weight (an export's base, read from an fp8 file)."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, QuantizedLinear):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = nn.Linear(module.in_features, module.out_features, module.bias is not None, device=module.weight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(module.dequantized_weight(dtype))
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        setattr(parent, leaf, linear)
+        count += 1
+    return count
