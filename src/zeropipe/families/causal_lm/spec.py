@@ -26,6 +26,8 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
     name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
     spec = _causal_lm_spec(hf_config, name, section.lora)
     quantized = None
-    if section.quantization is not None and section.quantization.load_in_4bit:
+    if section.quantization is not None and section.quantization.is_fp8:
+        spec = spec.with_fp8_base(section.quantization.storage)
+    elif section.quantization is not None and section.quantization.load_in_4bit:
         quantized = QuantizedBase(spec.quantizable_params, spec.frozen_base_params - spec.quantizable_params, section.quantization.double_quant)
     return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}", quantized=quantized)
