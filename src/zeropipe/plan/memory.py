@@ -320,8 +320,8 @@ def fp8_base_terms(spec: ModelSpec, base: Fp8Base, world_size: int, choice: Choi
         Term(f"frozen base weights ({bits})", parameter_bytes(0, rest, n, choice), f"{_count(rest)} weights outside the blocks' linear layers (embedders, norms, heads), {share}"),
         Term(
             "dequantized weight (fp8 base)",
-            base.largest_linear * (4 + v),
-            f"the largest block linear ({_count(base.largest_linear)} weights) upcast while it computes: float32, then {bits}; never kept for backward",
+            base.largest_linear * v,
+            f"the largest block linear ({_count(base.largest_linear)} weights) upcast to {bits} while it computes; never kept for backward",
             FORWARD_BACKWARD,
         ),
     ]
