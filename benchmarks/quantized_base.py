@@ -1,6 +1,7 @@
 """An fp8 frozen base vs a bf16 one under ZeRO-3 on 2 CPU ranks: host RAM, bytes gathered, and the loss.
 
     PYTHONPATH=src python benchmarks/quantized_base.py [--layers 2] [--steps 3] [--loss-steps 50]
+    PYTHONPATH=src python benchmarks/quantized_base.py --plans     # docs/plan.md's table, arithmetic only
 
 Part 1, at a real size: Qwen-Image's transformer config (catalog qwen-image.json: 3072 wide, 24
 heads, 3584-wide text input) with its 60 blocks cut to ``--layers``, random bf16 weights written
@@ -167,6 +168,34 @@ def planned(config: dict, storage: str) -> dict[str, int]:
     return {"stored_per_rank": stored, "total_params": spec.total_params}
 
 
+PLANNED = (("wan2.1-t2v-14b", 512, 81), ("qwen-image", 1024, 1), ("flux.2-dev", 1024, 1))
+
+
+def plan_table() -> None:
+    """docs/plan.md's table: LoRA r=32 on 5 x 24 GB and 1 x 24 GB with 64 GB of RAM, bf16 vs fp8 base, latents and text cached (the default)."""
+    from dataclasses import replace
+
+    from zeropipe.config.schema import LoraSection
+    from zeropipe.plan import parse_hardware, recommend
+    from zeropipe.plan.model_spec import CATALOG_DIR, _diffusion_spec
+
+    print("| model | GPUs / RAM | base | fits | the fastest that fits (else the least host RAM) | per GPU GiB | host RAM GiB |")
+    print("|---|---|---|---|---|---|---|")
+    for name, resolution, frames in PLANNED:
+        entry = {**json.loads((CATALOG_DIR / f"{name}.json").read_text()), "resolution": resolution, "frames": frames}
+        spec = _diffusion_spec(entry, LoraSection(r=32))
+        # As a run with data.cache.latents and data.cache.text on (the defaults): the ranks never load the encoders.
+        spec = replace(spec, frozen_models=(), cached_models=spec.frozen_models)
+        for gpus in ("5x24GB", "1x24GB"):
+            hardware = parse_hardware(gpus, "64GB")
+            for label, planned_spec in (("bf16", spec), ("fp8", spec.with_fp8_base())):
+                result = recommend(planned_spec, hardware)
+                best = result.best or min(result.candidates, key=lambda c: c.per_node_bytes)
+                size = f"{resolution}px" + (f" x {frames} frames" if frames > 1 else "")
+                print(f"| {name} ({size}) | {gpus} / 64 GB | {label} | {'yes' if result.best else 'no'} | {best.choice.describe()} | "
+                      f"{best.per_gpu_bytes / 2**30:.1f} | {best.per_node_bytes / 2**30:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
@@ -174,6 +203,7 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--rank-mode", action="store_true")
+    parser.add_argument("--plans", action="store_true", help="print docs/plan.md's bf16-vs-fp8 table (planner arithmetic only) and exit")
     parser.add_argument("--storage"), parser.add_argument("--checkpoint"), parser.add_argument("--out"), parser.add_argument("--precision", default="bf16")
     parser.add_argument("--arch", default="qwen-image"), parser.add_argument("--latent", type=int, default=16), parser.add_argument("--text-tokens", type=int, default=16)
     args = parser.parse_args()
@@ -183,6 +213,9 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT / "src"))
+    if args.plans:
+        plan_table()
+        return
     catalog = json.loads((ROOT / "src/zeropipe/plan/catalog/qwen-image.json").read_text())
     config = {**catalog["trained"]["config"], "num_layers": args.layers}
     gib = 2**30
