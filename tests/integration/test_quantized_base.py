@@ -36,7 +36,7 @@ def base_model(tmp_path):
     return directory
 
 
-def test_lora_on_an_fp8_base_trains_resumes_and_exports_under_zero3(tmp_run, base_model):
+def test_lora_on_an_fp8_base_trains_resumes_and_exports_under_zero3_and_trains_under_zero2(tmp_run, base_model):
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -65,3 +65,14 @@ def test_lora_on_an_fp8_base_trains_resumes_and_exports_under_zero3(tmp_run, bas
     with torch.no_grad():
         untouched = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32).eval()(ids).logits
         assert not torch.allclose(via_peft(ids).logits, untouched, atol=1e-4), "the adapter changed nothing"
+
+    # ZeRO-2: every rank holds the whole fp8 base (per-tensor scales here); the same LoRA trains.
+    config = make(
+        "fp8z2",
+        model={"config": None, "path": str(base_model), "lora": {"r": 4, "alpha": 8}, "quantization": {"format": "fp8", "scale": "tensor"}},
+        train={"max_steps": 4, "lr": 2e-2, "save_every": 100, "log_every": 1},
+        deepspeed={"zero_stage": 2, "precision": "fp32"},
+    )
+    assert_ok(zeropipe("train", config))
+    rows = metrics(tmp_path / "runs" / "fp8z2")
+    assert len(rows) == 4 and rows[-1]["loss"] < rows[0]["loss"]
