@@ -1165,6 +1165,12 @@ def load_pretrained(
     except _StreamingUnsupported as reason:
         if not _is_model_class(model_cls_or_factory):
             raise ValueError(f"{path}: {reason} cannot be loaded tensor by tensor") from None
+        if quantize is not None:
+            # from_pretrained would load it in 16 bits: never a silent change of the storage asked for.
+            raise CheckpointError(
+                f"{path}: {reason} cannot be loaded tensor by tensor, which the {quantize.format} base needs (each rank quantizes its own rows): "
+                "remove model.quantization to train LoRA on the 16-bit base"
+            ) from None
         log.warning("%s: %s cannot be loaded tensor by tensor; using transformers' from_pretrained (higher host RAM peak)", path, reason)
         with _zero3_visible(zero_stage, ds_config):
             return model_cls_or_factory.from_pretrained(str(path), config=config, dtype=dtype)
