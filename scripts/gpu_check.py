@@ -7,6 +7,8 @@ Run it first on any machine with CUDA GPUs; it writes ``DIR/report.md`` and ``DI
 - ``quickstart``: ``examples/quickstart.yaml`` on NCCL ranks (up to 2 GPUs): the loss falls;
 - ``zero3_offload``: a larger model under ZeRO-3 with optimizer and parameter offload;
 - ``qlora``: a 4-bit (bitsandbytes) base with LoRA, trained and exported;
+- ``fp8_base``: an fp8 base (``model.quantization: fp8``) with LoRA under ZeRO-3 on NCCL ranks,
+  trained and exported (the uint8 byte view gathered by NCCL, dequantized on the GPU);
 - ``calibrate``: ``zeropipe calibrate`` on every GPU (the planner's measured speeds);
 - ``plan_vs_measured``: three configs' planned per-GPU peak against
   ``torch.cuda.max_memory_allocated`` (metrics.jsonl's ``gpu_max_allocated_bytes``);
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["environment", "quickstart", "zero3_offload", "qlora", "calibrate", "plan_vs_measured", "hf_trainer"]
+STEPS = ["environment", "quickstart", "zero3_offload", "qlora", "fp8_base", "calibrate", "plan_vs_measured", "hf_trainer"]
 CPU_STEPS = {"calibrate", "plan_vs_measured"}
 
 # A ~0.2B Llama (random weights, built from this config): big enough that plan and GPU counters are not noise.
@@ -183,6 +185,23 @@ class Check:
             done = self.zeropipe("export", result["run_dir"], "--out", str(self.out / "qlora-export"), log="qlora-export.log")
             result["export_returncode"] = done.returncode
         result["ok"] = result.get("returncode") == 0 and result.get("export_returncode") == 0
+        return result
+
+    def step_fp8_base(self) -> dict[str, Any]:
+        base = self.out / "fp8-base"
+        build_random_model(base, {**MEDIUM_LLAMA, "vocab_size": 2000})
+        raw = {
+            "model": {"path": str(base), "lora": {"r": 16}, "quantization": "fp8"},
+            "data": {"synthetic": {"task": "mixed", "examples": 2000}, "max_seq_len": 256},
+            "train": {"max_steps": 30, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 5},
+            "deepspeed": {"zero_stage": 3, "precision": "bf16"},
+            "hardware": {"gpus": self.gpus(2)},
+        }
+        result = self.train("fp8-base", raw)
+        if result.get("returncode") == 0:
+            done = self.zeropipe("export", result["run_dir"], "--out", str(self.out / "fp8-base-export"), log="fp8-base-export.log")
+            result["export_returncode"] = done.returncode
+        result["ok"] = result.get("returncode") == 0 and result.get("export_returncode") == 0 and result.get("final_loss", 1e9) < result.get("first_loss", 0)
         return result
 
     def step_calibrate(self) -> dict[str, Any]:

@@ -163,8 +163,18 @@ def qlora_quant_storage(ctx: CheckContext):
     found = []
     if quant is None:
         return found
+    if quant.is_fp8:
+        return fp8_base_problems(ctx)
     if ctx.config.model.lora is None:
-        found.append(("model.quantization", "a 4-bit base cannot be trained by itself", "add model.lora (QLoRA trains adapters on the frozen 4-bit base)"))
+        found.append(("model.quantization", f"a {quant.storage} base cannot be trained by itself", "add model.lora (QLoRA trains adapters on the frozen 4-bit base)"))
+    if quant.storage == "int8" and ctx.zero_stage == 3:
+        found.append(
+            (
+                "model.quantization",
+                "bitsandbytes' int8 layers keep their scales as attributes of the weight, which ZeRO-3 does not partition or gather",
+                "set model.quantization: fp8 (8-bit, partitioned under ZeRO-3), or deepspeed.zero_stage: 2 for int8",
+            )
+        )
     precision = ctx.config.deepspeed.precision
     if ctx.zero_stage == 3 and quant.quant_storage not in ("auto", precision):
         found.append(
@@ -205,6 +215,25 @@ def adapter_under_zero3(ctx: CheckContext):
         "peft's LoHa reads each adapted layer's full weight when it adds the adapter, which ZeRO-3 has partitioned by then",
         "use deepspeed.zero_stage 2 (or 0/1) for LoHa, or kind: lokr (LyCORIS's other adapter), which trains under ZeRO-3",
     )]
+
+
+def fp8_base_problems(ctx: CheckContext) -> list[tuple[str, str, str]]:
+    """An fp8 base that cannot train: no adapters (a full fine-tune of quantized weights) or nothing pretrained to quantize."""
+    section = ctx.config.model
+    found = []
+    if section.lora is None:
+        found.append(
+            (
+                "model.quantization",
+                f"a full fine-tune cannot update weights stored in {section.quantization.storage}: the quantized base is frozen, only adapters train on it",
+                "add model.lora (LoRA on the fp8 base), or remove model.quantization to fine-tune every weight in deepspeed.precision",
+            )
+        )
+    if not section.path and not (section.config or {}).get("pipeline"):
+        found.append(("model.quantization", "an fp8 base is quantized from pretrained weights; a randomly initialised model.config has none", "set model.path to a pretrained model"))
+    if section.load_kwargs:
+        found.append(("model.load_kwargs", "the fp8 base is loaded and quantized by ZeRO-Pipe's streaming loader, which takes no from_pretrained arguments", "remove model.load_kwargs"))
+    return found
 
 
 # The first bitsandbytes whose 4-bit quantisation and matmul run on CPU tensors (its CPU backend).

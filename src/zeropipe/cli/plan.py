@@ -37,6 +37,10 @@ def register(commands) -> None:
         "--global-batch", type=int, metavar="N", help="examples per optimizer step over all GPUs (default: the config's, else compared per example)"
     )
     parser.add_argument("--lora-r", type=int, metavar="N", help="plan LoRA adapters of rank N on q/k/v/o projections instead of a full fine-tune")
+    parser.add_argument(
+        "--quantization", choices=["fp8", "fp8_e5m2"],
+        help="plan the frozen base of a LoRA run stored in fp8 (model.quantization): the blocks' linear layers one byte per weight (with --lora-r, or a config's LoRA)",
+    )
     parser.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory and host RAM kept free (default 0.1)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--list-models", action="store_true", help="list the catalog and exit")
@@ -45,7 +49,7 @@ def register(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zeropipe.errors import ZeroPipeError
-    from zeropipe.plan import detect_hardware, parse_hardware, recommend
+    from zeropipe.plan import detect_hardware, fp8_base_offer, parse_hardware, recommend
     from zeropipe.plan.hardware import Hardware
     from zeropipe.plan.model_spec import catalog_names
     from zeropipe.plan.render import render_plan
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"data.max_seq_len={args.seq_len}")
         if args.lora_r is not None:
             overrides.append(f"model.lora.r={args.lora_r}")
+        if args.quantization:
+            overrides.append(f"model.quantization.format={args.quantization}")
         # Resolved for the machine planned for: its accelerator and CPU decide precision "auto".
         resolved = resolve_run(load_config(args.config, overrides), accelerator=hardware.accelerator, fill_auto_knobs=False, hardware=hardware)
         config = resolved.config
@@ -118,7 +124,16 @@ def run(args: argparse.Namespace) -> int:
         if not (args.model or args.params):
             raise ZeroPipeError("nothing to plan: give a run config, --model NAME|PATH, or --params N (see zeropipe plan --list-models)")
         spec = _spec(args, lora)
-        result = recommend(spec, hardware, global_batch=args.global_batch, seq_len=args.seq_len or 2048, margin=args.margin)
+        if args.quantization:
+            if spec.lora is None:
+                raise ZeroPipeError("--quantization stores a frozen base for LoRA: add --lora-r N")
+            spec = spec.with_fp8_base(args.quantization)
+
+        def replan(other):
+            return recommend(other, hardware, global_batch=args.global_batch, seq_len=args.seq_len or 2048, margin=args.margin)
+
+        result = replan(spec)
+        result.notes += fp8_base_offer(spec, hardware, result, replan)
 
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))

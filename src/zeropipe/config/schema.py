@@ -76,16 +76,42 @@ class LoraSection(Section):
         return value
 
 
-class QuantizationSection(Section):
-    """QLoRA: the frozen base in 4-bit (bitsandbytes), LoRA adapters trained on top. Runs on CUDA, or on CPU ranks with bitsandbytes >= 0.47."""
+QUANTIZATION_FORMATS = ("nf4", "fp4", "int8", "fp8", "fp8_e5m2")
 
-    load_in_4bit: bool = Field(True, description="Load the base weights in 4-bit.")
+
+class QuantizationSection(Section):
+    """How the frozen base is stored for LoRA: 8-bit float (fp8, fp8_e5m2; ZeRO-0..3, CPU and GPU), or bitsandbytes' 4-bit (QLoRA: nf4, fp4) or int8.
+
+    Written as one word (``model.quantization: fp8``) or as a section. fp8 stores the linear layers of the
+    repeated blocks as fp8 bytes with a float32 scale per output channel (or per tensor), computed in the
+    training precision; under ZeRO-3 those bytes are what is partitioned, gathered and offloaded.
+    """
+
+    format: Literal["auto", "nf4", "fp4", "int8", "fp8", "fp8_e5m2"] = Field(
+        "auto",
+        description="Storage of the base weights: fp8 (e4m3, the usual one) or fp8_e5m2, for causal LMs and diffusion transformers, on CPU "
+        "ranks and GPUs, under any ZeRO stage; nf4/fp4 (QLoRA, bitsandbytes) or int8 (bitsandbytes' LLM.int8, ZeRO-0..2) for causal LMs. "
+        "'auto': quant_type (4-bit QLoRA, as before).",
+    )
+    scale: Literal["channel", "tensor"] = Field(
+        "channel", description="fp8: one float32 scale per output channel (closer to the bf16 weights) or one per tensor (ComfyUI's fp8_scaled). A pre-quantized file keeps its own."
+    )
+    load_in_4bit: bool = Field(True, description="QLoRA: load the base weights in 4-bit.")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; nf4 is what QLoRA uses.")
     double_quant: bool = Field(True, description="Quantize the quantization constants too (saves about 0.4 bits per parameter).")
     compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Dtype of the matmuls; 'auto' follows deepspeed.precision.")
     quant_storage: Literal["auto", "bf16", "fp16", "fp32", "uint8"] = Field(
         "auto", description="Storage dtype of the packed weights; under ZeRO-3 it must be the model's dtype, deepspeed.precision ('auto' does that; below ZeRO-3 'auto' is uint8)."
     )
+
+    @property
+    def storage(self) -> str:
+        """The format the base is stored in: fp8, fp8_e5m2, int8, nf4 or fp4."""
+        return self.quant_type if self.format == "auto" else self.format
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.storage in ("fp8", "fp8_e5m2")
 
 
 class DiffusionSection(Section):
@@ -169,7 +195,20 @@ class ModelSection(Section):
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel passed to transformers.")
     lora: LoraSection | None = Field(None, description="Train LoRA adapters (peft) instead of all weights; only adapter weights are trainable.")
-    quantization: QuantizationSection | None = Field(None, description="QLoRA: load the base in 4-bit with bitsandbytes (needs model.lora; on CPU ranks bitsandbytes >= 0.47, whose CPU backend runs 4-bit).")
+    quantization: QuantizationSection | None = Field(
+        None,
+        description="Store the frozen base quantized for LoRA (needs model.lora): fp8 or fp8_e5m2 (any family's transformer blocks, any ZeRO stage, "
+        "CPU ranks too), nf4/fp4 (QLoRA) or int8 with bitsandbytes (causal LMs; on CPU ranks bitsandbytes >= 0.47). One word (fp8) or a section.",
+    )
+
+    @field_validator("quantization", mode="before")
+    @classmethod
+    def _one_word_is_a_format(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value not in QUANTIZATION_FORMATS:
+                raise ValueError(f"{value!r} is not a storage format: one of {', '.join(QUANTIZATION_FORMATS)}, or a section")
+            return {"format": value}
+        return value
     load_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for from_pretrained (e.g. {revision: main, trust_remote_code: true})."
     )

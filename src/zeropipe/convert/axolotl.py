@@ -55,7 +55,7 @@ NOT_MAPPED = {
     "lora_modules_to_save": "only LoRA adapters train in a LoRA run",
     "lora_fan_in_fan_out": "peft detects the layout",
     "gradient_checkpointing_kwargs": "ZeRO-Pipe picks the checkpointing implementation",
-    "load_in_8bit": "8-bit bases are not supported; QLoRA (load_in_4bit) is, or LoRA on a base in deepspeed.precision",
+    "load_in_8bit": "an 8-bit base trains adapters only (model.quantization: fp8 with adapter: lora); without an adapter the base is held in deepspeed.precision",
     "fsdp": "ZeRO-Pipe uses DeepSpeed ZeRO, not FSDP: FSDP's full_shard is ZeRO-3 (deepspeed.zero_stage: 3)",
     "fsdp_config": "ZeRO-Pipe uses DeepSpeed ZeRO, not FSDP: FSDP's full_shard is ZeRO-3 (deepspeed.zero_stage: 3), cpu offload is deepspeed.offload_param: cpu",
     "xformers_attention": "attention runs on PyTorch's sdpa kernels",
@@ -210,6 +210,13 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
     if adapter == "qlora" or four_bit:
         said = " and ".join(name for name, given in (("adapter: qlora", adapter == "qlora"), ("load_in_4bit: true", four_bit)) if given)
         conversion.set("model.quantization.load_in_4bit", True, f"from {said} (nf4 with double quantization, as axolotl's default)")
+    elif rest.get("load_in_8bit"):
+        rest.pop("load_in_8bit")
+        conversion.set(
+            "model.quantization.format", "fp8",
+            "from load_in_8bit: true: the base stored in 8 bits; axolotl's is bitsandbytes' int8, ZeRO-Pipe's 8-bit base is fp8 (e4m3, a scale per "
+            "output channel), which ZeRO-3 partitions (model.quantization: int8 keeps bitsandbytes, ZeRO-0..2 only)",
+        )
 
 
 def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, ...]) -> None:

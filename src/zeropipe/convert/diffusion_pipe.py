@@ -121,7 +121,6 @@ NOT_MAPPED = {
     "lr_scheduler_eta_min": "the schedule decays to train.min_lr_ratio x lr",
 }
 MODEL_NOT_MAPPED = {
-    "transformer_dtype": "fp8/nf4 base weights are not supported for diffusion models; the base is held in deepspeed.precision",
     "flux_shift": "ZeRO-Pipe's flow-matching shift is a fixed number (model.diffusion.shift), not resolution-dependent",
     "debiased_estimation_loss": "not implemented; model.diffusion.min_snr_gamma is the loss weighting ZeRO-Pipe has",
     "text_encoder_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
@@ -166,7 +165,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
     model = rest.pop("model", None)
     if not isinstance(model, dict) or "type" not in model:
         raise ConversionError(f"{path}: no [model] table with a type (e.g. type = 'flux'): this does not look like a diffusion-pipe config")
-    _model(conversion, dict(model), path.parent)
+    _model(conversion, dict(model), path.parent, lora=isinstance(rest.get("adapter"), dict))
     video = is_video(str(model["type"]))
     adapter = rest.pop("adapter", None)
     if isinstance(adapter, dict):
@@ -205,7 +204,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
     return conversion
 
 
-def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
+def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool = True) -> None:
     kind = str(model.pop("type"))
     arch = trainable_architecture(kind)
     if arch is None:
@@ -285,6 +284,9 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
                 conversion.skip(f"model.transformer_path ({marker})", note)
         else:
             conversion.skip("model.transformer_path", f"{value!r}: not a .safetensors file ZeRO-Pipe can read over model.path; the denoiser comes from model.path")
+    for key in ("transformer_dtype", "diffusion_model_dtype"):
+        if key in model:
+            _base_storage(conversion, key, str(model.pop(key)), lora)
     for bound in ("min_t", "max_t"):
         if bound in model:
             conversion.set(f"model.diffusion.{bound}", to_float(model.pop(bound), f"model.{bound}"), f"from [model] {bound} (the training timestep range, 0 no noise, 1 pure noise)")
@@ -305,6 +307,29 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path) -> None:
         conversion.set("train.lr", to_float(unet_lr, "model.unet_lr"), "from [model] unet_lr (the UNet is what trains)")
     for key, value in model.items():
         conversion.skip(f"model.{key}", MODEL_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
+
+
+# diffusion-pipe's storage dtypes of the frozen denoiser -> model.quantization.format.
+BASE_STORAGE = {"float8": "fp8", "float8_e4m3fn": "fp8", "fp8": "fp8", "float8_e5m2": "fp8_e5m2"}
+
+
+def _base_storage(conversion: Conversion, key: str, value: str, lora: bool) -> None:
+    """[model] transformer_dtype / diffusion_model_dtype: the frozen denoiser's storage, fp8 kept as model.quantization."""
+    if value in BASE_STORAGE and not lora:
+        conversion.skip(f"model.{key}", f"{value!r}: a quantized base trains adapters only, and this file has no [adapter]: the full fine-tune holds the base in deepspeed.precision")
+    elif value in BASE_STORAGE:
+        conversion.set(
+            "model.quantization.format", BASE_STORAGE[value],
+            f"from [model] {key} = {value!r}: the denoiser's block linears stored in {BASE_STORAGE[value]} for LoRA (ZeRO-3 partitions the bytes); "
+            "with a float32 scale per output channel where diffusion-pipe casts without a scale (model.quantization.scale: tensor for one per tensor)",
+        )
+    elif value in DTYPES:
+        conversion.already.append(f"[model] {key} = {value!r} (the base is held in deepspeed.precision)")
+    else:
+        conversion.skip(
+            f"model.{key}", f"{value!r}: ZeRO-Pipe stores a diffusion base in fp8 (float8 / float8_e5m2); nf4 is not run for diffusion models, "
+            "set model.quantization: fp8 for an 8-bit base"
+        )
 
 
 def _wan_transformer(conversion: Conversion, value: str, base: Path) -> None:

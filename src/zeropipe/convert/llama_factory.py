@@ -229,8 +229,14 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
                     conversion.skip("quantization_type", f"{quant_type!r}: nf4 or fp4")
             else:
                 conversion.set("model.quantization.quant_type", "nf4", "LLaMA-Factory's default quantization_type is nf4")
+        elif to_int(bits, "quantization_bit") == 8 and method == "lora":
+            conversion.set(
+                "model.quantization.format", "fp8",
+                "from quantization_bit: 8: the base stored in 8 bits; LLaMA-Factory's is bitsandbytes' int8, ZeRO-Pipe's 8-bit base is fp8 (e4m3, a scale "
+                "per output channel), which ZeRO-3 partitions (model.quantization: int8 keeps bitsandbytes, ZeRO-0..2 only)",
+            )
         else:
-            conversion.skip("quantization_bit", f"{bits}: ZeRO-Pipe quantizes only for QLoRA: 4-bit with finetuning_type: lora")
+            conversion.skip("quantization_bit", f"{bits}: ZeRO-Pipe stores a quantized base for LoRA only: 4 (QLoRA) or 8 (fp8) with finetuning_type: lora")
     for key, value in (("double_quantization", double), ("quantization_type", quant_type)):
         if value is not None and bits is None:
             conversion.skip(key, f"{value!r}: applies to quantization_bit, which is not set")

@@ -99,13 +99,13 @@ def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]
         for key in TEXT_ONLY_DATA_KEYS
         if getattr(config.data, key)
     ]
-    if config.model.quantization is not None:
+    if config.model.quantization is not None and not config.model.quantization.is_fp8:
         # Said before anything starts: the diffusion family would ignore it, the VLM's ranks fail on it.
         problems.append(
             (
                 "model.quantization",
-                f"4-bit loading (QLoRA) is implemented for causal language models only, and this is a {family} run: "
-                "remove model.quantization (LoRA on the 16-bit model stays: model.lora)",
+                f"{config.model.quantization.storage} storage (bitsandbytes) is implemented for causal language models only, and this is a {family} run: "
+                "set model.quantization: fp8 (any family), or remove it (LoRA on the 16-bit model stays: model.lora)",
             )
         )
     return problems

@@ -60,6 +60,20 @@ import torch
 from torch import nn
 
 from zeropipe.errors import CheckpointError
+from zeropipe.models.quantized import (
+    COMFY_EXTRA_KEYS,
+    FP8_DTYPES,
+    FP8_FORMAT_OF_DTYPE,
+    SCALE_KEY,
+    QuantizedLinear,
+    QuantizedStorage,
+    channel_absmax,
+    dequantize,
+    quantizable_linears,
+    quantize_rows,
+    replace_linears,
+    scale_from_absmax,
+)
 
 log = logging.getLogger("zeropipe")
 
@@ -560,6 +574,195 @@ def load_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str,
     return bytes_read
 
 
+# ---------------------------------------------------------------------- quantized base
+# How many bytes of a skeleton's parameters are materialised before zero.Init partitions them.
+PARTITION_BATCH_BYTES = 64 * 2**20
+
+
+def _quantized_skeleton(construct, index, path, rename, storage, select, zero_stage, ds_config, device) -> tuple[nn.Module, dict[str, str]]:
+    """The model as a skeleton with its block linears quantized, checked against the checkpoint; partitioned under ZeRO-3."""
+    model = construct(on_meta=True)
+    replace_linears(model, storage, quantizable_linears(model, select))
+    sources = _plan(model, index, path, rename)
+    if zero_stage == 3:
+        _partition_skeleton(model, device, ds_config)
+    return model, sources
+
+
+def _partition_skeleton(model: nn.Module, device: torch.device, ds_config: dict | None) -> None:
+    """Partition a meta skeleton's parameters with ``zero.Init(module=...)``, a batch of about PARTITION_BATCH_BYTES at a time.
+
+    zero.Init's documented ``module`` argument partitions the parameters of an already built
+    module as if it had been built inside the context; given a small holder of a few
+    materialised parameters at a time, no rank holds more than one batch in full. Every rank
+    walks the same parameters in the same order (each partitioning is a broadcast).
+    """
+    import deepspeed
+    from transformers.integrations import deepspeed_config
+
+    config = ds_config if ds_config is not None else deepspeed_config()
+    batch: list[nn.Parameter] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal batch, held
+        if batch:
+            holder = nn.ParameterList(batch)
+            deepspeed.zero.Init(module=holder, config_dict_or_path=config, mem_efficient_linear=False)
+        batch, held = [], 0
+
+    made: dict[int, nn.Parameter] = {}  # a parameter shared by two modules (tied) is made once
+    with _heap_returned(device.type == "cpu"):
+        for module in model.modules():
+            for leaf, param in list(module._parameters.items()):
+                if param is None or not param.is_meta:
+                    continue
+                if id(param) in made:
+                    module._parameters[leaf] = made[id(param)]
+                    continue
+                real = made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+                module._parameters[leaf] = real
+                batch.append(real)
+                held += real.numel() * real.element_size()
+                if held >= PARTITION_BATCH_BYTES:
+                    flush()
+        flush()
+
+
+def _copy_rows(index: CheckpointIndex, name: str, destination: torch.Tensor, start: int, transform: Callable[[torch.Tensor, int], torch.Tensor]) -> int:
+    """Copy elements ``start:`` of tensor ``name``, each chunk of whole rows passed through ``transform(rows, first_row)``; returns bytes read."""
+    entry = index[name]
+    count = destination.numel()
+    if count == 0:
+        return 0
+    row_numel = math.prod(entry.shape[1:])
+    first, last = covering_rows(start, start + count, row_numel)
+    rows_per_chunk = max(1, READ_CHUNK_BYTES // max(1, row_numel * max(4, entry.dtype.itemsize)))
+    bytes_read = 0
+    for chunk_first in range(first, last, rows_per_chunk):
+        chunk_last = min(chunk_first + rows_per_chunk, last)
+        lo = max(start, chunk_first * row_numel)
+        hi = min(start + count, chunk_last * row_numel)
+        with index.read(name, chunk_first, chunk_last) as rows:
+            values = transform(rows, chunk_first).reshape(-1)
+            destination.narrow(0, lo - start, hi - lo).copy_(values.narrow(0, lo - chunk_first * row_numel, hi - lo))
+        bytes_read += (chunk_last - chunk_first) * row_numel * entry.dtype.itemsize
+    return bytes_read
+
+
+def _row_absmax(index: CheckpointIndex, name: str, first: int, last: int, absmax: torch.Tensor) -> int:
+    entry = index[name]
+    row_bytes = max(1, math.prod(entry.shape[1:]) * max(4, entry.dtype.itemsize))
+    step = max(1, READ_CHUNK_BYTES // row_bytes)
+    for begin in range(first, last, step):
+        end = min(begin + step, last)
+        with index.read(name, begin, end) as rows:
+            absmax[begin:end] = channel_absmax(rows)
+    return (last - first) * math.prod(entry.shape[1:]) * entry.dtype.itemsize
+
+
+def _destination(param: torch.Tensor, device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Where this rank's elements of ``param`` go: (flat destination, first element, new full tensor or None)."""
+    if _is_zero3_param(param):
+        import deepspeed.comm as dist
+
+        partition = param.ds_tensor
+        start, stop = partition_range(param.ds_numel, partition.ds_numel, dist.get_rank(group=param.ds_process_group))
+        if stop - start < partition.ds_numel:
+            partition.narrow(0, stop - start, partition.ds_numel - (stop - start)).zero_()  # DeepSpeed's padding, gathered too
+        return partition.narrow(0, 0, stop - start), start, None
+    value = torch.empty(param.shape, dtype=param.dtype, device=device)
+    return value.view(-1), 0, value
+
+
+def _place(module: nn.Module, leaf: str, param: torch.Tensor, value: torch.Tensor | None) -> torch.Tensor:
+    if value is None:
+        return param
+    new = nn.Parameter(value, requires_grad=False)
+    setattr(module, leaf, new)
+    return new
+
+
+def _checkpoint_scale(index: CheckpointIndex, name: str, channels: int) -> tuple[torch.Tensor, int]:
+    """The per-channel scale an fp8 checkpoint stores beside weight ``name`` (ones where it stores none: ComfyUI's plain fp8)."""
+    scale_name = name[: -len("weight")] + SCALE_KEY if name.endswith("weight") else None
+    if scale_name is None or scale_name not in index:
+        return torch.ones(channels), 0
+    entry = index[scale_name]
+    with index.read(scale_name) as stored:
+        scale = stored.to(torch.float32).reshape(-1).clone()
+    if scale.numel() not in (1, channels):
+        raise CheckpointError(f"{scale_name} in {index.where(scale_name)} holds {scale.numel()} scales for {channels} output channels: expected 1 or {channels}")
+    return scale.expand(channels).clone(), entry.nbytes
+
+
+def _fill_quantized(module: QuantizedLinear, index: CheckpointIndex, name: str, storage: QuantizedStorage, device) -> int:
+    """This rank's rows of a quantized layer: fp8 bytes copied from an fp8 checkpoint, or quantized from a full-precision one."""
+    entry = index[name]
+    param = module.weight
+    destination, start, value = _destination(param, device)
+    channels = entry.shape[0]
+    if entry.dtype in FP8_FORMAT_OF_DTYPE:
+        stored_format = FP8_FORMAT_OF_DTYPE[entry.dtype]
+        if stored_format != storage.format:
+            raise CheckpointError(
+                f"tensor {name} in {index.where(name)} is stored as {stored_format}, but model.quantization is {storage.format}: "
+                f"set model.quantization: {stored_format} to train on the file as it is stored"
+            )
+        bytes_read = index.copy_elements(name, destination.view(entry.dtype), start)
+        scale, scale_bytes = _checkpoint_scale(index, name, channels)
+        bytes_read += scale_bytes
+    else:
+        # Each rank reads only the rows covering its partition: the scales of the rows it does not
+        # hold come from the ranks that do (a max over ranks, where a row is split between two).
+        absmax = torch.zeros(channels)
+        row_numel = math.prod(entry.shape[1:])
+        first, last = covering_rows(start, start + destination.numel(), row_numel) if destination.numel() else (0, 0)
+        bytes_read = _row_absmax(index, name, first, last, absmax)
+        if _is_zero3_param(param):
+            import deepspeed.comm as dist
+
+            dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=param.ds_process_group)
+        if storage.scale == "tensor":
+            absmax.fill_(float(absmax.max()))
+        scale = scale_from_absmax(absmax, storage.dtype)
+        bytes_read += _copy_rows(index, name, destination, start, lambda rows, row: quantize_rows(rows, scale[row : row + rows.shape[0]], storage.dtype))
+    loaded = _place(module, "weight", param, value)
+    module._buffers[SCALE_KEY] = scale.to(device)
+    loaded._is_hf_initialized = True
+    return bytes_read
+
+
+def _fill_dequantized(module: nn.Module, leaf: str, index: CheckpointIndex, name: str, device) -> int:
+    """A layer kept in the training precision whose checkpoint tensor is fp8 (a ComfyUI file quantizes more than the blocks): fp8 times its scale."""
+    entry = index[name]
+    param = getattr(module, leaf)
+    destination, start, value = _destination(param, device)
+    scale, bytes_read = _checkpoint_scale(index, name, entry.shape[0])
+    with torch.no_grad():
+        bytes_read += _copy_rows(
+            index, name, destination, start, lambda rows, row: dequantize(rows.contiguous().view(torch.uint8), scale[row : row + rows.shape[0]], entry.dtype, param.dtype)
+        )
+    _place(module, leaf, param, value)._is_hf_initialized = True
+    return bytes_read
+
+
+def load_quantized_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str, str], storage: QuantizedStorage, *, device) -> int:
+    """``load_tensors`` for a model with quantized layers: their weights quantized (or copied) row by row, fp8 tensors of other layers upcast."""
+    bytes_read = 0
+    rest = {}
+    with torch.no_grad():
+        for key, name in sorted(sources.items(), key=lambda item: (str(index[item[1]].file), index[item[1]].offset, item[1])):
+            module, leaf = _owner(model, key)
+            if isinstance(module, QuantizedLinear) and leaf == "weight":
+                bytes_read += _fill_quantized(module, index, name, storage, device)
+            elif index[name].dtype in FP8_FORMAT_OF_DTYPE and index[name].shape:
+                bytes_read += _fill_dequantized(module, leaf, index, name, device)
+            else:
+                rest[key] = name
+    return bytes_read + load_tensors(model, index, rest, device=device)
+
+
 # ---------------------------------------------------------------------- transformers
 class _StreamingUnsupported(Exception):
     """This checkpoint or setup needs transformers' own loading path; the message says why."""
@@ -679,12 +882,10 @@ def _construct_from_factory(
 
             with deepspeed.zero.Init(config_dict_or_path=ds_config if ds_config is not None else deepspeed_config()):
                 return factory()
-        if on_meta:
-            with torch.device("meta"):
-                return factory()
         # Parameters on the meta device, buffers where they are computed (as diffusers'
         # from_pretrained builds its models): a buffer the model computes in __init__ and does
         # not save (Wan's rotary frequencies) keeps its values; the checkpoint fills the rest.
+        # A skeleton (on_meta) is built the same way: a quantized base keeps it as the model.
         from accelerate import init_empty_weights
 
         with init_empty_weights(include_buffers=False):
@@ -696,6 +897,19 @@ def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable
     expected = _state_dict_shapes(model)
     tied = _tied_keys(model)
     ignore_missing, ignore_unexpected = _ignored_patterns(model)
+    quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
+    if quantized:
+        # A quantized layer's scale is computed from a full-precision checkpoint, or read beside
+        # its weight from an fp8_scaled one (found by the weight's name, in any layout).
+        expected = {key: shape for key, shape in expected.items() if not key.endswith("." + SCALE_KEY)}
+        ignore_unexpected = [*ignore_unexpected, rf"(^|\.){SCALE_KEY}$", *COMFY_EXTRA_KEYS]
+    else:
+        scaled = [name for name in index if name.rsplit(".", 1)[-1] in (SCALE_KEY, "scaled_fp8")]
+        if scaled:
+            raise CheckpointError(
+                f"{path} is an fp8_scaled checkpoint ({scaled[0]}: its fp8 weights are stored divided by a scale): "
+                "set model.quantization: fp8 to train on it as it is stored (fp8_e5m2 for an e5m2 file), or use a bf16/fp16 checkpoint"
+            )
     sources = index.match(
         expected,
         model_name=type(model).__name__,
@@ -865,6 +1079,8 @@ def load_pretrained(
     device: torch.device | str | None = None,
     stem: str = "model",
     rename: Callable[[str], str] | None = None,
+    quantize: QuantizedStorage | None = None,
+    quantize_select: Callable[[str], bool] | None = None,
 ) -> nn.Module:
     """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
 
@@ -888,6 +1104,13 @@ def load_pretrained(
         rename: checkpoint tensor name -> model key, for checkpoints in another layout (a
             single-file original checkpoint, renamed with diffusers' converter); the tensors
             are still read one by one, each rank only its partitions under ZeRO-3.
+        quantize: store the linear layers of the repeated blocks (``quantize_select`` picks
+            others) in fp8 (``models.quantized``): the model is built as a meta skeleton, those
+            layers are swapped for ``QuantizedLinear``, and each rank quantizes its own rows
+            while streaming them from a bf16/fp16/fp32 checkpoint, or copies the bytes and
+            ``scale_weight`` keys of an fp8 (ComfyUI ``fp8_scaled``) one. Under ZeRO-3 the
+            skeleton is partitioned a few modules at a time (``zero.Init(module=...)``), so no
+            rank ever holds a full-precision copy of the model, nor its own partitions of one.
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -921,6 +1144,14 @@ def load_pretrained(
             def construct(on_meta: bool = False) -> nn.Module:
                 return _construct_from_factory(model_cls_or_factory, dtype, zero_stage, ds_config, on_meta=on_meta)
 
+        if quantize is not None:
+            with _zero3_visible(zero_stage, ds_config):
+                model, sources = _quantized_skeleton(construct, index, path, rename, quantize, quantize_select, zero_stage, ds_config, device)
+            bytes_read = load_quantized_tensors(model, index, sources, quantize, device=device)
+            _finish(model, path, device)
+            log.info("loaded %d tensors from %s in %.1fs, linear layers of the blocks stored as %s; this rank read %.1f MB",
+                     len(sources), path, time.perf_counter() - started, quantize.format, bytes_read / 1e6)
+            return model
         with _zero3_visible(zero_stage, ds_config):
             if zero_stage == 3:
                 # Checked on a meta skeleton first: a mismatch fails in seconds, not after zero.Init.
@@ -934,6 +1165,12 @@ def load_pretrained(
     except _StreamingUnsupported as reason:
         if not _is_model_class(model_cls_or_factory):
             raise ValueError(f"{path}: {reason} cannot be loaded tensor by tensor") from None
+        if quantize is not None:
+            # from_pretrained would load it in 16 bits: never a silent change of the storage asked for.
+            raise CheckpointError(
+                f"{path}: {reason} cannot be loaded tensor by tensor, which the {quantize.format} base needs (each rank quantizes its own rows): "
+                "remove model.quantization to train LoRA on the 16-bit base"
+            ) from None
         log.warning("%s: %s cannot be loaded tensor by tensor; using transformers' from_pretrained (higher host RAM peak)", path, reason)
         with _zero3_visible(zero_stage, ds_config):
             return model_cls_or_factory.from_pretrained(str(path), config=config, dtype=dtype)

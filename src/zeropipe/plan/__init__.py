@@ -107,12 +107,40 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
         result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits)
         result.configured = configured
         result.notes += notes + _configured_on_cpu_ranks(configured.choice, hardware)
+        result.notes += fp8_base_offer(spec, hardware, result, lambda other: recommend(other, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits))
         return result
     result = recommend(
         spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention, zero3_limits=limits
     )
     result.notes += notes + ["planned for the knobs set to auto: " + ", ".join(k for k, v in knobs.items() if v == AUTO)]
+    result.notes += fp8_base_offer(spec, hardware, result, lambda other: recommend(
+        other, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention, zero3_limits=limits
+    ))
     return result
+
+
+def fp8_base_offer(spec: ModelSpec, hardware: Hardware, result: PlanResult, replan) -> list[str]:
+    """For a LoRA run on a 16-bit base: the same run with model.quantization: fp8, when it makes the run fit or saves much memory."""
+    if spec.lora is None or spec.fp8_base is not None or spec.quantized is not None or spec.block_linear_params == 0:
+        return []
+    fp8 = replan(spec.with_fp8_base())
+    if fp8.best is None:
+        return []
+    saved = spec.block_linear_params  # one byte instead of two (bf16) per block-linear weight, before ZeRO-3's share
+    plain = result.configured if result.configured is not None else result.best
+    if plain is None or not plain.fits:
+        return [
+            f"model.quantization: fp8 makes this run fit: the frozen base's block linears ({spec.block_linear_params / 1e9:.2f}B weights) stored in 8 bits, "
+            f"about {saved / 2**30:.1f} GiB less over the ranks than in bf16; then {fp8.best.choice.describe()}: "
+            f"{fp8.best.per_gpu_bytes / 2**30:.1f} GiB per GPU, {fp8.best.per_node_bytes / 2**30:.1f} GiB host RAM"
+        ]
+    if fp8.best.per_gpu_bytes < plain.per_gpu_bytes * 0.8 or fp8.best.per_node_bytes < plain.per_node_bytes * 0.8:
+        return [
+            f"model.quantization: fp8 would store the frozen base's block linears in 8 bits: {fp8.best.choice.describe()} needs "
+            f"{fp8.best.per_gpu_bytes / 2**30:.1f} GiB per GPU and {fp8.best.per_node_bytes / 2**30:.1f} GiB host RAM "
+            f"(this plan: {plain.per_gpu_bytes / 2**30:.1f} and {plain.per_node_bytes / 2**30:.1f})"
+        ]
+    return []
 
 
 def _configured_on_cpu_ranks(choice: Choice, hardware: Hardware) -> list[str]:

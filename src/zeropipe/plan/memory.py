@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from zeropipe.plan.hardware import GIB, Hardware
 
 if TYPE_CHECKING:
-    from zeropipe.plan.model_spec import BlockShape, LoraShape, ModelSpec, QuantizedBase
+    from zeropipe.plan.model_spec import BlockShape, Fp8Base, LoraShape, ModelSpec, QuantizedBase
 
 # Phases of a rank's life: the peak is what is always there plus the larger phase.
 ALWAYS = "always"
@@ -288,6 +288,45 @@ def quantized_base_terms(base: QuantizedBase, world_size: int, choice: Choice) -
     ]
 
 
+# What models.loading holds while it partitions an fp8 skeleton (PARTITION_BATCH_BYTES) and reads a chunk of rows.
+FP8_LOAD_BATCH_BYTES = 64 * 2**20 + 16 * 2**20
+
+
+def fp8_stored_bytes(spec: ModelSpec, precision: str) -> int:
+    """The whole model as an fp8 base stores it: block linears one byte per weight, the rest (and the adapters) in the precision."""
+    base = spec.fp8_base
+    assert base is not None
+    return base.params_fp8 + (spec.total_params - base.params_fp8) * value_bytes(precision)
+
+
+def fp8_bytes_per_weight(spec: ModelSpec, precision: str) -> float:
+    return fp8_stored_bytes(spec, precision) / max(1, spec.total_params)
+
+
+def fp8_base_terms(spec: ModelSpec, base: Fp8Base, world_size: int, choice: Choice) -> list[Term]:
+    """An fp8 base on one GPU: the block linears' bytes (a 1/N share under ZeRO-3), their scales, the rest of the base in the precision."""
+    n, v = world_size, value_bytes(choice.precision)
+    share = "all of them" if choice.zero_stage < 3 else (f"a 1/{n} share (ZeRO-3)" if not choice.offload_param else "none: offloaded to host RAM (ZeRO-3)")
+    held = base.params_fp8 if choice.zero_stage < 3 else (0 if choice.offload_param else partition_elements(base.params_fp8, n))
+    rest = spec.frozen_base_params - base.params_fp8
+    bits = "16-bit" if choice.precision != "fp32" else "fp32"
+    return [
+        Term(
+            f"frozen {base.format} base",
+            held + 4 * base.channels,
+            f"{_count(base.params_fp8)} weights of the blocks' linear layers, one byte each, {share}; "
+            f"plus a float32 scale per output channel ({_count(base.channels)}), whole on every rank",
+        ),
+        Term(f"frozen base weights ({bits})", parameter_bytes(0, rest, n, choice), f"{_count(rest)} weights outside the blocks' linear layers (embedders, norms, heads), {share}"),
+        Term(
+            "dequantized weight (fp8 base)",
+            base.largest_linear * v,
+            f"the largest block linear ({_count(base.largest_linear)} weights) upcast to {bits} while it computes; never kept for backward",
+            FORWARD_BACKWARD,
+        ),
+    ]
+
+
 def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[Term]:
     """Weights, gradients and optimizer states on one GPU: the ZeRO paper's 2Ψ + 2Ψ + KΨ, partitioned."""
     n = world_size
@@ -304,6 +343,8 @@ def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[
         terms.append(Term(f"{label} ({bits})", parameter_bytes(trainable, 0, n, choice), f"{_count(trainable)} {what}, {share}"))
         if spec.quantized is not None:
             terms += quantized_base_terms(spec.quantized, n, choice)
+        elif spec.fp8_base is not None:
+            terms += fp8_base_terms(spec, spec.fp8_base, n, choice)
         else:
             terms.append(
                 Term(
@@ -575,6 +616,10 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
         # kept-gathered weights are counted at the base's mean bytes per weight.
         gathered_v = 4 if spec.quantized is not None else v
         retained_bytes = retained * v
+        if spec.fp8_base is not None:
+            # The gathers move the stored bytes: one per weight of a block linear.
+            gathered_v = 1 if spec.largest_layer_params <= spec.fp8_base.largest_linear * 1.01 else v  # (its bias stays 16-bit)
+            retained_bytes = math.ceil(retained * fp8_bytes_per_weight(spec, choice.precision))
         if spec.quantized is not None:
             base = spec.quantized
             retained_bytes = math.ceil(retained * quantized_base_bytes(base) / max(1, base.params_4bit + base.params_upcast))
@@ -721,7 +766,18 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
 
     frozen_models = frozen_model_bytes(spec.frozen_models, choice.precision)
     method = choice.loading_method
-    if spec.quantized is not None:
+    if spec.fp8_base is not None:
+        stored = fp8_stored_bytes(spec, choice.precision)
+        if choice.zero_stage == 3:
+            loading = local * (math.ceil(stored / n) + FP8_LOAD_BATCH_BYTES + frozen_models)
+            why = (
+                f"{local} ranks each partition the model's skeleton a batch at a time and quantize their own rows while reading them: "
+                f"a 1/{n} share of the stored model ({_gib(math.ceil(stored / n))}) plus one batch; no full-precision copy"
+            )
+        else:
+            loading = local * (stored + FP8_LOAD_BATCH_BYTES + frozen_models)
+            why = f"{local} ranks each quantize the whole base while reading it row by row ({_gib(stored)} stored each)"
+    elif spec.quantized is not None:
         # QLoRA: every rank reads the memory-mapped checkpoint tensor by tensor and quantizes it
         # onto its device (on CPU ranks that device is host RAM: the per-rank peak below holds it).
         loading = local * spec.largest_parameter * v
@@ -797,6 +853,8 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
     if choice.offload_param and choice.zero_stage == 3:
         share = partition_elements(everything, n)
         offloaded, what = share * v, "16-bit"
+        if spec.fp8_base is not None:
+            offloaded, what = math.ceil(fp8_stored_bytes(spec, choice.precision) / n), f"the block linears in {spec.fp8_base.format}, the rest 16-bit"
         if spec.quantized is not None:
             # QLoRA: the base's share is offloaded as it is held, 4-bit layers and fp32 upcasts.
             offloaded = math.ceil((quantized_base_bytes(spec.quantized) - quantization_constant_bytes(spec.quantized)) / n) + partition_elements(trainable, n) * v
@@ -806,7 +864,7 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
             terms.append(
                 Term(
                     "pinned-memory rounding (parameters)",
-                    local * pinned_rounding_bytes([g * v for g in _sub_groups(share)]),
+                    local * pinned_rounding_bytes([math.ceil(g * (fp8_bytes_per_weight(spec, choice.precision) if spec.fp8_base is not None else v)) for g in _sub_groups(share)]),
                     "pinned parameter buffers rounded up to powers of two",
                     TRAINING,
                 )

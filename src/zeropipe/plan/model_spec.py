@@ -95,6 +95,16 @@ class FrozenModel:
 
 
 @dataclass(frozen=True)
+class Fp8Base:
+    """A frozen base whose block linear layers are stored in fp8 (``models.quantized``): one byte per weight, a float32 scale per output channel."""
+
+    params_fp8: int  # weights of the linear layers in the repeated blocks
+    channels: int  # their output channels: one float32 scale each, whole on every rank
+    largest_linear: int  # the largest of those weights: dequantized (float32, then the compute dtype) while it computes
+    format: str = "fp8"
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Counts and shapes of the model being trained, plus the frozen models it needs."""
 
@@ -119,6 +129,16 @@ class ModelSpec:
     published_params: int | None = None
     quantizable_params: int = 0  # weights of the linear layers but the output head: what 4-bit loading quantizes
     quantized: QuantizedBase | None = None  # QLoRA (model.quantization): how the frozen base is held
+    block_linear_params: int = 0  # weights of the linear layers in the repeated blocks: what an fp8 base stores in 8 bits
+    block_linear_channels: int = 0
+    largest_block_linear: int = 0
+    fp8_base: Fp8Base | None = None  # model.quantization: fp8 / fp8_e5m2
+
+    def with_fp8_base(self, format: str = "fp8") -> "ModelSpec":
+        """This model with its frozen block linears stored in fp8 (a LoRA run's base)."""
+        from dataclasses import replace
+
+        return replace(self, fp8_base=Fp8Base(self.block_linear_params, self.block_linear_channels, self.largest_block_linear, format))
 
     @property
     def frozen_base_params(self) -> int:
@@ -144,6 +164,7 @@ class ModelSpec:
             "frozen_models": [{"name": m.name, "params": m.params} for m in self.frozen_models],
             "activation_trace": None if self.activation_trace is None else vars(self.activation_trace),
             "quantized": None if self.quantized is None else vars(self.quantized),
+            "fp8_base": None if self.fp8_base is None else vars(self.fp8_base),
             "source": self.source,
         }
 
@@ -297,7 +318,20 @@ def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection |
         block=block,
         lora=lora_shape,
         quantizable_params=_quantizable_params(model),
+        **_block_linear_counts(model),
     )
+
+
+def _block_linear_counts(model) -> dict[str, int]:
+    """The block linears an fp8 base stores in 8 bits (``models.quantized.quantizable_linears``), counted on the meta model."""
+    from zeropipe.models.quantized import quantizable_linears
+
+    linears = [model.get_submodule(name) for name in quantizable_linears(model)]
+    return {
+        "block_linear_params": sum(m.weight.numel() for m in linears),
+        "block_linear_channels": sum(m.out_features for m in linears),
+        "largest_block_linear": max((m.weight.numel() for m in linears), default=0),
+    }
 
 
 def _quantizable_params(model) -> int:
@@ -459,6 +493,7 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     model = _build_component(entry["trained"])
     frozen = tuple(FrozenModel(c["name"], sum(p.numel() for p in _build_component(c).parameters())) for c in entry.get("frozen", ()))
     counts = _count(model)
+    linears = _block_linear_counts(model)
     trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
     if lora is not None:
         named = entry.get("architecture")
@@ -486,6 +521,7 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
         lora=lora_shape,
         frozen_models=frozen,
         activation_trace=trace,
+        **linears,
     )
 
 

@@ -215,7 +215,7 @@ some_future_key: 1
     why = unmapped(conversion)
     assert "huggingface-cli download NousResearch/Llama-3.2-1B --local-dir DIR" in why["base_model"]
     assert "full fine-tune" in why["lora_r"]
-    assert "8-bit bases are not supported" in why["load_in_8bit"]
+    assert "an 8-bit base trains adapters only" in why["load_in_8bit"]  # no adapter here: a full fine-tune
     assert "FSDP's full_shard is ZeRO-3" in why["fsdp"]
     assert "warmup_steps" in why["warmup_ratio"]
     assert "'rex'" in why["lr_scheduler"] and "'lion_8bit'" in why["optimizer"]

@@ -269,7 +269,27 @@ def test_a_wan_original_checkpoint_folder_points_at_its_diffusers_release(tmp_pa
     assert got["data.video.frame_buckets"] == [1] and got["data.video.clip_mode"] == "multiple"  # diffusion-pipe's default buckets: images only
     why = unmapped(conversion)
     assert "Wan-AI/Wan2.1-T2V-1.3B-Diffusers" in why["model.ckpt_path"]
-    assert "fp8/nf4 base weights are not supported" in why["model.transformer_dtype"]
+    # No [adapter]: a full fine-tune, which cannot update fp8 weights; the base stays in deepspeed.precision, said so.
+    assert "trains adapters only" in why["model.transformer_dtype"] and "model.quantization.format" not in got
+
+
+@pytest.mark.parametrize(("stored", "format"), [("float8", "fp8"), ("float8_e5m2", "fp8_e5m2")])
+def test_a_float8_transformer_dtype_with_an_adapter_keeps_the_fp8_base(tmp_path, stored, format):
+    clips = image_dir(tmp_path, "clips", videos=1)
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (tmp_path / "pipe" / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    path = write(
+        tmp_path,
+        f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{pipe}'\ntransformer_dtype = '{stored}'\n[adapter]\ntype = 'lora'\nrank = 8\n",
+        f"[[directory]]\npath = '{clips}'\n",
+    )
+    conversion = convert_file(path)
+    got = values(conversion)
+    assert got["model.quantization.format"] == format and got["model.lora.r"] == 8
+    assert validate_config(yaml.safe_load(conversion.to_yaml())).model.quantization.storage == format
+    nf4 = write(tmp_path, f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{pipe}'\ntransformer_dtype = 'nf4'\n[adapter]\nrank = 8\n", f"[[directory]]\npath = '{clips}'\n")
+    assert "set model.quantization: fp8" in unmapped(convert_file(nf4))["model.transformer_dtype"]
 
 
 def test_sdxl_single_file_checkpoint_says_how_to_make_a_pipeline_folder(tmp_path):

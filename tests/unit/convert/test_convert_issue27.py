@@ -6,8 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from zeropipe.cli.convert import convert_for_train
+from zeropipe.config.load import validate_config
 from zeropipe.convert import ConversionError, convert_file
 from zeropipe.convert.diffusion_pipe import trainable_architecture
 
@@ -82,6 +84,19 @@ def test_diffusion_pipes_own_qwen_image_example_trains_as_converted(tmp_path):
     assert any("qwen_image" in note and "qwen-image" in note for note in conversion.already)
     out = Path(convert_for_train(str(path)))
     assert out.is_file() and out.name == "qwen_image_24gb_vram.zeropipe.yaml"
+
+
+@pytest.mark.parametrize(("example", "cls", "key"), [("qwen_image_24gb_vram.toml", "QwenImagePipeline", "diffusers_path"), ("wan_14b_min_vram.toml", "WanPipeline", "ckpt_path")])
+def test_diffusion_pipes_float8_examples_keep_the_fp8_base(tmp_path, example, cls, key):
+    """transformer_dtype = 'float8' (Qwen-Image and Wan 14B on 24 GB) converts to model.quantization: fp8 beside the LoRA, no longer listed as unsupported."""
+    folder = images(tmp_path, "imgs")
+    (tmp_path / "dataset.toml").write_text(f"resolutions = [512]\n[[directory]]\npath = '{folder}'\n")
+    model = pipeline(tmp_path, "model", cls)
+    conversion = convert_file(peer_main(tmp_path, example, str(tmp_path / "dataset.toml"), **{key: str(model)}))
+    got = values(conversion)
+    assert got["model.quantization.format"] == "fp8" and got["model.lora.r"]
+    assert "model.transformer_dtype" not in dict(conversion.unmapped)
+    assert validate_config(yaml.safe_load(conversion.to_yaml())).model.quantization.is_fp8
 
 
 def test_a_type_zeropipe_does_not_train_says_which_of_diffusion_pipes_it_does(tmp_path):

@@ -224,3 +224,14 @@ def test_a_peers_deepspeed_json_runs_as_written_or_is_refused_with_the_key(tmp_p
     for block in ("offload_optimizer", "offload_param"):
         device = (ds.get("zero_optimization", {}).get(block) or {}).get("device", "none")
         assert device == getattr(deepspeed, block), block
+
+
+
+def test_axolotls_load_in_8bit_lora_keeps_the_base_in_8_bits(monkeypatch):
+    """axolotl's mistral/lora.yml (load_in_8bit: true, adapter: lora): model.quantization fp8, said why; still converts truthfully."""
+    path = ROOTS["axolotl"] / "examples" / "mistral" / "lora.yml"
+    monkeypatch.chdir(ROOTS["axolotl"])
+    conversion = convert_file(path, links_dir=Path("/nonexistent-links"))
+    entry = conversion.entries["model.quantization.format"]
+    assert entry.value == "fp8" and "int8" in entry.comment and conversion.entries["model.lora.r"].value
+    assert outcome("axolotl", path, monkeypatch)[0] == "converted"

@@ -96,3 +96,41 @@ def test_zp007_reads_the_installed_version_without_importing_bitsandbytes(monkey
     installed = bitsandbytes_version()
     assert "bitsandbytes" not in sys.modules
     assert installed is None or installed >= (0, 43)
+
+
+def test_one_word_names_the_storage_and_old_sections_stay_4bit(qlora):
+    assert qlora("bf16", 3).model.quantization.storage == "nf4"  # {} as before: QLoRA
+    assert qlora("bf16", 3, quant_type="fp4").model.quantization.storage == "fp4"
+    fp8 = validate_config({**_raw(qlora), "model": {**_raw(qlora)["model"], "quantization": "fp8"}}).model.quantization
+    assert (fp8.storage, fp8.is_fp8, fp8.scale) == ("fp8", True, "channel")
+    assert qlora("bf16", 3, format="fp8_e5m2", scale="tensor").model.quantization.storage == "fp8_e5m2"
+    with pytest.raises(Exception, match="fp8_e4m3.*not a storage format: one of nf4, fp4, int8, fp8, fp8_e5m2"):
+        validate_config({**_raw(qlora), "model": {**_raw(qlora)["model"], "quantization": "fp8_e4m3"}})
+
+
+def _raw(qlora) -> dict:
+    config = qlora("bf16", 3)
+    return {"model": {"path": config.model.path, "lora": {"r": 8}}, "data": {"path": config.data.path}, "deepspeed": {"precision": "bf16", "zero_stage": 3}, "hardware": {"gpus": 2}}
+
+
+def test_check_refuses_a_full_fine_tune_of_an_fp8_base_and_int8_under_zero3(qlora):
+    raw = _raw(qlora)
+    full = validate_config({**raw, "model": {"path": raw["model"]["path"], "quantization": "fp8"}})
+    (finding,) = [f for f in check_config(full, accelerator="cpu") if f.rule == "ZP007"]
+    assert "full fine-tune cannot update weights stored in fp8" in finding.message and "add model.lora" in finding.fix
+    lora = validate_config({**raw, "model": {**raw["model"], "quantization": "fp8"}})
+    assert not [f for f in check_config(lora, accelerator="cpu") if f.rule == "ZP007"]  # fp8 needs no bitsandbytes, runs on CPU ranks
+    int8 = validate_config({**raw, "model": {**raw["model"], "quantization": "int8"}})
+    assert any("ZeRO-3 does not partition" in f.message and "fp8" in f.fix for f in check_config(int8, accelerator="cuda") if f.rule == "ZP007")
+
+
+def test_an_fp8_base_is_offered_to_diffusion_runs_and_refused_for_vlms_with_the_reason():
+    from zeropipe.families import family_named
+
+    raw = {"model": {"config": {"pipeline": "tiny-wan"}, "lora": {"r": 4}, "quantization": "fp8"}, "data": {"synthetic": {"task": "shapes"}}}
+    config = validate_config(raw)
+    assert family_named("diffusion").config_problems(config) == []
+    nf4 = validate_config({**raw, "model": {**raw["model"], "quantization": "nf4"}})
+    assert any("set model.quantization: fp8" in why for _, why in family_named("diffusion").config_problems(nf4))
+    vlm = validate_config({"model": {"config": {"model_type": "llava"}, "lora": {"r": 4}, "quantization": "fp8"}, "data": {"synthetic": {"task": "shapes"}}})
+    assert any("not yet for vision-language models" in why for _, why in family_named("vlm").config_problems(vlm))

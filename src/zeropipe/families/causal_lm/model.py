@@ -19,6 +19,7 @@ from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, model_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
+from zeropipe.models.quantized import QuantizedStorage
 
 
 def quantization_kwargs(section: ModelSection, precision: str, zero_stage: int) -> dict[str, Any]:
@@ -45,6 +46,12 @@ def quantization_kwargs(section: ModelSection, precision: str, zero_stage: int) 
     }
 
 
+def fp8_storage(section: ModelSection) -> QuantizedStorage:
+    quant = section.quantization
+    assert quant is not None and quant.is_fp8
+    return QuantizedStorage(quant.storage, quant.scale)
+
+
 def build_model(section: ModelSection, config: Any, precision: str, zero_stage: int = 0):
     """Instantiate the model (random init or pretrained), with LoRA adapters when configured.
 
@@ -53,7 +60,15 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
     from transformers import AutoModelForCausalLM
 
     dtype = TORCH_DTYPES[precision]
-    if section.path and section.quantization is None and not section.load_kwargs:
+    quant = section.quantization
+    if section.path and quant is not None and quant.is_fp8:
+        # The fp8 base: quantized by each rank while it streams its own rows (models.quantized).
+        # transformers would skip zero.Init for a model loaded with a quantization_config.
+        model = load_pretrained(
+            AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
+            quantize=fp8_storage(section),
+        )
+    elif section.path and section.quantization is None and not section.load_kwargs:
 
         # Tensor by tensor from the memory-mapped checkpoint, each rank only what it keeps:
         # host RAM does not grow with the number of ranks (from_pretrained's does).
@@ -66,7 +81,8 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
         if section.quantization is not None:
             from transformers import BitsAndBytesConfig
 
-            kwargs["quantization_config"] = BitsAndBytesConfig(**quantization_kwargs(section, precision, zero_stage))
+            settings = {"load_in_8bit": True} if section.quantization.storage == "int8" else quantization_kwargs(section, precision, zero_stage)
+            kwargs["quantization_config"] = BitsAndBytesConfig(**settings)
         model = AutoModelForCausalLM.from_pretrained(section.path, dtype=dtype, attn_implementation=section.attn_implementation, **kwargs)
         if section.quantization is not None:
             from peft import prepare_model_for_kbit_training
@@ -118,7 +134,7 @@ def drop_quant_state(module, state_dict, prefix, *args) -> None:
 def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The checkpoint's weights to load into ``causal_lm_for_export``'s model.
 
-    A QLoRA checkpoint holds the base as 4-bit packed bytes and their quantisation constants;
+    A checkpoint of a quantized base (QLoRA's 4-bit, fp8) holds the base as packed bytes and their scales;
     the exported model is the full-precision base of model.path, so only what trained (the
     adapters) is taken from the checkpoint and the rest is the base's own. Other runs load the
     whole checkpoint.

@@ -26,6 +26,11 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
     name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
     spec = _causal_lm_spec(hf_config, name, section.lora)
     quantized = None
-    if section.quantization is not None and section.quantization.load_in_4bit:
+    if section.quantization is not None and section.quantization.storage in ("fp8", "fp8_e5m2", "int8"):
+        # bitsandbytes' int8 is also one byte per weight with a float32 scale per row (its SCB), held
+        # whole by every rank (ZeRO-0..2 only); counted as the fp8 base is (its fp32 upcasts of the
+        # norms by prepare_model_for_kbit_training are left out: a few MB).
+        spec = spec.with_fp8_base(section.quantization.storage)
+    elif section.quantization is not None and section.quantization.load_in_4bit:
         quantized = QuantizedBase(spec.quantizable_params, spec.frozen_base_params - spec.quantizable_params, section.quantization.double_quant)
     return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}", quantized=quantized)

@@ -30,23 +30,37 @@ from zeropipe.export.hf import ExportJob
 from zeropipe.families.diffusion.prepare import read_plan
 from zeropipe.models.adapters import adapter_name, is_adapter_parameter, peft_adapter_config
 from zeropipe.models.common import resolve_lora_targets
+from zeropipe.models.quantized import FP8_FORMAT_OF_DTYPE, SCALE_KEY, QuantizedStorage, dequantize_model
 
 ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
 
 
-def base_denoiser(arch, folder: Path, single_file: str | None):
-    """The run's starting denoiser in fp32: the pipeline folder's (``transformer``, Wan 2.2's ``transformer_2``...), or a single-file checkpoint's weights with the folder's config."""
+def base_denoiser(arch, folder: Path, single_file: str | None, storage: QuantizedStorage | None = None):
+    """The run's starting denoiser in fp32: the pipeline folder's (``transformer``, Wan 2.2's ``transformer_2``...), or a single-file checkpoint's weights with the folder's config.
+
+    A single file stored in fp8 (ComfyUI's fp8 / fp8_scaled, trained with ``model.quantization``) is
+    the only base there is: its weights are read as stored and dequantized (fp8 times scale) into fp32.
+    """
     cls = arch.model_class()
     if not single_file:
         return cls.from_pretrained(str(folder), torch_dtype=torch.float32)
     from zeropipe.diffusion.pipelines import single_file_renamer
-    from zeropipe.models.loading import load_pretrained
+    from zeropipe.models.loading import CheckpointIndex, load_pretrained
 
     weights = Path(single_file).expanduser()
-    return load_pretrained(
+    stored_fp8 = storage is not None and any(entry.dtype in FP8_FORMAT_OF_DTYPE for entry in CheckpointIndex(weights).entries.values())
+    denoiser = load_pretrained(
         lambda: cls.from_config(cls.load_config(str(folder))), weights, dtype=torch.float32, zero_stage=0, device="cpu",
-        rename=single_file_renamer(arch.denoiser_class, weights),
+        rename=single_file_renamer(arch.denoiser_class, weights), quantize=storage if stored_fp8 else None,
     )
+    dequantize_model(denoiser)
+    return denoiser
+
+
+def fp8_storage(config) -> QuantizedStorage | None:
+    """The run's fp8 base storage (model.quantization), or None."""
+    quant = config.model.quantization
+    return QuantizedStorage(quant.storage, quant.scale) if quant is not None and quant.is_fp8 else None
 
 
 def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder: Path) -> None:
@@ -85,15 +99,21 @@ def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     pipeline_dir = Path(plan.pipeline_dir)
     if not is_pipeline_folder(pipeline_dir):
         raise CheckpointError(f"the run's pipeline {pipeline_dir} is gone: its VAE, text encoders and scheduler are needed; restore it there")
-    denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file)
+    storage = fp8_storage(config)
+    denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file, storage)
     lora = config.model.lora
     if lora is not None:
         denoiser.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, arch.lora_targets)))
+    if storage is not None:
+        # The checkpoint holds the frozen base as fp8 bytes and scales; the export's base is the
+        # pipeline's own full-precision weights (copied in below), the adapters the checkpoint's.
+        own = denoiser.state_dict()
+        state = {name: (own[name] if value.dtype == torch.uint8 and name in own else value) for name, value in state.items() if not name.endswith("." + SCALE_KEY)}
     load_checked(denoiser, state, info, what="denoiser")
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to
         # bf16: keep the pipeline's own weights and take only the adapters from the checkpoint.
-        base = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file).state_dict()
+        base = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file, storage).state_dict()
         with torch.no_grad():
             for name, tensor in denoiser.named_parameters():
                 original = name.replace(".base_layer.", ".")

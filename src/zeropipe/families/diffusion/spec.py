@@ -48,6 +48,8 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
             "frozen": frozen,
         }
         spec = replace(_diffusion_spec(entry, section.lora), source="run config: model.config")
+    if section.quantization is not None and section.quantization.is_fp8:
+        spec = spec.with_fp8_base(section.quantization.storage)
     cached = {"vae"} if data.cache.latents else set()
     if data.cache.text:
         cached |= {m.name for m in spec.frozen_models if m.name.startswith("text_encoder")}

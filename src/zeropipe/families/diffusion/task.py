@@ -54,6 +54,7 @@ from zeropipe.families.diffusion.prepare import load_item_pixels, planned_condit
 from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, hf_zero3_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
+from zeropipe.models.quantized import QuantizedStorage
 
 log = logging.getLogger("zeropipe")
 
@@ -124,8 +125,10 @@ class DiffusionTask(TaskDefaults):
         if single_file:  # an original/ComfyUI-layout file: the directory gives the config, the file the weights
             weights = Path(single_file).expanduser()
             rename = single_file_renamer(self.arch.denoiser_class, weights)
+        quant = self.config.model.quantization
         model = load_pretrained(
-            construct, weights, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model", rename=rename
+            construct, weights, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model", rename=rename,
+            quantize=QuantizedStorage(quant.storage, quant.scale) if quant is not None and quant.is_fp8 else None,
         )
         section = self.config.model
         if section.gradient_checkpointing:

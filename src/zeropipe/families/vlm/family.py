@@ -45,7 +45,10 @@ class VisionLanguage:
             return False
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        return text_only_problems(config, self.name)
+        problems = text_only_problems(config, self.name)
+        if config.model.quantization is not None and config.model.quantization.is_fp8:
+            problems.append(("model.quantization", "an fp8 base is implemented for causal LMs and diffusion models, not yet for vision-language models: remove model.quantization"))
+        return problems
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         if config.model.path or config.model.processor:

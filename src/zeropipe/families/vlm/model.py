@@ -245,7 +245,7 @@ def build_vlm(section: ModelSection, config: Any, precision: str, zero_stage: in
     from transformers import AutoModelForImageTextToText
 
     if section.quantization is not None:
-        raise ConfigError([("model.quantization", "4-bit loading is not supported for vision-language models yet: remove model.quantization")])
+        raise ConfigError([("model.quantization", "a quantized base is not supported for vision-language models yet (fp8 runs for causal LMs and diffusion models): remove model.quantization")])
     dtype = dtype or TORCH_DTYPES[precision]
     attention = section.attn_implementation
     if section.path and not section.load_kwargs:
