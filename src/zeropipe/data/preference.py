@@ -282,10 +282,33 @@ class PairDataset(torch.utils.data.Dataset):
             item["rejected"] = ids[prompt + first :]
         else:
             item["label"] = bool(last)
+            # KTO's KL row: this prompt with the previous example's completion, fixed per example (TRL pairs them
+            # once, when it maps the dataset), so a precomputed reference covers it.
+            other_start, other_prompt, other_length, _ = (int(v) for v in self.rows[index - 1])
+            item["kl"] = self.tokens[other_start + other_prompt : other_start + other_prompt + other_length].astype(np.int64).tolist()
         return item
 
     def lengths(self) -> np.ndarray:
         return self.rows[:, 1] + self.rows[:, 2] + (self.rows[:, 3] if self.kind == PAIRED else 0)
+
+
+def preference_texts(records: Iterator[Any]) -> Iterator[str]:
+    """Every prompt and answer text of the records, for training a tokenizer; malformed records are skipped here."""
+    from zeropipe.data.records import Record
+
+    for item in records:
+        if not isinstance(item, Record):
+            continue
+        try:
+            record = normalize_record(item.value)
+        except RecordError:
+            continue
+        for key in ("prompt", "chosen", "rejected", "completion"):
+            value = record.get(key)
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, list):
+                yield from (message["content"] for message in value)
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -311,11 +334,16 @@ def collate_pairs(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, t
 
 
 def collate_unpaired(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """KTO's rows and its KL rows: each prompt with the previous example's completion (TRL rotates completions by one within a batch)."""
+    """KTO's rows and its KL rows: each prompt with another example's completion.
+
+    An item's ``kl`` completion is used where the dataset gives one (``PairDataset``: the previous
+    example's); otherwise the batch's completions are rotated by one, as TRL does within a batch.
+    """
     prompts = [item["prompt"] for item in items]
     completions = [item["chosen"] for item in items]
     batch = _sequences(prompts, completions, pad_token_id)
-    batch.update(_sequences(prompts, [completions[-1]] + completions[:-1], pad_token_id, prefix="KL_"))
+    others = [item["kl"] for item in items] if all("kl" in item for item in items) else [completions[-1]] + completions[:-1]
+    batch.update(_sequences(prompts, others, pad_token_id, prefix="KL_"))
     batch["label"] = torch.tensor([item["label"] for item in items], dtype=torch.bool)
     batch["index"] = torch.tensor([item["index"] for item in items], dtype=torch.long)
     return batch
