@@ -84,6 +84,12 @@ def normalize_record(record: dict[str, Any]) -> dict[str, Any]:
         if isinstance(prompt, str) and isinstance(completion, str):
             return {"prompt": prompt, "completion": completion, "label": bool(record["label"])}
         return {"prompt": _conversation(prompt), "completion": _answer(completion), "label": bool(record["label"])}
+    turns_key = "messages" if "messages" in keys else "conversations" if "conversations" in keys else None
+    if "label" in keys and turns_key and not {"chosen", "rejected"} & keys:  # LLaMA-Factory's KTO data: the last turn is the completion
+        turns = _conversation(record[turns_key])
+        if len(turns) < 2 or turns[-1]["role"] != "assistant":
+            raise RecordError(f"a KTO record's {turns_key} must end with the assistant turn it labels")
+        return {"prompt": turns[:-1], "completion": turns[-1:], "label": bool(record["label"])}
     if {"chosen_response", "rejected_response"} <= keys:  # axolotl chatml.argilla
         prompt = _user_prompt(record.get("system"), str(record.get("instruction", record.get("prompt", ""))))
         return {"prompt": prompt, "chosen": _answer(record["chosen_response"]), "rejected": _answer(record["rejected_response"])}
