@@ -119,8 +119,9 @@ def dpo_loss(
         elif loss_type == "robust":
             per_pair = (-(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)) / (1 - 2 * smoothing)
         elif loss_type == "sft":
+            # Masked sums, not boolean indexing: indexing by a mask waits for the device (its size is data).
             chosen_mask = mask.chunk(2)[0]
-            per_pair = (-per_token.chunk(2)[0][chosen_mask].mean()).expand(chosen_logps.shape[0])
+            per_pair = (-per_token.chunk(2)[0].sum() / chosen_mask.sum()).expand(chosen_logps.shape[0])
         else:
             raise ValueError(f"unknown DPO loss {loss_type!r}")
         loss = loss + per_pair.mean() * weight
@@ -192,20 +193,22 @@ def kto_loss(
     labels = batch["label"].bool()
     kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
     logratios = logps - ref_logps
-    chosen_losses = 1 - torch.sigmoid(settings.beta * (logratios[labels] - kl))
-    rejected_losses = 1 - torch.sigmoid(settings.beta * (kl - logratios[~labels]))
-    losses = torch.cat((settings.desirable_weight * chosen_losses, settings.undesirable_weight * rejected_losses))
-    loss = losses.nanmean()
+    # One loss per example, by its label (TRL concatenates the two groups: the same mean). Selected with
+    # where and masked sums, not boolean indexing, which waits for the device to learn the groups' sizes.
+    chosen_losses = settings.desirable_weight * (1 - torch.sigmoid(settings.beta * (logratios - kl)))
+    rejected_losses = settings.undesirable_weight * (1 - torch.sigmoid(settings.beta * (kl - logratios)))
+    loss = torch.where(labels, chosen_losses, rejected_losses).mean()
     rewards = settings.beta * logratios.detach()
-    desirable, undesirable = labels.sum().clamp(min=1), (~labels).sum().clamp(min=1)
-    chosen_rewards = rewards[labels].sum() / desirable
-    rejected_rewards = rewards[~labels].sum() / undesirable
+    desirable, undesirable = labels.float(), (~labels).float()
+    chosen_count, rejected_count = desirable.sum().clamp(min=1), undesirable.sum().clamp(min=1)
+    chosen_rewards = (rewards * desirable).sum() / chosen_count
+    rejected_rewards = (rewards * undesirable).sum() / rejected_count
     figures = {
         "rewards_chosen": chosen_rewards,
         "rewards_rejected": rejected_rewards,
         "rewards_margin": chosen_rewards - rejected_rewards,
-        "logps_chosen": logps.detach()[labels].sum() / desirable,
-        "logps_rejected": logps.detach()[~labels].sum() / undesirable,
+        "logps_chosen": (logps.detach() * desirable).sum() / chosen_count,
+        "logps_rejected": (logps.detach() * undesirable).sum() / rejected_count,
         "kl": kl,
     }
     return loss, figures
