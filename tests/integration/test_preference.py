@@ -120,6 +120,10 @@ def test_dpo_learns_the_right_sum_under_zero3(setup, tmp_path, lora):
     # many steps, from a base that prefers the wrong sum on some pairs by more than DPO moved them).
     assert implicit >= 0.9
     assert end >= (start + 0.3 if lora else 0.9)
+    # zeropipe eval: the same accuracy, from the checkpoint, on pairs given as a file (here the training pairs).
+    evaluated = zeropipe_here("eval", run_dir, "--data", root / "pairs.jsonl", "--json")
+    assert_ok(evaluated)
+    assert json.loads(evaluated.stdout.strip().splitlines()[-1])["preference_accuracy"] == pytest.approx(implicit)
 
     if lora:
         return

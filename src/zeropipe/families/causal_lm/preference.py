@@ -262,3 +262,84 @@ class PreferenceTask(CausalLMTask):
         if self.settings.method != "reward":
             super().generate_samples()
 
+
+
+# ---------------------------------------------------------------------- zeropipe eval
+def preference_run(source: str | Path) -> RunConfig | None:
+    """The config of the run ``source`` names (a run or one of its checkpoints) when it is a preference run, else None."""
+    source = Path(source)
+    root = source.parent.parent if source.parent.name == "checkpoints" else source
+    if not RunDir(root).config.is_file():
+        return None
+    config = RunDir(root).read_config()
+    return config if config.preference is not None else None
+
+
+def evaluate_preference_checkpoint(source: str | Path, data: str | Path, checkpoint: str | None = None, batch_size: int | None = None) -> dict[str, Any]:
+    """Preference accuracy of a checkpoint on held-out pairs, in this process on CPU, in fp32.
+
+    The accuracy is what training reports as ``rewards_accuracy``: the share of pairs whose
+    chosen answer gets the higher reward (DPO: the implicit reward against the reference, the
+    base with the adapters off or model.path's weights; ORPO/CPO/SimPO: the answers' mean or
+    summed log-probs; a reward model: its score). KTO runs are scored as DPO on pairs.
+
+    Raises:
+        ZeroPipeError: a full DPO/KTO fine-tune of a model built from model.config has no reference
+            to compare with outside training; CheckpointError: no complete checkpoint.
+    """
+    import contextlib
+    import sys
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
+    from zeropipe.checkpoint.manager import resolve_checkpoint
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.families.causal_lm.model import causal_lm_for_export
+
+    source = Path(source)
+    root = source.parent.parent if source.parent.name == "checkpoints" else source
+    run_path, info = resolve_checkpoint(root / "checkpoints" / checkpoint if checkpoint else source)
+    run = RunDir(run_path)
+    config = run.read_config()
+    settings = PreferenceSettings.of(config.preference)
+    if settings.uses_reference and config.model.lora is None and not config.model.path:
+        raise ZeroPipeError(f"{run.path} fine-tuned all the weights of a model built from model.config: its reference (the random start) is gone; evaluate a LoRA run or one from model.path")
+    tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer))
+    pad = pad_token_id(tokenizer)
+    model = causal_lm_for_export(config, pad_token_id=pad if settings.method == "reward" else None)
+    with contextlib.redirect_stdout(sys.stderr):  # zero_to_fp32's progress: stdout is the result's
+        load_checked(model, consolidated_state_dict(info), info)
+    model.eval()
+    reference = None  # a LoRA run's reference is its base: the adapters disabled
+    if settings.uses_reference and config.model.lora is None:
+        reference = causal_lm_for_export(config).eval()  # model.path's weights, as training started from them
+    batch_size = batch_size or run.read_plan().micro_batch_size
+    with tempfile.TemporaryDirectory(prefix="zeropipe-eval-") as scratch:
+        built = build_pair_cache(iter_records(Path(data).expanduser(), config.data.columns), tokenizer, Path(scratch), PAIRED, config.data.max_seq_len, config.data.max_bad_fraction)
+        dataset = PairDataset(Path(scratch))
+        correct, margins = 0, 0.0
+        with torch.no_grad():
+            for start in range(0, len(dataset), batch_size):
+                batch = collate_pairs([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))], pad)
+                inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+                if settings.method == "reward":
+                    chosen, rejected = model(**inputs).logits.float().reshape(-1).chunk(2)
+                else:
+                    logps, _, mask = sequence_logps(model(**inputs).logits, batch)
+                    if settings.method in ("orpo", "simpo"):
+                        logps = logps / mask.sum(-1)
+                    if settings.uses_reference:
+                        if reference is not None:
+                            ref = sequence_logps(reference(**inputs).logits, batch)[0]
+                        else:
+                            with model.disable_adapter():
+                                ref = sequence_logps(model(**inputs).logits, batch)[0]
+                        logps = logps - ref
+                    chosen, rejected = (settings.beta * logps).chunk(2)
+                correct += int((chosen > rejected).sum())
+                margins += float((chosen - rejected).sum())
+    pairs = built.examples
+    return {"preference_accuracy": correct / pairs, "reward_margin": margins / pairs, "pairs": pairs, "method": settings.method,
+            "run": str(run.path), "checkpoint": info.tag, "step": info.step, "data": str(Path(data).expanduser())}
