@@ -129,12 +129,15 @@ def test_steps_between_logs_read_nothing_back_and_every_step_still_reaches_metri
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["dpo", "kto"])
+@pytest.mark.parametrize("method", ["kto"])
 def test_a_preference_step_between_logs_reads_nothing_back(tmp_path, method):
-    """DPO with a LoRA reference (adapters off) and KTO with a precomputed one: their figures wait for the flush too."""
+    """KTO with LoRA (its reference the adapters off, its KL rows, its per-group rewards): the figures wait for the flush too.
+
+    (DPO's figures are the same kind, from the same task; the 2-rank DPO runs are tests/integration/test_preference.py.)
+    """
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)}) + "\n" for a in range(16)))
-    model = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}} if method == "dpo" else {}
+    model = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}}
     calls, rows = run_rank(
         tmp_path, method, log_every=4, model=model, data={"synthetic": None, "path": str(pairs)}, preference={"method": method}
     )
@@ -143,3 +146,24 @@ def test_a_preference_step_between_logs_reads_nothing_back(tmp_path, method):
     assert calls.get(4), "the flush at a logging step reads the figures back once"
     assert [row["step"] for row in rows] == list(range(1, 9))
     assert all("rewards_margin" in row and "logps_chosen" in row for row in rows)
+
+
+@pytest.mark.timeout(600)
+def test_a_reward_model_trains_in_a_rank_and_exports_for_sequence_classification(tmp_path):
+    """The reward model's rank (a scalar head on the transformer, pairwise loss) and its export, which transformers loads as such."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from zeropipe.families import export_run
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)}) + "\n" for a in range(16)))
+    _, rows = run_rank(tmp_path, "reward", log_every=4, data={"synthetic": None, "path": str(pairs)}, preference={"method": "reward"}, train={"lr": 1e-2})
+    assert [row["step"] for row in rows] == list(range(1, 9)) and all("rewards_accuracy" in row and "mean_reward" in row for row in rows)
+    out = export_run(tmp_path / "runs" / "reward", tmp_path / "export")
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
+    batch = tokenizer(["What is 1 + 2?3", "What is 1 + 2? 4 and more"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert model(**batch).logits.shape == (2, 1)
