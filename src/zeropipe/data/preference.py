@@ -215,8 +215,13 @@ def build_pair_cache(records: Iterator[Any], tokenizer: Any, out_dir: Path, kind
     from zeropipe.data.records import BadRecord
     from zeropipe.errors import DataError
 
+    from zeropipe.data.tokenize import _NpyAppender  # the token cache's streamed .npy writer
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokens: list[int] = []
+    # Tokens go to disk as they come (the launcher never holds the dataset); a row is 4 numbers per example.
+    appender = _NpyAppender(out_dir / "tokens.npy", np.dtype(np.uint32))
+    pending: list[int] = []
+    written = 0
     rows: list[tuple[int, int, int, int]] = []
     info = PairCacheInfo(kind)
     seen = 0
@@ -239,10 +244,10 @@ def build_pair_cache(records: Iterator[Any], tokenizer: Any, out_dir: Path, kind
                 info.bad_records.append(item.bad(str(error)).to_json())
             continue
         for unit in done:
-            start = len(tokens)
-            tokens += unit.prompt
+            start = written + len(pending)
+            pending += unit.prompt
             for completion in unit.completions:
-                tokens += completion
+                pending += completion
             if kind == PAIRED:
                 rows.append((start, len(unit.prompt), len(unit.completions[0]), len(unit.completions[1])))
             else:
@@ -252,12 +257,19 @@ def build_pair_cache(records: Iterator[Any], tokenizer: Any, out_dir: Path, kind
             info.prompts_truncated += unit.prompt_truncated
             info.completions_truncated += unit.completion_truncated
             info.examples += 1
+        if len(pending) >= 1 << 20:
+            appender.append(np.asarray(pending, dtype=np.uint32))
+            written += len(pending)
+            pending = []
+    appender.append(np.asarray(pending, dtype=np.uint32))
     if seen and info.bad_record_count > max_bad_fraction * seen:
         shown = "; ".join(f"{b.get('file', '')} line {b.get('line')}: {b.get('reason')}" for b in info.bad_records[:3])
+        appender.close()
         raise DataError(f"{info.bad_record_count} of {seen} preference records are malformed ({shown}): fix them or raise data.max_bad_fraction")
     if not info.examples:
+        appender.close()
         raise DataError("no usable preference records: each needs prompt/chosen/rejected (or prompt/completion/label for kto)")
-    np.save(out_dir / "tokens.npy", np.asarray(tokens, dtype=np.uint32))
+    appender.finish()
     np.save(out_dir / "rows.npy", np.asarray(rows, dtype=np.int64).reshape(-1, 4))
     (out_dir / "pairs.json").write_text(json.dumps(info.__dict__))
     return info
