@@ -23,6 +23,21 @@ def register(commands) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from zeropipe.families.causal_lm.evaluation import evaluate_checkpoint
+    from zeropipe.families.causal_lm.preference import evaluate_preference_checkpoint, preference_run
+
+    if preference_run(args.source) is not None:
+        # A preference run: the share of held-out pairs whose chosen answer gets the higher reward.
+        if not args.data:
+            print("zeropipe eval: a preference run is evaluated on held-out pairs: give them with --data FILE")
+            return 2
+        result = evaluate_preference_checkpoint(args.source, args.data, checkpoint=args.checkpoint, batch_size=args.batch_size)
+        if args.json:
+            print(json.dumps(result))
+            return 0
+        print(f"preference accuracy {result['preference_accuracy']:.3f}  mean reward margin {result['reward_margin']:.4f}")
+        print(f"  {result['pairs']:,} pairs of {result['data']} ({result['method']})")
+        print(f"  checkpoint {result['checkpoint']} (step {result['step']}) of {result['run']}, computed in fp32")
+        return 0
 
     result = evaluate_checkpoint(args.source, checkpoint=args.checkpoint, data=args.data, dtype=args.dtype, batch_size=args.batch_size)
     if args.json:

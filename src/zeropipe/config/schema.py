@@ -509,6 +509,48 @@ class StageSection(Section):
     )
 
 
+PAIRED_METHODS = ("dpo", "orpo", "simpo", "cpo")
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "sft")
+
+
+class PreferenceSection(Section):
+    """Preference tuning of a causal LM (TRL's trainers: DPO, ORPO, CPO/SimPO, KTO, reward models)."""
+
+    method: Literal["dpo", "orpo", "simpo", "cpo", "kto", "reward"] = Field(
+        "dpo",
+        description="dpo: Direct Preference Optimization against a reference model; orpo: odds-ratio preference with the SFT loss, no reference; "
+        "simpo / cpo: reference-free (SimPO: length-normalised with a margin gamma); kto: unpaired desirable/undesirable completions against a "
+        "reference, with TRL's KL term; reward: a reward model (a scalar head) trained on pairs with the pairwise loss.",
+    )
+    loss_type: list[Literal["sigmoid", "ipo", "hinge", "robust", "sft"]] = Field(
+        default_factory=lambda: ["sigmoid"],
+        description="DPO's losses, summed with loss_weights (TRL 1.x's loss_type): sigmoid (DPO), ipo, hinge, robust (label-smoothed), "
+        "sft (the chosen completions' NLL: ['sigmoid', 'sft'] is RPO, LLaMA-Factory's pref_ftx).",
+    )
+    loss_weights: list[float] | None = Field(None, description="One weight per loss_type entry (default 1 each).")
+    beta: float = Field(0.1, gt=0, description="Inverse temperature of the implicit reward (DPO, KTO, ORPO's lambda, CPO/SimPO's beta).")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability a pair's label is flipped (DPO robust; CPO/SimPO).")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO's target reward margin gamma.")
+    cpo_alpha: float | None = Field(
+        None, ge=0, description="Weight of the chosen completions' NLL added to the CPO/SimPO loss; default 1.0 for cpo (TRL's CPOConfig) and 0 for simpo (the SimPO paper)."
+    )
+    desirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the desirable completions' losses.")
+    undesirable_weight: float = Field(1.0, gt=0, description="KTO: weight of the undesirable completions' losses.")
+    reference: Literal["auto", "adapters_off", "precomputed"] = Field(
+        "auto",
+        description="Where the reference model's log-probs come from (dpo, kto): adapters_off, the base with the LoRA adapters disabled "
+        "(peft's disable_adapter, no second copy), for LoRA runs; precomputed, computed once by the ranks before training from the "
+        "starting weights and cached with the tokens (full fine-tunes). auto: adapters_off with model.lora, else precomputed.",
+    )
+
+    @field_validator("loss_type")
+    @classmethod
+    def _losses_known(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("name at least one loss, e.g. [sigmoid]")
+        return value
+
+
 class RunConfig(Section):
     run: RunSection = Field(default_factory=RunSection, description="Where the run is written and its seed.")
     model: ModelSection = Field(default_factory=ModelSection, description="What model is trained.")
@@ -518,6 +560,9 @@ class RunConfig(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Where metrics go besides metrics.jsonl.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and precision.")
     hardware: HardwareSection = Field(default_factory=HardwareSection, description="How many ranks, on what.")
+    preference: PreferenceSection | None = Field(
+        None, description="Preference tuning (DPO, ORPO, SimPO/CPO, KTO, reward model) instead of supervised fine-tuning; docs/preference.md."
+    )
     stages: list[StageSection] | None = Field(
         None,
         description="A curriculum: stages run one after the other, each the top-level config with its own model/data/train/deepspeed "

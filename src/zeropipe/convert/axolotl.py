@@ -69,6 +69,8 @@ NOT_MAPPED = {
     "wandb_log_model": "models are not uploaded",
     "train_on_inputs": "loss is on the responses only: training on prompts is not supported",
 }
+# rl: values ZeRO-Pipe trains, as (preference.method, DPO's loss_type).
+RL_METHODS = {"dpo": ("dpo", None), "ipo": ("dpo", ["ipo"]), "orpo": ("orpo", None), "simpo": ("simpo", None), "kto": ("kto", None)}
 RL_NAMES = {"dpo": "DPO", "ipo": "IPO", "kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "grpo": "GRPO", "gdpo": "GDPO", "ppo": "PPO"}
 ATTENTION_KEYS = ("flash_attention", "attn_implementation")
 
@@ -78,14 +80,19 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     rest = dict(raw)
     bases = (Path.cwd(), path.parent)
     rl = rest.pop("rl", None)
+    preference = rl not in (None, "", False) or bool(rest.get("reward_model"))
     if rl not in (None, "", False):
         name = RL_NAMES.get(str(rl).lower(), str(rl))
-        raise ConversionError(
-            f"{path}: rl: {rl} asks for {name} preference/RL training, which ZeRO-Pipe does not do (it trains supervised: "
-            "full, LoRA, QLoRA): convert the SFT stage of your recipe instead (remove rl: and give instruction data)"
-        )
-    if rest.get("reward_model") or rest.get("process_reward_model"):
-        raise ConversionError(f"{path}: reward-model training is not supported by ZeRO-Pipe (it trains supervised fine-tunes)")
+        if str(rl).lower() not in RL_METHODS:
+            raise ConversionError(
+                f"{path}: rl: {rl} asks for {name} training, which ZeRO-Pipe does not do (it trains dpo, ipo, orpo, simpo and kto "
+                "preference tuning, reward models and supervised fine-tunes): convert the SFT stage of your recipe instead"
+            )
+        _preference(conversion, str(rl).lower(), rest)
+    if rest.get("process_reward_model"):
+        raise ConversionError(f"{path}: process reward models (per-step rewards) are not supported by ZeRO-Pipe: train an outcome reward model (reward_model: true)")
+    if rest.pop("reward_model", None):
+        conversion.set("preference.method", "reward", "from reward_model: true (a scalar-head reward model, pairwise loss, exported for AutoModelForSequenceClassification)")
 
     local_model(conversion, "base_model", str(rest.pop("base_model", "")), bases)
     tokenizer = rest.pop("tokenizer_config", None)
@@ -120,7 +127,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         conversion.set("model.attn_implementation", "sdpa", f"from {key}: {value} (PyTorch's sdpa uses flash kernels where it can)")
 
     _adapter(conversion, rest)
-    _datasets(conversion, rest, bases)
+    _datasets(conversion, rest, bases, preference)
 
     if "sequence_len" in rest:
         conversion.set("data.max_seq_len", to_int(rest.pop("sequence_len"), "sequence_len"), "from sequence_len")
@@ -164,6 +171,42 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
 
     list_rest(conversion, rest, NOT_MAPPED)
     return conversion
+
+
+def _preference(conversion: Conversion, rl: str, rest: dict[str, Any]) -> None:
+    """rl: and its keys (rl_beta, orpo_alpha, simpo_gamma, cpo_alpha, rpo_alpha, dpo_label_smoothing, kto_*) as the preference: section."""
+    method, losses = RL_METHODS[rl]
+    conversion.set("preference.method", method, f"from rl: {rl}")
+    if losses:
+        conversion.set("preference.loss_type", losses, f"from rl: {rl}")
+    beta = rest.pop("rl_beta", None)
+    if method == "orpo" and "orpo_alpha" in rest:
+        # axolotl hands orpo_alpha to TRL's ORPOConfig as beta (the weight of the odds-ratio term).
+        conversion.set("preference.beta", to_float(rest.pop("orpo_alpha"), "orpo_alpha"), "from orpo_alpha (ORPO's lambda, TRL's beta)")
+    elif not is_unset(beta):
+        conversion.set("preference.beta", to_float(beta, "rl_beta"), "from rl_beta")
+    for source, target in (("simpo_gamma", "simpo_gamma"), ("cpo_alpha", "cpo_alpha"), ("kto_desirable_weight", "desirable_weight"), ("kto_undesirable_weight", "undesirable_weight")):
+        if not is_unset(rest.get(source)):
+            conversion.set(f"preference.{target}", to_float(rest.pop(source), source), f"from {source}")
+    smoothing = rest.pop("dpo_label_smoothing", None)
+    rpo = rest.pop("rpo_alpha", None)
+    if method == "dpo":
+        base = losses or (["robust"] if not is_unset(smoothing) and float(smoothing) else ["sigmoid"])
+        if not is_unset(smoothing) and float(smoothing):
+            conversion.set("preference.label_smoothing", to_float(smoothing, "dpo_label_smoothing"), "from dpo_label_smoothing (TRL's robust DPO)")
+        if not is_unset(rpo):
+            conversion.set("preference.loss_type", [*base, "sft"], "from rpo_alpha (TRL's RPO: the chosen answers' NLL added)")
+            conversion.set("preference.loss_weights", [1.0, to_float(rpo, "rpo_alpha")], "from rpo_alpha")
+        elif base != ["sigmoid"]:
+            conversion.set("preference.loss_type", base, "from dpo_label_smoothing")
+    else:
+        for key, value in (("dpo_label_smoothing", smoothing), ("rpo_alpha", rpo)):
+            if not is_unset(value):
+                conversion.skip(key, f"{value!r}: applies to rl: dpo only")
+    for key in ("dpo_use_weighting", "dpo_use_logits_to_keep", "dpo_padding_free", "dpo_norm_loss", "precompute_ref_log_probs", "ref_model"):
+        value = rest.pop(key, None)
+        if not is_unset(value) and value is not False:
+            conversion.skip(key, f"{value!r}: not supported; the reference is the starting model (LoRA: adapters off; full: log-probs computed once before training)")
 
 
 def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
@@ -219,7 +262,7 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         )
 
 
-def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, ...]) -> None:
+def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, ...], preference: bool = False) -> None:
     datasets = rest.pop("datasets", None)
     if is_unset(datasets):
         conversion.skip("datasets", "no datasets: set data.path to a local .jsonl/.json file")
@@ -232,14 +275,14 @@ def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, .
         if not isinstance(dataset, dict):
             conversion.skip(key, f"{dataset!r} is not a mapping with path: and type:")
             continue
-        source = _dataset(conversion, key, dict(dataset), bases)
+        source = _dataset(conversion, key, dict(dataset), bases, preference)
         if source is not None:
             sources.append(source)
     if sources:
         map_sources(conversion, sources, "from the datasets' type")
 
 
-def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: tuple[Path, ...]) -> tuple[str, Path, str] | None:
+def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: tuple[Path, ...], preference: bool = False) -> tuple[str, Path, str] | None:
     name = dataset.pop("path", None)
     files = dataset.pop("data_files", None)
     if isinstance(files, list):
@@ -250,7 +293,7 @@ def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: t
         base, _, style = kind.partition(":")
         conversion.skip(f"{key}.type", f"{kind!r}: read as {base}; the prompt style {style!r} is replaced by the tokenizer's chat template")
         kind = base
-    fmt = _format(conversion, key, kind, dataset)
+    fmt = _preference_format(conversion, key, kind, dataset) if preference else _format(conversion, key, kind, dataset)
     for option in ("ds_type", "split", "shards", "name", "train_on_split"):
         value = dataset.pop(option, None)
         if option == "split" and value in (None, "train"):
@@ -272,6 +315,42 @@ def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: t
     if fmt is None:
         return None
     return (f"{key}.path", local, fmt)
+
+
+# axolotl's preference dataset types whose records data/preference.py reads as they are.
+PREFERENCE_TYPES = ("chatml.intel", "chatml.argilla", "chatml.ultra", "llama3.intel", "llama3.argilla", "llama3.ultra", "chat_template.default",
+                    "chat_template.argilla", "bradley_terry.chat_template", "chatml.prompt_pairs", "llama3.prompt_pairs", "user_defined.default")
+
+
+def _preference_format(conversion: Conversion, key: str, kind: str, dataset: dict[str, Any]) -> str | None:
+    """A preference dataset type: its records are read by layout (TRL, axolotl's intel/argilla/ultra), field names mapped to data.columns."""
+    if kind not in PREFERENCE_TYPES and not kind.startswith(("chatml.", "llama3.", "chat_template.")):
+        conversion.skip(f"{key}.type", f"{kind!r}: ZeRO-Pipe reads preference records as TRL (prompt/chosen/rejected), axolotl's intel, argilla and ultra layouts")
+        return None
+    columns = {}
+    # chat_template.* records hold the prompt turns in field_messages (axolotl's default: messages), the answers as one turn each.
+    messages = dataset.pop("field_messages", None)
+    if kind == "chat_template.default" or not is_unset(messages):
+        messages = "messages" if is_unset(messages) else str(messages)
+        if messages != "conversations":
+            columns["conversations"] = messages
+    for option, ours in (("field_chosen", "chosen"), ("field_rejected", "rejected"), ("field_prompt", "prompt"), ("field_system", "system")):
+        value = dataset.pop(option, None)
+        if not is_unset(value) and value != ours:
+            columns[ours] = str(value)
+    for option in ("message_property_mappings", "roles", "message_field_role", "message_field_content"):
+        value = dataset.pop(option, None)
+        if not is_unset(value) and option in ("roles", "message_property_mappings") and value and option == "message_property_mappings" and value == {"role": "role", "content": "content"}:
+            continue
+        if not is_unset(value) and option == "roles":
+            names = {str(a) for aliases in dict(value).values() for a in (aliases if isinstance(aliases, list) else [aliases])}
+            if names <= {"user", "assistant", "system", "human", "gpt"}:
+                continue
+        if not is_unset(value):
+            conversion.skip(f"{key}.{option}", f"{value!r}: turns are read as role/content (or from/value) with user/assistant/system speakers")
+    if columns:
+        conversion.set("data.columns", columns, f"from {key}'s field_* options")
+    return "auto"
 
 
 def _format(conversion: Conversion, key: str, kind: str, dataset: dict[str, Any]) -> str | None:

@@ -17,7 +17,7 @@ import yaml
 from zeropipe.data.records import Record, iter_records
 from zeropipe.errors import DataError, ZeroPipeError
 
-SECTION_ORDER = ("run", "model", "data", "train", "deepspeed", "hardware", "generate", "logging")
+SECTION_ORDER = ("run", "model", "data", "train", "preference", "deepspeed", "hardware", "generate", "logging")
 
 
 class ConversionError(ZeroPipeError):

@@ -28,7 +28,10 @@ from zeropipe.convert.common import (
 )
 
 STAGES = {"sft": "supervised fine-tuning", "pt": "pre-training on plain text"}
-REFUSED_STAGES = {"rm": "reward-model", "ppo": "PPO", "dpo": "DPO", "kto": "KTO"}
+REFUSED_STAGES = {"ppo": "PPO"}
+# Preference stages: LLaMA-Factory's defaults (hparams/finetuning_args.py) and what its pref_loss names in ZeRO-Pipe.
+PREFERENCE_STAGES = {"dpo": "DPO-family preference tuning", "kto": "KTO preference tuning", "rm": "reward-model training"}
+PREF_LOSSES = {"sigmoid": ("dpo", ["sigmoid"]), "hinge": ("dpo", ["hinge"]), "ipo": ("dpo", ["ipo"]), "orpo": ("orpo", None), "simpo": ("simpo", None)}
 # LLaMA-Factory's defaults where they differ from ZeRO-Pipe's (hparams/finetuning_args.py, data_args.py).
 DEFAULT_CUTOFF_LEN = 2048
 DEFAULT_EPOCHS = 3.0
@@ -87,9 +90,12 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
             f"{path}: stage: {stage} is {REFUSED_STAGES[stage]} training, which ZeRO-Pipe does not do (it trains supervised: "
             "stage: sft, full, LoRA or QLoRA, and stage: pt): convert the sft stage of your recipe instead"
         )
-    if stage not in STAGES:
-        raise ConversionError(f"{path}: stage: {stage} is not one ZeRO-Pipe knows (it converts sft and pt)")
-    conversion.already.append(f"stage: {stage} ({STAGES[stage]})")
+    if stage in PREFERENCE_STAGES:
+        _preference(conversion, stage, rest)
+    elif stage not in STAGES:
+        raise ConversionError(f"{path}: stage: {stage} is not one ZeRO-Pipe knows (it converts sft, pt, dpo, kto and rm)")
+    else:
+        conversion.already.append(f"stage: {stage} ({STAGES[stage]})")
     do_train = rest.pop("do_train", None)
     if do_train is False:
         conversion.skip("do_train", "false: this config does not train; the conversion is a training config anyway")
@@ -114,7 +120,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
     _vision(conversion, rest)
 
-    fmt_stage = "text" if stage == "pt" else None
+    fmt_stage = "text" if stage == "pt" else "preference" if stage in PREFERENCE_STAGES else None
     _datasets(conversion, rest, path, fmt_stage, vision or "model.trainable" in conversion.entries)
     if "eval_dataset" in rest:
         conversion.skip("eval_dataset", f"{rest.pop('eval_dataset')!r}: set data.eval_path to its file (or use val_size)")
@@ -286,6 +292,75 @@ def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
     conversion.set("model.trainable", trainable, "from freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model (LLaMA-Factory's defaults where unset)")
 
 
+def _preference(conversion: Conversion, stage: str, rest: dict[str, Any]) -> None:
+    """stage: dpo / kto / rm as the preference: section (LLaMA-Factory's pref_* and kto_* keys)."""
+    beta_given = "pref_beta" in rest
+    beta = to_float(rest.pop("pref_beta", 0.1), "pref_beta")
+    beta_why = "from pref_beta" if beta_given else "LLaMA-Factory's default pref_beta"
+    ftx = to_float(rest.pop("pref_ftx", 0.0), "pref_ftx")
+    smoothing = to_float(rest.pop("dpo_label_smoothing", 0.0), "dpo_label_smoothing")
+    loss = str(rest.pop("pref_loss", "sigmoid"))
+    gamma = rest.pop("simpo_gamma", None)
+    for key in ("ref_model", "ref_model_adapters", "ref_model_quantization_bit", "ld_alpha", "pref_bco_weight"):
+        value = rest.pop(key, None)
+        if not is_unset(value):
+            conversion.skip(key, f"{value!r}: the reference is the starting model (LoRA: the base with the adapters off; full: its log-probs computed once): remove it")
+    if stage == "rm":
+        for key, value in (("pref_beta", beta_given), ("pref_loss", loss != "sigmoid"), ("pref_ftx", ftx)):
+            if value:
+                conversion.skip(key, "a reward model has no preference loss settings: remove it")
+        conversion.set("preference.method", "reward", "from stage: rm (a scalar-head reward model, pairwise loss, exported for AutoModelForSequenceClassification)")
+        return
+    if stage == "kto":
+        conversion.set("preference.method", "kto", "from stage: kto")
+        conversion.set("preference.beta", beta, beta_why)
+        for source, target in (("kto_chosen_weight", "desirable_weight"), ("kto_rejected_weight", "undesirable_weight")):
+            if source in rest:
+                conversion.set(f"preference.{target}", to_float(rest.pop(source), source), f"from {source}")
+        if ftx:
+            conversion.skip("pref_ftx", f"{ftx}: KTO's SFT mix is not supported: remove it")
+        return
+    for key in ("kto_chosen_weight", "kto_rejected_weight"):
+        if key in rest:
+            conversion.skip(key, f"{rest.pop(key)!r}: KTO's weights do not apply to stage: {stage}")
+    if loss not in PREF_LOSSES:
+        conversion.blocking.append(f"pref_loss: {loss} is not one ZeRO-Pipe trains (it has {', '.join(PREF_LOSSES)}): set pref_loss to one of them")
+        return
+    method, losses = PREF_LOSSES[loss]
+    conversion.set("preference.method", method, f"from stage: dpo and pref_loss: {loss}")
+    conversion.set("preference.beta", beta, beta_why)
+    if losses is not None:
+        if ftx:
+            # LLaMA-Factory adds pref_ftx x the chosen answers' NLL: TRL's sft loss, weighted.
+            conversion.set("preference.loss_type", [*losses, "sft"], f"from pref_loss: {loss} and pref_ftx: {ftx}")
+            conversion.set("preference.loss_weights", [1.0, ftx], "from pref_ftx (the NLL is averaged over the batch's chosen tokens, as TRL does)")
+        else:
+            conversion.set("preference.loss_type", losses, f"from pref_loss: {loss}")
+        if smoothing:
+            conversion.set("preference.loss_type", ["robust", *(["sft"] if ftx else [])], "from dpo_label_smoothing (TRL's robust DPO)")
+            conversion.set("preference.label_smoothing", smoothing, "from dpo_label_smoothing")
+    elif method == "simpo":
+        conversion.set("preference.simpo_gamma", to_float(gamma if gamma is not None else 0.5, "simpo_gamma"), "from simpo_gamma" if gamma is not None else "LLaMA-Factory's default simpo_gamma")
+        conversion.set("preference.cpo_alpha", ftx, "from pref_ftx (the chosen answers' NLL in SimPO's loss)")
+    elif ftx:
+        conversion.skip("pref_ftx", f"{ftx}: ORPO always adds the chosen answers' NLL with weight 1")
+
+
+def _preference_source(conversion: Conversion, key: str, entry: dict[str, Any], data_file: Path, file_name: str) -> tuple[str, Path, str] | None:
+    """A ranking (or KTO) dataset: read as it is, its columns under ZeRO-Pipe's preference names (data/preference.py)."""
+    columns = dict(entry.get("columns") or {})
+    formatting = entry.get("formatting", "alpaca")
+    ours = {"messages": "conversations" if formatting == "sharegpt" else None, "prompt": "instruction", "query": "input", "kto_tag": "label"}
+    renames = {ours.get(name) or name: column for name, column in columns.items() if column != (ours.get(name) or name)}
+    if renames:
+        conversion.set("data.columns", renames, f"from {key}'s columns")
+    tags = dict(entry.get("tags") or {})
+    if tags.get("role_tag", "from") not in ("from", "role"):
+        conversion.skip(f"{key} tags", f"{tags}: turns are read as from/value or role/content: rename them in {data_file.name}")
+        return None
+    return (f"{key} (file_name {file_name})", data_file, "auto")
+
+
 def _datasets(conversion: Conversion, rest: dict[str, Any], path: Path, forced_format: str | None, vision: bool = False) -> None:
     names = rest.pop("dataset", None)
     if is_unset(names):
@@ -349,8 +424,10 @@ def _source(conversion: Conversion, key: str, entry: dict[str, Any], folder: Pat
     if data_file is None or not data_file.exists():
         conversion.skip(key, f"file_name {file_name!r} not found in {folder}")
         return None
+    if forced_format == "preference":
+        return _preference_source(conversion, key, entry, data_file, str(file_name))
     if entry.get("ranking"):
-        conversion.skip(key, "a preference dataset (ranking: true) is for rm/dpo stages, which ZeRO-Pipe does not train")
+        conversion.skip(key, "a preference dataset (ranking: true) is for the rm/dpo stages: set stage: dpo (or rm) to train on it")
         return None
     formatting = entry.get("formatting", "alpaca")
     columns = dict(entry.get("columns") or {})

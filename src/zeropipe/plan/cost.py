@@ -110,11 +110,12 @@ def step_seconds(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Sp
     n = hardware.world_size
     v = value_bytes(choice.precision)
     micro_steps = choice.gradient_accumulation_steps
-    forward = forward_flops_per_sample(spec, choice.seq_len) * choice.micro_batch_size * micro_steps
+    forward = forward_flops_per_sample(spec, choice.seq_len) * choice.micro_batch_size * spec.sequences_per_example * micro_steps
     backward = forward * (1.0 if spec.lora is not None else 2.0)
+    reference = forward if spec.reference_forward else 0.0  # the reference's pass (LoRA adapters off), without backward
     slowdown = speeds.fp32_slowdown if choice.precision == "fp32" else 1.0
     parts = {
-        "compute": (forward + backward) / speeds.gpu_flops * slowdown + micro_steps * speeds.micro_step_seconds,
+        "compute": (forward + reference + backward) / speeds.gpu_flops * slowdown + micro_steps * speeds.micro_step_seconds,
         "recompute": forward / speeds.gpu_flops * slowdown if choice.gradient_checkpointing else 0.0,
         "communication": 0.0,
         "offload": 0.0,

@@ -468,7 +468,7 @@ def loss_activation_bytes(block: BlockShape, vocab: int, tokens: int, precision:
 def saved_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
     """Bytes saved for backward by the end of the forward pass (what ``saved_tensors_hooks`` sees)."""
     if spec.block is not None and spec.layers:
-        tokens = choice.micro_batch_size * choice.seq_len
+        tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len
         if choice.gradient_checkpointing:
             layers = spec.layers * checkpointed_layer_bytes(spec.block, tokens, choice.precision)
         else:
@@ -478,7 +478,7 @@ def saved_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
     if spec.activation_trace is not None:
         trace = spec.activation_trace
         per_sample = trace.checkpointed_bytes if choice.gradient_checkpointing else trace.saved_bytes
-        return per_sample * choice.micro_batch_size * _trace_scale(trace, choice)
+        return per_sample * choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice)
     return 0
 
 
@@ -489,7 +489,7 @@ def _trace_scale(trace, choice: Choice) -> int:
 
 def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
     """Activations of one micro-batch on one GPU, for the forward/backward phase."""
-    b, s = choice.micro_batch_size, choice.seq_len
+    b, s = choice.micro_batch_size * spec.sequences_per_example, choice.seq_len
     tokens = b * s
     terms: list[Term] = []
     if spec.block is not None and spec.layers:

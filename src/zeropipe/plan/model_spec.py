@@ -129,6 +129,10 @@ class ModelSpec:
     published_params: int | None = None
     quantizable_params: int = 0  # weights of the linear layers but the output head: what 4-bit loading quantizes
     quantized: QuantizedBase | None = None  # QLoRA (model.quantization): how the frozen base is held
+    # Preference tuning: sequences one example is (a pair's chosen and rejected rows; a KTO example and its KL row),
+    # and whether each micro-batch also runs a gradient-free forward pass (DPO/KTO with LoRA: the reference, adapters off).
+    sequences_per_example: int = 1
+    reference_forward: bool = False
     block_linear_params: int = 0  # weights of the linear layers in the repeated blocks: what an fp8 base stores in 8 bits
     block_linear_channels: int = 0
     largest_block_linear: int = 0

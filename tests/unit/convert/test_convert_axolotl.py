@@ -129,11 +129,32 @@ train_on_inputs: false
     assert conversion.already == ["optimizer: adamw_torch (DeepSpeed builds AdamW)", "train_on_inputs: false (loss on responses only)", "load_in_8bit: false"]
 
 
-@pytest.mark.parametrize("rl", ["dpo", "kto", "orpo", "grpo"])
-def test_rl_is_refused_with_the_reason(tmp_path, rl):
+@pytest.mark.parametrize("rl", ["grpo", "gdpo"])
+def test_rl_methods_zeropipe_does_not_train_are_refused_with_the_reason(tmp_path, rl):
     path = write(tmp_path, f"base_model: x\nrl: {rl}\ndatasets:\n  - path: x\n    type: chatml.intel\n")
-    with pytest.raises(ConversionError, match=rf"rl: {rl} asks for .* preference/RL training, which ZeRO-Pipe does not do"):
+    with pytest.raises(ConversionError, match=rf"rl: {rl} asks for .* training, which ZeRO-Pipe does not do \(it trains dpo, ipo, orpo, simpo and kto"):
         convert_file(path)
+
+
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        ("rl: dpo\nrl_beta: 0.2\nrpo_alpha: 0.5\n", {"method": "dpo", "beta": 0.2, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),
+        ("rl: ipo\n", {"method": "dpo", "loss_type": ["ipo"]}),
+        ("rl: dpo\ndpo_label_smoothing: 0.1\n", {"method": "dpo", "loss_type": ["robust"], "label_smoothing": 0.1}),
+        ("rl: orpo\norpo_alpha: 0.1\n", {"method": "orpo", "beta": 0.1}),
+        ("rl: simpo\nrl_beta: 2.0\nsimpo_gamma: 0.5\ncpo_alpha: 0.0\n", {"method": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}),
+        ("rl: kto\nrl_beta: 0.5\nkto_desirable_weight: 1.2\n", {"method": "kto", "beta": 0.5, "desirable_weight": 1.2}),
+        ("reward_model: true\n", {"method": "reward"}),
+    ],
+    ids=["dpo-rpo", "ipo", "robust", "orpo", "simpo", "kto", "reward"],
+)
+def test_rl_keys_become_the_preference_section(tmp_path, keys, expected):
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"question": "q", "chosen": "a", "rejected": "b"}) + "\n")
+    path = write(tmp_path, f"base_model: x\n{keys}datasets:\n  - path: {tmp_path / 'pairs.jsonl'}\n    type: chatml.intel\n")
+    entries = {key: entry.value for key, entry in convert_file(path).entries.items()}
+    assert {key.split(".", 1)[1]: value for key, value in entries.items() if key.startswith("preference.")} == expected
+    assert entries["data.path"] == str(tmp_path / "pairs.jsonl")
 
 
 def test_dataset_types_and_several_datasets_become_a_weighted_mixture(tmp_path):

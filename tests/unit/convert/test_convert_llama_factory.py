@@ -130,11 +130,34 @@ def test_defaults_of_llama_factory_are_written_out(tmp_path):
     assert got["train.schedule"] == "linear" and got["deepspeed.precision"] == "fp32"
 
 
-@pytest.mark.parametrize("stage,name", [("dpo", "DPO"), ("ppo", "PPO"), ("kto", "KTO"), ("rm", "reward-model")])
-def test_rl_and_reward_stages_are_refused(tmp_path, stage, name):
-    path = write(tmp_path, f"model_name_or_path: x\nstage: {stage}\nfinetuning_type: lora\n")
-    with pytest.raises(ConversionError, match=rf"stage: {stage} is {name} training, which ZeRO-Pipe does not do"):
+def test_ppo_is_refused(tmp_path):
+    path = write(tmp_path, "model_name_or_path: x\nstage: ppo\nfinetuning_type: lora\n")
+    with pytest.raises(ConversionError, match=r"stage: ppo is PPO training, which ZeRO-Pipe does not do"):
         convert_file(path)
+
+
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        ("stage: dpo\npref_beta: 0.2\npref_ftx: 0.5\n", {"method": "dpo", "beta": 0.2, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}),
+        ("stage: dpo\npref_loss: ipo\n", {"method": "dpo", "beta": 0.1, "loss_type": ["ipo"]}),
+        ("stage: dpo\npref_loss: orpo\npref_beta: 0.3\n", {"method": "orpo", "beta": 0.3}),
+        ("stage: dpo\npref_loss: simpo\npref_beta: 2.5\nsimpo_gamma: 0.7\n", {"method": "simpo", "beta": 2.5, "simpo_gamma": 0.7, "cpo_alpha": 0.0}),
+        ("stage: kto\nkto_chosen_weight: 1.5\nkto_rejected_weight: 0.5\n", {"method": "kto", "beta": 0.1, "desirable_weight": 1.5, "undesirable_weight": 0.5}),
+        ("stage: rm\n", {"method": "reward"}),
+    ],
+    ids=["dpo-ftx", "ipo", "orpo", "simpo", "kto", "rm"],
+)
+def test_preference_stages_become_the_preference_section_and_ranking_data_is_read(tmp_path, keys, expected):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "pairs.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"}, "rejected": {"from": "gpt", "value": "b"}}]))
+    info = {"pairs": {"file_name": "pairs.json", "ranking": True, "formatting": "sharegpt", "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}}}
+    (data / "dataset_info.json").write_text(json.dumps(info))
+    path = write(tmp_path, f"model_name_or_path: x\n{keys}finetuning_type: lora\ndataset: pairs\ndataset_dir: {data}\n")
+    entries = {key: entry.value for key, entry in convert_file(path).entries.items()}
+    assert {key.split(".", 1)[1]: value for key, value in entries.items() if key.startswith("preference.")} == expected
+    assert entries["data.path"] == str(data / "pairs.json") and "data.columns" not in entries
 
 
 def test_dataset_info_formatting_columns_and_tags(tmp_path):

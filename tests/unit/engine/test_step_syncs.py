@@ -87,7 +87,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_rank(tmp_path, name: str, log_every: int) -> tuple[dict[int, list[str]], list[dict]]:
+def run_rank(tmp_path, name: str, log_every: int, **sections) -> tuple[dict[int, list[str]], list[dict]]:
     from zeropipe.config.load import validate_config
     from zeropipe.launch.prepare import prepare_run
     from zeropipe.launch.resolve import resolve_run
@@ -100,6 +100,8 @@ def run_rank(tmp_path, name: str, log_every: int) -> tuple[dict[int, list[str]],
         "deepspeed": {"zero_stage": 2, "precision": "fp32"},
         "hardware": {"gpus": 1, "accelerator": "cpu"},
     }
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
     prepared = prepare_run(resolve_run(validate_config(yaml.safe_load(yaml.safe_dump(raw)))))
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
     env.pop("ZEROPIPE_LAUNCHER_PID", None)
@@ -124,3 +126,44 @@ def test_steps_between_logs_read_nothing_back_and_every_step_still_reaches_metri
     keys = ("step", "epoch", "loss", "lr", "grad_norm")
     assert [{k: row[k] for k in keys} for row in rows] == [{k: row[k] for k in keys} for row in at_once]
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", ["kto"])
+def test_a_preference_step_between_logs_reads_nothing_back(tmp_path, method):
+    """KTO with LoRA (its reference the adapters off, its KL rows, its per-group rewards): the figures wait for the flush too.
+
+    (DPO's figures are the same kind, from the same task; the 2-rank DPO runs are tests/integration/test_preference.py.)
+    """
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)}) + "\n" for a in range(16)))
+    model = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}}
+    calls, rows = run_rank(
+        tmp_path, method, log_every=4, model=model, data={"synthetic": None, "path": str(pairs)}, preference={"method": method}
+    )
+    quiet = [step for step in range(1, 8) if step not in (4, 6)]
+    assert {step: calls[step] for step in quiet if step in calls} == {}
+    assert calls.get(4), "the flush at a logging step reads the figures back once"
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert all("rewards_margin" in row and "logps_chosen" in row for row in rows)
+
+
+@pytest.mark.timeout(600)
+def test_a_reward_model_trains_in_a_rank_and_exports_for_sequence_classification(tmp_path):
+    """The reward model's rank (a scalar head on the transformer, pairwise loss) and its export, which transformers loads as such."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from zeropipe.families import export_run
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)}) + "\n" for a in range(16)))
+    _, rows = run_rank(tmp_path, "reward", log_every=4, data={"synthetic": None, "path": str(pairs)}, preference={"method": "reward"}, train={"lr": 1e-2})
+    assert [row["step"] for row in rows] == list(range(1, 9)) and all("rewards_accuracy" in row and "mean_reward" in row for row in rows)
+    out = export_run(tmp_path / "runs" / "reward", tmp_path / "export")
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
+    batch = tokenizer(["What is 1 + 2?3", "What is 1 + 2? 4 and more"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        assert model(**batch).logits.shape == (2, 1)

@@ -19,7 +19,8 @@ from zeropipe.data.tokenize import describe_cache
 from zeropipe.errors import ConfigError
 from zeropipe.export.hf import ExportJob, write_transformers_export
 from zeropipe.families.causal_lm import generate as text_generation
-from zeropipe.families.causal_lm.model import causal_lm_for_export, trained_weights
+from zeropipe.families.causal_lm.model import causal_lm_for_export, is_reward_model, trained_weights
+from zeropipe.families.causal_lm.preference import PreferenceTask, preference_problems, prepare_preference_data
 from zeropipe.families.causal_lm.prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
 from zeropipe.families.causal_lm.spec import causal_lm_config_spec
 from zeropipe.families.causal_lm.task import CausalLMTask
@@ -43,7 +44,7 @@ class CausalLM:
         return (Path(path) / "config.json").is_file()
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        return []
+        return preference_problems(config)
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         return []
@@ -53,6 +54,8 @@ class CausalLM:
 
     def prepare_data(self, config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
         """The records read, validated and tokenized into the run's token cache; the tokenizer fixes the vocabulary."""
+        if config.preference is not None:
+            return prepare_preference_data(config, run, reuse)
         records_path = prepare_data_file(config, run)
         tokenizer = prepare_tokenizer(config, run, records_path, reuse=reuse)
         cache = prepare_cache(config, run, records_path, tokenizer, reuse=reuse)
@@ -95,13 +98,19 @@ class CausalLM:
         )
 
     def rank_task(self, trainer) -> CausalLMTask:
-        return CausalLMTask(trainer)
+        # Preference tuning is another task on the same model: another loss, data and reference, the same loop.
+        return PreferenceTask(trainer) if trainer.config.preference is not None else CausalLMTask(trainer)
 
     def model_spec(self, config: RunConfig):
         return causal_lm_config_spec(config)
 
     def export(self, job: ExportJob) -> Path:
-        model = causal_lm_for_export(job.config)
+        pad_id = None
+        if is_reward_model(job.config):
+            from transformers import AutoTokenizer
+
+            pad_id = AutoTokenizer.from_pretrained(str(job.run.tokenizer)).pad_token_id
+        model = causal_lm_for_export(job.config, pad_token_id=pad_id)
         return write_transformers_export(job, model, trained_weights(model, job.config.model, job.state_dict()))
 
     def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):

@@ -52,12 +52,24 @@ def fp8_storage(section: ModelSection) -> QuantizedStorage:
     return QuantizedStorage(quant.storage, quant.scale)
 
 
-def build_model(section: ModelSection, config: Any, precision: str, zero_stage: int = 0):
+def is_reward_model(config: RunConfig) -> bool:
+    """A reward model's run: a scalar head on the transformer (AutoModelForSequenceClassification) instead of the LM head."""
+    return config.preference is not None and config.preference.method == "reward"
+
+
+def auto_class(reward: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+
+
+def build_model(section: ModelSection, config: Any, precision: str, zero_stage: int = 0, reward: bool = False):
     """Instantiate the model (random init or pretrained), with LoRA adapters when configured.
 
     Call this with ``HfDeepSpeedConfig`` alive for ZeRO-3 so that construction is partitioned.
+    ``reward``: a reward model, the transformer with a one-output score head (``config.num_labels`` 1).
     """
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = auto_class(reward)  # noqa: N806 - the class transformers names so
 
     dtype = TORCH_DTYPES[precision]
     quant = section.quantization
@@ -100,7 +112,7 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
         if section.lora is not None:
             model.enable_input_require_grads()
     if section.lora is not None:
-        model = add_lora(model, section)
+        model = add_lora(model, section, task_type="SEQ_CLS" if reward else "CAUSAL_LM")
     return model
 
 
@@ -147,12 +159,12 @@ def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]
     return base | {name: state[name] for name in trained if name in state}
 
 
-def add_lora(model, section: ModelSection):
+def add_lora(model, section: ModelSection, task_type: str = "CAUSAL_LM"):
     from peft import get_peft_model
 
     lora = section.lora
     assert lora is not None
-    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type="CAUSAL_LM")
+    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type=task_type)  # SEQ_CLS (a reward model): peft also trains and saves the score head
     try:
         return get_peft_model(model, peft_config)
     except ValueError as err:
@@ -160,16 +172,23 @@ def add_lora(model, section: ModelSection):
         raise ConfigError([("model.lora.target_modules", f"{err}. Linear layers of this model: {', '.join(names)}")]) from None
 
 
-def causal_lm_for_export(config: RunConfig):
-    """The run's causal LM in fp32, with its LoRA adapters when it trained some."""
-    from transformers import AutoModelForCausalLM
-
+def causal_lm_for_export(config: RunConfig, pad_token_id: int | None = None):
+    """The run's causal LM in fp32 (a reward model's sequence classifier), with its LoRA adapters when it trained some."""
+    reward = is_reward_model(config)
+    AutoModelForCausalLM = auto_class(reward)  # noqa: N806
     section = config.model
+    hf_config = model_config(section)
+    # A reward model scores a sequence at its last token before the padding: its config must name the pad token.
+    head = {"num_labels": 1, "pad_token_id": pad_token_id} if reward else {}
     if section.path:
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32, **head)
     else:
-        model = AutoModelForCausalLM.from_config(model_config(section), dtype=torch.float32)
-    return add_lora(model, section) if section.lora is not None else model
+        for key, value in head.items():
+            setattr(hf_config, key, value)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if section.lora is not None:
+        return add_lora(model, section, task_type="SEQ_CLS" if reward else "CAUSAL_LM")
+    return model
 
 
 def save_tokenizer_dir(tokenizer, out: Path) -> None:

@@ -33,4 +33,10 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
         spec = spec.with_fp8_base(section.quantization.storage)
     elif section.quantization is not None and section.quantization.load_in_4bit:
         quantized = QuantizedBase(spec.quantizable_params, spec.frozen_base_params - spec.quantizable_params, section.quantization.double_quant)
-    return replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}", quantized=quantized)
+    spec = replace(spec, source=f"run config: {'model.path ' + section.path if section.path else 'model.config'}", quantized=quantized)
+    if run_config.preference is not None:
+        from zeropipe.families.causal_lm.preference import reference_mode
+
+        # A micro-batch of n pairs is 2n sequences; a LoRA reference is one more forward pass without gradient.
+        spec = replace(spec, sequences_per_example=2, reference_forward=reference_mode(run_config) == "adapters_off")
+    return spec
