@@ -140,7 +140,6 @@ MODEL_NOT_MAPPED = {
     "t5_path": "text encoders come from the diffusers pipeline folder",
     "single_file_path": "ZeRO-Pipe loads diffusers pipeline folders; single files are not read",
     "diffusion_model": "a single-file checkpoint in ComfyUI's layout (LTX-2's holds the transformer, both VAEs and the vocoder); ZeRO-Pipe reads the diffusers release of the model (LTX-2: Lightricks/LTX-2): set model.path to it",
-    "diffusion_model_dtype": "fp8/nf4 base weights are not supported for diffusion models; the base is held in deepspeed.precision",
     "text_encoder": "the text encoder comes from the diffusers pipeline folder (LTX-2: its Gemma 3 12B in text_encoder/)",
     "first_frame_conditioning_p": "image-to-video is trained from an image-to-video pipeline (WanImageToVideoPipeline, always conditioned on the first frame); there is no probability to set",
 }

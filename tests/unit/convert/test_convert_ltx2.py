@@ -25,4 +25,4 @@ def test_a_diffusion_pipe_ltx2_config_trains_the_ltx2_entry_and_names_the_diffus
     assert got["model.path"] == str(ltx2) and got["data.video.frame_buckets"] == [1, 49] and got["deepspeed.precision"] == "bf16"
     why = unmapped(conversion)
     assert "Lightricks/LTX-2" in why["model.diffusion_model"] and "text_encoder/" in why["model.text_encoder"]
-    assert "fp8/nf4 base weights are not supported" in why["model.diffusion_model_dtype"]
+    assert got["model.quantization.format"] == "fp8", "diffusion_model_dtype = 'float8' keeps the fp8 base"

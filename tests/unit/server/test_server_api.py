@@ -137,10 +137,12 @@ def test_the_form_schema_covers_every_config_field_with_its_help(client):
 
     wanted = {}
     for section, field in RunConfig.model_fields.items():
-        if not hasattr(field.annotation, "model_fields"):
-            wanted[section] = field  # a list of sections (stages) is one YAML field
+        # A section, or an optional one (preference); a list of sections (stages) is one YAML field.
+        model = next((a for a in (field.annotation, *getattr(field.annotation, "__args__", ())) if isinstance(a, type) and hasattr(a, "model_fields")), None)
+        if model is None:
+            wanted[section] = field
             continue
-        wanted.update(dict(expected(field.annotation, f"{section}.")))
+        wanted.update(dict(expected(model, f"{section}.")))
     assert set(found) == set(wanted)
     for key, field in wanted.items():
         assert found[key]["help"] == field.description, key

@@ -23,7 +23,13 @@ def test_the_shipped_examples_are_presets_that_pass_the_check(client):
         loaded = client.get(f"/api/presets/example/{name}").json()
         raw = yaml.safe_load(loaded["yaml"])
         assert raw["run"]["name"] == loaded["name"] == name and "output_dir" not in raw["run"]
-        assert check(client, loaded["yaml"])["problems"] == [], name
+        problems = check(client, loaded["yaml"])["problems"]
+        if str(raw.get("data", {}).get("path", "")).startswith("examples/data/"):
+            # An example that trains on a file shipped in examples/data (dpo-lora): outside this UI's
+            # data folders, refused with the fix (start the UI with --data-dir naming that folder).
+            assert {p["key"] for p in problems} == {"data.path"} and "--data-dir" in problems[0]["message"], (name, problems)
+            continue
+        assert problems == [], name
     text = client.get("/api/presets/example/quickstart").json()["yaml"]
     assert text.startswith("# Run it:") and "ZeRO-3 is used on purpose" in text, "the example's comments stay"
 
