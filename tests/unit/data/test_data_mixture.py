@@ -73,8 +73,7 @@ def test_a_source_with_too_many_malformed_records_is_named(tmp_path, sources):
 
 def test_sources_stream_through_the_mixture_a_record_at_a_time(tmp_path, monkeypatch):
     """A mixture of big sources holds offsets, not records: at most a handful are alive at once, and no spool is left."""
-    import weakref
-
+    from tests.unit.data.test_data_records import counting_reader
     from zeropipe.data import mixture as mixture_module
     from zeropipe.data.records import iter_records
 
@@ -85,19 +84,7 @@ def test_sources_stream_through_the_mixture_a_record_at_a_time(tmp_path, monkeyp
 
     rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]} for i in range(2000)]
     pq.write_table(pa.Table.from_pylist(rows), parquet, row_group_size=500)
-    alive = {"now": 0, "most": 0}
-
-    def freed():
-        alive["now"] -= 1
-
-    def counted(path, columns=None):
-        for item in iter_records(path, columns):
-            alive["now"] += 1
-            alive["most"] = max(alive["most"], alive["now"])
-            weakref.finalize(item, freed)
-            yield item
-            del item
-
+    counted, alive = counting_reader(iter_records)
     monkeypatch.setattr(mixture_module, "iter_records", counted)
     out = tmp_path / "out"
     path = build_mixture(DataSection(mixture=[{"path": big, "weight": 1}, {"path": str(parquet), "weight": 1}], mixture_examples=6000), out, seed=5)

@@ -210,22 +210,28 @@ def test_a_broken_json_array_names_the_line_even_in_a_later_chunk(tmp_path, monk
     assert [item.line_number for item in items[:3]] == [2, 3, 4] and len(items) == 50
 
 
-def test_the_cache_never_holds_more_than_a_few_batches_of_records(tmp_path, tokenizer, write_jsonl, monkeypatch):
-    """Reading, checking, tokenizing and writing stream: records are freed a batch at a time."""
-    path = write_jsonl(tmp_path / "data.jsonl", ROWS * 1000)
+def counting_reader(reader):
+    """``reader`` wrapped to count the records it yielded that are still alive, and the most at once."""
     alive = {"now": 0, "most": 0}
 
     def freed():
         alive["now"] -= 1
 
     def counted(path, columns=None):
-        for item in iter_records(path, columns):
+        for item in reader(path, columns):
             alive["now"] += 1
             alive["most"] = max(alive["most"], alive["now"])
             weakref.finalize(item, freed)
             yield item
             del item
 
+    return counted, alive
+
+
+def test_the_cache_never_holds_more_than_a_few_batches_of_records(tmp_path, tokenizer, write_jsonl, monkeypatch):
+    """Reading, checking, tokenizing and writing stream: records are freed a batch at a time."""
+    path = write_jsonl(tmp_path / "data.jsonl", ROWS * 1000)
+    counted, alive = counting_reader(iter_records)
     monkeypatch.setattr(tokenize_module, "iter_records", counted)
     info = build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=64)
     assert info.examples == 5000

@@ -34,7 +34,7 @@ from zeropipe.data.sampler import ResumableDistributedSampler
 from zeropipe.data.tokenize import pad_token_id
 from zeropipe.engine.preference import PreferenceSettings, kto_loss, policy_loss, reward_loss, sequence_logps
 from zeropipe.families.causal_lm.model import build_model, is_reward_model
-from zeropipe.families.causal_lm.prepare import data_columns, prepare_data_file
+from zeropipe.families.causal_lm.prepare import data_columns, prepare_data_file, prepare_tokenizer
 from zeropipe.families.causal_lm.task import CausalLMTask
 from zeropipe.models.common import count_parameters, hf_zero3_config, hidden_size_of, log_partitioning, model_config
 from zeropipe.rundir import PreparedData, RunDir
@@ -77,21 +77,10 @@ def preference_problems(config: RunConfig) -> list[tuple[str, str]]:
 
 
 def _tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse: bool):
-    from transformers import AutoTokenizer
-
-    from zeropipe.data.tokenizer import train_tokenizer
-
-    if reuse and run.tokenizer.is_dir():
-        return AutoTokenizer.from_pretrained(str(run.tokenizer))
-    source = config.model.tokenizer or config.model.path
-    if source:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token  # masked out of attention and loss
-        tokenizer.save_pretrained(str(run.tokenizer))
-        return tokenizer
-    columns = data_columns(config, records_path)
-    return train_tokenizer(preference_texts(iter_records(records_path, columns)), config.model.tokenizer_vocab_size, run.tokenizer)
+    """The supervised run's tokenizer (prepare_tokenizer); one trained here learns the pairs' prompts and answers."""
+    return prepare_tokenizer(
+        config, run, records_path, reuse, texts=lambda: preference_texts(iter_records(records_path, data_columns(config, records_path)))
+    )
 
 
 def prepare_preference_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:

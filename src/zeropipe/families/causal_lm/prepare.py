@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
@@ -42,7 +42,12 @@ def prepare_data_file(config: RunConfig, run: RunDir) -> Path:
     return path
 
 
-def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse: bool):
+def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse: bool, texts: Callable[[], Iterable[str]] | None = None):
+    """The run's tokenizer: the run's saved one on reuse, model.tokenizer / model.path's, or one trained on the data.
+
+    ``texts``: what a trained tokenizer learns from (default: the records as supervised texts;
+    preference data gives its prompts and answers).
+    """
     from transformers import AutoTokenizer
 
     if reuse and run.tokenizer.is_dir():
@@ -55,7 +60,7 @@ def prepare_tokenizer(config: RunConfig, run: RunDir, records_path: Path, reuse:
             tokenizer.pad_token = tokenizer.eos_token
     else:
 
-        tokenizer = train_tokenizer(training_texts(config, records_path), config.model.tokenizer_vocab_size, run.tokenizer)
+        tokenizer = train_tokenizer(texts() if texts else training_texts(config, records_path), config.model.tokenizer_vocab_size, run.tokenizer)
     tokenizer.save_pretrained(str(run.tokenizer))
     return tokenizer
 
