@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 SUITE_CPU_FLAGS = "avx avx2 fma avx512f"
 
 
@@ -22,3 +24,19 @@ def pytest_configure(config):
     # The planner reads the speeds zeropipe calibrate saved for this machine; the suite plans with
     # the assumed ones (tests pin their figures), unless a test hands in a profile.
     os.environ.setdefault("ZEROPIPE_CALIBRATION", os.path.join(os.path.dirname(__file__), "no-calibration-profile.json"))
+
+
+@pytest.fixture(autouse=True)
+def _functional_linear_left_as_it_was():
+    """Put back ``torch.nn.functional.linear`` after each test.
+
+    DeepSpeed's ZeRO-3 replaces it with its memory-efficient wrapper (``zero3_linear_wrap``) for
+    the rest of the process. A rank's process is its own, but a test that starts a ZeRO-3 engine
+    in the pytest process (the architecture contract test) would otherwise change what every later
+    test's autograd saves: the planner's activation traces among them.
+    """
+    import torch
+
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
