@@ -163,3 +163,13 @@ def test_a_checkpoint_folder_symlinked_out_of_a_ui_run_is_refused(tmp_path, fold
         plan.confined_to = None  # a command-line run: the user's own symlink is theirs to use
         run.write_plan(plan)
         assert RunDir(run.path).use_checkpoint(run.path / "checkpoints" / "step_00000002")
+
+
+def test_every_reference_folder_is_confined(tmp_path, folders):
+    """data.control_paths (several references per target): a folder outside the roots is named by its index."""
+    roots, outside = folders
+    raw = config(tmp_path)
+    raw["data"] |= {"control_paths": [str(tmp_path / "data"), str(outside)]}
+    with pytest.raises(ConfinementError) as err:
+        resolve_run(validate_config(raw), fill_auto_knobs=False, confinement=roots)
+    assert [k for k, _ in err.value.problems] == ["data.control_paths[1]"] and str(outside) in str(err.value)
