@@ -339,6 +339,7 @@ class PreferenceObjective:
         values[table[:, 0].astype(np.int64)] = table[:, 1:]
         if rank == 0:
             partial = Path(path).with_suffix(".partial.npy")
+            partial.parent.mkdir(parents=True, exist_ok=True)  # a VLM run has no pair cache there
             np.save(partial, values)
             partial.replace(path)
             logging.getLogger("zeropipe").info("reference log-probs of %d examples computed from the starting weights (%s)", count, path)

@@ -39,14 +39,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def colour_pairs(tmp_path) -> tuple[Path, list[dict]]:
+@pytest.fixture(scope="module")
+def colour_pairs(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Every (right, wrong) colour pair in TRL's vision layout, and a tiny Gemma 3 base with its processor on disk."""
     from PIL import Image
     from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
     from zeropipe.families.vlm.model import build_processor, resolve_inline_config
 
+    tmp_path = tmp_path_factory.mktemp("vlm-preference")
     for name, rgb in COLOURS.items():
         Image.new("RGB", (32, 32), rgb).save(tmp_path / f"{name}.png")
     rows = [
@@ -219,3 +220,30 @@ def test_vlm_dpo_lora_learns_the_colour_under_zero3_and_exports(colour_pairs, tm
     chosen, rejected = pair_logps(trained, processor, pairs)
     implicit = ((chosen - start_chosen) > (rejected - start_rejected)).float().mean()
     assert float(implicit) == 1.0, (chosen - start_chosen) - (rejected - start_rejected)
+
+
+@pytest.mark.timeout(300)
+def test_vlm_dpo_full_weights_precomputes_its_reference_from_the_starting_weights(colour_pairs, monkeypatch):
+    import numpy as np
+
+    from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.resolve import resolve_run
+
+    root, rows = colour_pairs
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    raw = run_config(root)
+    raw["model"].pop("lora")
+    raw["run"]["name"] = "vlm-dpo-full"
+    raw["train"].update(max_steps=2, lr=1e-3)
+    prepared = prepare_run(resolve_run(validated(raw)))
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("ZEROPIPE_LAUNCHER_PID", raising=False)
+    train_one_rank(prepared.run.path)
+    gc.collect()
+    reference = np.load(prepared.run.cache / "reference_logps.npy")
+    assert reference.shape == (len(rows), 2) and np.isfinite(reference).all() and (reference < 0).all()
+    steps = [row for row in prepared.run.read_metrics() if "rewards_accuracy" in row]
+    # Step 1 trains from the weights the reference was computed from: every reward is 0, the loss ln 2.
+    assert steps[0]["rewards_margin"] == pytest.approx(0, abs=1e-6) and steps[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
+    assert steps[1]["loss"] < steps[0]["loss"]
