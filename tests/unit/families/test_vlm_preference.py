@@ -30,7 +30,7 @@ TINY_GEMMA3 = {
 }
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 QUESTION = "What colour is this?"
-STEPS = 10
+STEPS = 6
 
 
 def free_port() -> int:

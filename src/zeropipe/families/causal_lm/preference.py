@@ -201,6 +201,9 @@ def evaluate_preference_checkpoint(source: str | Path, data: str | Path, checkpo
     run = RunDir(run_path)
     config = run.read_config()
     settings = PreferenceSettings.of(config.preference)
+    if config.model.family not in ("auto", "causal_lm"):
+        # config.yaml records the family that trained it: a vision-language run's pairs hold images this reader does not take.
+        raise ZeroPipeError(f"{run.path} is a {config.model.family} preference run: zeropipe eval scores causal LMs' pairs only, so far; its training metrics (rewards_accuracy, rewards_margin) are in metrics.jsonl")
     if settings.uses_reference and config.model.lora is None and not config.model.path:
         raise ZeroPipeError(f"{run.path} fine-tuned all the weights of a model built from model.config: its reference (the random start) is gone; evaluate a LoRA run or one from model.path")
     tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer))
