@@ -247,3 +247,84 @@ def test_vlm_dpo_full_weights_precomputes_its_reference_from_the_starting_weight
     # Step 1 trains from the weights the reference was computed from: every reward is 0, the loss ln 2.
     assert steps[0]["rewards_margin"] == pytest.approx(0, abs=1e-6) and steps[0]["loss"] == pytest.approx(0.6931, abs=1e-4)
     assert steps[1]["loss"] < steps[0]["loss"]
+
+
+TINY_LLAVA = {
+    "model_type": "llava",
+    "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 32},
+    "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False},
+}
+# A chat template that renders image parts (TRL's vision collator renders the records' parts with it; ZeRO-Pipe renders
+# the same turns with <image> markers joined by a newline, hence the newline after the image).
+IMAGE_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>\n{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|eos|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def test_vlm_dpo_matches_trls_trainer_from_the_same_records(colour_pairs, tmp_path):
+    """TRL 1.16's DPOTrainer with a processor (its DataCollatorForVisionPreference, forward pass and loss) and ZeRO-Pipe's
+    path (pair_of_record, encode_pair, collate_vlm_pairs, the model, dpo_loss): the same rows, loss and figures to 1e-5, fp32."""
+    pytest.importorskip("trl")
+    import copy
+
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
+    from trl import DPOConfig, DPOTrainer
+
+    from zeropipe.engine.preference import PreferenceSettings, dpo_loss, sequence_logps
+    from zeropipe.families.vlm.data import VlmEncoder, _ImageResolver, load_rgb
+    from zeropipe.families.vlm.model import build_processor, resolve_inline_config
+    from zeropipe.families.vlm.preference import NOT_MODEL_INPUTS, collate_vlm_pairs, encode_pair, pair_of_record
+
+    root, rows = colour_pairs
+    rows = [{**row, "rejected": [{"role": "assistant", "content": [{"type": "text", "text": row["rejected"][0]["content"][0]["text"] + " it is"}]}]}
+            for row in rows[:4]]  # answers of different lengths: padding on both sides
+    processor = build_processor(TINY_LLAVA, [QUESTION, *COLOURS, "it is"], 300, tmp_path / "processor")
+    processor.chat_template = processor.tokenizer.chat_template = IMAGE_TEMPLATE
+    processor.tokenizer.pad_token = processor.tokenizer.pad_token or processor.tokenizer.eos_token
+    fields = dict(resolve_inline_config(TINY_LLAVA, processor.tokenizer).fields)
+    config = CONFIG_MAPPING[fields.pop("model_type")](**fields)
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config).float()
+        with torch.no_grad():  # larger weights than the init: log-probs that differ visibly between answers
+            for parameter in model.parameters():
+                parameter.mul_(4 if parameter.dim() > 1 else 1)
+        models.append(model)
+    policy, reference = models[0].train(), models[1].eval()
+
+    records = [{**row, "images": [Image.open(root / row["images"][0]).convert("RGB")]} for row in rows]
+    trainer = DPOTrainer(
+        model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), processing_class=processor, train_dataset=Dataset.from_list(records),
+        args=DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(rows), report_to=[], use_cpu=True, bf16=False, fp16=False,
+                       beta=0.2, max_length=None),
+    )
+    trl_batch = trainer.data_collator([copy.deepcopy(trainer.train_dataset[i]) for i in range(len(rows))])
+    trl_loss = trainer.compute_loss(trainer.model, trl_batch)
+
+    encoder, resolve, items = VlmEncoder(processor), _ImageResolver(root / "pairs.jsonl", None), []
+    for index, row in enumerate(rows):
+        pair = pair_of_record(row, resolve, None)
+        items.append({**encode_pair(encoder, pair, [load_rgb(path) for path in pair.images], 512).item, "index": index})
+    batch = collate_vlm_pairs(items, processor.tokenizer.pad_token_id)
+    for key in ("input_ids", "completion_mask", "pixel_values"):  # both right-padded here (TRL flushes its left padding)
+        assert torch.equal(batch[key], trl_batch[key]), key
+
+    def logits(model, inputs):
+        return model(**{key: value for key, value in inputs.items() if key not in NOT_MODEL_INPUTS}).logits
+
+    with torch.no_grad():
+        ref_chosen, ref_rejected = sequence_logps(logits(reference, batch), batch)[0].chunk(2)
+    loss, figures = dpo_loss(PreferenceSettings(method="dpo", beta=0.2), logits(policy, batch), batch, ref_chosen, ref_rejected)
+    assert float(loss) == pytest.approx(float(trl_loss), abs=1e-5)
+    names = {"rewards_chosen": "rewards/chosen", "rewards_rejected": "rewards/rejected", "rewards_margin": "rewards/margins",
+             "rewards_accuracy": "rewards/accuracies", "logps_chosen": "logps/chosen", "logps_rejected": "logps/rejected"}
+    for mine, theirs in names.items():
+        assert float(figures[mine]) == pytest.approx(trainer._metrics["train"][theirs][-1], abs=1e-5), mine
+    assert float(figures["rewards_margin"]) != 0
