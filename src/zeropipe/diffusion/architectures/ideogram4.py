@@ -169,17 +169,9 @@ class Ideogram4(Architecture):
         return -from_tokens(out[:, -tokens.shape[1] :], rows, columns)
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
-        from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR, OUTPUT_IMAGE_INDICATOR
-
-        side = latent // PATCH
-        tokens = text_tokens + side * side
-        indicator = torch.full((1, tokens), OUTPUT_IMAGE_INDICATOR, dtype=torch.long)
-        indicator[:, :text_tokens] = LLM_TOKEN_INDICATOR
-        return {
-            "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype), "timestep": torch.tensor([0.5], dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, tokens, config.llm_features_dim, dtype=dtype),
-            "position_ids": torch.zeros(1, tokens, 3, dtype=torch.long), "segment_ids": torch.ones(1, tokens, dtype=torch.long), "indicator": indicator,
-        }
+        # Not traced: Ideogram4MRoPE opens torch.autocast(enabled=False) on its inputs' device (its image positions start at 65536,
+        # which bf16 cannot count), and torch refuses autocast on the meta device the planner traces on ("unsupported scalarType").
+        return None
 
     # ---------------------------------------------------------------- sampling
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
