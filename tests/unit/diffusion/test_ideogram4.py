@@ -129,3 +129,10 @@ def test_lora_in_ai_toolkits_layout_converts_back_with_diffusers_to_the_trained_
     for module, change in expected.items():
         torch.testing.assert_close(recovered[module], change, rtol=1e-4, atol=1e-3)
     assert all(value.abs().max() == 0 for key, value in recovered.items() if key not in expected)
+
+
+def test_diffusion_pipes_ideogram4_type_converts_to_the_entry():
+    """diffusion-pipe's [model] type = 'ideogram4' (models/ideogram4.py there) used to convert as CANNOT TRAIN YET."""
+    from zeropipe.convert.diffusion_pipe import trainable_architecture
+
+    assert trainable_architecture("ideogram4") == "ideogram4"
