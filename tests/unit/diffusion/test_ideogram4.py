@@ -136,3 +136,13 @@ def test_diffusion_pipes_ideogram4_type_converts_to_the_entry():
     from zeropipe.convert.diffusion_pipe import trainable_architecture
 
     assert trainable_architecture("ideogram4") == "ideogram4"
+
+
+def test_the_draw_page_draws_with_its_one_guidance_scale(tiny, tmp_path):
+    """Ideogram4Pipeline refuses a guidance_scale beside its default per-step guidance_schedule: Draw gives the page's scale alone."""
+    from zeropipe.export.generate import LoadedModel
+    from zeropipe.families.diffusion.draw import draw
+
+    _, folder, pipeline, _ = tiny
+    drawn = draw(LoadedModel(pipeline, None, None, CPU), tmp_path, PROMPT, "", SIZE, SIZE, 2, 3.0, 0, None)
+    assert drawn[0]["kind"] == "image" and (drawn[0]["width"], drawn[0]["height"]) == (SIZE, SIZE) and (tmp_path / drawn[0]["file"]).exists()

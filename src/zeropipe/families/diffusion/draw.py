@@ -118,6 +118,8 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
     }  # fmt: skip
     if "guidance_scale" in accepted:
         kwargs["guidance_scale"] = guidance
+        if "guidance_schedule" in accepted:  # a per-step schedule by default (Ideogram 4's), which the pipeline refuses beside one scale: the page's wins
+            kwargs["guidance_schedule"] = None
     if negative_prompt and "negative_prompt" in accepted:
         kwargs["negative_prompt"] = negative_prompt
     video = "num_frames" in accepted
