@@ -94,6 +94,16 @@ def test_predict_sampling_and_decoding_are_the_pipelines_own(tiny):
     assert torch.equal(patchify(unpatchify(packed)), packed)
 
 
+def test_a_caption_longer_than_the_pipeline_takes_is_refused_by_name(tiny, monkeypatch):
+    from zeropipe.diffusion.architectures import ideogram4
+    from zeropipe.errors import ConfigError
+
+    arch, _, _, encoders = tiny
+    monkeypatch.setattr(ideogram4, "MAX_TEXT_TOKENS", 40)  # the real limit is 2048 tokens; the tiny tokenizer has one per character
+    with pytest.raises(ConfigError, match=r"a caption is \d+ tokens .* more than its 40 .*shorten it \('a long caption"):
+        encode_prompts(encoders, arch, ["short", "a long caption " * 3], CPU)
+
+
 def test_a_captions_prediction_does_not_depend_on_its_batchs_padding(tiny):
     """Captions are cached alone and stacked per micro-batch; the packed sequence left-pads them as the pipeline does."""
     arch, folder, pipeline, encoders = tiny
@@ -136,13 +146,3 @@ def test_diffusion_pipes_ideogram4_type_converts_to_the_entry():
     from zeropipe.convert.diffusion_pipe import trainable_architecture
 
     assert trainable_architecture("ideogram4") == "ideogram4"
-
-
-def test_the_draw_page_draws_with_its_one_guidance_scale(tiny, tmp_path):
-    """Ideogram4Pipeline refuses a guidance_scale beside its default per-step guidance_schedule: Draw gives the page's scale alone."""
-    from zeropipe.export.generate import LoadedModel
-    from zeropipe.families.diffusion.draw import draw
-
-    _, folder, pipeline, _ = tiny
-    drawn = draw(LoadedModel(pipeline, None, None, CPU), tmp_path, PROMPT, "", SIZE, SIZE, 2, 3.0, 0, None)
-    assert drawn[0]["kind"] == "image" and (drawn[0]["width"], drawn[0]["height"]) == (SIZE, SIZE) and (tmp_path / drawn[0]["file"]).exists()

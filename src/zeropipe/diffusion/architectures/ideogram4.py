@@ -48,6 +48,7 @@ from zeropipe.diffusion.architectures.base import Architecture, PredictContext
 from zeropipe.diffusion.architectures.flux2 import Flux2Latents, tiny_flux2_vae
 from zeropipe.diffusion.architectures.krea2 import tiny_qwen3_vl
 from zeropipe.diffusion.architectures.qwen_image import character_qwen_tokenizer
+from zeropipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,12 @@ class Ideogram4(Architecture):
         for prompt in prompts:  # the pipeline's own formatting (Ideogram4Pipeline.encode_prompt), counted to size its padding
             text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": prompt}]}], add_generation_prompt=True, tokenize=False)
             lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
-        length = min(max(lengths), MAX_TEXT_TOKENS)  # a longer caption: the pipeline's encode_prompt refuses it, naming its length
+        too_long = [(count, prompt) for count, prompt in zip(lengths, prompts) if count > MAX_TEXT_TOKENS]
+        if too_long:  # the pipeline's encode_prompt would refuse it without naming the caption
+            count, prompt = too_long[0]
+            raise ConfigError([("data.path", f"a caption is {count} tokens in Ideogram 4's chat template, more than its {MAX_TEXT_TOKENS} "
+                                             f"(Ideogram4Pipeline's max_sequence_length): shorten it ({prompt[:80]!r}...)")])
+        length = max(lengths)
         features, _, _, indicator = pipeline.encode_prompt(prompt=list(prompts), grid_h=1, grid_w=1, max_sequence_length=length, device=device)
         text = indicator[:, :length] == LLM_TOKEN_INDICATOR
         embeds = features.new_zeros(len(prompts), length, features.shape[-1])
