@@ -12,12 +12,17 @@ peers' models and Hub datasets cannot have is swapped, and only that:
   ``dataset_info.json`` (the stored copy, ``ranking: true`` / ``kto_tag`` entries) beside a small
   ``dpo_en_demo.json`` / ``kto_en_demo.json``; axolotl's ``datasets[0].path`` pointed at a local
   JSONL of its ``type:``'s records, every other dataset option as the peer wrote it;
-- the run's length and place (``train.max_steps``, ``run.output_dir``) and one CPU rank
-  (``hardware``), which a test must choose.
+- what a test must choose: the run's place and length (``run.output_dir``, ``train.max_steps`` 2,
+  ``train.gradient_accumulation_steps`` 1: each step one micro-batch of the converted size, as
+  bitsandbytes' 4-bit CPU kernels cost about 20 ms a call) and one CPU rank (``hardware``);
+- ``deepspeed.precision`` fp32 for the peers' bf16, which check's ZP019 warns is 18-56x slower on a
+  CPU without bf16 (the suite's, tests/conftest.py), and says to change.
 
-Everything else (the objective, its beta and weights, LoRA, quantization, batch shape, schedule,
-precision, ZeRO stage) is what the conversion wrote. One rank trains in this process; the run's
-objective is what the peer asked for, its loss finite, and its export loads with transformers / peft.
+Everything else (the objective, its beta and weights, LoRA, QLoRA and the 8-bit base, micro-batch
+size, sequence length, schedule, learning rate, ZeRO stage: auto) is what the conversion wrote, and
+``check`` accepts the converted config before the last two changes. One rank trains in this process;
+the run's objective is what the peer asked for, its loss finite, and its export loads with
+transformers / peft.
 """
 
 from __future__ import annotations
@@ -156,18 +161,14 @@ def peer_config_on_stand_ins(tool: str, file: str, model: Path, write_data, work
 
 def load_export(out: Path, model: Path, reward: bool):
     """The export as a user loads it: a peft adapter on the stand-in base, or a transformers directory."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     auto = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     if not (out / "adapter_config.json").is_file():
         return auto.from_pretrained(out, dtype=torch.float32)
-    from peft import PeftModel
-
-    head = {"num_labels": 1, "pad_token_id": json.loads((out / "config.json").read_text())["pad_token_id"]} if reward and (out / "config.json").is_file() else {}
-    if reward and not head:
-        from transformers import AutoTokenizer
-
-        head = {"num_labels": 1, "pad_token_id": AutoTokenizer.from_pretrained(out).pad_token_id}
+    # A reward adapter (peft's SEQ_CLS, its score head saved with it) goes on the base as a one-label classifier.
+    head = {"num_labels": 1, "pad_token_id": AutoTokenizer.from_pretrained(out).pad_token_id} if reward else {}
     return PeftModel.from_pretrained(auto.from_pretrained(model, dtype=torch.float32, **head), out)
 
 
@@ -195,7 +196,7 @@ def test_a_peers_preference_example_converts_and_trains_on_a_tiny_stand_in(tool,
     assert raw["model"]["path"] == str(model) and Path(raw["data"]["path"]).parent in (tmp_path, tmp_path / "data")
     print(f"\n{tool}/{file}: swapped {swapped}; the rest as converted")
 
-    # What a test must choose: where the run goes, how long it is, one CPU rank. `check` accepts the rest as converted.
+    # Where the run goes, how long it is, one CPU rank. `check` accepts the rest as converted.
     raw["run"]["output_dir"] = str(tmp_path / "runs")
     raw["train"]["max_steps"] = STEPS
     raw["hardware"] = {"gpus": 1, "accelerator": "cpu"}
@@ -205,6 +206,7 @@ def test_a_peers_preference_example_converts_and_trains_on_a_tiny_stand_in(tool,
     # slower than fp32: this test runs fp32, as the warning says to.
     assert raw["deepspeed"]["precision"] == "bf16"
     raw["deepspeed"]["precision"] = "fp32"
+    raw["train"]["gradient_accumulation_steps"] = 1  # CI time: one micro-batch (of the converted size) a step
     prepared = prepare_run(resolve_run(validate_config(raw)))
 
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
