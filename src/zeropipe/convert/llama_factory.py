@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe.convert.common import (
+    HELD_OUT_PAIRS,
     Conversion,
     ConversionError,
     as_number,
@@ -133,7 +134,9 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     elif packing is False or neat is False:
         conversion.already.append("packing: false (no packing)")
     val = as_number(rest.pop("val_size", None))
-    if val:
+    if val and fmt_stage == "preference":
+        conversion.skip("val_size", f"{val}: {HELD_OUT_PAIRS}")
+    elif val:
         if val < 1:
             conversion.set("data.eval_fraction", to_float(val, "val_size"), "from val_size")
         else:

@@ -579,11 +579,11 @@ def load_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str,
 PARTITION_BATCH_BYTES = 64 * 2**20
 
 
-def _quantized_skeleton(construct, index, path, rename, storage, select, zero_stage, ds_config, device) -> tuple[nn.Module, dict[str, str]]:
+def _quantized_skeleton(construct, index, path, rename, storage, select, zero_stage, ds_config, device, new_head: bool = False) -> tuple[nn.Module, dict[str, str]]:
     """The model as a skeleton with its block linears quantized, checked against the checkpoint; partitioned under ZeRO-3."""
     model = construct(on_meta=True)
     replace_linears(model, storage, quantizable_linears(model, select))
-    sources = _plan(model, index, path, rename)
+    sources = _plan(model, index, path, rename, new_head)
     if zero_stage == 3:
         _partition_skeleton(model, device, ds_config)
     return model, sources
@@ -892,11 +892,17 @@ def _construct_from_factory(
             return factory()
 
 
-def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable[[str], str] | None = None) -> dict[str, str]:
+def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable[[str], str] | None = None, new_head: bool = False) -> dict[str, str]:
     """Model key -> checkpoint tensor for every tensor to load, or a CheckpointError listing every mismatch."""
     expected = _state_dict_shapes(model)
     tied = _tied_keys(model)
     ignore_missing, ignore_unexpected = _ignored_patterns(model)
+    if new_head and getattr(model, "base_model_prefix", ""):
+        # The head is every tensor outside the base model: the model's own one is initialised when the
+        # checkpoint lacks it, the checkpoint's other one (a causal LM's lm_head) is left unread, as
+        # from_pretrained does when it loads a causal LM as a sequence classifier.
+        outside = rf"^(?!{re.escape(model.base_model_prefix)}\.)"
+        ignore_missing, ignore_unexpected = [*ignore_missing, outside], [*ignore_unexpected, outside]
     quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
     if quantized:
         # A quantized layer's scale is computed from a full-precision checkpoint, or read beside
@@ -1081,6 +1087,7 @@ def load_pretrained(
     rename: Callable[[str], str] | None = None,
     quantize: QuantizedStorage | None = None,
     quantize_select: Callable[[str], bool] | None = None,
+    new_head: bool = False,
 ) -> nn.Module:
     """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
 
@@ -1111,6 +1118,10 @@ def load_pretrained(
             ``scale_weight`` keys of an fp8 (ComfyUI ``fp8_scaled``) one. Under ZeRO-3 the
             skeleton is partitioned a few modules at a time (``zero.Init(module=...)``), so no
             rank ever holds a full-precision copy of the model, nor its own partitions of one.
+        new_head: the model's head (its tensors outside ``base_model_prefix``) is not the
+            checkpoint's: a causal LM's checkpoint loaded as a reward model's sequence classifier.
+            The head the checkpoint lacks is initialised, the one it has that the model lacks
+            (``lm_head``) is not read; every base-model tensor must still match.
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -1146,7 +1157,7 @@ def load_pretrained(
 
         if quantize is not None:
             with _zero3_visible(zero_stage, ds_config):
-                model, sources = _quantized_skeleton(construct, index, path, rename, quantize, quantize_select, zero_stage, ds_config, device)
+                model, sources = _quantized_skeleton(construct, index, path, rename, quantize, quantize_select, zero_stage, ds_config, device, new_head)
             bytes_read = load_quantized_tensors(model, index, sources, quantize, device=device)
             _finish(model, path, device)
             log.info("loaded %d tensors from %s in %.1fs, linear layers of the blocks stored as %s; this rank read %.1f MB",
@@ -1155,12 +1166,12 @@ def load_pretrained(
         with _zero3_visible(zero_stage, ds_config):
             if zero_stage == 3:
                 # Checked on a meta skeleton first: a mismatch fails in seconds, not after zero.Init.
-                sources = _plan(construct(on_meta=True), index, path, rename)
+                sources = _plan(construct(on_meta=True), index, path, rename, new_head)
             with _heap_returned(zero_stage == 3 and device.type == "cpu"):
                 model = construct()
         log.debug("constructed %s (%s)", type(model).__name__, "partitioned by zero.Init" if zero_stage == 3 else "on the meta device")
         if zero_stage != 3:
-            sources = _plan(model, index, path, rename)
+            sources = _plan(model, index, path, rename, new_head)
         bytes_read = load_tensors(model, index, sources, device=device)
     except _StreamingUnsupported as reason:
         if not _is_model_class(model_cls_or_factory):

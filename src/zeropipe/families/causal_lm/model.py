@@ -78,14 +78,15 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
         # transformers would skip zero.Init for a model loaded with a quantization_config.
         model = load_pretrained(
             AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
-            quantize=fp8_storage(section),
+            quantize=fp8_storage(section), new_head=reward,
         )
     elif section.path and section.quantization is None and not section.load_kwargs:
 
         # Tensor by tensor from the memory-mapped checkpoint, each rank only what it keeps:
         # host RAM does not grow with the number of ranks (from_pretrained's does).
         model = load_pretrained(
-            AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation
+            AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
+            new_head=reward,
         )
     elif section.path:
         # QLoRA's 4-bit quantisation and extra from_pretrained arguments stay with transformers.
@@ -95,7 +96,8 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
 
             settings = {"load_in_8bit": True} if section.quantization.storage == "int8" else quantization_kwargs(section, precision, zero_stage)
             kwargs["quantization_config"] = BitsAndBytesConfig(**settings)
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=dtype, attn_implementation=section.attn_implementation, **kwargs)
+        # config: the run's (a reward model's num_labels and pad_token_id), not only the folder's config.json.
+        model = AutoModelForCausalLM.from_pretrained(section.path, config=config, dtype=dtype, attn_implementation=section.attn_implementation, **kwargs)
         if section.quantization is not None:
             from peft import prepare_model_for_kbit_training
 
