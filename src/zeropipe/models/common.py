@@ -69,6 +69,22 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
+def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights to load into a family's export model (the causal LM's, the VLM's).
+
+    A checkpoint of a quantized base (QLoRA's 4-bit, fp8) holds the base as packed bytes and their scales;
+    the exported model is the full-precision base of model.path, so only what trained (the
+    adapters) is taken from the checkpoint and the rest is the base's own. Other runs load the
+    whole checkpoint.
+    """
+    if section.quantization is None:
+        return state
+    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    # A trained tensor missing from the checkpoint stays missing: load_checked names it.
+    base = {name: value for name, value in model.state_dict().items() if name not in trained}
+    return base | {name: state[name] for name in trained if name in state}
+
+
 def hf_zero3_config(ds_config: dict[str, Any], zero_stage: int):
     """An HfDeepSpeedConfig under ZeRO-3 (None otherwise); the caller keeps it alive for the whole run.
 
