@@ -93,6 +93,14 @@ def test_a_fine_grained_fp8_checkpoint_loads_as_stored_and_trains_lora(tmp_path)
     assert losses[-1] < losses[0] * 0.97, losses
     assert all(module.weight.grad is None for module in layers.values())
 
+    # fp8 tensors of layers kept in the training precision (a VLM's vision tower) are upcast with their block scales, row chunk by row chunk.
+    part = load_pretrained(
+        AutoModelForCausalLM, tmp_path / "fp8", dtype=torch.float32, zero_stage=0, device="cpu", quantize=QuantizedStorage("fp8"),
+        quantize_select=lambda name: ".layers.0." in name,
+    )
+    kept = part.get_submodule("model.layers.1.mlp.down_proj")
+    assert type(kept) is torch.nn.Linear and torch.equal(kept.weight, meaning["model.layers.1.mlp.down_proj.weight"])
+
     # Without model.quantization the file is not silently read as bf16 numbers: it names the setting.
     with pytest.raises(CheckpointError, match="fine-grained FP8 checkpoint .*set model.quantization: fp8"):
         load_pretrained(AutoModelForCausalLM, tmp_path / "fp8", dtype=torch.float32, zero_stage=0, device="cpu")
@@ -114,3 +122,23 @@ def test_keeping_the_block_scales_is_exact_where_re_quantizing_per_channel_round
     per_channel = dequantize(*quantize(stored, QuantizedStorage("fp8", "channel")), torch.float8_e4m3fn, torch.float32)
     again = ((per_channel - stored).norm() / stored.norm()).item()
     assert 0.015 < again < 0.04, again  # a second rounding of about fp8's own error
+
+
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
+def test_llama_factory_on_a_fine_grained_fp8_base_keeps_it_for_lora_and_refuses_a_full_fine_tune(tmp_path, finetuning):
+    from zeropipe.convert import convert_file
+
+    base = tmp_path / "Qwen3-8B-FP8"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_type": "qwen3", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.json").write_text('[{"instruction": "hi", "output": "yo"}]')
+    (tmp_path / "data" / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "train.json"}}))
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text(f"model_name_or_path: {base}\nstage: sft\ndo_train: true\nfinetuning_type: {finetuning}\nquantization_bit: 4\ndataset: mine\ndataset_dir: {tmp_path / 'data'}\n")
+    conversion = convert_file(recipe)
+    if finetuning == "lora":
+        assert conversion.entries["model.quantization.format"].value == "fp8" and "model.quantization.load_in_4bit" not in conversion.entries
+        assert not conversion.blocking
+    else:
+        assert any("full fine-tune cannot update weights stored in fp8" in reason for reason in conversion.blocking)
