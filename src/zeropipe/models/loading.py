@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from zeropipe.errors import CheckpointError
+from zeropipe.models.bnb_base import BitsAndBytesStorage, bnb_linear
 from zeropipe.models.quantized import (
     BLOCK_SCALE_KEY,
     DEFAULT_WEIGHT_BLOCK,
@@ -589,6 +590,33 @@ def _quantized_skeleton(construct, index, path, rename, storage, select, zero_st
     if zero_stage == 3:
         _partition_skeleton(model, device, ds_config)
     return model, sources
+
+
+def _load_bnb_base(construct, index, path, rename, storage: BitsAndBytesStorage, select, zero_stage: int, dtype: torch.dtype, device) -> tuple[nn.Module, int, int]:
+    """A model whose block linears are bitsandbytes layers, each quantized from its checkpoint weight read whole, one layer at a time (ZeRO-0..2)."""
+    if zero_stage == 3:
+        raise ValueError(f"a {storage.format} (bitsandbytes) base is held whole by every rank: ZeRO-0..2 only (models.bnb_base says why)")
+    model = construct(on_meta=True)
+    names = quantizable_linears(model, select)
+    sources = dict(_plan(model, index, path, rename))
+    bytes_read = 0
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, leaf)
+        tensors = {}
+        for part in ("weight", "bias"):
+            source = sources.pop(f"{name}.{part}", None)
+            if source is not None:
+                with index.read(source) as stored:
+                    tensors[part] = stored.to(dtype, copy=True)
+                bytes_read += index[source].nbytes
+        setattr(parent, leaf, bnb_linear(old, tensors["weight"], tensors.get("bias"), storage, dtype, device))
+    count = len(sources)
+    bytes_read += load_tensors(model, index, sources, device=device)
+    # peft wraps bitsandbytes layers in its own LoRA layers when the model says it holds them.
+    model.is_loaded_in_4bit, model.is_loaded_in_8bit = storage.format != "int8", storage.format == "int8"
+    return model, bytes_read, count + 2 * len(names)
 
 
 def _partition_skeleton(model: nn.Module, device: torch.device, ds_config: dict | None) -> None:
@@ -1128,7 +1156,7 @@ def load_pretrained(
     device: torch.device | str | None = None,
     stem: str = "model",
     rename: Callable[[str], str] | None = None,
-    quantize: QuantizedStorage | None = None,
+    quantize: QuantizedStorage | BitsAndBytesStorage | None = None,
     quantize_select: Callable[[str], bool] | None = None,
 ) -> nn.Module:
     """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
@@ -1160,6 +1188,8 @@ def load_pretrained(
             ``scale_weight`` keys of an fp8 (ComfyUI ``fp8_scaled``) one. Under ZeRO-3 the
             skeleton is partitioned a few modules at a time (``zero.Init(module=...)``), so no
             rank ever holds a full-precision copy of the model, nor its own partitions of one.
+            A ``BitsAndBytesStorage`` (nf4, fp4, int8; ZeRO-0..2) swaps those layers for
+            bitsandbytes' instead, each quantized from its weight read whole (``models.bnb_base``).
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -1193,6 +1223,12 @@ def load_pretrained(
             def construct(on_meta: bool = False) -> nn.Module:
                 return _construct_from_factory(model_cls_or_factory, dtype, zero_stage, ds_config, on_meta=on_meta)
 
+        if isinstance(quantize, BitsAndBytesStorage):
+            model, bytes_read, count = _load_bnb_base(construct, index, path, rename, quantize, quantize_select, zero_stage, dtype, device)
+            _finish(model, path, device)
+            log.info("loaded %d tensors from %s in %.1fs, linear layers of the blocks stored as %s (bitsandbytes); this rank read %.1f MB",
+                     count, path, time.perf_counter() - started, quantize.format, bytes_read / 1e6)
+            return model
         if quantize is not None:
             with _zero3_visible(zero_stage, ds_config):
                 model, sources = _quantized_skeleton(construct, index, path, rename, quantize, quantize_select, zero_stage, ds_config, device)
