@@ -91,7 +91,7 @@ class QuantizationSection(Section):
         "auto",
         description="Storage of the base weights: fp8 (e4m3, the usual one) or fp8_e5m2, for causal LMs, vision-language models (the language "
         "model's blocks) and diffusion transformers, on CPU ranks and GPUs, under any ZeRO stage; nf4/fp4 (QLoRA, bitsandbytes) or int8 "
-        "(bitsandbytes' LLM.int8, ZeRO-0..2) for causal LMs. "
+        "(bitsandbytes' LLM.int8, ZeRO-0..2) for causal LMs, and for diffusion denoisers under ZeRO-0..2. "
         "'auto': quant_type (4-bit QLoRA, as before).",
     )
     scale: Literal["channel", "tensor"] = Field(
@@ -201,7 +201,7 @@ class ModelSection(Section):
         None,
         description="Store the frozen base quantized for LoRA (needs model.lora): fp8 or fp8_e5m2 (any family's transformer blocks, any ZeRO stage, "
         "CPU ranks too; fp8 checkpoints such as Qwen3-*-FP8 or ComfyUI's fp8_scaled are read as stored), nf4/fp4 (QLoRA) or int8 with bitsandbytes "
-        "(causal LMs; on CPU ranks bitsandbytes >= 0.47). One word (fp8) or a section.",
+        "(causal LMs; diffusion denoisers under ZeRO-0..2; on CPU ranks bitsandbytes >= 0.47). One word (fp8) or a section.",
     )
 
     @field_validator("quantization", mode="before")
