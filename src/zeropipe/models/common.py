@@ -85,6 +85,28 @@ def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]
     return base | {name: state[name] for name in trained if name in state}
 
 
+def full_precision_kwargs(path: str | None) -> dict[str, Any]:
+    """from_pretrained arguments that load model.path in full precision: a fine-grained FP8 checkpoint dequantized.
+
+    An export's base is the full-precision model; transformers keeps such a checkpoint's FP8 layers on a GPU
+    of compute capability 8.9+ (and dequantizes it elsewhere), which peft cannot merge into.
+    """
+    import json
+    from pathlib import Path
+
+    if not path:
+        return {}
+    try:
+        quant = json.loads((Path(path).expanduser() / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}
+    if quant.get("quant_method") != "fp8":
+        return {}
+    from transformers import FineGrainedFP8Config
+
+    return {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+
+
 def hf_zero3_config(ds_config: dict[str, Any], zero_stage: int):
     """An HfDeepSpeedConfig under ZeRO-3 (None otherwise); the caller keeps it alive for the whole run.
 

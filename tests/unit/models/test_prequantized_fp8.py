@@ -21,7 +21,7 @@ from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import SCALE_KEY, QuantizedLinear, QuantizedStorage, apply_block_scale, dequantize, quantize
 
 E4M3_LARGEST = 448.0
-BLOCK = (16, 24)  # 64 columns are not a multiple of 24: the last column block is narrower, as in real checkpoints
+BLOCK = (16, 32)  # rows and columns blocked differently; every tiny dimension a multiple, as transformers needs to dequantize it
 
 
 def block_quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def write_fine_grained_fp8(directory, block=BLOCK, seed=0):
 
 def test_a_fine_grained_fp8_checkpoint_loads_as_stored_and_trains_lora(tmp_path):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
 
     meaning, stored = write_fine_grained_fp8(tmp_path / "fp8")
     model = load_pretrained(AutoModelForCausalLM, tmp_path / "fp8", dtype=torch.float32, zero_stage=0, device="cpu", quantize=QuantizedStorage("fp8"))
@@ -73,9 +73,10 @@ def test_a_fine_grained_fp8_checkpoint_loads_as_stored_and_trains_lora(tmp_path)
     for name, module in layers.items():
         assert torch.equal(module.dequantized_weight(), meaning[name + ".weight"]), name
 
-    # The same numbers as the dequantized checkpoint computes (transformers dequantizes such a file on CPU).
-    reference = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}, vocab_size=300)).float()
-    reference.load_state_dict({name: value.float() for name, value in meaning.items()}, strict=False)
+    # transformers, reading the same file with its own fine-grained FP8 dequantization, computes the same numbers:
+    # the file is in its layout, and this loader reads it as transformers means it.
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.float32, quantization_config=FineGrainedFP8Config(dequantize=True))
+    assert torch.equal(reference.state_dict()["model.layers.1.mlp.up_proj.weight"], meaning["model.layers.1.mlp.up_proj.weight"])
     ids = torch.tensor([[1, 5, 9, 14, 20, 33, 41, 7]])
     with torch.no_grad():
         assert torch.allclose(model.eval()(ids).logits, reference.eval()(ids).logits, atol=1e-5)
@@ -101,6 +102,14 @@ def test_a_fine_grained_fp8_checkpoint_loads_as_stored_and_trains_lora(tmp_path)
     kept = part.get_submodule("model.layers.1.mlp.down_proj")
     assert type(kept) is torch.nn.Linear and torch.equal(kept.weight, meaning["model.layers.1.mlp.down_proj.weight"])
 
+    # The export's base is that checkpoint in full precision (dequantized on any machine), with the run's adapters on it.
+    from zeropipe.config.load import validate_config
+    from zeropipe.families.causal_lm.model import causal_lm_for_export
+
+    run = validate_config({"model": {"path": str(tmp_path / "fp8"), "lora": {"r": 4}, "quantization": "fp8"}, "data": {"synthetic": {"task": "arithmetic"}}})
+    exported = causal_lm_for_export(run)
+    assert torch.equal(exported.get_base_model().model.layers[0].mlp.down_proj.weight, meaning["model.layers.0.mlp.down_proj.weight"])
+
     # Without model.quantization the file is not silently read as bf16 numbers: it names the setting.
     with pytest.raises(CheckpointError, match="fine-grained FP8 checkpoint .*set model.quantization: fp8"):
         load_pretrained(AutoModelForCausalLM, tmp_path / "fp8", dtype=torch.float32, zero_stage=0, device="cpu")
@@ -113,6 +122,10 @@ def test_a_fine_grained_fp8_checkpoint_loads_as_stored_and_trains_lora(tmp_path)
 
 def test_keeping_the_block_scales_is_exact_where_re_quantizing_per_channel_rounds_again():
     """Why the block grid is stored rather than re-quantized to one scale per channel (the module docstring's figures, on 1024x1024)."""
+    # A grid whose last row and column blocks are narrower (real widths need not be multiples of 128).
+    grid = torch.rand(3, 3) + 0.5
+    ones = torch.ones(5, 7)
+    assert torch.equal(apply_block_scale(ones.clone(), grid, (2, 3)), grid.repeat_interleave(2, 0)[:5].repeat_interleave(3, 1)[:, :7])
     torch.manual_seed(0)
     weight = torch.randn(1024, 1024)
     fp8, grid = block_quantize(weight, (128, 128))

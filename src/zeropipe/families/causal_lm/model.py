@@ -17,7 +17,7 @@ import torch
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import peft_adapter_config
-from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, model_config, resolve_lora_targets, trained_weights  # noqa: F401 - trained_weights: this family's callers
+from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, full_precision_kwargs, model_config, resolve_lora_targets, trained_weights  # noqa: F401 - trained_weights: this family's callers
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import QuantizedStorage
 
@@ -165,7 +165,7 @@ def causal_lm_for_export(config: RunConfig, pad_token_id: int | None = None):
     # A reward model scores a sequence at its last token before the padding: its config must name the pad token.
     head = {"num_labels": 1, "pad_token_id": pad_token_id} if reward else {}
     if section.path:
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32, **head)
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32, **head, **full_precision_kwargs(section.path))
     else:
         for key, value in head.items():
             setattr(hf_config, key, value)

@@ -34,7 +34,7 @@ from zeropipe.config.schema import LoraSection, ModelSection
 from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import adapter_parameter_sizes, is_adapter_parameter, peft_adapter_config
-from zeropipe.models.common import TORCH_DTYPES, is_lora_target, model_config
+from zeropipe.models.common import TORCH_DTYPES, full_precision_kwargs, is_lora_target, model_config
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import BLOCK_LINEAR, QuantizedStorage
 
@@ -317,7 +317,7 @@ def build_vlm_for_export(section: ModelSection) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText
 
     if section.path:
-        model = AutoModelForImageTextToText.from_pretrained(section.path, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_pretrained(section.path, dtype=torch.float32, **full_precision_kwargs(section.path))
     else:
         model = AutoModelForImageTextToText.from_config(vlm_config(section), dtype=torch.float32)
     if section.lora is not None:
