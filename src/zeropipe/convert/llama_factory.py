@@ -65,7 +65,7 @@ NOT_MAPPED = {
     "image_max_pixels": "images are resized by the model's own image processor",
     "image_min_pixels": "images are resized by the model's own image processor",
     "video_max_pixels": "video is not supported",
-    "quantization_method": "QLoRA uses bitsandbytes",
+    "quantization_method": "ZeRO-Pipe's quantized bases are bitsandbytes' (quantization_bit: 4, nf4) and fp8 (quantization_bit: 8); hqq and eetq are not run",
     "mask_history": "loss is on every assistant turn",
     "additional_target": "only LoRA adapters train in a LoRA run",
     "create_new_adapter": "a LoRA run starts fresh adapters",

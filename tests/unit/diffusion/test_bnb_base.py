@@ -51,8 +51,13 @@ def test_a_bitsandbytes_diffusion_base_under_zero3_is_refused_with_the_reason():
     from zeropipe.config.load import validate_config
     from zeropipe.families import family_named
 
-    raw = {"model": {"config": {"pipeline": "tiny-wan"}, "lora": {"r": 4}, "quantization": "nf4"}, "data": {"synthetic": {"task": "shapes"}}}
+    raw = {"model": {"config": {"pipeline": "tiny-flux"}, "lora": {"r": 4}, "quantization": "nf4"}, "data": {"synthetic": {"task": "shapes"}}}
     family = family_named("diffusion")
     assert family.config_problems(validate_config({**raw, "deepspeed": {"zero_stage": 2}})) == []
     (problem,) = [p for p in family.config_problems(validate_config({**raw, "deepspeed": {"zero_stage": 3}})) if p[0] == "deepspeed.zero_stage"]
     assert "neither partitions nor gathers" in problem[1] and "set deepspeed.zero_stage: 2" in problem[1] and "fp8" in problem[1]
+    # The planner counts the block linears in 4 bits, int8 at one byte per weight.
+    spec = family.model_spec(validate_config({**raw, "deepspeed": {"zero_stage": 2}}))
+    assert spec.quantized is not None and spec.quantized.params_4bit == spec.block_linear_params > 0
+    int8 = family.model_spec(validate_config({**raw, "model": {**raw["model"], "quantization": "int8"}, "deepspeed": {"zero_stage": 2}}))
+    assert int8.fp8_base is not None and int8.fp8_base.params_fp8 == spec.block_linear_params
