@@ -160,10 +160,10 @@ def language_model_block(name: str) -> bool:
     """The linear layers an fp8 VLM base stores in 8 bits: those of the language model's repeated blocks.
 
     The vision tower and the projector stay in the training precision: they are a small share of
-    the weights (Gemma 3 27B's SigLIP tower 0.4B of 27B, Qwen2.5-VL 7B's 0.7B of 8.3B), a curriculum
-    trains them in full (model.trainable: vision_tower, projector), which fp8 weights cannot, and
-    image features are what every answer reads. This is what bitsandbytes-based VLM QLoRA recipes
-    that skip the vision modules do too (llm_int8_skip_modules).
+    the weights (Gemma 3 27B, counted on the meta device from the planner's catalog config: the
+    SigLIP tower 0.42B of 27.4B, while 25.6B language-model block weights go to fp8; Qwen2.5-VL 7B's
+    tower is 0.7B of 8.3B as published), a curriculum trains them in full (model.trainable:
+    vision_tower, projector), which fp8 weights cannot, and image features are what every answer reads.
     """
     return part_of(name) == "language_model" and bool(BLOCK_LINEAR.search(name))
 
