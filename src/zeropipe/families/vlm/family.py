@@ -23,7 +23,7 @@ from zeropipe.families.vlm.preference import VlmPreferenceTask, prepare_vlm_pref
 from zeropipe.families.vlm.prepare import prepare_vlm_data
 from zeropipe.families.vlm.spec import vlm_config_spec
 from zeropipe.families.vlm.task import VisionLanguageTask
-from zeropipe.models.common import hidden_size_of
+from zeropipe.models.common import hidden_size_of, trained_weights
 from zeropipe.rundir import PreparedData, RunDir
 
 
@@ -47,10 +47,7 @@ class VisionLanguage:
             return False
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        problems = text_only_problems(config, self.name) + vlm_preference_problems(config)
-        if config.model.quantization is not None and config.model.quantization.is_fp8:
-            problems.append(("model.quantization", "an fp8 base is implemented for causal LMs and diffusion models, not yet for vision-language models: remove model.quantization"))
-        return problems
+        return text_only_problems(config, self.name) + vlm_preference_problems(config)
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         if config.model.path or config.model.processor:
@@ -75,7 +72,9 @@ class VisionLanguage:
 
     def export(self, job: ExportJob) -> Path:
         # AutoModelForImageTextToText, with adapters only on the parts that trained.
-        return write_transformers_export(job, build_vlm_for_export(job.config.model))
+        model = build_vlm_for_export(job.config.model)
+        # An fp8 base's checkpoint holds the base as bytes: the export takes the adapters from it, the base from model.path.
+        return write_transformers_export(job, model, trained_weights(model, job.config.model, job.state_dict()))
 
     def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
         return vlm_generate.load_for_generation(source, device, dtype)
