@@ -144,3 +144,23 @@ def test_audio_comes_from_the_latent_cache_and_turning_it_off_is_refused_with_th
     })
     assert [key for key, _ in part_problems(config, LTX2)] == ["data.cache.latents"]
     assert part_problems(config.model_copy(update={"data": config.data.model_copy(update={"cache": config.data.cache.model_copy(update={"latents": True})})}), LTX2) == []
+
+
+def test_the_draw_pages_clip_carries_the_sound_the_pipeline_drew(tiny_ltx2, tmp_path):
+    """The UI's Draw page (families.diffusion.draw) muxes LTX2Pipeline's waveform into the mp4, as training's samples do."""
+    import av
+    from diffusers import LTX2Pipeline
+
+    from zeropipe.export.generate import LoadedModel, ModelSource
+    from zeropipe.families.diffusion.draw import draw
+
+    pipeline = LTX2Pipeline.from_pretrained(str(tiny_ltx2))
+    pipeline.set_progress_bar_config(disable=True)
+    loaded = LoadedModel(pipeline, None, ModelSource("hf", tiny_ltx2, family="diffusion"), CPU)
+    row = draw(loaded, tmp_path / "draw", "a red ball", "", 32, 32, steps=1, guidance=1.0, seed=0, frames=9)[0]
+    with av.open(str(tmp_path / "draw" / row["file"])) as clip:
+        assert len(clip.streams.video) == 1 and len(clip.streams.audio) == 1, "the drawn clip has no audio stream"
+        audio = clip.streams.audio[0]
+        assert audio.rate == pipeline.vocoder.config.output_sampling_rate
+        samples = [frame.to_ndarray() for frame in clip.decode(audio)]
+    assert samples and max(abs(s).max() for s in samples) > 0 and row["audio_dbfs"] is not None
