@@ -164,3 +164,21 @@ def test_the_draw_pages_clip_carries_the_sound_the_pipeline_drew(tiny_ltx2, tmp_
         assert audio.rate == pipeline.vocoder.config.output_sampling_rate
         samples = [frame.to_ndarray() for frame in clip.decode(audio)]
     assert samples and max(abs(s).max() for s in samples) > 0 and row["audio_dbfs"] is not None
+
+
+# LTX-2.3's layout in diffusers 0.42, tiny: the connectors project per modality (no caption projection in the transformer),
+# gated attention and cross-attention modulation (transformer_ltx2.py / connectors.py mark them "LTX-2.3").
+LTX2_3_OVERRIDES = {
+    "transformer": {"use_prompt_embeddings": False, "gated_attn": True, "cross_attn_mod": True, "audio_gated_attn": True, "audio_cross_attn_mod": True},
+    "connectors": {
+        "per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8, "video_connector_num_attention_heads": 2,
+        "audio_connector_num_attention_heads": 2, "audio_connector_attention_head_dim": 4, "video_gated_attn": True, "audio_gated_attn": True,
+    },
+}
+
+
+def test_the_ltx2_3_layout_is_called_and_prepared_as_its_pipeline_does(tmp_path):
+    """LTX-2.3 is a config of the same classes: the one entry's prompt encoding and joint call match LTX2Pipeline's on it."""
+    folder = tmp_path / "ltx2.3"
+    build_tiny_pipeline({"pipeline": "tiny-ltx2", **LTX2_3_OVERRIDES}, folder, seed=1)
+    test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_does(folder)
