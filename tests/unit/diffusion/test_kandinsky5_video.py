@@ -85,14 +85,3 @@ def test_image_to_video_predict_is_the_pipelines_own_call_and_leaves_the_given_f
     prediction, target = arch.loss_region(got, torch.zeros_like(got))
     assert prediction.shape[2] == got.shape[2] - 1
 
-
-def test_the_published_configs_count_their_published_sizes():
-    """Lite "2B" and Pro "19B" (kandinskylab's model cards); the 33 input channels are visual_cond's."""
-    import json
-
-    from zeropipe.plan.model_spec import CATALOG_DIR, _build_component
-
-    for name, published in (("kandinsky5-t2v-lite", 2.0e9), ("kandinsky5-t2v-pro", 19.0e9), ("kandinsky5-i2v-pro", 19.0e9)):
-        entry = json.loads((CATALOG_DIR / f"{name}.json").read_text())
-        count = sum(p.numel() for p in _build_component(entry["trained"]).parameters())
-        assert count == torch.tensor(published).item() or abs(count - published) / published < 0.02, (name, count)
