@@ -59,6 +59,9 @@ def test_text_to_video_predict_is_the_pipelines_own_call(tmp_path):
         condition = arch.encode_prompts(pipeline, [PROMPT], CPU)
         got = arch.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
     assert kwargs["scale_factor"] == (1, 3.16, 3.16)
+    # The template's system prompt is cut off whole (128 tokens, as with Qwen2.5's tokenizer): the transformer reads the user turn.
+    user_turn = pipeline.tokenizer(f"<|im_start|>user\n{PROMPT}<|im_end|>")["input_ids"]
+    assert kwargs["encoder_hidden_states"].shape[1] == len(user_turn)
     torch.testing.assert_close(got, channels_first(output), rtol=1e-4, atol=1e-5)
 
 

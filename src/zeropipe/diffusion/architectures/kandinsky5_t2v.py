@@ -39,6 +39,45 @@ from zeropipe.diffusion.parts import VideoLatents
 LATENT_CHANNELS = 16  # HunyuanVideo's VAE
 
 
+def template_qwen_tokenizer(pipeline_class: str, max_length: int):
+    """A Qwen-style tokenizer for tiny presets, built without a download: the pipeline's prompt template's words are single tokens, the rest characters.
+
+    The video pipelines cut the first 128 tokens (their system prompt, as Qwen2.5's tokenizer
+    tokenizes it) off the encoder's output. A tokenizer of single characters makes that system
+    prompt hundreds of tokens long, and the prompt itself would reach the transformer behind most
+    of the template; with the template's words as tokens (sentencepiece-style, a word with its
+    leading space one token) the system prompt is 128 tokens here too, so the cut leaves
+    ``<|im_start|>user`` and the prompt, as with the real tokenizer.
+    """
+    import re
+
+    import diffusers
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from zeropipe.diffusion.architectures.base import TOKENIZER_CHARACTERS
+    from zeropipe.diffusion.architectures.qwen_image import CHAT_TOKENS
+
+    # The pipeline's own template; its constructor takes every component as None.
+    template = getattr(diffusers, pipeline_class)(*[None] * 7).prompt_template
+    plain = template
+    for token in CHAT_TOKENS:
+        plain = plain.replace(token, " ")
+    words = sorted({word for word in re.findall(r"[A-Za-z]+", plain) if len(word) > 1})
+    characters = sorted(set(TOKENIZER_CHARACTERS) | set(plain.replace("{}", "")) - {" "})
+    word_start = "\u2581"  # sentencepiece's marker of a word's first piece
+    vocab = [(token, 0.0) for token in (*CHAT_TOKENS, "<unk>")] + [(word_start, -1.0)]
+    vocab += [(char, -2.0) for char in characters] + [(word_start + char, -2.5) for char in characters]
+    vocab += [(word_start + word, -1.5) for word in words] + [(word, -1.5) for word in words]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=len(CHAT_TOKENS)))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="never")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>", model_max_length=max_length,
+    )
+
+
 def channels_last(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, F, H, W) -> (B, F, H, W, C), the layout the Kandinsky 5 video pipelines denoise."""
     return latents.permute(0, 2, 3, 4, 1)
@@ -67,6 +106,11 @@ def rope_scale(height: int, width: int) -> tuple:
 
 @dataclass(frozen=True)
 class Kandinsky5T2V(Kandinsky5T2I):
+    def tiny_tokenizer(self, tokenizer):
+        if tokenizer == "tokenizer_2":
+            return super().tiny_tokenizer(tokenizer)
+        return template_qwen_tokenizer(self.pipeline_class, 128 + self.tokenizer_length(tokenizer))
+
     def visual_condition(self, latents: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
         """The channels-last input with the visual condition and its mask appended (zeros: nothing is given in text-to-video)."""
         zeros = torch.zeros_like(latents)
@@ -115,6 +159,7 @@ class Kandinsky5T2V(Kandinsky5T2I):
 
 
 def tiny_preset() -> dict:
+    qwen = tiny_qwen2_5_vl()
     return {
         "transformer": {
             "in_visual_dim": LATENT_CHANNELS, "out_visual_dim": LATENT_CHANNELS, "in_text_dim": 32, "in_text_dim2": 32, "time_dim": 32,
@@ -122,7 +167,8 @@ def tiny_preset() -> dict:
             "visual_cond": True,
         },
         "vae": copy.deepcopy(HUNYUAN_VIDEO.preset["vae"]),
-        "text_encoder": tiny_qwen2_5_vl(),
+        # Its tokenizer holds the video template's words (template_qwen_tokenizer): 215 tokens.
+        "text_encoder": {**qwen, "text_config": {**qwen["text_config"], "vocab_size": 256}},
         "text_encoder_2": {"class": "CLIPTextModel", **clip_text(hidden=32)},
         # The 5 s models' sampler: Euler on flow sigmas with a shift of 5 (kandinsky-5's scheduler_scale).
         "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 5.0, "use_dynamic_shifting": False},
