@@ -48,7 +48,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "hunyuan_video_15": "hunyuan-video-1.5",
     "ernie_image": "ernie-image",
     "ltx2": "ltx2",
-    "ideogram4": None,
+    "ideogram4": "ideogram4",
     "krea2": "krea2",
     "minimax_h3": None,
     "kandinsky5": "kandinsky5-t2i",

@@ -93,17 +93,15 @@ class Family(Protocol):
 
 
 def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:
-    """The causal-LM features (data features, QLoRA's 4-bit base) a run of another family set."""
+    """The causal-LM features (data features, QLoRA's 4-bit base) a run of another family set.
+
+    A ``preference:`` section is each family's to accept or refuse (the VLM trains it; diffusion refuses it).
+    """
     problems = [
         (f"data.{key}", f"is implemented for causal language models only, and this is a {family} run: remove it")
         for key in TEXT_ONLY_DATA_KEYS
         if getattr(config.data, key)
     ]
-    if config.preference is not None:
-        # Said before anything starts: another family's task would train it as supervised data, silently.
-        problems.append(
-            ("preference", f"preference tuning (DPO, ORPO, SimPO, KTO, reward models) is implemented for causal language models only, and this is a {family} run: remove preference")
-        )
     if config.model.quantization is not None and not config.model.quantization.is_fp8:
         # Said before anything starts: the diffusion family would ignore it, the VLM's ranks fail on it.
         problems.append(

@@ -29,6 +29,7 @@ BUILTIN = (
     "kandinsky5_t2i", "kandinsky5_t2v", "kandinsky5_i2v", "krea2", "ernie_image",
     "qwen_image_edit_plus",
     "ltx2",
+    "ideogram4",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

@@ -51,6 +51,9 @@ class Diffusion:
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         problems = text_only_problems(config, self.name)
+        if config.preference is not None:
+            # Said before anything starts: the diffusion task would train it as supervised data, silently.
+            problems.append(("preference", "preference tuning (DPO, ORPO, SimPO, KTO, reward models) is implemented for language and vision-language models, and this is a diffusion run: remove preference"))
         # The objective raises these inside the ranks too; said here, nothing starts first.
         objective, prediction = self.objective(config), config.model.diffusion.prediction_type
         if objective == "flow" and prediction not in ("auto", "flow"):

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
+from zeropipe.engine.preference import reference_mode
 from zeropipe.families.vlm.model import OFFLINE_PROCESSORS, trainable_counts, vlm_config
 from zeropipe.plan.model_spec import LoraShape, ModelSpec, _build_causal_lm, _causal_lm_spec  # the planner's meta-device counters
 
@@ -31,6 +32,9 @@ def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
     lora_shape = None
     if section.lora is not None:
         lora_shape = LoraShape(r=section.lora.r, dropout=section.lora.dropout > 0, target_modules=targets)
+    if run_config.preference is not None:
+        # A micro-batch of n pairs is 2n sequences; a LoRA reference is one more forward pass without gradient.
+        spec = replace(spec, sequences_per_example=2, reference_forward=reference_mode(run_config) == "adapters_off")
     return replace(
         spec,
         total_params=spec.total_params + (trainable if section.lora is not None else 0),
