@@ -68,8 +68,22 @@ def trainable_architecture(kind: str) -> str | None:
     return name if name is not None and name in architectures() else None
 
 
-def is_video(kind: str) -> bool:
-    arch = architectures().get(trainable_architecture(kind) or "")
+# Types that are several of ZeRO-Pipe's entries, told apart as diffusion-pipe tells them: by a word in the checkpoint's path
+# (its models/kandinsky5.py: "i2v", else "t2v", else "t2i" in ckpt_path). The first word found wins; none: the type's own entry.
+TYPE_VARIANTS = {"kandinsky5": (("i2v", "kandinsky5-i2v"), ("t2v", "kandinsky5-t2v"))}
+
+
+def model_architecture(kind: str, model: dict[str, Any] | None = None) -> str | None:
+    """The entry a diffusion-pipe [model] table trains: its type's, or the variant its checkpoint path names (TYPE_VARIANTS)."""
+    path = next((str(model[key]) for key in MODEL_PATH_KEYS if model and key in model), "")
+    for word, name in TYPE_VARIANTS.get(kind, ()):
+        if word in path and name in architectures():
+            return name
+    return trainable_architecture(kind)
+
+
+def is_video(kind: str, model: dict[str, Any] | None = None) -> bool:
+    arch = architectures().get(model_architecture(kind, model) or "")
     return arch.video if arch is not None else kind in VIDEO_TYPES
 
 
@@ -165,7 +179,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
     if not isinstance(model, dict) or "type" not in model:
         raise ConversionError(f"{path}: no [model] table with a type (e.g. type = 'flux'): this does not look like a diffusion-pipe config")
     _model(conversion, dict(model), path.parent, lora=isinstance(rest.get("adapter"), dict))
-    video = is_video(str(model["type"]))
+    video = is_video(str(model["type"]), model)
     adapter = rest.pop("adapter", None)
     if isinstance(adapter, dict):
         _adapter(conversion, dict(adapter))
@@ -205,7 +219,7 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
 
 def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool = True) -> None:
     kind = str(model.pop("type"))
-    arch = trainable_architecture(kind)
+    arch = model_architecture(kind, model)
     if arch is None:
         what = "a video model" if kind in VIDEO_TYPES else "an image architecture"
         trained = sorted(name for name, ours in DIFFUSION_PIPE_TYPES.items() if ours is not None)
@@ -369,7 +383,13 @@ DIFFUSERS_RELEASES = {
     "wan": (
         ((r"Wan2\.[12]-(T2V|I2V|TI2V|FLF2V|VACE)-[\d.]+B(-\d+P)?", "Wan-AI/{name}-Diffusers"), (r"SkyReels-V2-(T2V|I2V)-[\d.]+B-\d+P", "Skywork/{name}-Diffusers")),
         "the Wan-AI/Wan2.x-...-Diffusers (or Skywork/SkyReels-V2-...-Diffusers) repository of the same size and task",
-    )
+    ),
+    # diffusion-pipe reads Kandinsky 5's original files (kandinsky5lite_t2v_sft_5s.safetensors ...); diffusers' docstrings name the releases.
+    "kandinsky5": (
+        (),
+        "the kandinskylab/Kandinsky-5.0-...-Diffusers repository of the same model and task, e.g. kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers, "
+        "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers or kandinskylab/Kandinsky-5.0-T2I-Lite-sft-Diffusers",
+    ),
 }
 
 

@@ -36,3 +36,20 @@ def test_a_skyreels_v2_checkpoint_folder_of_diffusion_pipes_wan_type_points_at_s
     conversion = convert_file(tmp_path / "sky.toml")
     assert not conversion.blocking
     assert "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers" in dict(conversion.unmapped)["model.ckpt_path"]
+
+
+def test_diffusion_pipes_kandinsky5_type_trains_the_entry_its_checkpoint_names(tmp_path):
+    """diffusion-pipe's one kandinsky5 type is T2I, T2V or I2V by its ckpt_path's name; a video one keeps the dataset's frame buckets."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    (tmp_path / "dataset.toml").write_text(f"resolutions = [512]\nframe_buckets = [1, 33]\n[[directory]]\npath = '{clips}'\n")
+    entries = {}
+    for file, entry in (("kandinsky5lite_t2v_sft_5s", "kandinsky5-t2v"), ("kandinsky5pro_i2v_sft_5s", "kandinsky5-i2v"), ("kandinsky5lite_t2i", "kandinsky5-t2i")):
+        (tmp_path / f"{file}.toml").write_text(f"dataset = 'dataset.toml'\n[model]\ntype = 'kandinsky5'\nckpt_path = '/m/{file}.safetensors'\ndtype = 'bfloat16'\n")
+        conversion = convert_file(tmp_path / f"{file}.toml")
+        assert not conversion.blocking, (file, conversion.blocking)
+        entries[entry] = conversion
+        assert any(entry in line for line in conversion.already), (file, conversion.already)
+        assert "kandinskylab/Kandinsky-5.0-" in dict(conversion.unmapped)["model.ckpt_path"]
+    assert entries["kandinsky5-t2v"].entries["data.video.frame_buckets"].value == [1, 33]
+    assert "data.video.frame_buckets" not in entries["kandinsky5-t2i"].entries

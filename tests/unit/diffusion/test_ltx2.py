@@ -144,3 +144,41 @@ def test_audio_comes_from_the_latent_cache_and_turning_it_off_is_refused_with_th
     })
     assert [key for key, _ in part_problems(config, LTX2)] == ["data.cache.latents"]
     assert part_problems(config.model_copy(update={"data": config.data.model_copy(update={"cache": config.data.cache.model_copy(update={"latents": True})})}), LTX2) == []
+
+
+def test_the_draw_pages_clip_carries_the_sound_the_pipeline_drew(tiny_ltx2, tmp_path):
+    """The UI's Draw page (families.diffusion.draw) muxes LTX2Pipeline's waveform into the mp4, as training's samples do."""
+    import av
+    from diffusers import LTX2Pipeline
+
+    from zeropipe.export.generate import LoadedModel, ModelSource
+    from zeropipe.families.diffusion.draw import draw
+
+    pipeline = LTX2Pipeline.from_pretrained(str(tiny_ltx2))
+    pipeline.set_progress_bar_config(disable=True)
+    loaded = LoadedModel(pipeline, None, ModelSource("hf", tiny_ltx2, family="diffusion"), CPU)
+    row = draw(loaded, tmp_path / "draw", "a red ball", "", 32, 32, steps=1, guidance=1.0, seed=0, frames=9)[0]
+    with av.open(str(tmp_path / "draw" / row["file"])) as clip:
+        assert len(clip.streams.video) == 1 and len(clip.streams.audio) == 1, "the drawn clip has no audio stream"
+        audio = clip.streams.audio[0]
+        assert audio.rate == pipeline.vocoder.config.output_sampling_rate
+        samples = [frame.to_ndarray() for frame in clip.decode(audio)]
+    assert samples and max(abs(s).max() for s in samples) > 0 and row["audio_dbfs"] is not None
+
+
+# LTX-2.3's layout in diffusers 0.42, tiny: the connectors project per modality (no caption projection in the transformer),
+# gated attention and cross-attention modulation (transformer_ltx2.py / connectors.py mark them "LTX-2.3").
+LTX2_3_OVERRIDES = {
+    "transformer": {"use_prompt_embeddings": False, "gated_attn": True, "cross_attn_mod": True, "audio_gated_attn": True, "audio_cross_attn_mod": True},
+    "connectors": {
+        "per_modality_projections": True, "video_hidden_dim": 16, "audio_hidden_dim": 8, "video_connector_num_attention_heads": 2,
+        "audio_connector_num_attention_heads": 2, "audio_connector_attention_head_dim": 4, "video_gated_attn": True, "audio_gated_attn": True,
+    },
+}
+
+
+def test_the_ltx2_3_layout_is_called_and_prepared_as_its_pipeline_does(tmp_path):
+    """LTX-2.3 is a config of the same classes: the one entry's prompt encoding and joint call match LTX2Pipeline's on it."""
+    folder = tmp_path / "ltx2.3"
+    build_tiny_pipeline({"pipeline": "tiny-ltx2", **LTX2_3_OVERRIDES}, folder, seed=1)
+    test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_does(folder)

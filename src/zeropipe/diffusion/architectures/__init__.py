@@ -26,7 +26,7 @@ BUILTIN = (
     "flux2", "flux2_klein", "qwen_image_edit", "flux_kontext",
     "lumina2", "hidream", "auraflow", "hunyuan_image",
     "wan_ti2v", "wan_ti2v_i2v", "hunyuan_video15", "hunyuan_video15_i2v", "skyreels_v2", "skyreels_v2_i2v",
-    "kandinsky5_t2i", "krea2", "ernie_image",
+    "kandinsky5_t2i", "kandinsky5_t2v", "kandinsky5_i2v", "krea2", "ernie_image",
     "qwen_image_edit_plus",
     "ltx2",
     "ideogram4",

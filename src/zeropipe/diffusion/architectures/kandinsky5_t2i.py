@@ -126,21 +126,10 @@ class Kandinsky5T2I(Architecture):
 
     def call_pipeline(self, pipeline, kwargs):
         """One call per prompt, each at its own length; at the run's size (the pipeline would snap other sizes to its list of 1024-pixel ones)."""
-        kwargs = dict(kwargs)
         size = (kwargs["width"], kwargs["height"])
         if size not in pipeline.resolutions:
             pipeline.resolutions = [*pipeline.resolutions, size]
-        masks = {"": kwargs.pop("prompt_embeds_mask"), "negative_": kwargs.pop("negative_prompt_embeds_mask")}
-        drawn = []
-        for row in range(kwargs["prompt_embeds_qwen"].shape[0]):
-            one = dict(kwargs)
-            for prefix, mask in masks.items():
-                length = prompt_lengths(mask[row : row + 1])[0]
-                one[f"{prefix}prompt_embeds_qwen"] = kwargs[f"{prefix}prompt_embeds_qwen"][row : row + 1, :length]
-                one[f"{prefix}prompt_embeds_clip"] = kwargs[f"{prefix}prompt_embeds_clip"][row : row + 1]
-                one[f"{prefix}prompt_cu_seqlens"] = torch.tensor([0, length], dtype=torch.int32)
-            drawn.append(pipeline(**one)[0])
-        return torch.cat(drawn)
+        return one_call_per_prompt(pipeline, kwargs)
 
     def unpack_latents(self, pipeline, latents, size, vae_factor):
         return channels_first(latents)
@@ -154,6 +143,22 @@ class Kandinsky5T2I(Architecture):
             out[f"{COMFY_PREFIX}{module}.lora_{part}"] = tensor.contiguous()
             out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
         return out
+
+
+def one_call_per_prompt(pipeline, kwargs):
+    """The Kandinsky 5 pipelines drawn one prompt per call, each prompt (and its negative) at its own length: their text blocks have no mask."""
+    kwargs = dict(kwargs)
+    masks = {"": kwargs.pop("prompt_embeds_mask"), "negative_": kwargs.pop("negative_prompt_embeds_mask")}
+    drawn = []
+    for row in range(kwargs["prompt_embeds_qwen"].shape[0]):
+        one = dict(kwargs)
+        for prefix, mask in masks.items():
+            length = prompt_lengths(mask[row : row + 1])[0]
+            one[f"{prefix}prompt_embeds_qwen"] = kwargs[f"{prefix}prompt_embeds_qwen"][row : row + 1, :length]
+            one[f"{prefix}prompt_embeds_clip"] = kwargs[f"{prefix}prompt_embeds_clip"][row : row + 1]
+            one[f"{prefix}prompt_cu_seqlens"] = torch.tensor([0, length], dtype=torch.int32)
+        drawn.append(pipeline(**one)[0])
+    return torch.cat(drawn)
 
 
 # The attention projections of the text and visual blocks (self- and cross-attention). A regular expression: the suffix

@@ -203,11 +203,16 @@ class LTX2(LTXVideo):
         pixel_frames = (latent_frames - 1) * self.codec.frame_multiple + 1
         audio = audio_latent_frames(pixel_frames / self.codec.frame_rate, int(config.audio_sampling_rate), int(config.audio_hop_length), int(config.audio_scale_factor))
         video_width = config.num_attention_heads * config.attention_head_dim
+        # LTX-2.0 projects the connectors' caption-wide output in the transformer; LTX-2.3 (use_prompt_embeddings false) is given it
+        # already projected per modality by the connectors, at each stream's cross-attention width.
+        projected = getattr(config, "use_prompt_embeddings", True)
+        video_text = (config.caption_channels or video_width) if projected else config.cross_attention_dim
+        audio_text = config.caption_channels if projected else config.audio_cross_attention_dim
         return {
             "hidden_states": torch.randn(1, frames * side * side, config.in_channels * config.patch_size_t * config.patch_size**2, dtype=dtype),
             "audio_hidden_states": torch.randn(1, audio, config.audio_in_channels, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, text_tokens, config.caption_channels if config.caption_channels else video_width, dtype=dtype),
-            "audio_encoder_hidden_states": torch.randn(1, text_tokens, config.caption_channels, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, video_text, dtype=dtype),
+            "audio_encoder_hidden_states": torch.randn(1, text_tokens, audio_text, dtype=dtype),
             "timestep": torch.tensor([500.0], dtype=dtype), "sigma": torch.tensor([500.0], dtype=dtype),
             "encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype), "audio_encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype),
             "num_frames": frames, "height": side, "width": side, "fps": self.codec.frame_rate, "audio_num_frames": audio, "use_cross_timestep": True,

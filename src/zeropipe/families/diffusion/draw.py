@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,16 +137,43 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
         clip = to_uint8(np.asarray(result.frames[0]))
         from zeropipe.diffusion.videos import write_preview, write_video
 
-        fps = float(getattr(getattr(pipeline, "config", None), "fps", 0) or 16.0)
+        fps = clip_frame_rate(pipeline, accepted)
         mp4 = write_video(out_dir / "clip.mp4", clip, fps)
         preview = write_preview(out_dir / "clip.webp", clip, fps)
-        return [{"file": mp4.name, "preview": preview.name, "kind": "video", "width": int(clip.shape[2]), "height": int(clip.shape[1]), "frames": int(clip.shape[0])}]
+        row = {"file": mp4.name, "preview": preview.name, "kind": "video", "width": int(clip.shape[2]), "height": int(clip.shape[1]), "frames": int(clip.shape[0])}
+        waveform = getattr(result, "audio", None)
+        if waveform is not None:  # a pipeline that draws the clip's sound too (LTX2Pipeline): muxed into the mp4, as training's samples are
+            from zeropipe.diffusion.audio import loudness, mux_audio
+
+            sound = np.asarray(torch.as_tensor(waveform)[0].float().cpu())
+            mux_audio(mp4, sound, audio_sample_rate(pipeline))
+            level = loudness(sound)
+            row["audio_dbfs"] = round(level, 2) if math.isfinite(level) else None
+        return [row]
     image = to_uint8(np.asarray(result.images[0]))
     from PIL import Image
 
     path = out_dir / "image.png"
     Image.fromarray(image).save(path)
     return [{"file": path.name, "kind": "image", "width": int(image.shape[1]), "height": int(image.shape[0]), "frames": 1}]
+
+
+def clip_frame_rate(pipeline, accepted: set[str]) -> float:
+    """The frame rate the pipeline drew at: its call's ``frame_rate`` default (LTX-Video, LTX-2: the audio lasts frames / that), else its config's fps, else 16."""
+    if "frame_rate" in accepted:
+        default = inspect.signature(pipeline.__call__).parameters["frame_rate"].default
+        if isinstance(default, (int, float)) and default > 0:
+            return float(default)
+    return float(getattr(getattr(pipeline, "config", None), "fps", 0) or 16.0)
+
+
+def audio_sample_rate(pipeline) -> int:
+    """The rate of the waveform a pipeline returns with its frames: its vocoder's output rate (LTX2Pipeline's example says so)."""
+    vocoder = getattr(pipeline, "vocoder", None)
+    rate = getattr(getattr(vocoder, "config", None), "output_sampling_rate", None)
+    if not rate:
+        raise ZeroPipeError("the pipeline drew a clip's sound but has no vocoder whose config gives its sample rate (output_sampling_rate): the sound cannot be written")
+    return int(rate)
 
 
 def to_uint8(array: np.ndarray) -> np.ndarray:

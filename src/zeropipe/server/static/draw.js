@@ -40,7 +40,7 @@
     const base = `/api/runs/${runSelect.value}/draws/${d.name}`;
     const media = d.files.map((f) =>
       f.kind === "video"
-        ? el("a", { href: `${base}/${f.file}`, target: "_blank", title: "the mp4 clip, full size" }, el("img", { src: `${base}/${f.preview}`, alt: d.prompt, class: "drawn" }))
+        ? el("a", { href: `${base}/${f.file}`, target: "_blank", title: "audio_dbfs" in f ? "the mp4 clip with its sound, full size" : "the mp4 clip, full size" }, el("img", { src: `${base}/${f.preview}`, alt: d.prompt, class: "drawn" }))
         : el("a", { href: `${base}/${f.file}`, target: "_blank", title: "full size" }, el("img", { src: `${base}/${f.file}`, alt: d.prompt, class: "drawn" }))
     );
     const settings = `${d.width}×${d.height}${d.frames ? ` · ${d.frames} frames` : ""} · ${d.steps} steps · guidance ${d.guidance} · seed ${d.seed}`;
