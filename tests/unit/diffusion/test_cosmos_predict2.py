@@ -1,0 +1,144 @@
+"""Cosmos-Predict2 text-to-image: ``predict`` is the pipeline's own transformer call, ZeRO-Pipe's sampling loop is the pipeline's
+``__call__``, and the guardrail NVIDIA's licence requires is left where it is: in every pipeline a user loads.
+
+``Cosmos2TextToImagePipeline`` runs only with a safety checker (``cosmos_guardrail``, which downloads its
+models). To run the pipeline's own ``__call__`` as the reference, these tests give it a checker that lets
+everything through, as diffusers' own fast tests of this pipeline do (their ``DummyCosmosSafetyChecker``);
+it lives in this test file only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from zeropipe.diffusion.architectures import PredictContext, architecture_of
+from zeropipe.diffusion.architectures.cosmos_predict2 import GuardrailRequired, draw_latents
+from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+
+CPU = torch.device("cpu")
+PROMPT = "a red circle on a blue square"
+SIZE = 64
+
+
+class PassingChecker:
+    """A stand-in for NVIDIA's checker that passes every prompt and frame (diffusers' tests' DummyCosmosSafetyChecker): test-only."""
+
+    def to(self, *args, **kwargs):
+        return self
+
+    def check_text_safety(self, prompt: str) -> bool:
+        return True
+
+    def check_video_safety(self, frames: np.ndarray) -> np.ndarray:
+        return frames
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cosmos") / "pipeline"
+    arch = build_tiny_pipeline({"pipeline": "tiny-cosmos-predict2"}, folder, seed=1)
+    pipeline = arch.pipeline().from_pretrained(str(folder), safety_checker=PassingChecker())
+    pipeline.set_progress_bar_config(disable=True)
+    return arch, folder, pipeline
+
+
+def cached_condition(arch, folder, prompts):
+    """The prompts' conditioning as the text cache holds it (ZeRO-Pipe's own text pipeline), stacked as a micro-batch."""
+    rows = encode_prompts(text_pipeline(folder, arch, torch.float32, CPU), arch, prompts, CPU)
+    return {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
+
+
+def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation(tiny):
+    arch, folder, pipeline = tiny
+    assert architecture_of(folder) is arch and arch.name == "cosmos-predict2"
+    calls = []
+    forward = pipeline.transformer.forward
+
+    def record(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(({key: value.clone() if torch.is_tensor(value) else value for key, value in kwargs.items()}, out[0].clone()))
+        return out
+
+    pipeline.transformer.forward = record
+    try:
+        pipeline(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=3, guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    finally:
+        del pipeline.transformer.forward
+    inputs, expected = calls[1]  # a middle step: neither the first nor the last noise level
+    # The flow objective's timesteps are noise levels times 1000; the pipeline tells the transformer t = sigma / (sigma + 1) in 0..1.
+    timesteps = inputs["timestep"].float() * 1000
+    context = PredictContext(CPU, torch.float32, vae_scale_factor(folder), 1.0)
+    with torch.no_grad():
+        out = arch.predict(pipeline.transformer, inputs["hidden_states"], timesteps, cached_condition(arch, folder, [PROMPT]), context)
+    assert 0.05 < float(inputs["timestep"][0]) < 0.95 and expected.abs().mean() > 1e-3  # a zero output would match any call
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny):
+    arch, folder, pipeline = tiny
+    condition = cached_condition(arch, folder, [PROMPT, "a green square"])
+    negative = cached_condition(arch, folder, ["", ""])
+    kwargs = {
+        "height": SIZE, "width": SIZE, "num_inference_steps": 3, "output_type": "latent", "return_dict": False,
+        **arch.sample_kwargs(condition, negative, 3.0, 1.0),
+    }
+    theirs = pipeline(**kwargs, generator=torch.Generator().manual_seed(7))[0]
+    ours = draw_latents(pipeline, **kwargs, generator=torch.Generator().manual_seed(7))
+    assert ours.shape == (2, 16, 1, SIZE // 8, SIZE // 8) and theirs.abs().mean() > 1e-3
+    torch.testing.assert_close(ours[:, :, 0], theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_zeropipes_pipelines_refuse_to_generate_and_what_a_user_loads_keeps_nvidias_guardrail(tiny):
+    arch, folder, _ = tiny
+    # The folder (and so every export of it) saves no checker: model_index.json says [null, null], as NVIDIA's published folders do.
+    assert json.loads((folder / "model_index.json").read_text())["safety_checker"] == [None, None]
+    # The pipelines ZeRO-Pipe assembles (prompt encoding, sampling) hold no guardrail and refuse to generate, naming the fix.
+    encoder = text_pipeline(folder, arch, torch.float32, CPU)
+    with pytest.raises(GuardrailRequired, match=r"without NVIDIA's guardrail.*Cosmos2TextToImagePipeline.from_pretrained"):
+        encoder(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=1)
+    # Loaded as a user loads it, the pipeline builds NVIDIA's checker: here, without the package, diffusers' own error says to install it.
+    if importlib.util.find_spec("cosmos_guardrail") is None:
+        with pytest.raises(ImportError, match="cosmos_guardrail"):
+            arch.pipeline().from_pretrained(str(folder))
+
+
+def test_the_original_lora_layout_is_nvidias_module_names_that_diffusers_converter_maps_back(tiny):
+    arch, _, pipeline = tiny
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from zeropipe.models.common import resolve_lora_targets  # noqa: F401  (the export adapts these same targets)
+
+    transformer = arch.model_class().from_config(pipeline.transformer.config)
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=8, target_modules=list(arch.lora_targets)))
+    layers = get_peft_model_state_dict(transformer)
+    original = arch.original_lora_layout(layers, 8.0)
+    assert "diffusion_model.blocks.1.cross_attn.q_proj.lora_A.weight" in original
+    assert "diffusion_model.blocks.0.self_attn.output_proj.lora_B.weight" in original
+    assert "diffusion_model.blocks.1.mlp.layer2.alpha" in original and float(original["diffusion_model.blocks.1.mlp.layer2.alpha"]) == 8.0
+    # Every adapted layer of both blocks, and nothing else: 8 attention projections and 2 MLP layers each, A, B and alpha.
+    assert len(layers) == 2 * 10 * 2 and len(original) == 2 * 10 * 3
+    with pytest.raises(ValueError, match="no name in Cosmos-Predict2's original layout"):
+        arch.original_lora_layout({"time_embed.t_embedder.linear_1.lora_A.weight": torch.ones(1)}, 8.0)
+
+
+def test_a_transformer_that_needs_torchvision_is_refused_before_anything_starts_where_it_is_missing(tiny, tmp_path):
+    """The published checkpoints concatenate a padding-mask channel, which diffusers resizes with torchvision."""
+    from zeropipe.config.load import validate_config
+    from zeropipe.diffusion.parts import part_problems
+
+    arch, folder, _ = tiny
+    missing = importlib.util.find_spec("torchvision") is None
+
+    def problems(model: dict) -> list:
+        return part_problems(validate_config({"model": model, "data": {"path": str(tmp_path)}}), arch)
+
+    assert problems({"path": str(folder)}) == []  # the tiny preset's transformer pads nothing
+    padded = problems({"config": {"pipeline": "tiny-cosmos-predict2", "transformer": {"concat_padding_mask": True}}})
+    assert bool(padded) == missing
+    if missing:
+        assert padded[0][0] == "model.path" and "pip install torchvision" in padded[0][1]
