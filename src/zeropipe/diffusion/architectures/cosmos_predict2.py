@@ -208,6 +208,8 @@ class CosmosPredict2(Architecture):
         return PROMPT_TOKENS
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        if config.concat_padding_mask and importlib.util.find_spec("torchvision") is None:
+            return None  # its forward resizes the padding mask with torchvision: not traced where that is missing (a run is refused then)
         factor = 8  # the Wan 2.1 VAE's: the padding mask is at the pixel size
         return {
             "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
