@@ -142,3 +142,27 @@ def test_a_transformer_that_needs_torchvision_is_refused_before_anything_starts_
     assert bool(padded) == missing
     if missing:
         assert padded[0][0] == "model.path" and "pip install torchvision" in padded[0][1]
+
+
+def test_a_single_file_in_nvidias_layout_is_read_over_the_folder_by_diffusers_converter(tiny, tmp_path):
+    """model.diffusion.denoiser_file: NVIDIA's checkpoint names (``net.blocks.0.self_attn.q_proj.weight``, as model.pt holds them) rename onto the transformer."""
+    from safetensors.torch import save_file
+
+    from zeropipe.diffusion.pipelines import single_file_renamer
+
+    arch, _, pipeline = tiny
+    ours = {key: value.contiguous() for key, value in pipeline.transformer.state_dict().items()}
+    to_original = {"transformer_blocks.": "blocks.", "attn1.": "self_attn.", "attn2.": "cross_attn.", "to_q.": "q_proj.", "to_k.": "k_proj.", "to_v.": "v_proj.",
+                   "to_out.0.": "output_proj.", "norm_q.": "q_norm.", "norm_k.": "k_norm.", "ff.net.0.proj.": "mlp.layer1.", "ff.net.2.": "mlp.layer2.",
+                   "norm1.linear_": "adaln_modulation_self_attn.", "norm2.linear_": "adaln_modulation_cross_attn.", "norm3.linear_": "adaln_modulation_mlp.",
+                   "time_embed.t_embedder.": "t_embedder.1.", "time_embed.norm.": "t_embedding_norm.", "patch_embed.proj.": "x_embedder.proj.1.",
+                   "norm_out.linear_": "final_layer.adaln_modulation.", "proj_out.": "final_layer.linear."}
+
+    def original(key: str) -> str:
+        for diffusers_name, nvidia_name in to_original.items():
+            key = key.replace(diffusers_name, nvidia_name)
+        return "net." + key
+
+    save_file({original(key): value for key, value in ours.items()}, str(tmp_path / "model.safetensors"))
+    rename = single_file_renamer(arch.denoiser_class, tmp_path / "model.safetensors")
+    assert sorted(rename(original(key)) for key in ours) == sorted(ours)

@@ -34,8 +34,7 @@ Training needs none of that: the transformer, the VAE and T5's encodings. What Z
   guardrail.
 - Every pipeline a user loads is NVIDIA's, guardrail included: an export (merged: a pipeline
   folder; LoRA: the transformer's ``load_lora_adapter``) loaded with
-  ``Cosmos2TextToImagePipeline.from_pretrained``, and the UI's Draw page and ``zeropipe
-  generate``, which load it so. The licence's guardrail applies to that use (docs/video.md).
+  ``Cosmos2TextToImagePipeline.from_pretrained``, and the UI's Draw page, which loads it so. The licence's guardrail applies to that use (docs/video.md).
 
 diffusers 0.42 has no LoRA loader for this pipeline: the exported LoRA loads with the
 transformer's own ``load_lora_adapter``. Its original (ComfyUI, diffusion-pipe) layout is also
