@@ -22,7 +22,7 @@ from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, st
 
 CPU = torch.device("cpu")
 PROMPT = "a red circle on a blue square"
-SIZE = 64
+SIZE = 32
 
 
 class PassingChecker:
@@ -47,13 +47,19 @@ def tiny(tmp_path_factory):
     return arch, folder, pipeline
 
 
-def cached_condition(arch, folder, prompts):
-    """The prompts' conditioning as the text cache holds it (ZeRO-Pipe's own text pipeline), stacked as a micro-batch."""
-    rows = encode_prompts(text_pipeline(folder, arch, torch.float32, CPU), arch, prompts, CPU)
+@pytest.fixture(scope="module")
+def encoder(tiny):
+    arch, folder, _ = tiny
+    return text_pipeline(folder, arch, torch.float32, CPU)  # ZeRO-Pipe's own text pipeline, as the node's cache filling builds it
+
+
+def cached_condition(arch, encoder, prompts):
+    """The prompts' conditioning as the text cache holds it, stacked as a micro-batch."""
+    rows = encode_prompts(encoder, arch, prompts, CPU)
     return {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
 
 
-def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation(tiny):
+def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation(tiny, encoder):
     arch, folder, pipeline = tiny
     assert architecture_of(folder) is arch and arch.name == "cosmos-predict2"
     calls = []
@@ -74,15 +80,15 @@ def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation
     timesteps = inputs["timestep"].float() * 1000
     context = PredictContext(CPU, torch.float32, vae_scale_factor(folder), 1.0)
     with torch.no_grad():
-        out = arch.predict(pipeline.transformer, inputs["hidden_states"], timesteps, cached_condition(arch, folder, [PROMPT]), context)
+        out = arch.predict(pipeline.transformer, inputs["hidden_states"], timesteps, cached_condition(arch, encoder, [PROMPT]), context)
     assert 0.05 < float(inputs["timestep"][0]) < 0.95 and expected.abs().mean() > 1e-3  # a zero output would match any call
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny):
+def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny, encoder):
     arch, folder, pipeline = tiny
-    condition = cached_condition(arch, folder, [PROMPT, "a green square"])
-    negative = cached_condition(arch, folder, ["", ""])
+    condition = cached_condition(arch, encoder, [PROMPT, "a green square"])
+    negative = cached_condition(arch, encoder, ["", ""])
     kwargs = {
         "height": SIZE, "width": SIZE, "num_inference_steps": 3, "output_type": "latent", "return_dict": False,
         **arch.sample_kwargs(condition, negative, 3.0, 1.0),
@@ -93,12 +99,11 @@ def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny):
     torch.testing.assert_close(ours[:, :, 0], theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_zeropipes_pipelines_refuse_to_generate_and_what_a_user_loads_keeps_nvidias_guardrail(tiny):
+def test_zeropipes_pipelines_refuse_to_generate_and_what_a_user_loads_keeps_nvidias_guardrail(tiny, encoder):
     arch, folder, _ = tiny
     # The folder (and so every export of it) saves no checker: model_index.json says [null, null], as NVIDIA's published folders do.
     assert json.loads((folder / "model_index.json").read_text())["safety_checker"] == [None, None]
     # The pipelines ZeRO-Pipe assembles (prompt encoding, sampling) hold no guardrail and refuse to generate, naming the fix.
-    encoder = text_pipeline(folder, arch, torch.float32, CPU)
     with pytest.raises(GuardrailRequired, match=r"without NVIDIA's guardrail.*Cosmos2TextToImagePipeline.from_pretrained"):
         encoder(prompt=PROMPT, height=SIZE, width=SIZE, num_inference_steps=1)
     # Loaded as a user loads it, the pipeline builds NVIDIA's checker: here, without the package, diffusers' own error says to install it.
