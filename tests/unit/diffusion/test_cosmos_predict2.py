@@ -86,7 +86,7 @@ def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation
 
 
 def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny, encoder):
-    arch, folder, pipeline = tiny
+    arch, _, pipeline = tiny
     condition = cached_condition(arch, encoder, [PROMPT, "a green square"])
     negative = cached_condition(arch, encoder, ["", ""])
     kwargs = {

@@ -120,7 +120,7 @@ def draw_latents(
     device = pipeline._execution_device
     dtype = transformer.dtype
     guided = guidance_scale > 1.0
-    sigmas = torch.linspace(0, 1, num_inference_steps, dtype=torch.float64)
+    sigmas = torch.linspace(0, 1, num_inference_steps, dtype=torch.float64)  # float64, as the pipeline has them off Apple MPS
     timesteps, _ = retrieve_timesteps(scheduler, device=device, sigmas=sigmas)
     if scheduler.config.get("final_sigmas_type", "zero") == "sigma_min":
         scheduler.sigmas[-1] = scheduler.sigmas[-2]
@@ -131,16 +131,18 @@ def draw_latents(
         t = sigma / (sigma + 1)
         timestep = t.expand(latents.shape[0]).to(dtype)
         model_input = (latents * (1 - t)).to(dtype)
-
-        def denoised(embeds: torch.Tensor) -> torch.Tensor:
-            velocity = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, padding_mask=padding_mask, return_dict=False)[0]
-            return ((1 - t) * latents - t * velocity.float()).to(dtype)
-
-        prediction = denoised(prompt_embeds)
+        prediction = _denoised(transformer, model_input, timestep, prompt_embeds, padding_mask, latents, t, dtype)
         if guided:
-            prediction = prediction + guidance_scale * (prediction - denoised(negative_prompt_embeds))
+            unconditional = _denoised(transformer, model_input, timestep, negative_prompt_embeds, padding_mask, latents, t, dtype)
+            prediction = prediction + guidance_scale * (prediction - unconditional)
         latents = scheduler.step((latents - prediction) / sigma, step, latents, return_dict=False)[0]
     return latents
+
+
+def _denoised(transformer, model_input, timestep, embeds, padding_mask, latents, t, dtype) -> torch.Tensor:
+    """The pipeline's denoised latents at one step: c_skip * latents + c_out * velocity, with c_skip = 1 - t and c_out = -t."""
+    velocity = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, padding_mask=padding_mask, return_dict=False)[0]
+    return ((1 - t) * latents - t * velocity.float()).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,11 @@ class CosmosLatents(QwenImageLatents):
     def problems(self, config, arch):
         if importlib.util.find_spec("torchvision") is not None or not concatenates_padding_mask(config, arch):
             return []
-        return [("model.path", f"{arch.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, "
-                               "which every Cosmos-Predict2 checkpoint sets), and torchvision is not installed: pip install torchvision (the release made for your torch)")]
+        why = (
+            f"{arch.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, which every "
+            "Cosmos-Predict2 checkpoint sets), and torchvision is not installed: pip install torchvision (the release made for your torch)"
+        )
+        return [("model.path", why)]
 
 
 def concatenates_padding_mask(config: Any, arch: Architecture) -> bool:
