@@ -110,6 +110,14 @@ def test_zeropipes_pipelines_refuse_to_generate_and_what_a_user_loads_keeps_nvid
     if importlib.util.find_spec("cosmos_guardrail") is None:
         with pytest.raises(ImportError, match="cosmos_guardrail"):
             arch.pipeline().from_pretrained(str(folder))
+        # The UI's Draw page loads an export so too, and says why it cannot, with the fix diffusers names.
+        from zeropipe.errors import ZeroPipeError
+        from zeropipe.export.generate import ModelSource
+        from zeropipe.families.diffusion.draw import EXPORT_INFO, load_for_drawing
+
+        (folder / EXPORT_INFO).write_text(json.dumps({"architecture": arch.name, "kind": "full"}))
+        with pytest.raises(ZeroPipeError, match=r"cannot be built here: `cosmos_guardrail` is not installed.*pip install cosmos_guardrail"):
+            load_for_drawing(ModelSource("hf", folder, "diffusion"), CPU, torch.float32)
 
 
 def test_the_original_lora_layout_is_nvidias_module_names_that_diffusers_converter_maps_back(tiny):
