@@ -179,3 +179,70 @@ def test_a_single_file_in_nvidias_layout_is_read_over_the_folder_by_diffusers_co
     save_file({original(key): value for key, value in ours.items()}, str(tmp_path / "model.safetensors"))
     rename = single_file_renamer(arch.denoiser_class, tmp_path / "model.safetensors")
     assert sorted(rename(original(key)) for key in ours) == sorted(ours)
+
+
+# ---------------------------------------------------------------------------------------------------- Video2World
+@pytest.fixture(scope="module")
+def tiny_v2w(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cosmos-v2w") / "pipeline"
+    arch = build_tiny_pipeline({"pipeline": "tiny-cosmos-predict2-video2world"}, folder, seed=2)
+    pipeline = arch.pipeline().from_pretrained(str(folder), safety_checker=PassingChecker())
+    pipeline.set_progress_bar_config(disable=True)
+    return arch, folder, pipeline, text_pipeline(folder, arch, torch.float32, CPU)
+
+
+def first_frame():
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (SIZE, SIZE), (30, 60, 200))
+    ImageDraw.Draw(image).ellipse((6, 6, 24, 24), fill=(220, 30, 30))
+    return image
+
+
+def test_video2world_predict_is_the_pipelines_call_with_the_given_frame_clean_and_its_own_timestep(tiny_v2w):
+    arch, folder, pipeline, encoder = tiny_v2w
+    assert architecture_of(folder) is arch and arch.name == "cosmos-predict2-video2world"
+    calls = []
+    forward = pipeline.transformer.forward
+
+    def record(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(({key: value.clone() if torch.is_tensor(value) else value for key, value in kwargs.items()}, out[0].clone()))
+        return out
+
+    pipeline.transformer.forward = record
+    try:
+        pipeline(image=first_frame(), prompt=PROMPT, height=SIZE, width=SIZE, num_frames=9, num_inference_steps=3, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0), output_type="latent")
+    finally:
+        del pipeline.transformer.forward
+    inputs, expected = calls[1]
+    hidden = inputs["hidden_states"]
+    assert hidden.shape[2] == 3 and float(inputs["timestep"][0, 0, 0]) < 1e-3 < float(inputs["timestep"][0, 0, 1])  # the given frame at its own level
+    # What training gives predict: the clip's noised latents (the first frame's slot is replaced) and the first frame's latents, cached.
+    noised = torch.cat([torch.randn_like(hidden[:, :, :1]), hidden[:, :, 1:]], dim=2)
+    condition = {**cached_condition(arch, encoder, [PROMPT]), "first_frame_latents": hidden[:, :, :1]}
+    timesteps = inputs["timestep"][:, 0, 1, 0, 0].float() * 1000
+    context = PredictContext(CPU, torch.float32, vae_scale_factor(folder), 1.0)
+    with torch.no_grad():
+        out = arch.predict(pipeline.transformer, noised, timesteps, condition, context)
+    assert expected.abs().mean() > 1e-3
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    prediction, target = arch.loss_region(out, torch.zeros_like(out))
+    assert prediction.shape[2] == target.shape[2] == 2  # the given frame is never denoised: not in the loss
+
+
+def test_video2world_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny_v2w):
+    from zeropipe.diffusion.architectures.cosmos_predict2_video2world import draw_video_latents
+
+    arch, _, pipeline, encoder = tiny_v2w
+    kwargs = {
+        "image": first_frame(), "height": SIZE, "width": SIZE, "num_frames": 5, "num_inference_steps": 3, "output_type": "latent", "return_dict": False,
+        **arch.sample_kwargs(cached_condition(arch, encoder, [PROMPT]), cached_condition(arch, encoder, [""]), 3.0, 1.0),
+    }
+    theirs = pipeline(**kwargs, generator=torch.Generator().manual_seed(7))[0]
+    ours = draw_video_latents(pipeline, **kwargs, generator=torch.Generator().manual_seed(7))
+    assert ours.shape == (1, 16, 2, SIZE // 8, SIZE // 8) and theirs.abs().mean() > 1e-3
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    with pytest.raises(GuardrailRequired):
+        text_pipeline(tiny_v2w[1], arch, torch.float32, CPU)(image=first_frame(), prompt=PROMPT, height=SIZE, width=SIZE, num_frames=5)
