@@ -19,7 +19,8 @@ checker (the ``cosmos_guardrail`` package), a condition of the NVIDIA Open Model
 constructor builds ``CosmosSafetyChecker()`` when given none (which downloads
 nvidia/Cosmos-1.0-Guardrail and Qwen/Qwen3Guard-Gen-0.6B from the Hub, or fails with ImportError
 where the package is missing), and ``__call__`` refuses a pipeline whose checker is None.
-Training needs none of that: the transformer, the VAE and T5's encodings. What ZeRO-Pipe does:
+Training needs none of that: the transformer, the VAE and T5's encodings. What ZeRO-Pipe does (for
+Video2World too, ``cosmos_predict2_video2world.py``):
 
 - The pipeline objects it assembles for its own work (prompt encoding for the caches, the
   pipeline around the trained transformer while sampling, the tiny preset) are given
@@ -82,7 +83,8 @@ class GuardrailNotLoaded:
         raise GuardrailRequired(
             "this Cosmos-Predict2 pipeline was assembled by ZeRO-Pipe for training, without NVIDIA's guardrail (cosmos_guardrail), "
             "and does not generate: load the pipeline folder or export with Cosmos2TextToImagePipeline.from_pretrained(...) "
-            "(pip install cosmos_guardrail), which runs the guardrail the NVIDIA Open Model License requires"
+            "(Cosmos2VideoToWorldPipeline for Video2World; pip install cosmos_guardrail), which runs the guardrail the NVIDIA Open Model "
+            "License requires"
         )
 
     check_text_safety = check_video_safety = to
