@@ -90,7 +90,7 @@ def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny, encoder
     condition = cached_condition(arch, encoder, [PROMPT, "a green square"])
     negative = cached_condition(arch, encoder, ["", ""])
     kwargs = {
-        "height": SIZE, "width": SIZE, "num_inference_steps": 3, "output_type": "latent", "return_dict": False,
+        "height": SIZE, "width": SIZE, "num_inference_steps": 2, "output_type": "latent", "return_dict": False,
         **arch.sample_kwargs(condition, negative, 3.0, 1.0),
     }
     theirs = pipeline(**kwargs, generator=torch.Generator().manual_seed(7))[0]
@@ -237,7 +237,7 @@ def test_video2world_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny_
 
     arch, _, pipeline, encoder = tiny_v2w
     kwargs = {
-        "image": first_frame(), "height": SIZE, "width": SIZE, "num_frames": 5, "num_inference_steps": 3, "output_type": "latent", "return_dict": False,
+        "image": first_frame(), "height": SIZE, "width": SIZE, "num_frames": 5, "num_inference_steps": 2, "output_type": "latent", "return_dict": False,
         **arch.sample_kwargs(cached_condition(arch, encoder, [PROMPT]), cached_condition(arch, encoder, [""]), 3.0, 1.0),
     }
     theirs = pipeline(**kwargs, generator=torch.Generator().manual_seed(7))[0]

@@ -156,13 +156,18 @@ class CosmosLatents(QwenImageLatents):
     """
 
     def problems(self, config, arch):
-        if importlib.util.find_spec("torchvision") is not None or not concatenates_padding_mask(config, arch):
-            return []
-        why = (
-            f"{arch.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, which every "
-            "Cosmos-Predict2 checkpoint sets), and torchvision is not installed: pip install torchvision (the release made for your torch)"
-        )
-        return [("model.path", why)]
+        return torchvision_problems(config, arch)
+
+
+def torchvision_problems(config: Any, arch: Architecture) -> list[tuple[str, str]]:
+    """A run whose transformer resizes its padding mask (``concat_padding_mask``) where torchvision, which diffusers resizes it with, is missing."""
+    if importlib.util.find_spec("torchvision") is not None or not concatenates_padding_mask(config, arch):
+        return []
+    why = (
+        f"{arch.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, which every "
+        "Cosmos-Predict2 checkpoint sets), and torchvision is not installed: pip install torchvision (the release made for your torch)"
+    )
+    return [("model.path", why)]
 
 
 def concatenates_padding_mask(config: Any, arch: Architecture) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from zeropipe.diffusion.architectures.cosmos_predict2 import ARCHITECTURE as TEXT_TO_IMAGE
-from zeropipe.diffusion.architectures.cosmos_predict2 import CosmosPredict2, concatenates_padding_mask
+from zeropipe.diffusion.architectures.cosmos_predict2 import CosmosPredict2, torchvision_problems
 from zeropipe.diffusion.parts import FirstFrameAlone, PerChannelVideoLatents
 
 FPS = 16  # Cosmos2VideoToWorldPipeline's fps, which its transformer's rotary embedding is told
@@ -42,13 +42,7 @@ class CosmosVideoLatents(PerChannelVideoLatents):
     """The Wan 2.1 VAE on clips at 16 fps, normalised per channel; refuses a transformer that needs torchvision where it is missing."""
 
     def problems(self, config, arch):
-        if importlib.util.find_spec("torchvision") is not None or not concatenates_padding_mask(config, arch):
-            return []
-        why = (
-            f"{arch.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, which every "
-            "Cosmos-Predict2 checkpoint sets), and torchvision is not installed: pip install torchvision (the release made for your torch)"
-        )
-        return [("model.path", why)]
+        return torchvision_problems(config, arch)
 
 
 def given_frame(latents: torch.Tensor) -> torch.Tensor:
