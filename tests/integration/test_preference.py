@@ -2,8 +2,8 @@
 
 The task's preferred answer is knowable: the right sum of two digits over a wrong one. On the
 training pairs DPO's accuracy (its implicit reward of the right answer over the wrong one)
-ends >= 0.9 and the model's own preference rises from near chance (to >= 0.9 for the full run),
-and the reward margin grows; the full run resumes exactly from its middle checkpoint (the precomputed
+ends >= 0.9 and the model's own preference rises from near chance to >= 0.9 (LoRA and full), and
+the reward margin grows; the full run resumes exactly from its middle checkpoint (the precomputed
 reference read back, not recomputed from trained weights); both exports load with transformers
 / peft.
 """
@@ -22,7 +22,13 @@ from tests.integration.conftest import TINY_LLAMA, assert_ok, metrics, write_con
 pytestmark = pytest.mark.integration
 
 PAIRS, SAVE_EVERY = 16, 8
-STEPS = {True: 24, False: 16}  # LoRA (at half the learning rate: a higher one diverges) needs a few more steps
+STEPS = {True: 24, False: 16}  # LoRA (at a lower learning rate: from 1e-2 up it ends lower) needs a few more steps
+# LoRA's targets: every linear layer, the output layer (lm_head) included. The base prefers the wrong sum by
+# about 5.4 nats on the pairs whose right sum has one token more ("12" over "9"). Adapters on the blocks alone
+# ("all-linear") left those two pairs wrong (0.875 of the pairs) after 24 steps at every setting tried (lr 3e-3
+# to 2e-2, beta 0.1 to 4, rank 16 to 64); with the output layer's adapter, 1.0 for 8 LoRA initialisations out
+# of 8 in a one-process replay of these steps, and 1.0 in this test with run.seed 7, 1 and 2.
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]}
 
 
 def sum_pairs(count: int, seed: int = 0) -> list[dict]:
@@ -73,9 +79,9 @@ def preference(model, tokenizer, rows) -> tuple[torch.Tensor, torch.Tensor]:
 def run_config(root, name: str, lora: bool) -> dict:
     return {
         "run": {"name": name, "output_dir": str(root / "runs"), "seed": 7},
-        "model": {"path": str(root / "base"), **({"lora": {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}} if lora else {})},
+        "model": {"path": str(root / "base"), **({"lora": LORA} if lora else {})},
         "data": {"path": str(root / "pairs.jsonl"), "max_seq_len": 32},
-        "train": {"max_steps": STEPS[lora], "micro_batch_size": 8, "lr": 5e-3 if lora else 1e-2, "schedule": "constant", "log_every": 4, "save_every": SAVE_EVERY, "keep_last": 4},
+        "train": {"max_steps": STEPS[lora], "micro_batch_size": 8, "lr": 3e-3 if lora else 1e-2, "schedule": "constant", "log_every": 4, "save_every": SAVE_EVERY, "keep_last": 4},
         "deepspeed": {"zero_stage": 3, "precision": "fp32"},
         "hardware": {"gpus": 2},
         "preference": {"method": "dpo", "beta": 1.0},
@@ -115,11 +121,10 @@ def test_dpo_learns_the_right_sum_under_zero3(setup, tmp_path, lora):
     implicit = float(((chosen - start_chosen) > (rejected - start_rejected)).float().mean())
     print(f"{name}: prefers the right sum on {start:.2f} of the training pairs before, {end:.2f} after; implicit-reward accuracy {implicit:.2f}")
     assert 0.2 <= start <= 0.8, "the base should be near chance on this task"
-    # DPO's accuracy (TRL's rewards/accuracies: the implicit reward, policy over reference) reaches 0.9 on
-    # every pair; the policy's own preference follows it (the full run reaches 1.0; LoRA 0.8-0.9 in as
-    # many steps, from a base that prefers the wrong sum on some pairs by more than DPO moved them).
+    # DPO's accuracy (TRL's rewards/accuracies: the implicit reward, policy over reference) reaches 0.9,
+    # and so does the policy's own preference (the issue's ">= 0.9 on the training pairs, from ~0.5").
     assert implicit >= 0.9
-    assert end >= (start + 0.3 if lora else 0.9)
+    assert end >= 0.9
     # zeropipe eval: the same accuracy, from the checkpoint, on pairs given as a file (here the training pairs).
     evaluated = zeropipe_here("eval", run_dir, "--data", root / "pairs.jsonl", "--json")
     assert_ok(evaluated)

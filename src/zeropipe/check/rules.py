@@ -198,7 +198,7 @@ def qlora_quant_storage(ctx: CheckContext):
                 f"{install}, remove model.quantization (plain LoRA runs on CPU) or run on a CUDA machine",
             )
         )
-    if not ctx.config.model.path:
+    if not ctx.config.model.path and not (ctx.config.model.config or {}).get("pipeline"):  # a diffusion preset is saved as a pipeline folder first
         found.append(("model.quantization", "4-bit loading quantizes pretrained weights; a randomly initialised model.config has none", "set model.path to a pretrained model"))
     return found
 

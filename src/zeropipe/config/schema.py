@@ -89,12 +89,14 @@ class QuantizationSection(Section):
 
     format: Literal["auto", "nf4", "fp4", "int8", "fp8", "fp8_e5m2"] = Field(
         "auto",
-        description="Storage of the base weights: fp8 (e4m3, the usual one) or fp8_e5m2, for causal LMs and diffusion transformers, on CPU "
-        "ranks and GPUs, under any ZeRO stage; nf4/fp4 (QLoRA, bitsandbytes) or int8 (bitsandbytes' LLM.int8, ZeRO-0..2) for causal LMs. "
+        description="Storage of the base weights: fp8 (e4m3, the usual one) or fp8_e5m2, for causal LMs, vision-language models (the language "
+        "model's blocks) and diffusion transformers, on CPU ranks and GPUs, under any ZeRO stage; nf4/fp4 (QLoRA, bitsandbytes) or int8 "
+        "(bitsandbytes' LLM.int8, ZeRO-0..2) for causal LMs, and for diffusion denoisers under ZeRO-0..2. "
         "'auto': quant_type (4-bit QLoRA, as before).",
     )
     scale: Literal["channel", "tensor"] = Field(
-        "channel", description="fp8: one float32 scale per output channel (closer to the bf16 weights) or one per tensor (ComfyUI's fp8_scaled). A pre-quantized file keeps its own."
+        "channel", description="fp8: one float32 scale per output channel (closer to the bf16 weights) or one per tensor (ComfyUI's fp8_scaled). "
+        "A pre-quantized file keeps its own: ComfyUI's per-tensor or per-channel scale_weight, transformers' fine-grained FP8 block scales (weight_scale_inv)."
     )
     load_in_4bit: bool = Field(True, description="QLoRA: load the base weights in 4-bit.")
     quant_type: Literal["nf4", "fp4"] = Field("nf4", description="4-bit data type; nf4 is what QLoRA uses.")
@@ -198,7 +200,8 @@ class ModelSection(Section):
     quantization: QuantizationSection | None = Field(
         None,
         description="Store the frozen base quantized for LoRA (needs model.lora): fp8 or fp8_e5m2 (any family's transformer blocks, any ZeRO stage, "
-        "CPU ranks too), nf4/fp4 (QLoRA) or int8 with bitsandbytes (causal LMs; on CPU ranks bitsandbytes >= 0.47). One word (fp8) or a section.",
+        "CPU ranks too; fp8 checkpoints such as Qwen3-*-FP8 or ComfyUI's fp8_scaled are read as stored), nf4/fp4 (QLoRA) or int8 with bitsandbytes "
+        "(causal LMs; diffusion denoisers under ZeRO-0..2; on CPU ranks bitsandbytes >= 0.47). One word (fp8) or a section.",
     )
 
     @field_validator("quantization", mode="before")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe.convert.common import (
+    HELD_OUT_PAIRS,
     Conversion,
     ConversionError,
     as_number,
@@ -139,6 +140,8 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     val = as_number(rest.pop("val_set_size", None))
     if val == 0:
         conversion.already.append("val_set_size: 0 (no held-out data)")
+    elif val and preference:
+        conversion.skip("val_set_size", f"{val}: {HELD_OUT_PAIRS}")
     elif val:
         if val < 1:
             conversion.set("data.eval_fraction", to_float(val, "val_set_size"), "from val_set_size")

@@ -17,6 +17,12 @@ import yaml
 from zeropipe.data.records import Record, iter_records
 from zeropipe.errors import DataError, ZeroPipeError
 
+# What a preference recipe's held-out share (axolotl's val_set_size, LLaMA-Factory's val_size) becomes: the
+# preference task trains on every pair of data.path (check refuses data.eval_fraction there).
+HELD_OUT_PAIRS = (
+    "preference tuning trains on every pair of data.path and holds none out: put the held-out pairs in a file of their own "
+    "and measure them with `zeropipe eval RUN --data FILE` (preference accuracy and margin)"
+)
 SECTION_ORDER = ("run", "model", "data", "train", "preference", "deepspeed", "hardware", "generate", "logging")
 
 

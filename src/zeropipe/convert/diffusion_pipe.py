@@ -48,7 +48,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "hunyuan_video_15": "hunyuan-video-1.5",
     "ernie_image": "ernie-image",
     "ltx2": "ltx2",
-    "ideogram4": None,
+    "ideogram4": "ideogram4",
     "krea2": "krea2",
     "minimax_h3": None,
     "kandinsky5": "kandinsky5-t2i",
@@ -331,11 +331,16 @@ def _base_storage(conversion: Conversion, key: str, value: str, lora: bool) -> N
             f"from [model] {key} = {value!r}: the denoiser's block linears stored in {BASE_STORAGE[value]} for LoRA (ZeRO-3 partitions the bytes); "
             "with a float32 scale per output channel where diffusion-pipe casts without a scale (model.quantization.scale: tensor for one per tensor)",
         )
+    elif value == "nf4" and lora:
+        conversion.set(
+            "model.quantization.format", "nf4",
+            f"from [model] {key} = 'nf4': the denoiser's block linears in bitsandbytes' nf4 for LoRA; every rank holds the 4-bit base (ZeRO-0..2)",
+        )
     elif value in DTYPES:
         conversion.already.append(f"[model] {key} = {value!r} (the base is held in deepspeed.precision)")
     else:
         conversion.skip(
-            f"model.{key}", f"{value!r}: ZeRO-Pipe stores a diffusion base in fp8 (float8 / float8_e5m2); nf4 is not run for diffusion models, "
+            f"model.{key}", f"{value!r}: ZeRO-Pipe stores a diffusion base for LoRA in fp8 (float8 / float8_e5m2) or nf4; "
             "set model.quantization: fp8 for an 8-bit base"
         )
 
@@ -513,6 +518,15 @@ def _training(conversion: Conversion, rest: dict[str, Any]) -> None:
         conversion.skip("pipeline_stages", f"{stages}: {NOT_MAPPED['pipeline_stages']}")
     elif not swap:
         conversion.set("deepspeed.zero_stage", 2, "pipeline_stages = 1 is data parallel: ZeRO-2 also shards gradients and optimizer states")
+    quant = conversion.entries.get("model.quantization.format")
+    stage = conversion.entries.get("deepspeed.zero_stage")
+    if quant is not None and quant.value == "nf4" and stage is not None and stage.value == 3:
+        # bitsandbytes' nf4 keeps its state beside each weight tensor, which ZeRO-3 does not partition (models.bnb_base).
+        conversion.set(
+            "model.quantization.format", "fp8",
+            f"{quant.comment}; but ZeRO-3 (needed here: {stage.comment}) cannot partition an nf4 base, so it is stored in fp8 instead "
+            "(8 bits, a scale per output channel, partitioned by ZeRO-3)",
+        )
 
 
 def _resolution(value: Any) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe.convert.common import (
+    HELD_OUT_PAIRS,
     Conversion,
     ConversionError,
     as_number,
@@ -65,7 +66,7 @@ NOT_MAPPED = {
     "image_max_pixels": "images are resized by the model's own image processor",
     "image_min_pixels": "images are resized by the model's own image processor",
     "video_max_pixels": "video is not supported",
-    "quantization_method": "QLoRA uses bitsandbytes",
+    "quantization_method": "ZeRO-Pipe's quantized bases are bitsandbytes' (quantization_bit: 4, nf4) and fp8 (quantization_bit: 8); hqq and eetq are not run",
     "mask_history": "loss is on every assistant turn",
     "additional_target": "only LoRA adapters train in a LoRA run",
     "create_new_adapter": "a LoRA run starts fresh adapters",
@@ -103,7 +104,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         conversion.already.append(f"do_train: {do_train}")
 
     local_model(conversion, "model_name_or_path", str(rest.pop("model_name_or_path", "")), bases)
-    _prequantized(conversion, "model_name_or_path")
+    prequantized = _prequantized(conversion, "model_name_or_path")
     remote = rest.pop("trust_remote_code", None)
     if remote:
         conversion.set("model.load_kwargs", {"trust_remote_code": True}, "from trust_remote_code")
@@ -116,7 +117,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         not no_checkpointing,
         "from disable_gradient_checkpointing" if no_checkpointing else "LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing is set",
     )
-    _method(conversion, rest)
+    _method(conversion, rest, prequantized)
     vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
     _vision(conversion, rest)
 
@@ -133,7 +134,9 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     elif packing is False or neat is False:
         conversion.already.append("packing: false (no packing)")
     val = as_number(rest.pop("val_size", None))
-    if val:
+    if val and fmt_stage == "preference":
+        conversion.skip("val_size", f"{val}: {HELD_OUT_PAIRS}")
+    elif val:
         if val < 1:
             conversion.set("data.eval_fraction", to_float(val, "val_size"), "from val_size")
         else:
@@ -178,7 +181,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     return conversion
 
 
-def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
+def _method(conversion: Conversion, rest: dict[str, Any], prequantized: str | None = None) -> None:
     method = str(rest.pop("finetuning_type", "lora"))
     if method in ("full", "lora"):
         conversion.already.append(f"finetuning_type: {method} ({'no model.lora: every weight trains' if method == 'full' else 'model.lora'})")
@@ -246,10 +249,25 @@ def _method(conversion: Conversion, rest: dict[str, Any]) -> None:
     for key, value in (("double_quantization", double), ("quantization_type", quant_type)):
         if value is not None and bits is None:
             conversion.skip(key, f"{value!r}: applies to quantization_bit, which is not set")
+    if prequantized == "fp8":
+        if method == "lora":
+            # Said last: the file's own storage wins over a quantization_bit that would quantize it again.
+            conversion.entries.pop("model.quantization.load_in_4bit", None)
+            conversion.entries.pop("model.quantization.double_quant", None)
+            conversion.entries.pop("model.quantization.quant_type", None)
+            conversion.set("model.quantization.format", "fp8", "the base is a fine-grained FP8 checkpoint: its fp8 weights and block scales (weight_scale_inv) are read as stored")
+        else:
+            conversion.blocking.append(
+                "model_name_or_path is a fine-grained FP8 checkpoint: a full fine-tune cannot update weights stored in fp8; "
+                "use finetuning_type: lora (LoRA on the fp8 base as stored), or the bf16 release of the model"
+            )
 
 
-def _prequantized(conversion: Conversion, key: str) -> None:
-    """A base already quantized by AWQ, GPTQ, AQLM...: LoRA on it is not something ZeRO-Pipe can load or shard."""
+def _prequantized(conversion: Conversion, key: str) -> str | None:
+    """A base already quantized by AWQ, GPTQ, AQLM...: LoRA on it is not something ZeRO-Pipe can load or shard.
+
+    Returns "fp8" for transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3), which the fp8 base reads as stored.
+    """
     name = str(conversion.entries["model.path"].value)
     method = None
     config_file = Path(name) / "config.json"
@@ -260,11 +278,14 @@ def _prequantized(conversion: Conversion, key: str) -> None:
             method = None
     else:
         method = next((kind for kind in PREQUANTIZED if kind in re.split(r"[-_./]", name.lower())), None)
+    if str(method).lower() == "fp8":
+        return "fp8"
     if method and str(method).lower() != "bitsandbytes":
         conversion.blocking.append(
             f"{key} {name!r} is a pre-quantized {str(method).upper()} checkpoint: ZeRO-Pipe trains LoRA on a base in deepspeed.precision or "
-            "4-bit bitsandbytes (QLoRA), and cannot load or shard these kernels: use the unquantized base, with quantization_bit: 4 for QLoRA"
+            "4-bit bitsandbytes (QLoRA) or fp8, and cannot load or shard these kernels: use the unquantized base, with quantization_bit: 4 for QLoRA"
         )
+    return None
 
 
 def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:

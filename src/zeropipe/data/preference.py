@@ -11,7 +11,8 @@ Layouts read (one record each):
   ``from``/``value`` turns, ``chosen`` / ``rejected`` one turn each);
 - axolotl's DPO types for the common datasets: ``chatml.intel`` (``system``, ``question``,
   ``chosen``, ``rejected``), ``chatml.argilla`` (``instruction``, ``chosen_response``,
-  ``rejected_response``) and ``chatml.ultra`` / ``llama3.ultra`` (TRL's conversational layout).
+  ``rejected_response``), ``chatml.ultra`` / ``llama3.ultra`` (TRL's conversational layout) and
+  ``bradley_terry.chat_template`` for reward models (``system``, ``input``, ``chosen``, ``rejected``).
 
 Tokenization follows TRL's DPO/KTO trainers (``trl.trainer.dpo_trainer._prepare_dataset``): a
 plain prompt and prompt + completion + EOS are tokenized as text, a conversation through the
@@ -102,10 +103,12 @@ def normalize_record(record: dict[str, Any]) -> dict[str, Any]:
     chosen, rejected = record["chosen"], record["rejected"]
     if "conversations" in keys:  # LLaMA-Factory sharegpt ranking
         return {"prompt": _conversation(record["conversations"]), "chosen": _answer(chosen), "rejected": _answer(rejected)}
-    if "instruction" in keys or "question" in keys:  # LLaMA-Factory alpaca ranking, axolotl chatml.intel
+    if "instruction" in keys or "question" in keys or ("input" in keys and "prompt" not in keys):
+        # LLaMA-Factory alpaca ranking, axolotl chatml.intel; input alone: axolotl's bradley_terry.chat_template
+        # (system, input, chosen, rejected: argilla/distilabel-intel-orca-dpo-pairs, its reward-model example's data).
         text = str(record.get("instruction", record.get("question", "")))
         if record.get("input"):
-            text = f"{text}\n{record['input']}"  # LLaMA-Factory's alpaca converter joins them so
+            text = f"{text}\n{record['input']}" if text else str(record["input"])  # LLaMA-Factory's alpaca converter joins them so
         return {"prompt": _user_prompt(record.get("system"), text), "chosen": _answer(chosen), "rejected": _answer(rejected)}
     implicit = isinstance(chosen, list) and chosen and isinstance(chosen[0], dict) and _message(chosen[0])["role"] != "assistant"
     if "prompt" in keys and not implicit:

@@ -15,6 +15,7 @@ equal to TRL's trainers' to 1e-5 from the same records.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,3 +242,144 @@ def policy_loss(
     if settings.method == "orpo":
         return orpo_loss(settings, logits, batch)
     return cpo_loss(settings, logits, batch)
+
+
+# ---------------------------------------------------------------------- what every family's preference task shares
+REFERENCE_FILE = "reference_logps.npy"
+
+
+def reference_mode(config: Any) -> str | None:
+    """Where a run's reference log-probs come from: adapters_off, precomputed, or None (a method without a reference)."""
+    section = config.preference
+    if section is None or section.method not in ("dpo", "kto"):
+        return None
+    if section.reference != "auto":
+        return section.reference
+    return "adapters_off" if config.model.lora is not None else "precomputed"
+
+
+def preference_section_problems(config: Any) -> list[tuple[str, str]]:
+    """(key, message with the fix) for a ``preference:`` section that cannot work in any family; checked before any process starts."""
+    section = config.preference
+    if section is None:
+        return []
+    problems = []
+    for key in ("packing", "mixture", "eval_path", "eval_fraction", "synthetic"):
+        if getattr(config.data, key):
+            problems.append((f"data.{key}", f"preference tuning reads pairs from data.path and does not use data.{key}: remove it"))
+    if section.loss_weights is not None and len(section.loss_weights) != len(section.loss_type):
+        problems.append(("preference.loss_weights", f"{len(section.loss_weights)} weights for {len(section.loss_type)} losses {section.loss_type}: give one weight per loss"))
+    if section.method != "dpo" and section.loss_type != ["sigmoid"]:
+        problems.append(("preference.loss_type", f"loss_type chooses DPO's losses; method {section.method} has its own: remove loss_type or use method dpo"))
+    if reference_mode(config) == "adapters_off" and config.model.lora is None:
+        problems.append(("preference.reference", "adapters_off needs model.lora (the reference is the base with the adapters disabled): use precomputed, or add model.lora"))
+    if section.label_smoothing and not ({"robust"} & set(section.loss_type) or section.method in ("cpo", "simpo")):
+        problems.append(("preference.label_smoothing", "label smoothing applies to DPO's robust loss and to CPO/SimPO: add robust to loss_type, or remove it"))
+    return problems
+
+
+class PreferenceObjective:
+    """The preference part of a family's rank task: the reference model, the loss of a micro-batch and the step's figures.
+
+    Mixed into a family's task (the causal LM's, the VLM's) ahead of it, so that the same
+    reference (LoRA adapters off, or log-probs precomputed once by the ranks) and losses serve
+    every family; the family supplies its data (``self.dataset``: items with an ``index``,
+    ``self.collate``: ``collate_pairs``' layout plus whatever else its model reads),
+    ``self.settings``, ``self.reference_mode``, and how a batch becomes logits
+    (:meth:`logits`) and moves to the device (:meth:`batch_to_device`).
+    """
+
+    reference: torch.Tensor | None = None  # precomputed: (examples, 2) log-probs
+    step_figures: list[dict[str, torch.Tensor]]
+
+    def logits(self, model, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+        raise NotImplementedError
+
+    def batch_to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+    def after_initialize(self) -> None:
+        """Precomputed reference log-probs: read back, or computed now, from the starting weights (a resume loads later)."""
+        import numpy as np
+
+        if self.reference_mode != "precomputed":
+            return
+        path = self.run.cache / REFERENCE_FILE
+        if not path.is_file():
+            if self.plan.resume_from:
+                raise RuntimeError(f"{path} is missing: a resumed run cannot recompute the reference from trained weights; start the run again")
+            self.compute_reference(path)
+        self.reference = torch.from_numpy(np.load(path)).to(self.device)
+
+    def compute_reference(self, path) -> None:
+        """Every example's reference log-probs, each rank a share (the same number of forward passes: under ZeRO-3 each gathers weights)."""
+        from pathlib import Path
+
+        import deepspeed.comm as dist
+        import numpy as np
+
+        count, world, rank = len(self.dataset), self.world_size, self.rank
+        per_rank = -(-count // world)
+        mine = [(rank + world * i) % count for i in range(per_rank)]  # a short last share repeats examples: equal passes
+        rows = []
+        model = self.engine.module
+        model.eval()
+        with torch.no_grad():
+            for start in range(0, per_rank, self.micro_batch_size):
+                indices = mine[start : start + self.micro_batch_size]
+                batch = self.batch_to_device(self.collate([self.dataset[i] for i in indices]))
+                first, second = self.reference_pass(model, batch)
+                rows.append(torch.stack([batch["index"].double(), first.double(), second.double()], dim=1))
+        model.train()
+        local = torch.cat(rows)
+        gathered = [torch.zeros_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        table = torch.cat(gathered).cpu().numpy()
+        values = np.zeros((count, 2), dtype=np.float32)
+        values[table[:, 0].astype(np.int64)] = table[:, 1:]
+        if rank == 0:
+            partial = Path(path).with_suffix(".partial.npy")
+            partial.parent.mkdir(parents=True, exist_ok=True)  # a VLM run has no pair cache there
+            np.save(partial, values)
+            partial.replace(path)
+            logging.getLogger("zeropipe").info("reference log-probs of %d examples computed from the starting weights (%s)", count, path)
+        dist.barrier()
+
+    def reference_pass(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference log-probs of a batch: (chosen, rejected) per pair, or (completion, KL row) per KTO example."""
+        logps = sequence_logps(self.logits(model, batch), batch)[0]
+        if "label" not in batch:  # paired
+            return logps.chunk(2)
+        return logps, sequence_logps(self.logits(model, batch, "KL_"), batch, "KL_")[0]
+
+    def reference_of(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.reference is not None:
+            values = self.reference[batch["index"]]
+            return values[:, 0], values[:, 1]
+        model = self.engine.module
+        with torch.no_grad(), model.disable_adapter():
+            return self.reference_pass(model, batch)
+
+    def preference_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of a micro-batch already on the device; its figures kept for the step's metrics."""
+        settings = self.settings
+        if settings.method == "reward":
+            loss, figures = reward_loss(self.logits(self.engine, batch))
+        elif settings.method == "kto":
+            ref_logps, ref_kl = self.reference_of(batch)
+            with torch.no_grad():
+                kl_logps = sequence_logps(self.logits(self.engine.module, batch, "KL_"), batch, "KL_")[0]
+            loss, figures = kto_loss(settings, self.logits(self.engine, batch), batch, ref_logps, kl_logps, ref_kl)
+        else:
+            reference = self.reference_of(batch) if settings.uses_reference else None
+            loss, figures = policy_loss(settings, self.logits(self.engine, batch), batch, reference)
+        figures["preference_loss"] = loss.detach()
+        self.step_figures.append(figures)
+        return loss
+
+    def extra_metrics(self) -> dict[str, Any]:
+        """The step's preference figures: this rank's means over its micro-batches, still on the device."""
+        figures, self.step_figures = self.step_figures, []
+        if not figures:
+            return {}
+        return {key: torch.stack([f[key].float() for f in figures]).mean() for key in figures[0] if key != "preference_loss"}

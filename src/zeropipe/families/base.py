@@ -92,24 +92,23 @@ class Family(Protocol):
         """
 
 
-def text_only_problems(config: "RunConfig", family: str) -> list[tuple[str, str]]:
-    """The causal-LM features (data features, QLoRA's 4-bit base) a run of another family set."""
+def text_only_problems(config: "RunConfig", family: str, bitsandbytes_base: bool = False) -> list[tuple[str, str]]:
+    """The causal-LM features (data features, QLoRA's 4-bit base) a run of another family set.
+
+    A ``preference:`` section is each family's to accept or refuse (the VLM trains it; diffusion refuses it).
+    ``bitsandbytes_base``: the family loads an nf4/fp4/int8 base itself (diffusion, ``models.bnb_base``), so it is not refused here.
+    """
     problems = [
         (f"data.{key}", f"is implemented for causal language models only, and this is a {family} run: remove it")
         for key in TEXT_ONLY_DATA_KEYS
         if getattr(config.data, key)
     ]
-    if config.preference is not None:
-        # Said before anything starts: another family's task would train it as supervised data, silently.
-        problems.append(
-            ("preference", f"preference tuning (DPO, ORPO, SimPO, KTO, reward models) is implemented for causal language models only, and this is a {family} run: remove preference")
-        )
-    if config.model.quantization is not None and not config.model.quantization.is_fp8:
+    if config.model.quantization is not None and not config.model.quantization.is_fp8 and not bitsandbytes_base:
         # Said before anything starts: the diffusion family would ignore it, the VLM's ranks fail on it.
         problems.append(
             (
                 "model.quantization",
-                f"{config.model.quantization.storage} storage (bitsandbytes) is implemented for causal language models only, and this is a {family} run: "
+                f"{config.model.quantization.storage} storage (bitsandbytes) is implemented for causal language models and diffusion models, and this is a {family} run: "
                 "set model.quantization: fp8 (any family), or remove it (LoRA on the 16-bit model stays: model.lora)",
             )
         )

@@ -69,6 +69,44 @@ def count_parameters(model) -> tuple[int, int]:
     return trainable, total
 
 
+def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights to load into a family's export model (the causal LM's, the VLM's).
+
+    A checkpoint of a quantized base (QLoRA's 4-bit, fp8) holds the base as packed bytes and their scales;
+    the exported model is the full-precision base of model.path, so only what trained (the
+    adapters) is taken from the checkpoint and the rest is the base's own. Other runs load the
+    whole checkpoint.
+    """
+    if section.quantization is None:
+        return state
+    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
+    # A trained tensor missing from the checkpoint stays missing: load_checked names it.
+    base = {name: value for name, value in model.state_dict().items() if name not in trained}
+    return base | {name: state[name] for name in trained if name in state}
+
+
+def full_precision_kwargs(path: str | None) -> dict[str, Any]:
+    """from_pretrained arguments that load model.path in full precision: a fine-grained FP8 checkpoint dequantized.
+
+    An export's base is the full-precision model; transformers keeps such a checkpoint's FP8 layers on a GPU
+    of compute capability 8.9+ (and dequantizes it elsewhere), which peft cannot merge into.
+    """
+    import json
+    from pathlib import Path
+
+    if not path:
+        return {}
+    try:
+        quant = json.loads((Path(path).expanduser() / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}
+    if quant.get("quant_method") != "fp8":
+        return {}
+    from transformers import FineGrainedFP8Config
+
+    return {"quantization_config": FineGrainedFP8Config(dequantize=True)}
+
+
 def hf_zero3_config(ds_config: dict[str, Any], zero_stage: int):
     """An HfDeepSpeedConfig under ZeRO-3 (None otherwise); the caller keeps it alive for the whole run.
 

@@ -60,10 +60,13 @@ import torch
 from torch import nn
 
 from zeropipe.errors import CheckpointError
+from zeropipe.models.bnb_base import BitsAndBytesStorage, bnb_linear
 from zeropipe.models.quantized import (
-    COMFY_EXTRA_KEYS,
+    BLOCK_SCALE_KEY,
+    DEFAULT_WEIGHT_BLOCK,
     FP8_DTYPES,
     FP8_FORMAT_OF_DTYPE,
+    PREQUANTIZED_EXTRA_KEYS,
     SCALE_KEY,
     QuantizedLinear,
     QuantizedStorage,
@@ -579,14 +582,41 @@ def load_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str,
 PARTITION_BATCH_BYTES = 64 * 2**20
 
 
-def _quantized_skeleton(construct, index, path, rename, storage, select, zero_stage, ds_config, device) -> tuple[nn.Module, dict[str, str]]:
+def _quantized_skeleton(construct, index, path, rename, storage, select, zero_stage, ds_config, device, new_head: bool = False) -> tuple[nn.Module, dict[str, str]]:
     """The model as a skeleton with its block linears quantized, checked against the checkpoint; partitioned under ZeRO-3."""
     model = construct(on_meta=True)
     replace_linears(model, storage, quantizable_linears(model, select))
-    sources = _plan(model, index, path, rename)
+    sources = _plan(model, index, path, rename, new_head)
     if zero_stage == 3:
         _partition_skeleton(model, device, ds_config)
     return model, sources
+
+
+def _load_bnb_base(construct, index, path, rename, storage: BitsAndBytesStorage, select, zero_stage: int, dtype: torch.dtype, device) -> tuple[nn.Module, int, int]:
+    """A model whose block linears are bitsandbytes layers, each quantized from its checkpoint weight read whole, one layer at a time (ZeRO-0..2)."""
+    if zero_stage == 3:
+        raise ValueError(f"a {storage.format} (bitsandbytes) base is held whole by every rank: ZeRO-0..2 only (models.bnb_base says why)")
+    model = construct(on_meta=True)
+    names = quantizable_linears(model, select)
+    sources = dict(_plan(model, index, path, rename))
+    bytes_read = 0
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old = getattr(parent, leaf)
+        tensors = {}
+        for part in ("weight", "bias"):
+            source = sources.pop(f"{name}.{part}", None)
+            if source is not None:
+                with index.read(source) as stored:
+                    tensors[part] = stored.to(dtype, copy=True)
+                bytes_read += index[source].nbytes
+        setattr(parent, leaf, bnb_linear(old, tensors["weight"], tensors.get("bias"), storage, dtype, device))
+    count = len(sources)
+    bytes_read += load_tensors(model, index, sources, device=device)
+    # peft wraps bitsandbytes layers in its own LoRA layers when the model says it holds them.
+    model.is_loaded_in_4bit, model.is_loaded_in_8bit = storage.format != "int8", storage.format == "int8"
+    return model, bytes_read, count + 2 * len(names)
 
 
 def _partition_skeleton(model: nn.Module, device: torch.device, ds_config: dict | None) -> None:
@@ -683,25 +713,51 @@ def _place(module: nn.Module, leaf: str, param: torch.Tensor, value: torch.Tenso
     return new
 
 
-def _checkpoint_scale(index: CheckpointIndex, name: str, channels: int) -> tuple[torch.Tensor, int]:
-    """The per-channel scale an fp8 checkpoint stores beside weight ``name`` (ones where it stores none: ComfyUI's plain fp8)."""
-    scale_name = name[: -len("weight")] + SCALE_KEY if name.endswith("weight") else None
-    if scale_name is None or scale_name not in index:
-        return torch.ones(channels), 0
+def _checkpoint_scale(index: CheckpointIndex, name: str, weight_block: tuple[int, int] | None = None) -> tuple[torch.Tensor, tuple[int, int] | None, int]:
+    """The scale an fp8 checkpoint stores beside weight ``name``: (per-channel scale or block grid, block size or None, bytes read).
+
+    ComfyUI's ``scale_weight`` is one value per tensor or per channel (ones where the file stores
+    none: its plain fp8); transformers' fine-grained ``weight_scale_inv`` is a grid of one value per
+    block of ``weight_block`` (config.json's ``weight_block_size``; 128x128 where it says none).
+    """
+    shape = index[name].shape
+    channels = shape[0]
+    stem = name[: -len("weight")] if name.endswith("weight") else None
+    scale_name = next((stem + key for key in (SCALE_KEY, BLOCK_SCALE_KEY) if stem is not None and stem + key in index), None)
+    if scale_name is None:
+        return torch.ones(channels), None, 0
     entry = index[scale_name]
     with index.read(scale_name) as stored:
-        scale = stored.to(torch.float32).reshape(-1).clone()
+        scale = stored.to(torch.float32).clone()
+    if scale.dim() == 2 and scale.numel() > 1 and len(shape) == 2:
+        block = tuple(weight_block or DEFAULT_WEIGHT_BLOCK)
+        grid = (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+        if tuple(scale.shape) != grid:
+            raise CheckpointError(
+                f"{scale_name} in {index.where(scale_name)} is a {tuple(scale.shape)} grid of block scales, but weight {name} {tuple(shape)} "
+                f"in blocks of {block} needs {grid}: set quantization_config.weight_block_size in config.json to the block the file was written with"
+            )
+        return scale, block, entry.nbytes
+    scale = scale.reshape(-1)
     if scale.numel() not in (1, channels):
         raise CheckpointError(f"{scale_name} in {index.where(scale_name)} holds {scale.numel()} scales for {channels} output channels: expected 1 or {channels}")
-    return scale.expand(channels).clone(), entry.nbytes
+    return scale.expand(channels).clone(), None, entry.nbytes
 
 
-def _fill_quantized(module: QuantizedLinear, index: CheckpointIndex, name: str, storage: QuantizedStorage, device) -> int:
-    """This rank's rows of a quantized layer: fp8 bytes copied from an fp8 checkpoint, or quantized from a full-precision one."""
+def _rows_of_scale(scale: torch.Tensor, block: tuple[int, int] | None, first: int, count: int) -> torch.Tensor:
+    """The scales of rows ``first:first+count``: per channel, or their rows of a block grid (one row per weight row)."""
+    if block is None:
+        return scale[first : first + count]
+    return scale[first // block[0] : (first + count - 1) // block[0] + 1].repeat_interleave(block[0], dim=0)[first % block[0] :][:count]
+
+
+def _fill_quantized(module: QuantizedLinear, index: CheckpointIndex, name: str, storage: QuantizedStorage, device, weight_block: tuple[int, int] | None = None) -> int:
+    """This rank's rows of a quantized layer: fp8 bytes copied from an fp8 checkpoint (with its scales or block scales), or quantized from a full-precision one."""
     entry = index[name]
     param = module.weight
     destination, start, value = _destination(param, device)
     channels = entry.shape[0]
+    block = None
     if entry.dtype in FP8_FORMAT_OF_DTYPE:
         stored_format = FP8_FORMAT_OF_DTYPE[entry.dtype]
         if stored_format != storage.format:
@@ -710,7 +766,7 @@ def _fill_quantized(module: QuantizedLinear, index: CheckpointIndex, name: str, 
                 f"set model.quantization: {stored_format} to train on the file as it is stored"
             )
         bytes_read = index.copy_elements(name, destination.view(entry.dtype), start)
-        scale, scale_bytes = _checkpoint_scale(index, name, channels)
+        scale, block, scale_bytes = _checkpoint_scale(index, name, weight_block)
         bytes_read += scale_bytes
     else:
         # Each rank reads only the rows covering its partition: the scales of the rows it does not
@@ -729,35 +785,44 @@ def _fill_quantized(module: QuantizedLinear, index: CheckpointIndex, name: str, 
         bytes_read += _copy_rows(index, name, destination, start, lambda rows, row: quantize_rows(rows, scale[row : row + rows.shape[0]], storage.dtype))
     loaded = _place(module, "weight", param, value)
     module._buffers[SCALE_KEY] = scale.to(device)
+    module.block_size = block
     loaded._is_hf_initialized = True
     return bytes_read
 
 
-def _fill_dequantized(module: nn.Module, leaf: str, index: CheckpointIndex, name: str, device) -> int:
-    """A layer kept in the training precision whose checkpoint tensor is fp8 (a ComfyUI file quantizes more than the blocks): fp8 times its scale."""
+def _fill_dequantized(module: nn.Module, leaf: str, index: CheckpointIndex, name: str, device, weight_block: tuple[int, int] | None = None) -> int:
+    """A layer kept in the training precision whose checkpoint tensor is fp8 (a ComfyUI file quantizes more than the blocks, an FP8 VLM its vision tower): fp8 times its scale."""
     entry = index[name]
     param = getattr(module, leaf)
     destination, start, value = _destination(param, device)
-    scale, bytes_read = _checkpoint_scale(index, name, entry.shape[0])
+    scale, block, bytes_read = _checkpoint_scale(index, name, weight_block)
+    columns = None if block is None else (1, block[1])  # the chunk's own rows of the grid: one per weight row
+
+    def upcast(rows: torch.Tensor, row: int) -> torch.Tensor:
+        return dequantize(rows.contiguous().view(torch.uint8), _rows_of_scale(scale, block, row, rows.shape[0]), entry.dtype, param.dtype, columns)
+
     with torch.no_grad():
-        bytes_read += _copy_rows(
-            index, name, destination, start, lambda rows, row: dequantize(rows.contiguous().view(torch.uint8), scale[row : row + rows.shape[0]], entry.dtype, param.dtype)
-        )
+        bytes_read += _copy_rows(index, name, destination, start, upcast)
     _place(module, leaf, param, value)._is_hf_initialized = True
     return bytes_read
 
 
-def load_quantized_tensors(model: nn.Module, index: CheckpointIndex, sources: Mapping[str, str], storage: QuantizedStorage, *, device) -> int:
-    """``load_tensors`` for a model with quantized layers: their weights quantized (or copied) row by row, fp8 tensors of other layers upcast."""
+def load_quantized_tensors(
+    model: nn.Module, index: CheckpointIndex, sources: Mapping[str, str], storage: QuantizedStorage, *, device, weight_block: tuple[int, int] | None = None
+) -> int:
+    """``load_tensors`` for a model with quantized layers: their weights quantized (or copied) row by row, fp8 tensors of other layers upcast.
+
+    ``weight_block``: the block of a fine-grained FP8 checkpoint's ``weight_scale_inv`` grids (config.json's weight_block_size).
+    """
     bytes_read = 0
     rest = {}
     with torch.no_grad():
         for key, name in sorted(sources.items(), key=lambda item: (str(index[item[1]].file), index[item[1]].offset, item[1])):
             module, leaf = _owner(model, key)
             if isinstance(module, QuantizedLinear) and leaf == "weight":
-                bytes_read += _fill_quantized(module, index, name, storage, device)
+                bytes_read += _fill_quantized(module, index, name, storage, device, weight_block)
             elif index[name].dtype in FP8_FORMAT_OF_DTYPE and index[name].shape:
-                bytes_read += _fill_dequantized(module, leaf, index, name, device)
+                bytes_read += _fill_dequantized(module, leaf, index, name, device, weight_block)
             else:
                 rest[key] = name
     return bytes_read + load_tensors(model, index, rest, device=device)
@@ -892,22 +957,29 @@ def _construct_from_factory(
             return factory()
 
 
-def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable[[str], str] | None = None) -> dict[str, str]:
+def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable[[str], str] | None = None, new_head: bool = False) -> dict[str, str]:
     """Model key -> checkpoint tensor for every tensor to load, or a CheckpointError listing every mismatch."""
     expected = _state_dict_shapes(model)
     tied = _tied_keys(model)
     ignore_missing, ignore_unexpected = _ignored_patterns(model)
+    if new_head and getattr(model, "base_model_prefix", ""):
+        # The head is every tensor outside the base model: the model's own one is initialised when the
+        # checkpoint lacks it, the checkpoint's other one (a causal LM's lm_head) is left unread, as
+        # from_pretrained does when it loads a causal LM as a sequence classifier.
+        outside = rf"^(?!{re.escape(model.base_model_prefix)}\.)"
+        ignore_missing, ignore_unexpected = [*ignore_missing, outside], [*ignore_unexpected, outside]
     quantized = any(isinstance(module, QuantizedLinear) for module in model.modules())
     if quantized:
         # A quantized layer's scale is computed from a full-precision checkpoint, or read beside
         # its weight from an fp8_scaled one (found by the weight's name, in any layout).
         expected = {key: shape for key, shape in expected.items() if not key.endswith("." + SCALE_KEY)}
-        ignore_unexpected = [*ignore_unexpected, rf"(^|\.){SCALE_KEY}$", *COMFY_EXTRA_KEYS]
+        ignore_unexpected = [*ignore_unexpected, rf"(^|\.){SCALE_KEY}$", *PREQUANTIZED_EXTRA_KEYS]
     else:
-        scaled = [name for name in index if name.rsplit(".", 1)[-1] in (SCALE_KEY, "scaled_fp8")]
+        scaled = [name for name in index if name.rsplit(".", 1)[-1] in (SCALE_KEY, "scaled_fp8", BLOCK_SCALE_KEY)]
         if scaled:
+            kind = "a fine-grained FP8 checkpoint" if scaled[0].endswith(BLOCK_SCALE_KEY) else "an fp8_scaled checkpoint"
             raise CheckpointError(
-                f"{path} is an fp8_scaled checkpoint ({scaled[0]}: its fp8 weights are stored divided by a scale): "
+                f"{path} is {kind} ({scaled[0]}: its fp8 weights are stored divided by a scale): "
                 "set model.quantization: fp8 to train on it as it is stored (fp8_e5m2 for an e5m2 file), or use a bf16/fp16 checkpoint"
             )
     sources = index.match(
@@ -928,6 +1000,17 @@ def _plan(model: nn.Module, index: CheckpointIndex, path: Path, rename: Callable
                 )
             del sources[target]
     return sources
+
+
+def fine_grained_fp8_block(config: Any) -> tuple[int, int] | None:
+    """The weight block of a transformers fine-grained FP8 checkpoint (config.json's quantization_config, quant_method fp8), else None."""
+    quant = getattr(config, "quantization_config", None) if config is not None else None
+    if quant is None:
+        return None
+    fields = quant if isinstance(quant, dict) else quant.to_dict()
+    if fields.get("quant_method") != "fp8" or not fields.get("weight_block_size"):
+        return None
+    return tuple(int(size) for size in fields["weight_block_size"])
 
 
 def _is_model_class(candidate: Any) -> bool:
@@ -1079,8 +1162,9 @@ def load_pretrained(
     device: torch.device | str | None = None,
     stem: str = "model",
     rename: Callable[[str], str] | None = None,
-    quantize: QuantizedStorage | None = None,
+    quantize: QuantizedStorage | BitsAndBytesStorage | None = None,
     quantize_select: Callable[[str], bool] | None = None,
+    new_head: bool = False,
 ) -> nn.Module:
     """A model with the weights of a local checkpoint, loaded without a whole-model copy in host RAM.
 
@@ -1111,6 +1195,12 @@ def load_pretrained(
             ``scale_weight`` keys of an fp8 (ComfyUI ``fp8_scaled``) one. Under ZeRO-3 the
             skeleton is partitioned a few modules at a time (``zero.Init(module=...)``), so no
             rank ever holds a full-precision copy of the model, nor its own partitions of one.
+        new_head: the model's head (its tensors outside ``base_model_prefix``) is not the
+            checkpoint's: a causal LM's checkpoint loaded as a reward model's sequence classifier.
+            The head the checkpoint lacks is initialised, the one it has that the model lacks
+            (``lm_head``) is not read; every base-model tensor must still match.
+            A ``BitsAndBytesStorage`` (nf4, fp4, int8; ZeRO-0..2) swaps those layers for
+            bitsandbytes' instead, each quantized from its weight read whole (``models.bnb_base``).
 
     Returns:
         The model in eval mode, as ``from_pretrained`` returns it, with the same values.
@@ -1144,10 +1234,16 @@ def load_pretrained(
             def construct(on_meta: bool = False) -> nn.Module:
                 return _construct_from_factory(model_cls_or_factory, dtype, zero_stage, ds_config, on_meta=on_meta)
 
+        if isinstance(quantize, BitsAndBytesStorage):
+            model, bytes_read, count = _load_bnb_base(construct, index, path, rename, quantize, quantize_select, zero_stage, dtype, device)
+            _finish(model, path, device)
+            log.info("loaded %d tensors from %s in %.1fs, linear layers of the blocks stored as %s (bitsandbytes); this rank read %.1f MB",
+                     count, path, time.perf_counter() - started, quantize.format, bytes_read / 1e6)
+            return model
         if quantize is not None:
             with _zero3_visible(zero_stage, ds_config):
-                model, sources = _quantized_skeleton(construct, index, path, rename, quantize, quantize_select, zero_stage, ds_config, device)
-            bytes_read = load_quantized_tensors(model, index, sources, quantize, device=device)
+                model, sources = _quantized_skeleton(construct, index, path, rename, quantize, quantize_select, zero_stage, ds_config, device, new_head)
+            bytes_read = load_quantized_tensors(model, index, sources, quantize, device=device, weight_block=fine_grained_fp8_block(config))
             _finish(model, path, device)
             log.info("loaded %d tensors from %s in %.1fs, linear layers of the blocks stored as %s; this rank read %.1f MB",
                      len(sources), path, time.perf_counter() - started, quantize.format, bytes_read / 1e6)
@@ -1155,12 +1251,12 @@ def load_pretrained(
         with _zero3_visible(zero_stage, ds_config):
             if zero_stage == 3:
                 # Checked on a meta skeleton first: a mismatch fails in seconds, not after zero.Init.
-                sources = _plan(construct(on_meta=True), index, path, rename)
+                sources = _plan(construct(on_meta=True), index, path, rename, new_head)
             with _heap_returned(zero_stage == 3 and device.type == "cpu"):
                 model = construct()
         log.debug("constructed %s (%s)", type(model).__name__, "partitioned by zero.Init" if zero_stage == 3 else "on the meta device")
         if zero_stage != 3:
-            sources = _plan(model, index, path, rename)
+            sources = _plan(model, index, path, rename, new_head)
         bytes_read = load_tensors(model, index, sources, device=device)
     except _StreamingUnsupported as reason:
         if not _is_model_class(model_cls_or_factory):

@@ -326,11 +326,11 @@ def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection |
     )
 
 
-def _block_linear_counts(model) -> dict[str, int]:
-    """The block linears an fp8 base stores in 8 bits (``models.quantized.quantizable_linears``), counted on the meta model."""
+def _block_linear_counts(model, select=None) -> dict[str, int]:
+    """The block linears an fp8 base stores in 8 bits (``models.quantized.quantizable_linears``, ``select`` as there), counted on the meta model."""
     from zeropipe.models.quantized import quantizable_linears
 
-    linears = [model.get_submodule(name) for name in quantizable_linears(model)]
+    linears = [model.get_submodule(name) for name in quantizable_linears(model, select)]
     return {
         "block_linear_params": sum(m.weight.numel() for m in linears),
         "block_linear_channels": sum(m.out_features for m in linears),

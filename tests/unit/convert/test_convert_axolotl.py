@@ -157,6 +157,15 @@ def test_rl_keys_become_the_preference_section(tmp_path, keys, expected):
     assert entries["data.path"] == str(tmp_path / "pairs.jsonl")
 
 
+def test_a_preference_recipes_held_out_share_is_listed_with_zeropipe_eval(tmp_path):
+    """check refuses data.eval_fraction on a preference run: val_set_size is listed, not mapped into a config check refuses."""
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"question": "q", "chosen": "a", "rejected": "b"}) + "\n")
+    path = write(tmp_path, f"base_model: x\nrl: dpo\nval_set_size: 0.05\ndatasets:\n  - path: {tmp_path / 'pairs.jsonl'}\n    type: chatml.intel\n")
+    conversion = convert_file(path)
+    assert "data.eval_fraction" not in conversion.entries
+    assert "zeropipe eval RUN --data FILE" in dict(conversion.unmapped)["val_set_size"]
+
+
 def test_dataset_types_and_several_datasets_become_a_weighted_mixture(tmp_path):
     model = model_dir(tmp_path)
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n" for _ in range(3)))

@@ -289,7 +289,14 @@ def test_a_float8_transformer_dtype_with_an_adapter_keeps_the_fp8_base(tmp_path,
     assert got["model.quantization.format"] == format and got["model.lora.r"] == 8
     assert validate_config(yaml.safe_load(conversion.to_yaml())).model.quantization.storage == format
     nf4 = write(tmp_path, f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\nckpt_path = '{pipe}'\ntransformer_dtype = 'nf4'\n[adapter]\nrank = 8\n", f"[[directory]]\npath = '{clips}'\n")
-    assert "set model.quantization: fp8" in unmapped(convert_file(nf4))["model.transformer_dtype"]
+    got = values(convert_file(nf4))
+    assert got["model.quantization.format"] == "nf4" and got["deepspeed.zero_stage"] == 2  # bitsandbytes' nf4 base, held by every rank
+    swapped = write(
+        tmp_path, f"dataset = 'dataset.toml'\nblocks_to_swap = 8\n[model]\ntype = 'wan'\nckpt_path = '{pipe}'\ntransformer_dtype = 'nf4'\n[adapter]\nrank = 8\n",
+        f"[[directory]]\npath = '{clips}'\n",
+    )
+    conversion = convert_file(swapped)
+    assert values(conversion)["model.quantization.format"] == "fp8" and "cannot partition an nf4 base" in conversion.entries["model.quantization.format"].comment
 
 
 def test_sdxl_single_file_checkpoint_says_how_to_make_a_pipeline_folder(tmp_path):

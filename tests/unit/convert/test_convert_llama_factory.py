@@ -154,10 +154,13 @@ def test_preference_stages_become_the_preference_section_and_ranking_data_is_rea
     (data / "pairs.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"}, "rejected": {"from": "gpt", "value": "b"}}]))
     info = {"pairs": {"file_name": "pairs.json", "ranking": True, "formatting": "sharegpt", "columns": {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}}}
     (data / "dataset_info.json").write_text(json.dumps(info))
-    path = write(tmp_path, f"model_name_or_path: x\n{keys}finetuning_type: lora\ndataset: pairs\ndataset_dir: {data}\n")
-    entries = {key: entry.value for key, entry in convert_file(path).entries.items()}
+    path = write(tmp_path, f"model_name_or_path: x\n{keys}finetuning_type: lora\ndataset: pairs\ndataset_dir: {data}\nval_size: 0.1\n")
+    conversion = convert_file(path)
+    entries = {key: entry.value for key, entry in conversion.entries.items()}
     assert {key.split(".", 1)[1]: value for key, value in entries.items() if key.startswith("preference.")} == expected
     assert entries["data.path"] == str(data / "pairs.json") and "data.columns" not in entries
+    # check refuses held-out data on a preference run: val_size is listed with the way to measure held-out pairs.
+    assert "data.eval_fraction" not in entries and "zeropipe eval RUN --data FILE" in dict(conversion.unmapped)["val_size"]
 
 
 def test_dataset_info_formatting_columns_and_tags(tmp_path):

@@ -26,8 +26,9 @@ GOOD, BAD = {"role": "assistant", "content": "5"}, {"role": "assistant", "conten
         {"conversations": [{"from": "human", "value": "What is 2 + 3?"}], "chosen": {"from": "gpt", "value": "5"}, "rejected": {"from": "gpt", "value": "7"}},  # sharegpt ranking
         {"question": "What is 2 + 3?", "chosen": "5", "rejected": "7"},  # axolotl chatml.intel
         {"instruction": "What is 2 + 3?", "chosen_response": "5", "rejected_response": "7"},  # axolotl chatml.argilla
+        {"system": "", "input": "What is 2 + 3?", "chosen": "5", "rejected": "7"},  # axolotl bradley_terry.chat_template (reward models)
     ],
-    ids=["trl", "trl-implicit", "llamafactory-alpaca", "llamafactory-sharegpt", "axolotl-intel", "axolotl-argilla"],
+    ids=["trl", "trl-implicit", "llamafactory-alpaca", "llamafactory-sharegpt", "axolotl-intel", "axolotl-argilla", "axolotl-bradley-terry"],
 )
 def test_every_layout_becomes_the_same_conversation(record):
     assert normalize_record(record) == {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}

@@ -1,4 +1,4 @@
-"""Kandinsky 5 T2I, Krea 2 and ERNIE-Image against their own diffusers pipelines (Ideogram 4 is not an entry yet: docs/diffusion.md).
+"""Kandinsky 5 T2I, Krea 2 and ERNIE-Image against their own diffusers pipelines.
 
 For each entry: the pipeline itself draws from a prompt (its own prompt encoding, latent
 preparation and denoiser call, captured by a hook on its transformer), and the entry's

@@ -268,3 +268,22 @@ def test_any_module_loads_through_a_factory(tmp_path):
     save_file({k: v for k, v in source.state_dict().items() if k != "1.bias"}, tmp_path / "diffusion_pytorch_model.safetensors")
     with pytest.raises(CheckpointError, match="missing tensor 1.bias: not in diffusion_pytorch_model.safetensors"):
         load_pretrained(build, tmp_path, dtype=torch.float32, zero_stage=0, device="cpu", stem="diffusion_pytorch_model")
+
+
+def test_a_causal_lm_checkpoint_loads_as_a_reward_model_with_a_new_score_head(tmp_path):
+    """new_head: the sequence classifier's score head is initialised, lm_head left unread, the base loaded as from_pretrained loads it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    directory = save_tiny(tmp_path / "m")
+    config = AutoConfig.from_pretrained(directory)
+    config.num_labels, config.pad_token_id = 1, 0
+    with pytest.raises(CheckpointError, match="missing tensor score.weight"):
+        load_pretrained(AutoModelForSequenceClassification, directory, dtype=torch.float32, zero_stage=0, device="cpu", config=config)
+    loaded = load_pretrained(AutoModelForSequenceClassification, directory, dtype=torch.float32, zero_stage=0, device="cpu", config=config, new_head=True)
+    expected = AutoModelForSequenceClassification.from_pretrained(directory, config=config, dtype=torch.float32)
+    ours, theirs = loaded.state_dict(), expected.state_dict()
+    assert ours.keys() == theirs.keys() and "lm_head.weight" not in ours
+    for key, value in theirs.items():
+        if key != "score.weight":  # both initialised at random
+            assert torch.equal(ours[key], value), key
+    assert ours["score.weight"].shape == (1, TINY["hidden_size"]) and torch.isfinite(ours["score.weight"]).all() and ours["score.weight"].abs().sum() > 0

@@ -29,6 +29,7 @@ BUILTIN = (
     "kandinsky5_t2i", "krea2", "ernie_image",
     "qwen_image_edit_plus",
     "ltx2",
+    "ideogram4",
     "cosmos_predict2", "cosmos_predict2_video2world",
 )
 

@@ -17,7 +17,7 @@ import torch
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import peft_adapter_config
-from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, model_config, resolve_lora_targets
+from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, full_precision_kwargs, model_config, resolve_lora_targets, trained_weights  # noqa: F401 - trained_weights: this family's callers
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import QuantizedStorage
 
@@ -78,14 +78,15 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
         # transformers would skip zero.Init for a model loaded with a quantization_config.
         model = load_pretrained(
             AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
-            quantize=fp8_storage(section),
+            quantize=fp8_storage(section), new_head=reward,
         )
     elif section.path and section.quantization is None and not section.load_kwargs:
 
         # Tensor by tensor from the memory-mapped checkpoint, each rank only what it keeps:
         # host RAM does not grow with the number of ranks (from_pretrained's does).
         model = load_pretrained(
-            AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation
+            AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
+            new_head=reward,
         )
     elif section.path:
         # QLoRA's 4-bit quantisation and extra from_pretrained arguments stay with transformers.
@@ -95,7 +96,8 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
 
             settings = {"load_in_8bit": True} if section.quantization.storage == "int8" else quantization_kwargs(section, precision, zero_stage)
             kwargs["quantization_config"] = BitsAndBytesConfig(**settings)
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=dtype, attn_implementation=section.attn_implementation, **kwargs)
+        # config: the run's (a reward model's num_labels and pad_token_id), not only the folder's config.json.
+        model = AutoModelForCausalLM.from_pretrained(section.path, config=config, dtype=dtype, attn_implementation=section.attn_implementation, **kwargs)
         if section.quantization is not None:
             from peft import prepare_model_for_kbit_training
 
@@ -143,22 +145,6 @@ def drop_quant_state(module, state_dict, prefix, *args) -> None:
         del state_dict[key]
 
 
-def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights to load into ``causal_lm_for_export``'s model.
-
-    A checkpoint of a quantized base (QLoRA's 4-bit, fp8) holds the base as packed bytes and their scales;
-    the exported model is the full-precision base of model.path, so only what trained (the
-    adapters) is taken from the checkpoint and the rest is the base's own. Other runs load the
-    whole checkpoint.
-    """
-    if section.quantization is None:
-        return state
-    trained = {name for name, parameter in model.named_parameters() if parameter.requires_grad}
-    # A trained tensor missing from the checkpoint stays missing: load_checked names it.
-    base = {name: value for name, value in model.state_dict().items() if name not in trained}
-    return base | {name: state[name] for name in trained if name in state}
-
-
 def add_lora(model, section: ModelSection, task_type: str = "CAUSAL_LM"):
     from peft import get_peft_model
 
@@ -181,7 +167,7 @@ def causal_lm_for_export(config: RunConfig, pad_token_id: int | None = None):
     # A reward model scores a sequence at its last token before the padding: its config must name the pad token.
     head = {"num_labels": 1, "pad_token_id": pad_token_id} if reward else {}
     if section.path:
-        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32, **head)
+        model = AutoModelForCausalLM.from_pretrained(section.path, dtype=torch.float32, **head, **full_precision_kwargs(section.path))
     else:
         for key, value in head.items():
             setattr(hf_config, key, value)

@@ -24,15 +24,23 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.data.preference import PAIRED, UNPAIRED, PairDataset, build_pair_cache, collate_pairs, collate_unpaired, preference_texts, read_pair_info
+from zeropipe.data.preference import (
+    PAIRED,
+    UNPAIRED,
+    PairDataset,
+    build_pair_cache,
+    collate_pairs,
+    collate_unpaired,
+    preference_texts,
+    read_pair_info,
+)
 from zeropipe.data.records import iter_records
 from zeropipe.data.sampler import ResumableDistributedSampler
 from zeropipe.data.tokenize import pad_token_id
-from zeropipe.engine.preference import PreferenceSettings, kto_loss, policy_loss, reward_loss, sequence_logps
+from zeropipe.engine.preference import PreferenceObjective, PreferenceSettings, preference_section_problems, reference_mode, sequence_logps
 from zeropipe.families.causal_lm.model import build_model, is_reward_model
 from zeropipe.families.causal_lm.prepare import data_columns, prepare_data_file, prepare_tokenizer
 from zeropipe.families.causal_lm.task import CausalLMTask
@@ -41,38 +49,15 @@ from zeropipe.rundir import PreparedData, RunDir
 
 log = logging.getLogger("zeropipe")
 
-REFERENCE_FILE = "reference_logps.npy"
-
-
-def reference_mode(config: RunConfig) -> str | None:
-    """Where a run's reference log-probs come from: adapters_off, precomputed, or None (a method without a reference)."""
-    section = config.preference
-    if section is None or section.method not in ("dpo", "kto"):
-        return None
-    if section.reference != "auto":
-        return section.reference
-    return "adapters_off" if config.model.lora is not None else "precomputed"
-
 
 def preference_problems(config: RunConfig) -> list[tuple[str, str]]:
     """(key, message with the fix) for a preference run that cannot work; checked before any process starts."""
     section = config.preference
     if section is None:
         return []
-    problems = []
-    for key in ("packing", "mixture", "eval_path", "eval_fraction", "synthetic"):
-        if getattr(config.data, key):
-            problems.append((f"data.{key}", f"preference tuning reads pairs from data.path and does not use data.{key}: remove it"))
-    if section.loss_weights is not None and len(section.loss_weights) != len(section.loss_type):
-        problems.append(("preference.loss_weights", f"{len(section.loss_weights)} weights for {len(section.loss_type)} losses {section.loss_type}: give one weight per loss"))
-    if section.method != "dpo" and section.loss_type != ["sigmoid"]:
-        problems.append(("preference.loss_type", f"loss_type chooses DPO's losses; method {section.method} has its own: remove loss_type or use method dpo"))
-    if reference_mode(config) == "adapters_off" and config.model.lora is None:
-        problems.append(("preference.reference", "adapters_off needs model.lora (the reference is the base with the adapters disabled): use precomputed, or add model.lora"))
+    problems = preference_section_problems(config)
     if section.method == "reward" and config.model.quantization is not None:
         problems.append(("model.quantization", "a reward model's new score head is not trained on a 4-bit base here: remove model.quantization"))
-    if section.label_smoothing and not ({"robust"} & set(section.loss_type) or section.method in ("cpo", "simpo")):
-        problems.append(("preference.label_smoothing", "label smoothing applies to DPO's robust loss and to CPO/SimPO: add robust to loss_type, or remove it"))
     return problems
 
 
@@ -126,7 +111,7 @@ def prepare_preference_data(config: RunConfig, run: RunDir, reuse: bool) -> Prep
     )
 
 
-class PreferenceTask(CausalLMTask):
+class PreferenceTask(PreferenceObjective, CausalLMTask):
     """A causal LM (or reward model) trained on preference pairs or KTO's unpaired examples."""
 
     def setup_data(self) -> None:
@@ -159,62 +144,6 @@ class PreferenceTask(CausalLMTask):
         log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         return model, {"trainable": trainable, "total": total}
 
-    # ------------------------------------------------------------------ reference
-    def after_initialize(self) -> None:
-        """Precomputed reference log-probs: read back, or computed now, from the starting weights (a resume loads later)."""
-        if self.reference_mode != "precomputed":
-            return
-        path = self.run.cache / REFERENCE_FILE
-        if not path.is_file():
-            if self.plan.resume_from:
-                raise RuntimeError(f"{path} is missing: a resumed run cannot recompute the reference from trained weights; start the run again")
-            self.compute_reference(path)
-        self.reference = torch.from_numpy(np.load(path)).to(self.device)
-
-    def compute_reference(self, path: Path) -> None:
-        """Every example's reference log-probs, each rank a share (the same number of forward passes: under ZeRO-3 each gathers weights)."""
-        import deepspeed.comm as dist
-
-        count, world, rank = len(self.dataset), self.world_size, self.rank
-        per_rank = -(-count // world)
-        mine = [(rank + world * i) % count for i in range(per_rank)]  # a short last share repeats examples: equal passes
-        rows = []
-        model = self.engine.module
-        model.eval()
-        with torch.no_grad():
-            for start in range(0, per_rank, self.micro_batch_size):
-                indices = mine[start : start + self.micro_batch_size]
-                batch = {key: value.to(self.device) for key, value in self.collate([self.dataset[i] for i in indices]).items()}
-                first, second = self.reference_pass(model, batch)
-                rows.append(torch.stack([batch["index"].double(), first.double(), second.double()], dim=1))
-        model.train()
-        local = torch.cat(rows)
-        gathered = [torch.zeros_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local)
-        table = torch.cat(gathered).cpu().numpy()
-        values = np.zeros((count, 2), dtype=np.float32)
-        values[table[:, 0].astype(np.int64)] = table[:, 1:]
-        if rank == 0:
-            np.save(path.with_suffix(".partial.npy"), values)
-            Path(path.with_suffix(".partial.npy")).replace(path)
-            log.info("reference log-probs of %d examples computed from the starting weights (%s)", count, path)
-        dist.barrier()
-
-    def reference_pass(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference log-probs of a batch: (chosen, rejected) per pair, or (completion, KL row) per KTO example."""
-        logps = sequence_logps(self.logits(model, batch), batch)[0]
-        if self.dataset.kind == PAIRED:
-            return logps.chunk(2)
-        return logps, sequence_logps(self.logits(model, batch, "KL_"), batch, "KL_")[0]
-
-    def reference_of(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.reference is not None:
-            values = self.reference[batch["index"]]
-            return values[:, 0], values[:, 1]
-        model = self.engine.module
-        with torch.no_grad(), model.disable_adapter():
-            return self.reference_pass(model, batch)
-
     # ------------------------------------------------------------------ loss
     @staticmethod
     def logits(model, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
@@ -224,28 +153,7 @@ class PreferenceTask(CausalLMTask):
         # Counted on the host batch, before it moves: no wait for the device.
         tokens = float(batch["attention_mask"].sum()) + (float(batch["KL_attention_mask"].sum()) if "KL_attention_mask" in batch else 0.0)
         examples = float(batch["index"].shape[0])
-        batch = {key: value.to(self.device) for key, value in batch.items()}
-        settings = self.settings
-        if settings.method == "reward":
-            loss, figures = reward_loss(self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits)
-        elif settings.method == "kto":
-            ref_logps, ref_kl = self.reference_of(batch)
-            with torch.no_grad():
-                kl_logps = sequence_logps(self.logits(self.engine.module, batch, "KL_"), batch, "KL_")[0]
-            loss, figures = kto_loss(settings, self.logits(self.engine, batch), batch, ref_logps, kl_logps, ref_kl)
-        else:
-            reference = self.reference_of(batch) if settings.uses_reference else None
-            loss, figures = policy_loss(settings, self.logits(self.engine, batch), batch, reference)
-        figures["preference_loss"] = loss.detach()
-        self.step_figures.append(figures)
-        return loss, tokens, examples
-
-    def extra_metrics(self) -> dict[str, Any]:
-        """The step's preference figures: this rank's means over its micro-batches, still on the device."""
-        figures, self.step_figures = self.step_figures, []
-        if not figures:
-            return {}
-        return {key: torch.stack([f[key].float() for f in figures]).mean() for key in figures[0] if key != "preference_loss"}
+        return self.preference_loss(self.batch_to_device(batch)), tokens, examples
 
     def generate_samples(self) -> None:
         if self.settings.method != "reward":
@@ -293,6 +201,9 @@ def evaluate_preference_checkpoint(source: str | Path, data: str | Path, checkpo
     run = RunDir(run_path)
     config = run.read_config()
     settings = PreferenceSettings.of(config.preference)
+    if config.model.family not in ("auto", "causal_lm"):
+        # config.yaml records the family that trained it: a vision-language run's pairs hold images this reader does not take.
+        raise ZeroPipeError(f"{run.path} is a {config.model.family} preference run: zeropipe eval scores causal LMs' pairs only, so far; its training metrics (rewards_accuracy, rewards_margin) are in metrics.jsonl")
     if settings.uses_reference and config.model.lora is None and not config.model.path:
         raise ZeroPipeError(f"{run.path} fine-tuned all the weights of a model built from model.config: its reference (the random start) is gone; evaluate a LoRA run or one from model.path")
     tokenizer = AutoTokenizer.from_pretrained(str(run.tokenizer))

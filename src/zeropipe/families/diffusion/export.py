@@ -30,6 +30,7 @@ from zeropipe.export.hf import ExportJob
 from zeropipe.families.diffusion.prepare import read_plan
 from zeropipe.models.adapters import adapter_name, is_adapter_parameter, peft_adapter_config
 from zeropipe.models.common import resolve_lora_targets
+from zeropipe.models.bnb_base import bnb_state_keys
 from zeropipe.models.quantized import FP8_FORMAT_OF_DTYPE, SCALE_KEY, QuantizedStorage, dequantize_model
 
 ORIGINAL_LORA_FILE = "lora_comfyui.safetensors"
@@ -104,11 +105,16 @@ def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     lora = config.model.lora
     if lora is not None:
         denoiser.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, arch.lora_targets)))
-    if storage is not None:
-        # The checkpoint holds the frozen base as fp8 bytes and scales; the export's base is the
-        # pipeline's own full-precision weights (copied in below), the adapters the checkpoint's.
+    if config.model.quantization is not None:
+        # The checkpoint holds the frozen base as fp8 bytes and scales (or bitsandbytes' packed bytes and their
+        # quantization state); the export's base is the pipeline's own full-precision weights (copied in below),
+        # the adapters the checkpoint's.
         own = denoiser.state_dict()
-        state = {name: (own[name] if value.dtype == torch.uint8 and name in own else value) for name, value in state.items() if not name.endswith("." + SCALE_KEY)}
+        state = {
+            name: (own[name] if value.dtype in (torch.uint8, torch.int8) and name in own else value)
+            for name, value in state.items()
+            if not name.endswith("." + SCALE_KEY) and not bnb_state_keys(name)
+        }
     load_checked(denoiser, state, info, what="denoiser")
     if lora is not None:
         # The frozen base never changed, but a bf16 run's checkpoint holds it rounded to

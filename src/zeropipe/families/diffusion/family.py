@@ -50,7 +50,19 @@ class Diffusion:
         return is_pipeline_folder(path)
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        problems = text_only_problems(config, self.name)
+        problems = text_only_problems(config, self.name, bitsandbytes_base=True)
+        if config.preference is not None:
+            # Said before anything starts: the diffusion task would train it as supervised data, silently.
+            problems.append(("preference", "preference tuning (DPO, ORPO, SimPO, KTO, reward models) is implemented for language and vision-language models, and this is a diffusion run: remove preference"))
+        quant = config.model.quantization
+        if quant is not None and not quant.is_fp8 and config.deepspeed.zero_stage not in (0, 1, 2):
+            # models.bnb_base: measured, the layers run on CPU and GPU; ZeRO-3 cannot hold them.
+            problems.append((
+                "deepspeed.zero_stage",
+                f"a {quant.storage} (bitsandbytes) base keeps its quantization state as attributes of each weight tensor, which ZeRO-3 neither "
+                f"partitions nor gathers (you set {config.deepspeed.zero_stage}): set deepspeed.zero_stage: 2 (every rank holds the {quant.storage} base), "
+                "or model.quantization: fp8 (partitioned under ZeRO-3)",
+            ))
         # The objective raises these inside the ranks too; said here, nothing starts first.
         objective, prediction = self.objective(config), config.model.diffusion.prediction_type
         if objective == "flow" and prediction not in ("auto", "flow"):

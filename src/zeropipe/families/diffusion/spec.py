@@ -9,6 +9,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.diffusion.pipelines import preset_components
 from zeropipe.plan.model_spec import (  # the planner's meta-device counters
     ModelSpec,
+    QuantizedBase,
     _diffusion_spec,
     _pipeline_spec,
     _text_encoder_model_type,
@@ -48,8 +49,14 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
             "frozen": frozen,
         }
         spec = replace(_diffusion_spec(entry, section.lora), source="run config: model.config")
-    if section.quantization is not None and section.quantization.is_fp8:
-        spec = spec.with_fp8_base(section.quantization.storage)
+    quant = section.quantization
+    if quant is not None and quant.storage in ("fp8", "fp8_e5m2", "int8"):
+        # bitsandbytes' int8 is one byte per weight with a float32 scale per row too (models.bnb_base).
+        spec = spec.with_fp8_base(quant.storage)
+    elif quant is not None:
+        # nf4/fp4: the block linears in 4 bits (QuantizedBase counts the rest as fp32, where a denoiser keeps it in
+        # the precision: an overcount of the non-block weights, 1-3% of a DiT's).
+        spec = replace(spec, quantized=QuantizedBase(spec.block_linear_params, spec.frozen_base_params - spec.block_linear_params, quant.double_quant))
     cached = {"vae"} if data.cache.latents else set()
     if data.cache.text:
         cached |= {m.name for m in spec.frozen_models if m.name.startswith("text_encoder")}

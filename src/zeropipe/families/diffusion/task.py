@@ -54,9 +54,17 @@ from zeropipe.families.diffusion.prepare import load_item_pixels, planned_condit
 from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, hf_zero3_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
+from zeropipe.models.bnb_base import BitsAndBytesStorage
 from zeropipe.models.quantized import QuantizedStorage
 
 log = logging.getLogger("zeropipe")
+
+
+def base_storage(quant) -> QuantizedStorage | BitsAndBytesStorage | None:
+    """How model.quantization stores the denoiser's block linears: fp8 bytes (any ZeRO stage) or bitsandbytes' nf4/fp4/int8 layers (ZeRO-0..2)."""
+    if quant is None:
+        return None
+    return QuantizedStorage(quant.storage, quant.scale) if quant.is_fp8 else BitsAndBytesStorage(quant.storage, quant.double_quant)
 
 
 def one_prompt(kwargs: dict[str, Any], number: int, prompts: int) -> dict[str, Any]:
@@ -128,7 +136,7 @@ class DiffusionTask(TaskDefaults):
         quant = self.config.model.quantization
         model = load_pretrained(
             construct, weights, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model", rename=rename,
-            quantize=QuantizedStorage(quant.storage, quant.scale) if quant is not None and quant.is_fp8 else None,
+            quantize=base_storage(quant),
         )
         section = self.config.model
         if section.gradient_checkpointing:

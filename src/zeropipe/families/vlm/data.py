@@ -576,8 +576,10 @@ class VlmEncoder:
         tensors = {key: value for key, value in out.items() if key not in self.PER_TOKEN_KEYS + self.TEXT_KEYS and isinstance(value, torch.Tensor)}
         return ImagePiece(ids, per_token, tensors)
 
-    def encode(self, messages: list[dict[str, str]], images: list, for_generation: bool = False) -> dict[str, Any]:
+    def encode(self, messages: list[dict[str, str]], images: list, for_generation: bool = False, pieces: list[ImagePiece] | None = None) -> dict[str, Any]:
         """input_ids, labels (assistant tokens only), per-token ids and the image tensors of one example.
+
+        ``pieces``: the images already processed (``encode_image``), for a caller encoding several texts with the same images.
 
         Raises:
             DataError: the markers and the images do not match in number.
@@ -595,7 +597,7 @@ class VlmEncoder:
                 f"{len(positions)} image placeholder(s) in the rendered text but {len(images)} image(s): "
                 f"the text itself contains {self.placeholder!r}"
             )
-        pieces = [self.encode_image(image) for image in images]
+        pieces = pieces if pieces is not None else [self.encode_image(image) for image in images]
         input_ids: list[int] = []
         out_labels: list[int] = []
         per_token: dict[str, list[int]] = {key: [] for piece in pieces for key in piece.per_token}

@@ -3,7 +3,8 @@
 Detected by a ``vision_config`` in the model's config. The launcher reads and checks the
 image-text data and builds (or copies) the processor (``prepare.py``); the rank task is
 :class:`~zeropipe.families.vlm.task.VisionLanguageTask`; export writes the model with its
-processor; generation takes an image with each prompt (``generate.py``).
+processor; generation takes an image with each prompt (``generate.py``). A ``preference:`` section
+trains on pairs with images instead (``preference.py``: DPO, CPO, SimPO).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from zeropipe.export.hf import ExportJob, write_transformers_export
 from zeropipe.families.base import read_model_config_json, text_only_problems
 from zeropipe.families.vlm import generate as vlm_generate
 from zeropipe.families.vlm.model import build_vlm_for_export, vlm_config
+from zeropipe.families.vlm.preference import VlmPreferenceTask, prepare_vlm_preference_data, vlm_preference_problems
 from zeropipe.families.vlm.prepare import prepare_vlm_data
 from zeropipe.families.vlm.spec import vlm_config_spec
 from zeropipe.families.vlm.task import VisionLanguageTask
-from zeropipe.models.common import hidden_size_of
+from zeropipe.models.common import hidden_size_of, trained_weights
 from zeropipe.rundir import PreparedData, RunDir
 
 
@@ -45,10 +47,7 @@ class VisionLanguage:
             return False
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        problems = text_only_problems(config, self.name)
-        if config.model.quantization is not None and config.model.quantization.is_fp8:
-            problems.append(("model.quantization", "an fp8 base is implemented for causal LMs and diffusion models, not yet for vision-language models: remove model.quantization"))
-        return problems
+        return text_only_problems(config, self.name) + vlm_preference_problems(config)
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         if config.model.path or config.model.processor:
@@ -60,17 +59,22 @@ class VisionLanguage:
         return hidden_size_of(vlm_config(config.model))
 
     def prepare_data(self, config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
+        if config.preference is not None:
+            return prepare_vlm_preference_data(config, run, reuse)
         return prepare_vlm_data(config, run, reuse)
 
     def rank_task(self, trainer) -> VisionLanguageTask:
-        return VisionLanguageTask(trainer)
+        # Preference tuning is another task on the same model: another loss, data and reference, the same loop.
+        return VlmPreferenceTask(trainer) if trainer.config.preference is not None else VisionLanguageTask(trainer)
 
     def model_spec(self, config: RunConfig):
         return vlm_config_spec(config)
 
     def export(self, job: ExportJob) -> Path:
         # AutoModelForImageTextToText, with adapters only on the parts that trained.
-        return write_transformers_export(job, build_vlm_for_export(job.config.model))
+        model = build_vlm_for_export(job.config.model)
+        # An fp8 base's checkpoint holds the base as bytes: the export takes the adapters from it, the base from model.path.
+        return write_transformers_export(job, model, trained_weights(model, job.config.model, job.state_dict()))
 
     def load_for_generate(self, source, device: torch.device, dtype: torch.dtype):
         return vlm_generate.load_for_generation(source, device, dtype)

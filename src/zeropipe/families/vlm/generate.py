@@ -10,6 +10,7 @@ from zeropipe.errors import ZeroPipeError
 from zeropipe.export.generate import Generation, LoadedModel, as_messages, check_context, last_user_text, read_run_config
 from zeropipe.families.vlm.data import IMAGE_MARKER, VlmEncoder, image_problem, load_rgb
 from zeropipe.families.vlm.model import build_vlm_for_export
+from zeropipe.models.common import trained_weights
 from zeropipe.rundir import RunDir
 
 
@@ -27,7 +28,7 @@ def load_for_generation(source, device: torch.device, dtype: torch.dtype):
     default_tokens = None
     if source.kind == "run":
         config = read_run_config(source.path)
-        if config.model.quantization is not None:
+        if config.model.quantization is not None and not config.model.quantization.is_fp8:
             raise ZeroPipeError(f"{source.path} is a QLoRA run: export the adapter (zeropipe export) and generate from it on a CUDA machine")
         processor_dir = RunDir(source.path).processor
         if not processor_dir.is_dir():
@@ -36,7 +37,8 @@ def load_for_generation(source, device: torch.device, dtype: torch.dtype):
         # zero_to_fp32 reports its progress on stdout, which is where --json writes the result.
         with contextlib.redirect_stdout(sys.stderr):
             state = consolidated_state_dict(source.checkpoint)
-        load_checked(model, state, source.checkpoint)
+        # An fp8 base's checkpoint holds it as bytes: the adapters come from it, the base from model.path (as the export does).
+        load_checked(model, trained_weights(model, config.model, state), source.checkpoint)
         default_tokens = config.generate.max_new_tokens
     elif source.kind == "adapter":
         from peft import PeftModel

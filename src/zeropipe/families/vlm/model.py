@@ -34,8 +34,9 @@ from zeropipe.config.schema import LoraSection, ModelSection
 from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import adapter_parameter_sizes, is_adapter_parameter, peft_adapter_config
-from zeropipe.models.common import TORCH_DTYPES, is_lora_target, model_config
+from zeropipe.models.common import TORCH_DTYPES, full_precision_kwargs, is_lora_target, model_config
 from zeropipe.models.loading import load_pretrained
+from zeropipe.models.quantized import BLOCK_LINEAR, QuantizedStorage
 
 PARTS = ("vision_tower", "projector", "language_model")
 DEFAULT_TRAINABLE = ("projector", "language_model")
@@ -149,10 +150,22 @@ def numel(param: torch.Tensor) -> int:
 
 
 def freeze_parts(model: torch.nn.Module, trainable: tuple[str, ...]) -> None:
-    """requires_grad on for the parameters of the trainable parts, off for every other one."""
+    """requires_grad on for the parameters of the trainable parts, off for every other one (an fp8 base's byte weights stay frozen)."""
     for part, params in parameters_by_part(model).items():
         for _, param in params:
-            param.requires_grad_(part in trainable)
+            param.requires_grad_(part in trainable and param.is_floating_point())
+
+
+def language_model_block(name: str) -> bool:
+    """The linear layers an fp8 VLM base stores in 8 bits: those of the language model's repeated blocks.
+
+    The vision tower and the projector stay in the training precision: they are a small share of
+    the weights (Gemma 3 27B, counted on the meta device from the planner's catalog config: the
+    SigLIP tower 0.42B of 27.4B, while 25.6B language-model block weights go to fp8; Qwen2.5-VL 7B's
+    tower is 0.7B of 8.3B as published), a curriculum trains them in full (model.trainable:
+    vision_tower, projector), which fp8 weights cannot, and image features are what every answer reads.
+    """
+    return part_of(name) == "language_model" and bool(BLOCK_LINEAR.search(name))
 
 
 def part_counts(model: torch.nn.Module) -> dict[str, dict[str, int]]:
@@ -244,11 +257,19 @@ def build_vlm(section: ModelSection, config: Any, precision: str, zero_stage: in
     """The model with model.trainable applied (and LoRA); call with ``HfDeepSpeedConfig`` alive for ZeRO-3."""
     from transformers import AutoModelForImageTextToText
 
-    if section.quantization is not None:
-        raise ConfigError([("model.quantization", "a quantized base is not supported for vision-language models yet (fp8 runs for causal LMs and diffusion models): remove model.quantization")])
+    quant = section.quantization
+    if quant is not None and not quant.is_fp8:
+        raise ConfigError([("model.quantization", f"{quant.storage} (bitsandbytes) is not implemented for vision-language models: set model.quantization: fp8, or remove it")])
     dtype = dtype or TORCH_DTYPES[precision]
     attention = section.attn_implementation
-    if section.path and not section.load_kwargs:
+    if section.path and quant is not None:
+        # The fp8 base: the language model's block linears quantized by each rank while it streams
+        # its own rows, as for causal LMs (see language_model_block for why the tower stays 16-bit).
+        model = load_pretrained(
+            AutoModelForImageTextToText, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=attention,
+            quantize=QuantizedStorage(quant.storage, quant.scale), quantize_select=language_model_block,
+        )
+    elif section.path and not section.load_kwargs:
 
         # Tensor by tensor from the memory-mapped checkpoint, as for causal LMs (host RAM stays flat).
         model = load_pretrained(
@@ -296,7 +317,7 @@ def build_vlm_for_export(section: ModelSection) -> torch.nn.Module:
     from transformers import AutoModelForImageTextToText
 
     if section.path:
-        model = AutoModelForImageTextToText.from_pretrained(section.path, dtype=torch.float32)
+        model = AutoModelForImageTextToText.from_pretrained(section.path, dtype=torch.float32, **full_precision_kwargs(section.path))
     else:
         model = AutoModelForImageTextToText.from_config(vlm_config(section), dtype=torch.float32)
     if section.lora is not None:

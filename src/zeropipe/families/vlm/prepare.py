@@ -16,7 +16,6 @@ from zeropipe.families.vlm.data import (
     MANIFEST,
     SYNTHETIC_RESOLUTION,
     VlmEncoder,
-    VlmExample,
     describe_bad,
     image_problem,
     load_rgb,
@@ -38,13 +37,10 @@ def prepare_vlm_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedDat
     Raises:
         ConfigError, DataError: with the key and the fix.
     """
-    from transformers import AutoProcessor
-
-    section, data_section = config.model, config.data
+    data_section = config.data
     notes: list[str] = []
     run.data.mkdir(exist_ok=True)
     manifest = run.data / MANIFEST
-    processor_dir = run.processor
 
     if data_section.synthetic is not None:
         if data_section.synthetic.task != "shapes":
@@ -69,45 +65,11 @@ def prepare_vlm_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedDat
             notes.append(f"skipped: {describe_bad(found)}")
         write_manifest(manifest, examples)
 
-    # The processor: the run's own copy is what the ranks and export read.
-    if reuse and processor_dir.is_dir():
-        processor = AutoProcessor.from_pretrained(str(processor_dir))
-    elif section.processor or section.path:
-        source_dir = Path(section.processor or section.path).expanduser()
-        if not any((source_dir / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
-            message = f"{source_dir} holds no saved processor (processor_config.json or preprocessor_config.json): set model.processor"
-            raise ConfigError([("model.processor", message)])
-        processor = AutoProcessor.from_pretrained(str(source_dir))
-        processor.save_pretrained(str(processor_dir))
-    else:
-        texts = [m["content"].replace(IMAGE_MARKER, " ") for ex in examples for m in ex.messages]
-        texts += [data_section.vision.caption_prompt, *(config.generate.prompts or [])]
-        processor = build_processor(section.config or {}, texts, section.tokenizer_vocab_size, processor_dir)
-        notes.append(
-            f"processor built for {section.config.get('model_type')}: "
-            f"image processor + tokenizer of {len(processor.tokenizer)} tokens trained on the data"
-        )
-    tokenizer = processor.tokenizer
-    if tokenizer.pad_token is None:
-        # Padding is masked out of attention and loss, so the EOS token can stand in.
-        tokenizer.pad_token = tokenizer.eos_token
-        processor.save_pretrained(str(processor_dir))
-
-    if section.config is not None:
-        resolved = resolve_inline_config(section.config, tokenizer)
-        section.config = resolved.fields
-        notes += resolved.filled
-    hf_config = vlm_config(section)
-    text_config = hf_config.get_text_config()
-    if getattr(text_config, "vocab_size", None) is not None and len(tokenizer) > text_config.vocab_size:
-        message = f"its tokenizer has {len(tokenizer)} tokens, the language model's vocabulary {text_config.vocab_size}: use the model's processor"
-        raise ConfigError([("model.processor", message)])
-    notes += _probe(processor, hf_config, examples[0], data_section.max_seq_len)
-    parts = check_trainable(section, hf_config)
-    how = "LoRA" if section.lora is not None else "full"
-    trained = [f"{part} ({how}, {c['total']:,} parameters)" for part, c in parts.items() if c["trainable"]]
-    frozen = [f"{part} ({c['total']:,})" for part, c in parts.items() if not c["trainable"] and c["total"]]
-    notes.append(f"trains: {', '.join(trained)}; frozen: {', '.join(frozen) or 'nothing'}")
+    texts = [m["content"].replace(IMAGE_MARKER, " ") for ex in examples for m in ex.messages]
+    processor, processor_notes = prepare_processor(config, run, reuse, texts)
+    notes += processor_notes
+    hf_config, model_notes = complete_model_config(config, processor, examples[0].images[0])
+    notes += model_notes
 
     pairs = generation_pairs(config, run)
     write_atomic(run.data / GENERATE_FILE, json.dumps(pairs, indent=2))
@@ -121,10 +83,76 @@ def prepare_vlm_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedDat
     )
 
 
-def _probe(processor, hf_config, example: VlmExample, max_seq_len: int) -> list[str]:
+def prepare_processor(config: RunConfig, run: RunDir, reuse: bool, texts: list[str]):
+    """The run's processor (RUN/processor, what the ranks and export read): reused, copied, or built with a tokenizer trained on ``texts``.
+
+    Returns:
+        (processor, notes)
+
+    Raises:
+        ConfigError: model.processor (or model.path) holds no saved processor.
+    """
+    from transformers import AutoProcessor
+
+    section, notes = config.model, []
+    processor_dir = run.processor
+    if reuse and processor_dir.is_dir():
+        processor = AutoProcessor.from_pretrained(str(processor_dir))
+    elif section.processor or section.path:
+        source_dir = Path(section.processor or section.path).expanduser()
+        if not any((source_dir / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
+            message = f"{source_dir} holds no saved processor (processor_config.json or preprocessor_config.json): set model.processor"
+            raise ConfigError([("model.processor", message)])
+        processor = AutoProcessor.from_pretrained(str(source_dir))
+        processor.save_pretrained(str(processor_dir))
+    else:
+        texts = [*texts, config.data.vision.caption_prompt, *(config.generate.prompts or [])]
+        processor = build_processor(section.config or {}, texts, section.tokenizer_vocab_size, processor_dir)
+        notes.append(
+            f"processor built for {section.config.get('model_type')}: "
+            f"image processor + tokenizer of {len(processor.tokenizer)} tokens trained on the data"
+        )
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token is None:
+        # Padding is masked out of attention and loss, so the EOS token can stand in.
+        tokenizer.pad_token = tokenizer.eos_token
+        processor.save_pretrained(str(processor_dir))
+    return processor, notes
+
+
+def complete_model_config(config: RunConfig, processor, probe_image: str):
+    """The model config completed from the processor (an inline config's vocabulary and image tokens), checked against it and the data.
+
+    Returns:
+        (the transformers config, notes)
+
+    Raises:
+        ConfigError: the processor and the model do not belong together, or an image leaves no room in data.max_seq_len.
+    """
+    section, notes = config.model, []
+    tokenizer = processor.tokenizer
+    if section.config is not None:
+        resolved = resolve_inline_config(section.config, tokenizer)
+        section.config = resolved.fields
+        notes += resolved.filled
+    hf_config = vlm_config(section)
+    text_config = hf_config.get_text_config()
+    if getattr(text_config, "vocab_size", None) is not None and len(tokenizer) > text_config.vocab_size:
+        message = f"its tokenizer has {len(tokenizer)} tokens, the language model's vocabulary {text_config.vocab_size}: use the model's processor"
+        raise ConfigError([("model.processor", message)])
+    notes += _probe(processor, hf_config, probe_image, config.data.max_seq_len)
+    parts = check_trainable(section, hf_config)
+    how = "LoRA" if section.lora is not None else "full"
+    trained = [f"{part} ({how}, {c['total']:,} parameters)" for part, c in parts.items() if c["trainable"]]
+    frozen = [f"{part} ({c['total']:,})" for part, c in parts.items() if not c["trainable"] and c["total"]]
+    notes.append(f"trains: {', '.join(trained)}; frozen: {', '.join(frozen) or 'nothing'}")
+    return hf_config, notes
+
+
+def _probe(processor, hf_config, image: str, max_seq_len: int) -> list[str]:
     """Encode one image: its tokens must be the model's image tokens and fit in data.max_seq_len."""
     encoder = VlmEncoder(processor)
-    piece = encoder.encode_image(load_rgb(example.images[0]))
+    piece = encoder.encode_image(load_rgb(image))
     image_token_id = getattr(hf_config, "image_token_id", None)
     if image_token_id is None:
         image_token_id = getattr(hf_config, "image_token_index", None)

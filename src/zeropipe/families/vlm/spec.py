@@ -6,8 +6,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.families.vlm.model import OFFLINE_PROCESSORS, trainable_counts, vlm_config
-from zeropipe.plan.model_spec import LoraShape, ModelSpec, _build_causal_lm, _causal_lm_spec  # the planner's meta-device counters
+from zeropipe.engine.preference import reference_mode
+from zeropipe.families.vlm.model import OFFLINE_PROCESSORS, language_model_block, trainable_counts, vlm_config
+from zeropipe.plan.model_spec import LoraShape, ModelSpec, _block_linear_counts, _build_causal_lm, _causal_lm_spec  # the planner's meta-device counters
 
 
 def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
@@ -27,10 +28,19 @@ def vlm_config_spec(run_config: RunConfig) -> ModelSpec:
     hf_config = vlm_config(section, vocab_size=vocab)
     name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
     spec = _causal_lm_spec(hf_config, name, None)
-    trainable, sizes, targets = trainable_counts(_build_causal_lm(hf_config), section)
+    meta_model = _build_causal_lm(hf_config)
+    trainable, sizes, targets = trainable_counts(meta_model, section)
     lora_shape = None
     if section.lora is not None:
         lora_shape = LoraShape(r=section.lora.r, dropout=section.lora.dropout > 0, target_modules=targets)
+    # Only the language model's block linears are stored in fp8 (model.language_model_block), the tower stays 16-bit:
+    # counted so for a configured fp8 base and for the planner's offer of one.
+    spec = replace(spec, **_block_linear_counts(meta_model, language_model_block))
+    if section.quantization is not None and section.quantization.is_fp8:
+        spec = spec.with_fp8_base(section.quantization.storage)
+    if run_config.preference is not None:
+        # A micro-batch of n pairs is 2n sequences; a LoRA reference is one more forward pass without gradient.
+        spec = replace(spec, sequences_per_example=2, reference_forward=reference_mode(run_config) == "adapters_off")
     return replace(
         spec,
         total_params=spec.total_params + (trainable if section.lora is not None else 0),
