@@ -39,7 +39,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "ltx-video": "ltx-video",
     "lumina_2": "lumina2",
     "cosmos": None,
-    "cosmos_predict2": None,
+    "cosmos_predict2": "cosmos-predict2",
     "anima": None,
     "hidream": "hidream",
     "omnigen2": None,
@@ -229,6 +229,14 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
         )
         conversion.blocking.append(reason)
         conversion.skip("model.type", reason)
+    elif kind == "cosmos_predict2" and "llm_path" in model:
+        # diffusion-pipe trains Anima (Cosmos-Predict2's transformer with an LLM adapter and Qwen3 prompts) under this type when llm_path is set.
+        reason = (
+            f"[model] type = 'cosmos_predict2' with llm_path = {model['llm_path']!r} is Anima (Cosmos-Predict2 with an LLM adapter and Qwen3 prompts), "
+            "which ZeRO-Pipe does not train yet; without llm_path (t5_path) it is Cosmos-Predict2, which it trains"
+        )
+        conversion.blocking.append(reason)
+        conversion.skip("model.type", reason)
     else:
         conversion.already.append(f"[model] type = {kind!r} (ZeRO-Pipe's {arch}; the architecture is read from model.path's model_index.json)")
     dtype = model.pop("dtype", None)
@@ -246,7 +254,8 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
             if key in model:
                 conversion.skip(f"model.{key}", f"{model.pop(key)!r} is a ComfyUI file; ZeRO-Pipe reads the diffusers release of the same model ({release}): set model.path to it")
     elif not named:
-        conversion.skip("model", f"no {' / '.join(MODEL_PATH_KEYS)}: set model.path to a diffusers pipeline folder")
+        release = f" ({FOLDER_RELEASES[kind]})" if kind in FOLDER_RELEASES else ""
+        conversion.skip("model", f"no {' / '.join(MODEL_PATH_KEYS)}: set model.path to a diffusers pipeline folder{release}")
     else:
         key = named[0]
         value = str(model.pop(key))
@@ -375,6 +384,11 @@ TRANSFORMER_FILE_NOTES = {
                         "FluxKontextPipeline diffusers folder instead"),
 }
 # diffusion-pipe types that load ComfyUI files, and the diffusers release ZeRO-Pipe reads instead.
+# type -> the diffusers release for model.path, for types whose diffusion-pipe config names single files and no folder.
+FOLDER_RELEASES = {
+    "cosmos_predict2": "nvidia/Cosmos-Predict2-2B-Text2Image or nvidia/Cosmos-Predict2-14B-Text2Image, the repository of transformer_path's model.pt, "
+                       "holds the diffusers folder too; diffusion-pipe trains its text-to-image variants",
+}
 COMFY_RELEASES = {
     "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
 }

@@ -53,3 +53,23 @@ def test_diffusion_pipes_kandinsky5_type_trains_the_entry_its_checkpoint_names(t
         assert "kandinskylab/Kandinsky-5.0-" in dict(conversion.unmapped)["model.ckpt_path"]
     assert entries["kandinsky5-t2v"].entries["data.video.frame_buckets"].value == [1, 33]
     assert "data.video.frame_buckets" not in entries["kandinsky5-t2i"].entries
+
+
+def test_cosmos_predict2_single_files_point_at_nvidias_release_and_anima_is_refused(tmp_path):
+    """diffusion-pipe's docs/supported_models.md Cosmos-Predict2 block, as a user has it; with llm_path the same type is Anima."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (tmp_path / "dataset.toml").write_text(f"resolutions = [1024]\n[[directory]]\npath = '{images}'\n")
+    block = (
+        "output_dir = 'out'\ndataset = 'dataset.toml'\nepochs = 10\nmicro_batch_size_per_gpu = 1\n[model]\ntype = 'cosmos_predict2'\n"
+        "transformer_path = '/m/Cosmos-Predict2-2B-Text2Image/model.pt'\nvae_path = '/m/wan_2.1_vae.safetensors'\n{text}dtype = 'bfloat16'\n"
+        "[adapter]\ntype = 'lora'\nrank = 32\n"
+    )
+    (tmp_path / "cosmos.toml").write_text(block.format(text="t5_path = '/m/oldt5_xxl_fp16.safetensors'\n"))
+    conversion = convert_file(tmp_path / "cosmos.toml")
+    assert trainable_architecture("cosmos_predict2") == "cosmos-predict2" and not conversion.blocking
+    unmapped = dict(conversion.unmapped)
+    assert "nvidia/Cosmos-Predict2-2B-Text2Image" in unmapped["model"]
+    assert set(unmapped) >= {"model.vae_path", "model.t5_path", "model.transformer_path"}  # model.pt: the transformer comes from model.path
+    (tmp_path / "anima.toml").write_text(block.format(text="llm_path = '/m/qwen_3_06b_base.safetensors'\n"))
+    assert any("is Anima" in reason for reason in convert_file(tmp_path / "anima.toml").blocking)

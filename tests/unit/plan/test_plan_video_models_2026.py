@@ -49,3 +49,17 @@ def test_the_ti2v_entry_traces_its_video_activations_and_hunyuan_video_15_says_i
     trace = spec_of("wan2.2-ti2v-5b").activation_trace
     assert trace is not None and (trace.frames, trace.resolution) == (49, 704) and trace.checkpointed_bytes < trace.saved_bytes / 10
     assert spec_of("hunyuan-video-1.5").activation_trace is None
+
+
+@pytest.mark.parametrize(
+    "name,published",
+    [("cosmos-predict2-2b-t2i", 2e9), ("cosmos-predict2-14b-t2i", 14e9), ("cosmos-predict2-2b-video2world", 2e9), ("cosmos-predict2-14b-video2world", 14e9)],
+)
+def test_cosmos_predict2_counts_its_transformer_against_the_published_size_and_t5_11bs_encoder(name, published):
+    """NVIDIA publishes the sizes as names only ("2B", "14B"): diffusers' converter configs count 1.96B and 14.27B, within 2.5%
+    (Video2World's condition-mask channel adds a few thousand weights).
+    The prompts are google-t5/t5-11b's encoder (4.86B; the original T5 "XXL"), the VAE Wan 2.1's."""
+    assert name in catalog_names()
+    trained, frozen = counted(name)
+    assert trained == pytest.approx(published, rel=0.025)
+    assert frozen == pytest.approx({"text_encoder": 4.865e9, "vae": 126.9e6}, rel=0.01)

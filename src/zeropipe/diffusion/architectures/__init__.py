@@ -30,6 +30,7 @@ BUILTIN = (
     "qwen_image_edit_plus",
     "ltx2",
     "ideogram4",
+    "cosmos_predict2", "cosmos_predict2_video2world",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

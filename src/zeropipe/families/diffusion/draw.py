@@ -73,8 +73,17 @@ def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dty
     """The pipeline of a run's checkpoint, a pipeline export or a LoRA export, on ``device``.
 
     Raises:
-        ZeroPipeError: the run's pipeline folder or an export's base is gone, or the checkpoint does not match.
+        ZeroPipeError: the run's pipeline folder or an export's base is gone, the checkpoint does not match, or the pipeline's
+            own constructor needs a package that is missing (Cosmos-Predict2's builds NVIDIA's guardrail, ``cosmos_guardrail``).
     """
+    try:
+        return _load_for_drawing(source, device, dtype)
+    except ImportError as err:
+        # The pipeline class's own requirement, said by its constructor: the Draw page shows it with the fix it names.
+        raise ZeroPipeError(f"the pipeline of {source.path} cannot be built here: {err}") from None
+
+
+def _load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     if source.kind == "run":
         from zeropipe.checkpoint.consolidate import consolidated_state_dict
         from zeropipe.families.diffusion.export import trained_denoiser
