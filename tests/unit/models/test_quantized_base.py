@@ -170,3 +170,36 @@ def test_a_comfyui_fp8_scaled_file_loads_as_stored_and_trains(tmp_path):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.9, losses
+
+
+@pytest.mark.timeout(300)
+def test_flux1_lora_on_an_fp8_base_trains_under_zero2_in_the_trainer(tmp_path, monkeypatch):
+    """ZeRO-2 keeps the whole fp8 base on each rank (not partitioned): the trainer's own path, one CPU rank, FLUX.1's tiny preset."""
+    from tests.unit.diffusion.test_architecture_contract import data_section, one_rank, prepare, run_config
+    from zeropipe.families.diffusion.prepare import fill_caches
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    arch = architecture_named("flux")
+    config = run_config(arch, tmp_path, "flux-fp8-zero2", data_section(arch, tmp_path), train={"max_steps": 1}, generate={"prompts": []})
+    config["model"]["quantization"] = {"format": "fp8", "scale": "tensor"}
+    config["deepspeed"]["zero_stage"] = 2
+    run = prepare(config).run
+    fill_caches(run, torch.device("cpu"), torch.float32)
+    trainer = one_rank(run.path, monkeypatch)
+    trainer.setup()
+    assert trainer.engine.zero_optimization_stage() == 2
+    quantized = [module for module in trainer.engine.module.modules() if isinstance(module, QuantizedLinear)]
+    # Whole on the rank: the fp8 bytes of every layer, no ZeRO-3 partition; one scale per tensor (every channel holds it).
+    assert quantized and all(m.weight.dtype == torch.uint8 and m.weight.shape == (m.out_features, m.in_features) and not hasattr(m.weight, "ds_tensor") for m in quantized)
+    assert all(torch.all(getattr(m, SCALE_KEY) == getattr(m, SCALE_KEY)[0]) for m in quantized)
+    before = {name: p.detach().clone() for name, p in trainer.engine.module.named_parameters() if not p.requires_grad and p.dtype == torch.uint8}
+    trainer.task.before_train()
+    trainer.train()
+    trainer.task.after_train()
+    losses = [row["loss"] for row in run.read_metrics() if "loss" in row] + [trainer.task.fixed_loss_start, trainer.task.fixed_loss_end]
+    assert trainer.step == 1 and len(losses) == 3 and torch.isfinite(torch.tensor(losses)).all(), losses
+    after = dict(trainer.engine.module.named_parameters())
+    assert all(torch.equal(after[name], value) for name, value in before.items()), "the frozen fp8 base changed"
+    trained = [p for name, p in after.items() if "lora_B" in name]
+    assert trained and any(p.detach().abs().max() > 0 for p in trained), "LoRA B is still zero: no gradient reached the adapters"
+    trainer.cleanup()
