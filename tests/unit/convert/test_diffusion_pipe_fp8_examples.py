@@ -13,9 +13,8 @@ ZeRO-3, and its exported LoRA is loaded by diffusers onto the full-precision pip
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+import tomllib
 import torch
 import yaml
 
@@ -71,6 +70,13 @@ def test_diffusion_pipes_fp8_example_trains_as_converted_with_the_fp8_base_under
     missing = [option for option in reported if option not in why]
     assert not missing, f"{example}: convert dropped {missing} without a word; it reported {sorted(why)}"
     assert "offload_param: cpu" in why["blocks_to_swap"]
+    # Every key of the file is accounted for: in a converted key's comment, the list of unmapped keys or convert's notes
+    # (pipeline_stages = 1 is data parallel, what ZeRO already is).
+    said = " ".join([entry.comment or "" for entry in conversion.entries.values()] + [f"{k} {w}" for k, w in conversion.unmapped] + list(conversion.already))
+    source = tomllib.loads((DP / example).read_text())
+    keys = [f"{section}.{key}" if isinstance(table, dict) else section for section, table in source.items() for key in (table if isinstance(table, dict) else [None])]
+    silent = [key for key in keys if key.split(".")[-1] not in said and key != "pipeline_stages"]
+    assert not silent, f"{example}: convert says nothing about {silent}"
 
     config = conversion.raw()
     assert config["model"]["quantization"]["format"] == "fp8" and config["model"]["path"] == str(pipeline)
