@@ -45,7 +45,15 @@ def test_an_original_wan_folder_named_by_ckpt_path_is_reported_with_the_diffuser
     original.mkdir()
     conversion = convert_file(peer_main(tmp_path, "wan_14b_min_vram.toml", str(tmp_path / "dataset.toml"), ckpt_path=str(original)))
     assert "Wan-AI/Wan2.1-T2V-14B-Diffusers" in unmapped(conversion)["model.ckpt_path"]
-    assert conversion.raw()["model"]["quantization"]["format"] == "fp8"
+    config = conversion.raw()
+    assert config["model"]["quantization"]["format"] == "fp8"
+    # Trained as converted, it stops before any process starts, naming the key.
+    from zeropipe.config.load import validate_config
+    from zeropipe.errors import ConfigError
+
+    config["run"]["output_dir"] = str(tmp_path / "runs")
+    with pytest.raises(ConfigError, match="model.path: .*Wan2.1-T2V-14B is neither"):
+        validate_config(config)
 
 
 @pytest.mark.timeout(300)
