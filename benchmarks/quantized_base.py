@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/quantized_base.py [--layers 2] [--steps 3] [--loss-steps 50]
     PYTHONPATH=src python benchmarks/quantized_base.py --plans     # docs/plan.md's table, arithmetic only
+    PYTHONPATH=src python benchmarks/quantized_base.py --loss [--models wan,qwen-image,flux,llm] [--loss-steps 50]
 
 Part 1, at a real size: Qwen-Image's transformer config (catalog qwen-image.json: 3072 wide, 24
 heads, 3584-wide text input) with its 60 blocks cut to ``--layers``, random bf16 weights written
@@ -16,6 +17,13 @@ hook on every collective it issues). Beside them, the planner's figures for the 
 Part 2, the loss: the tiny Wan preset (plan: 2 blocks, 32 wide) loaded from a bf16 checkpoint as
 fp8 and as bf16, LoRA trained for ``--loss-steps`` steps on the same seeded noise and targets in
 fp32 compute on 2 ranks (ZeRO-3): the mean loss over the steps of each, and their ratio.
+
+``--loss``, issue 32's tolerance through the real launcher: for each of Wan, Qwen-Image, FLUX.1
+(their tiny presets) and a tiny Llama, ``zeropipe train`` on 2 CPU ranks runs the same config
+four times, ``--loss-steps`` steps, the same seed, in bf16: a bf16 base and an fp8 base
+(``model.quantization: fp8``), each under ZeRO-3 and under ZeRO-2. Printed: the mean of the
+logged losses over steps 1-N of each run and each fp8 run's ratio to the bf16 run of its ZeRO
+stage; the exit status is 1 when a ratio is off by more than 2%.
 """
 
 from __future__ import annotations
@@ -143,7 +151,7 @@ def run_ranks(args, storage: str, checkpoint: Path, work: Path, steps: int, prec
                "--latent", str(latent), "--text-tokens", str(text_tokens), "--lr", str(args.lr), "--out", str(work / f"{storage}-{arch}-rank%d.json")]
     # Each rank writes its own file: the %d is filled below through the environment's RANK.
     command[-1] = str(work / f"{storage}-{arch}-rank{{rank}}.json")
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if result.returncode != 0:
         sys.stderr.write(result.stderr[-6000:])
         raise SystemExit(f"{storage} run failed")
@@ -196,6 +204,112 @@ def plan_table() -> None:
                       f"{best.per_gpu_bytes / 2**30:.1f} | {best.per_node_bytes / 2**30:.1f} |")
 
 
+# ---------------------------------------------------------------------------------------------- --loss
+LOSS_MODELS = {"wan": "tiny-wan", "qwen-image": "tiny-qwen-image", "flux": "tiny-flux", "llm": None}
+LOSS_RUNS = (("bf16", 3), ("fp8", 3), ("bf16", 2), ("fp8", 2))  # (base storage, ZeRO stage); each fp8 run is compared with the bf16 run of its stage
+TOLERANCE = 0.02
+
+
+def llm_base(folder: Path) -> tuple[Path, Path]:
+    """A tiny Llama saved in bf16 with its tokenizer, and the arithmetic data it trains on (as tests/integration/test_quantized_base.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from zeropipe.data.synthetic import generate_dataset
+    from zeropipe.data.tokenizer import train_tokenizer
+
+    data = generate_dataset("arithmetic", 400, 0, folder / "corpus.jsonl")
+    texts = [v for line in data.read_text().splitlines() for v in json.loads(line).values()]
+    base = folder / "llm-base"
+    tokenizer = train_tokenizer(texts, 300, base)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False, vocab_size=len(tokenizer))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(base)
+    return base, data
+
+
+def loss_config(work: Path, model: str, storage: str, stage: int, steps: int, llm: tuple[Path, Path] | None) -> dict:
+    name = f"{model}-{storage}-zero{stage}"
+    config = {
+        "run": {"name": name, "output_dir": str(work / "runs"), "seed": 3},
+        "train": {"max_steps": steps, "lr": 1e-2, "schedule": "constant", "log_every": 1, "save_every": 10 * steps},
+        "deepspeed": {"zero_stage": stage, "precision": "bf16"},
+        "hardware": {"gpus": 2, "accelerator": "cpu"},
+        "generate": {"prompts": []},
+    }
+    if llm is None:
+        config["model"] = {"config": {"pipeline": LOSS_MODELS[model]}, "lora": {"r": 8, "alpha": 16}}
+        config["data"] = {"synthetic": {"task": "shapes", "examples": 16}, "images": {"resolution": 32, "bucket_step": 16},
+                          "cache": {"dir": str(work / f"cache-{model}")}}
+        config["train"]["micro_batch_size"] = 2
+    else:
+        base, data = llm
+        config["model"] = {"config": None, "path": str(base), "lora": {"r": 8, "alpha": 16}}
+        config["data"] = {"path": str(data), "max_seq_len": 32}
+        config["train"]["micro_batch_size"] = 8
+    if storage == "fp8":
+        config["model"]["quantization"] = "fp8"
+    return config
+
+
+def train_losses(work: Path, config: dict, steps: int) -> tuple[list[float], float]:
+    """`zeropipe train CONFIG` (2 CPU ranks); the loss of each step from the run's metrics.jsonl, and the run's wall time."""
+    import time
+
+    import yaml
+
+    path = work / f"{config['run']['name']}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("DS_ACCELERATOR", None)
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "zeropipe", "train", str(path)], env=env, capture_output=True, text=True, timeout=3600, check=False)
+    elapsed = time.monotonic() - started
+    run_dir = work / "runs" / config["run"]["name"]
+    if result.returncode != 0:
+        sys.stderr.write(result.stdout[-3000:] + result.stderr[-6000:])
+        raise SystemExit(f"{config['run']['name']}: zeropipe train failed (exit {result.returncode}); its logs: {run_dir / 'logs'}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {row["step"]: row["loss"] for row in rows if "loss" in row and "step" in row}
+    missing = [step for step in range(1, steps + 1) if step not in losses]
+    if missing:
+        raise SystemExit(f"{config['run']['name']}: no logged loss at steps {missing[:5]}")
+    if config["model"].get("quantization"):
+        log = (run_dir / "logs" / "rank0.log").read_text()
+        if "stored as fp8" not in log:
+            raise SystemExit(f"{config['run']['name']}: rank 0's log does not say the base was stored as fp8")
+    return [losses[step] for step in range(1, steps + 1)], elapsed
+
+
+def loss_table(models: list[str], steps: int) -> int:
+    """Issue 32's tolerance: each fp8 run's mean loss over steps 1-N within 2% of the bf16-base run's; 1 when one is not."""
+    unknown = [m for m in models if m not in LOSS_MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; choose from {', '.join(LOSS_MODELS)}")
+    print(f"zeropipe train, 2 CPU ranks, bf16, LoRA r=8, lr 1e-2 constant, seed 3, {steps} steps; mean of the logged loss over steps 1-{steps}")
+    print(f"| model | base | ZeRO | loss step 1 | loss step {steps} | mean loss 1-{steps} | fp8 / bf16 | within 2% | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for model in models:
+            llm = llm_base(work) if LOSS_MODELS[model] is None else None
+            reference: dict[int, float] = {}
+            for storage, stage in LOSS_RUNS:
+                losses, elapsed = train_losses(work, loss_config(work, model, storage, stage, steps, llm), steps)
+                mean = sum(losses) / len(losses)
+                if storage == "bf16":
+                    reference[stage], ratio, verdict = mean, "", ""
+                else:
+                    within = abs(mean / reference[stage] - 1) <= TOLERANCE
+                    failed += not within
+                    ratio, verdict = f"{mean / reference[stage]:.4f}", "yes" if within else "**no**"
+                label = "FLUX.1" if model == "flux" else ("Llama (tiny)" if model == "llm" else model)
+                print(f"| {label} | {storage} | {stage} | {losses[0]:.4f} | {losses[-1]:.4f} | {mean:.5f} | {ratio} | {verdict} | {elapsed:.0f} |", flush=True)
+    return 1 if failed else 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
@@ -203,6 +317,8 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--rank-mode", action="store_true")
+    parser.add_argument("--loss", action="store_true", help="the 50-step mean-loss comparison through `zeropipe train` (bf16 vs fp8 base) and exit")
+    parser.add_argument("--models", default=",".join(LOSS_MODELS), help="--loss: which of " + ", ".join(LOSS_MODELS))
     parser.add_argument("--plans", action="store_true", help="print docs/plan.md's bf16-vs-fp8 table (planner arithmetic only) and exit")
     parser.add_argument("--storage"), parser.add_argument("--checkpoint"), parser.add_argument("--out"), parser.add_argument("--precision", default="bf16")
     parser.add_argument("--arch", default="qwen-image"), parser.add_argument("--latent", type=int, default=16), parser.add_argument("--text-tokens", type=int, default=16)
@@ -216,6 +332,8 @@ def main() -> None:
     if args.plans:
         plan_table()
         return
+    if args.loss:
+        raise SystemExit(loss_table(args.models.split(","), args.loss_steps))
     catalog = json.loads((ROOT / "src/zeropipe/plan/catalog/qwen-image.json").read_text())
     config = {**catalog["trained"]["config"], "num_layers": args.layers}
     gib = 2**30
@@ -242,7 +360,7 @@ def main() -> None:
             print(f"{storage:5} {part / gib:>24.3f} G {plan['stored_per_rank'] / gib:>7.3f} G {gathered / gib:>17.3f} G {load / gib:>17.3f} G "
                   f"{train / gib:>20.3f} G {above / gib:>31.3f} G")
         b, f = (rows[s][0] for s in ("bf16", "fp8"))
-        ratio = lambda key: max(r[key] for r in f) / max(r[key] for r in b)  # noqa: E731
+        ratio = lambda key: max(r[key] for r in f) / max(r[key] for r in b)
         print(f"fp8 / bf16: partitions {ratio('partition_bytes'):.3f}, gathered "
               f"{max(sum(r['gathered'].values()) for r in f) / max(sum(r['gathered'].values()) for r in b):.3f}, "
               f"load peak {ratio('load_peak'):.3f}, fwd/bwd peak {ratio('train_peak'):.3f}")

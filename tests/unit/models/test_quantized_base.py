@@ -170,3 +170,57 @@ def test_a_comfyui_fp8_scaled_file_loads_as_stored_and_trains(tmp_path):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.9, losses
+
+
+
+def test_flux1_lora_on_an_fp8_base_trains_under_a_zero2_engine(tmp_path, monkeypatch):
+    """ZeRO-2 (one CPU rank, gloo): DeepSpeed's engine around a FLUX.1 denoiser whose whole fp8 base each rank holds, unpartitioned.
+
+    The engine must leave the uint8 bytes alone (it casts only floating-point parameters) and step the
+    LoRA alone; the fp8 base under ZeRO-2 through `zeropipe train` on 2 ranks: benchmarks/quantized_base.py --loss.
+    """
+    import socket
+
+    import deepspeed
+    from peft import LoraConfig
+
+    from zeropipe.models.common import resolve_lora_targets
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(key, value)
+    arch = architecture_named("flux")
+    cls = arch.model_class()
+    torch.manual_seed(0)
+    cls.from_config(arch.preset[arch.denoiser]).to(torch.bfloat16).save_pretrained(tmp_path)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1, "zero_optimization": {"stage": 2},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 3e-2}}}
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = load_pretrained(
+        lambda: cls.from_config(cls.load_config(str(tmp_path))), tmp_path, dtype=torch.float32, zero_stage=2, ds_config=ds_config, device="cpu",
+        stem="diffusion_pytorch_model", quantize=QuantizedStorage("fp8", "tensor"),
+    )
+    model.requires_grad_(False)
+    lora = type("Lora", (), {"target_modules": "auto"})()
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, arch.lora_targets)))
+    model.train()
+    quantized = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    stored = {id(m): m.weight.detach().clone() for m in quantized}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
+    assert engine.zero_optimization_stage() == 2
+    # Whole on the rank (no ZeRO-3 partition), still the fp8 bytes, one scale per tensor (every channel holds it).
+    assert quantized and all(m.weight.dtype == torch.uint8 and m.weight.shape == (m.out_features, m.in_features) and not hasattr(m.weight, "ds_tensor") for m in quantized)
+    assert all(torch.all(getattr(m, SCALE_KEY) == getattr(m, SCALE_KEY)[0]) for m in quantized)
+    inputs = denoiser_inputs(arch, model, 1)
+    target = torch.zeros_like(output_of(model, inputs))
+    losses = []
+    for _ in range(6):
+        loss = torch.nn.functional.mse_loss(output_of(engine, inputs), target)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.95, losses
+    assert all(torch.equal(m.weight, stored[id(m)]) for m in quantized), "the frozen fp8 base changed"
