@@ -54,3 +54,31 @@ def test_gpu_check_cpu_steps_measure_and_compare_the_plan(tmp_path):
 def test_gpu_check_names_an_unknown_step(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--only", "quickstrat", "--out", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2 and "unknown steps ['quickstrat']" in done.stderr
+
+
+def test_every_config_a_gpu_step_trains_is_one_zeropipe_accepts(tmp_path, monkeypatch):
+    """The GPU steps run only where CUDA is, so their configs are checked here: each one the schema
+    accepts, and each model folder it names loads its tokenizer (a first H200 run found both broken)."""
+    from transformers import AutoTokenizer
+
+    from zeropipe.config.load import load_config
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "MEDIUM_LLAMA", gpu_check.TINY_LLAMA)  # the same configs at a size that builds in a second
+    trained: dict[str, Path] = {}
+
+    class DryRun(gpu_check.Check):
+        def train(self, name, raw, extra=()):
+            trained[name] = self.write_config(name, raw)
+            return {"returncode": 1, "log_tail": "dry run"}  # stops each step after its first config
+
+    check = DryRun(tmp_path, cpu=False)
+    for step in ["quickstart", "zero3_offload", "qlora", "fp8_base", "plan_vs_measured", "hf_trainer"]:
+        getattr(check, f"step_{step}")()
+    assert {"quickstart", "zero3-offload", "qlora", "fp8-base", "plan-zero2-full", "plan-zero3-full-ckpt", "plan-zero3-lora", "hf-compare"} <= set(trained)
+    for name, path in trained.items():
+        config = load_config(path)
+        if config.model.path:
+            assert len(AutoTokenizer.from_pretrained(config.model.path)) > 256, name

@@ -112,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         from zeropipe.rundir import RunDir
 
         run = RunDir(run_dir)
+        given = os.environ.get("ZEROPIPE_TORCH_CUDA_ARCH_LIST_GIVEN")
+        if given:
+            print(f"rank {rank}: TORCH_CUDA_ARCH_LIST is {given!r}; DeepSpeed's op builder cannot read arch suffixes, so its ops are built for "
+                  f"{os.environ.get('TORCH_CUDA_ARCH_LIST')!r}", flush=True)
         confine_process(run.data_confinement)  # a UI run's: no data file read through a symlink out of its folders
         family = family_of(run.read_config().model)
         Trainer(run_dir, family.rank_task).run_all()

@@ -70,6 +70,30 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+ARCH_LIST_GIVEN = "ZEROPIPE_TORCH_CUDA_ARCH_LIST_GIVEN"
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT op builder can read it.
+
+    DeepSpeed 0.19's builder (``compute_capability_args``) reads each entry as integers and fails on
+    the arch-specific suffixes torch accepts ("9.0a", "10.0f"; NVIDIA's Hopper images set "9.0a"):
+    ``ValueError: invalid literal for int() with base 10: '0a'`` while building FusedAdam, seen on
+    an H200. Its kernels use none of those features, so the suffix is dropped; "+PTX" is kept.
+    """
+    entries = [entry for entry in value.replace(" ", ";").split(";") if entry]
+    readable = []
+    for entry in entries:
+        arch, ptx = (entry[: -len("+PTX")], "+PTX") if entry.endswith("+PTX") else (entry, "")
+        major, _, minor = arch.partition(".")
+        minor_digits = minor.rstrip("abcdefghijklmnopqrstuvwxyz")
+        if major.isdigit() and minor_digits.isdigit() and minor_digits != minor:
+            entry = f"{major}.{minor_digits}{ptx}"
+        if entry not in readable:
+            readable.append(entry)
+    return ";".join(readable) if readable != entries else value
+
+
 def rank_environment(
     rank: int, world_size: int, port: int, accelerator: str, local_rank: int | None = None, local_world_size: int | None = None,
     master_addr: str = "127.0.0.1", node_rank: int = 0, zero_stage: int | None = None,
@@ -96,6 +120,12 @@ def rank_environment(
     # Ranks share the cores: without this each rank starts one thread per core and they thrash
     # (CPU ranks' every op; GPU ranks' CPU Adam with optimizer offload: 5 ranks x all cores).
     env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // local_world_size)))
+    if accelerator != "cpu" and "TORCH_CUDA_ARCH_LIST" in env:
+        readable = deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
+        if readable != env["TORCH_CUDA_ARCH_LIST"]:
+            # The rank's log says so (zeropipe.launch.rank): the variable the user set is not what the ranks see.
+            env[ARCH_LIST_GIVEN] = env["TORCH_CUDA_ARCH_LIST"]
+            env["TORCH_CUDA_ARCH_LIST"] = readable
     if accelerator == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
         # On CPU ranks ZeRO-3 gathers every layer into new host buffers and frees them after use.

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from zeropipe.launch.supervisor import CPU_RANK_MMAP_THRESHOLD, rank_environment
 
 
@@ -37,3 +41,23 @@ def test_gpu_and_cpu_ranks_share_the_cores(monkeypatch):
     assert rank_environment(0, 8, 29500, "cuda", local_world_size=4)["OMP_NUM_THREADS"] == "5"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert rank_environment(0, 5, 29500, "cuda")["OMP_NUM_THREADS"] == "2", "the user's own setting is kept"
+
+
+def test_an_arch_list_deepspeed_cannot_read_reaches_gpu_ranks_readable_and_said(monkeypatch):
+    """NVIDIA's Hopper images set TORCH_CUDA_ARCH_LIST=9.0a, on which DeepSpeed's JIT build of FusedAdam
+    fails (seen on an H200); the ranks get what DeepSpeed's own parser reads, and the given value to say so."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a;10.0f+PTX")
+    env = rank_environment(0, 2, 29500, "cuda")
+    assert env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX" and env["ZEROPIPE_TORCH_CUDA_ARCH_LIST_GIVEN"] == "8.0;9.0a;10.0f+PTX"
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    with pytest.raises(ValueError, match="invalid literal"):
+        builder.compute_capability_args()  # the given value, as DeepSpeed reads it
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
+    builder.compute_capability_args()  # JIT mode: no flags returned, the list it read put back canonical
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0;10.0+PTX"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6;9.0+PTX")
+    assert "ZEROPIPE_TORCH_CUDA_ARCH_LIST_GIVEN" not in rank_environment(0, 2, 29500, "cuda")  # a readable one is left alone
+    assert rank_environment(0, 2, 29500, "cuda")["TORCH_CUDA_ARCH_LIST"] == "8.6;9.0+PTX"
