@@ -30,6 +30,7 @@ BUILTIN = (
     "qwen_image_edit_plus",
     "ltx2",
     "ideogram4",
+    "qwen_image21",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
