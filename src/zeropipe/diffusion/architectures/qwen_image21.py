@@ -41,7 +41,7 @@ import torch
 
 from zeropipe.diffusion.architectures.base import Architecture
 from zeropipe.diffusion.architectures.qwen_image import QwenImageLatents, prompt_mask
-from zeropipe.diffusion.architectures.qwen_image_edit import tiny_edit_tokenizer
+from zeropipe.diffusion.architectures.qwen_image_edit import as_transformers_processor, tiny_edit_tokenizer
 from zeropipe.diffusion.parts import PromptText
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,12 @@ class TextPromptProcessor:
         encoded["mm_token_type_ids"] = [[0] * len(ids) for ids in encoded["input_ids"]]
         return BatchFeature(encoded, tensor_type=return_tensors)
 
+    def save_pretrained(self, save_directory, **kwargs):
+        """The tokenizer's files and the chat template, where Qwen3VLProcessor keeps them."""
+        self.tokenizer.save_pretrained(str(save_directory))
+        if self.chat_template:
+            (Path(save_directory) / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")
+
     def apply_chat_template(self, conversation, chat_template: str | None = None, add_generation_prompt: bool = False, tokenize: bool = False,
                             return_dict: bool = False, return_tensors=None, **kwargs):
         batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
@@ -142,7 +148,12 @@ def load_processor(folder: Path):
             "Qwen-Image 2.1: torchvision is not installed, which transformers' Qwen3VLProcessor needs (its video processor); "
             "prompts are tokenized by the processor's own tokenizer and chat template instead, as the processor does for text alone"
         )
-    return TextPromptProcessor(AutoTokenizer.from_pretrained(str(folder)), processor_chat_template(folder))
+    return text_prompt_processor(AutoTokenizer.from_pretrained(str(folder)), processor_chat_template(folder))
+
+
+def text_prompt_processor(tokenizer, chat_template: str | None = None):
+    """A :class:`TextPromptProcessor`, as the ProcessorMixin diffusers' from_pretrained accepts for the pipeline's processor."""
+    return as_transformers_processor(TextPromptProcessor)(tokenizer, chat_template)
 
 
 @dataclass(frozen=True)
@@ -171,19 +182,17 @@ class QwenImage21(Architecture):
         if name == PROCESSOR:  # the text-only processor over a tiny Qwen tokenizer; its folder is written by tiny_prompt_processor
             tokenizer = tiny_edit_tokenizer(self.tokenizer_length(name))
             tokenizer.chat_template = CHAT_TEMPLATE
-            return TextPromptProcessor(tokenizer, CHAT_TEMPLATE)
+            return text_prompt_processor(tokenizer, CHAT_TEMPLATE)
         return super().tiny_component(name, fields)
 
     def tiny_prompt_processor(self, processor, parts, folder):
         """The processor folder as Qwen-Image-2.1's is laid out: its tokenizer, chat template and image processor; model_index.json names Qwen3VLProcessor.
 
-        diffusers cannot save the stand-in as the class it stands for (it writes ``[null, null]``), so the
-        folder and its model_index.json entry are written here.
+        diffusers saves the stand-in under its own class name, so the model_index.json entry is written here as the release's.
         """
         from transformers import Qwen2VLImageProcessorPil
 
-        parts[processor].tokenizer.save_pretrained(str(folder))
-        (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+        parts[processor].save_pretrained(folder)
         Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(str(folder))
         index_file = folder.parent / "model_index.json"
         index = json.loads(index_file.read_text())
