@@ -288,10 +288,11 @@ ARCHITECTURE = QwenImage21(
             "patch_size": 1, "in_channels": 16, "out_channels": 16, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
             "context_in_dim": 32, "mlp_ratio": 2, "axes_dims_rope": [4, 6, 6],
         },
-        # Two spatial halvings (the release has four): 32-pixel images are 8x8 latents of 16 channels (the release: 64); RGBA in and out.
+        # The release's four spatial halvings (the pipeline fixes its VAE factor at 16), at 16 channels: 64-pixel images are 4x4 latents
+        # of 16 channels (the release: 64); RGBA in and out.
         "vae": {
-            "base_dim": 16, "decoder_base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True],
-            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16, "scale_factor_spatial": 4, "scale_factor_temporal": 4,
+            "base_dim": 16, "decoder_base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True, True],
+            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
         },
         "text_encoder": tiny_qwen3_vl_generation(),
         "processor": {},
