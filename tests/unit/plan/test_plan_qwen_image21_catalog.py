@@ -22,3 +22,18 @@ def test_the_catalog_entry_counts_qwen_image_21s_published_size():
     frozen = {component["name"].split(" ")[0]: component for component in entry["frozen"]}
     assert entry["trained"]["config"]["context_in_dim"] == frozen["text_encoder"]["config"]["text_config"]["hidden_size"]
     assert entry["trained"]["config"]["in_channels"] == frozen["vae"]["config"]["z_dim"]
+
+
+def test_the_planner_plans_the_tiny_preset_with_its_lora_targets_and_says_it_cannot_trace_it():
+    """Its transformer lays out the joint sequence from its masks' values, which the meta device does not have: no activation term (the entry says why)."""
+    import torch
+
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.diffusion.architectures import architecture_for_preset
+    from zeropipe.families.diffusion.spec import diffusion_config_spec
+
+    arch = architecture_for_preset("tiny-qwen-image-2.1")
+    data = {"synthetic": {"task": "shapes"}, "images": {"resolution": 64, "bucket_step": 32}}
+    spec = diffusion_config_spec(RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-qwen-image-2.1"}, "lora": {"r": 4}}, "data": data}))
+    assert spec.lora is not None and spec.lora.target_modules == tuple(arch.lora_targets) and spec.trainable_params > 0
+    assert spec.activation_trace is None and arch.trace_inputs(None, 8, 1, 8, torch.bfloat16) is None

@@ -174,6 +174,9 @@ class QwenImage21(Architecture):
     def tokenizer_length(self, tokenizer):
         return 1024
 
+    def trace_text_tokens(self):
+        return 256  # a long caption (its tokenizer is the processor's, not one of the entry's tokenizers)
+
     def image_processor_factor(self, vae_factor):
         return vae_factor * 2  # the pipeline rounds sizes to twice its VAE factor (2x2 latent tokens per image slot)
 
