@@ -124,3 +124,10 @@ def test_training_images_reach_the_vae_as_the_pipelines_opaque_rgba(tiny):
     torch.testing.assert_close(arch.codec.vae_pixels(rgb), expected)
     decoded = pipeline.vae.decode(pipeline.vae.encode(expected).latent_dist.mode()).sample
     assert decoded.shape[1] == 4 and arch.codec.vae_images(decoded).shape == (1, 3, 64, 64)
+
+
+def test_diffusion_pipes_qwen_image21_type_converts_to_the_entry():
+    """diffusion-pipe's [model] type = 'qwen_image21' (models/qwen_image21.py there) used to convert as CANNOT TRAIN YET."""
+    from zeropipe.convert.diffusion_pipe import trainable_architecture
+
+    assert trainable_architecture("qwen_image21") == "qwen-image-2.1"

@@ -302,7 +302,7 @@ ARCHITECTURE = QwenImage21(
         # The release shifts with the resolution (use_dynamic_shifting); the tiny one samples with a fixed shift.
         "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
     },
-    # The attention and the SwiGLU of every block (the layers the transformer's tensor-parallel plan names).
+    # Every linear layer of the blocks, their attention and SwiGLU (diffusion-pipe's qwen_image21 adapts the whole QwenImage21TransformerBlock).
     lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"),
 )
 
