@@ -78,11 +78,11 @@ class TextPromptProcessor:
     """What ``Qwen3VLProcessor`` does with text alone, done by its tokenizer, for machines without torchvision.
 
     For text without images or videos the processor (transformers 5.24, ``ProcessorMixin.__call__``,
-    processing_utils.py lines 672-733) expands no placeholder and returns the tokenizer's output on the
+    processing_utils.py lines 672-736) expands no placeholder and returns the tokenizer's output on the
     text (``self.tokenizer(text, **text_kwargs)``, with Qwen3-VL's ``return_token_type_ids=False``,
-    processing_qwen3_vl.py line 31-33) plus ``mm_token_type_ids`` (``return_mm_token_type_ids = True``, line 30),
+    processing_qwen3_vl.py lines 34-36) plus ``mm_token_type_ids`` (``return_mm_token_type_ids = True``, line 33),
     which ``create_mm_token_type_ids`` (lines 996-1026) sets to 0 on every text token. Its
-    ``apply_chat_template`` (lines 2307-2461) renders the conversation with the processor's chat template and,
+    ``apply_chat_template`` (lines 2307-2453) renders the conversation with the processor's chat template and,
     with ``tokenize=True``, passes the text through ``__call__`` (a batch of one: ``prepare_inputs_layout`` wraps a
     string in a list). A text holding an image or video placeholder without its image is refused, as
     ``validate_inputs`` refuses it. ``tests/unit/diffusion/test_qwen_image21.py`` holds the results equal to the
