@@ -209,6 +209,7 @@ def real_layout(catalog: str, pipeline: str, out: Path) -> Path:
         ("chroma", "chroma1-hd", "ChromaPipeline", 16), ("qwen-image", "qwen-image", "QwenImagePipeline", 18), ("z-image", "z-image-turbo", "ZImagePipeline", 12),
         ("qwen-image-edit", "qwen-image-edit", "QwenImageEditPipeline", 16),
         ("ideogram4", "ideogram-4", "Ideogram4Pipeline", 12),
+        ("qwen-image-2.1", "qwen-image-2.1", "QwenImage21Pipeline", 12),
     ],
 )
 def test_each_model_example_needs_only_its_paths_and_fits_5_gpus_of_24gb_with_64gb_of_ram(tmp_path, example, catalog, pipeline, per_gpu_gib):

@@ -54,7 +54,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "kandinsky5": "kandinsky5-t2i",
     "longcat_video": None,
     "hy_framepack": None,
-    "qwen_image21": None,
+    "qwen_image21": "qwen-image-2.1",
 }
 
 

@@ -349,11 +349,17 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
     """
     cls = arch.pipeline()
     parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device, spread) for name in arch.text_encoders}
-    parts.update({name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers})
-    parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
+    parts.update(prompt_processors(pipeline_dir, arch))
     from diffusers import SchedulerMixin
 
     return _assemble(cls, arch, pipeline_dir, parts)
+
+
+def prompt_processors(pipeline_dir: Path, arch: Architecture) -> dict[str, Any]:
+    """The entry's tokenizers and prompt processors (the prompt part's ``processors``) as its text pipeline is given them, by component name."""
+    parts: dict[str, Any] = {name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers}
+    parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
+    return parts
 
 
 def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]):

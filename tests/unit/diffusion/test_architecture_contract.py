@@ -247,9 +247,12 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
 
     merged_dir = export_run(run.path, tmp_path / "merged", merge=True, dtype="fp32")
     pipeline_cls = arch.pipeline()
-    # A prompt processor the entry makes itself (arch.text.processors: Qwen-Image-Edit's, which transformers
-    # builds only with torchvision) is not needed here: the denoiser is called with the cached conditioning.
-    own = {**arch.pipeline_kwargs(), **{processor: None for processor in arch.text.processors}}
+    # A prompt processor the entry makes itself (arch.text.processors: Qwen-Image-Edit's and Qwen-Image 2.1's, which
+    # transformers builds only with torchvision) is given as the entry's text pipeline gets it (Qwen-Image 2.1's pipeline reads it
+    # in its constructor).
+    from zeropipe.diffusion.pipelines import prompt_processors
+
+    own = {**arch.pipeline_kwargs(), **{name: part for name, part in prompt_processors(run.pipeline, arch).items() if name in arch.text.processors}}
     base = pipeline_cls.from_pretrained(str(run.pipeline), **own)
     before = denoiser_output(arch, getattr(base, arch.denoiser), batch)
     # The loader Draw uses: the pipeline's load_lora_weights, or the denoiser's load_lora_adapter where the pipeline

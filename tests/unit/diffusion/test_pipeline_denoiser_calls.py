@@ -1,4 +1,4 @@
-"""Lumina 2, HiDream-I1, AuraFlow, Qwen-Image 2.1, HunyuanImage 2.1: each entry's ``predict`` is its pipeline's own denoiser step.
+"""Lumina 2, HiDream-I1, AuraFlow, HunyuanImage 2.1: each entry's ``predict`` is its pipeline's own denoiser step (Qwen-Image 2.1's: test_qwen_image21.py).
 
 The pipeline is run as a user runs it (a prompt string, its own latents and timesteps); the
 velocity it hands its scheduler at the first step, and the latents that step starts from, are

@@ -95,13 +95,14 @@ class LTX2(LTXVideo):
         """The tiny preset's connectors are one of its components, written with the pipeline."""
 
     def load_prompt_processor(self, pipeline_dir, processor, parts):
-        """The text connectors, frozen, in the text encoder's dtype and place."""
+        """The text connectors, frozen, in the text encoder's dtype and place (fp32 on the CPU without one, as from_pretrained loads them)."""
         from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-        encoder = parts["text_encoder"]
-        connectors = LTX2TextConnectors.from_pretrained(str(pipeline_dir / processor), torch_dtype=encoder.dtype)
+        encoder = parts.get("text_encoder")
+        dtype, device = (encoder.dtype, encoder.device) if encoder is not None else (torch.float32, torch.device("cpu"))
+        connectors = LTX2TextConnectors.from_pretrained(str(pipeline_dir / processor), torch_dtype=dtype)
         connectors.requires_grad_(False)
-        return connectors.to(encoder.device).eval()
+        return connectors.to(device).eval()
 
     # -------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts, device):

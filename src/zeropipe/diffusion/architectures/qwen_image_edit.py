@@ -23,6 +23,7 @@ given to the VL model at about 384x384) are their own entry, ``qwen_image_edit_p
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,19 @@ class PromptProcessor:
         return BatchFeature({**self.tokenizer(expanded, padding=padding, return_tensors=return_tensors), **pictures})
 
 
+@functools.cache
+def as_transformers_processor(cls: type) -> type:
+    """``cls`` as a subclass of transformers' ``ProcessorMixin`` (its own methods first), built on first use.
+
+    diffusers' ``from_pretrained`` accepts a pipeline's ``processor`` argument only if it is one
+    (``pipeline_loading_utils``: ``issubclass(model_cls, expected_class_obj)``); the stand-ins are made this
+    way so that importing the entries does not import transformers' processing machinery.
+    """
+    from transformers import ProcessorMixin
+
+    return type(cls.__name__, (cls, ProcessorMixin), {"__repr__": object.__repr__, "__module__": cls.__module__})
+
+
 def tiny_edit_tokenizer(max_length: int = 1024):
     return character_qwen_tokenizer(max_length, extra_tokens=VISION_TOKENS, extra_characters=EXTRA_CHARACTERS)
 
@@ -85,7 +99,7 @@ class QwenImageEdit(QwenImage):
     def load_prompt_processor(self, pipeline_dir, processor, parts):
         from transformers import Qwen2VLImageProcessor
 
-        return PromptProcessor(parts["tokenizer"], Qwen2VLImageProcessor.from_pretrained(str(pipeline_dir / processor)))
+        return as_transformers_processor(PromptProcessor)(parts["tokenizer"], Qwen2VLImageProcessor.from_pretrained(str(pipeline_dir / processor)))
 
     def encode_prompts(self, pipeline, prompts, device):
         raise NotImplementedError("Qwen-Image-Edit encodes every prompt with its control image (encode_prompts_with_images)")

@@ -39,7 +39,7 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
             frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
         factor, temporal = vae_factors(components["vae"], arch)
         entry = {
-            **arch.codec.planned_shape(data.video.frame_buckets, arch.tokenizer_length(arch.tokenizers[0])),
+            **arch.codec.planned_shape(data.video.frame_buckets, arch.tokenizer_length(arch.tokenizers[0]) if arch.tokenizers else arch.trace_text_tokens()),
             "vae_temporal_factor": temporal,
             "name": section.config["pipeline"],
             "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
