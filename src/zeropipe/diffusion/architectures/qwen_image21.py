@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.diffusion.architectures.base import Architecture
 from zeropipe.diffusion.architectures.qwen_image import QwenImageLatents, prompt_mask
 from zeropipe.diffusion.architectures.qwen_image_edit import as_transformers_processor, tiny_edit_tokenizer
@@ -197,10 +198,9 @@ class QwenImage21(Architecture):
 
         parts[processor].save_pretrained(folder)
         Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(str(folder))
-        index_file = folder.parent / "model_index.json"
-        index = json.loads(index_file.read_text())
-        index[processor] = ["transformers", "Qwen3VLProcessor"]
-        index_file.write_text(json.dumps(index, indent=2, sort_keys=True))
+        pipeline = read_pipeline_index(folder.parent, key=None)
+        index = {**pipeline.index, processor: ["transformers", "Qwen3VLProcessor"]}
+        pipeline.index_file.write_text(json.dumps(index, indent=2, sort_keys=True))
 
     def load_prompt_processor(self, pipeline_dir, processor, parts):
         return load_processor(Path(pipeline_dir) / processor)
