@@ -173,3 +173,31 @@ def test_every_reference_folder_is_confined(tmp_path, folders):
     with pytest.raises(ConfinementError) as err:
         resolve_run(validate_config(raw), fill_auto_knobs=False, confinement=roots)
     assert [k for k, _ in err.value.problems] == ["data.control_paths[1]"] and str(outside) in str(err.value)
+
+
+def test_a_preference_pairs_image_out_of_the_roots_is_counted_never_decoded(tmp_path, folders):
+    """VLM preference data (issue 29) reads its images through the supervised VLM checks: an absolute
+    path or a symlink out of a UI run's folders drops the pair, named, and the image is never opened."""
+    from zeropipe.errors import DataError
+    from zeropipe.families.vlm.data import check_images, load_rgb
+    from zeropipe.families.vlm.preference import read_vlm_pairs
+
+    roots, outside = folders
+    data = tmp_path / "data"
+    Image.new("RGB", (16, 16), "red").save(data / "red.png")
+    Image.new("RGB", (16, 16), "blue").save(outside / "blue.png")
+    (data / "linked.png").symlink_to(outside / "blue.png")
+    rows = [
+        {"images": ["red.png"], "prompt": "What colour is this?", "chosen": "red", "rejected": "blue"},
+        {"images": [str(outside / "blue.png")], "prompt": "What colour is this?", "chosen": "blue", "rejected": "red"},
+        {"images": ["linked.png"], "prompt": "What colour is this?", "chosen": "blue", "rejected": "red"},
+    ]
+    (data / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with confining(roots):
+        found = check_images(read_vlm_pairs(data / "pairs.jsonl", None, None, None))
+        assert [pair.images for pair in found.examples] == [[str((data / "red.png").resolve())]]
+        assert found.skipped == 2 and all("outside" in bad.reason for bad in found.bad_images)
+        with pytest.raises(DataError, match="outside"):
+            load_rgb(outside / "blue.png")  # what a rank would open, had the file been swapped since
+    with confining(None):
+        assert len(check_images(read_vlm_pairs(data / "pairs.jsonl", None, None, None)).examples) == 3
