@@ -136,7 +136,8 @@ def unpair(record: dict[str, Any]) -> list[dict[str, Any]]:
             {"prompt": record["prompt"], "completion": record["rejected"], "label": False}]
 
 
-def _common_prefix(ids: list[int], other: list[int]) -> int:
+def common_prefix(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens two id lists share: where an answer starts after its prompt, as TRL finds it."""
     length = 0
     for token, other_token in zip(ids, other):
         if token != other_token:
@@ -173,7 +174,7 @@ def tokenize_record(tokenizer: Any, record: dict[str, Any], max_seq_len: int) ->
     pairs = [_prompt_and_full(tokenizer, record["prompt"], answer) for answer in answers]
     prompt_ids = pairs[0][0]
     # The completion starts where prompt and prompt + completion part (TRL's common_prefix_length).
-    prompt_len = min(_common_prefix(prompt_ids, full) for _, full in pairs)
+    prompt_len = min(common_prefix(prompt_ids, full) for _, full in pairs)
     prompt = list(prompt_ids[:prompt_len])
     completions = [list(full[prompt_len:]) for _, full in pairs]
     if not all(completions):

@@ -44,7 +44,7 @@ from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.schema import RunConfig
 from zeropipe.confine import require_usable
 from zeropipe.data.formats import RecordError
-from zeropipe.data.preference import normalize_record
+from zeropipe.data.preference import common_prefix, normalize_record
 from zeropipe.data.records import BadRecord, iter_records
 from zeropipe.data.sampler import ResumableDistributedSampler
 from zeropipe.data.tokenize import pad_token_id, render_prompt
@@ -199,15 +199,6 @@ class EncodedPair:
     extra_keys: list[str] = field(default_factory=list)
 
 
-def _common_prefix(ids: list[int], other: list[int]) -> int:
-    length = 0
-    for token, other_token in zip(ids, other):
-        if token != other_token:
-            break
-        length += 1
-    return length
-
-
 def encode_pair(encoder: VlmEncoder, pair: VlmPair, images: list, max_seq_len: int) -> EncodedPair:
     """A pair's model inputs: prompt ids, each answer's ids, their per-token ids, the images' tensors; cut to ``max_seq_len`` as the module says.
 
@@ -221,7 +212,7 @@ def encode_pair(encoder: VlmEncoder, pair: VlmPair, images: list, max_seq_len: i
     prompt_ids = prompt["input_ids"].tolist()
     full_ids = [full["input_ids"].tolist() for full in fulls]
     # The answer starts where prompt and prompt + answer part (TRL's common prefix).
-    prompt_len = min(_common_prefix(prompt_ids, ids) for ids in full_ids)
+    prompt_len = min(common_prefix(prompt_ids, ids) for ids in full_ids)
     prompt_part = {"ids": prompt_ids[:prompt_len], **{key: prompt[key][:prompt_len].tolist() for key in extra_keys}}
     answers = [{"ids": ids[prompt_len:], **{key: full[key][prompt_len:].tolist() for key in extra_keys}} for ids, full in zip(full_ids, fulls)]
     if not all(answer["ids"] for answer in answers):
