@@ -293,7 +293,8 @@ class PreferenceObjective:
     step_figures: list[dict[str, torch.Tensor]]
 
     def logits(self, model, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
-        raise NotImplementedError
+        """The model's logits for a collated batch: each family's task supplies it (the causal LM's, the VLM's)."""
+        raise NotImplementedError(f"{type(self).__name__} mixes in PreferenceObjective without defining logits(model, batch, prefix)")
 
     def batch_to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {key: value.to(self.device) for key, value in batch.items()}
