@@ -435,6 +435,19 @@ def activations_dominate(ctx: CheckContext):
     return activation_heavy(ctx)
 
 
+@rule("ZP030", "error", "a converted config that `zeropipe convert` said cannot train", "docs/migrate.md")
+def converted_cannot_train(ctx: CheckContext):
+    """The verdict of the conversion travels in the YAML (convert.cannot_train), so that check and train refuse it like the source file."""
+    section = ctx.config.convert
+    if section is None:
+        return []
+    return [
+        ("convert.cannot_train", f"converted from the {section.tool} config {section.source}, which ZeRO-Pipe cannot train as it is: {reason}",
+         "do what the message says, then delete that line of convert.cannot_train")
+        for reason in section.cannot_train
+    ]
+
+
 def run_rules(ctx: CheckContext, rules: list[Rule] | None = None) -> list[Finding]:
     findings = []
     for item in rules or RULES:

@@ -554,6 +554,18 @@ class PreferenceSection(Section):
         return value
 
 
+class ConvertSection(Section):
+    """Where a converted config came from, and what `zeropipe convert` found it cannot train (docs/migrate.md)."""
+
+    tool: str = Field(..., description="The tool the source config was written for: diffusion-pipe, axolotl or llama-factory.")
+    source: str = Field(..., description="The source config `zeropipe convert` read.")
+    cannot_train: list[str] = Field(
+        default_factory=list,
+        description="Why this config cannot train yet, as `zeropipe convert` said: `zeropipe check` and `zeropipe train` refuse while it is not empty "
+        "(rule ZP030). Fix what each line says, then remove the line.",
+    )
+
+
 class RunConfig(Section):
     run: RunSection = Field(default_factory=RunSection, description="Where the run is written and its seed.")
     model: ModelSection = Field(default_factory=ModelSection, description="What model is trained.")
@@ -571,4 +583,7 @@ class RunConfig(Section):
         description="A curriculum: stages run one after the other, each the top-level config with its own model/data/train/deepspeed "
         "keys merged over it, each starting from the weights the previous stage ended with. Every stage is checked and its data "
         "prepared before the first starts; `zeropipe train --resume` continues the stage that was running, at its last checkpoint.",
+    )
+    convert: ConvertSection | None = Field(
+        None, description="Written by `zeropipe convert`: the source config, and why the conversion cannot train yet (refused by check and train while set)."
     )

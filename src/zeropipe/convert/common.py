@@ -23,7 +23,7 @@ HELD_OUT_PAIRS = (
     "preference tuning trains on every pair of data.path and holds none out: put the held-out pairs in a file of their own "
     "and measure them with `zeropipe eval RUN --data FILE` (preference accuracy and margin)"
 )
-SECTION_ORDER = ("run", "model", "data", "train", "preference", "deepspeed", "hardware", "generate", "logging")
+SECTION_ORDER = ("convert", "run", "model", "data", "train", "preference", "deepspeed", "hardware", "generate", "logging")
 
 
 class ConversionError(ZeroPipeError):
@@ -60,10 +60,20 @@ class Conversion:
     def skip(self, key: str, why: str) -> None:
         self.unmapped.append((key, why))
 
+    def verdict(self) -> dict[str, Entry]:
+        """The blocking reasons as the convert: section, so that `zeropipe check` and `train` refuse what convert refused (ZP030)."""
+        if not self.blocking:
+            return {}
+        return {
+            "convert.tool": Entry(self.tool, "the tool the source config was written for"),
+            "convert.source": Entry(str(self.source), "the config this file was converted from"),
+            "convert.cannot_train": Entry(list(self.blocking), "check and train refuse this config until every line is fixed and removed (ZP030)"),
+        }
+
     def ordered(self) -> list[tuple[str, Entry]]:
         """Entries in the order of the schema's sections (run, model, data, train, ...), as the examples read."""
         rank = {name: index for index, name in enumerate(SECTION_ORDER)}
-        return sorted(self.entries.items(), key=lambda item: rank.get(item[0].split(".")[0], len(rank)))
+        return sorted({**self.entries, **self.verdict()}.items(), key=lambda item: rank.get(item[0].split(".")[0], len(rank)))
 
     def raw(self) -> dict[str, Any]:
         """The converted config as the nested dict the schema validates."""
@@ -79,7 +89,10 @@ class Conversion:
     def to_yaml(self, command_path: str | None = None) -> str:
         """ZeRO-Pipe YAML with a comment on every key and the unmapped keys listed at the top."""
         lines = [f"# Converted by `zeropipe convert` from the {self.tool} config {self.source}."]
-        lines.append(f"# Run it:  zeropipe train {command_path or 'THIS_FILE.yaml'}")
+        if self.blocking:
+            lines.append("# It cannot train yet: `zeropipe check` and `zeropipe train` refuse it while convert.cannot_train below is not empty.")
+        else:
+            lines.append(f"# Run it:  zeropipe train {command_path or 'THIS_FILE.yaml'}")
         for reason in self.blocking:
             lines.append(f"# CANNOT TRAIN YET: {reason}")
         if self.links:

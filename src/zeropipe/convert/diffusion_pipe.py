@@ -135,7 +135,6 @@ NOT_MAPPED = {
     "lr_scheduler_eta_min": "the schedule decays to train.min_lr_ratio x lr",
 }
 MODEL_NOT_MAPPED = {
-    "flux_shift": "ZeRO-Pipe's flow-matching shift is a fixed number (model.diffusion.shift), not resolution-dependent",
     "debiased_estimation_loss": "not implemented; model.diffusion.min_snr_gamma is the loss weighting ZeRO-Pipe has",
     "text_encoder_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
     "text_encoder_1_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
@@ -153,7 +152,7 @@ MODEL_NOT_MAPPED = {
     "vae_path": "the VAE comes from the diffusers pipeline folder",
     "t5_path": "text encoders come from the diffusers pipeline folder",
     "single_file_path": "ZeRO-Pipe loads diffusers pipeline folders; single files are not read",
-    "diffusion_model": "a single-file checkpoint in ComfyUI's layout (LTX-2's holds the transformer, both VAEs and the vocoder); ZeRO-Pipe reads the diffusers release of the model (LTX-2: Lightricks/LTX-2): set model.path to it",
+    "diffusion_model": "a single-file checkpoint in ComfyUI's layout; ZeRO-Pipe reads the diffusers release of the same model: set model.path to it",
     "text_encoder": "the text encoder comes from the diffusers pipeline folder (LTX-2: its Gemma 3 12B in text_encoder/)",
     "first_frame_conditioning_p": "image-to-video is trained from an image-to-video pipeline (WanImageToVideoPipeline, always conditioned on the first frame); there is no probability to set",
 }
@@ -250,7 +249,7 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
     if not named and kind in COMFY_RELEASES and "diffusion_model" in model:
         # diffusion-pipe's ComfyUI-backed types name single files (diffusion_model, vae, text_encoders), not a folder.
         release = COMFY_RELEASES[kind]
-        for key in ("diffusion_model", "vae", "text_encoders"):
+        for key in ("diffusion_model", "vae", "text_encoders", "text_encoder"):
             if key in model:
                 conversion.skip(f"model.{key}", f"{model.pop(key)!r} is a ComfyUI file; ZeRO-Pipe reads the diffusers release of the same model ({release}): set model.path to it")
     elif not named:
@@ -313,6 +312,11 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
         if bound in model:
             conversion.set(f"model.diffusion.{bound}", to_float(model.pop(bound), f"model.{bound}"), f"from [model] {bound} (the training timestep range, 0 no noise, 1 pure noise)")
 
+    _shift(conversion, model, arch)
+    scale = model.pop("sigmoid_scale", None)
+    if scale is not None:
+        # utils/common.py:142-144 (get_t_distribution): t = sigmoid(sigmoid_scale x N(0, 1)), a logit-normal of that std.
+        conversion.set("model.diffusion.logit_std", to_float(scale, "model.sigmoid_scale"), "from [model] sigmoid_scale (the std of the logit-normal timesteps)")
     sampling = model.pop("timestep_sample_method", None)
     if sampling is not None:
         if sampling in ("logit_normal", "uniform"):
@@ -328,7 +332,47 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
     if unet_lr is not None:
         conversion.set("train.lr", to_float(unet_lr, "model.unet_lr"), "from [model] unet_lr (the UNet is what trains)")
     for key, value in model.items():
-        conversion.skip(f"model.{key}", MODEL_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out"))
+        why = MODEL_NOT_MAPPED.get(key, f"{value!r}: no ZeRO-Pipe equivalent, left out")
+        if key == "diffusion_model" and kind in COMFY_RELEASES:
+            why = f"{why} ({COMFY_RELEASES[kind]})"
+        conversion.skip(f"model.{key}", why)
+
+
+# diffusion-pipe shifts its training timesteps only when [model] shift is set, in every flow model alike
+# (models/wan/wan.py:354-355 at 8f83dbf, `if shift := self.model_config.get('shift', None): t = (t * shift) / (1 + (shift - 1) * t)`;
+# models/flux.py:362, models/qwen_image.py:445, models/z_image.py:82, models/hunyuan_video.py:451, models/flux2.py:162 the same).
+# Unset (or 0) is no shift, 1.0; ZeRO-Pipe's model.diffusion.shift: auto would take the scheduler's (Wan 3.0/5.0, HunyuanVideo 7.0...).
+DIFFUSION_PIPE_SHIFT = 1.0
+
+
+def _shift(conversion: Conversion, model: dict[str, Any], arch: str | None) -> None:
+    """[model] shift, or diffusion-pipe's default of none, as model.diffusion.shift (flow-matching entries only)."""
+    shift = model.pop("shift", None)
+    flux_shift = model.pop("flux_shift", None)
+    entry = architectures().get(arch or "")
+    if entry is not None and entry.objective != "flow":
+        if shift is not None:
+            conversion.skip("model.shift", f"{shift!r}: a timestep shift applies to flow-matching models; {arch} trains on a DDPM schedule")
+        if flux_shift:
+            conversion.skip("model.flux_shift", "a timestep shift applies to flow-matching models only")
+        return
+    if shift:
+        conversion.set("model.diffusion.shift", to_float(shift, "model.shift"), "from [model] shift (diffusion-pipe: t = shift*t / (1 + (shift-1)*t))")
+        if flux_shift:
+            conversion.skip("model.flux_shift", "[model] shift is set, which diffusion-pipe applies instead of flux_shift (models/flux.py:362-364)")
+        return
+    if flux_shift:
+        # A shift by the image's token count (sd-scripts' flux_shift); ZeRO-Pipe's is one number for every bucket.
+        conversion.set(
+            "model.diffusion.shift", "auto",
+            "from [model] flux_shift = true: diffusion-pipe shifts by each bucket's token count (e^mu, mu 0.5 at 256 tokens to 1.15 at 4096, "
+            "utils/common.py:118); ZeRO-Pipe's shift is one number: auto takes the scheduler's (FLUX.1: 3.0, near e^1.15 = 3.16 at 1024 px)",
+        )
+        return
+    conversion.set(
+        "model.diffusion.shift", DIFFUSION_PIPE_SHIFT,
+        f"diffusion-pipe shifts timesteps only when [model] shift is set (models/wan/wan.py:354 at 8f83dbf): {'shift = 0 is' if shift == 0 else 'unset is'} no shift",
+    )
 
 
 # diffusion-pipe's storage dtypes of the frozen denoiser -> model.quantization.format.
@@ -391,6 +435,13 @@ FOLDER_RELEASES = {
 }
 COMFY_RELEASES = {
     "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
+    # diffusion-pipe's docs/supported_models.md (at 8f83dbf) configures these types with ComfyUI files only (diffusion_model, vae, text_encoders).
+    "ltx2": "Lightricks/LTX-2 (its ComfyUI file holds the transformer, both VAEs and the vocoder)",
+    "z_image": "Tongyi-MAI/Z-Image-Turbo, or the Z-Image base release the file was made from (a ZImagePipeline folder)",
+    "flux2": "black-forest-labs/FLUX.2-dev, or for a klein file the FLUX.2 [klein] release of the same size (a Flux2KleinPipeline folder)",
+    "krea2": "the diffusers release of Krea 2 (a folder with model_index.json)",
+    "ernie_image": "baidu/ERNIE-Image",
+    "ideogram4": "the diffusers release of Ideogram 4 (a folder with model_index.json)",
 }
 # type -> ((an original release's folder name, its diffusers release on the Hub), ...), what to say for any other folder name
 DIFFUSERS_RELEASES = {
@@ -562,15 +613,24 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         raise ConversionError(f"{path} (the dataset TOML) is not valid TOML: {err}; fix the syntax") from None
     rest = dict(raw)
     where = f"{path.name}"
-    resolutions = rest.pop("resolutions", [512])
-    if not isinstance(resolutions, list) or not resolutions:
+    resolutions = rest.pop("resolutions", None)
+    if resolutions is None:
+        # diffusion-pipe reads dataset_config['resolutions'] unless size_buckets is given (utils/dataset.py:460-469): no default to carry.
+        sized = "size_buckets is given instead" if "size_buckets" in rest else "diffusion-pipe requires it (utils/dataset.py:469)"
+        conversion.skip("dataset.resolutions", f"not set ({sized}): ZeRO-Pipe's data.images.resolution default applies; set it to the size you train at")
+        resolutions = []
+    elif not isinstance(resolutions, list) or not resolutions:
         resolutions = [resolutions]
-    conversion.set("data.images.resolution", _resolution(resolutions[0]), f"from {where} resolutions = {resolutions}")
+    if resolutions:
+        conversion.set("data.images.resolution", _resolution(resolutions[0]), f"from {where} resolutions = {resolutions}")
     if len(resolutions) > 1:
         conversion.skip("dataset.resolutions", f"{resolutions}: one resolution per run; the first is used (train again with data.images.resolution for the others)")
     conversion.set("data.images.bucket_step", SIZE_MULTIPLE, f"diffusion-pipe rounds bucket sides to multiples of {SIZE_MULTIPLE}")
     if "enable_ar_bucket" in rest:
         conversion.set("data.images.bucketing", bool(rest.pop("enable_ar_bucket")), f"from {where} enable_ar_bucket")
+    else:
+        # utils/dataset.py:458 at 8f83dbf: enable_ar_bucket defaults to false, one square bucket (self.ars = [1.0], line 497-498).
+        conversion.set("data.images.bucketing", False, f"diffusion-pipe's default enable_ar_bucket is false (utils/dataset.py:458): every image cropped square")
     min_ar, max_ar = as_number(rest.pop("min_ar", None)), as_number(rest.pop("max_ar", None))
     if min_ar or max_ar:
         aspect = max(float(max_ar or 1.0), 1.0 / float(min_ar or 1.0))

@@ -101,6 +101,7 @@ num_repeats = 1
         "deepspeed.precision": "bf16",
         "model.path": str(flux),
         "model.diffusion.timestep_sampling": "logit_normal",
+        "model.diffusion.shift": 1.0,  # diffusion-pipe shifts only when [model] shift is set
         "model.lora.r": 16,
         "model.lora.alpha": 8.0,
         "model.lora.dropout": 0.1,
@@ -329,7 +330,8 @@ def test_unknown_keys_are_listed_never_dropped(tmp_path):
     )
     conversion = convert_file(path)
     why = unmapped(conversion)
-    assert {"my_new_option", "compile", "model.flux_shift", "optimizer.type", "optimizer.lr", "dataset.cache_shuffle_num"} <= set(why)
+    assert {"my_new_option", "compile", "optimizer.type", "optimizer.lr", "dataset.cache_shuffle_num"} <= set(why)
+    assert "flux_shift" in conversion.entries["model.diffusion.shift"].comment  # written: a per-bucket shift, the nearest ZeRO-Pipe has
     assert "train.lr" not in values(conversion)  # Prodigy's lr of 1 must not become AdamW's
 
 
