@@ -10,6 +10,7 @@ from zeropipe.convert.common import (
     HELD_OUT_PAIRS,
     Conversion,
     ConversionError,
+    PeerDefault,
     as_number,
     find_path,
     is_unset,
@@ -26,6 +27,15 @@ from zeropipe.convert.common import (
     to_float,
     to_int,
 )
+
+# axolotl's defaults that differ from ZeRO-Pipe's, where its source sets them (github.com/axolotl-ai-cloud/axolotl at 067b021):
+# a file that leaves the key out trains with these there, so the conversion writes them.
+PEER_DEFAULTS = {
+    # lr_scheduler: "cosine" (training.py:144) with cosine_min_lr_ratio unset (line 152): Hugging Face's cosine, to 0; ZeRO-Pipe's ends at 10%.
+    "lr_scheduler": PeerDefault("lr_scheduler", "cosine", "train.min_lr_ratio", "src/axolotl/utils/schemas/training.py:144, decaying to 0 "
+                                "as cosine_min_lr_ratio is unset, line 152"),
+    "lora_dropout": PeerDefault("lora_dropout", 0.0, "model.lora.dropout", "src/axolotl/utils/schemas/peft.py:80", "lora"),
+}
 
 # Keys that only steer axolotl's own machinery, and why ZeRO-Pipe needs no counterpart.
 NOT_MAPPED = {
@@ -130,6 +140,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     _adapter(conversion, rest)
     _datasets(conversion, rest, bases, preference)
 
+    _test_datasets(conversion, rest, bases, preference)
     if "sequence_len" in rest:
         conversion.set("data.max_seq_len", to_int(rest.pop("sequence_len"), "sequence_len"), "from sequence_len")
     packing = rest.pop("sample_packing", None)
@@ -149,7 +160,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
             conversion.skip("val_set_size", f"{val}: a count of records; ZeRO-Pipe holds out a fraction: set data.eval_fraction")
     eval_steps = as_number(rest.pop("eval_steps", None))
     if eval_steps:
-        if "data.eval_fraction" in conversion.entries:
+        if "data.eval_fraction" in conversion.entries or "data.eval_path" in conversion.entries:
             conversion.set("train.eval_every", to_int(eval_steps, "eval_steps"), "from eval_steps")
         else:
             conversion.skip("eval_steps", "no held-out data (val_set_size) to evaluate on")
@@ -158,7 +169,12 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if "num_epochs" in rest:
         conversion.set("train.epochs", to_float(rest.pop("num_epochs"), "num_epochs"), "from num_epochs")
     map_trainer_keys(conversion, rest, {"cosine_min_lr_ratio": ("train.min_lr_ratio", float)})
-    map_schedule(conversion, "lr_scheduler", rest.pop("lr_scheduler", None))
+    if is_unset(rest.get("lr_scheduler")):
+        rest.pop("lr_scheduler", None)
+        if "train.min_lr_ratio" not in conversion.entries:  # cosine_min_lr_ratio, mapped above, is where it ends then
+            conversion.default(PEER_DEFAULTS["lr_scheduler"], 0.0)
+    else:
+        map_schedule(conversion, "lr_scheduler", rest.pop("lr_scheduler"))
     map_optimizer(conversion, "optimizer", rest.pop("optimizer", None))
     map_warmup_ratio(conversion, "warmup_ratio", rest.pop("warmup_ratio", None))
     map_precision(conversion, rest, "axolotl")
@@ -183,11 +199,20 @@ def _preference(conversion: Conversion, rl: str, rest: dict[str, Any]) -> None:
     if losses:
         conversion.set("preference.loss_type", losses, f"from rl: {rl}")
     beta = rest.pop("rl_beta", None)
+    # dpo_beta: rl_beta's former name. axolotl at 067b021 only warns that it is deprecated (src/axolotl/utils/schemas/deprecated.py:52-56) and
+    # hands TRL rl_beta (core/builders/rl.py:124): the file's beta is what its author meant, so it is written, and said.
+    old_beta = rest.pop("dpo_beta", None)
+    beta_from = "from rl_beta"
+    if is_unset(beta) and not is_unset(old_beta):
+        beta, beta_from = old_beta, ("from dpo_beta, rl_beta's former name (axolotl now only warns that dpo_beta is deprecated and trains TRL's "
+                                     "beta 0.1: rename it rl_beta there to train the same)")
+    elif not is_unset(old_beta):
+        conversion.skip("dpo_beta", f"{old_beta!r}: rl_beta ({beta!r}) is set too and wins, as in axolotl")
     if method == "orpo" and "orpo_alpha" in rest:
         # axolotl hands orpo_alpha to TRL's ORPOConfig as beta (the weight of the odds-ratio term).
         conversion.set("preference.beta", to_float(rest.pop("orpo_alpha"), "orpo_alpha"), "from orpo_alpha (ORPO's lambda, TRL's beta)")
     elif not is_unset(beta):
-        conversion.set("preference.beta", to_float(beta, "rl_beta"), "from rl_beta")
+        conversion.set("preference.beta", to_float(beta, "rl_beta"), beta_from)
     for source, target in (("simpo_gamma", "simpo_gamma"), ("cpo_alpha", "cpo_alpha"), ("kto_desirable_weight", "desirable_weight"), ("kto_undesirable_weight", "undesirable_weight")):
         if not is_unset(rest.get(source)):
             conversion.set(f"preference.{target}", to_float(rest.pop(source), source), f"from {source}")
@@ -233,7 +258,10 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
     if alpha is not None:
         conversion.set("model.lora.alpha", to_float(alpha, "lora_alpha"), "from lora_alpha")
     dropout = rest.pop("lora_dropout", None)
-    conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "axolotl's default lora_dropout is 0")
+    if dropout is not None:
+        conversion.set("model.lora.dropout", to_float(dropout, "lora_dropout"), "from lora_dropout")
+    else:
+        conversion.default(PEER_DEFAULTS["lora_dropout"])
     dora = rest.pop("peft_use_dora", None)
     if dora:
         conversion.set("model.lora.kind", "dora", "from peft_use_dora: true (peft's DoRA, as axolotl trains it)")
@@ -285,6 +313,29 @@ def _datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, .
         map_sources(conversion, sources, "from the datasets' type")
 
 
+def _test_datasets(conversion: Conversion, rest: dict[str, Any], bases: tuple[Path, ...], preference: bool) -> None:
+    """test_datasets (axolotl's held-out data, src/axolotl/utils/schemas/config.py:358) as data.eval_path: one file, read as the training data."""
+    datasets = rest.pop("test_datasets", None)
+    if is_unset(datasets):
+        return
+    datasets = datasets if isinstance(datasets, list) else [datasets]
+    if preference:
+        conversion.skip("test_datasets", HELD_OUT_PAIRS)
+        return
+    if len(datasets) > 1 or not isinstance(datasets[0], dict):
+        conversion.skip("test_datasets", f"{len(datasets)} datasets: data.eval_path is one file: join them into one and set data.eval_path to it")
+        return
+    found = _dataset(conversion, "test_datasets[0]", dict(datasets[0]), bases, preference)
+    if found is None:
+        return
+    _, path, fmt = found
+    data_format = conversion.entries.get("data.format")
+    if data_format is not None and data_format.value != fmt:
+        conversion.skip("test_datasets[0].type", f"{fmt} records, where the training data is {data_format.value}: data.eval_path is read in data.format; make them alike")
+        return
+    conversion.set("data.eval_path", str(path), "from test_datasets[0] (held-out data, evaluated every train.eval_every steps)")
+
+
 def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: tuple[Path, ...], preference: bool = False) -> tuple[str, Path, str] | None:
     name = dataset.pop("path", None)
     files = dataset.pop("data_files", None)
@@ -297,6 +348,7 @@ def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: t
         conversion.skip(f"{key}.type", f"{kind!r}: read as {base}; the prompt style {style!r} is replaced by the tokenizer's chat template")
         kind = base
     fmt = _preference_format(conversion, key, kind, dataset) if preference else _format(conversion, key, kind, dataset)
+    dataset_type = dataset.get("ds_type")
     for option in ("ds_type", "split", "shards", "name", "train_on_split"):
         value = dataset.pop(option, None)
         if option == "split" and value in (None, "train"):
@@ -308,7 +360,18 @@ def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: t
     for option, value in dataset.items():
         if not is_unset(value):
             conversion.skip(f"{key}.{option}", f"{value!r}: not supported for {kind} data")
-    if local is None:
+    given = files if isinstance(files, str) else name
+    if local is None and given is not None and looks_like_a_file(str(given), dataset_type):
+        # A file of the user's that is not on this machine yet: written as given (relative to the config, as axolotl reads it from
+        # where it runs), and listed, so that `zeropipe check` says so until it is copied.
+        written = Path(str(given)).expanduser()
+        local = written if written.is_absolute() else bases[-1] / written
+        conversion.skip(f"{key}.{'data_files' if given is files else 'path'}", f"{given!r} is not on this machine (looked relative to "
+                        f"{', '.join(map(str, bases))}): written as {local}; copy the file there before `zeropipe check`")
+    elif local is None and is_unset(given):
+        conversion.skip(key, "no path: or data_files: names the data: set data.path to a local .jsonl/.json file")
+        return None
+    elif local is None:
         conversion.skip(
             key,
             f"{name!r} is not a local file or folder; ZeRO-Pipe reads local .jsonl/.json files and downloads nothing: "
@@ -318,6 +381,15 @@ def _dataset(conversion: Conversion, key: str, dataset: dict[str, Any], bases: t
     if fmt is None:
         return None
     return (f"{key}.path", local, fmt)
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def looks_like_a_file(name: str, dataset_type: Any) -> bool:
+    """A path of the user's (./data/x.jsonl, /data/x.json, or anything with ds_type: json), not a Hub dataset id (org/name)."""
+    return (name.startswith(("./", "../", "/", "~")) or Path(name).suffix.lower() in DATA_SUFFIXES
+            or dataset_type in ("json", "parquet", "csv", "text", "arrow"))
 
 
 # axolotl's preference dataset types whose records data/preference.py reads as they are.

@@ -26,6 +26,27 @@ HELD_OUT_PAIRS = (
 SECTION_ORDER = ("convert", "run", "model", "data", "train", "preference", "deepspeed", "hardware", "generate", "logging")
 
 
+@dataclass(frozen=True)
+class PeerDefault:
+    """A default of the other tool that differs from ZeRO-Pipe's: what a file that leaves ``key`` out trains with there.
+
+    Each converter lists these (``PEER_DEFAULTS``) with where the peer's source sets them; the converter writes ``target``
+    when the file leaves ``key`` out (the contract test, tests/unit/convert/test_convert_issue45.py, holds every converter
+    to it on every peer config). ``applies``: when the default matters at all ("lora": a LoRA run, "flow": a flow-matching
+    model, "vlm": a vision-language model, "" always).
+    """
+
+    key: str
+    value: Any
+    target: str
+    source: str  # the peer's file and line (at the commit SOURCES.md names)
+    applies: str = ""
+    owner: str = ""  # whose default it is, where not the tool's own (LLaMA-Factory trains with Hugging Face's TrainingArguments)
+
+    def comment(self, tool: str) -> str:
+        return f"{self.owner or tool}'s default {self.key} is {self.value!r} ({self.source})"
+
+
 class ConversionError(ZeroPipeError):
     """A file that cannot be converted (unreadable, or asking for training ZeRO-Pipe does not do)."""
 
@@ -56,6 +77,10 @@ class Conversion:
 
     def set(self, key: str, value: Any, comment: str) -> None:
         self.entries[key] = Entry(value, comment)
+
+    def default(self, peer: "PeerDefault", value: Any | None = None) -> None:
+        """Write the peer's default (a file that leaves ``peer.key`` out), with where the peer sets it."""
+        self.set(peer.target, peer.value if value is None else value, peer.comment(self.tool))
 
     def skip(self, key: str, why: str) -> None:
         self.unmapped.append((key, why))

@@ -17,7 +17,7 @@ from typing import Any
 import tomllib
 
 from zeropipe.config.pipeline_index import is_pipeline_folder
-from zeropipe.convert.common import Conversion, ConversionError, as_number, find_path, to_float, to_int
+from zeropipe.convert.common import Conversion, ConversionError, PeerDefault, as_number, find_path, is_unset, to_float, to_int
 from zeropipe.diffusion.architectures import architectures
 from zeropipe.diffusion.images import IMAGE_SUFFIXES
 
@@ -101,6 +101,19 @@ CLIP_MODES = {"single_beginning": "start", "single_middle": "middle", "multiple_
 # Wan 2.2 A14B: diffusion-pipe names the expert by transformer_path (its subfolder or its ComfyUI file).
 EXPERT_NAMES = {"low_noise": "low_noise", "high_noise": "high_noise"}
 
+# diffusion-pipe's defaults that differ from ZeRO-Pipe's, where its source sets them (github.com/tdrussell/diffusion-pipe at 8f83dbf):
+# a file that leaves the key out trains with these there, so the conversion writes them.
+PEER_DEFAULTS = {
+    "shift": PeerDefault("model.shift", None, "model.diffusion.shift", "models/wan/wan.py:354, and every flow model alike: no shift, 1.0", "flow"),
+    "enable_ar_bucket": PeerDefault("dataset.enable_ar_bucket", False, "data.images.bucketing", "utils/dataset.py:458; one square bucket, line 497"),
+    "lr_scheduler": PeerDefault("lr_scheduler", "constant", "train.schedule", "train.py:849"),
+    "alpha": PeerDefault("adapter.alpha", "the rank", "model.lora.alpha", "train.py:122, alpha = rank", "lora"),
+    "dropout": PeerDefault("adapter.dropout", 0.0, "model.lora.dropout", "train.py:128", "lora"),
+    "frame_buckets": PeerDefault("dataset.frame_buckets", [1], "data.video.frame_buckets", "utils/dataset.py:508, images only", "video"),
+}
+# diffusion-pipe's schedules end at these learning rates (train.py:853-855): linear at 0, cosine at eta_min 1e-6.
+SCHEDULE_END_LR = {"linear": 0.0, "cosine": 1e-6}
+
 # Keys with no ZeRO-Pipe counterpart, and why.
 NOT_MAPPED = {
     "pipeline_stages": "ZeRO-Pipe runs the standard DeepSpeed engine, not the pipeline engine: ZeRO-3 (deepspeed.zero_stage: 3) shards the "
@@ -132,7 +145,6 @@ NOT_MAPPED = {
     "image_micro_batch_size_per_gpu": "one micro-batch size for clips and images alike (train.micro_batch_size); a micro-batch holds one bucket (size and length)",
     "upload_hf_from_epoch": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
     "huggingface_repo": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
-    "lr_scheduler_eta_min": "the schedule decays to train.min_lr_ratio x lr",
 }
 MODEL_NOT_MAPPED = {
     "debiased_estimation_loss": "not implemented; model.diffusion.min_snr_gamma is the loss weighting ZeRO-Pipe has",
@@ -369,10 +381,7 @@ def _shift(conversion: Conversion, model: dict[str, Any], arch: str | None) -> N
             "utils/common.py:118); ZeRO-Pipe's shift is one number: auto takes the scheduler's (FLUX.1: 3.0, near e^1.15 = 3.16 at 1024 px)",
         )
         return
-    conversion.set(
-        "model.diffusion.shift", DIFFUSION_PIPE_SHIFT,
-        f"diffusion-pipe shifts timesteps only when [model] shift is set (models/wan/wan.py:354 at 8f83dbf): {'shift = 0 is' if shift == 0 else 'unset is'} no shift",
-    )
+    conversion.default(PEER_DEFAULTS["shift"], DIFFUSION_PIPE_SHIFT)
 
 
 # diffusion-pipe's storage dtypes of the frozen denoiser -> model.quantization.format.
@@ -472,12 +481,18 @@ def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
         conversion.skip("adapter.type", f"{kind!r}: ZeRO-Pipe trains lora, dora, lokr and loha adapters; converted as LoRA of rank {rank}: check model.lora")
     conversion.set("model.lora.r", rank, "from [adapter] rank")
     alpha = adapter.pop("alpha", None)
-    conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else rank, "adapter.alpha"), "from [adapter] alpha" if alpha is not None else "diffusion-pipe's alpha is the rank unless set")
+    if alpha is not None:
+        conversion.set("model.lora.alpha", to_float(alpha, "adapter.alpha"), "from [adapter] alpha")
+    else:
+        conversion.default(PEER_DEFAULTS["alpha"], float(rank))
     dropout = adapter.pop("dropout", None)
     if kind == "lokr" and dropout:
         conversion.skip("adapter.dropout", f"{dropout!r}: peft's LoKr has no dropout on its input; trained without")
         dropout = None
-    conversion.set("model.lora.dropout", to_float(dropout or 0.0, "adapter.dropout"), "from [adapter] dropout" if dropout is not None else "diffusion-pipe's default dropout is 0")
+    if dropout is not None:
+        conversion.set("model.lora.dropout", to_float(dropout, "adapter.dropout"), "from [adapter] dropout")
+    else:
+        conversion.default(PEER_DEFAULTS["dropout"])
     conversion.skip(
         "adapter (target modules)",
         "diffusion-pipe adapts every linear layer of the transformer blocks; model.lora.target_modules: auto adapts the attention "
@@ -557,11 +572,17 @@ def _training(conversion: Conversion, rest: dict[str, Any]) -> None:
     given = "lr_scheduler" in rest
     schedule = rest.pop("lr_scheduler", "constant")
     if schedule in SCHEDULES:
-        conversion.set("train.schedule", schedule, "from lr_scheduler" if given else "diffusion-pipe's default lr_scheduler is constant")
-        eta_min = to_float(rest.pop("lr_scheduler_eta_min", 0.0) or 0.0, "lr_scheduler_eta_min")
+        if given:
+            conversion.set("train.schedule", schedule, "from lr_scheduler")
+        else:
+            conversion.default(PEER_DEFAULTS["lr_scheduler"])
+        eta_given = not is_unset(rest.get("lr_scheduler_eta_min"))
+        eta_min = to_float(rest.pop("lr_scheduler_eta_min"), "lr_scheduler_eta_min") if eta_given else SCHEDULE_END_LR.get(schedule, 0.0)
+        rest.pop("lr_scheduler_eta_min", None)
         if schedule != "constant":
             lr = conversion.entries["train.lr"].value if "train.lr" in conversion.entries else LR_DEFAULT
-            conversion.set("train.min_lr_ratio", eta_min / lr, f"diffusion-pipe's {schedule} schedule decays to lr_scheduler_eta_min (here {eta_min})")
+            why = f"from lr_scheduler_eta_min = {eta_min}" if eta_given else f"diffusion-pipe's {schedule} schedule ends at {eta_min} (train.py:853-855)"
+            conversion.set("train.min_lr_ratio", min(eta_min / lr, 1.0), f"{why}: {eta_min} / lr {lr}")
     else:
         conversion.skip("lr_scheduler", f"{schedule!r}: ZeRO-Pipe has constant, linear and cosine")
     if "save_every_n_steps" in rest:
@@ -630,7 +651,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         conversion.set("data.images.bucketing", bool(rest.pop("enable_ar_bucket")), f"from {where} enable_ar_bucket")
     else:
         # utils/dataset.py:458 at 8f83dbf: enable_ar_bucket defaults to false, one square bucket (self.ars = [1.0], line 497-498).
-        conversion.set("data.images.bucketing", False, f"diffusion-pipe's default enable_ar_bucket is false (utils/dataset.py:458): every image cropped square")
+        conversion.default(PEER_DEFAULTS["enable_ar_bucket"])
     min_ar, max_ar = as_number(rest.pop("min_ar", None)), as_number(rest.pop("max_ar", None))
     if min_ar or max_ar:
         aspect = max(float(max_ar or 1.0), 1.0 / float(min_ar or 1.0))
@@ -642,7 +663,7 @@ def _dataset(conversion: Conversion, path: Path, links_dir: Path, video: bool = 
         buckets = sorted(set(buckets or []) | {1})
         conversion.set(
             "data.video.frame_buckets", buckets,
-            f"from {where} frame_buckets = {frames}" if frames is not None else "diffusion-pipe's default frame_buckets is [1] (images only)",
+            f"from {where} frame_buckets = {frames}" if frames is not None else PEER_DEFAULTS["frame_buckets"].comment("diffusion-pipe"),
         )
         conversion.skip(
             "dataset.frame_buckets (short videos)",

@@ -11,6 +11,7 @@ from zeropipe.convert.common import (
     HELD_OUT_PAIRS,
     Conversion,
     ConversionError,
+    PeerDefault,
     as_number,
     find_path,
     is_unset,
@@ -44,6 +45,24 @@ PREQUANTIZED = ("awq", "gptq", "aqlm", "hqq", "eetq", "exl2", "marlin")
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system"}
 OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant", "system_tag": "system"}
+
+# LLaMA-Factory's defaults that differ from ZeRO-Pipe's, where its source (github.com/hiyouga/LLaMA-Factory at ff6d4d1) or Hugging Face's
+# TrainingArguments (transformers 5.x training_args.py, which LLaMA-Factory trains with) sets them: written when the file leaves the key out.
+PEER_DEFAULTS = {
+    "cutoff_len": PeerDefault("cutoff_len", DEFAULT_CUTOFF_LEN, "data.max_seq_len", "src/llamafactory/hparams/data_args.py:46"),
+    "num_train_epochs": PeerDefault("num_train_epochs", DEFAULT_EPOCHS, "train.epochs", "transformers training_args.py:778", owner="Hugging Face"),
+    "per_device_train_batch_size": PeerDefault("per_device_train_batch_size", HF_DEFAULT_BATCH, "train.micro_batch_size", "transformers training_args.py:777", owner="Hugging Face"),
+    "learning_rate": PeerDefault("learning_rate", HF_DEFAULT_LR, "train.lr", "transformers training_args.py:787", owner="Hugging Face"),
+    "lr_scheduler_type": PeerDefault("lr_scheduler_type", "linear", "train.schedule", "transformers training_args.py:788", owner="Hugging Face"),
+    "disable_gradient_checkpointing": PeerDefault("disable_gradient_checkpointing", False, "model.gradient_checkpointing",
+                                                  "src/llamafactory/hparams/model_args.py:145: activations are checkpointed"),
+    "lora_rank": PeerDefault("lora_rank", 8, "model.lora.r", "src/llamafactory/hparams/finetuning_args.py:77", "lora"),
+    "lora_alpha": PeerDefault("lora_alpha", "2 x lora_rank", "model.lora.alpha", "src/llamafactory/hparams/finetuning_args.py:587", "lora"),
+    "lora_dropout": PeerDefault("lora_dropout", 0.0, "model.lora.dropout", "src/llamafactory/hparams/finetuning_args.py:73", "lora"),
+    "lora_target": PeerDefault("lora_target", "all", "model.lora.target_modules", "src/llamafactory/hparams/finetuning_args.py:81", "lora"),
+    "freeze_vision_tower": PeerDefault("freeze_vision_tower", True, "model.trainable", "src/llamafactory/hparams/finetuning_args.py:546-554: "
+                                       "tower and projector frozen, language model trained", "vlm"),
+}
 
 NOT_MAPPED = {
     "template": "ZeRO-Pipe renders conversations with the tokenizer's own chat template (a plain role-tagged layout when it has none)",
@@ -111,12 +130,19 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     elif remote is False:
         conversion.already.append("trust_remote_code: false")
     # LLaMA-Factory checkpoints activations unless told not to.
-    no_checkpointing = rest.pop("disable_gradient_checkpointing", False)
-    conversion.set(
-        "model.gradient_checkpointing",
-        not no_checkpointing,
-        "from disable_gradient_checkpointing" if no_checkpointing else "LLaMA-Factory checkpoints activations unless disable_gradient_checkpointing is set",
-    )
+    if "disable_gradient_checkpointing" in rest:
+        no_checkpointing = bool(rest.pop("disable_gradient_checkpointing"))
+        conversion.set("model.gradient_checkpointing", not no_checkpointing, f"from disable_gradient_checkpointing: {str(no_checkpointing).lower()}")
+    else:
+        conversion.default(PEER_DEFAULTS["disable_gradient_checkpointing"], True)
+    # gradient_checkpointing is Hugging Face's own switch, which LLaMA-Factory sets itself from the key above.
+    checkpointing = rest.pop("gradient_checkpointing", None)
+    if checkpointing is not None:
+        wanted = bool(checkpointing)
+        if wanted == conversion.entries["model.gradient_checkpointing"].value:
+            conversion.already.append(f"gradient_checkpointing: {str(checkpointing).lower()} (model.gradient_checkpointing: {str(wanted).lower()}, written)")
+        else:
+            conversion.skip("gradient_checkpointing", f"{checkpointing!r}: LLaMA-Factory decides from disable_gradient_checkpointing, which is what is written")
     _method(conversion, rest, prequantized)
     vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
     _vision(conversion, rest)
@@ -126,7 +152,10 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if "eval_dataset" in rest:
         conversion.skip("eval_dataset", f"{rest.pop('eval_dataset')!r}: set data.eval_path to its file (or use val_size)")
     cutoff = rest.pop("cutoff_len", None)
-    conversion.set("data.max_seq_len", to_int(cutoff or DEFAULT_CUTOFF_LEN, "cutoff_len"), "from cutoff_len" if cutoff else f"LLaMA-Factory's default cutoff_len is {DEFAULT_CUTOFF_LEN}")
+    if cutoff:
+        conversion.set("data.max_seq_len", to_int(cutoff, "cutoff_len"), "from cutoff_len")
+    else:
+        conversion.default(PEER_DEFAULTS["cutoff_len"])
     packing, neat = rest.pop("packing", None), rest.pop("neat_packing", None)
     if neat or packing:
         note = "from neat_packing" if neat else "from packing (ZeRO-Pipe's packing is always 'neat': examples never attend to each other)"
@@ -156,13 +185,21 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if "per_device_train_batch_size" in rest:
         conversion.set("train.micro_batch_size", to_int(rest.pop("per_device_train_batch_size"), "per_device_train_batch_size"), "from per_device_train_batch_size")
     else:
-        conversion.set("train.micro_batch_size", HF_DEFAULT_BATCH, f"Hugging Face's default per_device_train_batch_size is {HF_DEFAULT_BATCH}")
+        conversion.default(PEER_DEFAULTS["per_device_train_batch_size"])
     if "learning_rate" not in rest:
-        conversion.set("train.lr", HF_DEFAULT_LR, f"Hugging Face's default learning_rate is {HF_DEFAULT_LR}")
+        conversion.default(PEER_DEFAULTS["learning_rate"])
     epochs = rest.pop("num_train_epochs", None)
-    conversion.set("train.epochs", to_float(epochs if epochs is not None else DEFAULT_EPOCHS, "num_train_epochs"), "from num_train_epochs" if epochs is not None else "Hugging Face's default num_train_epochs is 3")
+    if epochs is not None:
+        conversion.set("train.epochs", to_float(epochs, "num_train_epochs"), "from num_train_epochs")
+    else:
+        conversion.default(PEER_DEFAULTS["num_train_epochs"])
     map_trainer_keys(conversion, rest)
-    map_schedule(conversion, "lr_scheduler_type", rest.pop("lr_scheduler_type", "linear"))
+    if is_unset(rest.get("lr_scheduler_type")):
+        rest.pop("lr_scheduler_type", None)
+        conversion.default(PEER_DEFAULTS["lr_scheduler_type"])
+        conversion.set("train.min_lr_ratio", 0.0, "Hugging Face's linear schedule decays to 0")
+    else:
+        map_schedule(conversion, "lr_scheduler_type", rest.pop("lr_scheduler_type"))
     map_optimizer(conversion, "optim", rest.pop("optim", None))
     map_warmup_ratio(conversion, "warmup_ratio", rest.pop("warmup_ratio", None))
     map_precision(conversion, rest, "LLaMA-Factory")
@@ -205,11 +242,20 @@ def _method(conversion: Conversion, rest: dict[str, Any], prequantized: str | No
     elif method == "lora":
         given = {key for key in lora_keys if key in rest}
         rank = to_int(rest.pop("lora_rank", 8), "lora_rank")
-        conversion.set("model.lora.r", rank, "from lora_rank" if "lora_rank" in given else "LLaMA-Factory's default lora_rank is 8")
+        if "lora_rank" in given:
+            conversion.set("model.lora.r", rank, "from lora_rank")
+        else:
+            conversion.default(PEER_DEFAULTS["lora_rank"])
         alpha = rest.pop("lora_alpha", None)
-        conversion.set("model.lora.alpha", to_float(alpha if alpha is not None else 2 * rank, "lora_alpha"), "from lora_alpha" if alpha is not None else "LLaMA-Factory's default lora_alpha is 2 x lora_rank")
+        if alpha is not None:
+            conversion.set("model.lora.alpha", to_float(alpha, "lora_alpha"), "from lora_alpha")
+        else:
+            conversion.default(PEER_DEFAULTS["lora_alpha"], float(2 * rank))
         dropout = rest.pop("lora_dropout", None)
-        conversion.set("model.lora.dropout", to_float(dropout or 0.0, "lora_dropout"), "from lora_dropout" if dropout is not None else "LLaMA-Factory's default lora_dropout is 0")
+        if dropout is not None:
+            conversion.set("model.lora.dropout", to_float(dropout, "lora_dropout"), "from lora_dropout")
+        else:
+            conversion.default(PEER_DEFAULTS["lora_dropout"])
         dora = rest.pop("use_dora", None)
         if dora:
             conversion.set("model.lora.kind", "dora", "from use_dora: true (peft's DoRA, as LLaMA-Factory trains it)")
@@ -217,7 +263,10 @@ def _method(conversion: Conversion, rest: dict[str, Any], prequantized: str | No
             conversion.already.append("use_dora: false (model.lora.kind: lora)")
         target = rest.pop("lora_target", "all")
         if target == "all":
-            conversion.set("model.lora.target_modules", "all-linear", "from lora_target: all" if "lora_target" in given else "LLaMA-Factory's default lora_target is all")
+            if "lora_target" in given:
+                conversion.set("model.lora.target_modules", "all-linear", "from lora_target: all")
+            else:
+                conversion.default(PEER_DEFAULTS["lora_target"], "all-linear")
         else:
             names = [name.strip() for name in (target.split(",") if isinstance(target, str) else target) if str(name).strip()]
             conversion.set("model.lora.target_modules", names, "from lora_target")
@@ -310,7 +359,10 @@ def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
     # LLaMA-Factory's defaults: tower and projector frozen, language model trained.
     frozen = {"vision_tower": given.get("freeze_vision_tower", True), "projector": given.get("freeze_multi_modal_projector", True), "language_model": given.get("freeze_language_model", False)}
     trainable = [part for part, is_frozen in frozen.items() if not is_frozen]
-    conversion.set("model.trainable", trainable, "from freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model (LLaMA-Factory's defaults where unset)")
+    if given:
+        conversion.set("model.trainable", trainable, f"from {', '.join(given)} (LLaMA-Factory's defaults for the others: {PEER_DEFAULTS['freeze_vision_tower'].source})")
+    else:
+        conversion.default(PEER_DEFAULTS["freeze_vision_tower"], trainable)
 
 
 def _preference(conversion: Conversion, stage: str, rest: dict[str, Any]) -> None:

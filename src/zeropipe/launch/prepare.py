@@ -149,9 +149,8 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
             resume_universal = True
             notes.append(f"{'converted' if converted else 'reusing'} {info.tag} as a universal checkpoint in {universal_dir(run.path) / info.tag} (the original is unchanged)")
         notes += set_aside_future(run, info.step)
-    if config.train.warmup_steps >= total_steps:
-        notes.append(f"train.warmup_steps {config.train.warmup_steps} is not below the run's {total_steps} steps: warm-up shortened to {max(1, total_steps - 1)}")
     deepspeed = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
+    notes += warmup_notes(config.train.warmup_steps, total_steps, deepspeed.config, config.deepspeed.config_file)
     notes += [f"DeepSpeed {line}" for line in deepspeed.filled + prefer_exact_adam(deepspeed.config, accelerator)]
     if resume_tag:
         # A user's DeepSpeed JSON may name its own accumulation; the resume's global batch wins.
@@ -210,3 +209,17 @@ def set_aside_future(run: RunDir, step: int) -> list[str]:
         kept = [json.dumps(row) for row in rows if row.get("step", 0) <= step]
         write_atomic(run.metrics, "".join(line + "\n" for line in kept))
     return notes
+
+
+def warmup_notes(asked: int, total_steps: int, ds_config: dict, config_file: str | None) -> list[str]:
+    """What the warm-up the run applies (the DeepSpeed JSON's scheduler) does with a run this short; said only as it happens."""
+    params = (ds_config.get("scheduler") or {}).get("params") or {}
+    applied = params.get("warmup_num_steps")
+    if not isinstance(applied, int) or isinstance(applied, bool):
+        return []
+    if applied < asked:
+        return [f"train.warmup_steps {asked} is not below the run's {total_steps} steps: warm-up shortened to {applied}"]
+    if applied >= total_steps:
+        where = f"{config_file}'s scheduler.params.warmup_num_steps" if config_file else "train.warmup_steps"
+        return [f"{where} {applied} is not below the run's {total_steps} steps: the learning rate never reaches its peak"]
+    return []

@@ -118,7 +118,7 @@ num_repeats = 1
         "train.grad_clip": 0.5,
         "train.warmup_steps": 20,
         "train.schedule": "cosine",
-        "train.min_lr_ratio": 0.0,
+        "train.min_lr_ratio": 1e-6 / 1e-4,  # diffusion-pipe's cosine ends at eta_min 1e-6 (train.py:855)
         "train.save_every": 100,
         "model.gradient_checkpointing": True,
         "deepspeed.zero_stage": 2,
