@@ -288,8 +288,13 @@ def deepspeed_schema(ctx: CheckContext):
         except ValidationError as err:
             found += _pydantic_findings(block, err)
             whole.pop(block)  # said once, with its key; the whole parse below looks at the rest
-    # DeepSpeed checks train_batch_size against the world size it sees (1 here): ZP008 checks it for the run's ranks.
-    whole.pop("train_batch_size", None)
+    # DeepSpeed checks train_batch_size against the world size it sees (1 here): ZP008 checks it for the run's ranks. A JSON that gives
+    # train_batch_size alone (DeepSpeedExamples' cifar and Megatron configs) keeps it: DeepSpeed derives the micro-batch from it.
+    if whole.get("train_micro_batch_size_per_gpu") not in (None, "auto"):
+        whole.pop("train_batch_size", None)
+    elif isinstance(whole.get("train_batch_size"), int) and isinstance(whole.get("gradient_accumulation_steps"), int):
+        # One rank here: the micro-batch DeepSpeed derives is train_batch_size / accumulation, which must divide (ZP008 says so for the run's ranks).
+        whole["train_batch_size"] = max(whole["gradient_accumulation_steps"], whole["train_batch_size"] - whole["train_batch_size"] % whole["gradient_accumulation_steps"])
     try:
         DeepSpeedConfig(whole)
     except ValidationError as err:

@@ -326,6 +326,15 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
         else:
             accumulation = derived
             taken[("train", "gradient_accumulation_steps")] = (accumulation, f"train_batch_size {total} / (micro-batch {known} x {world_size} ranks)")
+    if isinstance(total, int) and micro is None and accumulation is None:
+        # train_batch_size alone (DeepSpeedExamples' cifar and Megatron configs): DeepSpeed takes accumulation 1 and the micro-batch
+        # train_batch_size / ranks (runtime/config.py, _set_batch_related_parameters); the run feeds and records the same.
+        if total % world_size:
+            raise ConfigError([("deepspeed.train_batch_size", f"{source}: train_batch_size {total} does not divide over {world_size} ranks: "
+                                "set train_micro_batch_size_per_gpu and gradient_accumulation_steps (or \"auto\") for this number of ranks")])
+        micro, accumulation = total // world_size, 1
+        taken[("train", "micro_batch_size")] = (micro, f"train_batch_size {total} / {world_size} ranks (DeepSpeed's accumulation 1 when only the total is given)")
+        taken[("train", "gradient_accumulation_steps")] = (1, f"train_batch_size {total} alone: DeepSpeed accumulates 1 micro-batch")
     if isinstance(micro, int) and ("train", "micro_batch_size") not in taken:
         taken[("train", "micro_batch_size")] = (micro, "train_micro_batch_size_per_gpu")
     if isinstance(accumulation, int) and ("train", "gradient_accumulation_steps") not in taken:

@@ -214,7 +214,10 @@ def test_a_peers_deepspeed_json_runs_as_written_or_is_refused_with_the_key(tmp_p
         assert written.get(key) == value, f"{key}: the JSON says {value!r}, ds_config.json has {written.get(key)!r}"
     train, deepspeed = resolved.config.train, resolved.config.deepspeed
     # ...and config.yaml records what runs.
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (train.micro_batch_size, train.gradient_accumulation_steps)
+    # A JSON may give train_batch_size alone (DeepSpeedExamples' cifar): DeepSpeed derives the micro-batch over the 2 ranks as written.
+    accumulation = ds.get("gradient_accumulation_steps", 1)
+    micro = ds.get("train_micro_batch_size_per_gpu", ds.get("train_batch_size", 0) // (accumulation * 2))
+    assert (micro, accumulation) == (train.micro_batch_size, train.gradient_accumulation_steps)
     assert ds.get("zero_optimization", {}).get("stage", 0) == deepspeed.zero_stage
     assert bool((ds.get("bf16") or {}).get("enabled")) == (deepspeed.precision == "bf16")
     assert bool((ds.get("fp16") or {}).get("enabled")) == (deepspeed.precision == "fp16")
