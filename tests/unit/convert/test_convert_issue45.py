@@ -60,3 +60,132 @@ def test_1_a_converted_wan_run_draws_diffusion_pipes_timesteps(tmp_path, tiny_wa
     observed = drawn[(quantiles * len(drawn)).long()]
     assert torch.allclose(observed, expected, atol=0.01), list(zip(expected.tolist(), observed.tolist()))
     assert abs(float(drawn.median()) - shift / (1 + shift)) < 0.01  # sigmoid(0) = 0.5, shifted
+
+
+# ------------------------------------------------------------------------------- 2: the peers' defaults written
+def test_2_diffusion_pipes_square_bucket_and_axolotls_cosine_to_zero_are_written(tmp_path):
+    images = image_dir(tmp_path, "imgs")
+    flux = tmp_path / "FLUX.1-dev"
+    flux.mkdir()
+    (flux / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    path = write(tmp_path, f"dataset = 'dataset.toml'\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\n", f"resolutions = [512]\n[[directory]]\npath = '{images}'\n")
+    entry = convert_file(path).entries["data.images.bucketing"]
+    assert entry.value is False and "enable_ar_bucket" in entry.comment and "utils/dataset.py:458" in entry.comment
+    axolotl = tmp_path / "a.yml"
+    axolotl.write_text("base_model: x\ndatasets: []\nlearning_rate: 0.0001\n")
+    entry = convert_file(axolotl).entries["train.min_lr_ratio"]
+    assert entry.value == 0.0 and "lr_scheduler" in entry.comment and "training.py:144" in entry.comment
+    # A file that sets its own floor keeps it.
+    axolotl.write_text("base_model: x\ndatasets: []\ncosine_min_lr_ratio: 0.2\n")
+    assert convert_file(axolotl).entries["train.min_lr_ratio"].value == 0.2
+
+
+# ------------------------------------------------------------- 3: what convert cannot train, check and train refuse
+def test_3_a_converted_chroma_file_is_refused_by_check_and_train_with_the_reason(tmp_path, monkeypatch, capsys):
+    """Chroma's transformer over a FLUX.1 folder: `zeropipe check` said "no problems" and `train` trained plain FLUX.1 on main."""
+    from zeropipe.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    images = image_dir(tmp_path, "imgs")
+    flux = tmp_path / "FLUX.1-dev"
+    flux.mkdir()
+    (flux / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    write(tmp_path, f"dataset = 'dataset.toml'\n[model]\ntype = 'chroma'\ndiffusers_path = '{flux}'\ntransformer_path = '/m/chroma-unlocked-v10.safetensors'\n"
+          "[adapter]\ntype = 'lora'\nrank = 4\n", f"resolutions = [64]\n[[directory]]\npath = '{images}'\n", name="chroma.toml")
+    assert main(["convert", "chroma.toml", "--out", "chroma.yaml"]) == 0
+    written = yaml.safe_load((tmp_path / "chroma.yaml").read_text())
+    assert "ChromaPipeline" in written["convert"]["cannot_train"][0]
+    capsys.readouterr()
+    assert main(["check", "chroma.yaml"]) == 1
+    said = capsys.readouterr().out
+    assert "ZP030" in said and "ChromaPipeline" in said
+    assert main(["train", "chroma.yaml"]) == 2
+    said = capsys.readouterr().err
+    assert "ZP030" in said and "ChromaPipeline" in said and not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------- 4: axolotl data files not on this machine yet
+@pytest.mark.parametrize("dataset", ["  - path: ./datasets/x.jsonl\n    type: alpaca\n", "  - ds_type: json\n    data_files: ./datasets/x.jsonl\n    type: alpaca\n"],
+                         ids=["path", "data_files"])
+def test_4_an_axolotl_data_file_not_here_yet_is_written_as_given_and_listed(tmp_path, dataset):
+    path = tmp_path / "a.yml"
+    path.write_text(f"base_model: x\ndatasets:\n{dataset}")
+    conversion = convert_file(path)
+    assert values(conversion)["data.path"] == str(tmp_path / "datasets" / "x.jsonl")
+    why = " ".join(reason for key, reason in conversion.unmapped if key.startswith("datasets"))
+    assert "not on this machine" in why and "huggingface-cli" not in why and "None" not in why
+
+
+# ---------------------------------------------------------- 5: DeepSpeed JSONs with train_batch_size and no micro-batch
+@pytest.mark.parametrize("name", ["cifar_ds_config.json", "Megatron-LM_scripts_ds_zero2_config.json"])
+def test_5_a_json_with_train_batch_size_alone_is_not_refused_by_deepspeeds_parser(tmp_path, name):
+    from zeropipe.check import check_config
+    from zeropipe.launch.resolve import resolve_run
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "hi", "output": "yo"}\n')
+    json_file = Path(__file__).resolve().parents[2] / "fixtures" / "peers" / "deepspeed" / "DeepSpeedExamples" / name
+    config = validate_config({"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "data": {"path": str(data)}, "hardware": {"gpus": 2},
+                              "deepspeed": {"config_file": str(json_file)}})
+    assert [f.render() for f in check_config(config, world_size=2, accelerator="cuda") if f.rule == "ZP009"] == []
+    # ...and the run feeds the micro-batch DeepSpeed derives: train_batch_size 16 over 2 ranks, accumulation 1.
+    resolved = resolve_run(config, world_size=2, accelerator="cuda", fill_auto_knobs=False)
+    assert (resolved.config.train.micro_batch_size, resolved.config.train.gradient_accumulation_steps) == (8, 1)
+
+
+# ------------------------------------------------------------------------------------------- 8: false messages
+def test_8_warm_up_is_said_shortened_only_when_it_is(tmp_path):
+    """A DeepSpeed JSON's own warm-up is not shortened by ZeRO-Pipe: the note says what the scheduler does."""
+    from zeropipe.config.deepspeed import build_deepspeed_config
+    from zeropipe.launch.prepare import warmup_notes
+    from zeropipe.launch.resolve import resolve_run
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "hi", "output": "yo"}\n')
+    json_file = tmp_path / "ds.json"
+    json_file.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                     "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-4, "warmup_num_steps": 10}}}))
+    config = validate_config({"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "data": {"path": str(data)}, "deepspeed": {"config_file": str(json_file)}})
+    resolved = resolve_run(config, world_size=1, accelerator="cpu", fill_auto_knobs=False)
+    ds = build_deepspeed_config(resolved.config, 1, 3, 32, user_json=resolved.user_ds_config).config
+    notes = warmup_notes(resolved.config.train.warmup_steps, 3, ds, str(json_file))
+    assert notes and "shortened" not in notes[0] and "never reaches its peak" in notes[0]
+    # ZeRO-Pipe's own schedule is shortened, and says so.
+    plain = validate_config({"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "data": {"path": str(data)}, "train": {"warmup_steps": 10}})
+    ds = build_deepspeed_config(plain, 1, 3, 32).config
+    assert "shortened to 2" in warmup_notes(10, 3, ds, None)[0]
+
+
+def test_8_llama_factory_gradient_checkpointing_and_axolotls_old_names_are_mapped(tmp_path):
+    path = tmp_path / "lf.yaml"
+    path.write_text("model_name_or_path: x\nstage: sft\nfinetuning_type: lora\ngradient_checkpointing: true\n")
+    conversion = convert_file(path)
+    assert "gradient_checkpointing" not in unmapped(conversion) and values(conversion)["model.gradient_checkpointing"] is True
+    assert any(note.startswith("gradient_checkpointing: true") for note in conversion.already)
+    assert "lr_scheduler_type" in conversion.entries["train.schedule"].comment and "from lr_scheduler_type" not in conversion.entries["train.schedule"].comment
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    held = tmp_path / "held.jsonl"
+    held.write_text('{"instruction": "hi", "output": "yo"}\n')
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"instruction": "hi", "output": "yo"}\n')
+    axolotl = tmp_path / "dpo.yml"
+    axolotl.write_text(f"base_model: x\nrl: dpo\ndpo_beta: 0.25\ndatasets:\n  - path: {data}\n    type: chatml.intel\n")
+    conversion = convert_file(axolotl)
+    assert values(conversion)["preference.beta"] == 0.25 and "dpo_beta" not in unmapped(conversion)
+    sft = tmp_path / "sft.yml"
+    sft.write_text(f"base_model: x\ndatasets:\n  - path: {train}\n    type: alpaca\ntest_datasets:\n  - path: {held}\n    type: alpaca\n")
+    conversion = convert_file(sft)
+    assert values(conversion)["data.eval_path"] == str(held) and "test_datasets" not in unmapped(conversion)
+
+
+def test_8_diffusion_pipes_single_file_hints_name_the_files_own_model_and_resolutions_are_not_invented(tmp_path):
+    images = image_dir(tmp_path, "imgs")
+    for kind, expected in (("flux2", "FLUX.2"), ("z_image", "Z-Image"), ("krea2", "Krea 2")):
+        path = write(tmp_path, f"dataset = 'dataset.toml'\n[model]\ntype = '{kind}'\ndiffusion_model = '/m/{kind}.safetensors'\n",
+                     f"size_buckets = [[512, 512, 1]]\n[[directory]]\npath = '{images}'\n")
+        conversion = convert_file(path)
+        why = unmapped(conversion)
+        assert expected in why["model.diffusion_model"] and "LTX" not in why["model.diffusion_model"], kind
+        # No resolutions in the dataset TOML: nothing is said to come from it.
+        assert "data.images.resolution" not in conversion.entries and "size_buckets" in why["dataset.resolutions"]
