@@ -71,8 +71,24 @@ def build_context(
         config, accelerator, world_size, ds_config, user_ds, problems=problems, family_problems=family_problems, conflicts=resolved.conflicts,
         nodes=resolved.nodes, node_reports=node_reports, user_set=resolved.user_set, hardware=hardware,
     )
-    context.plan = plan_for(resolved)
+    context.plan, refused = plan_and_problems(resolved)
+    # What building the model's description refused (LoRA targets that match no linear layer of a vision-language part...) is what the
+    # ranks refuse before the first step: said here (ZP000), once, unless a rule already said it.
+    said = set(context.problems) | set(context.family_problems)
+    context.family_problems += [problem for problem in refused if problem not in said]
     return context
+
+
+def plan_and_problems(resolved: ResolvedRun):
+    """(the memory plan or None, the config problems that stopped it)."""
+    try:
+        return resolved.plan(), []
+    except ConfigError as err:
+        return None, list(err.problems)
+    except ZeroPipeError:
+        return None, []
+    except Exception:  # noqa: BLE001 - plan_for says it once
+        return plan_for(resolved), []
 
 
 def plan_for(resolved: ResolvedRun):

@@ -84,6 +84,10 @@ NOT_MAPPED = {
 RL_METHODS = {"dpo": ("dpo", None), "ipo": ("dpo", ["ipo"]), "orpo": ("orpo", None), "simpo": ("simpo", None), "kto": ("kto", None)}
 RL_NAMES = {"dpo": "DPO", "ipo": "IPO", "kto": "KTO", "orpo": "ORPO", "simpo": "SimPO", "grpo": "GRPO", "gdpo": "GDPO", "ppo": "PPO"}
 ATTENTION_KEYS = ("flash_attention", "attn_implementation")
+# Words in a LoRA target expression that name a vision-language model's parts (transformers' module names: Qwen2.5-VL's visual and
+# merger, LLaVA's vision_tower and multi_modal_projector, Mllama's vision_model).
+VLM_PART_WORDS = (("vision_tower", ("vision_tower", "visual.", "vision_model")), ("projector", ("multi_modal_projector", "merger")),
+                  ("language_model", ("language_model",)))
 
 
 def convert(path: Path, raw: dict[str, Any]) -> Conversion:
@@ -279,6 +283,12 @@ def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:
         # peft reads a string as a regular expression over whole module names (axolotl's vision recipes adapt the language
         # model's layers only): ZeRO-Pipe passes it on as such, where a one-name list would match nothing.
         conversion.set("model.lora.target_modules", modules, "from lora_target_modules: a regular expression matched against whole module names, as peft reads it")
+        # A vision-language recipe's expression names the parts it adapts (model.language_model.layers...): axolotl adapts only those, the rest
+        # stays frozen. ZeRO-Pipe adapts model.trainable's parts (default: projector and language model), so it is written: a part the
+        # expression matches nothing in would be refused before the first step.
+        parts = [part for part, words in VLM_PART_WORDS if any(word in modules for word in words)]
+        if parts:
+            conversion.set("model.trainable", parts, f"from lora_target_modules: the expression names the {' and '.join(parts)} only, which axolotl adapts; the rest stays frozen")
     elif not is_unset(modules):
         conversion.set("model.lora.target_modules", [modules] if isinstance(modules, str) else list(modules), "from lora_target_modules")
     if adapter == "qlora" or four_bit:

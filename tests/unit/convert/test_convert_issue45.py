@@ -189,3 +189,76 @@ def test_8_diffusion_pipes_single_file_hints_name_the_files_own_model_and_resolu
         assert expected in why["model.diffusion_model"] and "LTX" not in why["model.diffusion_model"], kind
         # No resolutions in the dataset TOML: nothing is said to come from it.
         assert "data.images.resolution" not in conversion.entries and "size_buckets" in why["dataset.resolutions"]
+
+
+# ------------------------------------------------------------------- 6: check refuses what train refuses before step 1
+TINY_TEXT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 128, "vocab_size": 320}
+TINY_LLAVA = {"model_type": "llava", "image_token_id": 310, "text_config": {"model_type": "llama", **TINY_TEXT},
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "image_size": 32, "patch_size": 8, "projection_dim": 32}}
+AXOLOTL_VLM_TARGETS = r"model.language_model.layers.[\d]+.(mlp|cross_attn|self_attn).(up|down|gate|q|k|v|o)_proj"  # axolotl's qwen2_5-vl/lora-7b.yaml
+
+
+def _train_refuses_targets(config):
+    """What the rank does when it adds the adapters (families/vlm/model.py add_vlm_lora -> lora_module_names), on the model built on the meta device."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from zeropipe.families.vlm.model import lora_module_names, trainable_parts
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(**TINY_LLAVA))
+    lora_module_names(model, config.model.lora, trainable_parts(config.model))
+
+
+def _train_refuses_frames(config):
+    """What the launcher does when it prepares the clips (the entry's codec, take_clips), before any rank starts."""
+    from zeropipe.diffusion.architectures import architecture_named
+
+    architecture_named("wan").codec.take_clips(config, "wan", [], [])
+
+
+def _train_refuses_denoiser_file(config):
+    """What the rank does before loading the denoiser (diffusion/pipelines.py single_file_renamer)."""
+    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.diffusion.pipelines import single_file_renamer
+
+    single_file_renamer(architecture_named("wan").denoiser_class, Path(config.model.diffusion.denoiser_file))
+
+
+# Every refusal `zeropipe train` makes after `check` and before the first step that a config alone decides (issue 45, item 6).
+REFUSED_BEFORE_THE_FIRST_STEP = {
+    "targets": ({"model": {"config": TINY_LLAVA, "lora": {"r": 4, "target_modules": AXOLOTL_VLM_TARGETS}}, "data": {"synthetic": {"task": "shapes"}}},
+                "model.lora.target_modules", _train_refuses_targets),
+    "frames": ({"model": {"config": {"pipeline": "tiny-wan"}}, "data": {"synthetic": {"task": "shapes"}, "video": {"frame_buckets": [1, 87]}}},
+               "data.video.frame_buckets", _train_refuses_frames),
+    "files": ({"model": {"config": {"pipeline": "tiny-wan"}, "diffusion": {"denoiser_file": "/nonexistent/wan2.1_t2v_1.3B_bf16.safetensors"}},
+               "data": {"synthetic": {"task": "shapes"}}}, "model.diffusion.denoiser_file", _train_refuses_denoiser_file),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BEFORE_THE_FIRST_STEP))
+def test_6_check_refuses_what_train_refuses_before_the_first_step(case):
+    from zeropipe.check import check_config
+    from zeropipe.errors import ConfigError
+
+    raw, key, train_step = REFUSED_BEFORE_THE_FIRST_STEP[case]
+    config = validate_config(raw)
+    with pytest.raises(ConfigError) as refused:
+        train_step(config)
+    assert key in [problem_key for problem_key, _ in refused.value.problems]
+    errors = [f for f in check_config(config, world_size=1, accelerator="cpu") if f.severity == "error"]
+    assert key in [f.key for f in errors], [f.render() for f in errors]
+
+
+def test_6_an_axolotl_vlm_recipe_adapts_the_language_model_it_names(tmp_path):
+    """axolotl's Qwen2.5-VL LoRA recipe names the language model's layers only: model.trainable says so, and check passes it."""
+    from zeropipe.check import check_config
+
+    path = tmp_path / "vl.yml"
+    path.write_text(f"base_model: x\nadapter: lora\nlora_r: 4\nlora_target_modules: '{AXOLOTL_VLM_TARGETS}'\ndatasets: []\n")
+    entry = convert_file(path).entries["model.trainable"]
+    assert entry.value == ["language_model"] and "lora_target_modules" in entry.comment
+    config = validate_config({"model": {"config": TINY_LLAVA, "lora": {"r": 4, "target_modules": AXOLOTL_VLM_TARGETS}, "trainable": entry.value},
+                              "data": {"synthetic": {"task": "shapes"}}})
+    assert [f.render() for f in check_config(config, world_size=1, accelerator="cpu") if f.severity == "error"] == []

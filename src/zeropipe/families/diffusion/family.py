@@ -76,7 +76,8 @@ class Diffusion:
             problems.append(("model.diffusion.expert", "applies to Wan 2.2 A14B's two flow-matching transformers, not to a UNet: remove it"))
         elif objective == "ddpm" and (section.min_t > 0 or section.max_t < 1):
             problems.append(("model.diffusion.min_t", "a timestep range (min_t/max_t) applies to flow-matching transformers (Wan, SD3, Flux), not to a UNet on a DDPM schedule: remove min_t and max_t"))
-        return problems + part_settings_problems(config, self.architecture(config))
+        arch = self.architecture(config)
+        return problems + part_settings_problems(config, arch) + before_first_step_problems(config, arch)
 
     def architecture(self, config: RunConfig):
         """The configured architecture entry, or None when it cannot be told yet (a directory that does not say)."""
@@ -136,3 +137,36 @@ class Diffusion:
 
 
 FAMILY = Diffusion()
+
+
+def before_first_step_problems(config: RunConfig, arch) -> list[tuple[str, str]]:
+    """What the launcher and the ranks refuse before the first step (frame buckets the VAE cannot decode, a single-file denoiser
+    that is missing or unreadable), said by `zeropipe check` too, with the same messages (issue 45: check refuses what train would)."""
+    problems: list[tuple[str, str]] = []
+    if arch is None:
+        return problems
+    codec = arch.codec
+    if codec.video:
+        from zeropipe.diffusion.videos import check_frame_buckets
+
+        try:
+            buckets = check_frame_buckets(config.data.video.frame_buckets, codec.accepts_frames, codec.frame_multiple)
+        except ValueError as err:  # as take_clips says it when the data is prepared
+            problems.append(("data.video.frame_buckets", f"{err} for this {arch.name} pipeline"))
+        else:
+            sample = config.data.video.sample_frames
+            if sample and not codec.accepts_frames(sample):
+                problems.append(("data.video.sample_frames", f"{sample} frames cannot be decoded by this {arch.name} pipeline's VAE: use {codec.frame_multiple}k+1 (e.g. {buckets[-1]})"))
+    single_file = config.model.diffusion.denoiser_file
+    if single_file:
+        from zeropipe.diffusion.pipelines import single_file_renamer
+
+        path = Path(single_file).expanduser()
+        if not path.is_file():
+            problems.append(("model.diffusion.denoiser_file", f"{path} does not exist: point it at the .safetensors file of the transformer (or remove it to train model.path's own)"))
+        else:
+            try:
+                single_file_renamer(arch.denoiser_class, path)  # reads the names only, as the ranks do before loading
+            except ConfigError as err:
+                problems += err.problems
+    return problems
