@@ -262,3 +262,30 @@ def test_6_an_axolotl_vlm_recipe_adapts_the_language_model_it_names(tmp_path):
     config = validate_config({"model": {"config": TINY_LLAVA, "lora": {"r": 4, "target_modules": AXOLOTL_VLM_TARGETS}, "trainable": entry.value},
                               "data": {"synthetic": {"task": "shapes"}}})
     assert [f.render() for f in check_config(config, world_size=1, accelerator="cpu") if f.severity == "error"] == []
+
+
+# --------------------------------------------------------------- 7: Qwen-Image-Edit's end-of-run samples in bf16
+@pytest.mark.parametrize("preset", ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus"])
+def test_7_qwen_image_edit_samples_in_bf16_beside_a_float32_vae(tmp_path, preset):
+    """As the run's samples are drawn (families/diffusion/task.py sample_images): the trained denoiser and the prompts in bf16, the VAE
+    in float32 (sampling_vae). Main failed in the VAE: "Input type (c10::BFloat16) and bias type (float) should be the same"."""
+    from PIL import Image
+
+    from zeropipe.diffusion.pipelines import build_tiny_pipeline
+
+    arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=2)
+    pipeline = arch.pipeline().from_pretrained(str(tmp_path / "pipeline"), processor=None)
+    pipeline.transformer.to(torch.bfloat16)
+    assert pipeline.vae.dtype == torch.float32
+    pipeline.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(0)
+    dim = pipeline.transformer.config.joint_attention_dim
+    condition = {"prompt_embeds": torch.randn(1, 5, dim, generator=generator).bfloat16(), "prompt_embeds_mask": torch.ones(1, 5, dtype=torch.long)}
+    negative = {"prompt_embeds": torch.randn(1, 5, dim, generator=generator).bfloat16(), "prompt_embeds_mask": torch.ones(1, 5, dtype=torch.long)}
+    image = Image.new("RGB", (32, 32), (200, 40, 40))
+    kwargs = {"height": 32, "width": 32, "num_inference_steps": 1, "output_type": "latent", "return_dict": False,
+              "generator": torch.Generator().manual_seed(5), "image": image if preset == "tiny-qwen-image-edit" else [image],
+              **arch.sample_kwargs(condition, negative, 1.0, 1.0)}
+    with torch.no_grad():
+        latents = arch.call_pipeline(pipeline, kwargs)
+    assert latents.dtype == torch.bfloat16 and torch.isfinite(latents.float()).all()

@@ -141,8 +141,11 @@ class QwenImageEdit(QwenImage):
         height, width, steps = kwargs["height"], kwargs["width"], kwargs["num_inference_steps"]
         device, dtype = embeds.device, embeds.dtype
         pixels = pipeline.image_processor.preprocess(image, height, width).unsqueeze(2)
+        # Encoded here in the VAE's own dtype: prepare_latents casts the image to the latents' dtype before its VAE call, which fails
+        # ("Input type (c10::BFloat16) and bias type (float)") when the samples run in bf16 beside a float32 VAE. Given latents, it packs them.
+        encoded = pipeline._encode_vae_image(image=pixels.to(device, pipeline.vae.dtype), generator=kwargs["generator"])
         latents, control = pipeline.prepare_latents(
-            pixels.to(device, pipeline.vae.dtype), 1, pipeline.transformer.config.in_channels // 4, height, width, dtype, device, kwargs["generator"]
+            encoded.to(dtype), 1, pipeline.transformer.config.in_channels // 4, height, width, dtype, device, kwargs["generator"]
         )
         control = control.to(dtype)
         grid = (1, height // pipeline.vae_scale_factor // 2, width // pipeline.vae_scale_factor // 2)

@@ -99,6 +99,9 @@ class QwenImageEditPlus(QwenImageEdit):
         height, width, steps = kwargs["height"], kwargs["width"], kwargs["num_inference_steps"]
         device, dtype = embeds.device, embeds.dtype
         pixels = [pipeline.image_processor.preprocess(image, height, width).unsqueeze(2).to(device, pipeline.vae.dtype) for image in images]
+        # Encoded here in the VAE's own dtype (prepare_latents casts images to the latents' dtype before its VAE call: bf16 samples beside a
+        # float32 VAE fail); given latents, it packs them.
+        pixels = [pipeline._encode_vae_image(image=image, generator=kwargs["generator"]).to(dtype) for image in pixels]
         latents, references = pipeline.prepare_latents(pixels, 1, pipeline.transformer.config.in_channels // 4, height, width, dtype, device, kwargs["generator"])
         references = references.to(dtype)
         grid = (1, height // pipeline.vae_scale_factor // 2, width // pipeline.vae_scale_factor // 2)
