@@ -33,7 +33,7 @@ from zeropipe.convert.common import (
 PEER_DEFAULTS = {
     # lr_scheduler: "cosine" (training.py:144) with cosine_min_lr_ratio unset (line 152): Hugging Face's cosine, to 0; ZeRO-Pipe's ends at 10%.
     "lr_scheduler": PeerDefault("lr_scheduler", "cosine", "train.min_lr_ratio", "src/axolotl/utils/schemas/training.py:144, decaying to 0 "
-                                "as cosine_min_lr_ratio is unset, line 152"),
+                                "as cosine_min_lr_ratio is unset, line 152", "unless cosine_min_lr_ratio", written=0.0),
     "lora_dropout": PeerDefault("lora_dropout", 0.0, "model.lora.dropout", "src/axolotl/utils/schemas/peft.py:80", "lora"),
 }
 
@@ -176,7 +176,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     if is_unset(rest.get("lr_scheduler")):
         rest.pop("lr_scheduler", None)
         if "train.min_lr_ratio" not in conversion.entries:  # cosine_min_lr_ratio, mapped above, is where it ends then
-            conversion.default(PEER_DEFAULTS["lr_scheduler"], 0.0)
+            conversion.default(PEER_DEFAULTS["lr_scheduler"])
     else:
         map_schedule(conversion, "lr_scheduler", rest.pop("lr_scheduler"))
     map_optimizer(conversion, "optimizer", rest.pop("optimizer", None))

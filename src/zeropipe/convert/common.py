@@ -33,7 +33,7 @@ class PeerDefault:
     Each converter lists these (``PEER_DEFAULTS``) with where the peer's source sets them; the converter writes ``target``
     when the file leaves ``key`` out (the contract test, tests/unit/convert/test_convert_issue45.py, holds every converter
     to it on every peer config). ``applies``: when the default matters at all ("lora": a LoRA run, "flow": a flow-matching
-    model, "vlm": a vision-language model, "" always).
+    model, "video": a video model, "vlm": a vision-language model, "unless KEY": the file does not set KEY, "" always).
     """
 
     key: str
@@ -41,7 +41,8 @@ class PeerDefault:
     target: str
     source: str  # the peer's file and line (at the commit SOURCES.md names)
     applies: str = ""
-    owner: str = ""  # whose default it is, where not the tool's own (LLaMA-Factory trains with Hugging Face's TrainingArguments)
+    owner: str = ""
+    written: Any = None  # the ZeRO-Pipe value it becomes, where not ``value`` itself (disable_gradient_checkpointing: false -> true)  # whose default it is, where not the tool's own (LLaMA-Factory trains with Hugging Face's TrainingArguments)
 
     def comment(self, tool: str) -> str:
         return f"{self.owner or tool}'s default {self.key} is {self.value!r} ({self.source})"
@@ -80,7 +81,7 @@ class Conversion:
 
     def default(self, peer: "PeerDefault", value: Any | None = None) -> None:
         """Write the peer's default (a file that leaves ``peer.key`` out), with where the peer sets it."""
-        self.set(peer.target, peer.value if value is None else value, peer.comment(self.tool))
+        self.set(peer.target, value if value is not None else peer.written if peer.written is not None else peer.value, peer.comment(self.tool))
 
     def skip(self, key: str, why: str) -> None:
         self.unmapped.append((key, why))

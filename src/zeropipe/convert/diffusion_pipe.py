@@ -104,7 +104,7 @@ EXPERT_NAMES = {"low_noise": "low_noise", "high_noise": "high_noise"}
 # diffusion-pipe's defaults that differ from ZeRO-Pipe's, where its source sets them (github.com/tdrussell/diffusion-pipe at 8f83dbf):
 # a file that leaves the key out trains with these there, so the conversion writes them.
 PEER_DEFAULTS = {
-    "shift": PeerDefault("model.shift", None, "model.diffusion.shift", "models/wan/wan.py:354, and every flow model alike: no shift, 1.0", "flow"),
+    "shift": PeerDefault("model.shift", None, "model.diffusion.shift", "models/wan/wan.py:354, and every flow model alike: no shift, 1.0", "flow", written=1.0),
     "enable_ar_bucket": PeerDefault("dataset.enable_ar_bucket", False, "data.images.bucketing", "utils/dataset.py:458; one square bucket, line 497"),
     "lr_scheduler": PeerDefault("lr_scheduler", "constant", "train.schedule", "train.py:849"),
     "alpha": PeerDefault("adapter.alpha", "the rank", "model.lora.alpha", "train.py:122, alpha = rank", "lora"),
@@ -353,8 +353,8 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
 # diffusion-pipe shifts its training timesteps only when [model] shift is set, in every flow model alike
 # (models/wan/wan.py:354-355 at 8f83dbf, `if shift := self.model_config.get('shift', None): t = (t * shift) / (1 + (shift - 1) * t)`;
 # models/flux.py:362, models/qwen_image.py:445, models/z_image.py:82, models/hunyuan_video.py:451, models/flux2.py:162 the same).
-# Unset (or 0) is no shift, 1.0; ZeRO-Pipe's model.diffusion.shift: auto would take the scheduler's (Wan 3.0/5.0, HunyuanVideo 7.0...).
-DIFFUSION_PIPE_SHIFT = 1.0
+# Unset (or 0) is no shift, 1.0 (PEER_DEFAULTS["shift"]); ZeRO-Pipe's model.diffusion.shift: auto would take the scheduler's (Wan 3.0/5.0,
+# HunyuanVideo 7.0...).
 
 
 def _shift(conversion: Conversion, model: dict[str, Any], arch: str | None) -> None:
@@ -381,7 +381,7 @@ def _shift(conversion: Conversion, model: dict[str, Any], arch: str | None) -> N
             "utils/common.py:118); ZeRO-Pipe's shift is one number: auto takes the scheduler's (FLUX.1: 3.0, near e^1.15 = 3.16 at 1024 px)",
         )
         return
-    conversion.default(PEER_DEFAULTS["shift"], DIFFUSION_PIPE_SHIFT)
+    conversion.default(PEER_DEFAULTS["shift"])
 
 
 # diffusion-pipe's storage dtypes of the frozen denoiser -> model.quantization.format.

@@ -55,7 +55,7 @@ PEER_DEFAULTS = {
     "learning_rate": PeerDefault("learning_rate", HF_DEFAULT_LR, "train.lr", "transformers training_args.py:787", owner="Hugging Face"),
     "lr_scheduler_type": PeerDefault("lr_scheduler_type", "linear", "train.schedule", "transformers training_args.py:788", owner="Hugging Face"),
     "disable_gradient_checkpointing": PeerDefault("disable_gradient_checkpointing", False, "model.gradient_checkpointing",
-                                                  "src/llamafactory/hparams/model_args.py:145: activations are checkpointed"),
+                                                  "src/llamafactory/hparams/model_args.py:145: activations are checkpointed", written=True),
     "lora_rank": PeerDefault("lora_rank", 8, "model.lora.r", "src/llamafactory/hparams/finetuning_args.py:77", "lora"),
     "lora_alpha": PeerDefault("lora_alpha", "2 x lora_rank", "model.lora.alpha", "src/llamafactory/hparams/finetuning_args.py:587", "lora"),
     "lora_dropout": PeerDefault("lora_dropout", 0.0, "model.lora.dropout", "src/llamafactory/hparams/finetuning_args.py:73", "lora"),
@@ -134,7 +134,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         no_checkpointing = bool(rest.pop("disable_gradient_checkpointing"))
         conversion.set("model.gradient_checkpointing", not no_checkpointing, f"from disable_gradient_checkpointing: {str(no_checkpointing).lower()}")
     else:
-        conversion.default(PEER_DEFAULTS["disable_gradient_checkpointing"], True)
+        conversion.default(PEER_DEFAULTS["disable_gradient_checkpointing"])
     # gradient_checkpointing is Hugging Face's own switch, which LLaMA-Factory sets itself from the key above.
     checkpointing = rest.pop("gradient_checkpointing", None)
     if checkpointing is not None:
@@ -145,7 +145,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
             conversion.skip("gradient_checkpointing", f"{checkpointing!r}: LLaMA-Factory decides from disable_gradient_checkpointing, which is what is written")
     _method(conversion, rest, prequantized)
     vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
-    _vision(conversion, rest)
+    _vision(conversion, rest, looks_like_vlm=vision or VLM_TEMPLATE.search(str(rest.get("template", ""))) is not None)
 
     fmt_stage = "text" if stage == "pt" else "preference" if stage in PREFERENCE_STAGES else None
     _datasets(conversion, rest, path, fmt_stage, vision or "model.trainable" in conversion.entries)
@@ -337,7 +337,12 @@ def _prequantized(conversion: Conversion, key: str) -> str | None:
     return None
 
 
-def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
+# LLaMA-Factory's templates of vision-language models (src/llamafactory/data/template.py: qwen2_vl, qwen3_vl_nothink, llava, gemma3, mllama,
+# intern_vl, glm4v, moss_vl, paligemma, pixtral...).
+VLM_TEMPLATE = re.compile(r"(^|_)(vl|llava|gemma3n?|mllama|intern_?vl|glm4v|paligemma|pixtral|minicpm_v|idefics|kimi_vl|mistral_small)(_|$)")
+
+
+def _vision(conversion: Conversion, rest: dict[str, Any], looks_like_vlm: bool = False) -> None:
     """LLaMA-Factory's freeze_* switches for multimodal models become model.trainable."""
     keys = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
     given = {key: rest.pop(key) for key in keys if key in rest}
@@ -355,6 +360,14 @@ def _vision(conversion: Conversion, rest: dict[str, Any]) -> None:
                     "convert again once it is downloaded, or set model.trainable")
         for key in given:
             conversion.skip(key, why)
+        if looks_like_vlm and not given and not (config_file is not None and config_file.is_file()):
+            # The recipe is a vision-language one (its template), but the model is not here to tell: its default freezing is said, not guessed.
+            conversion.skip(
+                "freeze_vision_tower",
+                f"not set: LLaMA-Factory's default trains the language model only ({PEER_DEFAULTS['freeze_vision_tower'].source}), and ZeRO-Pipe's "
+                "the projector too; model.path is not a local folder yet, so whether this is a vision-language model is not known: "
+                "set model.trainable: [language_model] (or convert again once it is downloaded)",
+            )
         return
     # LLaMA-Factory's defaults: tower and projector frozen, language model trained.
     frozen = {"vision_tower": given.get("freeze_vision_tower", True), "projector": given.get("freeze_multi_modal_projector", True), "language_model": given.get("freeze_language_model", False)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,88 @@ def test_7_qwen_image_edit_samples_in_bf16_beside_a_float32_vae(tmp_path, preset
     with torch.no_grad():
         latents = arch.call_pipeline(pipeline, kwargs)
     assert latents.dtype == torch.bfloat16 and torch.isfinite(latents.float()).all()
+
+
+# ------------------------------------------------------------------------------- the rule, over every converter
+from tests.unit.convert.test_peer_configs import PEERS, ROOTS, SOURCES, leaves, outcome  # noqa: E402
+from zeropipe.convert import ConversionError, read_source  # noqa: E402
+from zeropipe.convert import axolotl as axolotl_converter  # noqa: E402
+from zeropipe.convert import diffusion_pipe as diffusion_pipe_converter  # noqa: E402
+from zeropipe.convert import llama_factory as llama_factory_converter  # noqa: E402
+
+CONVERTERS = {"diffusion-pipe": diffusion_pipe_converter, "axolotl": axolotl_converter, "llama-factory": llama_factory_converter}
+
+
+def _applies(peer, conversion, source: dict, tool: str, flat: dict) -> bool:
+    if peer.applies.startswith("unless "):
+        return peer.applies.removeprefix("unless ") not in flat
+    if peer.applies == "lora":
+        return "model.lora.r" in conversion.entries
+    if peer.applies == "vlm":
+        return "model.trainable" in conversion.entries or any(key.startswith("freeze_") for key, _ in conversion.unmapped)
+    if tool == "diffusion-pipe" and peer.applies in ("flow", "video"):
+        from zeropipe.diffusion.architectures import architectures
+
+        model = source.get("model") or {}
+        arch = architectures().get(diffusion_pipe_converter.model_architecture(str(model.get("type")), model) or "")
+        if arch is None:
+            return False
+        return arch.objective == "flow" if peer.applies == "flow" else arch.video
+    return True
+
+
+def _given(peer, flat: dict) -> bool:
+    key = peer.key.removeprefix("model.") if peer.key.startswith("model.") else peer.key
+    names = {peer.key, key, peer.key.split(".")[-1]}
+    return any(name in flat or any(k.endswith("." + name) for k in flat) for name in names)
+
+
+def test_every_converter_declares_only_defaults_that_differ_from_zeropipes_and_cites_the_peers_source():
+    from zeropipe.config.schema import RunConfig
+
+    defaults = RunConfig.model_validate({}).model_dump()
+    for tool, module in CONVERTERS.items():
+        assert module.PEER_DEFAULTS, tool
+        for name, peer in module.PEER_DEFAULTS.items():
+            assert re.search(r"\.py:\d+", peer.source), f"{tool} {name}: cite the peer's file and line"
+            node = defaults
+            for part in peer.target.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            ours = peer.written if peer.written is not None else peer.value
+            if isinstance(ours, (int, float, bool)) and node is not None:
+                assert node != ours, f"{tool} {name}: {ours!r} is ZeRO-Pipe's default too: nothing to write"
+
+
+@pytest.mark.parametrize(("tool", "path"), SOURCES, ids=[str(path.relative_to(PEERS)) for _, path in SOURCES])
+def test_the_rule_each_key_and_each_differing_default_is_written_listed_or_refused(tool, path, monkeypatch):
+    """Issue 45's rule on every peer config: the source keys are accounted for (test_peer_configs' contract), and each default of the peer
+    that differs from ZeRO-Pipe's and that the file leaves out ends in exactly one of: written (the comment cites the peer's source), listed,
+    or a refusal. A key ZeRO-Pipe has an equivalent for is never listed as having none."""
+    kind, why = outcome(tool, path, monkeypatch)
+    assert kind in ("converted", "refused"), f"{kind}: {why}"
+    try:
+        conversion = convert_file(path, links_dir=Path("/nonexistent-links"))
+    except ConversionError:
+        return
+    if conversion.blocking:
+        return
+    source = read_source(path)
+    flat = leaves(source)
+    if tool == "diffusion-pipe":
+        dataset = Path(str(source.get("dataset")))
+        dataset = dataset if dataset.is_absolute() else ROOTS[tool] / dataset
+        if dataset.is_file():
+            flat.update({f"dataset.{key}": value for key, value in leaves(read_source(dataset)).items()})
+    listed = {key for key, _ in conversion.unmapped}
+    for name, peer in CONVERTERS[tool].PEER_DEFAULTS.items():
+        if _given(peer, flat) or not _applies(peer, conversion, source, tool, flat):
+            continue
+        entry = conversion.entries.get(peer.target)
+        written = entry is not None and peer.source in entry.comment
+        is_listed = peer.key in listed
+        assert written != is_listed, f"{name}: the file leaves {peer.key} out ({tool}'s default {peer.value!r}): " + (
+            "written and listed both" if written else f"neither written ({entry}) nor listed")
+    equivalents = {peer.key.split(".")[-1] for module in CONVERTERS.values() for peer in module.PEER_DEFAULTS.values()} | {
+        "shift", "gradient_checkpointing", "dpo_beta", "test_datasets", "sigmoid_scale", "flux_shift", "lr_scheduler_eta_min"}
+    wrong = [key for key, reason in conversion.unmapped if key.split(".")[-1] in equivalents and "no ZeRO-Pipe equivalent" in reason]
+    assert not wrong, f"listed as having no equivalent, though mapped elsewhere: {wrong}"
