@@ -608,6 +608,8 @@ def _training(conversion: Conversion, rest: dict[str, Any]) -> None:
         conversion.set("deepspeed.zero_stage", 3, f"from pipeline_stages = {stages}: ZeRO-3 spreads the parameters over the GPUs instead")
     if isinstance(stages, int) and stages > 1:
         conversion.skip("pipeline_stages", f"{stages}: {NOT_MAPPED['pipeline_stages']}")
+    elif swap:
+        conversion.already.append(f"pipeline_stages = {stages} (one stage is data parallel, as every ZeRO-Pipe run)")
     elif not swap:
         conversion.set("deepspeed.zero_stage", 2, "pipeline_stages = 1 is data parallel: ZeRO-2 also shards gradients and optimizer states")
     quant = conversion.entries.get("model.quantization.format")

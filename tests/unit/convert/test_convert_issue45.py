@@ -342,11 +342,38 @@ def test_every_converter_declares_only_defaults_that_differ_from_zeropipes_and_c
                 assert node != ours, f"{tool} {name}: {ours!r} is ZeRO-Pipe's default too: nothing to write"
 
 
+# Users' configs from public repositories (tests/fixtures/peers/users/README.md names each source and commit).
+USERS = PEERS / "users"
+USER_SOURCES = [("diffusion-pipe", f) for f in sorted(USERS.glob("diffusion-pipe/*/*.toml")) if "[model]" in f.read_text()]
+
+
 @pytest.mark.parametrize(("tool", "path"), SOURCES, ids=[str(path.relative_to(PEERS)) for _, path in SOURCES])
 def test_the_rule_each_key_and_each_differing_default_is_written_listed_or_refused(tool, path, monkeypatch):
     """Issue 45's rule on every peer config: the source keys are accounted for (test_peer_configs' contract), and each default of the peer
     that differs from ZeRO-Pipe's and that the file leaves out ends in exactly one of: written (the comment cites the peer's source), listed,
     or a refusal. A key ZeRO-Pipe has an equivalent for is never listed as having none."""
+    hold_to_the_rule(tool, path, monkeypatch)
+
+
+@pytest.mark.parametrize(("tool", "path"), USER_SOURCES, ids=[str(path.relative_to(USERS)) for _, path in USER_SOURCES])
+def test_the_rule_holds_on_users_configs(tool, path, tmp_path, monkeypatch):
+    """The same rule on users' configs (Wan 2.2 experts, Qwen-Image(-Edit), FLUX.2 klein with edit pairs, Z-Image, HunyuanVideo, Krea 2).
+    They name their dataset TOML by an absolute path of their machine (/workspace/...): it is read from beside the file instead."""
+    import shutil
+
+    text = path.read_text()
+    named = re.search(r"^dataset\s*=\s*'([^']+)'", text, re.M)
+    local = tmp_path / path.name
+    if named:
+        dataset = Path(named[1]).name
+        shutil.copy(path.parent / dataset, tmp_path / dataset)
+        text = text.replace(named[0], f"dataset = '{dataset}'")
+    local.write_text(text)
+    monkeypatch.setitem(ROOTS, tool, tmp_path)
+    hold_to_the_rule(tool, local, monkeypatch)
+
+
+def hold_to_the_rule(tool: str, path: Path, monkeypatch) -> None:
     kind, why = outcome(tool, path, monkeypatch)
     assert kind in ("converted", "refused"), f"{kind}: {why}"
     try:
@@ -375,3 +402,15 @@ def test_the_rule_each_key_and_each_differing_default_is_written_listed_or_refus
         "shift", "gradient_checkpointing", "dpo_beta", "test_datasets", "sigmoid_scale", "flux_shift", "lr_scheduler_eta_min"}
     wrong = [key for key, reason in conversion.unmapped if key.split(".")[-1] in equivalents and "no ZeRO-Pipe equivalent" in reason]
     assert not wrong, f"listed as having no equivalent, though mapped elsewhere: {wrong}"
+
+
+def test_3_a_flux2_klein_file_with_several_control_folders_carries_its_verdict(tmp_path):
+    """A user's FLUX.2 klein file with edit pairs in several [[directory]] entries: converted with the verdict in convert.cannot_train (ZP030)."""
+    import shutil
+
+    source = USERS / "diffusion-pipe" / "jalberty2018-run-diffusion-pipe"
+    shutil.copy(source / "dataset-control-target.toml", tmp_path)
+    text = (source / "Flux_Klein_9B_config.toml").read_text().replace("dataset = '/workspace/dataset-control-target.toml'", "dataset = 'dataset-control-target.toml'")
+    (tmp_path / "klein.toml").write_text(text)
+    raw = convert_file(tmp_path / "klein.toml", links_dir=tmp_path / "links").raw()
+    assert "control_path" in raw["convert"]["cannot_train"][0] and raw["convert"]["tool"] == "diffusion-pipe"
