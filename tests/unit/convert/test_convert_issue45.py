@@ -414,3 +414,14 @@ def test_3_a_flux2_klein_file_with_several_control_folders_carries_its_verdict(t
     (tmp_path / "klein.toml").write_text(text)
     raw = convert_file(tmp_path / "klein.toml", links_dir=tmp_path / "links").raw()
     assert "control_path" in raw["convert"]["cannot_train"][0] and raw["convert"]["tool"] == "diffusion-pipe"
+
+
+def test_8_a_control_folder_on_a_plain_flux_folder_names_the_kontext_pipeline(tmp_path):
+    """A FLUX.1 Kontext file (control_path) over a FLUX.1 folder: the refusal names the Kontext pipeline its own listing names, not only Qwen's."""
+    from zeropipe.diffusion.parts import PART_SETTINGS
+
+    config = validate_config({"model": {"config": {"pipeline": "tiny-flux"}}, "data": {"synthetic": {"task": "shapes"}, "control_path": str(tmp_path)}})
+    from zeropipe.diffusion.architectures import architecture_named
+
+    key, message = PART_SETTINGS["data.control_path"](config, architecture_named("flux"))
+    assert key == "data.control_path" and "FluxKontextPipeline" in message and "flux-kontext" in message

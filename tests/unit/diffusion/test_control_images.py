@@ -80,7 +80,9 @@ def config(tmp_path: Path, pipeline: str, **data) -> RunConfig:
 
 def test_control_images_for_a_model_that_takes_none_are_refused_naming_the_key(tmp_path):
     problems = FAMILY.config_problems(config(tmp_path, "tiny-qwen-image", control_path=str(tmp_path)))
-    assert problems == [("data.control_path", "this qwen-image pipeline takes no control image: remove data.control_path, or train an edit model (qwen-image-edit)")]
+    assert problems == [("data.control_path", "this qwen-image pipeline takes no control image: remove data.control_path, or point model.path at an edit "
+                                              "model's pipeline folder: FLUX.1 Kontext (FluxKontextPipeline, flux-kontext) or Qwen-Image-Edit "
+                                              "(QwenImageEditPipeline, qwen-image-edit)")]
 
 
 def test_an_edit_model_without_control_images_or_caches_or_with_flips_is_refused_with_each_fix(tmp_path):

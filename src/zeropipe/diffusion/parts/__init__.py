@@ -17,7 +17,10 @@ from zeropipe.diffusion.parts.text import PromptText
 
 # Settings only some parts read, and what to tell a user who sets one for an entry without such a part.
 PART_SETTINGS = {
-    "data.control_path": lambda config, arch: ("data.control_path", f"this {arch.name} pipeline takes no control image: remove data.control_path, or train an edit model (qwen-image-edit)"),
+    "data.control_path": lambda config, arch: (
+        "data.control_path", f"this {arch.name} pipeline takes no control image: remove data.control_path, or point model.path at an edit model's "
+        "pipeline folder: FLUX.1 Kontext (FluxKontextPipeline, flux-kontext) or Qwen-Image-Edit (QwenImageEditPipeline, qwen-image-edit)"
+    ),
     "data.control_paths": lambda config, arch: (
         "data.control_paths", f"this {arch.name} pipeline takes no reference images: remove data.control_paths, or train a multi-reference edit model (qwen-image-edit-plus, flux2)"
     ),
