@@ -197,6 +197,20 @@ class VideoLatents(ImageLatents):
     file_noun = "file"
     sample_noun = "video(s)"
 
+    def problems(self, config, arch):
+        """Frame buckets and a sample length the VAE cannot decode, as take_clips refuses them when the data is prepared: said by check too."""
+        from zeropipe.diffusion.videos import check_frame_buckets
+
+        video = config.data.video
+        try:
+            buckets = check_frame_buckets(video.frame_buckets, self.accepts_frames, self.frame_multiple)
+        except ValueError as err:
+            return [*super().problems(config, arch), ("data.video.frame_buckets", f"{err} for this {arch.name} pipeline")]
+        if video.sample_frames and not self.accepts_frames(video.sample_frames):
+            return [*super().problems(config, arch), ("data.video.sample_frames", f"{video.sample_frames} frames cannot be decoded by this {arch.name} pipeline's VAE: "
+                                                      f"use {self.frame_multiple}k+1 (e.g. {buckets[-1]})")]
+        return super().problems(config, arch)
+
     def planned_shape(self, frame_buckets, prompt_tokens):
         """The longest clip the run trains on, and the prompt length its tokenizer pads to."""
         return {"frames": max(frame_buckets), "text_tokens": prompt_tokens}

@@ -140,33 +140,18 @@ FAMILY = Diffusion()
 
 
 def before_first_step_problems(config: RunConfig, arch) -> list[tuple[str, str]]:
-    """What the launcher and the ranks refuse before the first step (frame buckets the VAE cannot decode, a single-file denoiser
-    that is missing or unreadable), said by `zeropipe check` too, with the same messages (issue 45: check refuses what train would)."""
-    problems: list[tuple[str, str]] = []
-    if arch is None:
-        return problems
-    codec = arch.codec
-    if codec.video:
-        from zeropipe.diffusion.videos import check_frame_buckets
-
-        try:
-            buckets = check_frame_buckets(config.data.video.frame_buckets, codec.accepts_frames, codec.frame_multiple)
-        except ValueError as err:  # as take_clips says it when the data is prepared
-            problems.append(("data.video.frame_buckets", f"{err} for this {arch.name} pipeline"))
-        else:
-            sample = config.data.video.sample_frames
-            if sample and not codec.accepts_frames(sample):
-                problems.append(("data.video.sample_frames", f"{sample} frames cannot be decoded by this {arch.name} pipeline's VAE: use {codec.frame_multiple}k+1 (e.g. {buckets[-1]})"))
+    """What the ranks refuse before the first step that a part does not say (a single-file denoiser that is missing or unreadable), said by
+    `zeropipe check` too, with the same key (issue 45: check refuses what train would; frame buckets: the video codec's problems)."""
     single_file = config.model.diffusion.denoiser_file
-    if single_file:
-        from zeropipe.diffusion.pipelines import single_file_renamer
+    if arch is None or not single_file:
+        return []
+    from zeropipe.diffusion.pipelines import single_file_renamer
 
-        path = Path(single_file).expanduser()
-        if not path.is_file():
-            problems.append(("model.diffusion.denoiser_file", f"{path} does not exist: point it at the .safetensors file of the transformer (or remove it to train model.path's own)"))
-        else:
-            try:
-                single_file_renamer(arch.denoiser_class, path)  # reads the names only, as the ranks do before loading
-            except ConfigError as err:
-                problems += err.problems
-    return problems
+    path = Path(single_file).expanduser()
+    if not path.is_file():
+        return [("model.diffusion.denoiser_file", f"{path} does not exist: point it at the .safetensors file of the transformer (or remove it to train model.path's own)")]
+    try:
+        single_file_renamer(arch.denoiser_class, path)  # reads the names only, as the ranks do before loading
+    except ConfigError as err:
+        return list(err.problems)
+    return []
