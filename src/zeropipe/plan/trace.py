@@ -31,6 +31,11 @@ class ActivationTrace:
     forward_flops: int  # per sample, for the cost model
     precision: str = "bf16"
     frames: int = 1  # video models: the clip length traced (tokens = latent frames x latent height x width / patch volume)
+    # Activation offload (train.activation_offload): the bytes of each tensor it copies to host RAM, one entry per copy;
+    # what stays saved on the GPU outside the checkpointed blocks; and how many blocks are checkpointed. None/0: not traced.
+    offloaded_sizes: tuple[int, ...] | None = None
+    offload_resident_bytes: int | None = None
+    checkpointed_blocks: int = 0
 
 
 class _FusedAttention(torch.autograd.Function):
