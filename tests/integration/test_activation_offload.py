@@ -29,7 +29,14 @@ def test_activation_offload_gives_the_same_losses(tmp_run):
             generate={"prompts": []},
         )
         assert_ok(zeropipe("train", config))
-        losses[name] = [row["loss"] for row in metrics(tmp_path / "runs" / name) if "loss" in row]
+        rows = metrics(tmp_path / "runs" / name)
+        losses[name] = [row["loss"] for row in rows if "loss" in row]
+        moved = [row.get("activation_offload_bytes") for row in rows]
+        if offload:
+            # Each step copied the two layers' inputs: 2 layers x tokens x 32 hidden x 4 bytes (fp32), tokens as padded.
+            assert all(m and m % (2 * 32 * 4) == 0 and m <= 2 * 8 * 32 * 32 * 4 for m in moved), moved
+        else:
+            assert moved == [None] * len(rows)
     assert len(losses["offload"]) == 6
     assert losses["offload"] == pytest.approx(losses["on-gpu"], abs=1e-6, rel=0)
     assert losses["offload"][-1] < losses["offload"][0]

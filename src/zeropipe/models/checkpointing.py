@@ -44,6 +44,7 @@ class OffloadCounter:
 
     bytes: int = 0
     copies: int = 0
+    blocks: int = 0  # checkpointed block calls whose inputs went through the hooks
     record_sizes: bool = False
     sizes: list[int] | None = None
 
@@ -106,6 +107,8 @@ def _checkpoint(function, *args, **kwargs):
 def _offloaded_checkpoint(function, *args, counter: OffloadCounter | None = None, count_only: bool = False, **kwargs):
     # The hooks are entered around the checkpoint call: inside it, checkpoint's own hooks take over (innermost wins),
     # so only the inputs it saves for the recomputation pass through these.
+    if counter is not None:
+        counter.blocks += 1
     with HostActivations(counter, count_only):
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
@@ -116,6 +119,8 @@ def enable_checkpointing(model: torch.nn.Module, offload: bool = False, counter:
     Raises:
         ValueError: the model has no checkpointed blocks, so activation offload would move nothing.
     """
+    if offload and counter is None:
+        counter = OffloadCounter()
     function = checkpoint_function(offload, counter)
     if hasattr(model, "gradient_checkpointing_enable"):
         # transformers: its own enable also makes the embeddings' output require grad where checkpointed
@@ -130,3 +135,15 @@ def enable_checkpointing(model: torch.nn.Module, offload: bool = False, counter:
         layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
     if offload and not layers:
         raise ValueError(f"{type(model).__name__} has no checkpointed blocks: train.activation_offload has nothing to move; set it to false")
+    if offload:
+        # Found again by offload_counter() after peft and DeepSpeed have wrapped the model.
+        model._zeropipe_activation_offload = counter
+
+
+def offload_counter(model: torch.nn.Module) -> OffloadCounter | None:
+    """The byte count of a model whose checkpointed inputs are offloaded (``enable_checkpointing(offload=True)``), else None."""
+    for module in model.modules():
+        counter = module.__dict__.get("_zeropipe_activation_offload")
+        if counter is not None:
+            return counter
+    return None

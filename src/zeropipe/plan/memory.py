@@ -498,12 +498,12 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
         block = spec.block
         full = layer_activation_bytes(block, tokens, s, choice.precision, choice.attention, spec.lora)
         attention = "fused attention (SDPA/flash): no s² term" if choice.attention != "eager" else "eager attention: includes the a·s² scores"
-        if choice.gradient_checkpointing and choice.activation_offload:
-            terms.append(offloaded_activation_gpu_term(spec, choice))
-        elif choice.gradient_checkpointing:
+        if choice.gradient_checkpointing:
             kept = spec.layers * checkpointed_layer_bytes(block, tokens, choice.precision)
             terms.append(
-                Term(
+                offloaded_activation_gpu_term(spec, choice)
+                if choice.activation_offload
+                else Term(
                     "activations (checkpointed layer inputs)",
                     kept,
                     f"{spec.layers} layers keep only their input, s·b·h·{value_bytes(choice.precision)} bytes each (s={s}, b={b}, h={block.hidden})",
