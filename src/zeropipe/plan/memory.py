@@ -692,8 +692,11 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             terms.append(Term("reduce bucket", touched * v, f"one {_count(reduce_bucket)}-element gradient bucket for the reduce-scatter{cpu_note}"))
     if stage == 3:
         largest = spec.largest_layer_params
-        retained = zero3_retained_elements(spec, choice)
-        whole = retained >= spec.total_params
+        # One rank with the weights on its GPU: DeepSpeed gathers nothing (its NoGatherHandle hands each layer
+        # a view of the rank's own partition, which is the whole weight), so no gathered copy is made or kept.
+        single = n == 1 and not choice.offload_param
+        retained = 0 if single else zero3_retained_elements(spec, choice)
+        whole = single or retained >= spec.total_params
         # With LoRA the largest layer is frozen: it is gathered but has no full gradient. When the
         # whole model stays gathered (below), its weights are counted there.
         # On CPU ranks the all-gather goes through gloo, which stages a second full copy of the
@@ -705,6 +708,8 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             what += ", twice while gloo gathers it (CPU ranks)"
         if whole:
             what = "full gradient" if spec.lora is None else "nothing more (every layer stays gathered, below)"
+        if single:
+            what = ("full gradient" if spec.lora is None else "nothing") + ": one rank holds every weight whole and DeepSpeed gathers none"
         # QLoRA: the largest module is the embedding or the output head, upcast to fp32; the
         # kept-gathered weights are counted at the base's mean bytes per weight.
         gathered_v = 4 if spec.quantized is not None else v

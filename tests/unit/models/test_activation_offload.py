@@ -216,3 +216,19 @@ def test_check_refuses_offload_without_checkpointing(tmp_path):
     assert len(refused) == 1 and refused[0].severity == "error" and refused[0].key == "train.activation_offload"
     assert "model.gradient_checkpointing: true" in refused[0].fix
     assert findings(gradient_checkpointing=True) == []
+
+
+def test_zero3_on_one_rank_plans_no_gathered_copy():
+    """DeepSpeed gathers nothing when a parameter's partition group is one rank (NoGatherHandle: a view of the
+    rank's own partition), so the plan counts no gathered or kept-gathered weights there, unless they are offloaded."""
+    from zeropipe.config.schema import LoraSection
+
+    spec = spec_from_config(RunConfig(model=ModelSection(config={**LLAMA, "hidden_size": 256, "intermediate_size": 512}, tokenizer_vocab_size=300, lora=LoraSection(r=8))))
+
+    def gathered(gpus: int, offload_param: bool = False) -> int:
+        hardware = Hardware(gpus_per_node=gpus, gpu_memory_bytes=24 * 2**30, nodes=1, host_ram_bytes=64 * 2**30)
+        choice = Choice(zero_stage=3, offload_param=offload_param, micro_batch_size=1, seq_len=128)
+        return sum(t.bytes for t in per_gpu_terms(spec, hardware, choice) if "(ZeRO-3)" in t.name)
+
+    assert gathered(1) == 0
+    assert gathered(2) > 0 and gathered(1, offload_param=True) > 0
