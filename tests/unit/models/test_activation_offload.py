@@ -232,3 +232,20 @@ def test_zero3_on_one_rank_plans_no_gathered_copy():
 
     assert gathered(1) == 0
     assert gathered(2) > 0 and gathered(1, offload_param=True) > 0
+
+
+def test_a_configs_plan_follows_its_activation_offload(tmp_path, capsys):
+    import json
+
+    from zeropipe.cli.main import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: {config: {model_type: llama, hidden_size: 512, intermediate_size: 1024, num_hidden_layers: 16, num_attention_heads: 8}, gradient_checkpointing: true}\n"
+        "data: {synthetic: {task: mixed}, max_seq_len: 4096}\ntrain: {activation_offload: true, micro_batch_size: 2}\ndeepspeed: {zero_stage: 2}\n"
+    )
+    main(["plan", str(config), "--gpus", "2x24GB", "--ram", "64GB", "--json"])
+    configured = json.loads(capsys.readouterr().out)["configured"]
+    assert configured["choice"]["activation_offload"] is True
+    host = {t["name"]: t["bytes"] for t in configured["per_node_terms"]}
+    assert host["offloaded activations"] == 2 * 16 * 2 * 4096 * 512 * 2  # 2 ranks x 16 layers x tokens x hidden x bf16
