@@ -322,9 +322,9 @@ class Check:
     def step_video_dit_blocks(self) -> dict[str, Any]:
         """Wan 14B's transformer at real width, 4 blocks, LoRA on 33-frame clips: planned against what the GPU holds, timed."""
         raw = video_dit_config(self.gpus(1))
-        return self.real_size_step("video-dit-blocks", raw, flops_per_token=None)
+        return self.real_size_step("video-dit-blocks", raw, flops_per_token=None, flops_per_sample=dit_flops_per_sample)
 
-    def real_size_step(self, name: str, raw: dict[str, Any], flops_per_token: float | None) -> dict[str, Any]:
+    def real_size_step(self, name: str, raw: dict[str, Any], flops_per_token: float | None, flops_per_sample: Callable[[str], float | None] | None = None) -> dict[str, Any]:
         trained = self.train(name, raw)
         if trained.get("returncode") != 0:
             return trained
@@ -333,7 +333,7 @@ class Check:
         context = cuda_context_bytes()
         result = held_against_plan(planned_peak(plan) if plan else None, trained, context)
         peak = ((self.results.get("calibrate") or {}).get("calibration") or {}).get("matmul_flops", {}).get("bf16")
-        result.update(throughput(trained, flops_per_token, peak, self.gpus(8 if name.startswith("llama") else 1)))
+        result.update(throughput(trained, flops_per_token, peak, self.gpus(8 if name.startswith("llama") else 1), flops_per_sample(trained["config"]) if flops_per_sample else None))
         result["ok"] = trained.get("final_loss", 1e9) < trained.get("first_loss", 0) * 1.5 and result.get("planned_over_held") is not None
         return result
 
@@ -381,11 +381,24 @@ def held_against_plan(planned: int | None, trained: dict[str, Any], context: int
     return row
 
 
-def throughput(trained: dict[str, Any], flops_per_token: float | None, peak: float | None, gpus: int) -> dict[str, Any]:
+def dit_flops_per_sample(config: str) -> float | None:
+    """A LoRA step's model FLOPs per clip: the forward the planner traces (meta device, at the config's resolution and frames),
+    and once more for the backward's input gradients (the frozen base gets no weight gradients)."""
+    from zeropipe.config.load import load_config
+    from zeropipe.families import model_spec
+
+    trace = model_spec(load_config(config)).activation_trace
+    return 2.0 * trace.forward_flops if trace is not None else None
+
+
+def throughput(trained: dict[str, Any], flops_per_token: float | None, peak: float | None, gpus: int, flops_per_sample: float | None = None) -> dict[str, Any]:
     tokens = trained.get("tokens_per_s_median")
-    out: dict[str, Any] = {"tokens_per_s": tokens, "samples_per_s": trained.get("samples_per_s_median"), "bf16_peak_flops": peak}
+    samples = trained.get("samples_per_s_median")
+    out: dict[str, Any] = {"tokens_per_s": tokens, "samples_per_s": samples, "bf16_peak_flops": peak}
     if tokens and flops_per_token and peak:
         out["mfu"] = round(tokens * flops_per_token / (peak * gpus), 4)
+    elif samples and flops_per_sample and peak:
+        out["mfu"] = round(samples * flops_per_sample / (peak * gpus), 4)
     elif not peak:
         out["mfu"] = "no calibrate result in this run: run the calibrate step first"
     return out

@@ -104,3 +104,4 @@ def test_the_real_size_steps_plan_what_they_train(monkeypatch):
     row = gpu_check.held_against_plan(10 * 2**30, {"gpu_max_reserved_bytes_peak": 8 * 2**30, "gpu_max_allocated_bytes_peak": 7 * 2**30}, 2**29)
     assert row["held_bytes"] == 8.5 * 2**30 and row["planned_over_held"] == round(10 / 8.5, 3)
     assert gpu_check.throughput({"tokens_per_s_median": 1000.0}, 3e10, 6e14, 1)["mfu"] == 0.05
+    assert gpu_check.throughput({"samples_per_s_median": 2.0}, None, 6e14, 1, flops_per_sample=3e13)["mfu"] == 0.1
