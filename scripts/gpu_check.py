@@ -13,7 +13,13 @@ Run it first on any machine with CUDA GPUs; it writes ``DIR/report.md`` and ``DI
 - ``plan_vs_measured``: three configs' planned per-GPU peak against
   ``torch.cuda.max_memory_allocated`` (metrics.jsonl's ``gpu_max_allocated_bytes``);
 - ``hf_trainer``: tokens/s of ZeRO-Pipe against the Hugging Face Trainer with the same
-  DeepSpeed JSON, model and token cache, on the same GPUs.
+  DeepSpeed JSON, model and token cache, on the same GPUs;
+- ``llama8b_lora_zero3``: a Llama-3.1-8B-shaped model (random weights) with LoRA under ZeRO-3,
+  2048-token packed sequences; ``video_dit_blocks``: Wan 2.1 14B's transformer cut to 4 blocks at
+  its real width (5120, 40 heads, FFN 13824), LoRA, 33-frame clips. Each is planned (``zeropipe plan
+  CONFIG --json``) against what the GPU holds: ``max_memory_reserved`` plus the CUDA context
+  (``torch.cuda.mem_get_info`` in a fresh process), and timed as tokens/s and MFU against
+  ``calibrate``'s bf16 peak (run ``calibrate`` first, as the default order does).
 
 Each step is independent: a failure is recorded with its log's tail and the next step runs.
 Without CUDA every step is skipped with the reason, except ``calibrate`` and
@@ -34,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["environment", "quickstart", "zero3_offload", "qlora", "fp8_base", "calibrate", "plan_vs_measured", "hf_trainer"]
+STEPS = ["environment", "quickstart", "zero3_offload", "qlora", "fp8_base", "calibrate", "plan_vs_measured", "hf_trainer", "llama8b_lora_zero3", "video_dit_blocks"]
 CPU_STEPS = {"calibrate", "plan_vs_measured"}
 
 # A ~0.2B Llama (random weights, built from this config): big enough that plan and GPU counters are not noise.
@@ -47,6 +53,27 @@ MEDIUM_LLAMA = {
     "num_key_value_heads": 4,
     "max_position_embeddings": 1024,
     "tie_word_embeddings": False,
+}
+# Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B config.json), random weights: what a real-size LoRA step holds and how fast it runs.
+LLAMA_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-05,
+    "tie_word_embeddings": False,
+}
+# Wan 2.1 14B's transformer (Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json) at its real width, 4 of its 40 blocks,
+# over the tiny preset's VAE and text encoder (the blocks are what the step measures; text_dim stays the tiny encoder's).
+WAN14B_BLOCKS = {
+    "pipeline": "tiny-wan",
+    "transformer": {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 4, "freq_dim": 256, "rope_max_seq_len": 1024,
+                    "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-06},
 }
 TINY_LLAMA = {
     "model_type": "llama",
@@ -287,7 +314,110 @@ class Check:
         return result
 
 
+    def step_llama8b_lora_zero3(self) -> dict[str, Any]:
+        """A Llama-3.1-8B-shaped LoRA under ZeRO-3 at 2048 packed tokens: planned against what the GPU holds, timed."""
+        raw = llama8b_config(self.gpus(8))
+        return self.real_size_step("llama8b-lora-zero3", raw, flops_per_token=llm_flops_per_token(LLAMA_8B, 2048, lora=True))
+
+    def step_video_dit_blocks(self) -> dict[str, Any]:
+        """Wan 14B's transformer at real width, 4 blocks, LoRA on 33-frame clips: planned against what the GPU holds, timed."""
+        raw = video_dit_config(self.gpus(1))
+        return self.real_size_step("video-dit-blocks", raw, flops_per_token=None, flops_per_sample=dit_flops_per_sample)
+
+    def real_size_step(self, name: str, raw: dict[str, Any], flops_per_token: float | None, flops_per_sample: Callable[[str], float | None] | None = None) -> dict[str, Any]:
+        trained = self.train(name, raw)
+        if trained.get("returncode") != 0:
+            return trained
+        done = subprocess.run([sys.executable, "-m", "zeropipe", "plan", trained["config"], "--json"], capture_output=True, text=True, cwd=ROOT)
+        plan = json.loads(done.stdout) if done.returncode in (0, 1) and done.stdout.strip().startswith("{") else {}
+        context = cuda_context_bytes()
+        result = held_against_plan(planned_peak(plan) if plan else None, trained, context)
+        peak = ((self.results.get("calibrate") or {}).get("calibration") or {}).get("matmul_flops", {}).get("bf16")
+        result.update(throughput(trained, flops_per_token, peak, self.gpus(8 if name.startswith("llama") else 1), flops_per_sample(trained["config"]) if flops_per_sample else None))
+        result["ok"] = trained.get("final_loss", 1e9) < trained.get("first_loss", 0) * 1.5 and result.get("planned_over_held") is not None
+        return result
+
+
 # ------------------------------------------------------------------ pure parts (tested on CPU)
+def llama8b_config(gpus: int) -> dict[str, Any]:
+    return {
+        "model": {"config": LLAMA_8B, "tokenizer_vocab_size": 2000, "gradient_checkpointing": True, "lora": {"r": 16, "alpha": 32}},
+        # Packed 2048-token sequences: every micro-batch is full length, as the plan assumes (short synthetic examples
+        # padded to the batch's longest were what made the 0.2B plan_vs_measured rows read 6.7x).
+        "data": {"synthetic": {"task": "mixed", "examples": 20000}, "max_seq_len": 2048, "packing": True},
+        "train": {"max_steps": 12, "micro_batch_size": 1, "lr": 2e-4, "warmup_steps": 2},
+        "deepspeed": {"zero_stage": 3, "precision": "bf16"},
+        "hardware": {"gpus": gpus},
+    }
+
+
+def video_dit_config(gpus: int) -> dict[str, Any]:
+    return {
+        "model": {"config": WAN14B_BLOCKS, "gradient_checkpointing": True, "lora": {"r": 32, "alpha": 32}},
+        "data": {"synthetic": {"task": "shapes", "examples": 24}, "images": {"resolution": 480, "bucket_step": 16}, "video": {"frame_buckets": [33]}},
+        "train": {"max_steps": 10, "micro_batch_size": 1, "lr": 1e-4, "warmup_steps": 2},
+        "deepspeed": {"zero_stage": 2, "precision": "bf16"},
+        "hardware": {"gpus": gpus},
+    }
+
+
+def llm_flops_per_token(config: dict[str, Any], seq: int, lora: bool) -> float:
+    """Model FLOPs per trained token (recomputation not counted, as MFU is defined): the matmuls of every weight but the
+    input embedding, 2 per weight forward, 2 more backward for the input gradients, 2 more for weight gradients unless
+    the weights are frozen (LoRA); attention's QK^T and PV, 4·L·s·d forward, three times that in all."""
+    h, i, layers, heads, kv = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"))
+    head = h // heads
+    per_layer = h * heads * head + 2 * h * kv * head + heads * head * h + 3 * h * i
+    weights = layers * per_layer + h * config["vocab_size"]
+    return (4 if lora else 6) * weights + 12 * layers * seq * heads * head
+
+
+def held_against_plan(planned: int | None, trained: dict[str, Any], context: int | None) -> dict[str, Any]:
+    """What the GPU held (the busiest rank's max_memory_reserved, plus the CUDA context) against the plan's per-GPU peak."""
+    reserved = trained.get("gpu_max_reserved_bytes_peak")
+    held = reserved + context if reserved is not None and context is not None else None
+    row: dict[str, Any] = {"planned_bytes": planned, "reserved_bytes": reserved, "context_bytes": context, "held_bytes": held, "allocated_bytes": trained.get("gpu_max_allocated_bytes_peak")}
+    row["planned_over_held"] = round(planned / held, 3) if planned and held else None
+    return row
+
+
+def dit_flops_per_sample(config: str) -> float | None:
+    """A LoRA step's model FLOPs per clip: the forward the planner traces (meta device, at the config's resolution and frames),
+    and once more for the backward's input gradients (the frozen base gets no weight gradients)."""
+    from zeropipe.config.load import load_config
+    from zeropipe.families import model_spec
+
+    trace = model_spec(load_config(config)).activation_trace
+    return 2.0 * trace.forward_flops if trace is not None else None
+
+
+def throughput(trained: dict[str, Any], flops_per_token: float | None, peak: float | None, gpus: int, flops_per_sample: float | None = None) -> dict[str, Any]:
+    tokens = trained.get("tokens_per_s_median")
+    samples = trained.get("samples_per_s_median")
+    out: dict[str, Any] = {"tokens_per_s": tokens, "samples_per_s": samples, "bf16_peak_flops": peak}
+    if tokens and flops_per_token and peak:
+        out["mfu"] = round(tokens * flops_per_token / (peak * gpus), 4)
+    elif samples and flops_per_sample and peak:
+        out["mfu"] = round(samples * flops_per_sample / (peak * gpus), 4)
+    elif not peak:
+        out["mfu"] = "no calibrate result in this run: run the calibrate step first"
+    return out
+
+
+def cuda_context_bytes() -> int | None:
+    """Device memory a fresh CUDA process holds outside PyTorch's allocator (context, cuBLAS handle): mem_get_info's used less reserved."""
+    code = (
+        "import torch; x = torch.ones(1024, 1024, device='cuda', dtype=torch.bfloat16); (x @ x).sum().item(); "
+        "free, total = torch.cuda.mem_get_info(); print(total - free - torch.cuda.memory_reserved())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    try:
+        return int(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return None
+
+
+
 def cuda_devices() -> list[str]:
     try:
         import torch

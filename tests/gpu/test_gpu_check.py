@@ -75,10 +75,33 @@ def test_every_config_a_gpu_step_trains_is_one_zeropipe_accepts(tmp_path, monkey
             return {"returncode": 1, "log_tail": "dry run"}  # stops each step after its first config
 
     check = DryRun(tmp_path, cpu=False)
-    for step in ["quickstart", "zero3_offload", "qlora", "fp8_base", "plan_vs_measured", "hf_trainer"]:
+    for step in ["quickstart", "zero3_offload", "qlora", "fp8_base", "plan_vs_measured", "hf_trainer", "llama8b_lora_zero3", "video_dit_blocks"]:
         getattr(check, f"step_{step}")()
     assert {"quickstart", "zero3-offload", "qlora", "fp8-base", "plan-zero2-full", "plan-zero3-full-ckpt", "plan-zero3-lora", "hf-compare"} <= set(trained)
+    assert {"llama8b-lora-zero3", "video-dit-blocks"} <= set(trained)
     for name, path in trained.items():
         config = load_config(path)
         if config.model.path:
             assert len(AutoTokenizer.from_pretrained(config.model.path)) > 256, name
+
+
+def test_the_real_size_steps_plan_what_they_train(monkeypatch):
+    """The 8B-shaped LoRA and the 14B DiT blocks: their configs load, name the real shapes, and plan (on the meta device, as the GPU step does)."""
+    from zeropipe.config.load import validate_config
+    from zeropipe.families import model_spec
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+
+    llama = validate_config(gpu_check.llama8b_config(1))
+    assert llama.data.packing and llama.data.max_seq_len == 2048 and llama.deepspeed.zero_stage == 3 and llama.model.lora is not None
+    spec = model_spec(llama)
+    assert spec.layers == 32 and spec.hidden_size == 4096 and spec.total_params > 8.0e9
+    # 4·N (LoRA: no weight gradients for the frozen base) plus attention: about 33 GFLOP per token at 2048.
+    assert 3.0e10 < gpu_check.llm_flops_per_token(gpu_check.LLAMA_8B, 2048, lora=True) < 3.6e10
+    video = validate_config(gpu_check.video_dit_config(1))
+    assert video.model.config["transformer"]["num_attention_heads"] * video.model.config["transformer"]["attention_head_dim"] == 5120
+    row = gpu_check.held_against_plan(10 * 2**30, {"gpu_max_reserved_bytes_peak": 8 * 2**30, "gpu_max_allocated_bytes_peak": 7 * 2**30}, 2**29)
+    assert row["held_bytes"] == 8.5 * 2**30 and row["planned_over_held"] == round(10 / 8.5, 3)
+    assert gpu_check.throughput({"tokens_per_s_median": 1000.0}, 3e10, 6e14, 1)["mfu"] == 0.05
+    assert gpu_check.throughput({"samples_per_s_median": 2.0}, None, 6e14, 1, flops_per_sample=3e13)["mfu"] == 0.1

@@ -451,6 +451,22 @@ def converted_cannot_train(ctx: CheckContext):
          "do what the message says, then delete that line of convert.cannot_train")
         for reason in section.cannot_train
     ]
+@rule("ZP047", "error", "activation offload without gradient checkpointing", "docs/plan.md#activation-offload")
+def activation_offload_needs_checkpointing(ctx: CheckContext):
+    # Offload moves the inputs that checkpointed blocks save for their recomputation: without checkpointing there are none
+    # (and offloading every saved tensor instead would copy the whole forward's activations over the host link).
+    train, model = ctx.config.train, ctx.config.model
+    if train.activation_offload and model.gradient_checkpointing is not True:
+        setting = "'auto'" if model.gradient_checkpointing == "auto" else "false"
+        return [
+            (
+                "train.activation_offload",
+                f"activation offload keeps the checkpointed blocks' inputs in host RAM, but model.gradient_checkpointing is {setting}: "
+                "nothing is checkpointed, so nothing would be offloaded",
+                "set model.gradient_checkpointing: true, or train.activation_offload: false",
+            )
+        ]
+    return []
 
 
 def run_rules(ctx: CheckContext, rules: list[Rule] | None = None) -> list[Finding]:

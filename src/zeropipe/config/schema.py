@@ -402,6 +402,13 @@ class TrainSection(Section):
         "the end of training is always evaluated. Eval loss and perplexity are written to metrics.jsonl.",
     )
     keep_last: int = Field(2, ge=1, description="Keep this many most recent checkpoints; older ones are deleted after a newer one is complete.")
+    activation_offload: bool = Field(
+        False,
+        description="With model.gradient_checkpointing: keep each checkpointed block's inputs in host memory (pinned on GPU ranks) instead of "
+        "on the GPU, and bring them back for the block's recomputation in backward. Frees layers x tokens x hidden x 2 bytes of GPU memory per "
+        "micro-batch (what dominates long sequences and video) for the same amount of host RAM per rank and a copy each way over the host "
+        "link; the losses are the same as without. Needs model.gradient_checkpointing: true.",
+    )
 
 
 class GenerateSection(Section):

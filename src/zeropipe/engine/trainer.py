@@ -26,6 +26,7 @@ from zeropipe.checkpoint import manager
 from zeropipe.data.sampler import DataPosition
 from zeropipe.engine.task import RankTask
 from zeropipe.metrics import MetricSinks
+from zeropipe.models.checkpointing import offload_counter
 from zeropipe.rundir import RunDir
 
 log = logging.getLogger("zeropipe")
@@ -142,6 +143,8 @@ class Trainer:
         import deepspeed
 
         model, self.parameter_counts = self.task.build_model()
+        # train.activation_offload: the bytes its hooks copy to host RAM, reported per step in metrics.jsonl.
+        self.activation_offload = offload_counter(model)
         parameters = [p for p in model.parameters() if p.requires_grad]
         # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
@@ -258,11 +261,19 @@ class Trainer:
                 reserved=reserved,
                 grad_norm=grad_norm,
                 time=time.time(),
-                extra=self.task.extra_metrics(),
+                extra=self.task.extra_metrics() | self.offload_figures(),
             )
         )
         if self.step % self.config.train.log_every == 0 or self.step >= self.plan.total_steps:
             self.flush_metrics()
+
+    def offload_figures(self) -> dict[str, int]:
+        """Bytes activation offload copied to host RAM this step (each copy comes back once in backward): the planner's host-link term."""
+        counter = getattr(self, "activation_offload", None)
+        if counter is None:
+            return {}
+        moved, counter.bytes = counter.bytes, 0
+        return {"activation_offload_bytes": moved}
 
     def flush_metrics(self) -> None:
         """One collective gathers every rank's pending steps; rank 0 appends their rows to metrics.jsonl.

@@ -94,6 +94,8 @@ class Choice:
     # DeepSpeed's stage3_max_live_parameters and stage3_max_reuse_distance, as the run's DeepSpeed JSON sets them.
     zero3_max_live_parameters: int = DEFAULT_STAGE3_MAX_LIVE_PARAMETERS
     zero3_reuse_distance: int = DEFAULT_STAGE3_REUSE_DISTANCE
+    # train.activation_offload: the checkpointed blocks' inputs wait in host RAM (needs gradient_checkpointing).
+    activation_offload: bool = False
 
     def describe(self) -> str:
         offload = []
@@ -103,7 +105,7 @@ class Choice:
             offload.append("params")
         parts = [f"ZeRO-{self.zero_stage}"]
         parts.append(f"offload {'+'.join(offload)}" if offload else "no offload")
-        parts.append("checkpointing" if self.gradient_checkpointing else "no checkpointing")
+        parts.append(("checkpointing, inputs offloaded" if self.activation_offload else "checkpointing") if self.gradient_checkpointing else "no checkpointing")
         parts.append(f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps}")
         parts.append(self.precision)
         return ", ".join(parts)
@@ -499,7 +501,9 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
         if choice.gradient_checkpointing:
             kept = spec.layers * checkpointed_layer_bytes(block, tokens, choice.precision)
             terms.append(
-                Term(
+                offloaded_activation_gpu_term(spec, choice)
+                if choice.activation_offload
+                else Term(
                     "activations (checkpointed layer inputs)",
                     kept,
                     f"{spec.layers} layers keep only their input, s·b·h·{value_bytes(choice.precision)} bytes each (s={s}, b={b}, h={block.hidden})",
@@ -537,8 +541,11 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
         scale = b * _trace_scale(trace, choice)
         clip = f" x {trace.frames} frames" if trace.frames > 1 else ""
         where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px{clip}, x {b} samples"
-        if choice.gradient_checkpointing:
+        if choice.gradient_checkpointing and choice.activation_offload:
+            terms.append(offloaded_activation_gpu_term(spec, choice))
+        if choice.gradient_checkpointing and not choice.activation_offload:
             terms.append(Term("activations (checkpointed block inputs)", trace.checkpointed_bytes * scale, where, FORWARD_BACKWARD))
+        if choice.gradient_checkpointing:
             terms.append(
                 Term(
                     "one block recomputed in backward",
@@ -554,6 +561,92 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
     else:
         terms.append(Term("activations", 0, "unknown for a bare parameter count: pass --model to include them", FORWARD_BACKWARD))
     return terms
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation offload (train.activation_offload): the checkpointed blocks' inputs in host RAM
+#
+# zeropipe.models.checkpointing copies every tensor a checkpointed block is handed positionally
+# (a decoder layer's hidden states; a DiT block's image and text streams, timestep embedding and
+# rotary tables) into host memory when the block's forward saves it, and back when backward
+# recomputes the block. Only those inputs move: what the recomputed block holds, and whatever is
+# saved outside the checkpointed blocks (embeddings, the loss), stays on the GPU.
+
+
+def offloaded_input_sizes(spec: ModelSpec, choice: Choice) -> list[int]:
+    """Bytes of each tensor activation offload copies to host RAM for one micro-batch, one entry per copy."""
+    if not choice.gradient_checkpointing:
+        return []
+    b = choice.micro_batch_size * spec.sequences_per_example
+    if spec.block is not None and spec.layers:
+        # transformers hands a decoder layer only its hidden states positionally (masks and rotary tables are keywords, kept once).
+        return [checkpointed_layer_bytes(spec.block, b * choice.seq_len, choice.precision)] * spec.layers
+    trace = spec.activation_trace
+    if trace is not None:
+        scale = b * _trace_scale(trace, choice)
+        if trace.offloaded_sizes is not None:
+            return [size * scale for size in trace.offloaded_sizes]
+        # A trace made before offload was counted: every checkpointed byte is taken to move (an overcount by what is saved outside the blocks).
+        return [trace.checkpointed_bytes * scale]
+    return []
+
+
+def offloaded_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
+    """Bytes of checkpointed block inputs that activation offload holds in host RAM per rank (one micro-batch's worth)."""
+    return sum(offloaded_input_sizes(spec, choice))
+
+
+def activation_offload_traffic_bytes(spec: ModelSpec, choice: Choice) -> int:
+    """Bytes one rank moves over the host link per optimizer step for activation offload: each input out in forward, back in backward.
+
+    Zero when the choice does not offload activations; the cost model prices these at the measured host-link bandwidth.
+    """
+    if not (choice.activation_offload and choice.gradient_checkpointing):
+        return 0
+    return 2 * offloaded_activation_bytes(spec, choice) * choice.gradient_accumulation_steps
+
+
+def offloaded_activation_gpu_term(spec: ModelSpec, choice: Choice) -> Term:
+    """What stays on the GPU of the checkpointed inputs when they are offloaded: the one being recomputed, and what lies outside the blocks."""
+    sizes = offloaded_input_sizes(spec, choice)
+    moved = sum(sizes)
+    trace = spec.activation_trace if spec.block is None or not spec.layers else None
+    if trace is not None and trace.offloaded_sizes is not None:
+        scale = choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice)
+        outside = max(0, trace.offload_resident_bytes or 0) * scale
+        per_block = moved // max(1, trace.checkpointed_blocks)
+        return Term(
+            "activations (checkpointed block inputs, offloaded)",
+            outside + per_block,
+            f"{_gib(moved)} of block inputs wait in host RAM (train.activation_offload); on the GPU: what is saved outside the "
+            f"checkpointed blocks ({_gib(outside)}) and the inputs of the block being recomputed, brought back ({_gib(per_block)})",
+            FORWARD_BACKWARD,
+        )
+    largest = max(sizes, default=0)
+    return Term(
+        "activations (checkpointed layer inputs, offloaded)",
+        largest,
+        f"{len(sizes)} inputs ({_gib(moved)}) wait in host RAM (train.activation_offload); the one of the layer being recomputed "
+        "is brought back to the GPU",
+        FORWARD_BACKWARD,
+    )
+
+
+def offloaded_activation_host_term(spec: ModelSpec, hardware: Hardware, choice: Choice) -> Term:
+    """Host RAM of one node for the offloaded inputs: every local rank's micro-batch, pinned and rounded on GPU ranks."""
+    sizes = offloaded_input_sizes(spec, choice)
+    local = hardware.gpus_per_node
+    held = sum(sizes)
+    how = "pageable host RAM (CPU ranks: a copy that replaces the rank's own)"
+    if hardware.accelerator == "cuda":
+        held += pinned_rounding_bytes(sizes)
+        how = "pinned host RAM, each copy rounded up to a power of two by PyTorch's pinned allocator, which keeps the blocks for the next micro-batch"
+    return Term(
+        "offloaded activations",
+        local * held,
+        f"{local} ranks x {len(sizes)} checkpointed block inputs of one micro-batch ({_gib(held)} each rank), in {how}",
+        TRAINING,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,8 +692,11 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             terms.append(Term("reduce bucket", touched * v, f"one {_count(reduce_bucket)}-element gradient bucket for the reduce-scatter{cpu_note}"))
     if stage == 3:
         largest = spec.largest_layer_params
-        retained = zero3_retained_elements(spec, choice)
-        whole = retained >= spec.total_params
+        # One rank with the weights on its GPU: DeepSpeed gathers nothing (its NoGatherHandle hands each layer
+        # a view of the rank's own partition, which is the whole weight), so no gathered copy is made or kept.
+        single = n == 1 and not choice.offload_param
+        retained = 0 if single else zero3_retained_elements(spec, choice)
+        whole = single or retained >= spec.total_params
         # With LoRA the largest layer is frozen: it is gathered but has no full gradient. When the
         # whole model stays gathered (below), its weights are counted there.
         # On CPU ranks the all-gather goes through gloo, which stages a second full copy of the
@@ -612,6 +708,8 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             what += ", twice while gloo gathers it (CPU ranks)"
         if whole:
             what = "full gradient" if spec.lora is None else "nothing more (every layer stays gathered, below)"
+        if single:
+            what = ("full gradient" if spec.lora is None else "nothing") + ": one rank holds every weight whole and DeepSpeed gathers none"
         # QLoRA: the largest module is the embedding or the output head, upcast to fp32; the
         # kept-gathered weights are counted at the base's mean bytes per weight.
         gathered_v = 4 if spec.quantized is not None else v
@@ -869,6 +967,8 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
                     TRAINING,
                 )
             )
+    if choice.activation_offload and choice.gradient_checkpointing:
+        terms.append(offloaded_activation_host_term(spec, hardware, choice))
     workers = DATA_WORKERS_PER_RANK.get(spec.family, 0)
     if any(m.name == "vae" for m in spec.cached_models):
         workers = 0  # cached latents are read, not decoded

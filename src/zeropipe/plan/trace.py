@@ -31,6 +31,11 @@ class ActivationTrace:
     forward_flops: int  # per sample, for the cost model
     precision: str = "bf16"
     frames: int = 1  # video models: the clip length traced (tokens = latent frames x latent height x width / patch volume)
+    # Activation offload (train.activation_offload): the bytes of each tensor it copies to host RAM, one entry per copy;
+    # what stays saved on the GPU outside the checkpointed blocks; and how many blocks are checkpointed. None/0: not traced.
+    offloaded_sizes: tuple[int, ...] | None = None
+    offload_resident_bytes: int | None = None
+    checkpointed_blocks: int = 0
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -123,13 +128,20 @@ def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, 
         inputs = make_inputs()
     saved, largest, flops = count_saved(model, lambda: model(**inputs), per_block=True)
     checkpointed = saved
+    offload = {}
     if getattr(model, "_supports_gradient_checkpointing", False):
-        # diffusers' default checkpointing function takes no keyword arguments, which HunyuanImage's transformer passes.
-        model.enable_gradient_checkpointing(
-            gradient_checkpointing_func=lambda module, *args, **kwargs: torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
-        )
+        from zeropipe.models.checkpointing import OffloadCounter, checkpoint_function
+
+        # Training's own checkpoint function (keyword arguments passed on: HunyuanImage's transformer passes some).
+        model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_function())
         try:
             checkpointed, _, _ = count_saved(model, lambda: model(**inputs))
+            # With activation offload (train.activation_offload): the same function training uses, counting what it would copy
+            # to host RAM; what the outer hooks still see stays on the GPU (saved outside the checkpointed blocks).
+            counter = OffloadCounter(record_sizes=True)
+            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_function(offload=True, counter=counter, count_only=True))
+            resident, _, _ = count_saved(model, lambda: model(**inputs))
+            offload = {"offloaded_sizes": tuple(counter.sizes or ()), "offload_resident_bytes": resident, "checkpointed_blocks": counter.blocks}
         finally:
             model.disable_gradient_checkpointing()
-    return ActivationTrace(resolution, saved, checkpointed, largest, flops, frames=frames)
+    return ActivationTrace(resolution, saved, checkpointed, largest, flops, frames=frames, **offload)

@@ -17,6 +17,7 @@ import torch
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import peft_adapter_config
+from zeropipe.models.checkpointing import enable_checkpointing
 from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, full_precision_kwargs, model_config, resolve_lora_targets, trained_weights  # noqa: F401 - trained_weights: this family's callers
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import QuantizedStorage
@@ -63,7 +64,7 @@ def auto_class(reward: bool):
     return AutoModelForSequenceClassification if reward else AutoModelForCausalLM
 
 
-def build_model(section: ModelSection, config: Any, precision: str, zero_stage: int = 0, reward: bool = False):
+def build_model(section: ModelSection, config: Any, precision: str, zero_stage: int = 0, reward: bool = False, activation_offload: bool = False):
     """Instantiate the model (random init or pretrained), with LoRA adapters when configured.
 
     Call this with ``HfDeepSpeedConfig`` alive for ZeRO-3 so that construction is partitioned.
@@ -109,8 +110,8 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
     # The KV cache is useless in training and costs memory.
     model.config.use_cache = False
     if section.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with ZeRO-3.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and with ZeRO-3; activation offload rides on it.
+        enable_checkpointing(model, offload=activation_offload)
         if section.lora is not None:
             model.enable_input_require_grads()
     if section.lora is not None:

@@ -137,7 +137,9 @@ class PreferenceTask(PreferenceObjective, CausalLMTask):
             config.num_labels = 1
             config.pad_token_id = pad_token_id(self.tokenizer)
         self.hf_ds_config = hf_zero3_config(trainer.ds_config, trainer.plan.zero_stage)
-        model = build_model(trainer.config.model, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, reward=reward)
+        model = build_model(
+            trainer.config.model, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, reward=reward, activation_offload=trainer.config.train.activation_offload
+        )
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
         trainable, total = count_parameters(model)

@@ -54,7 +54,7 @@ class CausalLMTask(TaskDefaults):
         config = model_config(trainer.config.model)
         # Alive for the whole run: transformers builds the model inside zero.Init, and generate() under ZeRO-3 needs it too.
         self.hf_ds_config = hf_zero3_config(trainer.ds_config, trainer.plan.zero_stage)
-        model = build_model(trainer.config.model, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage)
+        model = build_model(trainer.config.model, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, activation_offload=trainer.config.train.activation_offload)
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
         trainable, total = count_parameters(model)

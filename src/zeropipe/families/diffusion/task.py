@@ -52,6 +52,7 @@ from zeropipe.engine.task import TaskDefaults
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion.prepare import load_item_pixels, planned_conditions, read_plan
 from zeropipe.models.adapters import peft_adapter_config
+from zeropipe.models.checkpointing import enable_checkpointing
 from zeropipe.models.common import TORCH_DTYPES, count_parameters, encoder_precision_for, hf_zero3_config, resolve_lora_targets
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.bnb_base import BitsAndBytesStorage
@@ -140,7 +141,7 @@ class DiffusionTask(TaskDefaults):
         )
         section = self.config.model
         if section.gradient_checkpointing:
-            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_with_keywords)
+            enable_checkpointing(model, offload=self.config.train.activation_offload)
         if section.lora is not None:
             model.requires_grad_(False)
             lora = section.lora

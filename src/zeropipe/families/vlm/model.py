@@ -34,6 +34,7 @@ from zeropipe.config.schema import LoraSection, ModelSection
 from zeropipe.data.tokenizer import train_tokenizer
 from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import adapter_parameter_sizes, is_adapter_parameter, peft_adapter_config
+from zeropipe.models.checkpointing import enable_checkpointing
 from zeropipe.models.common import TORCH_DTYPES, full_precision_kwargs, is_lora_target, model_config
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import BLOCK_LINEAR, QuantizedStorage
@@ -253,7 +254,9 @@ def vlm_config(section: ModelSection, vocab_size: int | None = None):
     return model_config(section.model_copy(update={"config": fields}))
 
 
-def build_vlm(section: ModelSection, config: Any, precision: str, zero_stage: int = 0, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def build_vlm(
+    section: ModelSection, config: Any, precision: str, zero_stage: int = 0, dtype: torch.dtype | None = None, activation_offload: bool = False
+) -> torch.nn.Module:
     """The model with model.trainable applied (and LoRA); call with ``HfDeepSpeedConfig`` alive for ZeRO-3."""
     from transformers import AutoModelForImageTextToText
 
@@ -286,8 +289,8 @@ def build_vlm(section: ModelSection, config: Any, precision: str, zero_stage: in
         text_config.use_cache = False
     freeze_parts(model, trainable_parts(section))
     if section.gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (a frozen vision tower, LoRA) and with ZeRO-3.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Non-reentrant checkpointing works with frozen inputs (a frozen vision tower, LoRA) and with ZeRO-3; activation offload rides on it.
+        enable_checkpointing(model, offload=activation_offload)
     if section.lora is not None:
         model = add_vlm_lora(model, section)
     return model

@@ -44,7 +44,7 @@ class VisionLanguageTask(TaskDefaults):
         section = trainer.config.model
         config = vlm_config(section)
         self.hf_ds_config = hf_zero3_config(trainer.ds_config, trainer.plan.zero_stage)
-        model = build_vlm(section, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage)
+        model = build_vlm(section, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, activation_offload=trainer.config.train.activation_offload)
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
         trainable, total = count_parameters(model)
