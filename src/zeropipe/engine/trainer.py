@@ -24,6 +24,7 @@ import torch
 
 from zeropipe.checkpoint import manager
 from zeropipe.data.sampler import DataPosition
+from zeropipe.engine.optimizers import build_client_optimizer
 from zeropipe.engine.task import RankTask
 from zeropipe.metrics import MetricSinks
 from zeropipe.rundir import RunDir
@@ -143,8 +144,12 @@ class Trainer:
 
         model, self.parameter_counts = self.task.build_model()
         parameters = [p for p in model.parameters() if p.requires_grad]
-        # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
+        # DeepSpeed builds the optimizer from ds_config when it knows it (AdamW, Muon, Adafactor) and
+        # always the scheduler; bitsandbytes' AdamW8bit and Prodigy are handed over built (engine.optimizers).
+        client = build_client_optimizer(self.config.train, parameters)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=parameters, optimizer=client, config=self.ds_config
+        )
         self.task.after_initialize()
 
     def resume(self) -> None:
