@@ -78,15 +78,43 @@ def batch() -> torch.Tensor:
     return torch.randint(0, 64, (2, 12), generator=generator)
 
 
-def deepspeed_steps(config, model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
+def engine_for(config, model: torch.nn.Module):
     import deepspeed
 
     ds = build_deepspeed_config(config, world_size=1, total_steps=STEPS, hidden_size=32).config
     parameters = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=build_client_optimizer(config.train, parameters), config=ds)
+    return engine
+
+
+def deepspeed_steps(config, model: torch.nn.Module, save_at: int | None = None, save_dir=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import deepspeed
+
+    engine = engine_for(config, model)
     ids = batch()
     losses = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if step == save_at:
+            # Every rank calls save_checkpoint: a collective.
+            engine.save_checkpoint(str(save_dir), tag="mid")
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    return losses, weights
+
+
+def resumed_steps(config, model: torch.nn.Module, save_dir, from_step: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A new engine on a fresh model, loaded from the checkpoint, stepped to the end: its losses and final weights."""
+    import deepspeed
+
+    engine = engine_for(config, model)
+    engine.load_checkpoint(str(save_dir), tag="mid", load_optimizer_states=True, load_lr_scheduler_states=True)
+    ids = batch()
+    losses = []
+    for _ in range(from_step, STEPS):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
@@ -162,8 +190,14 @@ def test_each_optimizer_steps_as_its_library_alone(tmp_path, distributed, name, 
     assert not optimizer_problems(name, stage, offload=False)
     model = tiny_model()
     reference = copy.deepcopy(model)
-    losses, weights = deepspeed_steps(config, model)
+    fresh = copy.deepcopy(model)
+    losses, weights = deepspeed_steps(config, model, save_at=2, save_dir=tmp_path / "checkpoints")
     expected_losses, expected = reference_steps(name, reference, config.train, flat=name == "adamw8bit" and stage > 0)
+    # Resumed from the checkpoint after step 2 (weights, optimizer state, schedule), step 3 is the same step:
+    # the same loss before it and bit-identical weights after it (the update reads the restored state).
+    resumed_losses, resumed = resumed_steps(config, fresh, tmp_path / "checkpoints", 2)
+    assert resumed_losses == losses[2:]
+    assert all(torch.equal(resumed[n], weights[n]) for n in weights), f"{name} under ZeRO-{stage} does not resume exactly"
     assert losses[-1] < losses[0], f"{name} did not lower the loss: {losses}"
     assert losses == pytest.approx(expected_losses, rel=max(tolerance, 1e-6), abs=1e-6)
     worst = max((weights[n] - expected[n]).abs().max().item() for n in expected)
