@@ -127,7 +127,7 @@ def client_optimizer_with_offload(ctx: CheckContext):
     return []
 
 
-@rule("ZP041", "error", "an optimizer the ZeRO stage or offload cannot run", "docs/config.md#optimizers")
+@rule("ZP041", "error", "an optimizer the ZeRO stage or offload cannot run", "docs/optimizers.md")
 def optimizer_with_stage_or_offload(ctx: CheckContext):
     """train.optimizer against the stage and offload the run resolves to (config.optimizers says why each is refused)."""
     device = (ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")

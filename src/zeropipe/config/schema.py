@@ -389,7 +389,7 @@ class TrainSection(Section):
         description="The optimizer: adamw (DeepSpeed's AdamW, any ZeRO stage and offload); muon (DeepSpeed's Muon for the weight "
         "matrices with an auxiliary AdamW for the rest, ZeRO 0-3 without offload); adafactor (torch.optim.Adafactor, ZeRO-0: it "
         "factors whole matrices, which ZeRO 1-3's flat partitions are not); adamw8bit (bitsandbytes' AdamW8bit, 8-bit moments, "
-        "ZeRO 0-3 without offload); prodigy (the prodigyopt package, learning-rate free: set train.lr 1.0; ZeRO-0). docs/config.md#optimizers",
+        "ZeRO 0-3 without offload); prodigy (the prodigyopt package, learning-rate free: set train.lr 1.0; ZeRO-0). docs/optimizers.md",
     )
     muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum (train.optimizer: muon).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
