@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from zeropipe.check.planning import activation_heavy, memory_problems, zero3_unneeded
 from zeropipe.config.load import offload_problems
+from zeropipe.config.optimizers import optimizer_problems
 from zeropipe.config.schema import RunConfig
 
 DS_CONFIG_DOCS = "https://www.deepspeed.ai/docs/config-json/"
@@ -124,6 +125,13 @@ def client_optimizer_with_offload(ctx: CheckContext):
     if str(optimizer.get("type", "")).lower() not in CPU_OPTIMIZERS:
         return [("deepspeed.config_file", f"optimizer {optimizer.get('type')!r} has no CPU implementation for offload_optimizer", "use AdamW, Adam, Adagrad or Lion, or set offload_optimizer: none")]
     return []
+
+
+@rule("ZP041", "error", "an optimizer the ZeRO stage or offload cannot run", "docs/optimizers.md")
+def optimizer_with_stage_or_offload(ctx: CheckContext):
+    """train.optimizer against the stage and offload the run resolves to (config.optimizers says why each is refused)."""
+    device = (ctx.ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device", "none")
+    return optimizer_problems(ctx.config.train.optimizer, ctx.zero_stage, offload=device not in (None, "none"))
 
 
 LOSS_SCALE_KEYS = {"loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis", "min_loss_scale", "auto_cast"}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zeropipe.config.optimizers import deepspeed_type_to_name, optimizer_kind
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ConfigError
 
@@ -57,12 +58,31 @@ def scheduler_block(config: RunConfig, total_steps: int) -> dict[str, Any]:
     return {"type": "WarmupLR", "params": {"warmup_min_lr": start * train.lr, "warmup_max_lr": train.lr, "warmup_num_steps": warmup, "warmup_type": "linear"}}
 
 
-def optimizer_block(config: RunConfig) -> dict[str, Any]:
+def optimizer_block(config: RunConfig) -> dict[str, Any] | None:
+    """The JSON's optimizer block, or None for a client optimizer the rank builds (engine.optimizers)."""
     train = config.train
-    return {
-        "type": "AdamW",
-        "params": {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps, "weight_decay": train.weight_decay},
-    }
+    adam = {"lr": train.lr, "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps, "weight_decay": train.weight_decay}
+    if train.optimizer == "muon":
+        # One rate for both halves (the matrices' Muon and the rest's AdamW): DeepSpeed's WarmupLR and
+        # WarmupDecayLR set every group to one absolute rate, so per-half rates would not survive them.
+        return {"type": "Muon", "params": {**adam, "momentum": train.muon_momentum}}
+    if train.optimizer == "adafactor":
+        # torch.optim.Adafactor (DeepSpeed builds it through getattr(torch.optim, type)); it has no betas.
+        return {"type": "Adafactor", "params": {"lr": train.lr, "weight_decay": train.weight_decay}}
+    if optimizer_kind(train.optimizer).deepspeed_type is None:
+        return None
+    return {"type": "AdamW", "params": adam}
+
+
+def optimizer_settings(config: RunConfig) -> dict[str, Any]:
+    """What the JSON needs beside the optimizer block for the chosen optimizer."""
+    kind = optimizer_kind(config.train.optimizer)
+    settings: dict[str, Any] = {}
+    if kind.name != "adamw" and config.deepspeed.zero_stage:
+        # DeepSpeed's ZeRO optimizers run only the optimizers it tested unless told otherwise;
+        # check.rules refuses the stages where one of ours would not be the same algorithm.
+        settings["zero_allow_untested_optimizer"] = True
+    return settings
 
 
 def zero_block(config: RunConfig, hidden_size: int | None) -> dict[str, Any]:
@@ -81,6 +101,9 @@ def zero_block(config: RunConfig, hidden_size: int | None) -> dict[str, Any]:
             zero["stage3_param_persistence_threshold"] = 10 * hidden_size
         # Needed so that save_16bit_model/export can gather full weights from the shards.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+        if config.train.optimizer == "muon":
+            # ZeRO-3's Muon orthogonalises whole gradients it gathers itself; DeepSpeed refuses it with reduce-scatter.
+            zero["reduce_scatter"] = False
         if ds.offload_param == "cpu":
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return zero
@@ -114,7 +137,6 @@ def build_deepspeed_config(
             "gradient_accumulation_steps": train.gradient_accumulation_steps,
             "train_batch_size": train.micro_batch_size * train.gradient_accumulation_steps * world_size,
             "gradient_clipping": train.grad_clip,
-            "optimizer": optimizer_block(config),
             "scheduler": scheduler_block(config, total_steps),
             "zero_optimization": zero_block(config, hidden_size),
             # Our own metrics replace DeepSpeed's periodic prints.
@@ -122,6 +144,10 @@ def build_deepspeed_config(
             "wall_clock_breakdown": False,
             **precision_block(config.deepspeed.precision),
         }
+        optimizer = optimizer_block(config)
+        if optimizer is not None:
+            ds_config["optimizer"] = optimizer
+        ds_config.update(optimizer_settings(config))
         resolved = ResolvedDeepSpeed(ds_config)
     merge(resolved.config, copy.deepcopy(config.deepspeed.overrides))
     check_batch_size(resolved.config, world_size)
@@ -243,8 +269,20 @@ def resolve_user_config(
         filled.append(f"zero_optimization.stage = {config.deepspeed.zero_stage} (from deepspeed.zero_stage; the file has no zero_optimization block)")
     # DeepSpeed must build the optimizer and scheduler; add ours when the file has none.
     if "optimizer" not in user:
-        user["optimizer"] = optimizer_block(config)
-        filled.append("optimizer = AdamW (from train.*; the file had none)")
+        ours = optimizer_block(config)
+        if ours is None:
+            filled.append(f"no optimizer block: train.optimizer {config.train.optimizer} is built by each rank as a client optimizer")
+        else:
+            user["optimizer"] = ours
+            filled.append(f"optimizer = {ours['type']} (from train.*; the file had none)")
+    zero = user.get("zero_optimization")
+    if config.train.optimizer == "muon" and isinstance(zero, dict) and zero.get("stage") == 3 and "reduce_scatter" not in zero:
+        zero["reduce_scatter"] = False
+        filled.append("zero_optimization.reduce_scatter = False (DeepSpeed's ZeRO-3 Muon refuses reduce-scatter)")
+    for key, value in optimizer_settings(config).items():
+        if key not in user:
+            user[key] = value
+            filled.append(f"{key} = {value!r} (train.optimizer {config.train.optimizer} under ZeRO)")
     if "scheduler" not in user:
         user["scheduler"] = scheduler_block(config, total_steps)
         filled.append(f"scheduler = {user['scheduler']['type']} (from train.schedule; the file had none)")
@@ -405,12 +443,19 @@ def _fold_optimizer_and_scheduler(user: dict[str, Any], taken: dict[tuple[str, s
     optimizer = user.get("optimizer")
     if isinstance(optimizer, dict):
         kind = optimizer.get("type")
-        if isinstance(kind, str) and kind.lower() not in ADAM_TYPES:
+        name = deepspeed_type_to_name(kind) if isinstance(kind, str) else None
+        if isinstance(kind, str) and name is None:
             raise ConfigError(
-                [("deepspeed.config_file", f"optimizer.type = {kind!r}: ZeRO-Pipe runs and records AdamW (train.lr, adam_beta1/2, adam_eps, weight_decay); "
+                [("deepspeed.config_file", f"optimizer.type = {kind!r}: ZeRO-Pipe runs and records AdamW, Muon or Adafactor from a DeepSpeed JSON "
+                  f"(train.optimizer, train.lr, adam_beta1/2, adam_eps, weight_decay); "
                   f"set \"type\": \"AdamW\" or remove the optimizer block (ZeRO-Pipe then writes its own from train.*)")]
             )
+        if name is not None:
+            taken[("train", "optimizer")] = (name, "optimizer.type")
         params = optimizer.get("params") if isinstance(optimizer.get("params"), dict) else {}
+        momentum = _explicit(params, "momentum")
+        if name == "muon" and isinstance(momentum, (int, float)) and not isinstance(momentum, bool):
+            taken[("train", "muon_momentum")] = (float(momentum), "optimizer.params.momentum")
         for json_key, name in (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay")):
             value = _explicit(params, json_key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

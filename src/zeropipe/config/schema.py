@@ -384,6 +384,14 @@ class TrainSection(Section):
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up: cosine or linear to min_lr_ratio x lr, or constant.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps from 0 to lr.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr (cosine and linear schedules).")
+    optimizer: Literal["adamw", "muon", "adafactor", "adamw8bit", "prodigy"] = Field(
+        "adamw",
+        description="The optimizer: adamw (DeepSpeed's AdamW, any ZeRO stage and offload); muon (DeepSpeed's Muon for the weight "
+        "matrices with an auxiliary AdamW for the rest, ZeRO 0-3 without offload); adafactor (torch.optim.Adafactor, ZeRO-0: it "
+        "factors whole matrices, which ZeRO 1-3's flat partitions are not); adamw8bit (bitsandbytes' AdamW8bit, 8-bit moments, "
+        "ZeRO 0-3 without offload); prodigy (the prodigyopt package, learning-rate free: set train.lr 1.0; ZeRO-0). docs/optimizers.md",
+    )
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's momentum (train.optimizer: muon).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")

@@ -24,6 +24,7 @@ import torch
 
 from zeropipe.checkpoint import manager
 from zeropipe.data.sampler import DataPosition
+from zeropipe.engine.optimizers import build_client_optimizer
 from zeropipe.engine.task import RankTask
 from zeropipe.metrics import MetricSinks
 from zeropipe.models.checkpointing import offload_counter
@@ -146,8 +147,12 @@ class Trainer:
         # train.activation_offload: the bytes its hooks copy to host RAM, reported per step in metrics.jsonl.
         self.activation_offload = offload_counter(model)
         parameters = [p for p in model.parameters() if p.requires_grad]
-        # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
+        # DeepSpeed builds the optimizer from ds_config when it knows it (AdamW, Muon, Adafactor) and
+        # always the scheduler; bitsandbytes' AdamW8bit and Prodigy are handed over built (engine.optimizers).
+        client = build_client_optimizer(self.config.train, parameters)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=parameters, optimizer=client, config=self.ds_config
+        )
         self.task.after_initialize()
 
     def resume(self) -> None:

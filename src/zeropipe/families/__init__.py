@@ -133,7 +133,10 @@ def family_of_dir(path: Path) -> Family:
 # ------------------------------------------------------------------ the commands that dispatch
 def model_spec(config: "RunConfig") -> "ModelSpec":
     """The planner's description of a run config's model."""
-    return family_of(config.model).model_spec(config)
+    from dataclasses import replace
+
+    # The optimizer's state is the same for every family: counted from train.optimizer here, once.
+    return replace(family_of(config.model).model_spec(config), optimizer=config.train.optimizer)
 
 
 def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False) -> Path:

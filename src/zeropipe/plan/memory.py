@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from zeropipe.config.optimizers import optimizer_kind
 from zeropipe.plan.hardware import GIB, Hardware
 
 if TYPE_CHECKING:
@@ -137,15 +138,18 @@ def value_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def optimizer_bytes_per_parameter(precision: str, zero_stage: int) -> int:
-    """K: Adam's momentum and variance (8 bytes) plus, with ZeRO or mixed precision, an fp32 master copy (4).
+def optimizer_bytes_per_parameter(precision: str, zero_stage: int, optimizer: str = "adamw") -> int:
+    """K: the optimizer's state (Adam's momentum and variance: 8 bytes) plus, with ZeRO or mixed precision, an fp32 master copy (4).
 
     DeepSpeed's ZeRO optimizers keep their own fp32 partition even when the weights already
-    are fp32; only plain data parallelism in fp32 updates the weights in place (K = 8).
+    are fp32; only plain data parallelism in fp32 updates the weights in place. The state per
+    weight is train.optimizer's (config.optimizers: Muon's momentum 4, AdamW8bit's 2, Adafactor's
+    factored moments about 0, Prodigy's 16).
     """
+    state = int(optimizer_kind(optimizer).state_bytes)
     if precision == "fp32" and zero_stage == 0:
-        return 8
-    return 12
+        return state
+    return 4 + state
 
 
 def partition_elements(elements: int, world_size: int) -> int:
@@ -203,11 +207,11 @@ def gradient_bytes(trainable: int, world_size: int, choice: Choice, parameter_si
     return held * size
 
 
-def optimizer_state_bytes(trainable: int, world_size: int, choice: Choice) -> int:
-    """fp32 master weights and Adam moments on each GPU (none there when offloaded)."""
+def optimizer_state_bytes(trainable: int, world_size: int, choice: Choice, optimizer: str = "adamw") -> int:
+    """fp32 master weights and the optimizer's state on each GPU (none there when offloaded)."""
     if choice.offload_optimizer:
         return 0
-    per_parameter = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)
+    per_parameter = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage, optimizer)
     if choice.zero_stage == 0:
         return trainable * per_parameter
     return partition_elements(trainable, world_size) * per_parameter
@@ -370,13 +374,14 @@ def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[
             "parameters that straddle a partition edge" + (" (counted from the parameter sizes)" if spec.parameter_sizes else "")
         )
     terms.append(Term(f"gradients ({bits})", grads, why))
-    k = optimizer_bytes_per_parameter(choice.precision, stage)
+    k = optimizer_bytes_per_parameter(choice.precision, stage, spec.optimizer)
     if choice.offload_optimizer:
         opt_why = "none on the GPU: offloaded to host RAM, stepped by DeepSpeed's CPU Adam"
     else:
-        master = "fp32 master weight + " if k == 12 else ""
-        opt_why = f"K={k} bytes per trainable weight ({master}Adam momentum + variance, fp32)" + (f", a 1/{n} partition" if stage else "")
-    terms.append(Term("optimizer states", optimizer_state_bytes(trainable, n, choice), opt_why))
+        master = "fp32 master weight + " if not (choice.precision == "fp32" and stage == 0) else ""
+        state = "Adam momentum + variance, fp32" if spec.optimizer == "adamw" else f"{spec.optimizer}'s state"
+        opt_why = f"K={k} bytes per trainable weight ({master}{state})" + (f", a 1/{n} partition" if stage else "")
+    terms.append(Term("optimizer states", optimizer_state_bytes(trainable, n, choice, spec.optimizer), opt_why))
     return terms
 
 
@@ -909,7 +914,7 @@ def per_node_terms(spec: ModelSpec, hardware: Hardware, choice: Choice, per_gpu_
             terms.append(Term("text encoders streamed from host RAM (node setup)", streamed, f"while the caches are filled: {where}", CACHE_FILLING))
     if choice.offload_optimizer and choice.zero_stage > 0:
         share = partition_elements(trainable, n)
-        k = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage)
+        k = optimizer_bytes_per_parameter(choice.precision, choice.zero_stage, spec.optimizer)
         terms.append(
             Term(
                 "offloaded optimizer states",

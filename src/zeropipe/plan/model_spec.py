@@ -137,6 +137,7 @@ class ModelSpec:
     block_linear_channels: int = 0
     largest_block_linear: int = 0
     fp8_base: Fp8Base | None = None  # model.quantization: fp8 / fp8_e5m2
+    optimizer: str = "adamw"  # train.optimizer: its state bytes per trainable weight (config.optimizers)
 
     def with_fp8_base(self, format: str = "fp8") -> "ModelSpec":
         """This model with its frozen block linears stored in fp8 (a LoRA run's base)."""

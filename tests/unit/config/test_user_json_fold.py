@@ -118,3 +118,19 @@ def test_the_saved_config_yaml_and_ds_config_json_say_the_same_run(tmp_path):
     assert ds["zero_optimization"]["stage"] == saved["deepspeed"]["zero_stage"] == 2
     # The YAML's own lr and schedule lost to the JSON: said (ZP014), not silently replaced.
     assert {"train.lr", "train.schedule"} <= {key for key, _ in resolved.conflicts}
+
+
+def test_a_json_muon_or_adafactor_becomes_train_optimizer_and_lamb_is_refused(tmp_path):
+    """DeepSpeed runs the JSON's optimizer, so config.yaml says it: Muon and Adafactor fold into train.optimizer."""
+    muon = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.9}}}
+    resolved = resolve_run(config_with(tmp_path, muon), world_size=2, accelerator="cpu", fill_auto_knobs=False)
+    assert resolved.config.train.optimizer == "muon" and resolved.config.train.muon_momentum == 0.9 and resolved.config.train.lr == 0.02
+    assert any("train.optimizer = 'muon'" in note for note in resolved.notes)
+    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, user_json=resolved.user_ds_config)
+    assert ds.config["zero_optimization"]["reduce_scatter"] is False and ds.config["zero_allow_untested_optimizer"] is True
+    assert any("reduce_scatter" in line for line in ds.filled)
+    adafactor = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adafactor", "params": {"lr": 1e-3}}}
+    assert resolve_run(config_with(tmp_path, adafactor), world_size=2, accelerator="cpu", fill_auto_knobs=False).config.train.optimizer == "adafactor"
+    with pytest.raises(ConfigError, match="'Lamb'.*AdamW, Muon or Adafactor"):
+        resolve_run(config_with(tmp_path, {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}), world_size=2, accelerator="cpu", fill_auto_knobs=False)
