@@ -145,7 +145,7 @@ def test_a_component_the_caller_needs_and_the_index_lacks_is_named(tmp_path):
 
 
 def test_the_architecture_of_a_damaged_pipeline_is_a_config_error():
-    from zeropipe.diffusion.architectures import architecture_of
+    from zeropipe.families.diffusion.entries import architecture_of
 
     with pytest.raises(ConfigError, match="is not a folder: point it at a diffusers pipeline folder"):
         architecture_of(Path("/nonexistent-zeropipe-test"))

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion import architectures, cache
-from zeropipe.diffusion.architectures import PredictContext, register, unregister
-from zeropipe.diffusion.images import generate_shapes_dataset
-from zeropipe.diffusion.parts import Inputs
+from zeropipe.families.diffusion import cache
+from zeropipe.families.diffusion import entries as architectures
+from zeropipe.families.diffusion.entries import PredictContext, register, unregister
+from zeropipe.data.images import generate_shapes_dataset
+from zeropipe.families.diffusion.parts import Inputs
 from zeropipe.families.diffusion.prepare import fill_caches, prepare_diffusion_data, read_plan
 from zeropipe.rundir import RunDir
 
