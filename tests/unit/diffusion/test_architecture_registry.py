@@ -65,7 +65,7 @@ def test_every_entry_takes_what_the_shared_code_passes_to_each_method():
     its runs failed in every rank)."""
     import inspect
 
-    from zeropipe.families.diffusion.entries.base import Architecture
+    from zeropipe.families.diffusion.core import Architecture
 
     for arch in architectures.architectures().values():
         for name, base in vars(Architecture).items():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zeropipe.families.diffusion.entries import PredictContext, architecture_of
-from zeropipe.families.diffusion.entries.cosmos_predict2 import GuardrailRequired, draw_latents
+from zeropipe.families.diffusion.bases.cosmos_predict2 import GuardrailRequired, draw_latents
 from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ from zeropipe.config.load import validate_config
 from zeropipe.config.schema import DiffusionSection
 from zeropipe.families.diffusion import cache
 from zeropipe.families.diffusion.entries import architecture_of
-from zeropipe.families.diffusion.entries.base import DDPM_SCHEDULE
+from zeropipe.families.diffusion.core import DDPM_SCHEDULE
 from zeropipe.families.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
 from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
 from zeropipe.errors import ConfigError

@@ -10,7 +10,7 @@ import torch
 
 from tests.unit.diffusion.test_image_architectures import deltas, random_lora
 from zeropipe.families.diffusion.entries.flux2 import ARCHITECTURE as FLUX2
-from zeropipe.families.diffusion.entries.flux2 import text_encoder_layers
+from zeropipe.families.diffusion.bases.flux2 import text_encoder_layers
 from zeropipe.families.diffusion.entries.flux2_klein import ARCHITECTURE as FLUX2_KLEIN
 from zeropipe.errors import ConfigError
 
@@ -62,7 +62,7 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
 def test_a_fitted_tiny_vae_stores_unit_variance_statistics_in_its_batch_norm():
     from diffusers import AutoencoderKLFlux2
 
-    from zeropipe.families.diffusion.entries.flux2 import tiny_flux2_vae
+    from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae
 
     vae = AutoencoderKLFlux2(**tiny_flux2_vae())
     latents = torch.randn(64, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 3 + 1
@@ -156,7 +156,7 @@ def test_a_pixtral_processor_tokenizer_without_torchvision_says_what_to_install(
     """FLUX.2 [dev]'s tokenizer folder is a PixtralProcessor (model_index.json), loaded as diffusers loads it; transformers needs torchvision for it."""
     import importlib.util
 
-    from zeropipe.families.diffusion.entries.flux2 import character_mistral_tokenizer
+    from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
     from zeropipe.families.diffusion.pipelines import load_tokenizer
 
     if importlib.util.find_spec("torchvision") is not None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zeropipe.families.diffusion.entries import PredictContext, architecture_named
-from zeropipe.families.diffusion.entries.ideogram4 import patchify, unpatchify
+from zeropipe.families.diffusion.parts.latents import patchify, unpatchify
 from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, denormalize_latents, encode_prompts, latent_scaling, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")

@@ -43,7 +43,7 @@ def first(output):
 # Per entry: (pipeline call arguments beyond the prompt and size, the pipeline's denoiser input -> (the entry's latents, timesteps),
 # the pipeline's denoiser output -> the entry's layout).
 def kandinsky_case(pipeline):
-    from zeropipe.families.diffusion.entries.kandinsky5_t2i import channels_first
+    from zeropipe.families.diffusion.bases.kandinsky5_t2i import channels_first
 
     pipeline.resolutions.append((32, 32))  # the pipeline snaps other sizes to its 1024-pixel ones
     return (

@@ -17,7 +17,7 @@ import pytest
 import zeropipe.plan
 from zeropipe.families.diffusion.entries import architectures, register, unregister
 from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
-from zeropipe.families.diffusion.entries.sd15 import unet_trace_inputs
+from zeropipe.families.diffusion.bases.unet import unet_trace_inputs
 from zeropipe.plan.model_spec import spec_from_path
 
 

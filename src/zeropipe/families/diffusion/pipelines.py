@@ -24,7 +24,7 @@ import torch
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.confine import OutsideRoots, require_usable
 from zeropipe.families.diffusion.entries import Architecture, architecture_for_preset, architecture_of, presets
-from zeropipe.families.diffusion.entries.base import character_tokenizer
+from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
 from zeropipe.families.diffusion.parts.text import prompt_rows
 from zeropipe.errors import ConfigError
 

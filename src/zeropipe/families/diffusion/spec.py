@@ -209,7 +209,7 @@ def _architecture(folder: PipelineIndex):
 
 def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
     """(pixels per latent along a side, frames per latent frame) of a VAE config, read as its architecture reads it."""
-    from zeropipe.families.diffusion.entries.base import Architecture
+    from zeropipe.families.diffusion.core import Architecture
 
     if arch is not None:
         return arch.vae_factors(config)

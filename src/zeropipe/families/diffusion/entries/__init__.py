@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from zeropipe.config.pipeline_index import read_pipeline_index
-from zeropipe.families.diffusion.entries.base import Architecture, PredictContext
 from zeropipe.errors import ConfigError
+from zeropipe.families.diffusion.core import Architecture, PredictContext
 
 # The modules that hold the built-in architectures, each defining ARCHITECTURE.
 BUILTIN = (

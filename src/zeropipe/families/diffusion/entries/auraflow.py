@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture, character_t5_tokenizer, tiny_vae
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.tiny.components import tiny_vae
+from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
 TEXT_TOKENS = 256  # AuraFlowPipeline's max_sequence_length
 

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture, character_t5_tokenizer, original_layout_name, tiny_vae
+from zeropipe.families.diffusion.core import Architecture, original_layout_name
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.tiny.components import tiny_vae
+from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
 # diffusers ChromaTransformer2DModel module -> (original module, index of the part in a fused layer or None).
 # The parts' order in a fused layer is the one diffusers' single-file converter splits them in (q, k, v, mlp).

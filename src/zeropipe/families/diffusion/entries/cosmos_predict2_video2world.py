@@ -28,21 +28,14 @@ from typing import Any
 
 import torch
 
-from zeropipe.families.diffusion.entries.cosmos_predict2 import ARCHITECTURE as TEXT_TO_IMAGE
-from zeropipe.families.diffusion.entries.cosmos_predict2 import CosmosPredict2, torchvision_problems
-from zeropipe.families.diffusion.parts import FirstFrameAlone, PerChannelVideoLatents
+from zeropipe.families.diffusion.bases.cosmos_predict2 import ARCHITECTURE as TEXT_TO_IMAGE
+from zeropipe.families.diffusion.bases.cosmos_predict2 import CosmosPredict2
+from zeropipe.families.diffusion.parts import FirstFrameAlone
+from zeropipe.families.diffusion.parts.latents import CosmosVideoLatents
 
 FPS = 16  # Cosmos2VideoToWorldPipeline's fps, which its transformer's rotary embedding is told
 SIGMA_CONDITIONING = 0.0001  # the pipeline's sigma_conditioning: the given frame's noise level
 T_CONDITIONING = SIGMA_CONDITIONING / (SIGMA_CONDITIONING + 1)
-
-
-@dataclass(frozen=True)
-class CosmosVideoLatents(PerChannelVideoLatents):
-    """The Wan 2.1 VAE on clips at 16 fps, normalised per channel; refuses a transformer that needs torchvision where it is missing."""
-
-    def problems(self, config, arch):
-        return torchvision_problems(config, arch)
 
 
 def given_frame(latents: torch.Tensor) -> torch.Tensor:

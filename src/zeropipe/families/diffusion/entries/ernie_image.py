@@ -23,23 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture
-from zeropipe.families.diffusion.entries.flux2 import Flux2Latents, character_mistral_tokenizer, tiny_flux2_vae, tiny_mistral3
+from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.parts.latents import ErnieImageLatents
+from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_mistral3_model
+from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
 
 COMFY_PREFIX = "diffusion_model."
-BATCH_NORM_EPS = 1e-5  # ErnieImagePipeline's constant (its TODO: the hub config's batch_norm_eps is not the trained value)
 
 
 def prompt_lengths(mask: torch.Tensor) -> torch.Tensor:
     return mask.sum(dim=1).long()
-
-
-@dataclass(frozen=True)
-class ErnieImageLatents(Flux2Latents):
-    """FLUX.2's codec, normalised with ErnieImagePipeline's eps."""
-
-    def normalization(self, vae_config, vae_dir=None):
-        return super().normalization({**vae_config, "batch_norm_eps": BATCH_NORM_EPS}, vae_dir)
 
 
 @dataclass(frozen=True)
@@ -102,11 +95,6 @@ class ErnieImage(Architecture):
             out[f"{COMFY_PREFIX}{module}.lora_A.weight"] = down.contiguous()
             out[f"{COMFY_PREFIX}{module}.lora_B.weight"] = (up * (alpha / down.shape[0])).contiguous()
         return out
-
-
-def tiny_mistral3_model() -> dict:
-    """Ministral 3 as the pipeline loads it (``Mistral3Model``, no language-model head), at 4 layers of 16."""
-    return {**tiny_mistral3(), "class": "Mistral3Model"}
 
 
 ARCHITECTURE = ErnieImage(

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.flux2 import FLUX2_LORA_TARGETS, Flux2, Flux2Latents, tiny_flux2_transformer, tiny_flux2_vae
-from zeropipe.families.diffusion.entries.qwen_image import character_qwen_tokenizer
-from zeropipe.families.diffusion.entries.z_image import CHAT_TEMPLATE
+from zeropipe.families.diffusion.bases.flux2 import FLUX2_LORA_TARGETS, Flux2
 from zeropipe.families.diffusion.parts import ReferenceImages
+from zeropipe.families.diffusion.parts.latents import Flux2Latents
+from zeropipe.families.diffusion.tiny.components import tiny_flux2_transformer, tiny_flux2_vae
+from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, QWEN3_CHAT_TEMPLATE as CHAT_TEMPLATE
 
 
 @dataclass(frozen=True)

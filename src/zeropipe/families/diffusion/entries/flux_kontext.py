@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.flux import ARCHITECTURE as FLUX
-from zeropipe.families.diffusion.entries.flux import Flux
+from zeropipe.families.diffusion.bases.flux import ARCHITECTURE as FLUX
+from zeropipe.families.diffusion.bases.flux import Flux
 from zeropipe.families.diffusion.parts import ControlImage
 
 

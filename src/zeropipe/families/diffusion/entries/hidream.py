@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture, character_t5_tokenizer, character_tokenizer, clip_text, tiny_vae
-from zeropipe.families.diffusion.entries.qwen_image import character_qwen_tokenizer
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.tiny.components import clip_text, tiny_llama_causal_lm as tiny_llama, tiny_vae
+from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, character_t5_tokenizer, character_tokenizer
 
 COMFY_PREFIX = "diffusion_model."
 TEXT_TOKENS = 128  # the pipeline's max_sequence_length, for T5, Llama and the CLIPs
@@ -114,13 +115,6 @@ class HiDream(Architecture):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.double_stream_blocks.0.block.attn1.to_q.lora_A.weight`` ...: the HiDream LoRA layout ComfyUI loads."""
         return fold_strength(layers, alpha)
-
-
-def tiny_llama() -> dict:
-    return {
-        "class": "LlamaForCausalLM", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0,
-    }
 
 
 ARCHITECTURE = HiDream(

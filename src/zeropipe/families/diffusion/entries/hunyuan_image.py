@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture
-from zeropipe.families.diffusion.entries.qwen_image import character_qwen_tokenizer, tiny_qwen2_5_vl
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.tiny.components import tiny_qwen_encoder
+from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
 QWEN_TOKENS = 1000  # HunyuanImagePipeline.tokenizer_max_length, after the template's 34 tokens
 GLYPH_TOKENS = 128  # tokenizer_2_max_length: ByT5's bytes
@@ -89,12 +90,6 @@ class HunyuanImage(Architecture):
             "negative_prompt_embeds_2": negative["prompt_embeds_2"], "negative_prompt_embeds_mask_2": mask(negative["prompt_embeds_mask_2"]),
             "distilled_guidance_scale": guidance,
         }
-
-
-def tiny_qwen_encoder() -> dict:
-    config = tiny_qwen2_5_vl()
-    config["text_config"] = {**config["text_config"], "max_position_embeddings": 2048, "num_hidden_layers": 3}  # 1034 tokens; the third-to-last layer
-    return config
 
 
 ARCHITECTURE = HunyuanImage(

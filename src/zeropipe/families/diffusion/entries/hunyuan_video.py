@@ -22,13 +22,14 @@ back (checked in tests at the real model's width, 3072).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import TOKENIZER_CHARACTERS, Architecture, clip_text
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import VideoLatents
+from zeropipe.families.diffusion.tiny.components import tiny_hunyuan_video_vae, clip_text, tiny_hunyuan_llama as tiny_llama
+from zeropipe.families.diffusion.tiny.tokenizers import template_tokenizer
 
 COMFY_PREFIX = "diffusion_model."
 
@@ -96,40 +97,6 @@ def original_lora_layers(layers: dict[str, torch.Tensor], alpha: float) -> dict[
     return out
 
 
-def template_tokenizer(max_length: int = 256):
-    """A Llama-style tokenizer for tiny presets, built without a download: HunyuanVideo's prompt template's words are single tokens, the rest characters.
-
-    HunyuanVideoPipeline cuts the first 95 tokens (its template's system prompt, as Llama 3
-    tokenizes it) off the encoder's output. A tokenizer of single characters would make the
-    template hundreds of tokens long and push the prompt itself past the 256 kept tokens; with
-    the template's words as tokens it is 103 tokens long (95 with Llama 3's tokenizer), so the
-    cut leaves the prompt whole, as with the real tokenizer.
-    """
-    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    word_start = "\u2581"  # sentencepiece's marker of a word's first piece
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<unk>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-    template = DEFAULT_PROMPT_TEMPLATE["template"]
-    for special in specials:
-        template = template.replace(special, " ")
-    words = sorted(set(re.findall(r"[A-Za-z]+", template)))
-    vocab = [(token, 0.0) for token in specials] + [(word_start, -1.0)]
-    characters = sorted(set(TOKENIZER_CHARACTERS) | set(template.replace("{}", "")) - {" "})
-    vocab += [(char, -2.0) for char in characters] + [(word_start + char, -2.5) for char in characters]
-    vocab += [(word_start + word, -1.5) for word in words if len(word) > 1]
-    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials if token != "<unk>"])
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B", special_tokens=[("<|begin_of_text|>", 0)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", pad_token="<|end_of_text|>", unk_token="<unk>",
-        model_max_length=max_length + DEFAULT_PROMPT_TEMPLATE["crop_start"],
-    )
-
-
 @dataclass(frozen=True)
 class HunyuanVideo(Architecture):
     def tokenizer_length(self, tokenizer):
@@ -179,11 +146,6 @@ class HunyuanVideo(Architecture):
         return original_lora_layers(layers, alpha)
 
 
-def tiny_llama() -> dict:
-    return {"class": "LlamaModel", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 512, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
-
-
 ARCHITECTURE = HunyuanVideo(
     name="hunyuan-video",
     pipeline_class="HunyuanVideoPipeline",
@@ -201,10 +163,7 @@ ARCHITECTURE = HunyuanVideo(
             "num_refiner_layers": 1, "mlp_ratio": 2.0, "patch_size": 2, "patch_size_t": 1, "guidance_embeds": True, "text_embed_dim": 32,
             "pooled_projection_dim": 32, "rope_axes_dim": [4, 6, 6],
         },
-        "vae": {
-            "latent_channels": 16, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
-            "spatial_compression_ratio": 8, "temporal_compression_ratio": 4, "mid_block_add_attention": False,
-        },
+        "vae": tiny_hunyuan_video_vae(),
         "text_encoder": tiny_llama(),
         "text_encoder_2": {"class": "CLIPTextModel", **clip_text()},
         # HunyuanVideo's own sampler: Euler on flow sigmas with a shift of 7.

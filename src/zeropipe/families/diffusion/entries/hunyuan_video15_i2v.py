@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.hunyuan_video15 import ARCHITECTURE as T2V
-from zeropipe.families.diffusion.entries.hunyuan_video15 import HunyuanVideo15
+from zeropipe.families.diffusion.bases.hunyuan_video15 import ARCHITECTURE as T2V
+from zeropipe.families.diffusion.bases.hunyuan_video15 import HunyuanVideo15
 from zeropipe.families.diffusion.parts import FirstFrameAlone, FirstFrameEmbeddings
 
 IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")

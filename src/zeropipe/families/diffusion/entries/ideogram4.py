@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture, PredictContext
-from zeropipe.families.diffusion.entries.flux2 import Flux2Latents, tiny_flux2_vae
-from zeropipe.families.diffusion.entries.krea2 import tiny_qwen3_vl
-from zeropipe.families.diffusion.entries.qwen_image import character_qwen_tokenizer
 from zeropipe.errors import ConfigError
+from zeropipe.families.diffusion.core import Architecture, PredictContext
+from zeropipe.families.diffusion.parts.latents import Ideogram4Latents
+from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_ideogram4_transformer, tiny_qwen3_vl
+from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +71,6 @@ ORIGINAL_NAMES = {
 }
 
 
-def patchify(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) VAE latents -> (B, 4C, H/2, W/2), channels ordered (patch row, patch column, channel) as Ideogram4Pipeline's tokens."""
-    batch, channels, height, width = latents.shape
-    grid = latents.reshape(batch, channels, height // PATCH, PATCH, width // PATCH, PATCH)
-    return grid.permute(0, 3, 5, 1, 2, 4).reshape(batch, channels * PATCH * PATCH, height // PATCH, width // PATCH)
-
-
-def unpatchify(latents: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``patchify``: what Ideogram4Pipeline hands its VAE."""
-    batch, channels, rows, columns = latents.shape
-    grid = latents.reshape(batch, PATCH, PATCH, channels // PATCH**2, rows, columns)
-    return grid.permute(0, 3, 4, 1, 5, 2).reshape(batch, channels // PATCH**2, rows * PATCH, columns * PATCH)
-
-
 def to_tokens(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, rows, columns) -> (B, rows x columns, C), row-major as the pipeline's image positions."""
     return latents.flatten(2).transpose(1, 2)
@@ -92,17 +78,6 @@ def to_tokens(latents: torch.Tensor) -> torch.Tensor:
 
 def from_tokens(tokens: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], rows, columns)
-
-
-@dataclass(frozen=True)
-class Ideogram4Latents(Flux2Latents):
-    """FLUX.2's VAE and batch-norm statistics, its 2x2 patches in Ideogram 4's channel order (patch position first)."""
-
-    def from_vae(self, latents):
-        return patchify(latents)
-
-    def decode(self, vae, latents):
-        return vae.decode(unpatchify(latents)).sample
 
 
 @dataclass(frozen=True)
@@ -253,14 +228,6 @@ class Ideogram4(Architecture):
             out[f"{COMFY_PREFIX}{original}.lora_A.weight"] = down.contiguous()
             out[f"{COMFY_PREFIX}{original}.lora_B.weight"] = up.contiguous()
         return out
-
-
-def tiny_ideogram4_transformer() -> dict:
-    """Ideogram4Transformer2DModel at 2 blocks of 32 (2 heads of 16); its text features are the tiny Qwen3-VL's 13 tapped layers of 16."""
-    return {
-        "in_channels": 16, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2, "intermediate_size": 64, "adaln_dim": 32,
-        "llm_features_dim": 13 * 16, "rope_theta": 10000, "mrope_section": [2, 1, 1],
-    }
 
 
 ARCHITECTURE = Ideogram4(

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.kandinsky5_t2v import ARCHITECTURE as T2V
-from zeropipe.families.diffusion.entries.kandinsky5_t2v import Kandinsky5T2V, channels_last, tiny_preset
+from zeropipe.families.diffusion.bases.kandinsky5_t2v import ARCHITECTURE as T2V
+from zeropipe.families.diffusion.bases.kandinsky5_t2v import Kandinsky5T2V, channels_last, tiny_preset
 from zeropipe.families.diffusion.parts import FirstFrameAlone
 
 

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture
-from zeropipe.families.diffusion.entries.qwen_image import QwenImageLatents, character_qwen_tokenizer
+from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.parts.latents import QwenImageLatents
+from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl
+from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
 COMFY_PREFIX = "diffusion_model."
 PATCH = 2  # Krea2Pipeline's patch_size: latents packed 2x2 into tokens
@@ -135,19 +137,6 @@ class Krea2(Architecture):
             out[f"{name}.lora_A.weight"] = down.contiguous()
             out[f"{name}.lora_B.weight"] = (up * (alpha / down.shape[0])).contiguous()
         return out
-
-
-def tiny_qwen3_vl() -> dict:
-    """Qwen3-VL at 36 layers of 16 (the pipeline taps layers 2, 5, ... 35); a one-block vision tower, which text-to-image never calls."""
-    return {
-        "class": "Qwen3VLModel",
-        "text_config": {
-            "vocab_size": 128, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 36, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 8, "max_position_embeddings": 2048, "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-            "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0,
-        },
-        "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 16, "deepstack_visual_indexes": []},
-    }
 
 
 # The attention (with its output gate) and the SwiGLU of every main block, as diffusion-pipe and ai-toolkit adapt Krea 2's blocks;

@@ -23,14 +23,15 @@ muxed in. LoRAs export in diffusers' layout and in LTX-2's original (ComfyUI) on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import character_t5_tokenizer
-from zeropipe.families.diffusion.entries.ltx_video import LTXVideo, LTXVideoLatents
+from zeropipe.families.diffusion.bases.ltx_video import LTXVideo
 from zeropipe.families.diffusion.parts import PromptText
 from zeropipe.families.diffusion.parts.audio_track import AudioTrack
+from zeropipe.families.diffusion.parts.latents import LTX2Latents
+from zeropipe.families.diffusion.tiny.components import tiny_gemma3
+from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
 # LTX2Pipeline's default prompt length (Gemma pads every prompt to it, on the left); a tokenizer with a shorter
 # model_max_length (the tiny preset's, 128) pads to its own.
@@ -38,24 +39,6 @@ PROMPT_TOKENS = 1024
 TINY_PROMPT_TOKENS = 128
 # The key that tells sample_outputs where the video conditioning ends in the joined prompt embeddings (not a pipeline argument).
 VIDEO_WIDTH = "ltx2_video_conditioning_width"
-
-
-@dataclass(frozen=True)
-class LTX2Latents(LTXVideoLatents):
-    """LTX-2's video VAE: per-channel statistics kept as weights, as LTX-Video's; its pipeline uses the VAE's statistics even for latent output."""
-
-    def sample_kwargs(self, plan):
-        return {"num_frames": plan.sample_frames, "frame_rate": float(plan.fps or self.frame_rate)}
-
-    def synthetic_folder(self, root, config):
-        """``data.synthetic``: moving shapes with a tone per shape as their sound (a circle hums at 220 Hz)."""
-        from zeropipe.data.audio import generate_sounding_shapes_dataset
-
-        synthetic, resolution = config.data.synthetic, config.data.images.resolution
-        frames = max(config.data.video.frame_buckets)
-        return root / f"sounding-shapes-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}", lambda folder: generate_sounding_shapes_dataset(
-            folder, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames, fps=self.frame_rate
-        )
 
 
 class ConnectorOutputs(torch.nn.Module):
@@ -223,19 +206,6 @@ class LTX2(LTXVideo):
         return 121  # LTX2Pipeline's default length: about 5 s at 24 fps
 
 
-def tiny_gemma3() -> dict[str, Any]:
-    """A two-layer Gemma 3 (with the smallest vision tower its class builds), the text encoder class LTX-2 ships."""
-    return {
-        "class": "Gemma3ForConditionalGeneration",
-        "text_config": {
-            "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 16, "max_position_embeddings": 2 * PROMPT_TOKENS, "sliding_window": 64, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
-        },
-        "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
-        "mm_tokens_per_image": 4,
-    }
-
-
 ARCHITECTURE = LTX2(
     name="ltx2",
     pipeline_class="LTX2Pipeline",
@@ -282,7 +252,7 @@ ARCHITECTURE = LTX2(
             "audio_connector_num_attention_heads": 4, "audio_connector_attention_head_dim": 8, "audio_connector_num_layers": 1,
             "audio_connector_num_learnable_registers": None, "connector_rope_base_seq_len": 32, "rope_double_precision": False, "rope_type": "split",
         },
-        "text_encoder": tiny_gemma3(),
+        "text_encoder": tiny_gemma3(PROMPT_TOKENS),
         # LTX-2's sampler: Euler with a shift that grows with the number of video tokens.
         "scheduler": {
             "class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,

@@ -24,27 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import TOKENIZER_CHARACTERS, Architecture, tiny_vae
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
-
-# The tiny Gemma tokenizer's special tokens (ids 0..3) and characters: the system prompt's capitals and "<Prompt Start>" included.
-GEMMA_SPECIAL = ("<pad>", "<eos>", "<bos>", "<unk>")
-GEMMA_CHARACTERS = tuple(sorted(set(TOKENIZER_CHARACTERS) | set("ABCDEFGHIJKLMNOPQRSTUVWXYZ:;!?,.<> ")))
-
-
-def character_gemma_tokenizer(max_length: int = 256):
-    """A Gemma tokenizer of single characters (``<bos>`` first, right padding with ``<pad>``), built without a download."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    vocab = {token: index for index, token in enumerate((*GEMMA_SPECIAL, *GEMMA_CHARACTERS))}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tokenizer.add_special_tokens(list(GEMMA_SPECIAL))
-    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)])
-    return transformers.GemmaTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", model_max_length=max_length
-    )
+from zeropipe.families.diffusion.tiny.components import tiny_gemma2, tiny_vae
+from zeropipe.families.diffusion.tiny.tokenizers import character_gemma_tokenizer
 
 
 def text_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -88,14 +71,6 @@ class Lumina2(Architecture):
             "negative_prompt_embeds": negative["prompt_embeds"], "negative_prompt_attention_mask": text_mask(negative["prompt_attention_mask"]),
             "guidance_scale": guidance_scale,
         }
-
-
-def tiny_gemma2() -> dict:
-    return {
-        "class": "Gemma2Model", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 512, "sliding_window": 256, "pad_token_id": 0, "eos_token_id": 1,
-        "bos_token_id": 2,
-    }
 
 
 ARCHITECTURE = Lumina2(

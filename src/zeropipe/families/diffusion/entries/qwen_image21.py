@@ -39,10 +39,13 @@ from pathlib import Path
 import torch
 
 from zeropipe.config.pipeline_index import read_pipeline_index
-from zeropipe.families.diffusion.entries.base import Architecture
-from zeropipe.families.diffusion.entries.qwen_image import QwenImageLatents, prompt_mask
-from zeropipe.families.diffusion.entries.qwen_image_edit import as_transformers_processor, tiny_edit_tokenizer
+from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
+from zeropipe.families.diffusion.bases.qwen_image_edit import as_transformers_processor
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import PromptText
+from zeropipe.families.diffusion.parts.latents import QwenImage21Latents
+from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl_generation
+from zeropipe.families.diffusion.tiny.tokenizers import tiny_edit_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +160,6 @@ def text_prompt_processor(tokenizer, chat_template: str | None = None):
 
 
 @dataclass(frozen=True)
-class QwenImage21Latents(QwenImageLatents):
-    """Qwen-Image 2.1's VAE: one-frame clips of RGBA images (an opaque alpha added to the data, dropped from samples), per-channel statistics."""
-
-    def vae_pixels(self, pixels):
-        if pixels.shape[1] == 3:  # (B, 3, H, W) or (B, 3, T, H, W): opaque, as the pipeline's convert("RGBA") of an RGB image
-            pixels = torch.cat([pixels, pixels.new_ones(pixels.shape[0], 1, *pixels.shape[2:])], dim=1)
-        return super().vae_pixels(pixels)
-
-    def vae_images(self, decoded):
-        return super().vae_images(decoded)[:, :3]
-
-
-@dataclass(frozen=True)
 class QwenImage21(Architecture):
     def tokenizer_length(self, tokenizer):
         return 1024
@@ -258,19 +248,6 @@ class QwenImage21(Architecture):
 
     def unpack_latents(self, pipeline, latents, size, vae_factor):
         return pipeline._unpack_latents(latents, size, size, vae_factor)
-
-
-def tiny_qwen3_vl_generation() -> dict:
-    """Qwen3-VL at 2 layers of 32, as the pipeline loads it (``Qwen3VLForConditionalGeneration``); a one-block vision tower text-to-image never calls."""
-    return {
-        "class": "Qwen3VLForConditionalGeneration",
-        "text_config": {
-            "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 16, "max_position_embeddings": 2048, "rope_scaling": {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True},
-            "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0,
-        },
-        "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32, "deepstack_visual_indexes": []},
-    }
 
 
 ARCHITECTURE = QwenImage21(

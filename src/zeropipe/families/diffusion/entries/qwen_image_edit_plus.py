@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.qwen_image import prompt_mask
-from zeropipe.families.diffusion.entries.qwen_image_edit import ARCHITECTURE as QWEN_IMAGE_EDIT
-from zeropipe.families.diffusion.entries.qwen_image_edit import QwenImageEdit
+from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
+from zeropipe.families.diffusion.bases.qwen_image_edit import ARCHITECTURE as QWEN_IMAGE_EDIT
+from zeropipe.families.diffusion.bases.qwen_image_edit import QwenImageEdit
 from zeropipe.families.diffusion.parts import PromptWithReferenceImages, ReferenceImages
 
 

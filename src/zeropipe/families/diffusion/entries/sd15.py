@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-
-from zeropipe.families.diffusion.entries.base import DDPM_SCHEDULE, Architecture, clip_text, tiny_vae
+from zeropipe.families.diffusion.bases.unet import unet_trace_inputs
+from zeropipe.families.diffusion.core import DDPM_SCHEDULE, Architecture
+from zeropipe.families.diffusion.tiny.components import clip_text, tiny_vae
 
 
 @dataclass(frozen=True)
@@ -24,20 +23,6 @@ class SD15(Architecture):
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         return unet_trace_inputs(config, latent_side, text_tokens, dtype)
-
-
-def unet_trace_inputs(config: Any, latent_side: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any]:
-    """A ``UNet2DConditionModel``'s inputs for one example (SD 1.x and SDXL): with SDXL's pooled text and size ids where its config adds them."""
-    added = None
-    if getattr(config, "addition_embed_type", None) == "text_time":
-        pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-        added = {"text_embeds": torch.randn(1, pooled, dtype=dtype), "time_ids": torch.randn(1, 6, dtype=dtype)}
-    return {
-        "sample": torch.randn(1, config.in_channels, latent_side, latent_side, dtype=dtype),
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": torch.randn(1, text_tokens, config.cross_attention_dim, dtype=dtype),
-        "added_cond_kwargs": added,
-    }
 
 
 ARCHITECTURE = SD15(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeropipe.families.diffusion.entries.base import Architecture, clip_text, tiny_t5, tiny_vae
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.tiny.components import clip_text, tiny_t5, tiny_vae
 
 
 @dataclass(frozen=True)

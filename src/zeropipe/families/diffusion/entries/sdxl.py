@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeropipe.families.diffusion.entries.base import DDPM_SCHEDULE, Architecture, clip_text, tiny_vae
-from zeropipe.families.diffusion.entries.sd15 import unet_trace_inputs
+from zeropipe.families.diffusion.bases.unet import unet_trace_inputs
+from zeropipe.families.diffusion.core import DDPM_SCHEDULE, Architecture
+from zeropipe.families.diffusion.tiny.components import clip_text, tiny_vae
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zeropipe.families.diffusion.entries.skyreels_v2 import ARCHITECTURE as T2V
-from zeropipe.families.diffusion.entries.skyreels_v2 import tiny_preset
-from zeropipe.families.diffusion.entries.wan_i2v import WanI2V
+from zeropipe.families.diffusion.bases.skyreels_v2 import ARCHITECTURE as T2V
+from zeropipe.families.diffusion.bases.skyreels_v2 import tiny_preset
+from zeropipe.families.diffusion.bases.wan_i2v import WanI2V
 from zeropipe.families.diffusion.parts import FirstFrame, FirstFrameEmbeddings
 
 

@@ -7,8 +7,8 @@ whose ``model_index.json`` names ``WanImageToVideoPipeline`` (docs/video.md).
 
 from __future__ import annotations
 
-from zeropipe.families.diffusion.entries.wan_ti2v import ARCHITECTURE as TI2V
-from zeropipe.families.diffusion.entries.wan_ti2v import WanTI2VImageToVideo, tiny_preset
+from zeropipe.families.diffusion.bases.wan_ti2v import ARCHITECTURE as TI2V
+from zeropipe.families.diffusion.bases.wan_ti2v import WanTI2VImageToVideo, tiny_preset
 from zeropipe.families.diffusion.parts import FirstFrameAlone
 
 ARCHITECTURE = WanTI2VImageToVideo(

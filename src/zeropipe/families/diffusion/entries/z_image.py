@@ -18,16 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.entries.base import Architecture, tiny_vae
-from zeropipe.families.diffusion.entries.qwen_image import character_qwen_tokenizer
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.tiny.components import tiny_vae
+from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, QWEN3_CHAT_TEMPLATE as CHAT_TEMPLATE
 
 COMFY_PREFIX = "diffusion_model."
-# Qwen3's chat template as ZImagePipeline applies it (one user turn, generation prompt, thinking on: no think block).
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def captions(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import torch
 
 from zeropipe.families.diffusion.parts import Condition, ImageLatents, Part, PromptText
+from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS  # LoRA's default targets in diffusers models: the attention projections
 
 
@@ -228,10 +228,6 @@ class Architecture:
         return latents
 
 
-# ------------------------------------------------------------------ tiny preset parts
-TOKENIZER_CHARACTERS = sorted(set(string.ascii_lowercase + string.digits + ",.-'"))
-
-
 def original_layout_name(
     module: str, blocks: tuple[tuple[str, str, dict[str, tuple[str, int | None]]], ...], top_level: dict[str, str], model: str
 ) -> tuple[str, int | None]:
@@ -252,56 +248,6 @@ def original_layout_name(
     if module in top_level:
         return top_level[module], None
     raise ValueError(f"{module} has no name in {model}'s original layout")
-
-
-def character_tokenizer(max_length: int = 77):
-    """A CLIP tokenizer whose tokens are single characters: enough for captions of a tiny model, built without a download."""
-    from transformers import CLIPTokenizer
-
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for suffix in ("", "</w>"):
-        for char in TOKENIZER_CHARACTERS:
-            vocab[char + suffix] = len(vocab)
-    tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
-    tokenizer.model_max_length = max_length
-    return tokenizer
-
-
-def character_t5_tokenizer(max_length: int = 64):
-    """A T5 (sentencepiece unigram) tokenizer of single characters, the kind UMT5 and T5 encoders use, built without a download."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    word_start = "\u2581"  # sentencepiece's marker of a word's first piece
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), (word_start, -1.0)]
-    vocab += [(char, -2.0) for char in TOKENIZER_CHARACTERS] + [(word_start + char, -2.5) for char in TOKENIZER_CHARACTERS]
-    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=2))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
-    tokenizer.decoder = decoders.Metaspace()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
-    cls = getattr(transformers, "T5TokenizerFast", None) or transformers.T5Tokenizer
-    return cls(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", extra_ids=0, model_max_length=max_length)
-
-
-def clip_text(hidden: int = 32, projection: int = 32, vocab: int = 128) -> dict[str, Any]:
-    return {
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, "hidden_size": hidden, "intermediate_size": 2 * hidden,
-        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": vocab, "projection_dim": projection,
-        "max_position_embeddings": 77, "hidden_act": "gelu",
-    }
-
-
-def tiny_t5() -> dict[str, Any]:
-    return {"class": "T5EncoderModel", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
-            "pad_token_id": 1, "eos_token_id": 1, "decoder_start_token_id": 0}
-
-
-def tiny_vae(latent_channels: int = 4, **extra: Any) -> dict[str, Any]:
-    return {
-        "in_channels": 3, "out_channels": 3, "latent_channels": latent_channels, "block_out_channels": [32, 64],
-        "down_block_types": ["DownEncoderBlock2D"] * 2, "up_block_types": ["UpDecoderBlock2D"] * 2,
-        "layers_per_block": 1, "norm_num_groups": 32, **extra,
-    }
 
 
 DDPM_SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1}
