@@ -23,7 +23,6 @@ READER = SRC / "config" / "pipeline_index.py"
 
 # Modules that are about diffusion pipelines only: a component's config file is read through the reader there too.
 DIFFUSION_MODULES = [
-    *sorted((SRC / "diffusion").rglob("*.py")),
     *sorted((SRC / "families" / "diffusion").rglob("*.py")),
     SRC / "convert" / "diffusion_pipe.py",
 ]
