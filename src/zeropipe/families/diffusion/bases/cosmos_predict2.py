@@ -51,13 +51,13 @@ from typing import Any
 
 import torch
 
+from zeropipe.families.diffusion.comfy import comfy_lora_layout
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts.latents import CosmosLatents
 from zeropipe.families.diffusion.tiny.components import tiny_t5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
 PROMPT_TOKENS = 512  # Cosmos2TextToImagePipeline's max_sequence_length
-COMFY_PREFIX = "diffusion_model."
 # diffusers module names in a block -> NVIDIA's (the inverse of diffusers' convert_cosmos_transformer_checkpoint_to_diffusers for Cosmos 2).
 ORIGINAL_BLOCK_NAMES = {
     "attn1.to_q": "self_attn.q_proj", "attn1.to_k": "self_attn.k_proj", "attn1.to_v": "self_attn.v_proj", "attn1.to_out.0": "self_attn.output_proj",
@@ -207,12 +207,7 @@ class CosmosPredict2(Architecture):
         wrong = [module for module in modules if f"{module}.weight" not in converted]
         if wrong:
             raise ValueError(f"the original Cosmos names of {', '.join(wrong[:3])} do not convert back to them with diffusers' converter")
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in layers.items():
-            module, _, part = key.partition(".lora_")
-            out[f"{COMFY_PREFIX}{originals[module]}.lora_{part}"] = tensor.contiguous()
-            out[f"{COMFY_PREFIX}{originals[module]}.alpha"] = torch.tensor(float(alpha))
-        return out
+        return comfy_lora_layout(layers, alpha, rename=originals.__getitem__)
 
 
 # The sampler diffusers' converter saves with Cosmos-Predict2: FlowMatchEulerDiscreteScheduler(use_karras_sigmas=True). The

@@ -45,13 +45,13 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX
 from zeropipe.families.diffusion.core import Architecture, original_layout_name
 from zeropipe.families.diffusion.parts import ReferenceImages
 from zeropipe.families.diffusion.parts.latents import Flux2Latents
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_transformer, tiny_flux2_vae, tiny_mistral3
 from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
 
-COMFY_PREFIX = "diffusion_model."
 
 # diffusers Flux2Transformer2DModel module (within a block) -> (original module, its part of a fused q/k/v layer or None).
 DOUBLE_BLOCK_NAMES = {

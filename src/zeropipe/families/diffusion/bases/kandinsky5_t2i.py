@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import comfy_lora_layout
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts.latents import KandinskyLatents
 from zeropipe.families.diffusion.tiny.components import clip_text, tiny_qwen2_5_vl, tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, character_tokenizer
-
-COMFY_PREFIX = "diffusion_model."
 
 
 def channels_last(latents: torch.Tensor) -> torch.Tensor:
@@ -127,12 +126,7 @@ class Kandinsky5T2I(Architecture):
     # ---------------------------------------------------------------- export
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.<module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: Kandinsky's own module names."""
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in layers.items():
-            module, _, part = key.partition(".lora_")
-            out[f"{COMFY_PREFIX}{module}.lora_{part}"] = tensor.contiguous()
-            out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
-        return out
+        return comfy_lora_layout(layers, alpha)
 
 
 def one_call_per_prompt(pipeline, kwargs):

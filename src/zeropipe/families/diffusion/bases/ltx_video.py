@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import comfy_lora_layout
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts.latents import LTXVideoLatents
 from zeropipe.families.diffusion.tiny.components import tiny_t5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
-
-COMFY_PREFIX = "diffusion_model."
 
 
 @dataclass(frozen=True)
@@ -88,13 +87,7 @@ class LTXVideo(Architecture):
         diffusion-pipe writes LTX-Video LoRAs: diffusers' converter of such LoRAs refuses keys
         without ``lora`` in them, and ComfyUI applies a LoRA without alpha at strength 1.
         """
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in layers.items():
-            module, _, part = key.partition(".lora_")
-            if part.startswith("B"):
-                tensor = tensor * (alpha / layers[f"{module}.lora_A.weight"].shape[0])
-            out[f"{COMFY_PREFIX}{module}.lora_{part}"] = tensor.contiguous()
-        return out
+        return comfy_lora_layout(layers, alpha, fold_alpha=True)
 
 
 ARCHITECTURE = LTXVideo(

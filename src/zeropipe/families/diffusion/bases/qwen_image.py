@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import comfy_lora_layout
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts.latents import QwenImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_qwen2_5_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
-
-COMFY_PREFIX = "diffusion_model."
 
 
 def prompt_mask(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -80,12 +79,7 @@ class QwenImage(Architecture):
 
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.<module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: what ComfyUI loads for Qwen-Image."""
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in layers.items():
-            module, _, part = key.partition(".lora_")
-            out[f"{COMFY_PREFIX}{module}.lora_{part}"] = tensor.contiguous()
-            out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
-        return out
+        return comfy_lora_layout(layers, alpha)
 
 
 ARCHITECTURE = QwenImage(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import comfy_lora_layout
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import PerChannelVideoLatents
 from zeropipe.families.diffusion.tiny.components import tiny_umt5
@@ -33,7 +34,6 @@ ORIGINAL_NAMES = (
     ("condition_embedder.text_embedder.linear_1", "text_embedding.0"), ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
     ("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head.head"),
 )
-COMFY_PREFIX = "diffusion_model."
 
 
 def original_module_name(module: str) -> str:
@@ -104,12 +104,7 @@ class Wan(Architecture):
         wrong = [module for module, original in originals.items() if f"{module}.weight" not in converted]
         if wrong:
             raise ValueError(f"the original Wan names of {', '.join(wrong[:3])} do not convert back to them with diffusers' converter")
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in layers.items():
-            module, _, part = key.partition(".lora_")
-            out[f"{COMFY_PREFIX}{originals[module]}.lora_{part}"] = tensor.contiguous()
-            out[f"{COMFY_PREFIX}{originals[module]}.alpha"] = torch.tensor(float(alpha))
-        return out
+        return comfy_lora_layout(layers, alpha, rename=originals.__getitem__)
 
 
 # Wan's own sampler (the diffusers Wan2.1 pipelines ship it): UniPC on flow sigmas with a shift of 3 (480p).

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts.latents import ErnieImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_mistral3_model
 from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
-
-COMFY_PREFIX = "diffusion_model."
 
 
 def prompt_lengths(mask: torch.Tensor) -> torch.Tensor:

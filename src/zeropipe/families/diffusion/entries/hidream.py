@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import clip_text, tiny_llama_causal_lm as tiny_llama, tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, character_t5_tokenizer, character_tokenizer
 
-COMFY_PREFIX = "diffusion_model."
 TEXT_TOKENS = 128  # the pipeline's max_sequence_length, for T5, Llama and the CLIPs
 
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import VideoLatents
 from zeropipe.families.diffusion.tiny.components import tiny_hunyuan_video_vae, clip_text, tiny_hunyuan_llama as tiny_llama
 from zeropipe.families.diffusion.tiny.tokenizers import template_tokenizer
 
-COMFY_PREFIX = "diffusion_model."
 
 # Diffusers module names of a transformer block -> the original HunyuanVideo names (inverse of
 # diffusers' _convert_hunyuan_video_lora_to_diffusers); q/k/v are fused in the original (FUSED below).

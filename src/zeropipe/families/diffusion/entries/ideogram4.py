@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.errors import ConfigError
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX
 from zeropipe.families.diffusion.core import Architecture, PredictContext
 from zeropipe.families.diffusion.parts.latents import Ideogram4Latents
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_ideogram4_transformer, tiny_qwen3_vl
@@ -52,7 +53,6 @@ from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
 log = logging.getLogger(__name__)
 
-COMFY_PREFIX = "diffusion_model."
 PATCH = 2  # the pipeline folds 2x2 latent patches into a token
 MAX_TEXT_TOKENS = 2048  # Ideogram4Pipeline's max_sequence_length: a longer caption is refused by its encode_prompt
 # The pipeline's defaults for its logit-normal sampling schedule (__call__'s mu and std).

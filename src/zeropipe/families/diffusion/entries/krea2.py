@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts.latents import QwenImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
-COMFY_PREFIX = "diffusion_model."
 PATCH = 2  # Krea2Pipeline's patch_size: latents packed 2x2 into tokens
 ORIGINAL_ATTENTION = {"to_q": "wq", "to_k": "wk", "to_v": "wv", "to_out.0": "wo", "to_gate": "gate"}
 ORIGINAL_TOP_LEVEL = {

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropipe.families.diffusion.comfy import COMFY_PREFIX, comfy_lora_layout
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, QWEN3_CHAT_TEMPLATE as CHAT_TEMPLATE
-
-COMFY_PREFIX = "diffusion_model."
 
 
 def captions(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -72,12 +71,7 @@ class ZImage(Architecture):
 
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.<module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: the Z-Image LoRA layout ComfyUI loads."""
-        out: dict[str, torch.Tensor] = {}
-        for key, tensor in layers.items():
-            module, _, part = key.partition(".lora_")
-            out[f"{COMFY_PREFIX}{module}.lora_{part}"] = tensor.contiguous()
-            out[f"{COMFY_PREFIX}{module}.alpha"] = torch.tensor(float(alpha))
-        return out
+        return comfy_lora_layout(layers, alpha)
 
 
     def original_lokr_layout(self, layers, scaling):
