@@ -52,6 +52,8 @@ class Architecture:
             encoder sees the control image).
         conditions: the other condition parts, each cached with an item's latents and given to ``predict`` in
             ``condition[...]`` (``FirstFrame``, ``FirstFrameEmbeddings``, ``ControlImage``, a plug-in's own).
+        trace_frames: the clip length (frames) the planner traces a ``video`` entry at when the model spec does not give one
+            (the pipeline's default clip: Wan's 81 frames).
     """
 
     name: str
@@ -70,6 +72,7 @@ class Architecture:
     codec: ImageLatents = field(default_factory=ImageLatents)
     text: PromptText = field(default_factory=PromptText)
     conditions: tuple[Condition, ...] = ()
+    trace_frames: int = 1
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -159,10 +162,6 @@ class Architecture:
     def trace_text_tokens(self) -> int:
         """The prompt length the planner traces when the model spec does not give one (a catalog entry's ``text_tokens``)."""
         return self.tokenizer_length(self.tokenizers[0])
-
-    def trace_frames(self) -> int:
-        """The clip length (frames) the planner traces a ``video`` entry at when the model spec does not give one."""
-        return 1
 
     # -------------------------------------------------------------- export
     def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:

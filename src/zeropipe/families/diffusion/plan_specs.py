@@ -114,7 +114,7 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
         return None
     config, dtype = model.config, torch.bfloat16
     latent = resolution // int(entry.get("vae_factor", 8))
-    frames = int(entry.get("frames", arch.trace_frames())) if arch.video else 1
+    frames = int(entry.get("frames", arch.trace_frames)) if arch.video else 1
     latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
     text_tokens = int(entry.get("text_tokens", arch.trace_text_tokens()))
     with torch.device("meta"):

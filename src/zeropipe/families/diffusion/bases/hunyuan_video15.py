@@ -123,9 +123,6 @@ class HunyuanVideo15(Architecture):
     def trace_text_tokens(self):
         return PROMPT_TOKENS
 
-    def trace_frames(self):
-        return 121  # HunyuanVideo15Pipeline's default clip: 5 s at 24 fps
-
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         # Not traced: the transformer's forward branches on its inputs' values (whether the image embeddings
         # are all zero) and gathers the valid text tokens by boolean masks, which the meta device cannot run.
@@ -134,6 +131,7 @@ class HunyuanVideo15(Architecture):
 
 ARCHITECTURE = HunyuanVideo15(
     name="hunyuan-video-1.5",
+    trace_frames=121,  # HunyuanVideo15Pipeline's default clip: 5 s at 24 fps
     pipeline_class="HunyuanVideo15Pipeline",
     denoiser="transformer",
     denoiser_class="HunyuanVideo15Transformer3DModel",

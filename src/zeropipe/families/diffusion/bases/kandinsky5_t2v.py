@@ -97,9 +97,6 @@ class Kandinsky5T2V(Kandinsky5T2I):
             )[0].to(out.dtype)
         return channels_first(out)
 
-    def trace_frames(self):
-        return 121  # the pipelines' example: 5 s at 24 fps, 512 x 768
-
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
         channels = 2 * config.in_visual_dim + 1 if config.visual_cond else config.in_visual_dim
         return {
@@ -136,6 +133,7 @@ def tiny_preset() -> dict:
 
 ARCHITECTURE = Kandinsky5T2V(
     name="kandinsky5-t2v",
+    trace_frames=121,  # the pipelines' example: 5 s at 24 fps, 512 x 768
     pipeline_class="Kandinsky5T2VPipeline",
     denoiser="transformer",
     denoiser_class="Kandinsky5Transformer3DModel",

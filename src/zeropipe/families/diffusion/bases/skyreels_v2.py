@@ -24,9 +24,6 @@ class SkyReelsV2(Wan):
     def pipeline_kwargs(self):
         return {}  # one transformer; no boundary_ratio to turn off
 
-    def trace_frames(self):
-        return 97  # SkyReelsV2Pipeline's default clip: 4 s at 24 fps
-
 
 def tiny_preset(flow_shift: float) -> dict:
     preset = copy.deepcopy(WAN_T2V.preset)
@@ -38,6 +35,7 @@ ARCHITECTURE = SkyReelsV2(
     **{
         **{field: getattr(WAN_T2V, field) for field in WAN_T2V.__dataclass_fields__},
         "name": "skyreels-v2",
+        "trace_frames": 97,  # SkyReelsV2Pipeline's default clip: 4 s at 24 fps
         "pipeline_class": "SkyReelsV2Pipeline",
         "related_pipelines": (),
         "denoiser_class": "SkyReelsV2Transformer3DModel",

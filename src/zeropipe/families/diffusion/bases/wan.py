@@ -67,9 +67,6 @@ class Wan(Architecture):
     def trace_text_tokens(self):
         return 512  # Wan trains and samples with 512 tokens (see encode_prompts); a tiny tokenizer says fewer
 
-    def trace_frames(self):
-        return 81  # WanPipeline's default clip: 5 s at 16 fps
-
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         return {
             "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
@@ -117,6 +114,7 @@ WAN_SCHEDULER = {
 
 ARCHITECTURE = Wan(
     name="wan",
+    trace_frames=81,  # WanPipeline's default clip: 5 s at 16 fps
     pipeline_class="WanPipeline",
     related_pipelines=("WanVideoToVideoPipeline",),
     denoiser="transformer",

@@ -55,9 +55,6 @@ class WanTI2V(Wan):
         timestep = token_timesteps(timesteps, self.first_frame_mask(model_input), tuple(module.config.patch_size))
         return model(hidden_states=model_input, timestep=timestep, encoder_hidden_states=condition["prompt_embeds"], return_dict=False)[0]
 
-    def trace_frames(self):
-        return 121  # WanPipeline's clip for TI2V-5B in its model card: 5 s at 24 fps
-
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         inputs = super().trace_inputs(config, latent_side, latent_frames, text_tokens, dtype)
         tokens = latent_frames * (latent_side // config.patch_size[1]) * (latent_side // config.patch_size[2])
@@ -103,6 +100,7 @@ ARCHITECTURE = WanTI2V(
     **{
         **_WAN_FIELDS,
         "name": "wan-ti2v",
+        "trace_frames": 121,  # WanPipeline's clip for TI2V-5B in its model card: 5 s at 24 fps
         "pipeline_settings": (("expand_timesteps", True),),
         "related_pipelines": (),
         "codec": PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=24.0),

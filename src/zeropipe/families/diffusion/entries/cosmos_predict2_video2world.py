@@ -120,9 +120,6 @@ class CosmosPredict2Video2World(CosmosPredict2):
     def call_pipeline(self, pipeline, kwargs):
         return draw_video_latents(pipeline, **kwargs)
 
-    def trace_frames(self):
-        return 93  # Cosmos2VideoToWorldPipeline's default clip: about 6 s at 16 fps
-
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         if config.concat_padding_mask and importlib.util.find_spec("torchvision") is None:
             return None  # its forward resizes the padding mask with torchvision: not traced where that is missing (a run is refused then)
@@ -148,6 +145,7 @@ ARCHITECTURE = CosmosPredict2Video2World(
     **{
         **{field: getattr(TEXT_TO_IMAGE, field) for field in TEXT_TO_IMAGE.__dataclass_fields__},
         "name": "cosmos-predict2-video2world",
+        "trace_frames": 93,  # Cosmos2VideoToWorldPipeline's default clip: about 6 s at 16 fps
         "pipeline_class": "Cosmos2VideoToWorldPipeline",
         "codec": CosmosVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=float(FPS)),
         "conditions": (FirstFrameAlone(),),

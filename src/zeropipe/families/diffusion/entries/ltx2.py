@@ -202,12 +202,10 @@ class LTX2(LTXVideo):
             "num_frames": frames, "height": side, "width": side, "fps": self.codec.frame_rate, "audio_num_frames": audio, "use_cross_timestep": True,
         }
 
-    def trace_frames(self):
-        return 121  # LTX2Pipeline's default length: about 5 s at 24 fps
-
 
 ARCHITECTURE = LTX2(
     name="ltx2",
+    trace_frames=121,  # LTX2Pipeline's default length: about 5 s at 24 fps
     pipeline_class="LTX2Pipeline",
     denoiser="transformer",
     denoiser_class="LTX2VideoTransformer3DModel",

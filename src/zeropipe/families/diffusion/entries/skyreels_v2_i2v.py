@@ -21,9 +21,6 @@ class SkyReelsV2ImageToVideo(WanI2V):
     def pipeline_kwargs(self):
         return {}
 
-    def trace_frames(self):
-        return 97
-
     def tiny_component(self, name, fields):
         if name == "image_encoder":
             from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
@@ -50,6 +47,7 @@ ARCHITECTURE = SkyReelsV2ImageToVideo(
     **{
         **{field: getattr(T2V, field) for field in T2V.__dataclass_fields__},
         "name": "skyreels-v2-i2v",
+        "trace_frames": 97,
         "pipeline_class": "SkyReelsV2ImageToVideoPipeline",
         "conditions": (FirstFrame(), FirstFrameEmbeddings(("image_encoder", "image_processor"))),
         "preset_name": "tiny-skyreels-v2-i2v",
