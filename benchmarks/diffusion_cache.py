@@ -239,10 +239,10 @@ def encoder_breakdown(off_run: Path, on_run: Path, micro_batch: int, repeats: in
     import torch
     import transformers
 
-    from zeropipe.diffusion import cache
-    from zeropipe.diffusion.images import load_image_for_bucket
-    from zeropipe.diffusion.architectures import architecture_named
-    from zeropipe.diffusion.pipelines import encode_prompts, load_component, text_pipeline
+    from zeropipe.families.diffusion import cache
+    from zeropipe.data.images import load_image_for_bucket
+    from zeropipe.families.diffusion.entries import architecture_named
+    from zeropipe.families.diffusion.pipelines import encode_prompts, load_component, text_pipeline
 
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
@@ -383,7 +383,7 @@ def denoiser_rank(run_dir: Path, out: Path, pairs: int, warmup: int) -> None:
       memory, through the same engine: forward (the architecture's ``predict``), loss,
       backward, optimizer step.
     """
-    from zeropipe.diffusion.objectives import weighted_mse
+    from zeropipe.families.diffusion.objectives import weighted_mse
     from zeropipe.engine.trainer import Trainer
     from zeropipe.families import family_of
     from zeropipe.rundir import RunDir

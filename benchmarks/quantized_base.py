@@ -62,7 +62,7 @@ def rank_main(args) -> None:
     from peft import LoraConfig
     from transformers.integrations import HfDeepSpeedConfig
 
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
     from zeropipe.models.loading import load_pretrained
     from zeropipe.models.quantized import QuantizedStorage
 
@@ -129,7 +129,7 @@ def rank_main(args) -> None:
 def write_checkpoint(arch_name: str, config: dict, folder: Path) -> None:
     import torch
 
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     cls = architecture_named(arch_name).model_class()
     previous = torch.get_default_dtype()
@@ -369,7 +369,7 @@ def main() -> None:
             print(f"{storage}: measured partition / plan = {measured / plan['stored_per_rank']:.3f}")
 
         print(f"\nPart 2: tiny Wan, bf16 checkpoint, ZeRO-3, 2 CPU ranks, fp32 compute, LoRA r=16, {args.loss_steps} steps, same seed")
-        from zeropipe.diffusion.architectures import architecture_named
+        from zeropipe.families.diffusion.entries import architecture_named
 
         wan = work / "tiny-wan"
         write_checkpoint("wan", architecture_named("wan").preset["transformer"], wan)

@@ -165,7 +165,7 @@ def build_sdxl_dir(out: Path) -> int:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
     unet_dir = out / "unet"
     if (unet_dir / "config.json").is_file() and any(unet_dir.glob("*.safetensors")):

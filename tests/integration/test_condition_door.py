@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.conftest import assert_ok, metrics, zeropipe
-from zeropipe.diffusion.images import generate_shapes_dataset
+from zeropipe.data.images import generate_shapes_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -232,8 +232,8 @@ disable_gradient_checkpointing: true
 
 def test_diffusion_pipe_toml_with_two_directories_trains_lora(tmp_path):
     """`zeropipe train main.toml`: a tiny SDXL pipeline, two [[directory]] entries (one repeated 3x) as kohya links, LoRA."""
-    from zeropipe.diffusion.images import generate_shapes_dataset
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline
+    from zeropipe.data.images import generate_shapes_dataset
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
     pipeline = tmp_path / "sdxl-tiny"
     build_tiny_pipeline({"pipeline": "tiny-sdxl"}, pipeline, seed=0)

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
-from zeropipe.diffusion.images import generate_shapes_dataset
+from zeropipe.data.images import generate_shapes_dataset
 
 pytestmark = pytest.mark.integration
 

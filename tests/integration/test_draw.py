@@ -7,7 +7,7 @@ from pathlib import Path
 import av
 import pytest
 
-from zeropipe.diffusion.pipelines import build_tiny_pipeline
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 from zeropipe.families import draw, load_drawing
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from tests.integration.conftest import assert_a_second_run_would_encode_nothing, assert_ok, zeropipe, zeropipe_here
-from zeropipe.diffusion.videos import generate_moving_shapes_dataset
+from zeropipe.data.videos import generate_moving_shapes_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from PIL import Image, ImageOps
 
 from tests.integration.conftest import assert_ok, zeropipe, zeropipe_here
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion.images import generate_shapes_dataset
+from zeropipe.data.images import generate_shapes_dataset
 from zeropipe.families.diffusion.prepare import prepare_diffusion_data
 from zeropipe.rundir import RunDir
 
@@ -88,7 +88,7 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
     assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import QwenImageEditPipeline
 
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     arch = architecture_named("qwen-image-edit")
     # No processor: transformers builds Qwen2VLProcessor only with torchvision; the prompt is given as embeddings.

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from tests.integration.conftest import assert_a_second_run_would_encode_nothing, assert_ok, zeropipe, zeropipe_here
-from zeropipe.diffusion.images import generate_shapes_dataset
+from zeropipe.data.images import generate_shapes_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import assert_ok, zeropipe, zeropipe_here
-from zeropipe.diffusion.videos import moving_shape_frames
+from zeropipe.data.videos import moving_shape_frames
 
 pytestmark = pytest.mark.integration
 

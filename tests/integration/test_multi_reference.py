@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 
 from tests.integration.conftest import assert_ok, zeropipe, zeropipe_here
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion.images import generate_shapes_dataset
+from zeropipe.data.images import generate_shapes_dataset
 from zeropipe.families.diffusion.prepare import prepare_diffusion_data
 from zeropipe.rundir import RunDir
 
@@ -84,7 +84,7 @@ def test_qwen_image_edit_plus_lora_learns_from_two_references_samples_reuses_cac
     assert_ok(zeropipe_here("export", run_dir, "--out", out, "--dtype", "fp32"))
     from diffusers import QwenImageEditPlusPipeline
 
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     arch = architecture_named("qwen-image-edit-plus")
     # No processor: transformers builds Qwen2VLProcessor only with torchvision; the prompt is given as embeddings.

@@ -258,7 +258,7 @@ def test_an_unreachable_node_is_named_and_nothing_starts(tmp_path):
 def test_a_diffusion_run_on_two_nodes_fills_its_caches_once_before_any_node_starts_ranks(tmp_path, sshd):
     """The caches are filled by one process on the launching node, into the shared run directory;
     the node agents (and so every rank on every node) start after it and only read them."""
-    from zeropipe.diffusion.videos import generate_moving_shapes_dataset
+    from zeropipe.data.videos import generate_moving_shapes_dataset
 
     clips = generate_moving_shapes_dataset(tmp_path / "videos", 4, seed=1, resolution=32, frames=5)
     config = {

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
-from zeropipe.diffusion.videos import generate_moving_shapes_dataset
+from zeropipe.data.videos import generate_moving_shapes_dataset
 
 pytestmark = pytest.mark.integration
 

@@ -58,7 +58,7 @@ def generate_from_export(directory: Path, image: Path, prompt: str = "Describe t
 @pytest.fixture
 def flickr_style_data(tmp_path) -> Path:
     """160 shape images with a Flickr8k-style captions file, plus a damaged and a missing image."""
-    from zeropipe.diffusion.images import generate_shapes_dataset
+    from zeropipe.data.images import generate_shapes_dataset
 
     folder = generate_shapes_dataset(tmp_path / "shapes", 160, seed=0, resolution=32) / "1_shapes"
     lines = [f"{png.name}#0\t{png.with_suffix('.txt').read_text().strip()}" for png in sorted(folder.glob("*.png"))]
@@ -183,7 +183,7 @@ def test_hub_style_parquet_with_embedded_image_bytes_trains(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from zeropipe.diffusion.images import generate_shapes_dataset
+    from zeropipe.data.images import generate_shapes_dataset
 
     folder = generate_shapes_dataset(tmp_path / "shapes", 96, seed=0, resolution=32) / "1_shapes"
     rows = [{"image": {"bytes": png.read_bytes(), "path": None}, "text": png.with_suffix(".txt").read_text().strip()} for png in sorted(folder.glob("*.png"))]

@@ -123,7 +123,7 @@ def test_text_records_behind_a_symlink_out_of_the_roots_are_skipped_by_the_data_
 
 
 def test_images_and_captions_behind_symlinks_are_skipped_and_counted(tmp_path, folders):
-    from zeropipe.diffusion.images import load_image_for_bucket, scan_image_folder
+    from zeropipe.data.images import load_image_for_bucket, scan_image_folder
 
     roots, outside = folders
     images = tmp_path / "data" / "images"

@@ -168,8 +168,10 @@ def _spec(args: argparse.Namespace, lora):
     from pathlib import Path
 
     from zeropipe.errors import ZeroPipeError
+    from zeropipe.families import families
     from zeropipe.plan.model_spec import spec_from_catalog, spec_from_params, spec_from_path
 
+    families()  # the families register their planner builders (diffusion: families/diffusion/spec.py)
     if args.params:
         if lora is not None:
             raise ZeroPipeError("--lora-r needs the model's layer shapes: use --model instead of --params")

@@ -8,7 +8,7 @@ the same way, naming the file and the fix. Nothing else in the package opens ``m
 (``tests/unit/config/test_pipeline_index.py`` holds that).
 
 This is the bottom layer (``zeropipe.config``) so that the planner, the diffusion code, the
-families, the exporters and the converters can all import it. ``diffusion.pipelines.PipelineFolder``
+families, the exporters and the converters can all import it. ``families.diffusion.pipelines.PipelineFolder``
 (what an architecture's parts load components through) carries one.
 """
 

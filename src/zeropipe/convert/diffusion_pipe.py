@@ -18,8 +18,8 @@ import tomllib
 
 from zeropipe.config.pipeline_index import is_pipeline_folder
 from zeropipe.convert.common import Conversion, ConversionError, PeerDefault, as_number, find_path, is_unset, to_float, to_int
-from zeropipe.diffusion.architectures import architectures
-from zeropipe.diffusion.images import IMAGE_SUFFIXES
+from zeropipe.data.images import IMAGE_SUFFIXES
+from zeropipe.families.diffusion.entries import architectures
 
 
 # Every [model] type diffusion-pipe's train.py accepts (models/*.py, docs/supported_models.md), as ZeRO-Pipe's

@@ -9,13 +9,13 @@ from typing import Any
 import torch
 
 from zeropipe.config.schema import ModelSection
-from zeropipe.diffusion.architectures.base import DIFFUSERS_LORA_TARGETS  # noqa: F401 - one name for both libraries' defaults
 from zeropipe.errors import ConfigError
 
 log = logging.getLogger("zeropipe")
 
 # LoRA's usual targets (model.lora.target_modules: auto): the attention projections, as each library names them.
 TRANSFORMERS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+DIFFUSERS_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
 # deepspeed.precision (and --dtype) names to torch dtypes.
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from zeropipe.config.pipeline_index import PipelineIndex, is_pipeline_folder, read_pipeline_index
-from zeropipe.diffusion.architectures import architecture_for_denoiser, architecture_for_pipeline, architecture_named
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS, TRANSFORMERS_LORA_TARGETS, is_lora_target, resolve_lora_targets
 from zeropipe.models.adapters import adapter_parameter_sizes
-from zeropipe.plan.trace import ActivationTrace, trace_diffusion
+from zeropipe.plan.trace import ActivationTrace
 
 if TYPE_CHECKING:
     import torch
@@ -200,7 +199,7 @@ def spec_from_catalog(name: str, lora: LoraSection | None = None) -> ModelSpec:
     if entry["family"] == "causal_lm":
         spec = _causal_lm_spec(entry["config"], entry["name"], lora)
     else:
-        spec = _diffusion_spec(entry, lora)
+        spec = diffusion_specs().catalog_entry(entry, lora)
     return replace(spec, source=f"catalog: {entry['source']}", published_params=entry.get("published_params"))
 
 
@@ -212,7 +211,7 @@ def spec_from_path(path: str | Path, lora: LoraSection | None = None) -> ModelSp
     """
     path = Path(path).expanduser()
     if path.is_dir() and is_pipeline_folder(path):
-        return _pipeline_spec(read_pipeline_index(path, key=None), lora)
+        return diffusion_specs().pipeline(read_pipeline_index(path, key=None), lora)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise ZeroPipeError(f"{path}: no config.json there; give a Hugging Face model directory, its config.json, or a catalog name")
@@ -221,16 +220,7 @@ def spec_from_path(path: str | Path, lora: LoraSection | None = None) -> ModelSp
     except json.JSONDecodeError as err:
         raise ZeroPipeError(f"{config_file} is not valid JSON (line {err.lineno}: {err.msg})") from None
     if "_class_name" in config:
-        # A diffusers model's config (a pipeline's unet/ or transformer/): its architecture is the entry that trains that class.
-        arch = architecture_for_denoiser(config["_class_name"])
-        entry = {
-            "name": path.name,
-            "architecture": arch.name if arch is not None else None,
-            "family": _denoiser_family(config["_class_name"], arch),
-            "resolution": 1024,
-            "trained": {"name": path.name, "library": "diffusers", "class": config["_class_name"], "config": config},
-        }
-        spec = _diffusion_spec(entry, lora)
+        spec = diffusion_specs().denoiser_config(path, config, lora)
     else:
         spec = _causal_lm_spec(config, config_file.parent.name, lora)
     return replace(spec, source=f"config: {config_file}")
@@ -494,82 +484,6 @@ def _build_component(component: dict[str, Any]):
         return torch.nn.Module.to(cls.from_config(fields), torch.bfloat16)
 
 
-def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpec:
-    model = _build_component(entry["trained"])
-    frozen = tuple(FrozenModel(c["name"], sum(p.numel() for p in _build_component(c).parameters())) for c in entry.get("frozen", ()))
-    counts = _count(model)
-    linears = _block_linear_counts(model)
-    trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
-    if lora is not None:
-        named = entry.get("architecture")
-        arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
-        auto = arch.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
-        lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion", auto)
-        _inject_lora(model, lora, auto)
-    resolution = int(entry.get("resolution", 1024))
-    trace = _trace(model, entry, resolution)
-    config = model.config
-    hidden = (
-        getattr(config, "num_attention_heads", 0) * getattr(config, "attention_head_dim", 0) if entry["family"] == "diffusion_transformer" else None
-    )
-    return ModelSpec(
-        name=entry["name"],
-        family=entry["family"],
-        total_params=counts["total"] + (trainable if lora is not None else 0),
-        trainable_params=trainable,
-        layers=0,
-        hidden_size=hidden or None,
-        largest_layer_params=counts["largest_layer"],
-        largest_layer_name=counts["largest_layer_name"],
-        largest_parameter=counts["largest_parameter"],
-        parameter_sizes=tuple(sizes),
-        lora=lora_shape,
-        frozen_models=frozen,
-        activation_trace=trace,
-        **linears,
-    )
-
-
-def _inject_lora(model, lora: LoraSection, auto=None) -> None:
-    """Adapters on the meta model, so the trace sees what frozen base layers and adapters save."""
-    import torch
-    from peft import inject_adapter_in_model
-
-    from zeropipe.models.adapters import is_adapter_parameter, peft_adapter_config
-
-    targets = lora_targets(lora, "diffusion", auto)
-    with torch.device("meta"):
-        inject_adapter_in_model(peft_adapter_config(lora, targets), model)
-    for name, param in model.named_parameters():
-        param.requires_grad_(is_adapter_parameter(name))
-
-
-def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:
-    """The denoiser's activations for one example, traced on inputs its architecture entry makes (``Architecture.trace_inputs``).
-
-    The entry says what its denoiser takes, whether its latents have frames (``video``) and the
-    prompt length and clip length to trace when the spec does not say (a catalog entry's
-    ``text_tokens`` and ``frames``); None when no entry trains this model or it is not traced.
-    """
-    import torch
-
-    named = entry.get("architecture")
-    # An entry may name its architecture where several share a denoiser class (Qwen-Image and Qwen-Image-Edit).
-    arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
-    if arch is None:
-        return None
-    config, dtype = model.config, torch.bfloat16
-    latent = resolution // int(entry.get("vae_factor", 8))
-    frames = int(entry.get("frames", arch.trace_frames())) if arch.video else 1
-    latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
-    text_tokens = int(entry.get("text_tokens", arch.trace_text_tokens()))
-    with torch.device("meta"):
-        inputs = arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
-    if inputs is None:
-        return None
-    return trace_diffusion(model, lambda: inputs, resolution, frames=frames)
-
-
 def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8, vae_temporal_factor: int = 4) -> int:
     """The tokens a video transformer attends over: latent frames x latent height x latent width / patch volume."""
     patch_t, patch_h, patch_w = config.patch_size
@@ -578,72 +492,36 @@ def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8,
     return (latent_frames // patch_t) * (latent // patch_h) * (latent // patch_w)
 
 
-def _vae_factors(folder: PipelineIndex, arch) -> tuple[int, int]:
-    """(pixels per latent along a side, frames per latent frame) of a pipeline's VAE; (8, 1) when its config cannot tell."""
-    try:
-        return vae_factors(folder.component_config("vae"), arch)
-    except (ConfigError, KeyError):
-        return 8, 1
+# ---------------------------------------------------------------------------------------------
+# Diffusion models: the family's door
 
 
-def _denoiser_family(class_name: str, arch) -> str:
-    """diffusion_unet or diffusion_transformer: the component its architecture entry trains, else where diffusers keeps the class."""
-    if arch is not None:
-        return "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet"
-    module = getattr(_diffusers_class("diffusers", class_name), "__module__", "")
-    return "diffusion_unet" if ".unets." in module else "diffusion_transformer"
+@dataclass(frozen=True)
+class DiffusionSpecs:
+    """How the planner describes a diffusion model: the builders the diffusion family registers (``families/diffusion/spec.py``).
+
+    The planner knows no diffusion architecture: the family reads a catalog entry, a diffusers model's
+    ``config.json`` and a pipeline folder through its entries, and traces the denoiser's activations.
+    """
+
+    catalog_entry: Callable[[dict[str, Any], LoraSection | None], ModelSpec]  # a catalog file's entry
+    denoiser_config: Callable[[Path, dict[str, Any], LoraSection | None], ModelSpec]  # a unet/ or transformer/ config.json
+    pipeline: Callable[[PipelineIndex, LoraSection | None], ModelSpec]  # a pipeline folder
 
 
-def _text_encoder_model_type(class_name: str) -> str:
-    """The transformers model_type of a text encoder class (T5EncoderModel: t5, LlamaModel: llama, CLIPTextModel: clip_text_model)."""
-    import transformers
-
-    return getattr(transformers, class_name).config_class.model_type
+_DIFFUSION_SPECS: list[DiffusionSpecs] = []
 
 
-def _architecture(folder: PipelineIndex):
-    """The diffusion architecture of a pipeline folder, or None when its pipeline class is none ZeRO-Pipe knows."""
-    return architecture_for_pipeline(folder.class_name, folder.index)
+def register_diffusion_specs(specs: DiffusionSpecs) -> None:
+    """The diffusion family's builders, registered when the family is imported (the last registration wins)."""
+    _DIFFUSION_SPECS[:] = [specs]
 
 
-def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
-    """(pixels per latent along a side, frames per latent frame) of a VAE config, read as its architecture reads it."""
-    from zeropipe.diffusion.architectures.base import Architecture
-
-    if arch is not None:
-        return arch.vae_factors(config)
-    return Architecture.vae_factors(None, config)  # the generic reading: video VAEs say both, image VAEs halve per block
-
-
-def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
-    """A diffusers pipeline folder: train the UNet or transformer, keep text encoders and VAE frozen."""
-    path, index = folder.path, folder.index
-    trained_name = "transformer" if "transformer" in index else "unet"
-    if trained_name not in index:
-        raise ZeroPipeError(f"{folder.index_file} names neither a unet nor a transformer to train")
-    components = []
-    for name, (library, cls) in folder.components().items():
-        if library not in ("diffusers", "transformers") or not folder.has_component_config(name):
-            continue
-        components.append({"name": name, "library": library, "class": cls, "config": folder.component_config(name)})
-    trained = next((c for c in components if c["name"] == trained_name), None)
-    if trained is None:
-        raise ZeroPipeError(f"{path}/{trained_name}/config.json is missing")
-    family = "diffusion_transformer" if trained_name == "transformer" else "diffusion_unet"
-    arch = _architecture(folder)
-    vae_factor, vae_temporal_factor = _vae_factors(folder, arch)
-    entry = {
-        "name": path.name,
-        "architecture": getattr(arch, "name", None),
-        "family": family,
-        "resolution": resolution,
-        "vae_factor": vae_factor,
-        "vae_temporal_factor": vae_temporal_factor,
-        "frames": frames,
-        "trained": trained,
-        "frozen": [c for c in components if c is not trained and c["name"] in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")],
-    }
-    return replace(_diffusion_spec(entry, lora), source=f"pipeline: {path}")
+def diffusion_specs() -> DiffusionSpecs:
+    """The registered diffusion builders, asked by the planner for a diffusion catalog entry, config or pipeline folder."""
+    if not _DIFFUSION_SPECS:
+        raise ZeroPipeError("no diffusion family is loaded to describe this diffusion model: load the families first (zeropipe.families.families(), or import zeropipe.families.diffusion)")
+    return _DIFFUSION_SPECS[0]
 
 
 def _version(package: str) -> str:
@@ -660,7 +538,10 @@ __all__ = [
     "FrozenModel",
     "LoraShape",
     "ModelSpec",
+    "DiffusionSpecs",
     "catalog_names",
+    "diffusion_specs",
+    "register_diffusion_specs",
     "spec_from_catalog",
     "spec_from_params",
     "spec_from_path",

@@ -1,6 +1,6 @@
 """The Dataset page: an image or video folder as diffusion training will read it.
 
-The folder is scanned by the training code itself (``diffusion.images.scan_image_folder``:
+The folder is scanned by the training code itself (``data.images.scan_image_folder``:
 layouts, captions, decoding every file, ``probe_video`` for clips) and every usable file is
 given the aspect-ratio bucket training's preparation assigns (``make_buckets`` /
 ``assign_bucket``). Rejected files are listed with the reason training would skip them.
@@ -45,7 +45,8 @@ def dataset_view(
     Raises:
         ZeroPipeError: the folder cannot be read as an image folder (the message says why).
     """
-    from zeropipe.diffusion.images import assign_bucket, make_buckets, scan_image_folder
+    from zeropipe.data.images import scan_image_folder
+    from zeropipe.families.diffusion.buckets import assign_bucket, make_buckets
     from zeropipe.errors import DataError
 
     def refuse(path: Path) -> str | None:
@@ -55,7 +56,7 @@ def dataset_view(
 
     probe, suffixes = (None, ())
     if videos:
-        from zeropipe.diffusion.videos import VIDEO_SUFFIXES, probe_video
+        from zeropipe.data.videos import VIDEO_SUFFIXES, probe_video
 
         probe, suffixes = probe_video, VIDEO_SUFFIXES
     try:

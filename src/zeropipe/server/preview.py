@@ -168,7 +168,8 @@ def verdict(bad: int, total: int, data) -> dict[str, Any]:
 
 def image_preview(config, limit: int) -> dict[str, Any]:
     """Thumbnails of a diffusion image folder with caption, repeats and aspect-ratio bucket (as prepare assigns them)."""
-    from zeropipe.diffusion.images import assign_bucket, generate_shapes_dataset, make_buckets, scan_image_folder
+    from zeropipe.data.images import generate_shapes_dataset, scan_image_folder
+    from zeropipe.families.diffusion.buckets import assign_bucket, make_buckets
 
     data, images = config.data, config.data.images
     with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch, confining(also_allowing(Path(scratch))):  # generated data is read from scratch

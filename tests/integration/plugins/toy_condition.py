@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from zeropipe.diffusion.architectures import register
-from zeropipe.diffusion.architectures.sd15 import ARCHITECTURE as SD15
-from zeropipe.diffusion.parts import Condition, SampleInputs
+from zeropipe.families.diffusion.entries import register
+from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
+from zeropipe.families.diffusion.parts import Condition, SampleInputs
 from zeropipe.errors import DataError
 
 SIDECAR = ".loudness"

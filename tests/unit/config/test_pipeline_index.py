@@ -23,7 +23,6 @@ READER = SRC / "config" / "pipeline_index.py"
 
 # Modules that are about diffusion pipelines only: a component's config file is read through the reader there too.
 DIFFUSION_MODULES = [
-    *sorted((SRC / "diffusion").rglob("*.py")),
     *sorted((SRC / "families" / "diffusion").rglob("*.py")),
     SRC / "convert" / "diffusion_pipe.py",
 ]
@@ -145,7 +144,7 @@ def test_a_component_the_caller_needs_and_the_index_lacks_is_named(tmp_path):
 
 
 def test_the_architecture_of_a_damaged_pipeline_is_a_config_error():
-    from zeropipe.diffusion.architectures import architecture_of
+    from zeropipe.families.diffusion.entries import architecture_of
 
     with pytest.raises(ConfigError, match="is not a folder: point it at a diffusers pipeline folder"):
         architecture_of(Path("/nonexistent-zeropipe-test"))

@@ -388,7 +388,7 @@ def test_a_control_path_becomes_data_control_path_for_one_folder_and_is_listed_f
 def test_control_paths_become_data_control_paths_for_a_multi_reference_edit_model(tmp_path):
     """diffusion-pipe's multi-reference edit datasets ([[directory]] control_paths, a folder per reference) map to data.control_paths, in order;
     a qwen_image type on a Qwen-Image-Edit-2509 folder (QwenImageEditPlusPipeline) trains qwen-image-edit-plus, read from its model_index.json."""
-    from zeropipe.diffusion.architectures import architecture_of
+    from zeropipe.families.diffusion.entries import architecture_of
 
     plus = pipeline_dir(tmp_path, "Qwen-Image-Edit-2509")
     (plus / "model_index.json").write_text('{"_class_name": "QwenImageEditPlusPipeline"}')

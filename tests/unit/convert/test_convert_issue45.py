@@ -45,7 +45,7 @@ def test_1_a_converted_wan_run_draws_diffusion_pipes_timesteps(tmp_path, tiny_wa
     """The noise levels a converted run trains on (ZeRO-Pipe's own sampler, on the converted config and the pipeline's scheduler)
     follow diffusion-pipe's formula with the file's shift, 1.0 when the file has none (main took the scheduler's 3.0: median 0.75, not 0.5)."""
     from zeropipe.config.pipeline_index import read_pipeline_index
-    from zeropipe.diffusion.objectives import FlowObjective
+    from zeropipe.families.diffusion.objectives import FlowObjective
 
     clips = image_dir(tmp_path, "clips")
     path = write(tmp_path, f"dataset = 'dataset.toml'\n[model]\ntype = 'wan'\ndiffusers_path = '{tiny_wan}'\n{line}", f"resolutions = [64]\n[[directory]]\npath = '{clips}'\n")
@@ -214,15 +214,15 @@ def _train_refuses_targets(config):
 
 def _train_refuses_frames(config):
     """What the launcher does when it prepares the clips (the entry's codec, take_clips), before any rank starts."""
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     architecture_named("wan").codec.take_clips(config, "wan", [], [])
 
 
 def _train_refuses_denoiser_file(config):
     """What the rank does before loading the denoiser (diffusion/pipelines.py single_file_renamer)."""
-    from zeropipe.diffusion.architectures import architecture_named
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.entries import architecture_named
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
 
     single_file_renamer(architecture_named("wan").denoiser_class, Path(config.model.diffusion.denoiser_file))
 
@@ -272,7 +272,7 @@ def test_7_qwen_image_edit_samples_in_bf16_beside_a_float32_vae(tmp_path, preset
     in float32 (sampling_vae). Main failed in the VAE: "Input type (c10::BFloat16) and bias type (float) should be the same"."""
     from PIL import Image
 
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
     arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=2)
     pipeline = arch.pipeline().from_pretrained(str(tmp_path / "pipeline"), processor=None)
@@ -310,7 +310,7 @@ def _applies(peer, conversion, source: dict, tool: str, flat: dict) -> bool:
     if peer.applies == "vlm":
         return "model.trainable" in conversion.entries or any(key.startswith("freeze_") for key, _ in conversion.unmapped)
     if tool == "diffusion-pipe" and peer.applies in ("flow", "video"):
-        from zeropipe.diffusion.architectures import architectures
+        from zeropipe.families.diffusion.entries import architectures
 
         model = source.get("model") or {}
         arch = architectures().get(diffusion_pipe_converter.model_architecture(str(model.get("type")), model) or "")
@@ -418,10 +418,10 @@ def test_3_a_flux2_klein_file_with_several_control_folders_carries_its_verdict(t
 
 def test_8_a_control_folder_on_a_plain_flux_folder_names_the_kontext_pipeline(tmp_path):
     """A FLUX.1 Kontext file (control_path) over a FLUX.1 folder: the refusal names the Kontext pipeline its own listing names, not only Qwen's."""
-    from zeropipe.diffusion.parts import PART_SETTINGS
+    from zeropipe.families.diffusion.parts import PART_SETTINGS
 
     config = validate_config({"model": {"config": {"pipeline": "tiny-flux"}}, "data": {"synthetic": {"task": "shapes"}, "control_path": str(tmp_path)}})
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     key, message = PART_SETTINGS["data.control_path"](config, architecture_named("flux"))
     assert key == "data.control_path" and "FluxKontextPipeline" in message and "flux-kontext" in message

@@ -21,9 +21,9 @@ import yaml
 from tests.unit.convert.test_convert_issue27 import DP, peer_main, unmapped
 from tests.unit.diffusion.test_architecture_contract import denoiser_output, one_rank, prepare
 from zeropipe.convert import convert_file
-from zeropipe.diffusion.architectures import architecture_named
-from zeropipe.diffusion.images import generate_shapes_dataset
-from zeropipe.diffusion.pipelines import build_tiny_pipeline
+from zeropipe.families.diffusion.entries import architecture_named
+from zeropipe.data.images import generate_shapes_dataset
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
 # example, its [model] key that names the checkpoint, the entry it trains, what convert must report rather than drop
 EXAMPLES = [

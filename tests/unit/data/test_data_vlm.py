@@ -125,7 +125,7 @@ def test_chat_records_with_markers_content_parts_and_llava_conversations(tmp_pat
 
 
 def test_image_folder_with_caption_files(tmp_path):
-    from zeropipe.diffusion.images import generate_shapes_dataset
+    from zeropipe.data.images import generate_shapes_dataset
 
     generate_shapes_dataset(tmp_path / "shapes", 6, seed=1, resolution=32)
     data = read_vlm_data(tmp_path / "shapes")

@@ -1,6 +1,6 @@
 """The contract every registered diffusion architecture keeps, one parametrized test per entry.
 
-Each registered entry (``zeropipe.diffusion.architectures``: the built-ins and any plug-in registered
+Each registered entry (``zeropipe.families.diffusion.entries``: the built-ins and any plug-in registered
 before collection) goes through the run's own code in this process, on its tiny preset:
 
 - the launcher's data step (``prepare_run``: the tiny pipeline built, buckets, cache keys) and the
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeropipe.diffusion import architectures
+from zeropipe.families.diffusion import entries as architectures
 
 ENTRIES = sorted(architectures.architectures())
 PROMPT_COUNT = 1
@@ -133,7 +133,7 @@ def prepare(raw: dict):
 
 
 def cache_files(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    from zeropipe.diffusion import cache
+    from zeropipe.families.diffusion import cache
 
     return {path.stem: cache.load_entry(folder, kind, path.stem) for kind in ("latents", "text") for path in sorted((folder / kind).rglob("*.safetensors"))}
 
@@ -250,7 +250,7 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
     # A prompt processor the entry makes itself (arch.text.processors: Qwen-Image-Edit's and Qwen-Image 2.1's, which
     # transformers builds only with torchvision) is given as the entry's text pipeline gets it (Qwen-Image 2.1's pipeline reads it
     # in its constructor).
-    from zeropipe.diffusion.pipelines import prompt_processors
+    from zeropipe.families.diffusion.pipelines import prompt_processors
 
     own = {**arch.pipeline_kwargs(), **{name: part for name, part in prompt_processors(run.pipeline, arch).items() if name in arch.text.processors}}
     base = pipeline_cls.from_pretrained(str(run.pipeline), **own)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from zeropipe.diffusion import architectures
-from zeropipe.diffusion.architectures import PredictContext, architecture_of, register, unregister
-from zeropipe.diffusion.architectures.sd15 import ARCHITECTURE as SD15
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, preset_components, text_pipeline
+from zeropipe.families.diffusion import entries as architectures
+from zeropipe.families.diffusion.entries import PredictContext, architecture_of, register, unregister
+from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, preset_components, text_pipeline
 from zeropipe.errors import ConfigError
 
 
@@ -65,7 +65,7 @@ def test_every_entry_takes_what_the_shared_code_passes_to_each_method():
     its runs failed in every rank)."""
     import inspect
 
-    from zeropipe.diffusion.architectures.base import Architecture
+    from zeropipe.families.diffusion.core import Architecture
 
     for arch in architectures.architectures().values():
         for name, base in vars(Architecture).items():
@@ -86,7 +86,7 @@ def test_every_part_takes_what_the_shared_code_passes_to_each_hook():
     """A part that overrides a hook keeps its generic part's parameters: the shared code calls every codec, prompt part and condition the same way."""
     import inspect
 
-    from zeropipe.diffusion.parts import Condition, ImageLatents, PromptText
+    from zeropipe.families.diffusion.parts import Condition, ImageLatents, PromptText
 
     for arch in architectures.architectures().values():
         for part in arch.parts:

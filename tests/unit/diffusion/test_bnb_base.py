@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.unit.diffusion.test_architecture_contract import assert_exports_load, data_section, prepare, run_config, train_one_rank
-from zeropipe.diffusion import architectures
+from zeropipe.families.diffusion import entries as architectures
 
 
 @pytest.fixture(autouse=True)

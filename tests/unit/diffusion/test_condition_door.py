@@ -14,16 +14,17 @@ import pytest
 import torch
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion import architectures, cache
-from zeropipe.diffusion.architectures import PredictContext, register, unregister
-from zeropipe.diffusion.images import generate_shapes_dataset
-from zeropipe.diffusion.parts import Inputs
+from zeropipe.families.diffusion import cache
+from zeropipe.families.diffusion import entries as architectures
+from zeropipe.families.diffusion.entries import PredictContext, register, unregister
+from zeropipe.data.images import generate_shapes_dataset
+from zeropipe.families.diffusion.parts import Inputs
 from zeropipe.families.diffusion.prepare import fill_caches, prepare_diffusion_data, read_plan
 from zeropipe.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parents[3] / "src" / "zeropipe"
 # The shared diffusion code: what runs for every entry and must ask its parts, never which kind an entry is.
-SHARED = ("families/diffusion/task.py", "families/diffusion/prepare.py", "diffusion/pipelines.py", "families/diffusion/export.py", "families/diffusion/family.py", "families/diffusion/spec.py")
+SHARED = ("families/diffusion/task.py", "families/diffusion/prepare.py", "families/diffusion/pipelines.py", "families/diffusion/export.py", "families/diffusion/family.py", "families/diffusion/spec.py")
 # The feature flags the entries had before the parts, and the codec's facts: no shared branch may read them.
 FLAGS = {
     "video", "frame_conditioned", "control_images", "control_in_prompt", "samples_with_vae", "image_encoders", "prompt_processors",

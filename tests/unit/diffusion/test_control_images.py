@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion import cache
-from zeropipe.diffusion.images import match_control_images
+from zeropipe.families.diffusion import cache
+from zeropipe.data.images import match_control_images
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion import FAMILY
 
@@ -101,8 +101,8 @@ def test_an_edit_model_without_control_images_or_caches_or_with_flips_is_refused
 
 def test_prepare_refuses_targets_without_control_images_before_any_rank_starts(tmp_path):
     """The launcher's data step lists the targets that lack a control image (the first three) and the fix."""
-    from zeropipe.diffusion.architectures import architecture_named
-    from zeropipe.diffusion.parts.control_image import attach_control_images
+    from zeropipe.families.diffusion.entries import architecture_named
+    from zeropipe.families.diffusion.parts.control_image import attach_control_images
 
     data, controls = tmp_path / "data", tmp_path / "controls"
     items = [{"path": str(picture(data / f"{i}.png")), "caption": "c"} for i in range(5)]

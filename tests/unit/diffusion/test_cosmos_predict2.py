@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_of
-from zeropipe.diffusion.architectures.cosmos_predict2 import GuardrailRequired, draw_latents
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_of
+from zeropipe.families.diffusion.bases.cosmos_predict2 import GuardrailRequired, draw_latents
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")
 PROMPT = "a red circle on a blue square"
@@ -142,7 +142,7 @@ def test_the_original_lora_layout_is_nvidias_module_names_that_diffusers_convert
 def test_a_transformer_that_needs_torchvision_is_refused_before_anything_starts_where_it_is_missing(tiny, tmp_path):
     """The published checkpoints concatenate a padding-mask channel, which diffusers resizes with torchvision."""
     from zeropipe.config.load import validate_config
-    from zeropipe.diffusion.parts import part_problems
+    from zeropipe.families.diffusion.parts import part_problems
 
     arch, folder, _ = tiny
     missing = importlib.util.find_spec("torchvision") is None
@@ -161,7 +161,7 @@ def test_a_single_file_in_nvidias_layout_is_read_over_the_folder_by_diffusers_co
     """model.diffusion.denoiser_file: NVIDIA's checkpoint names (``net.blocks.0.self_attn.q_proj.weight``, as model.pt holds them) rename onto the transformer."""
     from safetensors.torch import save_file
 
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
 
     arch, _, pipeline = tiny
     ours = {key: value.contiguous() for key, value in pipeline.transformer.state_dict().items()}
@@ -233,7 +233,7 @@ def test_video2world_predict_is_the_pipelines_call_with_the_given_frame_clean_an
 
 
 def test_video2world_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny_v2w):
-    from zeropipe.diffusion.architectures.cosmos_predict2_video2world import draw_video_latents
+    from zeropipe.families.diffusion.entries.cosmos_predict2_video2world import draw_video_latents
 
     arch, _, pipeline, encoder = tiny_v2w
     kwargs = {

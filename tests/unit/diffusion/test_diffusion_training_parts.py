@@ -10,11 +10,11 @@ import torch
 
 from zeropipe.config.load import validate_config
 from zeropipe.config.schema import DiffusionSection
-from zeropipe.diffusion import cache
-from zeropipe.diffusion.architectures import architecture_of
-from zeropipe.diffusion.architectures.base import DDPM_SCHEDULE
-from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
+from zeropipe.families.diffusion import cache
+from zeropipe.families.diffusion.entries import architecture_of
+from zeropipe.families.diffusion.core import DDPM_SCHEDULE
+from zeropipe.families.diffusion.objectives import DDPMObjective, FlowObjective, weighted_mse
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, fingerprint_files, text_pipeline
 from zeropipe.errors import ConfigError
 
 
@@ -137,8 +137,8 @@ def test_fitting_the_tiny_vae_teaches_it_to_reconstruct_and_sets_its_scale(tmp_p
     """
     import diffusers
 
-    from zeropipe.diffusion.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
-    from zeropipe.diffusion.pipelines import fit_tiny_vae, preset_components
+    from zeropipe.data.images import generate_shapes_dataset, load_image_for_bucket, scan_image_folder
+    from zeropipe.families.diffusion.pipelines import fit_tiny_vae, preset_components
 
     _, components = preset_components({"pipeline": "tiny-sdxl", "vae_fit_steps": 80})
     assert "vae_fit_steps" not in components  # how the VAE is made, not a component
@@ -153,7 +153,7 @@ def test_fitting_the_tiny_vae_teaches_it_to_reconstruct_and_sets_its_scale(tmp_p
     torch.manual_seed(0)
     vae = diffusers.AutoencoderKL(**narrow)
     before = reconstruction_error(vae)
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     # One thread: tensors this small gain nothing from two, and on a loaded 2-core machine the
     # threads' barrier waits made the fit 4-5x slower (41 s against 9 s).

@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from zeropipe.diffusion.architectures import PredictContext
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, vae_scale_factor
+from zeropipe.families.diffusion.entries import PredictContext
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, vae_scale_factor
 
 SIZE = 32
 

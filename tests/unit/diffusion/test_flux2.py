@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tests.unit.diffusion.test_image_architectures import deltas, random_lora
-from zeropipe.diffusion.architectures.flux2 import ARCHITECTURE as FLUX2
-from zeropipe.diffusion.architectures.flux2 import text_encoder_layers
-from zeropipe.diffusion.architectures.flux2_klein import ARCHITECTURE as FLUX2_KLEIN
+from zeropipe.families.diffusion.entries.flux2 import ARCHITECTURE as FLUX2
+from zeropipe.families.diffusion.bases.flux2 import text_encoder_layers
+from zeropipe.families.diffusion.entries.flux2_klein import ARCHITECTURE as FLUX2_KLEIN
 from zeropipe.errors import ConfigError
 
 
@@ -20,7 +20,7 @@ def tiny_flux2(tmp_path_factory):
     """A tiny FLUX.2 [dev] pipeline whose VAE has non-trivial batch-norm statistics (a fresh one's are 0 and 1, which would hide a wrong direction)."""
     from diffusers import AutoencoderKLFlux2
 
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
     folder = tmp_path_factory.mktemp("flux2") / "pipeline"
     build_tiny_pipeline({"pipeline": "tiny-flux2"}, folder, seed=1)
@@ -36,8 +36,8 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
     """What training normalises (cache -> the codec's from_vae -> latent_scaling read from the VAE's files) is Flux2Pipeline's image latents; samples decode as it decodes."""
     from diffusers import Flux2Pipeline
 
-    from zeropipe.diffusion import cache
-    from zeropipe.diffusion.pipelines import denormalize_latents, latent_scaling, load_component, normalize_latents
+    from zeropipe.families.diffusion import cache
+    from zeropipe.families.diffusion.pipelines import denormalize_latents, latent_scaling, load_component, normalize_latents
 
     vae = load_component(tiny_flux2, "vae", torch.float32, torch.device("cpu"))
     pixels = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -62,7 +62,7 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
 def test_a_fitted_tiny_vae_stores_unit_variance_statistics_in_its_batch_norm():
     from diffusers import AutoencoderKLFlux2
 
-    from zeropipe.diffusion.architectures.flux2 import tiny_flux2_vae
+    from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae
 
     vae = AutoencoderKLFlux2(**tiny_flux2_vae())
     latents = torch.randn(64, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 3 + 1
@@ -125,7 +125,7 @@ def test_a_bfl_single_file_is_refused_with_the_conversion_that_works(tmp_path):
     """BFL's file fuses q/k/v, which diffusers' converter splits by computing tensors: not streamable into ZeRO partitions, so the fix is named."""
     from safetensors.torch import save_file
 
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
 
     checkpoint = tmp_path / "flux2-dev.safetensors"
     save_file({
@@ -138,7 +138,7 @@ def test_a_bfl_single_file_is_refused_with_the_conversion_that_works(tmp_path):
 
 def test_klein_samples_as_its_model_index_says_distilled_or_not(tmp_path):
     """Flux2KleinPipeline's is_distilled (model_index.json) reaches the sampling pipeline, which decides real CFG by it."""
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline, denoising_pipeline
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, denoising_pipeline
 
     folder = tmp_path / "klein"
     build_tiny_pipeline({"pipeline": "tiny-flux2-klein"}, folder, seed=1)
@@ -156,8 +156,8 @@ def test_a_pixtral_processor_tokenizer_without_torchvision_says_what_to_install(
     """FLUX.2 [dev]'s tokenizer folder is a PixtralProcessor (model_index.json), loaded as diffusers loads it; transformers needs torchvision for it."""
     import importlib.util
 
-    from zeropipe.diffusion.architectures.flux2 import character_mistral_tokenizer
-    from zeropipe.diffusion.pipelines import load_tokenizer
+    from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
+    from zeropipe.families.diffusion.pipelines import load_tokenizer
 
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: the processor loads")

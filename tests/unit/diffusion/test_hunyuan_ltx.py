@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.architectures.hunyuan_video import original_lora_layers
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, latent_scaling, text_pipeline, vae_scale_factor, vae_temporal_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.entries.hunyuan_video import original_lora_layers
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, latent_scaling, text_pipeline, vae_scale_factor, vae_temporal_factor
 
 HUNYUAN = architecture_named("hunyuan-video")
 LTX = architecture_named("ltx-video")
@@ -160,7 +160,7 @@ def test_ltx_original_lora_layout_is_diffusers_names_under_diffusion_model_with_
 def test_single_files_ltx_is_renamed_for_streaming_and_hunyuans_fused_qkv_is_refused_with_the_fix(tmp_path):
     from safetensors.torch import save_file
 
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
     from zeropipe.errors import ConfigError
 
     ltx_file = tmp_path / "ltx-video-2b-v0.9.safetensors"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, text_pipeline, vae_scale_factor, vae_temporal_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, text_pipeline, vae_scale_factor, vae_temporal_factor
 
 HV15 = architecture_named("hunyuan-video-1.5")
 CPU = torch.device("cpu")
@@ -59,10 +59,10 @@ def test_image_to_video_conditions_are_the_pipelines_own_and_predict_is_its_tran
 
     from diffusers import ClassifierFreeGuidance, HunyuanVideo15ImageToVideoPipeline
 
-    from zeropipe.diffusion.images import first_frame_image
-    from zeropipe.diffusion.parts.base import Encoding
-    from zeropipe.diffusion.pipelines import PipelineFolder, latent_scaling, normalize_latents
-    from zeropipe.diffusion.videos import moving_shape_frames
+    from zeropipe.data.images import first_frame_image
+    from zeropipe.families.diffusion.parts.base import Encoding
+    from zeropipe.families.diffusion.pipelines import PipelineFolder, latent_scaling, normalize_latents
+    from zeropipe.data.videos import moving_shape_frames
 
     i2v = architecture_named("hunyuan-video-1.5-i2v")
     build_tiny_pipeline({"pipeline": "tiny-hunyuan-video-1.5-i2v"}, tmp_path / "pipeline", seed=2)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.architectures.ideogram4 import patchify, unpatchify
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, denormalize_latents, encode_prompts, latent_scaling, stack_padded, text_pipeline, vae_scale_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named
+from zeropipe.families.diffusion.parts.latents import patchify, unpatchify
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, denormalize_latents, encode_prompts, latent_scaling, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")
 PROMPT = "a red circle on a sign"
@@ -95,7 +95,7 @@ def test_predict_sampling_and_decoding_are_the_pipelines_own(tiny):
 
 
 def test_a_caption_longer_than_the_pipeline_takes_is_refused_by_name(tiny, monkeypatch):
-    from zeropipe.diffusion.architectures import ideogram4
+    from zeropipe.families.diffusion.entries import ideogram4
     from zeropipe.errors import ConfigError
 
     arch, _, _, encoders = tiny

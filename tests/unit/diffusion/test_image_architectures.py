@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures.chroma import ARCHITECTURE as CHROMA
+from zeropipe.families.diffusion.entries.chroma import ARCHITECTURE as CHROMA
 
 
 def random_lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -63,8 +63,8 @@ def test_chroma_lora_in_the_kohya_layout_converts_back_with_diffusers_at_chroma_
 @pytest.mark.parametrize("preset,latent_shape", [("tiny-qwen-image", (1, 16, 1, 8, 8)), ("tiny-z-image", (1, 4, 8, 8)), ("tiny-chroma", (1, 4, 8, 8))])
 def test_a_captions_prediction_does_not_depend_on_the_padding_its_batch_adds(tmp_path, preset, latent_shape):
     """Captions are cached at their encoding batch's length and padded again per training batch: the masks must make that invisible."""
-    from zeropipe.diffusion.architectures import PredictContext
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+    from zeropipe.families.diffusion.entries import PredictContext
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
 
     arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=1)
     cpu = torch.device("cpu")

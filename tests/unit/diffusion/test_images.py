@@ -14,18 +14,15 @@ import pytest
 import torch
 from PIL import Image
 
-from zeropipe.diffusion.images import (
+from zeropipe.data.images import (
     COLOURS,
     SHAPES,
-    assign_bucket,
-    epoch_micro_batches,
     generate_shapes_dataset,
     load_image_for_bucket,
-    make_buckets,
-    micro_batches_per_rank,
     scan_image_folder,
     shape_prompts,
 )
+from zeropipe.families.diffusion.buckets import assign_bucket, epoch_micro_batches, make_buckets, micro_batches_per_rank
 from zeropipe.errors import DataError
 
 CAPTION_PATTERN = r"a (\w+) (\w+) on a (\w+) background"

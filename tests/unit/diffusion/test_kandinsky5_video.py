@@ -11,8 +11,8 @@ import random
 
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.pipelines import build_tiny_pipeline
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
 CPU = torch.device("cpu")
 PROMPT = "a red circle moving left"
@@ -47,7 +47,7 @@ def pipeline_of(name, tmp_path, seed):
 
 
 def test_text_to_video_predict_is_the_pipelines_own_call(tmp_path):
-    from zeropipe.diffusion.architectures.kandinsky5_t2v import channels_first
+    from zeropipe.families.diffusion.bases.kandinsky5_t2v import channels_first
 
     arch, pipeline = pipeline_of("kandinsky5-t2v", tmp_path, seed=1)
     kwargs, output = first_call(pipeline, prompt=PROMPT, num_frames=9, height=32, width=32, num_inference_steps=2, guidance_scale=1.0,
@@ -66,9 +66,9 @@ def test_text_to_video_predict_is_the_pipelines_own_call(tmp_path):
 
 
 def test_image_to_video_predict_is_the_pipelines_own_call_and_leaves_the_given_frame_out_of_the_loss(tmp_path):
-    from zeropipe.diffusion.architectures.kandinsky5_t2v import channels_first
-    from zeropipe.diffusion.images import first_frame_image
-    from zeropipe.diffusion.videos import moving_shape_frames
+    from zeropipe.families.diffusion.bases.kandinsky5_t2v import channels_first
+    from zeropipe.data.images import first_frame_image
+    from zeropipe.data.videos import moving_shape_frames
 
     arch, pipeline = pipeline_of("kandinsky5-i2v", tmp_path, seed=2)
     frames = moving_shape_frames("circle", "red", "blue", "left", (32, 32), 9, random.Random(0))

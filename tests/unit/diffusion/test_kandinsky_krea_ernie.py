@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named
 
 PROMPT = "a red circle"
 
@@ -43,7 +43,7 @@ def first(output):
 # Per entry: (pipeline call arguments beyond the prompt and size, the pipeline's denoiser input -> (the entry's latents, timesteps),
 # the pipeline's denoiser output -> the entry's layout).
 def kandinsky_case(pipeline):
-    from zeropipe.diffusion.architectures.kandinsky5_t2i import channels_first
+    from zeropipe.families.diffusion.bases.kandinsky5_t2i import channels_first
 
     pipeline.resolutions.append((32, 32))  # the pipeline snaps other sizes to its 1024-pixel ones
     return (
@@ -54,7 +54,7 @@ def kandinsky_case(pipeline):
 
 
 def krea2_case(pipeline):
-    from zeropipe.diffusion.architectures.krea2 import unpack
+    from zeropipe.families.diffusion.entries.krea2 import unpack
 
     side = 32 // pipeline.vae_scale_factor
     return (
@@ -73,7 +73,7 @@ CASES = {"kandinsky5-t2i": kandinsky_case, "krea2": krea2_case, "ernie-image": e
 
 @pytest.fixture(scope="module")
 def tiny_pipelines(tmp_path_factory):
-    from zeropipe.diffusion.pipelines import build_tiny_pipeline
+    from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
     root = tmp_path_factory.mktemp("pipelines")
     built = {}
@@ -90,7 +90,7 @@ def tiny_pipelines(tmp_path_factory):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_predict_is_the_pipelines_own_denoiser_call_on_its_own_prompt_encoding_and_latents(tiny_pipelines, name):
-    from zeropipe.diffusion.pipelines import vae_scale_factor
+    from zeropipe.families.diffusion.pipelines import vae_scale_factor
 
     arch = architecture_named(name)
     folder: Path = tiny_pipelines(name)
@@ -160,7 +160,7 @@ def test_krea2_lora_in_krea_names_converts_back_with_diffusers_to_the_same_updat
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_captions_prediction_does_not_depend_on_the_other_captions_of_its_batch(tiny_pipelines, name):
     """Captions are cached one by one and padded per micro-batch: each row predicts as it does alone (masks, lengths, or one call per length)."""
-    from zeropipe.diffusion.pipelines import encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+    from zeropipe.families.diffusion.pipelines import encode_prompts, stack_padded, text_pipeline, vae_scale_factor
 
     arch = architecture_named(name)
     folder = tiny_pipelines(name)

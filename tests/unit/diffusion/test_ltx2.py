@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.audio import has_audio, mel_spectrogram, read_audio
-from zeropipe.diffusion.objectives import NoisedBatch, weighted_mse
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, text_pipeline, vae_scale_factor, vae_temporal_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.data.audio import has_audio, mel_spectrogram, read_audio
+from zeropipe.families.diffusion.objectives import NoisedBatch, weighted_mse
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, text_pipeline, vae_scale_factor, vae_temporal_factor
 
 LTX2 = architecture_named("ltx2")
 CPU = torch.device("cpu")
@@ -136,7 +136,7 @@ def test_the_original_lora_layout_converts_back_with_diffusers_ltx2_converter():
 
 def test_audio_comes_from_the_latent_cache_and_turning_it_off_is_refused_with_the_key(tmp_path):
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.parts import part_problems
+    from zeropipe.families.diffusion.parts import part_problems
 
     config = RunConfig.model_validate({
         "run": {"name": "ltx2", "output_dir": str(tmp_path)}, "model": {"config": {"pipeline": "tiny-ltx2"}},

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_of
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_of
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")
 PROMPT = 'a red circle on a sign that says "open"'  # the quoted text is HunyuanImage's glyph prompt
@@ -99,7 +99,7 @@ def test_a_captions_prediction_does_not_depend_on_the_padding_its_batch_adds(tin
 def test_hidream_trains_on_the_prediction_the_pipeline_samples_with(tmp_path):
     """In training mode HiDream's transformer returns its output patch-major (padded to its longest sequence for a
     non-square image) and routes experts by another path: the entry's prediction must be the eval-mode one, square or not."""
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     arch = architecture_named("hidream")
     build_tiny_pipeline({"pipeline": "tiny-hidream"}, tmp_path / "pipeline", seed=2)
@@ -125,7 +125,7 @@ def test_hidream_lora_in_comfyui_names_converts_back_with_diffusers_to_the_train
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_hidream_lora_to_diffusers
 
     from tests.unit.diffusion.test_image_architectures import deltas, random_lora
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     inner = 2560  # HiDream-I1: 20 heads x 128
     shapes = {f"double_stream_blocks.0.block.attn1.{name}": (inner, inner) for name in ("to_q", "to_k", "to_v", "to_out", "to_q_t", "to_out_t")}
@@ -145,7 +145,7 @@ def test_hidream_lora_in_comfyui_names_converts_back_with_diffusers_to_the_train
 def test_hunyuan_image_trains_with_gradient_checkpointing_as_without():
     """HunyuanImage's transformer hands attention_mask= to the checkpointing function, which diffusers' default cannot take:
     the rank's function passes it on, and the gradients are those of a run without checkpointing."""
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
     from zeropipe.families.diffusion.task import checkpoint_with_keywords
 
     arch = architecture_named("hunyuan-image")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_of
-from zeropipe.diffusion.architectures.qwen_image21 import CHAT_TEMPLATE, TextPromptProcessor, text_prompt_processor, torchvision_installed
-from zeropipe.diffusion.architectures.qwen_image_edit import tiny_edit_tokenizer
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, prompt_processors, stack_padded, text_pipeline, vae_scale_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_of
+from zeropipe.families.diffusion.entries.qwen_image21 import CHAT_TEMPLATE, TextPromptProcessor, text_prompt_processor, torchvision_installed
+from zeropipe.families.diffusion.tiny.tokenizers import tiny_edit_tokenizer
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, prompt_processors, stack_padded, text_pipeline, vae_scale_factor
 
 CPU = torch.device("cpu")
 SYSTEM = [{"role": "system", "content": [{"type": "text", "text": "Comprehend and analyze the provided prompt."}]}]

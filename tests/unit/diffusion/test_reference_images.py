@@ -11,12 +11,12 @@ import torch
 from PIL import Image, ImageDraw
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion import cache
-from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.parts.reference_images import attach_reference_images, find_reference_images
-from zeropipe.diffusion.parts.reference_prompt import references_text_key
-from zeropipe.diffusion.parts import Encoding, Inputs
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, latent_scaling, normalize_latents, vae_scale_factor
+from zeropipe.families.diffusion import cache
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named
+from zeropipe.families.diffusion.parts.reference_images import attach_reference_images, find_reference_images
+from zeropipe.families.diffusion.parts.reference_prompt import references_text_key
+from zeropipe.families.diffusion.parts import Encoding, Inputs
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, latent_scaling, normalize_latents, vae_scale_factor
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion import FAMILY
 
@@ -205,7 +205,7 @@ def test_qwen_image_edit_plus_samples_as_its_pipeline_draws_from_prompts_and_two
     four 1024 px VAE encodings."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
 
-    from zeropipe.diffusion.pipelines import text_pipeline
+    from zeropipe.families.diffusion.pipelines import text_pipeline
 
     size = 64
     monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", size * size)

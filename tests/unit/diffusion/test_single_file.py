@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from zeropipe.diffusion.architectures import architecture_named
-from zeropipe.diffusion.pipelines import single_file_renamer
+from zeropipe.families.diffusion.entries import architecture_named
+from zeropipe.families.diffusion.pipelines import single_file_renamer
 from zeropipe.errors import ConfigError
 
 WAN = architecture_named("wan")

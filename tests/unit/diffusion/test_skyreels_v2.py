@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.pipelines import build_tiny_pipeline
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline
 
 CPU = torch.device("cpu")
 
@@ -44,10 +44,10 @@ def test_text_to_video_predict_is_the_pipelines_call(tmp_path):
 def test_image_to_video_conditions_are_the_pipelines_own_and_predict_is_its_call(tmp_path):
     from diffusers import SkyReelsV2ImageToVideoPipeline
 
-    from zeropipe.diffusion.images import first_frame_image
-    from zeropipe.diffusion.parts.base import Encoding
-    from zeropipe.diffusion.pipelines import PipelineFolder, latent_scaling, normalize_latents
-    from zeropipe.diffusion.videos import moving_shape_frames
+    from zeropipe.data.images import first_frame_image
+    from zeropipe.families.diffusion.parts.base import Encoding
+    from zeropipe.families.diffusion.pipelines import PipelineFolder, latent_scaling, normalize_latents
+    from zeropipe.data.videos import moving_shape_frames
 
     i2v = architecture_named("skyreels-v2-i2v")
     folder = tmp_path / "i2v"

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import architecture_named
-from zeropipe.diffusion.images import scan_image_folder
-from zeropipe.diffusion.videos import (
+from zeropipe.families.diffusion.entries import architecture_named
+from zeropipe.data.images import scan_image_folder
+from zeropipe.data.videos import (
     VIDEO_SUFFIXES,
     check_frame_buckets,
     clip_starts,

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from zeropipe.config.schema import DiffusionSection
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.objectives import FlowObjective
-from zeropipe.diffusion.parts import FirstFrame
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, encode_prompts, latent_scaling, normalize_latents, text_pipeline
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.objectives import FlowObjective
+from zeropipe.families.diffusion.parts import FirstFrame
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, latent_scaling, normalize_latents, text_pipeline
 
 WAN = architecture_named("wan")
 
@@ -107,8 +107,8 @@ def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_i
 
     from diffusers import WanImageToVideoPipeline
 
-    from zeropipe.diffusion import cache
-    from zeropipe.diffusion.videos import moving_shape_frames
+    from zeropipe.families.diffusion import cache
+    from zeropipe.data.videos import moving_shape_frames
 
     i2v = architecture_named("wan-i2v")
     build_tiny_pipeline({"pipeline": "tiny-wan-i2v"}, tmp_path / "pipeline", seed=2)
@@ -199,7 +199,7 @@ def test_wan21_image_to_video_embeds_the_first_frame_as_its_pipeline_does_and_th
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 
-    from zeropipe.diffusion.pipelines import PipelineFolder
+    from zeropipe.families.diffusion.pipelines import PipelineFolder
 
     i2v = architecture_named("wan-i2v")
     folder = wan21_i2v_pipeline(tmp_path)

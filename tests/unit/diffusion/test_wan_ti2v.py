@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from zeropipe.diffusion.architectures import PredictContext, architecture_named, architecture_of
-from zeropipe.diffusion.parts.base import Encoding
-from zeropipe.diffusion.pipelines import build_tiny_pipeline, latent_scaling, normalize_latents, vae_scale_factor, vae_temporal_factor
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.parts.base import Encoding
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, latent_scaling, normalize_latents, vae_scale_factor, vae_temporal_factor
 
 TI2V = architecture_named("wan-ti2v")
 I2V = architecture_named("wan-ti2v-i2v")
@@ -71,8 +71,8 @@ def test_image_to_video_predict_is_the_pipelines_call_on_the_first_frame_latents
     """The first frame encoded alone and normalised as caching does equals the pipeline's condition; the denoiser call is the same."""
     from diffusers import WanImageToVideoPipeline
 
-    from zeropipe.diffusion.images import first_frame_image
-    from zeropipe.diffusion.videos import moving_shape_frames
+    from zeropipe.data.images import first_frame_image
+    from zeropipe.data.videos import moving_shape_frames
 
     pipeline = WanImageToVideoPipeline.from_pretrained(str(folders / "i2v"))
     pipeline.set_progress_bar_config(disable=True)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.unit.diffusion.test_single_file import original_layout
-from zeropipe.diffusion.architectures import architecture_named
+from zeropipe.families.diffusion.entries import architecture_named
 from zeropipe.errors import CheckpointError
 from zeropipe.models.loading import load_pretrained
 from zeropipe.models.quantized import SCALE_KEY, DequantizedMatmul, QuantizedLinear, QuantizedStorage, dequantize, quantize, quantize_model
@@ -132,7 +132,7 @@ def write_comfy_fp8_scaled(path, seed=5):
 def test_a_comfyui_fp8_scaled_file_loads_as_stored_and_trains(tmp_path):
     from diffusers import WanTransformer3DModel
 
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
 
     file = tmp_path / "wan2.1_t2v_tiny_fp8_scaled.safetensors"
     full, stored = write_comfy_fp8_scaled(file)

@@ -6,6 +6,8 @@ import functools
 
 import pytest
 
+import zeropipe.families.diffusion  # noqa: F401 - registers the diffusion family's spec builders with the planner
+
 
 @functools.cache
 def catalog_spec(name: str, lora_r: int | None = None):

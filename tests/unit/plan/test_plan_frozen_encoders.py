@@ -67,7 +67,7 @@ def test_small_text_encoders_stay_on_the_first_gpu(spec_of):
 
 
 def test_the_setup_process_spreads_only_what_does_not_fit_on_the_first_gpu():
-    from zeropipe.diffusion.pipelines import spread_placement
+    from zeropipe.families.diffusion.pipelines import spread_placement
 
     assert spread_placement(5 * GIB, [23 * GIB] * 5, 60 * GIB) is None
     placement = spread_placement(int(44.7 * GIB), [23 * GIB] * 5, 60 * GIB)

@@ -30,7 +30,7 @@ def test_the_catalog_entry_counts_ideogram_4s_published_size():
 def test_the_planner_plans_ideogram_4_with_its_own_lora_targets_and_says_it_cannot_trace_it():
     """Its rotary embedding opens torch.autocast on the meta device, which torch refuses: the plan has no activation term (the entry says why)."""
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.architectures import architecture_for_preset
+    from zeropipe.families.diffusion.entries import architecture_for_preset
     from zeropipe.families.diffusion.spec import diffusion_config_spec
 
     arch = architecture_for_preset("tiny-ideogram4")

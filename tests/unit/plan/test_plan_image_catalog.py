@@ -46,7 +46,7 @@ def test_qwen_image_edit_is_traced_with_the_control_images_tokens_appended():
     double the image tokens (about twice Qwen-Image's activations; spec_from_catalog traces it in about 40 s, so the inputs are checked here)."""
     from types import SimpleNamespace
 
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
     from zeropipe.plan.model_spec import CATALOG_DIR
 
     assert "qwen-image-edit" in catalog_names() and json.loads((CATALOG_DIR / "qwen-image-edit.json").read_text())["architecture"] == "qwen-image-edit"

@@ -59,7 +59,7 @@ UNTRACED = ("tiny-ernie-image",)
 def test_the_planner_traces_each_entry_and_counts_its_own_lora_targets(preset):
     """target_modules auto is the entry's own targets, as training resolves them (the planner used to take to_q/to_k/to_v/to_out.0 for every model)."""
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.architectures import architecture_for_preset
+    from zeropipe.families.diffusion.entries import architecture_for_preset
     from zeropipe.families.diffusion.spec import diffusion_config_spec
 
     arch = architecture_for_preset(preset)

@@ -29,7 +29,7 @@ def test_the_planner_plans_the_tiny_preset_with_its_lora_targets_and_says_it_can
     import torch
 
     from zeropipe.config.schema import RunConfig
-    from zeropipe.diffusion.architectures import architecture_for_preset
+    from zeropipe.families.diffusion.entries import architecture_for_preset
     from zeropipe.families.diffusion.spec import diffusion_config_spec
 
     arch = architecture_for_preset("tiny-qwen-image-2.1")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import zeropipe.plan
-from zeropipe.diffusion.architectures import architectures, register, unregister
-from zeropipe.diffusion.architectures.sd15 import ARCHITECTURE as SD15
-from zeropipe.diffusion.architectures.sd15 import unet_trace_inputs
+from zeropipe.families.diffusion.entries import architectures, register, unregister
+from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
+from zeropipe.families.diffusion.bases.unet import unet_trace_inputs
 from zeropipe.plan.model_spec import spec_from_path
 
 

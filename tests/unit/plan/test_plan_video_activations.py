@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion.architectures import architecture_named
+from zeropipe.families.diffusion.entries import architecture_named
 from zeropipe.families import model_spec as spec_from_config
 from zeropipe.plan.memory import Choice, saved_activation_bytes
 from zeropipe.plan.model_spec import video_tokens

@@ -5,11 +5,18 @@
   setup step that fills the latent and text caches (``fill_caches``);
 - ``task.py``: the rank task (cached or encoded batches, the objective, samples);
 - ``export.py``: diffusers pipelines, peft and original-layout (ComfyUI) LoRAs;
-- ``spec.py``: the planner's model spec.
+- ``spec.py``: the planner's model spec of a run; ``plan_specs.py``: the builders it registers with the
+  planner (catalog entries, diffusers model configs, pipeline folders, the denoiser's activation trace);
+- ``entries/``: the architecture entries (one module each, a registry in ``entries/__init__.py``), no
+  entry importing another; ``core.py``: the entry core (``Architecture``); ``bases/``: what entries of
+  one model line share; ``parts/``: the parts entries are built from (latent codecs, prompt text,
+  conditions); ``tiny/``: the tiny presets' tokenizers and components;
+- ``pipelines.py`` (loading diffusers pipelines and components, tiny presets), ``cache.py`` (the
+  latent and text caches), ``objectives.py`` (DDPM and flow matching), ``buckets.py`` (aspect-ratio
+  buckets and micro-batches per rank).
 
-The architectures and their parts (``zeropipe.diffusion.architectures``, ``zeropipe.diffusion.parts``),
-images, clips, caches, objectives and pipeline loading stay in ``zeropipe.diffusion``, below the
-families: the planner traces through the architecture entries too.
+Reading images, clips and sound is shared with the other families and the web UI: ``data/images.py``,
+``data/videos.py``, ``data/audio.py``.
 """
 
 from zeropipe.families.diffusion.family import FAMILY, Diffusion

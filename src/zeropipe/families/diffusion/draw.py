@@ -41,7 +41,7 @@ def export_info(path: Path) -> dict[str, Any]:
 
 
 def pipeline_class(architecture: str | None):
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     if architecture:
         try:
@@ -60,7 +60,7 @@ def load_adapter_export(pipeline, folder: Path, info: dict[str, Any]) -> None:
     the denoiser's own ``load_lora_adapter`` reads LoKr files for every model, and is the only loader
     of a pipeline that has none (diffusers 0.42: HunyuanVideo 1.5, Cosmos 2, HunyuanImage).
     """
-    from zeropipe.diffusion.architectures import architecture_named
+    from zeropipe.families.diffusion.entries import architecture_named
 
     arch = architecture_named(info["architecture"])
     if info.get("kind", "lora") in ("lora", "dora") and hasattr(pipeline, "load_lora_weights"):
@@ -144,7 +144,7 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(result, "frames"):
         clip = to_uint8(np.asarray(result.frames[0]))
-        from zeropipe.diffusion.videos import write_preview, write_video
+        from zeropipe.data.videos import write_preview, write_video
 
         fps = clip_frame_rate(pipeline, accepted)
         mp4 = write_video(out_dir / "clip.mp4", clip, fps)
@@ -152,7 +152,7 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
         row = {"file": mp4.name, "preview": preview.name, "kind": "video", "width": int(clip.shape[2]), "height": int(clip.shape[1]), "frames": int(clip.shape[0])}
         waveform = getattr(result, "audio", None)
         if waveform is not None:  # a pipeline that draws the clip's sound too (LTX2Pipeline): muxed into the mp4, as training's samples are
-            from zeropipe.diffusion.audio import loudness, mux_audio
+            from zeropipe.data.audio import loudness, mux_audio
 
             sound = np.asarray(torch.as_tensor(waveform)[0].float().cpu())
             mux_audio(mp4, sound, audio_sample_rate(pipeline))

@@ -24,7 +24,7 @@ import torch
 
 from zeropipe.checkpoint.consolidate import load_checked
 from zeropipe.config.pipeline_index import is_pipeline_folder
-from zeropipe.diffusion.architectures import architecture_named
+from zeropipe.families.diffusion.entries import architecture_named
 from zeropipe.errors import CheckpointError
 from zeropipe.export.hf import ExportJob
 from zeropipe.families.diffusion.prepare import read_plan
@@ -45,7 +45,7 @@ def base_denoiser(arch, folder: Path, single_file: str | None, storage: Quantize
     cls = arch.model_class()
     if not single_file:
         return cls.from_pretrained(str(folder), torch_dtype=torch.float32)
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
     from zeropipe.models.loading import CheckpointIndex, load_pretrained
 
     weights = Path(single_file).expanduser()

@@ -2,7 +2,7 @@
 
 Detected by ``model_index.json`` in model.path or ``pipeline:`` in an inline model.config.
 What differs between diffusion architectures is not here but in their entries
-(:mod:`zeropipe.diffusion.architectures`); this module is the family's side: config
+(:mod:`zeropipe.families.diffusion.entries`); this module is the family's side: config
 problems checked before any process starts, the launcher's data and cache plan
 (:mod:`zeropipe.families.diffusion.prepare`), the rank task
 (:class:`~zeropipe.families.diffusion.task.DiffusionTask`), the planner's spec and the export.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from zeropipe.config.pipeline_index import is_pipeline_folder, read_pipeline_index
 from zeropipe.config.schema import ModelSection, RunConfig
-from zeropipe.diffusion.architectures import architecture_for_pipeline
-from zeropipe.diffusion.parts import part_problems
-from zeropipe.diffusion.pipelines import preset_components
+from zeropipe.families.diffusion.entries import architecture_for_pipeline
+from zeropipe.families.diffusion.parts import part_problems
+from zeropipe.families.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.export.hf import ExportJob
 from zeropipe.families.base import text_only_problems
@@ -145,7 +145,7 @@ def before_first_step_problems(config: RunConfig, arch) -> list[tuple[str, str]]
     single_file = config.model.diffusion.denoiser_file
     if arch is None or not single_file:
         return []
-    from zeropipe.diffusion.pipelines import single_file_renamer
+    from zeropipe.families.diffusion.pipelines import single_file_renamer
 
     path = Path(single_file).expanduser()
     if not path.is_file():

@@ -22,11 +22,12 @@ import torch
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.pipeline_index import is_pipeline_folder, read_pipeline_index
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion import cache
-from zeropipe.diffusion.architectures import architecture_named, architecture_of
-from zeropipe.diffusion.images import PreparedImage, assign_bucket, make_buckets, micro_batches_per_rank
-from zeropipe.diffusion.parts import Encoding, Planning, active_conditions, part_problems
-from zeropipe.diffusion.pipelines import PipelineFolder, build_tiny_pipeline, load_component, text_pipeline, vae_scale_factor
+from zeropipe.families.diffusion import cache
+from zeropipe.families.diffusion.entries import architecture_named, architecture_of
+from zeropipe.data.images import PreparedImage
+from zeropipe.families.diffusion.buckets import assign_bucket, make_buckets, micro_batches_per_rank
+from zeropipe.families.diffusion.parts import Encoding, Planning, active_conditions, part_problems
+from zeropipe.families.diffusion.pipelines import PipelineFolder, build_tiny_pipeline, load_component, text_pipeline, vae_scale_factor
 from zeropipe.errors import ConfigError, DataError
 from zeropipe.rundir import PreparedData, RunDir
 

@@ -1,4 +1,8 @@
-"""The planner's description of a diffusion run's denoiser (model.path or an inline tiny preset), counted on the meta device."""
+"""The planner's description of a diffusion run's denoiser (model.path or an inline tiny preset), counted on the meta device.
+
+The builders the planner asks for a catalog entry, a diffusers model's config and a pipeline folder are in
+``plan_specs.py``, registered with the planner when this family is imported.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,9 @@ from dataclasses import replace
 
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion.pipelines import preset_components
-from zeropipe.plan.model_spec import (  # the planner's meta-device counters
-    ModelSpec,
-    QuantizedBase,
-    _diffusion_spec,
-    _pipeline_spec,
-    _text_encoder_model_type,
-    vae_factors,
-)
+from zeropipe.families.diffusion.pipelines import preset_components
+from zeropipe.families.diffusion.plan_specs import _diffusion_spec, _pipeline_spec, _text_encoder_model_type, vae_factors
+from zeropipe.plan.model_spec import ModelSpec, QuantizedBase  # the planner's meta-device counters
 
 
 def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:

@@ -11,7 +11,7 @@ engine, optimizer steps, metrics, checkpoints, resume). What is particular here:
   frozen components this rank holds (``frozen_components_loaded``).
 - What differs between architectures (how prompts are encoded, how the denoiser is called,
   the sampler's arguments) is asked of the run's architecture entry
-  (``zeropipe.diffusion.architectures``); nothing here names an architecture.
+  (``zeropipe.families.diffusion.entries``); nothing here names an architecture.
 - Only the denoiser (UNet or transformer) is given to DeepSpeed, and with LoRA only its
   adapters: frozen weights get no gradients and no optimizer state.
 - Noise, timesteps, flips and caption dropout come from this rank's own random streams
@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from zeropipe.diffusion import cache
-from zeropipe.diffusion.architectures import PredictContext, architecture_named
-from zeropipe.diffusion.images import PreparedImage, epoch_micro_batches
-from zeropipe.diffusion.objectives import DDPMObjective, FlowObjective
-from zeropipe.diffusion.parts import Encoding, Inputs, Sampling
-from zeropipe.diffusion.pipelines import (
+from zeropipe.families.diffusion import cache
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named
+from zeropipe.data.images import PreparedImage
+from zeropipe.families.diffusion.buckets import epoch_micro_batches
+from zeropipe.families.diffusion.objectives import DDPMObjective, FlowObjective
+from zeropipe.families.diffusion.parts import Encoding, Inputs, Sampling
+from zeropipe.families.diffusion.pipelines import (
     PipelineFolder,
     denoising_pipeline,
     denormalize_latents,

@@ -18,7 +18,7 @@ Accepted data (``data.path``):
   ``{bytes, path}`` structs, whose bytes are written once each (named by content) into the
   run's ``data/images/`` so that the ranks load every image from a file;
 - an **image folder** with captions beside the images (the layouts
-  :func:`zeropipe.diffusion.images.scan_image_folder` reads: kohya, metadata.jsonl/csv, flat).
+  :func:`zeropipe.data.images.scan_image_folder` reads: kohya, metadata.jsonl/csv, flat).
 
 Relative image paths are relative to ``data.vision.image_root``, by default the data file's
 folder (or its ``Images/`` subfolder when the images are there: the Kaggle layout). A caption
@@ -58,7 +58,7 @@ from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
 from zeropipe.data.formats import SHAREGPT_ROLES, BadRecord, RecordError, read_located_records, to_conversation
 from zeropipe.data.records import iter_records
 from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
-from zeropipe.diffusion.images import BadImage, scan_image_folder
+from zeropipe.data.images import BadImage, scan_image_folder
 from zeropipe.errors import DataError
 
 IMAGE_MARKER = "<image>"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeropipe.checkpoint.manager import write_atomic
 from zeropipe.config.schema import RunConfig
-from zeropipe.diffusion.images import generate_shapes_dataset, scan_image_folder
+from zeropipe.data.images import generate_shapes_dataset, scan_image_folder
 from zeropipe.errors import ConfigError
 from zeropipe.families.vlm.data import (
     GENERATE_FILE,

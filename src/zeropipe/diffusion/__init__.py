@@ -1,1 +1,0 @@
-"""Diffusion training (SDXL, SD3, Flux): image data, latents and the training step."""

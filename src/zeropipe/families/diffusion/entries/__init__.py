@@ -1,0 +1,139 @@
+"""Diffusion architectures: one module each, and the registry that finds them.
+
+An architecture says everything that differs between, say, SDXL and Flux: which diffusers
+pipeline class it is, which component is trained (UNet or transformer) and how it is called,
+how prompts are encoded, which objective it trains with, how its latents are packed, which
+arguments its pipeline takes when sampling, and its tiny preset for tests and demos.
+Everything else (caches, buckets, training loop, export) is shared and asks the
+architecture. Adding one is a module here plus a line in :data:`BUILTIN`; see
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from zeropipe.config.pipeline_index import read_pipeline_index
+from zeropipe.errors import ConfigError
+from zeropipe.families.diffusion.core import Architecture, PredictContext
+
+# The modules that hold the built-in architectures, each defining ARCHITECTURE.
+BUILTIN = (
+    "sdxl", "sd15", "sd3", "flux", "wan", "wan_i2v", "hunyuan_video", "ltx_video", "chroma", "qwen_image", "z_image",
+    "flux2", "flux2_klein", "qwen_image_edit", "flux_kontext",
+    "lumina2", "hidream", "auraflow", "hunyuan_image",
+    "wan_ti2v", "wan_ti2v_i2v", "hunyuan_video15", "hunyuan_video15_i2v", "skyreels_v2", "skyreels_v2_i2v",
+    "kandinsky5_t2i", "kandinsky5_t2v", "kandinsky5_i2v", "krea2", "ernie_image",
+    "qwen_image_edit_plus",
+    "ltx2",
+    "ideogram4",
+    "cosmos_predict2", "cosmos_predict2_video2world",
+    "qwen_image21",
+)
+
+_REGISTRY: dict[str, Architecture] = {}
+_loaded = False
+
+
+def register(architecture: Architecture) -> Architecture:
+    """Make an architecture known by its name, its pipeline class and its preset.
+
+    Architectures outside this package register from a plug-in module (see zeropipe.families).
+    """
+    _load_builtin()
+    _REGISTRY[architecture.name] = architecture
+    return architecture
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN:
+            arch = importlib.import_module(f"{__name__}.{module}").ARCHITECTURE
+            _REGISTRY.setdefault(arch.name, arch)
+
+
+def architectures() -> dict[str, Architecture]:
+    _load_builtin()
+    return dict(_REGISTRY)
+
+
+def architecture_named(name: str) -> Architecture:
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ConfigError([("model.path", f"unknown diffusion architecture {name!r}: ZeRO-Pipe trains {', '.join(_REGISTRY)}")])
+    return _REGISTRY[name]
+
+
+def architecture_for_pipeline(class_name: str | None, index: Mapping[str, Any] | None = None) -> Architecture | None:
+    """The architecture a diffusers pipeline class name (``model_index.json``'s ``_class_name``) belongs to.
+
+    The latest registered entry wins, so a plug-in can replace a built-in for its pipeline class.
+    ``index`` (``model_index.json`` as read) is matched against an entry's ``pipeline_settings``:
+    Wan 2.2 TI2V-5B is a ``WanPipeline`` saved with ``expand_timesteps: true``; without it, an
+    entry that names settings is passed over.
+    """
+    _load_builtin()
+    for arch in reversed(list(_REGISTRY.values())):
+        named = class_name == arch.pipeline_class or class_name in arch.related_pipelines
+        if named and all((index or {}).get(key) == value for key, value in arch.pipeline_settings):
+            return arch
+    return None
+
+
+def architecture_for_denoiser(class_name: str) -> Architecture | None:
+    """The architecture whose trained component is this diffusers class (the planner asks it for its trace inputs).
+
+    The first registered: the plain entry of a denoiser class, as the variants that share it
+    (Qwen-Image-Edit, Flux Kontext, Wan 2.1 I2V) register after it and are named where meant
+    (a catalog entry's ``architecture``, a pipeline's ``model_index.json``). A plug-in that
+    replaces a built-in under its name keeps the built-in's place.
+    """
+    _load_builtin()
+    return next((arch for arch in _REGISTRY.values() if arch.denoiser_class == class_name), None)
+
+
+def architecture_for_preset(preset: str) -> Architecture | None:
+    _load_builtin()
+    return next((arch for arch in _REGISTRY.values() if arch.preset_name == preset), None)
+
+
+def presets() -> dict[str, Architecture]:
+    _load_builtin()
+    return {arch.preset_name: arch for arch in _REGISTRY.values() if arch.preset_name}
+
+
+def architecture_of(pipeline_dir: Path) -> Architecture:
+    """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_index``)."""
+    folder = read_pipeline_index(pipeline_dir)
+    name = folder.class_name
+    arch = architecture_for_pipeline(name, folder.index)
+    if arch is None:
+        known = ", ".join(sorted(a.pipeline_class for a in architectures().values()))
+        raise ConfigError([("model.path", f"{folder.index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
+    if not (Path(pipeline_dir) / arch.denoiser).is_dir():
+        raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.denoiser}/ folder, which a {name} needs")])
+    return arch
+
+
+__all__ = [
+    "Architecture",
+    "PredictContext",
+    "architecture_for_denoiser",
+    "architecture_for_pipeline",
+    "architecture_for_preset",
+    "architecture_named",
+    "architecture_of",
+    "architectures",
+    "presets",
+    "register",
+    "unregister",
+]

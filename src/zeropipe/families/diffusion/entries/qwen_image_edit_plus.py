@@ -1,0 +1,153 @@
+"""Qwen-Image-Edit-Plus (Qwen-Image-Edit-2509 and -2511): Qwen-Image's transformer trained to edit several reference images into one target.
+
+As ``QwenImageEditPlusPipeline`` conditions it, every reference image enters twice:
+
+- through the VAE: each reference's latents (the distribution's mode, normalised like the
+  target's) are packed 2x2 into tokens and appended, in order, after the noisy target's tokens;
+  ``img_shapes`` lists the target's grid and then each reference's, and only the target's tokens
+  of the output are the prediction. (2511's transformer has ``zero_cond_t``: it gives the
+  reference tokens timestep 0 itself, from ``img_shapes``.)
+- through Qwen2.5-VL: the prompt is the edit chat template with ``Picture 1: <|vision_start|>
+  <|image_pad|><|vision_end|>Picture 2: ...`` before the instruction, each reference resized to
+  about 384x384 pixels at its aspect ratio (the pipeline's ``CONDITION_IMAGE_SIZE``); the
+  template's first 64 tokens are dropped, as the pipeline does. The pipeline encodes one prompt
+  per call (it refuses batches), and so does ``encode_prompts_with_images``.
+
+Training takes each reference at its target's bucket and crop (``data.control_paths`` or
+``data.control_path``, see ``parts/reference_images.py``), so every grid is the target's; the
+pipeline itself resizes each reference to about a megapixel at inference (``VAE_IMAGE_SIZE``),
+which matches training at ``resolution: 1024`` with references of the target's aspect ratio.
+Samples run the pipeline's loop with the references at the sample size (``call_pipeline``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
+from zeropipe.families.diffusion.bases.qwen_image_edit import ARCHITECTURE as QWEN_IMAGE_EDIT
+from zeropipe.families.diffusion.bases.qwen_image_edit import QwenImageEdit
+from zeropipe.families.diffusion.parts import PromptWithReferenceImages, ReferenceImages
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, 1, H, W) latents -> (B, H/2 x W/2, 4C) tokens, as QwenImageEditPlusPipeline._pack_latents."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    batch, channels, _, height, width = latents.shape
+    return QwenImageEditPlusPipeline._pack_latents(latents, batch, channels, height, width)
+
+
+@dataclass(frozen=True)
+class QwenImageEditPlus(QwenImageEdit):
+    # The planner traces two references (the pipeline takes up to three; the official examples use two).
+    trace_references: int = 2
+
+    def encode_prompts_with_images(self, pipeline, prompts, images, device):
+        """Per prompt its list of reference images, encoded as the pipeline's ``__call__`` does (its condition images), one prompt per call."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+
+        rows = []
+        for prompt, references in zip(prompts, images):
+            resized = []
+            for image in references:
+                width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
+                resized.append(pipeline.image_processor.resize(image, height, width))
+            embeds, mask = pipeline.encode_prompt(prompt=[prompt], image=resized, device=device)
+            rows.append((embeds[0], prompt_mask(embeds, mask)[0]))
+        length = max(embeds.shape[0] for embeds, _ in rows)
+        # Padded as the pipeline pads a batch: zeros, masked out.
+        embeds = torch.stack([torch.cat([e, e.new_zeros(length - e.shape[0], e.shape[1])]) for e, _ in rows])
+        mask = torch.stack([torch.cat([m, m.new_zeros(length - m.shape[0])]) for _, m in rows])
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        from diffusers import QwenImageEditPlusPipeline
+
+        batch, _, _, height, width = model_input.shape  # one latent frame; every reference has the same grid (the target's bucket)
+        references = condition["reference_latents"].to(model_input.dtype)  # (B, N, C, 1, H, W)
+        packed = pack(model_input)
+        tokens = torch.cat([packed, *(pack(references[:, number]) for number in range(references.shape[1]))], dim=1)
+        grid = (1, height // 2, width // 2)
+        out = model(
+            hidden_states=tokens, timestep=(timesteps / 1000).to(context.dtype),
+            encoder_hidden_states=condition["prompt_embeds"], encoder_hidden_states_mask=condition["prompt_embeds_mask"],
+            img_shapes=[[grid] * (1 + references.shape[1])] * batch, return_dict=False,
+        )[0]
+        return QwenImageEditPlusPipeline._unpack_latents(out[:, : packed.shape[1]], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
+
+    @torch.no_grad()
+    def call_pipeline(self, pipeline, kwargs):
+        """QwenImageEditPlusPipeline's denoising loop with the reference images at the sample size.
+
+        The pipeline's own call resizes every reference to about a megapixel whatever the output
+        size (``VAE_IMAGE_SIZE``): training's size only at ``resolution: 1024``, and for a tiny test
+        pipeline 16k tokens per reference. This is its loop step for step, with its own methods
+        (``prepare_latents`` encodes, packs and concatenates the references; the scheduler's
+        shifted sigmas; true CFG rescaled to the conditional norm), each reference at the size
+        training gave it: the target's.
+        """
+        import numpy as np
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_shift, retrieve_timesteps
+
+        images = kwargs["image"]  # the reference images (the reference images part gives each prompt its item's)
+        images = images if isinstance(images, list) else [images]
+        embeds, mask = kwargs["prompt_embeds"], kwargs["prompt_embeds_mask"]
+        height, width, steps = kwargs["height"], kwargs["width"], kwargs["num_inference_steps"]
+        device, dtype = embeds.device, embeds.dtype
+        pixels = [pipeline.image_processor.preprocess(image, height, width).unsqueeze(2).to(device, pipeline.vae.dtype) for image in images]
+        # Encoded here in the VAE's own dtype (prepare_latents casts images to the latents' dtype before its VAE call: bf16 samples beside a
+        # float32 VAE fail); given latents, it packs them.
+        pixels = [pipeline._encode_vae_image(image=image, generator=kwargs["generator"]).to(dtype) for image in pixels]
+        latents, references = pipeline.prepare_latents(pixels, 1, pipeline.transformer.config.in_channels // 4, height, width, dtype, device, kwargs["generator"])
+        references = references.to(dtype)
+        grid = (1, height // pipeline.vae_scale_factor // 2, width // pipeline.vae_scale_factor // 2)
+        shapes = [[grid] * (1 + len(images))]
+        config = pipeline.scheduler.config
+        mu = calculate_shift(latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        timesteps, _ = retrieve_timesteps(pipeline.scheduler, steps, device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        pipeline.scheduler.set_begin_index(0)
+        scale = kwargs["true_cfg_scale"]
+
+        def predict(prompt, prompt_mask, t):
+            out = pipeline.transformer(
+                hidden_states=torch.cat([latents, references], dim=1), timestep=t.expand(1).to(dtype) / 1000, guidance=None,
+                encoder_hidden_states_mask=prompt_mask, encoder_hidden_states=prompt, img_shapes=shapes, return_dict=False,
+            )[0]
+            return out[:, : latents.shape[1]]
+
+        for t in timesteps:
+            prediction = predict(embeds, mask, t)
+            if scale > 1:
+                negative = predict(kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"], t)
+                combined = negative + scale * (prediction - negative)
+                prediction = combined * (prediction.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+            latents = pipeline.scheduler.step(prediction, t, latents, return_dict=False)[0]
+        return latents
+
+    def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
+        inputs = super().trace_inputs(config, latent, latent_frames, text_tokens, dtype)
+        tokens = inputs["hidden_states"].shape[1] // 2  # the plain edit entry traces the target and one control image
+        grid = (1, latent // 2, latent // 2)
+        images = 1 + self.trace_references
+        return {**inputs, "hidden_states": torch.randn(1, images * tokens, config.in_channels, dtype=dtype), "img_shapes": [[grid] * images]}
+
+
+ARCHITECTURE = QwenImageEditPlus(
+    **{
+        **{field: getattr(QWEN_IMAGE_EDIT, field) for field in QWEN_IMAGE_EDIT.__dataclass_fields__},
+        "name": "qwen-image-edit-plus",
+        "pipeline_class": "QwenImageEditPlusPipeline",
+        "related_pipelines": (),
+        "preset_name": "tiny-qwen-image-edit-plus",
+        "preset": copy.deepcopy(QWEN_IMAGE_EDIT.preset),
+        # The text encoder sees every reference image; their latents are appended to the target's tokens, in order.
+        "text": PromptWithReferenceImages(processors=("processor",)),
+        "conditions": (ReferenceImages(),),
+    }
+)
+
+__all__ = ["ARCHITECTURE", "QwenImageEditPlus"]

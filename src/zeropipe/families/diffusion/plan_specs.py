@@ -1,0 +1,195 @@
+"""The planner's builders of a diffusion model's spec, registered with the planner when the family is imported.
+
+The planner (``plan/``) knows no diffusion architecture: it asks these (through
+:func:`zeropipe.plan.model_spec.diffusion_specs`) for a diffusion catalog entry, a diffusers model's
+``config.json`` and a pipeline folder; they find the entry that trains the denoiser, count it on the
+meta device and trace its activations on the inputs the entry makes. Moved from ``plan/model_spec.py``
+with their bodies unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zeropipe.config.pipeline_index import PipelineIndex
+from zeropipe.errors import ConfigError, ZeroPipeError
+from zeropipe.families.diffusion.entries import architecture_for_denoiser, architecture_for_pipeline, architecture_named
+from zeropipe.plan.model_spec import (  # the planner's meta-device counters
+    DiffusionSpecs,
+    FrozenModel,
+    ModelSpec,
+    _block_linear_counts,
+    _build_component,
+    _count,
+    _diffusers_class,
+    _lora_counts,
+    lora_targets,
+    register_diffusion_specs,
+)
+from zeropipe.plan.trace import ActivationTrace, trace_diffusion
+
+if TYPE_CHECKING:
+    from zeropipe.config.schema import LoraSection
+
+
+
+def denoiser_config_spec(path: Path, config: dict[str, Any], lora: LoraSection | None) -> ModelSpec:
+    """A diffusers model's config (a pipeline's unet/ or transformer/): its architecture is the entry that trains that class."""
+    arch = architecture_for_denoiser(config["_class_name"])
+    entry = {
+        "name": path.name,
+        "architecture": arch.name if arch is not None else None,
+        "family": _denoiser_family(config["_class_name"], arch),
+        "resolution": 1024,
+        "trained": {"name": path.name, "library": "diffusers", "class": config["_class_name"], "config": config},
+    }
+    return _diffusion_spec(entry, lora)
+
+
+def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpec:
+    model = _build_component(entry["trained"])
+    frozen = tuple(FrozenModel(c["name"], sum(p.numel() for p in _build_component(c).parameters())) for c in entry.get("frozen", ()))
+    counts = _count(model)
+    linears = _block_linear_counts(model)
+    trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
+    if lora is not None:
+        named = entry.get("architecture")
+        arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
+        auto = arch.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
+        lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion", auto)
+        _inject_lora(model, lora, auto)
+    resolution = int(entry.get("resolution", 1024))
+    trace = _trace(model, entry, resolution)
+    config = model.config
+    hidden = (
+        getattr(config, "num_attention_heads", 0) * getattr(config, "attention_head_dim", 0) if entry["family"] == "diffusion_transformer" else None
+    )
+    return ModelSpec(
+        name=entry["name"],
+        family=entry["family"],
+        total_params=counts["total"] + (trainable if lora is not None else 0),
+        trainable_params=trainable,
+        layers=0,
+        hidden_size=hidden or None,
+        largest_layer_params=counts["largest_layer"],
+        largest_layer_name=counts["largest_layer_name"],
+        largest_parameter=counts["largest_parameter"],
+        parameter_sizes=tuple(sizes),
+        lora=lora_shape,
+        frozen_models=frozen,
+        activation_trace=trace,
+        **linears,
+    )
+
+
+def _inject_lora(model, lora: LoraSection, auto=None) -> None:
+    """Adapters on the meta model, so the trace sees what frozen base layers and adapters save."""
+    import torch
+    from peft import inject_adapter_in_model
+
+    from zeropipe.models.adapters import is_adapter_parameter, peft_adapter_config
+
+    targets = lora_targets(lora, "diffusion", auto)
+    with torch.device("meta"):
+        inject_adapter_in_model(peft_adapter_config(lora, targets), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_parameter(name))
+
+
+def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:
+    """The denoiser's activations for one example, traced on inputs its architecture entry makes (``Architecture.trace_inputs``).
+
+    The entry says what its denoiser takes, whether its latents have frames (``video``) and the
+    prompt length and clip length to trace when the spec does not say (a catalog entry's
+    ``text_tokens`` and ``frames``); None when no entry trains this model or it is not traced.
+    """
+    import torch
+
+    named = entry.get("architecture")
+    # An entry may name its architecture where several share a denoiser class (Qwen-Image and Qwen-Image-Edit).
+    arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
+    if arch is None:
+        return None
+    config, dtype = model.config, torch.bfloat16
+    latent = resolution // int(entry.get("vae_factor", 8))
+    frames = int(entry.get("frames", arch.trace_frames)) if arch.video else 1
+    latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
+    text_tokens = int(entry.get("text_tokens", arch.trace_text_tokens()))
+    with torch.device("meta"):
+        inputs = arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
+    if inputs is None:
+        return None
+    return trace_diffusion(model, lambda: inputs, resolution, frames=frames)
+
+
+def _vae_factors(folder: PipelineIndex, arch) -> tuple[int, int]:
+    """(pixels per latent along a side, frames per latent frame) of a pipeline's VAE; (8, 1) when its config cannot tell."""
+    try:
+        return vae_factors(folder.component_config("vae"), arch)
+    except (ConfigError, KeyError):
+        return 8, 1
+
+
+def _denoiser_family(class_name: str, arch) -> str:
+    """diffusion_unet or diffusion_transformer: the component its architecture entry trains, else where diffusers keeps the class."""
+    if arch is not None:
+        return "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet"
+    module = getattr(_diffusers_class("diffusers", class_name), "__module__", "")
+    return "diffusion_unet" if ".unets." in module else "diffusion_transformer"
+
+
+def _text_encoder_model_type(class_name: str) -> str:
+    """The transformers model_type of a text encoder class (T5EncoderModel: t5, LlamaModel: llama, CLIPTextModel: clip_text_model)."""
+    import transformers
+
+    return getattr(transformers, class_name).config_class.model_type
+
+
+def _architecture(folder: PipelineIndex):
+    """The diffusion architecture of a pipeline folder, or None when its pipeline class is none ZeRO-Pipe knows."""
+    return architecture_for_pipeline(folder.class_name, folder.index)
+
+
+def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
+    """(pixels per latent along a side, frames per latent frame) of a VAE config, read as its architecture reads it."""
+    from zeropipe.families.diffusion.core import Architecture
+
+    if arch is not None:
+        return arch.vae_factors(config)
+    return Architecture.vae_factors(None, config)  # the generic reading: video VAEs say both, image VAEs halve per block
+
+
+def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
+    """A diffusers pipeline folder: train the UNet or transformer, keep text encoders and VAE frozen."""
+    path, index = folder.path, folder.index
+    trained_name = "transformer" if "transformer" in index else "unet"
+    if trained_name not in index:
+        raise ZeroPipeError(f"{folder.index_file} names neither a unet nor a transformer to train")
+    components = []
+    for name, (library, cls) in folder.components().items():
+        if library not in ("diffusers", "transformers") or not folder.has_component_config(name):
+            continue
+        components.append({"name": name, "library": library, "class": cls, "config": folder.component_config(name)})
+    trained = next((c for c in components if c["name"] == trained_name), None)
+    if trained is None:
+        raise ZeroPipeError(f"{path}/{trained_name}/config.json is missing")
+    family = "diffusion_transformer" if trained_name == "transformer" else "diffusion_unet"
+    arch = _architecture(folder)
+    vae_factor, vae_temporal_factor = _vae_factors(folder, arch)
+    entry = {
+        "name": path.name,
+        "architecture": getattr(arch, "name", None),
+        "family": family,
+        "resolution": resolution,
+        "vae_factor": vae_factor,
+        "vae_temporal_factor": vae_temporal_factor,
+        "frames": frames,
+        "trained": trained,
+        "frozen": [c for c in components if c is not trained and c["name"] in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")],
+    }
+    return replace(_diffusion_spec(entry, lora), source=f"pipeline: {path}")
+
+
+register_diffusion_specs(DiffusionSpecs(catalog_entry=_diffusion_spec, denoiser_config=denoiser_config_spec, pipeline=_pipeline_spec))
