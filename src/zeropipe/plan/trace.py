@@ -31,6 +31,11 @@ class ActivationTrace:
     forward_flops: int  # per sample, for the cost model
     precision: str = "bf16"
     frames: int = 1  # video models: the clip length traced (tokens = latent frames x latent height x width / patch volume)
+    # What the planner needs to scale the trace to another shape (plan.variants): the prompt tokens traced,
+    # pixels per latent along a side, frames per latent frame (0: unknown).
+    text_tokens: int = 0
+    vae_factor: int = 0
+    temporal_factor: int = 0
 
 
 class _FusedAttention(torch.autograd.Function):
