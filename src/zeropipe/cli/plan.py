@@ -107,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
             # Plan before the download: a model.path not on disk yet that names a catalog model.
             from zeropipe.plan.before_download import plan_from_catalog
 
-            result = plan_from_catalog(args.config, overrides, err, hardware, args.margin, args.global_batch)
+            from zeropipe.families import model_spec
+
+            result = plan_from_catalog(args.config, overrides, err, hardware, args.margin, args.global_batch, model_spec)
             return _finish(args, result)
         # Resolved for the machine planned for: its accelerator and CPU decide precision "auto".
         resolved = resolve_run(loaded, accelerator=hardware.accelerator, fill_auto_knobs=False, hardware=hardware)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from zeropipe.errors import ConfigError
@@ -27,8 +28,12 @@ MISSING_MODEL = "is neither a Hugging Face model directory"
 MISSING_PATH = "does not exist: fix the path"
 
 
-def plan_from_catalog(config_path: str, overrides: list[str], err: ConfigError, hardware: Hardware, margin: float, global_batch: int | None) -> PlanResult:
+def plan_from_catalog(
+    config_path: str, overrides: list[str], err: ConfigError, hardware: Hardware, margin: float, global_batch: int | None, spec_of: Callable[[RunConfig], ModelSpec]
+) -> PlanResult:
     """The plan of ``config_path`` whose only problems are paths not on disk yet; ``err`` again when it has others, or its model names no catalog entry.
+
+    ``spec_of`` counts a config's model that is on disk (``zeropipe.families.model_spec``: its family's counter).
 
     Raises:
         ConfigError: ``err``, when a problem other than a missing model or data path remains, or the missing model names no catalog model.
@@ -63,9 +68,7 @@ def plan_from_catalog(config_path: str, overrides: list[str], err: ConfigError, 
             "LoRA, quantization, caches and shapes; zeropipe check and train need the downloaded model there"
         )
     else:
-        from zeropipe.families import model_spec
-
-        spec = model_spec(config)
+        spec = spec_of(config)
     missing_data = [p[0] for p in err.problems if p[0] != "model.path"]
     if missing_data:
         notes.append(f"{', '.join(missing_data)} not on disk: the plan does not read the data")
@@ -89,7 +92,7 @@ def catalog_config_spec(name: str, config: RunConfig) -> ModelSpec:
 
     entry = json.loads((CATALOG_DIR / f"{name}.json").read_text())
     section, data = config.model, config.data
-    if entry["family"] == "causal_lm":
+    if "trained" not in entry:  # a causal LM's or VLM's entry: one transformers config
         spec = _causal_lm_spec(entry["config"], entry["name"], section.lora)
         if section.quantization is not None and section.quantization.storage in ("fp8", "fp8_e5m2", "int8"):
             spec = spec.with_fp8_base(section.quantization.storage)

@@ -19,7 +19,18 @@ from zeropipe.plan.cost import offload_param_measured, relative_cost, speeds_for
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
 from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import ModelSpec
-from zeropipe.plan.variants import Setting, Shape, base_settings, cache_settings, shape_grid, shape_setting, smaller_shapes, with_shape
+from zeropipe.plan.variants import (
+    Setting,
+    Shape,
+    base_settings,
+    cache_settings,
+    lora_target_settings,
+    sequence_parallel_settings,
+    shape_grid,
+    shape_setting,
+    smaller_shapes,
+    with_shape,
+)
 
 # Knobs that change no result: the search may pick them. Knobs that change the result: only offered.
 EXACT_KNOBS = (
@@ -450,7 +461,7 @@ def complete(result: PlanResult, kwargs: dict[str, Any], offer: bool = True) -> 
     configured, notes = result.configured, result.notes
     settings: tuple[Setting, ...] = ()
     if result.best is None:
-        for setting, other in cache_settings(spec):
+        for setting, other in cache_settings(spec) + sequence_parallel_settings(spec):
             cached = recommend(other, hardware, **kwargs)
             if cached.best is not None:
                 cached.notes = notes + [f"picked {setting.key} (changes no result; {setting.price}): without it {result.reason}"]
@@ -481,9 +492,10 @@ def offers_for(spec: ModelSpec, hardware: Hardware, kwargs: dict[str, Any], sett
     from zeropipe.plan.variants import stages_for
 
     offers: list[Offer] = []
-    bases: list[tuple[tuple[Setting, ...], ModelSpec]] = [((), spec)] + [((setting,), other) for setting, other in base_settings(spec)]
+    changes = base_settings(spec) + lora_target_settings(spec)
+    bases: list[tuple[tuple[Setting, ...], ModelSpec]] = [((), spec)] + [((setting,), other) for setting, other in changes]
     for base_settings_, base_spec in bases:
-        stages = stages_for({s.knob: s.value for s in base_settings_}, spec.family)
+        stages = stages_for({s.knob: s.value for s in base_settings_}, spec)
         if base_settings_:
             fit = _fits(base_spec, hardware, kwargs, stages)
             if fit is not None:

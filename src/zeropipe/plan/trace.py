@@ -80,11 +80,14 @@ def _innermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool = False) -> tuple[int, int, int]:
+def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool = False, count_flops: bool = True) -> tuple[int, int, int]:
     """(bytes saved for backward, bytes of the largest block, forward FLOPs) of ``run()``.
 
     Parameters are not activations and are left out; tensors are counted once per storage.
+    ``count_flops=False`` skips torch's FLOP counter (most of a trace's time) and reports 0 FLOPs.
     """
+    import contextlib
+
     from torch.utils.flop_counter import FlopCounterMode
 
     parameters = {id(p) for p in model.parameters()}
@@ -111,14 +114,15 @@ def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool 
             # A forward hook's return value replaces the output: this one must return None.
             handles.append(block.register_forward_hook(lambda m, a, o: current.pop() and None))
     attention = _FusedAttentionMode()
-    flops = FlopCounterMode(display=False)
+    flops = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, attention:
             run()
     finally:
         for handle in handles:
             handle.remove()
-    return sum(saved.values()), max(block_bytes.values(), default=0), int(flops.get_total_flops()) + attention.flops
+    total_flops = int(flops.get_total_flops()) + attention.flops if count_flops else 0
+    return sum(saved.values()), max(block_bytes.values(), default=0), total_flops
 
 
 def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, Any]], resolution: int, frames: int = 1) -> ActivationTrace:
@@ -134,7 +138,7 @@ def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, 
             gradient_checkpointing_func=lambda module, *args, **kwargs: torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
         )
         try:
-            checkpointed, _, _ = count_saved(model, lambda: model(**inputs))
+            checkpointed, _, _ = count_saved(model, lambda: model(**inputs), count_flops=False)  # the FLOPs are the first pass's
         finally:
             model.disable_gradient_checkpointing()
     return ActivationTrace(resolution, saved, checkpointed, largest, flops, frames=frames)

@@ -68,7 +68,7 @@ def base_settings(spec: ModelSpec) -> list[tuple[Setting, ModelSpec]]:
     if spec.lora is None or spec.fp8_base is not None or spec.quantized is not None or spec.block_linear_params == 0:
         return []
     out = [(Setting("base", "model.quantization: fp8", False, FP8_PRICE, RANK_FP8, "fp8"), spec.with_fp8_base("fp8"))]
-    if spec.family == "causal_lm":
+    if spec.block is not None:  # a decoder (causal LM, VLM): transformers quantizes every linear but the head
         nf4 = QuantizedBase(spec.quantizable_params, spec.frozen_base_params - spec.quantizable_params, True)
     else:
         nf4 = QuantizedBase(spec.block_linear_params, spec.frozen_base_params - spec.block_linear_params, True)
@@ -76,9 +76,9 @@ def base_settings(spec: ModelSpec) -> list[tuple[Setting, ModelSpec]]:
     return out
 
 
-def stages_for(setting_values: dict[str, Any], family: str) -> tuple[int, ...] | None:
-    """ZeRO stages a model-level setting allows (None: all): a diffusion denoiser's bitsandbytes base is refused under ZeRO-3."""
-    if setting_values.get("base") == "nf4" and family != "causal_lm":
+def stages_for(setting_values: dict[str, Any], spec: ModelSpec) -> tuple[int, ...] | None:
+    """ZeRO stages a model-level setting allows (None: all): a denoiser's bitsandbytes base (no decoder block) is refused under ZeRO-3."""
+    if setting_values.get("base") == "nf4" and spec.block is None:
         return (0, 1, 2)
     return None
 
