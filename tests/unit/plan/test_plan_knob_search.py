@@ -68,10 +68,11 @@ def test_an_offered_change_comes_first_with_its_price_and_is_not_picked(capsys):
 
 
 def test_nothing_fits_names_the_nearest_box(capsys):
-    rc, out = plan(capsys, "--model", "wan2.1-t2v-14b", "--gpus", "1x4GB", "--ram", "8GB", "--lora-r", "32")
+    """A full fine-tune of Llama-3.1-8B on 5 x 24 GB with 64 GB: 16 bytes per weight fit neither side; 256 GB of RAM (optimizer offload) would."""
+    rc, out = plan(capsys, "--model", "llama-3.1-8b", "--gpus", "5x24GB", "--ram", "64GB")
     assert rc == 1
     assert "No change the planner knows" in out
-    assert "Nearest box that fits: --gpus" in out
+    assert "Nearest box that fits: --gpus 5x24GB --ram 256GB --nodes 1: ZeRO-2, offload optimizer" in out
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)
