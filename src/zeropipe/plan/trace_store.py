@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ def _diffusers_version() -> str:
 
 
 def trace_key(model, trained: dict[str, Any], resolution: int, frames: int, latent: int, latent_frames: int, text_tokens: int) -> str:
-    """What a trace depends on: the denoiser's class and config, its trainable weights (the adapters), dropout, the input shape, diffusers' version."""
+    """What a trace depends on: the denoiser's class and config, its trainable weights (the adapters), dropout, the input shape, diffusers' version, and what a trace holds (its fields)."""
     import torch
 
     trainable = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
@@ -44,6 +44,7 @@ def trace_key(model, trained: dict[str, Any], resolution: int, frames: int, late
             "dropout": dropout,
             "shape": [resolution, frames, latent, latent_frames, text_tokens],
             "diffusers": _diffusers_version(),
+            "fields": sorted(f.name for f in fields(ActivationTrace)),  # a trace with other fields is traced again
         },
         sort_keys=True,
         default=str,

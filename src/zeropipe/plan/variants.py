@@ -130,7 +130,13 @@ def with_shape(spec: ModelSpec, shape: Shape) -> ModelSpec:
         largest_block_bytes=int(trace.largest_block_bytes * k),
         forward_flops=int(trace.forward_flops * k),
     )
-    return replace(spec, activation_trace=scaled)
+    # What activation offload moves and leaves (where the trace counts it) scales with the same tokens.
+    extra = {}
+    if getattr(trace, "offloaded_sizes", None):
+        extra["offloaded_sizes"] = tuple(int(size * k) for size in trace.offloaded_sizes)
+    if getattr(trace, "offload_resident_bytes", None):
+        extra["offload_resident_bytes"] = int(trace.offload_resident_bytes * k)
+    return replace(spec, activation_trace=replace(scaled, **extra))
 
 
 def smaller_shapes(spec: ModelSpec) -> list[Shape]:
