@@ -56,10 +56,12 @@ def render_plan(result: PlanResult) -> str:
             lines.append(f"Closest (least GPU memory): {shown.choice.describe()}")
     if result.largest_shape:
         planned = "the recommended settings" if result.best is not None else "the settings above"
-        lines.append(
-            f"Largest that fits with {planned} at micro-batch 1: " + "; ".join(s.describe() for s in result.largest_shape)
-            + " (activations scaled from the trace, an upper bound)"
-        )
+        trace = (result.spec if result.best is not None or not result.offers else result.offers[0].spec).activation_trace
+        shapes = [
+            s.describe() + (" or more (the largest tried)" if trace is not None and (s.resolution >= 2 * trace.resolution - 63 or s.frames >= 2 * trace.frames - 8 > 1) else "")
+            for s in result.largest_shape
+        ]
+        lines.append(f"Largest that fits with {planned} at micro-batch 1: " + "; ".join(shapes) + " (activations scaled from the trace, an upper bound)")
     lines.append("")
     if shown is not None:
         lines += _terms_table(
