@@ -572,6 +572,19 @@ def largest_shape(spec: ModelSpec, hardware: Hardware, choice: Choice, margin: f
 def nearest_box(spec: ModelSpec, hardware: Hardware, kwargs: dict[str, Any]) -> str | None:
     """The nearest box on which the run as planned (exact settings only) fits, described as --gpus/--ram/--nodes."""
     gib = GIB
+    if hardware.accelerator == "cpu":
+        # CPU ranks: a rank's "GPU" memory is its share of the RAM, so only more RAM (or fewer ranks sharing it) helps.
+        for factor in (2, 4, 8, 16):
+            ram = hardware.host_ram_bytes * factor
+            for ranks in sorted({hardware.gpus_per_node, 1}, reverse=True):
+                box = dataclasses.replace(hardware, gpus_per_node=ranks, gpu_memory_bytes=ram // ranks, host_ram_bytes=ram)
+                try:
+                    r = recommend(spec, box, **dict(kwargs, global_batch=None))
+                except ZeroPipeError:
+                    continue
+                if r.best is not None:
+                    return f"--cpu-ranks {ranks} --ram {ram / gib:.0f}GB: {r.best.choice.describe()}, {_gib(r.best.per_node_bytes)} host RAM"
+        return None
     boxes = []
     for factor in (2, 4, 8):
         boxes.append(dataclasses.replace(hardware, host_ram_bytes=hardware.host_ram_bytes * factor))
