@@ -16,6 +16,7 @@ entry uses), above it every byte is scaled with the latent tokens.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -219,18 +220,31 @@ def catalog_entry(name: str) -> dict[str, Any] | None:
     return None
 
 
+def _normal(name: str) -> str:
+    """A name as the match compares it: lower case, letters and digits only, without a "-Diffusers" suffix (HunyuanVideo-1.5 = hunyuan-video-1.5)."""
+    name = re.sub(r"[-_]?diffusers$", "", name.strip().lower())
+    return re.sub(r"[^a-z0-9]", "", name)
+
+
 def catalog_match(path: str) -> str | None:
-    """The catalog entry a model path or Hub id names: its last component (or the whole id) equal to an entry's Hub repository name or catalog name, case-insensitive."""
+    """The catalog entry a model path or Hub id names: its last component (or the whole id) equal to an entry's Hub repository name or catalog name.
+
+    Compared without case, punctuation or a "-Diffusers" suffix; an exact match of the whole id wins over a last component's.
+    """
     text = str(path).rstrip("/")
-    last = text.rsplit("/", 1)[-1].lower()
+    last = _normal(text.rsplit("/", 1)[-1])
+    whole = text.lower()
+    matches = []
     for stem, entry in catalog_entries().items():
         repo = hub_id(entry)
-        names = {stem, str(entry.get("name", "")).lower()}
-        if repo:
-            names |= {repo.lower(), repo.rsplit("/", 1)[-1].lower()}
-        if text.lower() in names or last in names:
+        if repo and whole.endswith(repo.lower()):
             return stem
-    return None
+        names = {_normal(stem), _normal(str(entry.get("name", "")))}
+        if repo:
+            names.add(_normal(repo.rsplit("/", 1)[-1]))
+        if last in names:
+            matches.append(stem)
+    return matches[0] if len(matches) == 1 else None
 
 
 __all__ = [

@@ -45,6 +45,9 @@ def test_caching_moves_every_encoder_off_the_ranks_and_back():
         ("black-forest-labs/FLUX.2-dev", "flux.2-dev"),
         ("/models/Wan2.1-T2V-14B-Diffusers", "wan2.1-t2v-14b"),
         ("/data/qwen-image", "qwen-image"),
+        ("/models/HunyuanVideo-1.5", "hunyuan-video-1.5"),  # the catalog name, without punctuation
+        ("/models/Krea-2-Raw-Diffusers", "krea-2"),  # the Hub repository krea/Krea-2-Raw, without "-Diffusers"
+        ("/models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers", "kandinsky5-t2v-lite"),
         ("/models/my-own-finetune", None),
     ],
 )
