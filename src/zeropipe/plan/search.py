@@ -15,7 +15,7 @@ import yaml
 
 from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
-from zeropipe.plan.cost import offload_param_measured, relative_cost, speeds_for, step_seconds
+from zeropipe.plan.cost import caching_pass_seconds, offload_param_measured, relative_cost, speeds_for, step_seconds
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
 from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import ModelSpec
@@ -464,7 +464,11 @@ def complete(result: PlanResult, kwargs: dict[str, Any], offer: bool = True) -> 
         for setting, other in cache_settings(spec) + sequence_parallel_settings(spec):
             cached = recommend(other, hardware, **kwargs)
             if cached.best is not None:
-                cached.notes = notes + [f"picked {setting.key} (changes no result; {setting.price}): without it {result.reason}"]
+                per_example = caching_pass_seconds(other, 1, speeds_for(hardware))
+                cached.notes = notes + [
+                    f"picked {setting.key} (changes no result; {setting.price}: about {per_example * 1000:.0f} ms per example for the "
+                    f"encoders' forward at the plan's speeds, once): without it {result.reason}"
+                ]
                 cached.configured = configured
                 result, settings = cached, (setting,)
                 break
