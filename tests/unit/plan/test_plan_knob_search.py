@@ -91,3 +91,17 @@ def test_check_still_refuses_the_missing_model_path(capsys):
     captured = capsys.readouterr()
     assert rc != 0
     assert "model.path" in captured.out + captured.err
+
+
+def test_a_config_with_caches_off_is_planned_as_set_and_caching_is_picked_when_only_it_fits(capsys, tmp_path):
+    """Qwen-Image with both caches off on 5 x 24 GB: five ranks each holding Qwen2.5-VL do not fit 64 GB; the caches (exact) do."""
+    import yaml
+
+    config = yaml.safe_load((ROOT / "examples/models/qwen-image.yaml").read_text())
+    config["data"]["cache"] = {"latents": False, "text": False}
+    path = tmp_path / "qwen-image-nocache.yaml"
+    path.write_text(yaml.safe_dump(config))
+    rc, out = plan(capsys, str(path), "--gpus", "5x24GB", "--ram", "64GB")
+    assert rc == 0
+    assert "note: picked data.cache: {latents: true, text: true} (changes no result" in out
+    assert "Recommended:" in out and "  with data.cache: {latents: true, text: true}: changes no result" in out
