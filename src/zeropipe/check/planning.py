@@ -105,11 +105,38 @@ def memory_problems(ctx):
     fix = "zeropipe plan shows the settings that fit"
     if ctx.plan.best is not None:
         fix = f"use {ctx.plan.best.choice.describe()} (zeropipe plan shows why), or set the knobs to auto"
+    else:
+        fix = _smallest_change(ctx.plan, configured) or fix
     hardware = ctx.plan.hardware
     if hardware.accelerator == "cpu" and not hardware.cpu_bf16_native and held.get("precision") == "fp32" and "precision" not in ctx.user_set:
         # Say why bf16, which would halve the weights, is not offered.
         fix += f"; precision stays fp32: {cpu_precision(False)[1]}"
     return [("deepspeed", message, f"nothing fits with the settings you chose ({why}); {fix}")]
+
+
+def _smallest_change(plan, configured) -> str | None:
+    """When no ZeRO setting fits: the smallest change the planner knows that does (caches, an fp8/nf4 base, a smaller image or clip), with its price."""
+    from zeropipe.plan.search import complete
+
+    choice = configured.choice
+    kwargs = dict(
+        global_batch=choice.micro_batch_size * choice.gradient_accumulation_steps * plan.hardware.world_size,
+        seq_len=choice.seq_len,
+        margin=plan.margin,
+        fixed=None,
+        attention=choice.attention,
+        zero3_limits={"zero3_max_live_parameters": choice.zero3_max_live_parameters, "zero3_reuse_distance": choice.zero3_reuse_distance},
+    )
+    import dataclasses
+
+    searched = complete(dataclasses.replace(plan, notes=list(plan.notes)), kwargs)  # a copy: the check's plan stays as it was
+    if searched.best is not None and searched.settings:
+        return f"set {', '.join(s.key for s in searched.settings)} (changes no result), then {searched.best.choice.describe()} fits"
+    if searched.offers:
+        return searched.offers[0].describe() + "; zeropipe plan lists the other changes"
+    if searched.nearest_box:
+        return f"no change the planner knows fits this box; the nearest that fits: {searched.nearest_box}"
+    return None
 
 
 def zero3_unneeded(ctx):

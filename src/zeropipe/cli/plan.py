@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.plan import detect_hardware, fp8_base_offer, parse_hardware, recommend
     from zeropipe.plan.hardware import Hardware
     from zeropipe.plan.model_spec import catalog_names
-    from zeropipe.plan.render import render_plan
+    from zeropipe.plan.search import complete, search
+    from zeropipe.plan.variants import with_caches
 
     if args.list_models:
         print("\n".join(catalog_names()))
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.config:
         from zeropipe.config.load import load_config
+        from zeropipe.errors import ConfigError
         from zeropipe.launch.resolve import resolve_run
 
         overrides = []
@@ -99,8 +101,18 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"model.lora.r={args.lora_r}")
         if args.quantization:
             overrides.append(f"model.quantization.format={args.quantization}")
+        try:
+            loaded = load_config(args.config, overrides)
+        except ConfigError as err:
+            # Plan before the download: a model.path not on disk yet that names a catalog model.
+            from zeropipe.plan.before_download import plan_from_catalog
+
+            from zeropipe.families import model_spec
+
+            result = plan_from_catalog(args.config, overrides, err, hardware, args.margin, args.global_batch, model_spec)
+            return _finish(args, result)
         # Resolved for the machine planned for: its accelerator and CPU decide precision "auto".
-        resolved = resolve_run(load_config(args.config, overrides), accelerator=hardware.accelerator, fill_auto_knobs=False, hardware=hardware)
+        resolved = resolve_run(loaded, accelerator=hardware.accelerator, fill_auto_knobs=False, hardware=hardware)
         config = resolved.config
         spec = _spec(args, lora) if (args.model or args.params) else None
         if args.gpus is None and args.cpu_ranks is None and isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda":
@@ -120,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             result = recommend(
                 result.spec, result.hardware, args.global_batch, config.data.max_seq_len, args.margin, attention=config.model.attn_implementation
             )
+        result = complete(result, _search_args(result, args.global_batch, config.data.max_seq_len, config.model.attn_implementation))
     else:
         if not (args.model or args.params):
             raise ZeroPipeError("nothing to plan: give a run config, --model NAME|PATH, or --params N (see zeropipe plan --list-models)")
@@ -128,18 +141,44 @@ def run(args: argparse.Namespace) -> int:
             if spec.lora is None:
                 raise ZeroPipeError("--quantization stores a frozen base for LoRA: add --lora-r N")
             spec = spec.with_fp8_base(args.quantization)
+        notes = []
+        if spec.frozen_models:
+            # As a config with the defaults trains it: data.cache.latents and data.cache.text are on.
+            names = ", ".join(m.name for m in spec.frozen_models)
+            spec = with_caches(spec)
+            notes.append(
+                f"planned as a run config with the defaults makes it: data.cache.latents and data.cache.text on, so {names} are loaded "
+                "once per node to fill the caches before the ranks start, never by a training rank (the node-setup terms)"
+            )
 
         def replan(other):
             return recommend(other, hardware, global_batch=args.global_batch, seq_len=args.seq_len or 2048, margin=args.margin)
 
-        result = replan(spec)
-        result.notes += fp8_base_offer(spec, hardware, result, replan)
+        result = search(spec, hardware, global_batch=args.global_batch, seq_len=args.seq_len or 2048, margin=args.margin)
+        result.notes[:0] = notes
+        if result.best is not None:
+            result.notes += fp8_base_offer(spec, hardware, result, replan)
+    return _finish(args, result)
+
+
+def _finish(args: argparse.Namespace, result) -> int:
+    """Print the plan; exit 0 when a plan fits (as recommended or with an offered change), 1 when no change the planner knows does."""
+    from zeropipe.plan.render import render_plan
 
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         sys.stdout.write(render_plan(result))
-    return 0 if result.best is not None else 1
+    return 0 if result.runnable else 1
+
+
+def _search_args(result, global_batch, seq_len, attention) -> dict:
+    """The arguments ``plan.search.complete`` searches the changes with: the config's batch, sequence and ZeRO-3 limits."""
+    some = result.configured or result.best or (result.candidates[0] if result.candidates else None)
+    limits = {}
+    if some is not None:
+        limits = {"zero3_max_live_parameters": some.choice.zero3_max_live_parameters, "zero3_reuse_distance": some.choice.zero3_reuse_distance}
+    return dict(global_batch=global_batch or result.global_batch, seq_len=seq_len, margin=result.margin, fixed=None, attention=attention, zero3_limits=limits)
 
 
 def cpu_hardware(ranks: int, ram: str | None):

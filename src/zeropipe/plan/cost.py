@@ -40,6 +40,7 @@ class Speeds:
     host_link_bytes_per_second: float = 12e9  # GPU <-> host RAM over PCIe, per GPU
     cpu_adam_params_per_second: float = 1e9  # DeepSpeed CPU Adam, one node's cores together
     micro_step_seconds: float = 0.005
+    gpu_memory_bytes_per_second: float = 900e9  # device memory bandwidth (RTX 3090: 936 GB/s): what dequantising a base reads and writes
     measured: frozenset[str] = frozenset()  # the fields above that zeropipe calibrate measured; the rest are assumed
     source: str = "assumed round figures for an RTX 3090/4090-class box"
 
@@ -52,6 +53,7 @@ CPU_SPEEDS = Speeds(
     host_link_bytes_per_second=float("inf"),  # "offloading" a CPU rank moves nothing
     cpu_adam_params_per_second=1e9,
     micro_step_seconds=0.005,
+    gpu_memory_bytes_per_second=20e9,  # one socket's DRAM
 )
 
 
@@ -143,7 +145,51 @@ def step_seconds(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Sp
         parts["offload"] += spec.trainable_params / hardware.nodes / speeds.cpu_adam_params_per_second
     if choice.offload_param and choice.zero_stage == 3:
         parts["offload"] += 2 * micro_steps * (weight_bytes / n) / speeds.host_link_bytes_per_second
+    if getattr(choice, "activation_offload", False) and choice.gradient_checkpointing:
+        # The checkpointed block inputs go to pinned host memory in forward and come back in backward.
+        parts["offload"] += 2 * micro_steps * checkpointed_input_bytes(spec, choice) / speeds.host_link_bytes_per_second
+    parts["dequantise"] = micro_steps * dequantise_seconds(spec, choice, speeds)
     return parts
+
+
+def checkpointed_input_bytes(spec: ModelSpec, choice: Choice) -> int:
+    """The block inputs checkpointing keeps for one micro-batch: what activation offload moves each way."""
+    from zeropipe.plan.memory import checkpointed_layer_bytes
+
+    if spec.block is not None and spec.layers:
+        tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len
+        return spec.layers * checkpointed_layer_bytes(spec.block, tokens, choice.precision)
+    if spec.activation_trace is not None:
+        return spec.activation_trace.checkpointed_bytes * choice.micro_batch_size * spec.sequences_per_example
+    return 0
+
+
+def dequantise_seconds(spec: ModelSpec, choice: Choice, speeds: Speeds) -> float:
+    """One micro-batch's dequantisation of a quantized base: each block linear read in its stored bytes and written in the precision, once per use.
+
+    Uses: forward, the input gradient in backward, and the recomputed forward with checkpointing.
+    A memory-bound copy at the device's bandwidth; the matmul itself is the same as on a 16-bit base.
+    """
+    v = value_bytes(choice.precision)
+    if spec.fp8_base is not None:
+        stored, weights = 1.0, spec.fp8_base.params_fp8
+    elif spec.quantized is not None:
+        stored, weights = 0.5, spec.quantized.params_4bit
+    else:
+        return 0.0
+    uses = 3 if choice.gradient_checkpointing else 2
+    return uses * weights * (stored + v) / speeds.gpu_memory_bytes_per_second
+
+
+def caching_pass_seconds(spec: ModelSpec, examples: int, speeds: Speeds) -> float:
+    """The one pass that fills the latent and text caches: each cached encoder's forward (2 FLOPs per weight per token), once per example.
+
+    Paid once before training (and again only when the data or the encoders change); a rough
+    figure from the encoders' weights and the plan's tokens per example.
+    """
+    tokens = spec.activation_trace.text_tokens if spec.activation_trace is not None and spec.activation_trace.text_tokens else 512
+    flops = sum(2.0 * m.params * tokens for m in spec.cached_models)
+    return examples * flops / speeds.gpu_flops
 
 
 def relative_cost(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Speeds | None = None) -> float:

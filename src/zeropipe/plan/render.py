@@ -33,11 +33,35 @@ def render_plan(result: PlanResult) -> str:
             lines.append(f"  {result.configured.why_not}")
     if result.best is not None:
         lines.append(f"Recommended: {result.best.choice.describe()} (relative cost {result.best.relative_cost:.2f})")
+        lines += [f"  with {s.key}: changes no result ({s.price})" for s in result.settings]
+    elif result.offers:
+        # The change that makes it fit, with its price, before anything else.
+        first = result.offers[0]
+        lines.append(f"Fits if you set {first.keys}: {first.candidate.choice.describe()} (relative cost {first.candidate.relative_cost:.2f})")
+        lines += [f"  price: {s.price}" for s in first.settings if not s.exact]
+        lines += [f"  with {s.key}: changes no result ({s.price})" for s in first.settings if s.exact]
+        lines.append(f"  as given: {result.reason or 'nothing fits'}")
+        if len(result.offers) > 1:
+            lines.append("Other changes that fit, cheapest in quality first:")
+            lines += [f"  - {o.describe()}" for o in result.offers[1:]]
+        if shown is None:
+            shown = first.candidate
     else:
         lines.append(result.reason or "nothing fits")
+        lines.append("No change the planner knows (caches, an fp8 or nf4 base, a smaller image or clip) makes it fit on this box.")
+        if result.nearest_box:
+            lines.append(f"Nearest box that fits: {result.nearest_box}")
         if shown is None and result.candidates:
             shown = min(result.candidates, key=lambda c: c.per_gpu_bytes)
             lines.append(f"Closest (least GPU memory): {shown.choice.describe()}")
+    if result.largest_shape:
+        planned = "the recommended settings" if result.best is not None else "the settings above"
+        trace = (result.spec if result.best is not None or not result.offers else result.offers[0].spec).activation_trace
+        shapes = [
+            s.describe() + (" or more (the largest tried)" if trace is not None and (s.resolution >= 2 * trace.resolution - 63 or s.frames >= 2 * trace.frames - 8 > 1) else "")
+            for s in result.largest_shape
+        ]
+        lines.append(f"Largest that fits with {planned} at micro-batch 1: " + "; ".join(shapes) + " (activations scaled from the trace, an upper bound)")
     lines.append("")
     if shown is not None:
         lines += _terms_table(
@@ -55,7 +79,32 @@ def render_plan(result: PlanResult) -> str:
         lines.append("")
         lines.append("Run-config settings (YAML):")
         lines += ["  " + line for line in result.yaml_fragment().splitlines()]
+        lines += [f"  # and {s.key}" for s in result.settings]
+    elif result.offers:
+        lines.append("")
+        lines.append(f"Run-config settings with {result.offers[0].keys} (YAML):")
+        lines += ["  " + line for line in yaml_fragment(result.offers[0].candidate).splitlines()]
+        lines += [f"  # and {s.key}" for s in result.offers[0].settings]
     return "\n".join(lines) + "\n"
+
+
+def yaml_fragment(candidate: Candidate) -> str:
+    import yaml
+
+    c = candidate.choice
+    fragment = {
+        "deepspeed": {
+            "zero_stage": c.zero_stage,
+            "offload_optimizer": "cpu" if c.offload_optimizer else "none",
+            "offload_param": "cpu" if c.offload_param else "none",
+            "precision": c.precision,
+        },
+        "model": {"gradient_checkpointing": c.gradient_checkpointing},
+        "train": {"micro_batch_size": c.micro_batch_size, "gradient_accumulation_steps": c.gradient_accumulation_steps},
+    }
+    if getattr(c, "activation_offload", False):
+        fragment["train"]["activation_offload"] = True
+    return yaml.safe_dump(fragment, sort_keys=False)
 
 
 def _terms_table(title: str, terms: list[Term]) -> list[str]:

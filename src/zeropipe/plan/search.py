@@ -7,6 +7,7 @@ fits and why the rest does not comes from the same evaluations as the answer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,10 +15,29 @@ import yaml
 
 from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
-from zeropipe.plan.cost import offload_param_measured, relative_cost, speeds_for, step_seconds
+from zeropipe.plan.cost import caching_pass_seconds, offload_param_measured, relative_cost, speeds_for, step_seconds
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
 from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import ModelSpec
+from zeropipe.plan.variants import (
+    Setting,
+    Shape,
+    base_settings,
+    cache_settings,
+    lora_target_settings,
+    sequence_parallel_settings,
+    shape_grid,
+    shape_setting,
+    smaller_shapes,
+    with_shape,
+)
+
+# Knobs that change no result: the search may pick them. Knobs that change the result: only offered.
+EXACT_KNOBS = (
+    "zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "activation_offload",
+    "micro_batch_size", "gradient_accumulation_steps", "data.cache.latents", "data.cache.text", "sequence_parallel (hook)",
+)
+OFFERED_KNOBS = ("model.quantization (fp8, nf4)", "model.lora.target_modules (narrower)", "data.images.resolution", "data.video.frame_buckets")
 
 # Without a global batch, plan for this many examples per rank per optimizer step: candidates
 # must be compared at equal work, and accumulation is how few-GPU users reach a useful batch.
@@ -34,6 +54,10 @@ KNOBS = (
     "micro_batch_size",
     "gradient_accumulation_steps",
 )
+# Activation offload (train.activation_offload) is a Choice field where the memory model has its term.
+ACTIVATION_OFFLOAD = "activation_offload" in {f.name for f in dataclasses.fields(Choice)}
+if ACTIVATION_OFFLOAD:
+    KNOBS += ("activation_offload",)
 
 
 @dataclass
@@ -79,6 +103,18 @@ class PlanResult:
     configured: Candidate | None = None
     reason: str | None = None  # why nothing fits, when best is None
     notes: list[str] = field(default_factory=list)
+    # The model-level search (search()): exact settings applied to reach ``best`` (caches), changes that
+    # would make it fit with their price (``offers``, cheapest in quality first), the largest image or clip
+    # that fits with the recommended settings, and the nearest box that fits when no change does.
+    settings: tuple[Setting, ...] = ()
+    offers: list[Offer] = field(default_factory=list)
+    largest_shape: tuple[Shape, ...] = ()  # the largest resolution at the planned frames, and (video) the most frames at the planned resolution
+    nearest_box: str | None = None
+
+    @property
+    def runnable(self) -> bool:
+        """A plan fits this box: as recommended, or with an offered change (exit status 0)."""
+        return self.best is not None or bool(self.offers)
 
     @property
     def usable_gpu_bytes(self) -> int:
@@ -105,7 +141,8 @@ class PlanResult:
                 "precision": choice.precision,
             },
             "model": {"gradient_checkpointing": choice.gradient_checkpointing},
-            "train": {"micro_batch_size": choice.micro_batch_size, "gradient_accumulation_steps": choice.gradient_accumulation_steps},
+            "train": {"micro_batch_size": choice.micro_batch_size, "gradient_accumulation_steps": choice.gradient_accumulation_steps}
+            | ({"activation_offload": True} if getattr(choice, "activation_offload", False) else {}),
         }
 
     def yaml_fragment(self) -> str:
@@ -147,6 +184,46 @@ class PlanResult:
             "notes": list(self.notes),
             "summary": [c.to_dict() for c in self.summary()],
             "candidates": [c.to_dict() for c in self.candidates],
+            "runnable": self.runnable,
+            "exact_knobs": list(EXACT_KNOBS),
+            "offered_knobs": list(OFFERED_KNOBS),
+            "settings": [s.to_dict() for s in self.settings],
+            "offers": [o.to_dict() for o in self.offers],
+            "largest_shape": [vars(s) for s in self.largest_shape],
+            "nearest_box": self.nearest_box,
+        }
+
+
+@dataclass
+class Offer:
+    """A change that changes the result (an fp8/nf4 base, a smaller image or clip) and makes the run fit, with its price."""
+
+    settings: tuple[Setting, ...]
+    candidate: Candidate
+    spec: ModelSpec
+
+    @property
+    def rank(self) -> float:
+        return sum(s.rank for s in self.settings)
+
+    @property
+    def keys(self) -> str:
+        return "; ".join(s.key for s in self.settings)
+
+    def describe(self) -> str:
+        prices = "; ".join(s.price for s in self.settings)
+        c = self.candidate
+        return (
+            f"fits if you set {self.keys} (price: {prices}): then {c.choice.describe()}, "
+            f"{_gib(c.per_gpu_bytes)} per GPU, {_gib(c.per_node_bytes)} host RAM, relative cost {c.relative_cost:.2f}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "settings": [s.to_dict() for s in self.settings],
+            "keys": self.keys,
+            "rank": round(self.rank, 4),
+            "candidate": self.candidate.to_dict(terms=True),
         }
 
 
@@ -244,8 +321,9 @@ def candidate_choices(
     attention: str = "sdpa",
     fixed: dict[str, Any] | None = None,
     zero3_limits: dict[str, int] | None = None,
+    stages: tuple[int, ...] | None = None,
 ) -> list[Choice]:
-    """Every combination the search tries; ``fixed`` holds knobs the caller does not let it change."""
+    """Every combination the search tries; ``fixed`` holds knobs the caller does not let it change; ``stages`` limits the ZeRO stages (a setting that allows only some)."""
     fixed = dict(fixed or {})
     unknown = set(fixed) - set(KNOBS)
     if unknown:
@@ -267,25 +345,32 @@ def candidate_choices(
                 else:
                     shapes = [(max(1, per_rank // accumulation) if per_rank else 1, accumulation)]
     choices = []
-    for stage in range(4):
+    for stage in stages or range(4):
         for offload_optimizer, offload_param in offloads[stage]:
             for checkpointing in (False, True):
-                for precision in precisions:
-                    for micro, accumulation in shapes:
-                        choice = Choice(
-                            zero_stage=stage,
-                            offload_optimizer=offload_optimizer,
-                            offload_param=offload_param,
-                            precision=precision,
-                            gradient_checkpointing=checkpointing,
-                            micro_batch_size=micro,
-                            gradient_accumulation_steps=accumulation,
-                            seq_len=seq_len,
-                            attention=attention,
-                            **(zero3_limits or {}),
-                        )
-                        if all(getattr(choice, knob) == value for knob, value in fixed.items()):
-                            choices.append(choice)
+                # Activation offload moves the checkpointed block inputs to host RAM: with checkpointing, on GPUs.
+                act_offloads = (False, True) if ACTIVATION_OFFLOAD and checkpointing and hardware.accelerator != "cpu" else (False,)
+                if ACTIVATION_OFFLOAD and fixed.get("activation_offload"):
+                    act_offloads = (True,)
+                for act_offload in act_offloads:
+                    extra = {"activation_offload": act_offload} if ACTIVATION_OFFLOAD else {}
+                    for precision in precisions:
+                        for micro, accumulation in shapes:
+                            choice = Choice(
+                                zero_stage=stage,
+                                offload_optimizer=offload_optimizer,
+                                offload_param=offload_param,
+                                precision=precision,
+                                gradient_checkpointing=checkpointing,
+                                micro_batch_size=micro,
+                                gradient_accumulation_steps=accumulation,
+                                seq_len=seq_len,
+                                attention=attention,
+                                **extra,
+                                **(zero3_limits or {}),
+                            )
+                            if all(getattr(choice, knob) == value for knob, value in fixed.items()):
+                                choices.append(choice)
     return choices
 
 
@@ -298,6 +383,7 @@ def recommend(
     fixed: dict[str, Any] | None = None,
     attention: str = "sdpa",
     zero3_limits: dict[str, int] | None = None,
+    stages: tuple[int, ...] | None = None,
 ) -> PlanResult:
     """The fastest combination that fits in (1 - margin) of GPU memory and of host RAM.
 
@@ -316,7 +402,7 @@ def recommend(
         notes.append(
             f"no global batch given: planned for {global_batch} examples per step ({DEFAULT_EXAMPLES_PER_RANK} per GPU); set it with --global-batch"
         )
-    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed, zero3_limits)
+    choices = candidate_choices(hardware, global_batch, seq_len, attention, fixed, zero3_limits, stages)
     candidates = [evaluate(spec, hardware, choice, margin) for choice in choices]
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=_rank) if fitting else None
@@ -343,6 +429,190 @@ def recommend(
     if hardware.accelerator == "cpu":
         result.notes += cpu_rank_notes(hardware, fixed or {})
     return result
+
+
+def search(
+    spec: ModelSpec,
+    hardware: Hardware,
+    global_batch: int | None = None,
+    seq_len: int = 2048,
+    margin: float = 0.1,
+    fixed: dict[str, Any] | None = None,
+    attention: str = "sdpa",
+    zero3_limits: dict[str, int] | None = None,
+    offer: bool = True,
+) -> PlanResult:
+    """``recommend`` over the model-level knobs too: exact ones picked, result-changing ones offered.
+
+    1. The spec as given (a catalog plan passes the default config's: caches on).
+    2. When nothing fits: the exact model-level settings (caching latents and text), picked if they fit.
+    3. When still nothing fits: every offered change (an fp8 or nf4 base, a smaller image or clip, and
+       their combinations) searched as in 1, each kept with its price, cheapest in quality first.
+    4. When no change fits: the nearest box (more RAM, more or larger GPUs, more nodes) that would.
+    Image and video plans also get the largest shape that fits with the recommended settings.
+    """
+    kwargs = dict(global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention, zero3_limits=zero3_limits)
+    return complete(recommend(spec, hardware, **kwargs), kwargs, offer)
+
+
+def complete(result: PlanResult, kwargs: dict[str, Any], offer: bool = True) -> PlanResult:
+    """Steps 2-4 of ``search`` and the largest shape, on a plan already made (``recommend``'s or a run config's) with the same arguments."""
+    spec, hardware, margin = result.spec, result.hardware, result.margin
+    configured, notes = result.configured, result.notes
+    settings: tuple[Setting, ...] = ()
+    if result.best is None:
+        for setting, other in cache_settings(spec) + sequence_parallel_settings(spec):
+            cached = recommend(other, hardware, **kwargs)
+            if cached.best is not None:
+                per_example = caching_pass_seconds(other, 1, speeds_for(hardware))
+                cached.notes = notes + [
+                    f"picked {setting.key} (changes no result; {setting.price}: about {per_example * 1000:.0f} ms per example for the "
+                    f"encoders' forward at the plan's speeds, once): without it {result.reason}"
+                ]
+                cached.configured = configured
+                result, settings = cached, (setting,)
+                break
+            spec, settings = other, (setting,)  # the offers below start from the cached run
+    result.settings = settings
+    if result.best is None and offer:
+        result.offers = offers_for(spec, hardware, kwargs, settings)
+    plan_spec, plan_choice = (result.spec, result.best.choice) if result.best is not None else (
+        (result.offers[0].spec, result.offers[0].candidate.choice) if result.offers else (None, None)
+    )
+    if plan_spec is not None and plan_spec.activation_trace is not None:
+        result.largest_shape = largest_shape(plan_spec, hardware, plan_choice, margin)
+    if not result.runnable and offer:
+        result.nearest_box = nearest_box(spec, hardware, kwargs)
+    return result
+
+
+def _fits(spec: ModelSpec, hardware: Hardware, kwargs: dict[str, Any], stages) -> PlanResult | None:
+    r = recommend(spec, hardware, **kwargs, stages=stages)
+    return r if r.best is not None else None
+
+
+def offers_for(spec: ModelSpec, hardware: Hardware, kwargs: dict[str, Any], settings: tuple[Setting, ...] = ()) -> list[Offer]:
+    """The changes the planner knows that make this run fit, cheapest in quality first (each with its best settings)."""
+    from zeropipe.plan.variants import stages_for
+
+    offers: list[Offer] = []
+    changes = base_settings(spec) + lora_target_settings(spec)
+    bases: list[tuple[tuple[Setting, ...], ModelSpec]] = [((), spec)] + [((setting,), other) for setting, other in changes]
+    for base_settings_, base_spec in bases:
+        stages = stages_for({s.knob: s.value for s in base_settings_}, spec)
+        if base_settings_:
+            fit = _fits(base_spec, hardware, kwargs, stages)
+            if fit is not None:
+                offers.append(Offer(settings + base_settings_, fit.best, base_spec))
+                continue  # a smaller shape on top of a base that fits already is no smaller change
+        if base_spec.activation_trace is None:
+            continue
+        for shape in _shape_offers(base_spec, hardware, kwargs, stages):
+            fit = _fits(with_shape(base_spec, shape), hardware, kwargs, stages) if shape is not None else None
+            if fit is not None:
+                offers.append(Offer(settings + base_settings_ + (shape_setting(base_spec, shape),), fit.best, fit.spec))
+    # One offer per set of keys, cheapest in quality first, then in time.
+    seen, unique = set(), []
+    for o in sorted(offers, key=lambda o: (o.rank, o.candidate.relative_cost)):
+        if o.keys not in seen:
+            seen.add(o.keys)
+            unique.append(o)
+    return unique
+
+
+def _shape_offers(spec: ModelSpec, hardware: Hardware, kwargs: dict[str, Any], stages):
+    """Per kind of shape change, the list of smaller shapes to try (largest first): lower resolution at the traced frames, and for video fewer frames at the traced resolution."""
+    trace = spec.activation_trace
+    smaller = smaller_shapes(spec)
+    kinds = [[s for s in smaller if s.frames == trace.frames]]
+    if trace.frames > 1:
+        kinds.append([s for s in smaller if s.resolution == trace.resolution])
+    for shapes in kinds:
+        yield _largest_fitting(spec, shapes, hardware, kwargs, stages)
+
+
+def _largest_fitting(spec: ModelSpec, shapes: list[Shape], hardware: Hardware, kwargs: dict[str, Any], stages) -> Shape | None:
+    """The largest of ``shapes`` whose plan fits, by bisection (memory grows with the activations' scale)."""
+    from zeropipe.plan.variants import shape_scale
+
+    ordered = sorted(shapes, key=lambda s: (shape_scale(spec, s), s.resolution), reverse=True)
+    low, high, found = 0, len(ordered) - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        if _fits(with_shape(spec, ordered[mid]), hardware, kwargs, stages) is not None:
+            found, high = ordered[mid], mid - 1
+        else:
+            low = mid + 1
+    return found
+
+
+def largest_shape(spec: ModelSpec, hardware: Hardware, choice: Choice, margin: float) -> tuple[Shape, ...]:
+    """With ``choice``'s settings at micro-batch 1 (its ZeRO, offload and checkpointing held): the largest resolution at the
+    planned frame count and, for video, the most frames at the planned resolution (up to twice each)."""
+    from zeropipe.plan.variants import shape_scale
+
+    lean = dataclasses.replace(choice, micro_batch_size=1, gradient_accumulation_steps=choice.micro_batch_size * choice.gradient_accumulation_steps)
+    trace = spec.activation_trace
+    grid = shape_grid(spec, up_to=2.0)
+    kinds = [[s for s in grid if s.frames == trace.frames]]
+    if trace.frames > 1:
+        kinds.append([s for s in grid if s.resolution == trace.resolution])
+    found_all = []
+    for shapes in kinds:
+        ordered = sorted(shapes, key=lambda s: (shape_scale(spec, s), s.resolution), reverse=True)
+        low, high, found = 0, len(ordered) - 1, None
+        while low <= high:
+            mid = (low + high) // 2
+            if evaluate(with_shape(spec, ordered[mid]), hardware, lean, margin).fits:
+                found, high = ordered[mid], mid - 1
+            else:
+                low = mid + 1
+        if found is not None and found not in found_all:
+            found_all.append(found)
+    return tuple(found_all)
+
+
+# Boxes tried when no change fits, nearest first: more RAM, more GPUs, larger GPUs, more nodes.
+def nearest_box(spec: ModelSpec, hardware: Hardware, kwargs: dict[str, Any]) -> str | None:
+    """The nearest box on which the run as planned (exact settings only) fits, described as --gpus/--ram/--nodes."""
+    gib = GIB
+    if hardware.accelerator == "cpu":
+        # CPU ranks: a rank's "GPU" memory is its share of the RAM, so only more RAM (or fewer ranks sharing it) helps.
+        for factor in (2, 4, 8, 16):
+            ram = hardware.host_ram_bytes * factor
+            for ranks in sorted({hardware.gpus_per_node, 1}, reverse=True):
+                box = dataclasses.replace(hardware, gpus_per_node=ranks, gpu_memory_bytes=ram // ranks, host_ram_bytes=ram)
+                try:
+                    r = recommend(spec, box, **dict(kwargs, global_batch=None))
+                except ZeroPipeError:
+                    continue
+                if r.best is not None:
+                    return f"--cpu-ranks {ranks} --ram {ram / gib:.0f}GB: {r.best.choice.describe()}, {_gib(r.best.per_node_bytes)} host RAM"
+        return None
+    boxes = []
+    for factor in (2, 4, 8):
+        boxes.append(dataclasses.replace(hardware, host_ram_bytes=hardware.host_ram_bytes * factor))
+    for count in range(hardware.gpus_per_node + 1, 9):
+        boxes.append(dataclasses.replace(hardware, gpus_per_node=count))
+    for size in (32, 48, 80, 96, 141):
+        if size * gib > hardware.gpu_memory_bytes:
+            for factor in (1, 2, 4):
+                boxes.append(dataclasses.replace(hardware, gpu_memory_bytes=size * gib, host_ram_bytes=hardware.host_ram_bytes * factor))
+    for nodes in (2, 4, 8):
+        boxes.append(dataclasses.replace(hardware, nodes=nodes))
+    batch = kwargs.get("global_batch")
+    for box in boxes:
+        try:
+            args = dict(kwargs, global_batch=None if batch is None or batch % box.world_size else batch)
+            r = recommend(spec, box, **args)
+        except ZeroPipeError:
+            continue
+        if r.best is not None:
+            return (
+                f"--gpus {box.gpus_per_node}x{box.gpu_memory_bytes / gib:.0f}GB --ram {box.host_ram_bytes / gib:.0f}GB --nodes {box.nodes}: "
+                f"{r.best.choice.describe()}, {_gib(r.best.per_gpu_bytes)} per GPU, {_gib(r.best.per_node_bytes)} host RAM per node"
+            )
+    return None
 
 
 def cpu_rank_notes(hardware: Hardware, fixed: dict[str, Any]) -> list[str]:
@@ -404,4 +674,4 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB"
 
 
-__all__ = ["Candidate", "PlanResult", "batch_shapes", "candidate_choices", "evaluate", "hardware_options", "recommend"]
+__all__ = ["Candidate", "Offer", "PlanResult", "batch_shapes", "candidate_choices", "evaluate", "hardware_options", "recommend", "search"]

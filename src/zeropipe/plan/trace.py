@@ -36,6 +36,11 @@ class ActivationTrace:
     offloaded_sizes: tuple[int, ...] | None = None
     offload_resident_bytes: int | None = None
     checkpointed_blocks: int = 0
+    # What the planner needs to scale the trace to another shape (plan.variants): the prompt tokens traced,
+    # pixels per latent along a side, frames per latent frame (0: unknown).
+    text_tokens: int = 0
+    vae_factor: int = 0
+    temporal_factor: int = 0
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -80,11 +85,14 @@ def _innermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool = False) -> tuple[int, int, int]:
+def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool = False, count_flops: bool = True) -> tuple[int, int, int]:
     """(bytes saved for backward, bytes of the largest block, forward FLOPs) of ``run()``.
 
     Parameters are not activations and are left out; tensors are counted once per storage.
+    ``count_flops=False`` skips torch's FLOP counter (most of a trace's time) and reports 0 FLOPs.
     """
+    import contextlib
+
     from torch.utils.flop_counter import FlopCounterMode
 
     parameters = {id(p) for p in model.parameters()}
@@ -111,14 +119,15 @@ def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool 
             # A forward hook's return value replaces the output: this one must return None.
             handles.append(block.register_forward_hook(lambda m, a, o: current.pop() and None))
     attention = _FusedAttentionMode()
-    flops = FlopCounterMode(display=False)
+    flops = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, attention:
             run()
     finally:
         for handle in handles:
             handle.remove()
-    return sum(saved.values()), max(block_bytes.values(), default=0), int(flops.get_total_flops()) + attention.flops
+    total_flops = int(flops.get_total_flops()) + attention.flops if count_flops else 0
+    return sum(saved.values()), max(block_bytes.values(), default=0), total_flops
 
 
 def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, Any]], resolution: int, frames: int = 1) -> ActivationTrace:
@@ -135,12 +144,12 @@ def trace_diffusion(model: torch.nn.Module, make_inputs: Callable[[], dict[str, 
         # Training's own checkpoint function (keyword arguments passed on: HunyuanImage's transformer passes some).
         model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_function())
         try:
-            checkpointed, _, _ = count_saved(model, lambda: model(**inputs))
+            checkpointed, _, _ = count_saved(model, lambda: model(**inputs), count_flops=False)  # the FLOPs are the first pass's
             # With activation offload (train.activation_offload): the same function training uses, counting what it would copy
             # to host RAM; what the outer hooks still see stays on the GPU (saved outside the checkpointed blocks).
             counter = OffloadCounter(record_sizes=True)
             model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_function(offload=True, counter=counter, count_only=True))
-            resident, _, _ = count_saved(model, lambda: model(**inputs))
+            resident, _, _ = count_saved(model, lambda: model(**inputs), count_flops=False)
             offload = {"offloaded_sizes": tuple(counter.sizes or ()), "offload_resident_bytes": resident, "checkpointed_blocks": counter.blocks}
         finally:
             model.disable_gradient_checkpointing()

@@ -162,3 +162,10 @@ def test_offload_the_user_set_on_cpu_ranks_is_dropped_with_the_reason(context_fo
     settings = suggested_settings(fix)
     assert settings["deepspeed.offload_optimizer"] == "none" and "deepspeed.zero_stage" not in settings, fix
     assert evaluate(context.plan.spec, context.plan.hardware, apply(context, settings)).fits
+
+
+def test_when_no_setting_fits_the_fix_names_the_nearest_box(context_for):
+    """No ZeRO setting and no change the planner knows fits 3 GiB: the fix names the RAM that would (CPU ranks: more RAM, shared by the ranks)."""
+    context = context_for({"zero_stage": 3, "precision": "fp32"}, host_ram_gib=3)
+    [(_, _, fix)] = memory_problems(context)
+    assert "no change the planner knows fits this box; the nearest that fits: --cpu-ranks " in fix and "GB: ZeRO-" in fix

@@ -117,11 +117,22 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
     frames = int(entry.get("frames", arch.trace_frames)) if arch.video else 1
     latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
     text_tokens = int(entry.get("text_tokens", arch.trace_text_tokens()))
+    from zeropipe.plan import trace_store  # a catalog shape's trace is stored (seconds saved per plan)
+
+    key = trace_store.trace_key(model, entry["trained"], resolution, frames, latent, latent_frames, text_tokens)
+    stored = trace_store.lookup(key)
+    if stored is not None:
+        return stored
     with torch.device("meta"):
         inputs = arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
     if inputs is None:
         return None
-    return trace_diffusion(model, lambda: inputs, resolution, frames=frames)
+    trace = trace_diffusion(model, lambda: inputs, resolution, frames=frames)
+    temporal = int(entry.get("vae_temporal_factor", arch.frame_multiple)) if arch.video else 1
+    trace = replace(trace, text_tokens=text_tokens, vae_factor=int(entry.get("vae_factor", 8)), temporal_factor=temporal)
+    if trace_store.RECORDING:
+        trace_store.record(key, str(entry.get("name")), trace)
+    return trace
 
 
 def _vae_factors(folder: PipelineIndex, arch) -> tuple[int, int]:
