@@ -149,10 +149,11 @@ def reward_problems(config: Any) -> list[tuple[str, str]]:
             except re.error as error:
                 problems.append((f"{key}.pattern", f"not a regular expression ({error}): fix it"))
         if section.kind == "function":
-            try:
-                import_function(section.function)
-            except ValueError as error:
-                problems.append((f"{key}.function", str(error)))
+            # Only its shape here: importing runs the module's code, which a config check (the UI's) must not do.
+            # The ranks import it first thing and stop with the reason when it does not import.
+            module_name, _, attribute = section.function.partition(":")
+            if not module_name or not attribute:
+                problems.append((f"{key}.function", f"{section.function!r}: write it as 'package.module:function'"))
     names = [section.name or section.kind for section in config.grpo.rewards if section.kind != "function"]
     if len(set(names)) != len(names):
         problems.append(("grpo.rewards", "two rewards share a name in the metrics: give each a distinct name"))
