@@ -8,7 +8,7 @@ GRPO's clipped objective (``engine.grpo``, TRL 1.16's formulas and loss variants
 
 - Generation: the whole model gathered once per micro-batch and sampled with DeepSpeed's hooks
   off (``engine.generation``): no collective inside generate, so ranks never wait on each other
-  there. Each rank samples from a generator seeded by (run seed, step, micro-step, rank), so a
+  there. Each rank samples from a generator seeded by (run seed, micro-step, rank), so a
   resumed run samples what the uninterrupted one would have.
 - A group lives on one rank: its advantages need no communication. ``scale_rewards: batch``
   scales by the rank's micro-batch (TRL: the generation batch of all ranks). dapo/cispo/vespo
