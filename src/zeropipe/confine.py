@@ -77,6 +77,7 @@ PATH_FIELDS = {
     "model.path", "model.tokenizer", "model.processor", "model.diffusion.denoiser_file",
     "data.path", "data.eval_path", "data.control_path", "data.control_paths[*]", "data.cache.dir", "data.vision.image_root", "data.mixture[*].path",
     "generate.images[*]", "deepspeed.config_file", "hardware.hostfile",
+    "grpo.rewards[*].path",
 }  # fmt: skip
 # Free-form mappings handed on to other libraries (transformers' from_pretrained, DeepSpeed's
 # JSON): any key there may name a path, e.g. csv_monitor.output_path or load_kwargs.cache_dir.

@@ -45,6 +45,8 @@ def type_name(annotation) -> str:
 def default_text(field) -> str:
     if field.default_factory is not None:
         value = field.default_factory()
+        if isinstance(value, list):  # a list of sections (grpo.rewards)
+            value = [item.model_dump(exclude_defaults=True) if isinstance(item, BaseModel) else item for item in value]
         return json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
     if field.default is PydanticUndefined:
         return "required"

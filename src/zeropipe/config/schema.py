@@ -581,6 +581,61 @@ class ConvertSection(Section):
     )
 
 
+class RewardSection(Section):
+    """One reward function of a GRPO run (``grpo.rewards``); a completion's reward is the weighted sum of them."""
+
+    kind: Literal["answer", "numeric", "format", "length", "model", "function"] = Field(
+        ...,
+        description="answer: 1 if the completion equals the record's answer (stripped); numeric: 1 if the completion's last number "
+        "equals the answer's within tolerance; format: 1 if the regex pattern matches the completion; length: 1 - |characters - "
+        "target_length| / target_length, at least -1; model: the score of a reward model (a ZeRO-Pipe reward-model export, "
+        "or any transformers sequence-classification directory) on prompt + completion; function: a Python callable "
+        "'module:function' called as TRL calls its reward functions, f(prompts, completions, **record_fields) -> list of floats or None.",
+    )
+    weight: float = Field(1.0, description="This reward's weight in the sum (TRL's reward_weights).")
+    name: str | None = Field(None, description="Name in the metrics (rewards/<name>/mean); default the kind (the function's name for function).")
+    pattern: str | None = Field(None, description="format: the regular expression (Python re.search) the completion must match.")
+    tolerance: float = Field(1e-6, ge=0, description="numeric: the largest difference still counted as equal.")
+    target_length: PositiveInt | None = Field(None, description="length: the completion length in characters that scores 1.")
+    path: str | None = Field(None, description="model: the reward model's directory (zeropipe export of a preference.method reward run).")
+    function: str | None = Field(
+        None,
+        description="function: 'package.module:function', imported on every rank. A config submitted through the web UI may name one only "
+        "when the UI was started with --allow-remote-code (it runs Python code on this machine).",
+    )
+
+
+class GRPOSection(Section):
+    """Online reinforcement learning of a causal LM with GRPO and TRL 1.16's loss variants (docs/rl.md)."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo",
+        description="TRL 1.16's loss_type: grpo (per-sequence token means), bnpo (batch token mean), dr_grpo (token sum / "
+        "max_completion_length), dapo (token sum / the generation batch's tokens, TRL's default), cispo, sapo, luspo, vespo.",
+    )
+    num_generations: int = Field(8, ge=2, description="Completions sampled per prompt (the group whose rewards set each one's advantage).")
+    max_completion_length: PositiveInt = Field(256, description="Most new tokens per completion; one that reaches it without EOS is truncated.")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference (TRL's default 0: no reference pass).")
+    epsilon: float = Field(0.2, gt=0, description="Lower clip of the importance ratio (1 - epsilon); the upper too unless epsilon_high is set.")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clip (1 + epsilon_high; DAPO's clip-higher recommends 0.28); cispo's cap.")
+    delta: float | None = Field(None, gt=1, description="Two-sided clipping: the unclipped ratio is capped at delta (INTELLECT-2).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantages divided by the group's reward std (group), the micro-batch's (batch) or not at all (none, Dr. GRPO)."
+    )
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Importance ratio per token or per sequence (GSPO).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the log-probs are computed from the logits divided by it, as TRL does.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    mask_truncated_completions: bool = Field(False, description="Completions that hit max_completion_length without EOS are left out of the loss (DAPO).")
+    reference: Literal["auto", "adapters_off"] = Field(
+        "auto", description="The KL reference (beta > 0): the base with the LoRA adapters disabled (needs model.lora). auto: adapters_off."
+    )
+    rewards: list[RewardSection] = Field(
+        default_factory=lambda: [RewardSection(kind="numeric")], description="The reward functions; default: numeric match with the record's answer."
+    )
+    samples_every: int = Field(1, ge=0, description="Write the first prompt's completions of every n-th step to RUN/completions.jsonl (0: never).")
+
+
 class RunConfig(Section):
     run: RunSection = Field(default_factory=RunSection, description="Where the run is written and its seed.")
     model: ModelSection = Field(default_factory=ModelSection, description="What model is trained.")
@@ -592,6 +647,9 @@ class RunConfig(Section):
     hardware: HardwareSection = Field(default_factory=HardwareSection, description="How many ranks, on what.")
     preference: PreferenceSection | None = Field(
         None, description="Preference tuning (DPO, ORPO, SimPO/CPO, KTO, reward model) instead of supervised fine-tuning; docs/preference.md."
+    )
+    grpo: GRPOSection | None = Field(
+        None, description="Online reinforcement learning with GRPO (completions sampled by the policy, scored by reward functions) instead of supervised fine-tuning; docs/rl.md."
     )
     stages: list[StageSection] | None = Field(
         None,

@@ -95,13 +95,16 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     rest = dict(raw)
     bases = (Path.cwd(), path.parent)
     rl = rest.pop("rl", None)
+    if str(rl).lower() == "grpo":
+        _grpo(conversion, rest)
+        rl = None
     preference = rl not in (None, "", False) or bool(rest.get("reward_model"))
     if rl not in (None, "", False):
         name = RL_NAMES.get(str(rl).lower(), str(rl))
         if str(rl).lower() not in RL_METHODS:
             raise ConversionError(
                 f"{path}: rl: {rl} asks for {name} training, which ZeRO-Pipe does not do (it trains dpo, ipo, orpo, simpo and kto "
-                "preference tuning, reward models and supervised fine-tunes): convert the SFT stage of your recipe instead"
+                "preference tuning, grpo, reward models and supervised fine-tunes): convert the SFT stage of your recipe instead"
             )
         _preference(conversion, str(rl).lower(), rest)
     if rest.get("process_reward_model"):
@@ -239,6 +242,43 @@ def _preference(conversion: Conversion, rl: str, rest: dict[str, Any]) -> None:
         value = rest.pop(key, None)
         if not is_unset(value) and value is not False:
             conversion.skip(key, f"{value!r}: not supported; the reference is the starting model (LoRA: adapters off; full: log-probs computed once before training)")
+
+
+# axolotl's trl: keys of an rl: grpo recipe that the grpo: section has under the same name (TRL's GRPOConfig's).
+GRPO_KEYS = {"beta": float, "num_generations": int, "max_completion_length": int, "epsilon": float, "epsilon_high": float, "delta": float,
+             "temperature": float, "top_p": float, "top_k": int, "loss_type": str, "scale_rewards": str, "importance_sampling_level": str,
+             "mask_truncated_completions": bool}
+
+
+def _grpo(conversion: Conversion, rest: dict[str, Any]) -> None:
+    """rl: grpo and its trl: block as the grpo: section; reward_funcs become function rewards, a dataset's Python transform is dropped."""
+    trl = rest.pop("trl", None) or {}
+    conversion.set("grpo.loss_type", str(trl.pop("loss_type", "dapo")), "from rl: grpo (trl.loss_type; TRL's default dapo)")
+    for key, kind in GRPO_KEYS.items():
+        value = trl.pop(key, None)
+        if is_unset(value) or key == "loss_type":
+            continue
+        if kind is str and key == "scale_rewards" and isinstance(value, bool):
+            value = "group" if value else "none"  # TRL < 0.22 took a boolean
+        converted = to_float(value, f"trl.{key}") if kind is float else to_int(value, f"trl.{key}") if kind is int else kind(value)
+        conversion.set(f"grpo.{key}", converted, f"from trl.{key}")
+    functions = trl.pop("reward_funcs", None) or []
+    weights = trl.pop("reward_weights", None) or [1.0] * len(functions)
+    rewards = []
+    for function, weight in zip(functions, weights, strict=False):
+        module, _, name = str(function).rpartition(".")
+        rewards.append({"kind": "function", "function": f"{module}:{name}", "weight": to_float(weight, "trl.reward_weights")})
+    if rewards:
+        conversion.set("grpo.rewards", rewards, "from trl.reward_funcs (module.function -> module:function) and trl.reward_weights; importable on PYTHONPATH")
+    for dataset in rest.get("datasets") or []:
+        kind = dataset.get("type") if isinstance(dataset, dict) else None
+        if isinstance(kind, str) and "." in kind and ":" not in kind:
+            dataset.pop("type")
+            conversion.skip("datasets.type", f"{kind!r}: a Python transform ZeRO-Pipe does not run; give records in TRL's prompt layout ({{prompt, answer}}) or a supervised format")
+    for key, value in trl.items():
+        if not is_unset(value) and value is not False:
+            why = "generation runs in the training ranks, with the weights gathered once per round (docs/rl.md)" if "vllm" in key else "not supported (docs/rl.md lists the grpo keys)"
+            conversion.skip(f"trl.{key}", f"{value!r}: {why}")
 
 
 def _adapter(conversion: Conversion, rest: dict[str, Any]) -> None:

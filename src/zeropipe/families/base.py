@@ -103,6 +103,8 @@ def text_only_problems(config: "RunConfig", family: str, bitsandbytes_base: bool
         for key in TEXT_ONLY_DATA_KEYS
         if getattr(config.data, key)
     ]
+    if getattr(config, "grpo", None) is not None:
+        problems.append(("grpo", f"GRPO (online reinforcement learning) is implemented for causal language models, and this is a {family} run: remove grpo"))
     if config.model.quantization is not None and not config.model.quantization.is_fp8 and not bitsandbytes_base:
         # Said before anything starts: the diffusion family would ignore it, the VLM's ranks fail on it.
         problems.append(

@@ -43,6 +43,7 @@ FORWARD_BACKWARD = "forward/backward"
 OPTIMIZER_STEP = "optimizer step"
 LOADING = "model loading"
 TRAINING = "training"
+GENERATION = "generation"  # GRPO's sampling round inside a step (plan.memory.generation_terms)
 CACHE_FILLING = "cache filling"  # the node's setup process, before any rank starts
 
 # DeepSpeed's own defaults, used when the model's hidden size is unknown (--params).
@@ -658,6 +659,29 @@ def offloaded_activation_host_term(spec: ModelSpec, hardware: Hardware, choice: 
 # Per GPU and per node
 
 
+def generation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
+    """GRPO's sampling round: the whole model gathered once (ZeRO-3), the KV cache and one step's logits of every completion.
+
+    Its own phase: the gathered weights are freed before the training forward pass starts.
+    """
+    shape, block = spec.generation, spec.block
+    if shape is None:
+        return []
+    v = value_bytes(choice.precision)
+    sequences = choice.micro_batch_size * shape.completions_per_example
+    positions = choice.seq_len + shape.completion_tokens  # the prompt (up to data.max_seq_len) and the completion
+    terms = []
+    if choice.zero_stage == 3:
+        terms.append(Term("weights gathered for generation", spec.total_params * v,
+                          "the whole model gathered once per round (engine.generation), not layer by layer per token", GENERATION))
+    if block is not None:
+        kv = 2 * spec.layers * block.kv_dim * sequences * positions * v
+        terms.append(Term("KV cache of the completions", kv, f"{sequences} completions x {positions} positions x {spec.layers} layers of keys and values", GENERATION))
+    if spec.vocab_size:
+        terms.append(Term("sampling logits", sequences * spec.vocab_size * 4 * 2, "one position's logits per completion, in fp32, and their softmax", GENERATION))
+    return terms
+
+
 def bucket_elements(spec: ModelSpec) -> tuple[int, int]:
     """(reduce bucket, ZeRO-3 prefetch bucket) elements as zeropipe's DeepSpeed config sets them."""
     if spec.hidden_size:
@@ -774,6 +798,7 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             Term("fp32 gradients in the optimizer step", step, "the step upcasts the rank's gradient share to fp32 while it runs", OPTIMIZER_STEP)
         )
     terms += activation_terms(spec, choice)
+    terms += generation_terms(spec, choice)
     if spec.frozen_model_params:
         names = ", ".join(m.name for m in spec.frozen_models)
         terms.append(

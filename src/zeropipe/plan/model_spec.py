@@ -104,6 +104,14 @@ class Fp8Base:
 
 
 @dataclass(frozen=True)
+class GenerationShape:
+    """GRPO's generation round: the completions sampled per micro-batch, with the whole model gathered (ZeRO-3) and a KV cache."""
+
+    completions_per_example: int  # grpo.num_generations: each prompt of a micro-batch is answered this many times
+    completion_tokens: int  # grpo.max_completion_length
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Counts and shapes of the model being trained, plus the frozen models it needs."""
 
@@ -137,6 +145,7 @@ class ModelSpec:
     largest_block_linear: int = 0
     fp8_base: Fp8Base | None = None  # model.quantization: fp8 / fp8_e5m2
     optimizer: str = "adamw"  # train.optimizer: its state bytes per trainable weight (config.optimizers)
+    generation: "GenerationShape | None" = None  # GRPO: the policy samples completions inside the loop (grpo:)
 
     def with_fp8_base(self, format: str = "fp8") -> "ModelSpec":
         """This model with its frozen block linears stored in fp8 (a LoRA run's base)."""

@@ -112,6 +112,8 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
         if not isinstance(output_dir, str) or "\x00" in output_dir or roots.absolute(output_dir) not in roots.runs:
             shown = ", ".join(str(r) for r in roots.runs)
             problems.append(("run.output_dir", f"the UI writes runs into its runs folder ({shown}), not {output_dir!r}: remove the key or set it to that folder"))
+    if not allow_remote_code:
+        problems += python_code_problems(raw)
     allowed = roots.readable()
     shown = ", ".join(str(r) for r in roots.readable())
     for found in config_paths(raw):
@@ -129,6 +131,20 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
         if resolved is None or not any(is_inside(resolved, root) for root in allowed):
             problems.append((found.key, f"{found.value} is outside the folders this UI may read and write ({shown}): "
                              "use a path inside them, or start zeropipe ui with --data-dir naming its folder"))  # fmt: skip
+    return problems
+
+
+def python_code_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
+    """A GRPO reward that names a Python function (``grpo.rewards[N].function``, in every stage too): refused unless the UI trusts code."""
+    problems = []
+    sections = [("", raw)] + [(f"stages[{n}].", stage) for n, stage in enumerate(raw.get("stages") or []) if isinstance(stage, dict)]
+    for prefix, section in sections:
+        grpo = section.get("grpo")
+        rewards = grpo.get("rewards") if isinstance(grpo, dict) else None
+        for number, reward in enumerate(rewards if isinstance(rewards, list) else []):
+            if isinstance(reward, dict) and reward.get("function") not in (None, ""):
+                problems.append((f"{prefix}grpo.rewards[{number}].function", "a reward function is Python code imported and run on this machine: the UI refuses it "
+                                 "unless started with `zeropipe ui --allow-remote-code`; use a built-in reward (answer, numeric, format, length, model), or run this config with `zeropipe train`"))  # fmt: skip
     return problems
 
 

@@ -129,7 +129,7 @@ train_on_inputs: false
     assert conversion.already == ["optimizer: adamw_torch (DeepSpeed builds AdamW)", "train_on_inputs: false (loss on responses only)", "load_in_8bit: false"]
 
 
-@pytest.mark.parametrize("rl", ["grpo", "gdpo"])
+@pytest.mark.parametrize("rl", ["gdpo"])  # rl: grpo converts: tests/unit/convert/test_convert_grpo.py
 def test_rl_methods_zeropipe_does_not_train_are_refused_with_the_reason(tmp_path, rl):
     path = write(tmp_path, f"base_model: x\nrl: {rl}\ndatasets:\n  - path: x\n    type: chatml.intel\n")
     with pytest.raises(ConversionError, match=rf"rl: {rl} asks for .* training, which ZeRO-Pipe does not do \(it trains dpo, ipo, orpo, simpo and kto"):

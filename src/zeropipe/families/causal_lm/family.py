@@ -22,6 +22,7 @@ from zeropipe.families.causal_lm import generate as text_generation
 from zeropipe.families.causal_lm.model import causal_lm_for_export, is_reward_model, trained_weights
 from zeropipe.families.causal_lm.preference import PreferenceTask, preference_problems, prepare_preference_data
 from zeropipe.families.causal_lm.prepare import prepare_cache, prepare_data_file, prepare_eval_cache, prepare_packs, prepare_tokenizer
+from zeropipe.families.causal_lm.rl import GRPOTask, grpo_problems, prepare_grpo_data
 from zeropipe.families.causal_lm.spec import causal_lm_config_spec
 from zeropipe.families.causal_lm.task import CausalLMTask
 from zeropipe.models.common import hidden_size_of, model_config
@@ -44,7 +45,7 @@ class CausalLM:
         return (Path(path) / "config.json").is_file()
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        return preference_problems(config)
+        return preference_problems(config) + grpo_problems(config)
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         return []
@@ -56,6 +57,8 @@ class CausalLM:
         """The records read, validated and tokenized into the run's token cache; the tokenizer fixes the vocabulary."""
         if config.preference is not None:
             return prepare_preference_data(config, run, reuse)
+        if config.grpo is not None:
+            return prepare_grpo_data(config, run, reuse)
         records_path = prepare_data_file(config, run)
         tokenizer = prepare_tokenizer(config, run, records_path, reuse=reuse)
         cache = prepare_cache(config, run, records_path, tokenizer, reuse=reuse)
@@ -98,7 +101,9 @@ class CausalLM:
         )
 
     def rank_task(self, trainer) -> CausalLMTask:
-        # Preference tuning is another task on the same model: another loss, data and reference, the same loop.
+        # Preference tuning and GRPO are other tasks on the same model: another loss, data and reference, the same loop.
+        if trainer.config.grpo is not None:
+            return GRPOTask(trainer)
         return PreferenceTask(trainer) if trainer.config.preference is not None else CausalLMTask(trainer)
 
     def model_spec(self, config: RunConfig):

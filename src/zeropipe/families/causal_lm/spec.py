@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.models.common import model_config
-from zeropipe.plan.model_spec import ModelSpec, QuantizedBase, _causal_lm_spec  # the planner's meta-device counters
+from zeropipe.plan.model_spec import GenerationShape, ModelSpec, QuantizedBase, _causal_lm_spec  # the planner's meta-device counters
 
 
 def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
@@ -39,4 +39,10 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
 
         # A micro-batch of n pairs is 2n sequences; a LoRA reference is one more forward pass without gradient.
         spec = replace(spec, sequences_per_example=2, reference_forward=reference_mode(run_config) == "adapters_off")
+    if run_config.grpo is not None:
+        # A micro-batch of n prompts trains on n x num_generations sequences, sampled first in a generation round;
+        # beta > 0 adds the reference's pass (the adapters off) without gradient.
+        grpo = run_config.grpo
+        spec = replace(spec, sequences_per_example=grpo.num_generations, reference_forward=grpo.beta > 0,
+                       generation=GenerationShape(grpo.num_generations, grpo.max_completion_length))
     return spec
