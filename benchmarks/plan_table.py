@@ -80,6 +80,11 @@ def deepspeed_estimates(model: str, box: str) -> str:
 
     from zeropipe.plan.model_spec import spec_from_catalog
 
+    from zeropipe.families import families
+
+
+    families()  # the diffusion family registers its spec builders with the planner
+
     spec = spec_from_catalog(model)
     gpus = int(box.split("x")[0])
     _, zero2 = estimate_zero2_model_states_mem_needs(spec.total_params, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=False)

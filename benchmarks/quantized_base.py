@@ -163,7 +163,7 @@ def planned(config: dict, storage: str) -> dict[str, int]:
     from zeropipe.config.schema import LoraSection
     from zeropipe.plan.hardware import GIB, Hardware
     from zeropipe.plan.memory import Choice, per_gpu_terms
-    from zeropipe.plan.model_spec import _diffusion_spec
+    from zeropipe.families.diffusion.plan_specs import _diffusion_spec
 
     entry = {"name": "qwen-image (cut)", "family": "diffusion_transformer", "resolution": 256, "architecture": "qwen-image",
              "trained": {"name": "transformer", "library": "diffusers", "class": "QwenImageTransformer2DModel", "config": config}}
@@ -185,7 +185,8 @@ def plan_table() -> None:
 
     from zeropipe.config.schema import LoraSection
     from zeropipe.plan import parse_hardware, recommend
-    from zeropipe.plan.model_spec import CATALOG_DIR, _diffusion_spec
+    from zeropipe.families.diffusion.plan_specs import _diffusion_spec
+    from zeropipe.plan.model_spec import CATALOG_DIR
 
     print("| model | GPUs / RAM | base | fits | the fastest that fits (else the least host RAM) | per GPU GiB | host RAM GiB |")
     print("|---|---|---|---|---|---|---|")

@@ -29,6 +29,9 @@ def main() -> None:
     os.environ["ZEROPIPE_RECORD_TRACES"] = "1"
     from zeropipe.config.schema import LoraSection
     from zeropipe.plan.model_spec import CATALOG_DIR, catalog_names, spec_from_catalog
+    from zeropipe.families import families
+
+    families()  # the diffusion family registers its spec builders with the planner
 
     names = [] if args.examples_only else (args.model or catalog_names())
     for name in names:
