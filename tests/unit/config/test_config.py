@@ -168,7 +168,7 @@ def test_deepspeed_json_choices_become_the_runs_and_conflicts_are_named(tmp_path
     resolved = resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
     assert (resolved.config.train.micro_batch_size, resolved.config.deepspeed.zero_stage) == (2, 2)
     assert {key for key, _ in resolved.conflicts} == {"train.micro_batch_size", "deepspeed.zero_stage"}
-    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10).config
+    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, user_json=resolved.user_ds_config).config
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 2 * 1 * 2 and ds["bf16"]["enabled"] is False
     warnings = [f for f in check_config(resolved) if f.rule == "ZP014"]
     assert len(warnings) == 2 and "zero_optimization.stage = 2" in " ".join(f.message for f in warnings)
