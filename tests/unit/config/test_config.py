@@ -103,7 +103,7 @@ def test_user_deepspeed_json_auto_values_resolved_and_listed(tmp_path):
     ds_file = tmp_path / "ds.json"
     ds_file.write_text(json.dumps(hf_trainer_style))
     config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)}, train={"micro_batch_size": 2, "lr": 1e-4})))
-    resolved = build_deepspeed_config(config, world_size=2, total_steps=50, hidden_size=32)
+    resolved = build_deepspeed_config(config, world_size=2, total_steps=50, hidden_size=32, user_json=hf_trainer_style)
     ds = resolved.config
     assert "auto" not in json.dumps(ds)
     assert ds["train_batch_size"] == 4 and ds["optimizer"]["params"]["lr"] == 1e-4
@@ -117,7 +117,7 @@ def test_user_deepspeed_json_inconsistent_batch_is_refused(tmp_path):
     ds_file.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
     config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)})))
     with pytest.raises(ConfigError, match="train_batch_size.*10 != micro-batch 2 x accumulation 1 x 2 ranks = 4"):
-        build_deepspeed_config(config, world_size=2, total_steps=10)
+        build_deepspeed_config(config, world_size=2, total_steps=10, user_json=json.loads(ds_file.read_text()))
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
