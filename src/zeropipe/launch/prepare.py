@@ -33,7 +33,7 @@ from zeropipe.launch.resume import (
     saved_batch_shape,
     saved_data_position,
 )
-from zeropipe.rundir import RunDir, RunPlan
+from zeropipe.rundir import RunDir, RunPlan, plugins_in_use
 
 
 @dataclass
@@ -178,6 +178,7 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
         native_precision=resolved.native_precision[0],
         native_precision_why=resolved.native_precision[1],
         confined_to=resolved.confinement.to_json() if resolved.confinement is not None else None,
+        plugins=plugins_in_use(),
     )
     if data.node_setup:
         precision, why = encoder_precision_for(accelerator, *resolved.native_precision)
