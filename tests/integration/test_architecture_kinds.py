@@ -18,7 +18,6 @@ Every assertion names the entry.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
