@@ -20,15 +20,16 @@ def durations(results: Path) -> list[tuple[float, str, str]]:
     for xml in sorted(results.glob("*.xml")):
         lane = xml.stem
         for case in ET.parse(xml).getroot().iter("testcase"):
+            name = (case.get("name") or "").split("@")[0]  # pytest-xdist's loadgroup adds "@group" to the name
             module = case.get("classname", "").replace(".", "/")
             # classname is "tests.unit.x.test_mod" or "tests.unit.x.test_mod.TestClass": the node id pytest prints.
             parts = module.split("/")
             for cut in range(len(parts), 0, -1):
                 if Path(*parts[:cut]).with_suffix(".py").exists():
-                    node = "/".join(parts[:cut]) + ".py" + "".join(f"::{p}" for p in parts[cut:]) + f"::{case.get('name')}"
+                    node = "/".join(parts[:cut]) + ".py" + "".join(f"::{p}" for p in parts[cut:]) + f"::{name}"
                     break
             else:
-                node = f"{case.get('classname')}::{case.get('name')}"
+                node = f"{case.get('classname')}::{name}"
             rows.append((float(case.get("time") or 0.0), lane, node))
     return sorted(rows, reverse=True)
 

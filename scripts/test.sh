@@ -31,17 +31,20 @@ mkdir -p test-results
 for lane in unit integration e2e gpu; do
     started=$SECONDS
     rc=0
-    # The unit and integration lanes run on two workers (pytest-xdist), a test file per worker: their
-    # tests spend much of their time waiting (ranks starting, gloo, files), so two files at a time use
-    # both cores. ZEROPIPE_TEST_WORKERS=0 runs them in one process.
+    # The unit lane runs on two workers (pytest-xdist), a test file at a time per worker (the diffusion
+    # contract's per-entry tests one at a time: tests/conftest.py): many of its tests wait
+    # (on files, subprocesses, DeepSpeed's start-up), so two files at a time use both cores. The
+    # integration lane starts two ranks per test already; ZEROPIPE_INTEGRATION_WORKERS=2 runs it on two
+    # workers too (measure before making it the default). 0 or 1: one process.
     workers=()
     case "$lane" in
-        unit|integration)
-            if [ "${ZEROPIPE_TEST_WORKERS:-2}" != "0" ]; then
-                workers=(-n "${ZEROPIPE_TEST_WORKERS:-2}" --dist loadfile)
-            fi
-            ;;
+        unit) count="${ZEROPIPE_UNIT_WORKERS:-2}" ;;
+        integration) count="${ZEROPIPE_INTEGRATION_WORKERS:-1}" ;;
+        *) count=1 ;;
     esac
+    if [ "$count" -gt 1 ]; then
+        workers=(-n "$count" --dist loadgroup)
+    fi
     .venv/bin/python -m pytest "tests/$lane" "${workers[@]}" --junitxml "test-results/$lane.xml" || rc=$?
     took=$((SECONDS - started))
     # Exit code 5 is "no tests collected" (an empty lane, or one that -k/-m deselected entirely): not a failure.

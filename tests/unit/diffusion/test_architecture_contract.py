@@ -39,6 +39,7 @@ from tests.diffusion_contract import cached_run, one_entry_per_kind
 from zeropipe.diffusion import architectures
 
 ENTRIES = sorted(architectures.architectures())
+XDIST_SPREAD = True  # one entry per test, nothing shared between them: spread over the test workers (tests/conftest.py)
 
 
 @pytest.fixture(autouse=True)
