@@ -2,6 +2,8 @@
 # Set everything up, then run the whole test suite: the unit, integration (2-rank DeepSpeed runs
 # on CPU) and e2e (web UI in a real browser) lanes, one pytest each, with each lane's time printed
 # so that CI's growth is visible. Any failing lane fails the script; the others still run.
+# Each lane writes its per-test durations (test-results/<lane>.xml, JUnit); at the end the slowest
+# 30 tests across lanes are printed with their lane, and all of them are in test-results/test-durations.txt.
 # With arguments, run just `pytest "$@"` (e.g. `bash scripts/test.sh tests/unit -k plan`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,10 +23,29 @@ trap 'echo "test.sh: interrupted" >&2; exit 130' INT TERM
 failed=()
 summary=()
 suite_started=$SECONDS
+rm -rf test-results
+mkdir -p test-results
+# DeepSpeed's CPU ops (its shared-memory collective, CPU Adam) are built on first use: once here,
+# before two test workers could race to build them.
+.venv/bin/python scripts/build_ds_ops.py 2>&1 | grep "DeepSpeed op" || true
 for lane in unit integration e2e gpu; do
     started=$SECONDS
     rc=0
-    .venv/bin/python -m pytest "tests/$lane" || rc=$?
+    # The unit lane runs on two workers (pytest-xdist), a test file at a time per worker (the diffusion
+    # contract's per-entry tests one at a time: tests/conftest.py): many of its tests wait
+    # (on files, subprocesses, DeepSpeed's start-up), so two files at a time use both cores. The
+    # integration lane starts two ranks per test already; ZEROPIPE_INTEGRATION_WORKERS=2 runs it on two
+    # workers too (measure before making it the default). 0 or 1: one process.
+    workers=()
+    case "$lane" in
+        unit) count="${ZEROPIPE_UNIT_WORKERS:-2}" ;;
+        integration) count="${ZEROPIPE_INTEGRATION_WORKERS:-1}" ;;
+        *) count=1 ;;
+    esac
+    if [ "$count" -gt 1 ]; then
+        workers=(-n "$count" --dist loadgroup)
+    fi
+    .venv/bin/python -m pytest "tests/$lane" "${workers[@]}" --junitxml "test-results/$lane.xml" || rc=$?
     took=$((SECONDS - started))
     # Exit code 5 is "no tests collected" (an empty lane, or one that -k/-m deselected entirely): not a failure.
     if [ "$rc" -eq 5 ]; then
@@ -38,6 +59,7 @@ for lane in unit integration e2e gpu; do
     echo "lane $lane: $took s ($outcome)"
     summary+=("lane $lane: $took s ($outcome)")
 done
+.venv/bin/python scripts/slowest_tests.py test-results 30 || true
 echo "================ test.sh summary ================"
 for line in "${summary[@]}"; do
     echo "$line"

@@ -40,3 +40,14 @@ def _functional_linear_left_as_it_was():
     linear = torch.nn.functional.linear
     yield
     torch.nn.functional.linear = linear
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh), a test file runs on one worker, its module
+    fixtures built once, except the files that set ``XDIST_SPREAD = True``: independent tests (one per diffusion
+    entry) spread over the workers one by one."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if getattr(module, "XDIST_SPREAD", False) or item.get_closest_marker("xdist_group") is not None:
+            continue
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

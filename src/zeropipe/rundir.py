@@ -114,6 +114,58 @@ class RunPlan:
     # that the ranks, the node's setup process, export, eval and generate skip or refuse a data
     # file that resolves outside them. None: a command-line run, on the user's own files.
     confined_to: dict | None = None
+    # The plug-in modules the run was prepared with ({"module": name, "path": the folder it was imported
+    # from}): a later command on the run (a rank, export, a resume) imports them itself, without ZEROPIPE_PLUGINS.
+    plugins: list[dict] = field(default_factory=list)
+
+
+# The plug-in modules this process imported (ZEROPIPE_PLUGINS, or a run's run.json), by name: the folder on
+# sys.path each came from. prepare_run records them in the run it prepares.
+_PLUGINS: dict[str, str | None] = {}
+
+
+def note_plugin(name: str) -> None:
+    """Remember an imported plug-in module and the sys.path folder it came from (its top-level package's parent)."""
+    import sys
+
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    folder = None
+    if file:
+        path = Path(file).resolve()
+        top = path.parent if path.name == "__init__.py" else path
+        folder = str(top.parents[name.count(".")])
+    _PLUGINS[name] = folder
+
+
+def plugins_in_use() -> list[dict]:
+    """The plug-in modules this process imported, as run.json records them."""
+    return [{"module": name, "path": folder} for name, folder in _PLUGINS.items()]
+
+
+def import_plugins(entries: list[dict]) -> None:
+    """Import a run's plug-in modules (run.json's ``plugins``) that this process has not: from their own folder when not on sys.path.
+
+    Raises:
+        ZeroPipeError: a module that cannot be imported, named with the error and the fix.
+    """
+    import importlib
+    import sys
+
+    for entry in entries:
+        name, folder = entry.get("module"), entry.get("path")
+        if not isinstance(name, str) or name in _PLUGINS:
+            continue
+        if name not in sys.modules and isinstance(folder, str) and folder not in sys.path and Path(folder).is_dir():
+            sys.path.append(folder)
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - whatever a plug-in raises, the user needs its name
+            raise ZeroPipeError(
+                f"this run was prepared with the plug-in module {name!r} (from {folder}), which cannot be imported "
+                f"({type(err).__name__}: {err}): put it back there, or name where it is now in ZEROPIPE_PLUGINS and PYTHONPATH"
+            ) from None
+        note_plugin(name)
 
 
 @dataclass
@@ -298,7 +350,12 @@ class RunDir:
             OutsideRoots: confined, and config.yaml leads out of the run directory.
         """
         learned = self.read_json(self.learned_file) or {}
-        return load_saved_config(self.own(self.config), learned.get("values") if isinstance(learned, dict) else None)
+        config = load_saved_config(self.own(self.config), learned.get("values") if isinstance(learned, dict) else None)
+        if self.confined_to is None:
+            # A run's family or entry may come from a plug-in: the run names it (run.json), no environment variable needed.
+            # Never for a confined reader (the UI, the run store): a run.json there must not choose code to import.
+            import_plugins(self.read_plan_fields().get("plugins") or [])
+        return config
 
     def read_config_text(self) -> str | None:
         """config.yaml as the launcher wrote it (comments and all), or None before it is written.

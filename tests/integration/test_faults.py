@@ -122,10 +122,11 @@ def test_a_failing_supervisor_stops_its_ranks_and_marks_the_run_failed(tmp_path)
     """The supervisor loop raising (a bug, an unreadable file) must not orphan the ranks."""
     from zeropipe.config.load import load_config
     from zeropipe.launch.prepare import prepare_run
+    from zeropipe.launch.resolve import resolve_run
     from zeropipe.launch.supervisor import Supervisor
 
     path = write_config(tmp_path, tiny_run_config(tmp_path, name="broken", train={"max_steps": 100000, "save_every": None}, **FAST))
-    prepared = prepare_run(load_config(path))
+    prepared = prepare_run(resolve_run(load_config(path)))
     run_dir = prepared.run.path
 
     def tick():

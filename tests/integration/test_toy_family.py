@@ -64,3 +64,15 @@ def test_a_plugin_family_trains_checks_and_exports(tmp_path, monkeypatch):
     assert other.returncode == 2, other.stderr
     assert "toy_regression runs resume only on the rank count that saved them" in other.stderr and "hardware.gpus=2" in other.stderr
     assert "Traceback" not in other.stderr and not (run_dir / "checkpoints" / "universal").exists()
+
+    # run.json names the plug-in the run was prepared with: export and a resume import it from there,
+    # with neither ZEROPIPE_PLUGINS nor the plug-in's folder on PYTHONPATH.
+    assert json.loads((run_dir / "run.json").read_text())["plugins"] == [{"module": "toy_family", "path": str(PLUGINS.resolve())}]
+    monkeypatch.delenv("ZEROPIPE_PLUGINS")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p and Path(p).resolve() != PLUGINS.resolve()))
+    assert_ok(zeropipe("export", run_dir, "--out", tmp_path / "export-again"))
+    assert torch.equal(torch.load(tmp_path / "export-again" / "toy.pt")["0.weight"], state["0.weight"])
+    resumed = zeropipe("train", path, "--resume", "--new-schedule", "train.max_steps=42")
+    assert_ok(resumed)
+    assert [r["step"] for r in metrics(run_dir)][-2:] == [41, 42]
+    assert json.loads((run_dir / "run.json").read_text())["plugins"] == [{"module": "toy_family", "path": str(PLUGINS.resolve())}]

@@ -11,7 +11,7 @@ from zeropipe.config.schema import RunConfig
 from zeropipe.config.stages import stage_key
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
-from zeropipe.launch.resolve import ResolvedRun, detect_accelerator, resolve_run, resolve_stages, user_set_knobs
+from zeropipe.launch.resolve import ResolvedRun, UnresolvedRunError, detect_accelerator, resolve_run, resolve_stages, user_set_knobs
 from zeropipe.plan.hardware import Hardware, detect_hardware
 
 
@@ -50,7 +50,9 @@ def build_context(
             detected = detect_accelerator(config)
             world_size = world_size or detected[1]
             hardware = hardware or detect_hardware(cpu_ranks=world_size)
-            resolved = ResolvedRun(config, accelerator or detected[0], world_size, user_set=user_set_knobs(config), hardware=hardware)
+            # The user's JSON as the failed resolve read it; read here only when the resolve stopped before it.
+            user_ds = err.user_ds_config if isinstance(err, UnresolvedRunError) else unread_user_json(config, problems)
+            resolved = ResolvedRun(config, accelerator or detected[0], world_size, user_set=user_set_knobs(config), hardware=hardware, user_ds_config=user_ds)
     config, accelerator, world_size = resolved.config, resolved.accelerator, resolved.world_size
     hardware = resolved.hardware
     hidden = None
@@ -63,6 +65,8 @@ def build_context(
         family_problems += err.problems
     user_ds = resolved.user_ds_config
     try:
+        if config.deepspeed.config_file and user_ds is None:
+            raise ConfigError([])  # unreadable: its problem was reported where it was read
         ds_config = build_deepspeed_config(config, world_size, total_steps=1000, hidden_size=hidden, user_json=user_ds).config
     except ConfigError as err:
         problems += err.problems
@@ -89,6 +93,21 @@ def plan_and_problems(resolved: ResolvedRun):
         return None, []
     except Exception:  # noqa: BLE001 - plan_for says it once
         return plan_for(resolved), []
+
+
+def unread_user_json(config: RunConfig, problems: list[tuple[str, str]]) -> dict | None:
+    """deepspeed.config_file's content for a check whose resolve stopped before reading it (None: none, or unreadable: its problem added)."""
+    from pathlib import Path
+
+    from zeropipe.config.deepspeed import read_user_config
+
+    if not config.deepspeed.config_file:
+        return None
+    try:
+        return read_user_config(Path(config.deepspeed.config_file))
+    except ConfigError as err:
+        problems += err.problems
+        return None
 
 
 def plan_for(resolved: ResolvedRun):

@@ -126,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
                 hardware.with_gpus(layout.nodes[0].ranks), nodes=len(layout.nodes),
                 notes=hardware.notes + (f"{len(layout.nodes)} nodes from {layout.source}, each planned like this machine",),
             )
-        resolved.hardware = hardware
+        import dataclasses
+
+        resolved = dataclasses.replace(resolved, hardware=hardware)
         result = resolved.plan(spec, args.margin)
         if args.global_batch:
             result = recommend(

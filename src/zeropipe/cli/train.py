@@ -57,6 +57,17 @@ def run(args: argparse.Namespace) -> int:
     from zeropipe.cli.convert import convert_for_train
 
     config = load_config(convert_for_train(args.config), overrides)
+    if resume and not args.confine_to:
+        # The plug-ins the run was prepared with (its run.json), before its family is looked up: no ZEROPIPE_PLUGINS needed.
+        from zeropipe.launch.prepare import run_dir_for
+        from zeropipe.rundir import RunDir, import_plugins
+
+        from pathlib import Path
+
+        given = run_dir_for(config) if resume is True else Path(resume)
+        # A run directory, or one of its checkpoints (checkpoints/<tag>).
+        run_path = next((folder for folder in (given, given.parent, given.parent.parent) if RunDir(folder).plan_file.is_file()), given)
+        import_plugins(RunDir(run_path).read_plan_fields().get("plugins") or [])
     confinement = None
     if args.confine_to:
         from zeropipe.confine import Confinement

@@ -123,12 +123,15 @@ def build_deepspeed_config(
     """The DeepSpeed JSON for this run: the user's file with "auto" resolved, or one generated from the config.
 
     Args:
-        user_json: deepspeed.config_file as the resolved run read it (``ResolvedRun.user_ds_config``);
-            read here (by :func:`read_user_config`) only when not given.
+        user_json: deepspeed.config_file as the resolved run read it (``ResolvedRun.user_ds_config``), required
+            with a config_file: the file is read once per command, by the resolve, never again here.
+
+    Raises:
+        TypeError: a config_file without its content (a caller that did not carry the resolved run's).
     """
     if config.deepspeed.config_file:
         if user_json is None:
-            user_json = read_user_config(Path(config.deepspeed.config_file))
+            raise TypeError(f"build_deepspeed_config: deepspeed.config_file {config.deepspeed.config_file} given without its content: pass user_json=resolved.user_ds_config")
         resolved = resolve_user_config(config, Path(config.deepspeed.config_file), user_json, world_size, total_steps, hidden_size)
     else:
         train = config.train

@@ -121,8 +121,24 @@ def read_pipeline_index(path: str | Path, key: str | None = "model.path") -> Pip
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError([(key, f"{folder} is not a folder: point it at a diffusers pipeline folder (one with a {INDEX_FILE})")])
-    index = _read_json_object(folder / INDEX_FILE, key, what="a diffusers pipeline's index")
-    return PipelineIndex(folder, MappingProxyType(index), key)
+    file = folder / INDEX_FILE
+    try:
+        stat = file.stat()
+        seen = (str(file.resolve()), stat.st_mtime_ns, stat.st_size, stat.st_ino)
+    except OSError:
+        seen = None  # missing or unreadable: _read_json_object names it
+    index = _PARSED.get(seen) if seen is not None else None
+    if index is None:
+        index = MappingProxyType(_read_json_object(file, key, what="a diffusers pipeline's index"))
+        if seen is not None:
+            _PARSED[seen] = index
+    return PipelineIndex(folder, index, key)
+
+
+# Each model_index.json parsed once per process (a command, the node's setup, a rank), by its path and what
+# stat says of it: the family's detection, the model spec, the entry's choice, the data step, the pipeline's
+# components all ask for the same folder. A file rewritten since (a run's tiny pipeline saved again) is parsed again.
+_PARSED: dict[tuple[str, int, int, int], Mapping[str, Any]] = {}
 
 
 def _read_json_object(file: Path, key: str | None, what: str) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from zeropipe.export.generate import check_sampling, pair_images, pick_device, p
 from zeropipe.export.generate import resolve_source as locate
 from zeropipe.export.hf import export_job
 from zeropipe.families.base import Family
-from zeropipe.rundir import RunDir
+from zeropipe.rundir import RunDir, note_plugin
 
 if TYPE_CHECKING:
     from zeropipe.config.schema import ModelSection, RunConfig
@@ -88,13 +88,15 @@ def load_plugins() -> list[str]:
     Raises:
         ConfigError: a plug-in module that cannot be imported, named with the error.
     """
-    names = [name.strip() for name in os.environ.get("ZEROPIPE_PLUGINS", "").split(",") if name.strip()]
-    names += [entry.value for entry in entry_points(group="zeropipe.plugins")]
+    named = [name.strip() for name in os.environ.get("ZEROPIPE_PLUGINS", "").split(",") if name.strip()]
+    names = named + [entry.value for entry in entry_points(group="zeropipe.plugins")]
     for name in names:
         try:
             importlib.import_module(name)
         except Exception as err:  # noqa: BLE001 - whatever a plug-in raises, the user needs its name
             raise ConfigError([("ZEROPIPE_PLUGINS", f"plug-in module {name!r} cannot be imported ({type(err).__name__}: {err}): fix it or remove it")]) from None
+    for name in named:
+        note_plugin(name)  # recorded in the runs this process prepares (entry points load in every process anyway)
     return names
 
 

@@ -27,6 +27,8 @@ at its last complete checkpoint; finished stages are not run again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import json
 import os
@@ -76,10 +78,9 @@ class Stage:
 
     def resolved_for(self, config: RunConfig) -> ResolvedRun:
         """The stage's resolved run carrying its config as it is now: the same decisions, with what the
-        curriculum set since (the shared tokenizer, the previous stage's weights as model.path)."""
+        curriculum set since (the shared tokenizer, the previous stage's weights as model.path), as a new record."""
         assert self.resolved is not None, "a stage is resolved when the curriculum opens"
-        self.resolved.config = config
-        return self.resolved
+        return dataclasses.replace(self.resolved, config=config)
 
     @property
     def label(self) -> str:

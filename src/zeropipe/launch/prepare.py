@@ -24,7 +24,7 @@ from zeropipe.confine import confining
 from zeropipe.errors import ConfigError, ZeroPipeError
 from zeropipe.families import family_of
 from zeropipe.models.common import encoder_precision_for
-from zeropipe.launch.resolve import ResolvedRun, resolve_run
+from zeropipe.launch.resolve import ResolvedRun
 from zeropipe.launch.resume import (
     check_resume_schedule,
     prefer_exact_adam,
@@ -33,7 +33,7 @@ from zeropipe.launch.resume import (
     saved_batch_shape,
     saved_data_position,
 )
-from zeropipe.rundir import RunDir, RunPlan
+from zeropipe.rundir import RunDir, RunPlan, plugins_in_use
 
 
 @dataclass
@@ -48,22 +48,20 @@ def run_dir_for(config: RunConfig) -> Path:
     return Path(config.run.output_dir) / (config.run.name or "run")
 
 
-def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = None, world_size: int | None = None, new_schedule: bool = False) -> Prepared:
+def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_schedule: bool = False) -> Prepared:
     """Lay out (or reopen, for a resume) the run directory and write what the ranks read.
 
     Args:
-        config: the run's config, resolved here unless it already is (:func:`resolve_run`).
+        resolved: the run as the command resolved it (:func:`resolve_run`): its config, hardware and the user's
+            DeepSpeed JSON as read once; what resolving noted is the caller's to say.
         resume: False/None for a new run; True to continue the run directory's latest
             checkpoint; a path to a run directory or checkpoint to continue from.
 
     Raises:
         ZeroPipeError: with the fix, for anything that would make the ranks fail.
     """
-    given_resolved = isinstance(config, ResolvedRun)
-    resolved = config if given_resolved else resolve_run(config, world_size)
     config, accelerator, world_size = resolved.config.model_copy(deep=True), resolved.accelerator, resolved.world_size
-    # What resolving decided is said where it was done: by the caller when it resolved first.
-    notes: list[str] = [] if given_resolved else resolved.notes + [f"{key}: {message}" for key, message in resolved.conflicts]
+    notes: list[str] = []
     run = RunDir(run_dir_for(config))
     resume_tag = None
     if resume:
@@ -149,7 +147,8 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
             resume_universal = True
             notes.append(f"{'converted' if converted else 'reusing'} {info.tag} as a universal checkpoint in {universal_dir(run.path) / info.tag} (the original is unchanged)")
         notes += set_aside_future(run, info.step)
-    deepspeed = build_deepspeed_config(config, world_size, total_steps, data.hidden_size)
+    # The user's JSON as resolving read it (and, for a UI run, confined it): never read a second time.
+    deepspeed = build_deepspeed_config(config, world_size, total_steps, data.hidden_size, user_json=resolved.user_ds_config)
     notes += warmup_notes(config.train.warmup_steps, total_steps, deepspeed.config, config.deepspeed.config_file)
     notes += [f"DeepSpeed {line}" for line in deepspeed.filled + prefer_exact_adam(deepspeed.config, accelerator)]
     if resume_tag:
@@ -178,6 +177,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         native_precision=resolved.native_precision[0],
         native_precision_why=resolved.native_precision[1],
         confined_to=resolved.confinement.to_json() if resolved.confinement is not None else None,
+        plugins=plugins_in_use(),
     )
     if data.node_setup:
         precision, why = encoder_precision_for(accelerator, *resolved.native_precision)

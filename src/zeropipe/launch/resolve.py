@@ -25,8 +25,14 @@ from zeropipe.plan import PlanResult, plan_run
 from zeropipe.plan.hardware import Hardware, detect_hardware, supports_bf16
 
 
-@dataclass
+@dataclass(frozen=True)
 class ResolvedRun:
+    """A run as one command decided it: frozen, carried to everything downstream, never edited after resolving.
+
+    A later step that decides more (the planner's auto knobs, a curriculum's shared tokenizer) makes a new one
+    (``dataclasses.replace``), so no reader sees a run change under it.
+    """
+
     config: RunConfig  # no "auto" precision; the DeepSpeed JSON's explicit choices folded in; auto knobs filled when asked
     accelerator: str  # "cuda" or "cpu"
     world_size: int
@@ -49,7 +55,8 @@ class ResolvedRun:
     # unconfined). Applied here, to the config and its DeepSpeed JSON, before anything reads a
     # path; saved in run.json, where every later reader of the run's data finds it.
     confinement: Confinement | None = None
-    _plan: tuple[Any, Any, PlanResult] | None = field(default=None, repr=False, compare=False)  # (config, hardware, their plan)
+    # (config, hardware, their plan): a cache of plan(), not a decision; a replace() starts without it.
+    _plan: tuple[Any, Any, PlanResult] | None = field(default=None, init=False, repr=False, compare=False)
 
     def plan(self, spec: Any = None, margin: float = 0.1) -> PlanResult:
         """The memory plan of this run's config on its hardware: how every command plans a config.
@@ -64,8 +71,16 @@ class ResolvedRun:
             return plan_run(self.config, self.hardware, spec or model_spec(self.config), margin, self.user_ds_config)
         if self._plan is None or self._plan[0] is not self.config or self._plan[1] is not self.hardware:
             result = plan_run(self.config, self.hardware, model_spec(self.config), user_ds_config=self.user_ds_config)
-            self._plan = (self.config, self.hardware, result)
+            object.__setattr__(self, "_plan", (self.config, self.hardware, result))  # the cache of a frozen record
         return self._plan[2]
+
+
+class UnresolvedRunError(ConfigError):
+    """The config's problems found after the user's DeepSpeed JSON was read: ``check`` reports them and judges the JSON as read."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None, user_ds_config: dict[str, Any] | None):
+        super().__init__(problems, source)
+        self.user_ds_config = user_ds_config
 
 
 # The knobs a memory fix may change, by (section, field) and the plan's Choice field name.
@@ -213,7 +228,10 @@ def resolve_run(
     native_precision = auto_precision(accelerator, hardware)
     user_json = read_user_config(Path(config.deepspeed.config_file)) if config.deepspeed.config_file else None
     confine(config, confinement, user_json)  # what the JSON writes to: csv_monitor, tensorboard, nvme_path...
-    config, fold_notes, conflicts = fold_user_config(config, world_size, user_json)
+    try:
+        config, fold_notes, conflicts = fold_user_config(config, world_size, user_json)
+    except ConfigError as err:
+        raise UnresolvedRunError(err.problems, err.source, user_json) from None
     notes += fold_notes
     user_set = user_set_knobs(config)
     if config.deepspeed.precision == "auto":
@@ -223,8 +241,8 @@ def resolve_run(
         notes.append(f"deepspeed.precision = {precision} ({why})")
     resolved = ResolvedRun(config, accelerator, world_size, notes, conflicts, layout, user_set, hardware, native_precision, user_json, confinement)
     if fill_auto_knobs and auto_knobs(config):
-        resolved.config, auto_notes = fill_auto_knobs_from(config, resolved.plan())
-        resolved.notes += auto_notes
+        filled, auto_notes = fill_auto_knobs_from(config, resolved.plan())
+        resolved = replace(resolved, config=filled, notes=notes + auto_notes)
     return resolved
 
 

@@ -50,18 +50,10 @@ def zero3_limits(run_config: RunConfig, user_ds_config: dict | None = None) -> d
     From deepspeed.overrides, else the user's DeepSpeed JSON, else DeepSpeed's defaults
     (zeropipe's generated JSON leaves them to DeepSpeed).
     """
-    from pathlib import Path
-
-    from zeropipe.config.deepspeed import read_user_config
-    from zeropipe.errors import ConfigError
     from zeropipe.plan.memory import DEFAULT_STAGE3_MAX_LIVE_PARAMETERS, DEFAULT_STAGE3_REUSE_DISTANCE
 
+    # The user's JSON as the resolved run read it (ResolvedRun.plan passes it): never read here.
     sources = [run_config.deepspeed.overrides]
-    if user_ds_config is None and run_config.deepspeed.config_file:
-        try:  # a caller without a resolved run (which read it once): the one reader, here
-            user_ds_config = read_user_config(Path(run_config.deepspeed.config_file))
-        except ConfigError:
-            pass  # the config loader reports an unreadable file
     if user_ds_config is not None:
         sources.append(user_ds_config)
     limits = {"zero3_max_live_parameters": DEFAULT_STAGE3_MAX_LIVE_PARAMETERS, "zero3_reuse_distance": DEFAULT_STAGE3_REUSE_DISTANCE}

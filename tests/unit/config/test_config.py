@@ -103,7 +103,7 @@ def test_user_deepspeed_json_auto_values_resolved_and_listed(tmp_path):
     ds_file = tmp_path / "ds.json"
     ds_file.write_text(json.dumps(hf_trainer_style))
     config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)}, train={"micro_batch_size": 2, "lr": 1e-4})))
-    resolved = build_deepspeed_config(config, world_size=2, total_steps=50, hidden_size=32)
+    resolved = build_deepspeed_config(config, world_size=2, total_steps=50, hidden_size=32, user_json=hf_trainer_style)
     ds = resolved.config
     assert "auto" not in json.dumps(ds)
     assert ds["train_batch_size"] == 4 and ds["optimizer"]["params"]["lr"] == 1e-4
@@ -117,7 +117,7 @@ def test_user_deepspeed_json_inconsistent_batch_is_refused(tmp_path):
     ds_file.write_text(json.dumps({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}))
     config = load_config(write(tmp_path, minimal(tmp_path, deepspeed={"config_file": str(ds_file)})))
     with pytest.raises(ConfigError, match="train_batch_size.*10 != micro-batch 2 x accumulation 1 x 2 ranks = 4"):
-        build_deepspeed_config(config, world_size=2, total_steps=10)
+        build_deepspeed_config(config, world_size=2, total_steps=10, user_json=json.loads(ds_file.read_text()))
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
@@ -168,7 +168,7 @@ def test_deepspeed_json_choices_become_the_runs_and_conflicts_are_named(tmp_path
     resolved = resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False)
     assert (resolved.config.train.micro_batch_size, resolved.config.deepspeed.zero_stage) == (2, 2)
     assert {key for key, _ in resolved.conflicts} == {"train.micro_batch_size", "deepspeed.zero_stage"}
-    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10).config
+    ds = build_deepspeed_config(resolved.config, world_size=2, total_steps=10, user_json=resolved.user_ds_config).config
     assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 2 * 1 * 2 and ds["bf16"]["enabled"] is False
     warnings = [f for f in check_config(resolved) if f.rule == "ZP014"]
     assert len(warnings) == 2 and "zero_optimization.stage = 2" in " ".join(f.message for f in warnings)
