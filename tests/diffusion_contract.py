@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from zeropipe.diffusion import architectures
+from zeropipe.families.diffusion import entries as architectures
 
 PROMPT_COUNT = 1
 EXAMPLES = 4
@@ -117,7 +117,7 @@ def prepare(raw: dict):
 
 
 def cache_files(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
-    from zeropipe.diffusion import cache
+    from zeropipe.families.diffusion import cache
 
     return {path.stem: cache.load_entry(folder, kind, path.stem) for kind in ("latents", "text") for path in sorted((folder / kind).rglob("*.safetensors"))}
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.diffusion_contract import assert_exports_load, cached_run, data_section, denoiser_output, one_entry_per_kind, one_rank, prepare, run_config, train_one_rank
-from zeropipe.diffusion import architectures
+from zeropipe.families.diffusion import entries as architectures
 
 pytestmark = pytest.mark.integration
 

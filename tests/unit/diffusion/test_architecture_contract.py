@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from tests.diffusion_contract import cached_run, one_entry_per_kind
-from zeropipe.diffusion import architectures
+from zeropipe.families.diffusion import entries as architectures
 
 ENTRIES = sorted(architectures.architectures())
 XDIST_SPREAD = True  # one entry per test, nothing shared between them: spread over the test workers (tests/conftest.py)
