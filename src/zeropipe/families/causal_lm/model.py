@@ -19,6 +19,7 @@ from zeropipe.errors import ConfigError
 from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, full_precision_kwargs, model_config, resolve_lora_targets, trained_weights  # noqa: F401 - trained_weights: this family's callers
 from zeropipe.models.loading import load_pretrained
+from zeropipe.models.moe import expert_parameter_names
 from zeropipe.models.quantized import QuantizedStorage
 
 
@@ -150,7 +151,13 @@ def add_lora(model, section: ModelSection, task_type: str = "CAUSAL_LM"):
 
     lora = section.lora
     assert lora is not None
-    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type=task_type)  # SEQ_CLS (a reward model): peft also trains and saves the score head
+    target_parameters = getattr(lora, "target_parameters", None)
+    if target_parameters == "experts":
+        target_parameters = expert_parameter_names(model)
+        if not target_parameters:
+            raise ConfigError([("model.lora.target_parameters", "experts: this model has no mixture-of-experts blocks with 3-D expert weights: remove target_parameters")])
+    # SEQ_CLS (a reward model): peft also trains and saves the score head
+    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type=task_type, target_parameters=target_parameters)
     try:
         return get_peft_model(model, peft_config)
     except ValueError as err:
