@@ -247,6 +247,11 @@ class ModelSection(Section):
         description="Mixture-of-experts models: how transformers computes the experts. auto: grouped_mm (one grouped matmul for all experts) "
         "where torch has it, else eager (a loop over the experts hit); batched_mm gathers each token's experts' weights.",
     )
+    zero3_leaf_blocks: bool = Field(
+        True,
+        description="Mixture-of-experts models under ZeRO-3: gather each MoE block (router and all its experts) at once, as one DeepSpeed leaf module. "
+        "Off only to measure the difference (benchmarks/moe_speed.py): experts kept as separate modules are then fetched in each rank's routing order, which can hang.",
+    )
 
 
 class SyntheticSection(Section):

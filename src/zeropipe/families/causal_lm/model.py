@@ -81,6 +81,13 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
             AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
             quantize=fp8_storage(section), new_head=reward,
         )
+    elif section.path and (mxfp4 := full_precision_kwargs(section.path).get("quantization_config")) is not None and type(mxfp4).__name__ == "Mxfp4Config":
+        # gpt-oss's MXFP4 experts: transformers dequantizes them while it loads (training needs the 16/32-bit weights).
+        if quant is not None:
+            raise ConfigError([("model.quantization", f"{section.path} holds MXFP4 experts, which load dequantized: remove model.quantization, or start from a bf16 checkpoint")])
+        model = AutoModelForCausalLM.from_pretrained(
+            section.path, config=config, dtype=dtype, attn_implementation=section.attn_implementation, quantization_config=mxfp4, **section.load_kwargs
+        )
     elif section.path and section.quantization is None and not section.load_kwargs:
 
         # Tensor by tensor from the memory-mapped checkpoint, each rank only what it keeps:

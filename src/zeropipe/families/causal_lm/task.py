@@ -65,6 +65,7 @@ class CausalLMTask(TaskDefaults):
         model = build_model(section, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage)
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
+        if trainer.plan.zero_stage == 3 and section.zero3_leaf_blocks:
             # Before deepspeed.initialize, which installs the fetch hooks: each MoE block is gathered whole, whatever the router chose.
             leaves = mark_zero3_leaves(model)
             if leaves:
