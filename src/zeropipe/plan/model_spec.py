@@ -116,6 +116,7 @@ class MoeCounts:
     expert_intermediate: int  # one expert's hidden width
     leaf_params: int  # one MoE block (router and all its experts): what ZeRO-3 gathers at once as a leaf module
     leaf_name: str
+    expert_weights: tuple[tuple[str, int, int, int], ...] = ()  # one block's 3-D expert weights: (name, experts, rows, columns)
 
 
 @dataclass(frozen=True)
@@ -708,6 +709,7 @@ def moe_counts(model, text) -> MoeCounts | None:
         expert_intermediate=intermediate,
         leaf_params=sum(p.numel() for p in leaf.parameters()),
         leaf_name=leaf_name,
+        expert_weights=tuple((f"experts.{name}", *p.shape) for name, p in leaf.experts.named_parameters(recurse=False) if p.dim() == 3),
     )
 
 
@@ -734,3 +736,18 @@ def with_moe_counts(spec: ModelSpec, model, text) -> ModelSpec:
         gated = any(getattr(block.experts, "has_gate", "gate_up_proj" in dict(block.experts.named_parameters())) for _, block in moe_blocks(model))
         fields["block"] = replace(spec.block, intermediate=moe.active_experts * moe.expert_intermediate, gated_mlp=gated or spec.block.gated_mlp)
     return replace(spec, **fields)
+
+
+def with_expert_adapters(spec: ModelSpec, target_parameters: list[str] | str | None, r: int) -> ModelSpec:
+    """The spec with LoRA on the experts' 3-D weights too (``model.lora.target_parameters``), counted as peft builds it.
+
+    peft's ``ParamWrapper`` adapts an (experts, a, b) weight with ``lora_A: Linear(in, r x experts)`` and
+    ``lora_B: Linear(r x experts, out)``: r x experts x (a + b) weights, in every MoE layer.
+    """
+    moe = spec.moe
+    if not target_parameters or moe is None:
+        return spec
+    chosen = [w for w in moe.expert_weights if target_parameters == "experts" or any(w[0] == t or t.endswith("." + w[0]) or w[0].endswith(t) for t in target_parameters)]
+    sizes = [size for _, experts, rows, columns in chosen for size in (r * experts * rows, r * experts * columns)] * moe.moe_layers
+    added = sum(sizes)
+    return replace(spec, total_params=spec.total_params + added, trainable_params=spec.trainable_params + added, parameter_sizes=spec.parameter_sizes + tuple(sizes))

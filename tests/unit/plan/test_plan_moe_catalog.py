@@ -38,3 +38,22 @@ def test_qwen3_30b_a3b_counts():
     assert spec.moe.expert_params == 48 * 128 * 3 * 2048 * 768
     assert spec.moe.leaf_params == 128 * 3 * 2048 * 768 + 128 * 2048
     assert (spec.moe.experts, spec.moe.active_experts) == (128, 8)
+
+
+def test_lora_on_experts_is_counted_as_peft_builds_it():
+    """The planner's trainable count of a config with model.lora.target_parameters equals peft's on the real model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.families.causal_lm.spec import causal_lm_config_spec
+    from zeropipe.models.common import model_config
+
+    fields = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64}
+    config = RunConfig.model_validate({"model": {"config": fields, "lora": {"r": 4, "target_parameters": "experts"}}, "data": {"synthetic": {}}})
+    spec = causal_lm_config_spec(config)
+    model = get_peft_model(AutoModelForCausalLM.from_config(model_config(config.model)), LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    assert spec.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
