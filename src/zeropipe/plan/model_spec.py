@@ -185,6 +185,7 @@ class ModelSpec:
             "activation_trace": None if self.activation_trace is None else vars(self.activation_trace),
             "quantized": None if self.quantized is None else vars(self.quantized),
             "fp8_base": None if self.fp8_base is None else vars(self.fp8_base),
+            "moe": None if self.moe is None else {key: value for key, value in vars(self.moe).items() if key != "expert_weights"},
             "source": self.source,
         }
 

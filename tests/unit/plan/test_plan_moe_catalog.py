@@ -26,6 +26,7 @@ def test_total_and_active_weights_match_the_published_sizes(spec_of, name):
     assert moe.expert_params < spec.total_params and moe.moe_layers == spec.layers
     # Under ZeRO-3 a whole MoE block (router and every expert) is gathered at once: the largest gather.
     assert spec.largest_layer_params == moe.leaf_params and "ZeRO-3 leaf" in spec.largest_layer_name
+    assert spec.to_dict()["moe"]["active_experts"] == moe.active_experts
     # Each token goes through top-k experts: the activation formula's MLP is that many experts wide.
     assert spec.block.intermediate == moe.active_experts * moe.expert_intermediate and spec.block.gated_mlp
 
