@@ -240,7 +240,7 @@ class ModelSection(Section):
         None,
         ge=0,
         description="Mixture-of-experts models: weight of the router's load-balancing loss added to the LM loss (the model's own "
-        "output_router_logits and router_aux_loss_coef). Default: the model config's coefficient (Qwen3-MoE 0.001, Mixtral 0.02, gpt-oss 0.001); 0 turns it off.",
+        "output_router_logits and router_aux_loss_coef). Default: the model config's coefficient (0.001 in Qwen3-MoE's published config, 0.02 in Mixtral's); 0 turns it off.",
     )
     experts_implementation: Literal["auto", "grouped_mm", "batched_mm", "eager"] = Field(
         "auto",
