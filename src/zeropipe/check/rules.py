@@ -350,6 +350,13 @@ UNSUPPORTED_DEEPSPEED = {
     ),
     "sequence_parallel_size": ("Ulysses sequence parallelism needs ZeRO-Pipe's data loader to split sequences across ranks, which it does not",
                                "remove sequence_parallel_size"),
+    # docs/moe.md "Expert parallelism": tried on 2 CPU ranks; with that one call bypassed, a step runs under ZeRO-2 and ZeRO-3.
+    "expert_parallel": (
+        "DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers 5 on every device: deepspeed/module_inject/auto_ep_presets/base.py "
+        "line 326 calls registry.get(key, default) on transformers' _CAN_RECORD_REGISTRY, whose get() takes one argument "
+        "(TypeError: _CanRecordRegistry.get() takes 2 positional arguments but 3 were given)",
+        "remove the expert_parallel block: ZeRO-3 with each MoE block gathered whole (model.zero3_leaf_blocks, the default) shards the experts over the GPUs instead",
+    ),
 }
 
 
@@ -360,7 +367,7 @@ def deepspeed_feature_unsupported(ctx: CheckContext):
     where = ctx.config.deepspeed.config_file or "deepspeed.overrides"
     for key, (why, fix) in UNSUPPORTED_DEEPSPEED.items():
         value = ctx.ds_config.get(key)
-        if value in (None, {}, False, 1):
+        if value in (None, {}, False, 1) or (isinstance(value, dict) and value.get("enabled") is False):
             continue
         found.append((f"deepspeed: {key}", f"{where} sets {key}: {why}", fix))
     zero = ctx.ds_config.get("zero_optimization") or {}

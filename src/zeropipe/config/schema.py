@@ -50,6 +50,26 @@ class LoraSection(Section):
         "regular expression matched against whole module names, as peft reads it (e.g. 'model.language_model.layers.[\\d]+.self_attn.[qkvo]_proj': the language model's attention only, as axolotl's vision recipes write it).",
     )
 
+    # Mixture-of-experts models (docs/moe.md).
+    target_parameters: list[str] | Literal["experts"] | None = Field(
+        None,
+        description="Mixture-of-experts models: LoRA on the experts' weights too (peft's target_parameters, kind lora only, dropout 0). "
+        "'experts': every experts module's 3-D projections (e.g. mlp.experts.gate_up_proj and down_proj), found from the model; or the "
+        "parameter names, e.g. [mlp.experts.gate_up_proj].",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _experts_take_plain_lora(cls, data: Any) -> Any:
+        # peft's ParamWrapper (LoRA on a parameter) refuses dropout and every LoRA variant.
+        if not isinstance(data, dict) or data.get("target_parameters") is None:
+            return data
+        if data.get("kind", "lora") != "lora":
+            raise ValueError(f"target_parameters: peft adapts the experts' weights with plain LoRA only, and model.lora.kind is {data['kind']}: set kind: lora or remove target_parameters")
+        if data.get("dropout") not in (None, 0, 0.0):
+            raise ValueError("dropout: peft's LoRA on the experts' weights (target_parameters) takes no dropout: set model.lora.dropout: 0 or remove target_parameters")
+        return {**data, "dropout": 0.0}  # LoRA's default 0.05 does not apply: written as what runs
+
     @model_validator(mode="before")
     @classmethod
     def _options_of_the_kind(cls, data: Any) -> Any:
@@ -214,6 +234,23 @@ class ModelSection(Section):
         return value
     load_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments for from_pretrained (e.g. {revision: main, trust_remote_code: true})."
+    )
+    # Mixture-of-experts models (docs/moe.md).
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Mixture-of-experts models: weight of the router's load-balancing loss added to the LM loss (the model's own "
+        "output_router_logits and router_aux_loss_coef). Default: the model config's coefficient (0.001 in Qwen3-MoE's published config, 0.02 in Mixtral's); 0 turns it off.",
+    )
+    experts_implementation: Literal["auto", "grouped_mm", "batched_mm", "eager"] = Field(
+        "auto",
+        description="Mixture-of-experts models: how transformers computes the experts. auto: grouped_mm (one grouped matmul for all experts) "
+        "where torch has it, else eager (a loop over the experts hit); batched_mm gathers each token's experts' weights.",
+    )
+    zero3_leaf_blocks: bool = Field(
+        True,
+        description="Mixture-of-experts models under ZeRO-3: gather each MoE block (router and all its experts) at once, as one DeepSpeed leaf module. "
+        "Off only to measure the difference (benchmarks/moe_speed.py): experts kept as separate modules are then fetched in each rank's routing order, which can hang.",
     )
 
 

@@ -16,6 +16,7 @@ from zeropipe.convert.common import (
     is_unset,
     list_rest,
     local_model,
+    map_moe_keys,
     map_deepspeed,
     map_optimizer,
     map_output_dir,
@@ -195,6 +196,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         rest.pop("train_on_inputs")
         conversion.already.append("train_on_inputs: false (loss on responses only)")
 
+    map_moe_keys(conversion, rest)
     list_rest(conversion, rest, NOT_MAPPED)
     return conversion
 

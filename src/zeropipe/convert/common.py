@@ -423,3 +423,24 @@ def to_float(value: Any, key: str) -> float:
     if number is None:
         raise ConversionError(f"{key} = {value!r} is not a number: fix it in the source file")
     return float(number)
+
+
+def map_moe_keys(conversion: "Conversion", rest: dict[str, Any]) -> None:
+    """Mixture-of-experts keys of LLaMA-Factory and axolotl (docs/moe.md): the router's auxiliary loss, LoRA on experts, the experts' kernel."""
+    coef = rest.pop("moe_aux_loss_coef", None)  # LLaMA-Factory: sets router_aux_loss_coef and output_router_logits
+    if coef is not None:
+        conversion.set("model.router_aux_loss_coef", to_float(coef, "moe_aux_loss_coef"), "from moe_aux_loss_coef")
+    targets = rest.pop("lora_target_parameters", None)  # axolotl: peft's target_parameters on the experts' 3-D weights
+    if targets:
+        conversion.set("model.lora.target_parameters", list(targets), "from lora_target_parameters (peft's LoRA on the experts' weights; dropout 0)")
+        if "model.lora.dropout" in conversion.entries and conversion.entries["model.lora.dropout"].value:
+            conversion.set("model.lora.dropout", 0.0, "peft's LoRA on the experts' weights takes no dropout")
+    kernel = rest.pop("experts_implementation", None)  # axolotl
+    if kernel in ("grouped_mm", "batched_mm", "eager"):
+        conversion.set("model.experts_implementation", kernel, "from experts_implementation")
+    elif kernel is not None:
+        conversion.skip("experts_implementation", f"{kernel}: not in transformers; ZeRO-Pipe uses transformers' grouped_mm (model.experts_implementation: auto)")
+    for key in ("expert_parallel_size", "expert_parallel_num_nvl_bytes", "expert_parallel_token_capacity"):
+        if rest.get(key) not in (None, 1):
+            conversion.skip(key, f"{rest.pop(key)}: expert parallelism (DeepSpeed's AutoEP) fails with transformers 5; ZeRO-3 gathers each MoE block whole instead (docs/moe.md)")
+        rest.pop(key, None)

@@ -17,6 +17,7 @@ from zeropipe.convert.common import (
     is_unset,
     list_rest,
     local_model,
+    map_moe_keys,
     map_deepspeed,
     map_optimizer,
     map_output_dir,
@@ -214,6 +215,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         if report_to is not None:
             conversion.already.append(f"report_to: {report_to} (TensorBoard files are written to the run directory either way)")
 
+    map_moe_keys(conversion, rest)
     list_rest(conversion, rest, NOT_MAPPED)
     return conversion
 

@@ -29,10 +29,11 @@ def adapter_name(lora: Any) -> str:
     return ADAPTER_NAMES[getattr(lora, "kind", "lora")]
 
 
-def peft_adapter_config(lora: Any, target_modules: Any, task_type: str | None = None, gaussian_init: bool = False):
+def peft_adapter_config(lora: Any, target_modules: Any, task_type: str | None = None, gaussian_init: bool = False, target_parameters: list[str] | None = None):
     """peft's config of the adapter ``model.lora`` describes, on ``target_modules``.
 
     Args:
+        target_parameters: parameters (not modules) to adapt as well: the experts' 3-D weights of an MoE model.
         gaussian_init: LoRA/DoRA's A drawn from a Gaussian (diffusers' training scripts), not Kaiming-uniform.
             LoKr and LoHa keep peft's own initialisation (one factor zero: the adapter starts as no change).
     """
@@ -42,6 +43,8 @@ def peft_adapter_config(lora: Any, target_modules: Any, task_type: str | None = 
     extra = {"task_type": task_type} if task_type else {}
     if kind in ("lora", "dora"):
         init = {"init_lora_weights": "gaussian"} if gaussian_init else {}
+        if target_parameters:
+            extra["target_parameters"] = target_parameters  # a mixture of experts' 3-D expert weights (models.moe)
         return LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target_modules, use_dora=kind == "dora", **init, **extra)
     if kind == "lokr":
         return LoKrConfig(r=lora.r, alpha=lora.alpha, target_modules=target_modules, decompose_factor=lora.factor, **extra)

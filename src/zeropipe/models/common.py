@@ -86,7 +86,7 @@ def trained_weights(model, section: ModelSection, state: dict[str, torch.Tensor]
 
 
 def full_precision_kwargs(path: str | None) -> dict[str, Any]:
-    """from_pretrained arguments that load model.path in full precision: a fine-grained FP8 checkpoint dequantized.
+    """from_pretrained arguments that load model.path in full precision: a fine-grained FP8 or an MXFP4 (gpt-oss) checkpoint dequantized.
 
     An export's base is the full-precision model; transformers keeps such a checkpoint's FP8 layers on a GPU
     of compute capability 8.9+ (and dequantizes it elsewhere), which peft cannot merge into.
@@ -100,6 +100,11 @@ def full_precision_kwargs(path: str | None) -> dict[str, Any]:
         quant = json.loads((Path(path).expanduser() / "config.json").read_text()).get("quantization_config") or {}
     except (OSError, ValueError):
         return {}
+    if quant.get("quant_method") == "mxfp4":
+        # gpt-oss's published experts (MXFP4 blocks and scales): transformers dequantizes them on any device, CPU included.
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
     if quant.get("quant_method") != "fp8":
         return {}
     from transformers import FineGrainedFP8Config

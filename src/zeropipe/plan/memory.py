@@ -566,7 +566,32 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
             )
     else:
         terms.append(Term("activations", 0, "unknown for a bare parameter count: pass --model to include them", FORWARD_BACKWARD))
+    terms += moe_router_terms(spec, choice)
     return terms
+
+
+def moe_router_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
+    """What a mixture of experts' routers save for backward, beyond the experts' own activations (``BlockShape.intermediate``).
+
+    Per token and MoE layer: the router's logits (16-bit) and their fp32 softmax over all experts, and
+    the top-k probabilities (fp32) and expert indices (int64) the experts are weighted by. With
+    checkpointing only the layer being recomputed holds them.
+    """
+    moe = spec.moe
+    if moe is None:
+        return []
+    tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len
+    per_token = moe.experts * (value_bytes(choice.precision) + 4) + moe.active_experts * (4 + 8)
+    layers = 1 if choice.gradient_checkpointing else moe.moe_layers
+    return [
+        Term(
+            "MoE routers",
+            layers * tokens * per_token,
+            f"{layers} MoE layer(s) x {tokens:,} tokens x {per_token:,} bytes: logits and fp32 softmax over {moe.experts} experts, "
+            f"top-{moe.active_experts} weights and indices (the experts' own activations are in the layers' figure: {moe.active_experts} experts per token)",
+            FORWARD_BACKWARD,
+        )
+    ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -112,6 +112,21 @@ class GenerationShape:
 
 
 @dataclass(frozen=True)
+class MoeCounts:
+    """A mixture of experts as the planner sees it (``moe_counts``)."""
+
+    experts: int  # routed experts per MoE layer
+    active_experts: int  # experts each token goes to (top-k)
+    moe_layers: int
+    expert_params: int  # every routed expert's weights, all layers
+    active_params: int  # the weights one token passes through: everything but the experts it is not routed to
+    expert_intermediate: int  # one expert's hidden width
+    leaf_params: int  # one MoE block (router and all its experts): what ZeRO-3 gathers at once as a leaf module
+    leaf_name: str
+    expert_weights: tuple[tuple[str, int, int, int], ...] = ()  # one block's 3-D expert weights: (name, experts, rows, columns)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Counts and shapes of the model being trained, plus the frozen models it needs."""
 
@@ -146,6 +161,7 @@ class ModelSpec:
     fp8_base: Fp8Base | None = None  # model.quantization: fp8 / fp8_e5m2
     optimizer: str = "adamw"  # train.optimizer: its state bytes per trainable weight (config.optimizers)
     generation: "GenerationShape | None" = None  # GRPO: the policy samples completions inside the loop (grpo:)
+    moe: MoeCounts | None = None  # a mixture of experts: total vs active weights, the block ZeRO-3 gathers whole
 
     def with_fp8_base(self, format: str = "fp8") -> "ModelSpec":
         """This model with its frozen block linears stored in fp8 (a LoRA run's base)."""
@@ -178,6 +194,7 @@ class ModelSpec:
             "activation_trace": None if self.activation_trace is None else vars(self.activation_trace),
             "quantized": None if self.quantized is None else vars(self.quantized),
             "fp8_base": None if self.fp8_base is None else vars(self.fp8_base),
+            "moe": None if self.moe is None else {key: value for key, value in vars(self.moe).items() if key != "expert_weights"},
             "source": self.source,
         }
 
@@ -306,7 +323,7 @@ def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection |
     if lora is not None:
         lora_shape, trainable, sizes = _lora_counts(model, lora, layers_list[0] if layers_list is not None else None, "causal_lm")
     heads = text.num_attention_heads
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         family="causal_lm",
         total_params=counts["total"] + (trainable if lora is not None else 0),
@@ -324,6 +341,7 @@ def _causal_lm_spec(config: dict[str, Any] | Any, name: str, lora: LoraSection |
         quantizable_params=_quantizable_params(model),
         **_block_linear_counts(model),
     )
+    return with_moe_counts(spec, model, text)
 
 
 def _block_linear_counts(model, select=None) -> dict[str, int]:
@@ -555,3 +573,73 @@ __all__ = [
     "spec_from_params",
     "spec_from_path",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixtures of experts
+
+
+def moe_counts(model, text) -> MoeCounts | None:
+    """Total vs active weights of an MoE model (meta device), and its largest sparse block (``models.moe.moe_blocks``)."""
+    from zeropipe.models.moe import moe_blocks, moe_shape
+
+    shape = moe_shape(text)
+    blocks = moe_blocks(model)
+    if shape is None or not blocks:
+        return None
+    expert_params = sum(p.numel() for _, block in blocks for p in block.experts.parameters())
+    leaf_name, leaf = max(blocks, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    total = sum(p.numel() for p in model.parameters())
+    active = total - expert_params + expert_params * shape.active // shape.experts
+    intermediate = getattr(text, "moe_intermediate_size", None) or getattr(text, "intermediate_size", 0)
+    return MoeCounts(
+        experts=shape.experts,
+        active_experts=shape.active,
+        moe_layers=len(blocks),
+        expert_params=expert_params,
+        active_params=active,
+        expert_intermediate=intermediate,
+        leaf_params=sum(p.numel() for p in leaf.parameters()),
+        leaf_name=leaf_name,
+        expert_weights=tuple((f"experts.{name}", *p.shape) for name, p in leaf.experts.named_parameters(recurse=False) if p.dim() == 3),
+    )
+
+
+def with_moe_counts(spec: ModelSpec, model, text) -> ModelSpec:
+    """The spec of an MoE model: its counts, the MoE block as the largest gather, and the experts' activations.
+
+    - Under ZeRO-3 training registers each sparse block as a leaf (``models.moe.mark_zero3_leaves``):
+      the router and every expert of a block are gathered at once, so the block, not the experts'
+      module alone, is the largest thing gathered. (Below ZeRO-3 nothing is gathered.)
+    - Each token passes through ``active_experts`` experts: the activation formula's MLP is that many
+      expert MLPs wide (``BlockShape.intermediate``), whatever the dense ``intermediate_size`` says.
+    """
+    from zeropipe.models.moe import moe_blocks
+
+    moe = moe_counts(model, text)
+    if moe is None:
+        return spec
+    fields: dict[str, Any] = {"moe": moe}
+    if moe.leaf_params > spec.largest_layer_params:
+        fields["largest_layer_params"] = moe.leaf_params
+        fields["largest_layer_name"] = f"{moe.leaf_name} (an MoE block: router and {moe.experts} experts gathered as one ZeRO-3 leaf)"
+    if spec.block is not None and moe.moe_layers == spec.layers:
+        # transformers' experts say whether they are gated (use_experts_implementation's has_gate): their gate is a weight, not a module.
+        gated = any(getattr(block.experts, "has_gate", "gate_up_proj" in dict(block.experts.named_parameters())) for _, block in moe_blocks(model))
+        fields["block"] = replace(spec.block, intermediate=moe.active_experts * moe.expert_intermediate, gated_mlp=gated or spec.block.gated_mlp)
+    return replace(spec, **fields)
+
+
+def with_expert_adapters(spec: ModelSpec, target_parameters: list[str] | str | None, r: int) -> ModelSpec:
+    """The spec with LoRA on the experts' 3-D weights too (``model.lora.target_parameters``), counted as peft builds it.
+
+    peft's ``ParamWrapper`` adapts an (experts, a, b) weight with ``lora_A: Linear(in, r x experts)`` and
+    ``lora_B: Linear(r x experts, out)``: r x experts x (a + b) weights, in every MoE layer.
+    """
+    moe = spec.moe
+    if not target_parameters or moe is None:
+        return spec
+    chosen = [w for w in moe.expert_weights if target_parameters == "experts" or any(w[0] == t or t.endswith("." + w[0]) or w[0].endswith(t) for t in target_parameters)]
+    sizes = [size for _, experts, rows, columns in chosen for size in (r * experts * rows, r * experts * columns)] * moe.moe_layers
+    added = sum(sizes)
+    return replace(spec, total_params=spec.total_params + added, trainable_params=spec.trainable_params + added, parameter_sizes=spec.parameter_sizes + tuple(sizes))

@@ -63,3 +63,16 @@ def test_what_stops_the_json_from_resolving_is_an_error_not_dropped(tmp_path, ds
     """check used to pass these (only a batch problem was reported); train then failed."""
     found = [f for f in check_config(config_for(tmp_path, ds_json), accelerator="cuda") if f.severity == "error"]
     assert any(f.rule == "ZP009" and f.key == "deepspeed.config_file" and words in f.message for f in found), [f.render() for f in found]
+
+
+def test_autoep_config_deepspeed_accepts_is_refused_with_the_failing_line(tmp_path):
+    # DeepSpeed's own parser and validator accept the block (2 ranks, expert-parallel size 2, its Qwen3-MoE preset)...
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config, validate_autoep_config
+
+    block = {"enabled": True, "autoep_size": 2, "preset_model": "qwen3_moe"}
+    validate_autoep_config(parse_autoep_config(block), 2, 1, 1, 1)
+    # ...and its initialize fails with transformers 5: check says where and what to do instead.
+    found = errors(config_for(tmp_path, {"zero_optimization": {"stage": 2}, "expert_parallel": block}))
+    ep = [f for f in found if f.rule == "ZP020" and f.key == "deepspeed: expert_parallel"]
+    assert ep and "auto_ep_presets/base.py line 326" in ep[0].message and "model.zero3_leaf_blocks" in ep[0].fix, [f.render() for f in found]
+    assert not [f for f in errors(config_for(tmp_path, {"expert_parallel": {**block, "enabled": False}})) if f.key == "deepspeed: expert_parallel"]

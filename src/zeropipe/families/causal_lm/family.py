@@ -26,6 +26,7 @@ from zeropipe.families.causal_lm.rl import GRPOTask, grpo_problems, prepare_grpo
 from zeropipe.families.causal_lm.spec import causal_lm_config_spec
 from zeropipe.families.causal_lm.task import CausalLMTask
 from zeropipe.models.common import hidden_size_of, model_config
+from zeropipe.models.moe import configure_moe
 from zeropipe.rundir import PreparedData, RunDir
 
 
@@ -76,6 +77,7 @@ class CausalLM:
             config.model.config = {**config.model.config, "vocab_size": len(tokenizer)}
             notes.append(f"model.config.vocab_size = {len(tokenizer)} (from the tokenizer)")
         hf_config = model_config(config.model)
+        notes += configure_moe(hf_config, config.model.router_aux_loss_coef, config.model.experts_implementation)
         if getattr(hf_config, "vocab_size", None) is not None and len(tokenizer) > hf_config.vocab_size:
             raise ConfigError([("model.config.vocab_size", f"{hf_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens: raise it or remove it")])
         examples = int(cache["examples"])

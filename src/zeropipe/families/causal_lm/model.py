@@ -20,6 +20,7 @@ from zeropipe.models.adapters import peft_adapter_config
 from zeropipe.models.checkpointing import enable_checkpointing
 from zeropipe.models.common import TORCH_DTYPES, TRANSFORMERS_LORA_TARGETS, full_precision_kwargs, model_config, resolve_lora_targets, trained_weights  # noqa: F401 - trained_weights: this family's callers
 from zeropipe.models.loading import load_pretrained
+from zeropipe.models.moe import expert_parameter_names
 from zeropipe.models.quantized import QuantizedStorage
 
 
@@ -80,6 +81,13 @@ def build_model(section: ModelSection, config: Any, precision: str, zero_stage: 
         model = load_pretrained(
             AutoModelForCausalLM, section.path, dtype=dtype, zero_stage=zero_stage, config=config, attn_implementation=section.attn_implementation,
             quantize=fp8_storage(section), new_head=reward,
+        )
+    elif section.path and (mxfp4 := full_precision_kwargs(section.path).get("quantization_config")) is not None and type(mxfp4).__name__ == "Mxfp4Config":
+        # gpt-oss's MXFP4 experts: transformers dequantizes them while it loads (training needs the 16/32-bit weights).
+        if quant is not None:
+            raise ConfigError([("model.quantization", f"{section.path} holds MXFP4 experts, which load dequantized: remove model.quantization, or start from a bf16 checkpoint")])
+        model = AutoModelForCausalLM.from_pretrained(
+            section.path, config=config, dtype=dtype, attn_implementation=section.attn_implementation, quantization_config=mxfp4, **section.load_kwargs
         )
     elif section.path and section.quantization is None and not section.load_kwargs:
 
@@ -151,7 +159,13 @@ def add_lora(model, section: ModelSection, task_type: str = "CAUSAL_LM"):
 
     lora = section.lora
     assert lora is not None
-    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type=task_type)  # SEQ_CLS (a reward model): peft also trains and saves the score head
+    target_parameters = getattr(lora, "target_parameters", None)
+    if target_parameters == "experts":
+        target_parameters = expert_parameter_names(model)
+        if not target_parameters:
+            raise ConfigError([("model.lora.target_parameters", "experts: this model has no mixture-of-experts blocks with 3-D expert weights: remove target_parameters")])
+    # SEQ_CLS (a reward model): peft also trains and saves the score head
+    peft_config = peft_adapter_config(lora, resolve_lora_targets(lora, TRANSFORMERS_LORA_TARGETS), task_type=task_type, target_parameters=target_parameters)
     try:
         return get_peft_model(model, peft_config)
     except ValueError as err:

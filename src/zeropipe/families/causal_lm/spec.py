@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.models.common import model_config
-from zeropipe.plan.model_spec import GenerationShape, ModelSpec, QuantizedBase, _causal_lm_spec  # the planner's meta-device counters
+from zeropipe.plan.model_spec import GenerationShape, ModelSpec, QuantizedBase, _causal_lm_spec, with_expert_adapters  # the planner's meta-device counters
 
 
 def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
@@ -25,6 +25,8 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
     hf_config = model_config(section, vocab_size=vocab)
     name = Path(section.path).name if section.path else f"inline {hf_config.model_type}"
     spec = _causal_lm_spec(hf_config, name, section.lora)
+    if section.lora is not None:
+        spec = with_expert_adapters(spec, section.lora.target_parameters, section.lora.r)  # a mixture of experts' LoRA on its experts
     quantized = None
     if section.quantization is not None and section.quantization.storage in ("fp8", "fp8_e5m2", "int8"):
         # bitsandbytes' int8 is also one byte per weight with a float32 scale per row (its SCB), held

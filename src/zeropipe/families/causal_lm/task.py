@@ -17,6 +17,7 @@ from zeropipe.engine.task import TaskDefaults, sampler_batches, write_generation
 from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
 from zeropipe.families.causal_lm.model import build_model
 from zeropipe.models.common import count_parameters, hf_zero3_config, log_partitioning, model_config
+from zeropipe.models.moe import configure_moe, mark_zero3_leaves, moe_shape, router_figures, tokens_per_expert
 
 log = logging.getLogger("zeropipe")
 
@@ -51,12 +52,24 @@ class CausalLMTask(TaskDefaults):
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
 
         trainer = self.trainer
-        config = model_config(trainer.config.model)
+        section = trainer.config.model
+        config = model_config(section)
+        # A mixture of experts: the router's auxiliary loss in the model's loss, the experts' kernel (models.moe).
+        for note in configure_moe(config, section.router_aux_loss_coef, section.experts_implementation):
+            log.info("%s", note)
+        self.moe = moe_shape(config)
+        self.router_sums: dict[str, torch.Tensor] = {}
+        self.router_count, self.logged_routing = 0, False
         # Alive for the whole run: transformers builds the model inside zero.Init, and generate() under ZeRO-3 needs it too.
         self.hf_ds_config = hf_zero3_config(trainer.ds_config, trainer.plan.zero_stage)
-        model = build_model(trainer.config.model, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, activation_offload=trainer.config.train.activation_offload)
+        model = build_model(section, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, activation_offload=trainer.config.train.activation_offload)
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
+        if trainer.plan.zero_stage == 3 and section.zero3_leaf_blocks:
+            # Before deepspeed.initialize, which installs the fetch hooks: each MoE block is gathered whole, whatever the router chose.
+            leaves = mark_zero3_leaves(model)
+            if leaves:
+                log.info("ZeRO-3 leaf modules (each gathered whole): %s", ", ".join(leaves))
         trainable, total = count_parameters(model)
         log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         return model, {"trainable": trainable, "total": total}
@@ -76,14 +89,50 @@ class CausalLMTask(TaskDefaults):
         # back from the device would make the step wait for it.
         if "num_tokens" not in batch:
             tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
-            return engine(**{key: value.to(device) for key, value in batch.items()}).loss, tokens, examples
+            output = engine(**{key: value.to(device) for key, value in batch.items()})
+            return self.keep_router_figures(output), tokens, examples
         # Packed batches: no attention mask to count real tokens from, and several examples
         # per row; the collator counts both. transformers reads the boundaries between
         # examples from position_ids only when there is no KV cache.
         batch = dict(batch)
         tokens, examples = float(batch.pop("num_tokens")), float(batch.pop("num_examples"))
-        loss = engine(**{key: value.to(device) for key, value in batch.items()}, use_cache=False).loss
-        return loss, tokens, examples
+        output = engine(**{key: value.to(device) for key, value in batch.items()}, use_cache=False)
+        return self.keep_router_figures(output), tokens, examples
+
+    def keep_router_figures(self, output) -> torch.Tensor:
+        """The loss of a forward; a mixture of experts' router losses kept for the step's metrics."""
+        if getattr(self, "moe", None) is None:
+            return output.loss
+        figures = router_figures(output)
+        for name, value in figures.items():
+            self.router_sums[name] = self.router_sums.get(name, 0.0) + value
+        self.router_count += 1
+        if not self.logged_routing:
+            self.logged_routing = True
+            self.log_routing(output)
+        return output.loss
+
+    def log_routing(self, output) -> None:
+        """Where each rank's first batch sent its tokens (the first MoE layer): ranks differ, the case ZeRO-3 leaves are for.
+
+        A collective, once: every rank's first micro-batch reaches it.
+        """
+        import deepspeed.comm as dist
+
+        trainer = self.trainer
+        counts = tokens_per_expert(output, self.moe.experts, self.moe.active).to(trainer.device)
+        gathered = [torch.zeros_like(counts) for _ in range(trainer.world_size)]
+        dist.all_gather(gathered, counts)
+        for rank, rank_counts in enumerate(gathered):
+            log.info("tokens per expert, rank %d's first batch (first MoE layer): %s", rank, rank_counts.tolist())
+
+    def extra_metrics(self) -> dict[str, Any]:
+        if getattr(self, "moe", None) is None or not self.router_count:
+            return {}
+        # This rank's mean over the step's micro-batches (rank 0's, as the other task figures).
+        figures = {name: value / self.router_count for name, value in self.router_sums.items()}
+        self.router_sums, self.router_count = {}, 0
+        return figures
 
     def after_step(self) -> None:
         trainer = self.trainer
@@ -99,7 +148,7 @@ class CausalLMTask(TaskDefaults):
         started = time.perf_counter()
         batches = eval_batch_indices(self.eval_dataset.lengths(), trainer.rank, trainer.world_size, trainer.micro_batch_size)
         trainer.engine.eval()
-        sums = eval_sums(lambda batch: trainer.engine(**batch, use_cache=False).loss, self.eval_dataset, batches, self.eval_collate, trainer.device)
+        sums = eval_sums(lambda batch: trainer.engine(**batch, use_cache=False, **self.eval_kwargs()).loss, self.eval_dataset, batches, self.eval_collate, trainer.device)
         trainer.engine.train()
         total = torch.tensor(sums, dtype=torch.float64, device=trainer.device)
         dist.all_reduce(total)
@@ -111,6 +160,10 @@ class CausalLMTask(TaskDefaults):
             trainer.sinks.log(record)
             log.info("step %d eval loss %.4f perplexity %.4g (%d tokens, %.1f s)", trainer.step, record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_time_s"])
         return record
+
+    def eval_kwargs(self) -> dict[str, Any]:
+        # Held-out loss and perplexity are the LM's alone: the router's auxiliary loss stays out.
+        return {"output_router_logits": False} if getattr(self, "moe", None) is not None else {}
 
     def generate_samples(self) -> None:
         """Answer the configured prompts with the trained weights (all ranks take part under ZeRO-3)."""
