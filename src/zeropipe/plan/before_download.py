@@ -87,7 +87,7 @@ def catalog_config_spec(name: str, config: RunConfig) -> ModelSpec:
     """A catalog model counted as ``config`` trains it: its LoRA and quantization; for diffusion its caches, resolution and clip length."""
     import json
 
-    from zeropipe.plan.model_spec import CATALOG_DIR, QuantizedBase, _causal_lm_spec, _diffusion_spec
+    from zeropipe.plan.model_spec import CATALOG_DIR, QuantizedBase, _causal_lm_spec, diffusion_specs
     from zeropipe.plan.variants import with_caches
 
     entry = json.loads((CATALOG_DIR / f"{name}.json").read_text())
@@ -104,7 +104,7 @@ def catalog_config_spec(name: str, config: RunConfig) -> ModelSpec:
     entry = dict(entry, resolution=data.images.resolution)
     if "frames" in entry and "video" in config.data.model_fields_set:  # the entry's clip length unless the config sets its own
         entry["frames"] = max(data.video.frame_buckets)
-    spec = _diffusion_spec(entry, section.lora)
+    spec = diffusion_specs().catalog_entry(entry, section.lora)  # the diffusion family's builder
     quant = section.quantization
     if quant is not None and quant.storage in ("fp8", "fp8_e5m2", "int8"):
         spec = spec.with_fp8_base(quant.storage)

@@ -61,7 +61,10 @@ def _stored() -> dict[str, dict[str, Any]]:
 
 def lookup(key: str) -> ActivationTrace | None:
     row = _stored().get(key)
-    return None if row is None else ActivationTrace(**row["trace"])
+    if row is None:
+        return None
+    # JSON has no tuples: the trace's tuple fields (offloaded_sizes) come back as lists.
+    return ActivationTrace(**{name: tuple(value) if isinstance(value, list) else value for name, value in row["trace"].items()})
 
 
 def record(key: str, label: str, trace: ActivationTrace) -> None:

@@ -83,7 +83,9 @@ def test_parameter_offload_is_not_ranked_first_until_a_gpu_host_link_is_measured
     """The issue's case: Llama-3.1-8B LoRA on 5x24 GB; the cost model alone picked offload_param."""
     spec = spec_of("llama-3.1-8b", 16)
     hardware = parse_hardware("5x24GB", "64GB", gpu_name="NVIDIA GeForce RTX 4090")
-    result = recommend(spec, hardware, seq_len=2048)
+    # Parameter offload alone: activation offload (another host-link knob) is held off, so the premise is the issue's.
+    no_activation_offload = {"activation_offload": False}
+    result = recommend(spec, hardware, seq_len=2048, fixed=no_activation_offload)
     cheapest = min((c for c in result.candidates if c.fits), key=lambda c: c.relative_cost)
     assert cheapest.choice.offload_param, "the premise: the cost model rates parameter offload cheapest"
     assert not result.best.choice.offload_param
@@ -94,7 +96,7 @@ def test_parameter_offload_is_not_ranked_first_until_a_gpu_host_link_is_measured
     for link, offload_wins in ((12e9, True), (0.5e9, False)):
         measured_link = replace(hardware, calibration=gpu_calibration(host_to_device_bytes_per_second=link, device_to_host_bytes_per_second=link))
         assert offload_param_measured(measured_link)
-        measured = recommend(spec, measured_link, seq_len=2048)
+        measured = recommend(spec, measured_link, seq_len=2048, fixed=no_activation_offload)
         assert measured.best.relative_cost == min(c.relative_cost for c in measured.candidates if c.fits)
         assert measured.best.choice.offload_param is offload_wins
         assert not any("host link has not been measured" in note for note in measured.notes)

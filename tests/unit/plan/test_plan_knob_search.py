@@ -57,7 +57,8 @@ def test_flagship_models_fit_the_box_they_are_trained_on(capsys, model, gpus):
 
 
 def test_an_offered_change_comes_first_with_its_price_and_is_not_picked(capsys):
-    rc, out = plan(capsys, "--model", "wan2.1-t2v-14b", "--gpus", "1x24GB", "--ram", "64GB", "--lora-r", "32")
+    # Wan 2.2 A14B (two 14B experts) on 5 x 24 GB: no exact knob (activation offload included) makes it fit; an fp8 base does.
+    rc, out = plan(capsys, "--model", "wan2.2-t2v-a14b", "--gpus", "5x24GB", "--ram", "64GB", "--lora-r", "32")
     assert rc == 0
     verdict = next(line for line in out.splitlines() if line.startswith(("Recommended", "Fits if you set")))
     assert verdict.startswith("Fits if you set model.quantization: fp8")
@@ -73,7 +74,7 @@ def test_nothing_fits_names_the_nearest_box(capsys):
     rc, out = plan(capsys, "--model", "llama-3.1-8b", "--gpus", "5x24GB", "--ram", "64GB")
     assert rc == 1
     assert "No change the planner knows" in out
-    assert "Nearest box that fits: --gpus 5x24GB --ram 256GB --nodes 1: ZeRO-2, offload optimizer" in out
+    assert "Nearest box that fits: --gpus 5x24GB --ram 256GB --nodes 1: " in out and "offload optimizer" in out.split("Nearest box that fits:")[1].splitlines()[0]
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)

@@ -68,7 +68,7 @@ def test_a_stored_trace_is_the_trace(tmp_path, monkeypatch):
     monkeypatch.delitem(trace_store.RECORDING, "on")
     tiny_wan.cache_clear()
     calls = []
-    monkeypatch.setattr("zeropipe.plan.model_spec.trace_diffusion", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr("zeropipe.families.diffusion.plan_specs.trace_diffusion", lambda *a, **k: calls.append(a))
     stored = tiny_wan(48, 9).activation_trace
     assert not calls and dataclasses.asdict(stored) == dataclasses.asdict(traced)
     trace_store._stored.cache_clear()
