@@ -1,0 +1,47 @@
+"""Issue 46: the UI holds under hostile files and sizes (run directories it did not write, huge numbers, odd files).
+
+Each test fails on the code before issue 46's fixes; they run the app in-process (no model, no training).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.e2e.fake_runs import write_run
+from zeropipe.server import create_app
+from zeropipe.store import Roots, RunStore
+
+
+@pytest.fixture
+def runs_store(tmp_path):
+    (tmp_path / "data").mkdir()
+    store = RunStore(Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path))
+    yield store
+    store.close()
+
+
+def client_of(store):
+    return TestClient(create_app(store, refresh_interval=None), base_url="http://127.0.0.1")
+
+
+def test_a_run_with_a_number_beyond_sqlite_neither_breaks_the_refresh_nor_stop_and_delete(runs_store):
+    root = runs_store.roots.primary_runs
+    huge = write_run(root, "huge", state="running", steps=3, total_steps=12)
+    plan = json.loads((huge / "run.json").read_text())
+    plan["total_steps"] = 10**20  # train.max_steps: 1e20 in a run directory the UI did not write
+    (huge / "run.json").write_text(json.dumps(plan))
+    runs_store.refresh()
+    write_run(root, "later", steps=12)  # indexed after the bad row: its refresh must not stop there
+    runs_store.refresh()
+    with client_of(runs_store) as client:
+        runs = {run["name"]: run for run in client.get("/api/runs").json()["runs"]}
+        assert runs["later"]["state"] == "completed" and runs["later"]["step"] == 12
+        assert runs["huge"]["total_steps"] == pytest.approx(1e20)
+        stopped = client.post(f"/api/runs/{runs['huge']['id']}/stop", json={})
+        assert stopped.status_code < 500, stopped.text
+        deleted = client.request("DELETE", f"/api/runs/{runs['huge']['id']}", json={"confirm": "huge"})
+        assert deleted.status_code == 200, deleted.text
+        assert not huge.exists()
