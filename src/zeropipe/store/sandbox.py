@@ -101,7 +101,7 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
     else:
         from zeropipe.launch.nodes import hardware_problems
 
-        problems += hardware_problems(raw.get("hardware"))  # the ssh allow-list and host names, as the launcher applies them
+        problems += hardware_problems(raw.get("hardware"), confined=True)  # the ssh allow-list and host names, as the launcher applies them
     run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
     if run.get("name") is None:
         problems.append(("run.name", "missing: name the run (it becomes the folder RUNS/NAME)"))

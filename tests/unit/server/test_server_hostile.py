@@ -45,3 +45,38 @@ def test_a_run_with_a_number_beyond_sqlite_neither_breaks_the_refresh_nor_stop_a
         deleted = client.request("DELETE", f"/api/runs/{runs['huge']['id']}", json={"confirm": "huge"})
         assert deleted.status_code == 200, deleted.text
         assert not huge.exists()
+
+
+FILE_NAMING_SSH = [
+    "-o StrictHostKeyChecking=accept-new -o UserKnownHostsFile=/home/me/.bashrc -o HashKnownHosts=no -o HostKeyAlias=x",
+    "-i /etc/shadow",
+    "-o IdentityFile=/etc/shadow",
+    "-o GlobalKnownHostsFile=/etc/shadow",
+    "-o UserKnownHostsFile=/dev/null",
+    "-o StrictHostKeyChecking=no",
+]
+
+
+@pytest.mark.parametrize("options", FILE_NAMING_SSH)
+def test_a_trusted_ui_takes_no_ssh_option_that_names_a_file_or_the_host_key_policy(tmp_path, options):
+    """--trust-multinode lets a submitter choose machines, never a file ssh reads or writes (issue 46, defect 2)."""
+    from tests.unit.server.test_server_confinement import tiny
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.confine import Confinement, ConfinementError
+    from zeropipe.launch.resolve import confine
+
+    (tmp_path / "data").mkdir()
+    store = RunStore(Roots(runs=[tmp_path / "runs"], data=[tmp_path / "data"], base=tmp_path), tmp_path / "db.sqlite3", trust_multinode=True)
+    raw = tiny(hardware={"gpus": 1, "nodes": ["localhost", "box2"], "ssh_options": options})
+    with client_of(store) as client:
+        checked = client.post("/api/config/check", json={"config": raw}).json()
+        launched = client.post("/api/runs", json={"config": raw})
+    store.close()
+    assert not checked["valid"] and "hardware.ssh_options" in {p["key"] for p in checked["problems"]}, checked
+    assert launched.status_code == 422 and "even with --trust-multinode" in launched.text, launched.text
+    assert not list((tmp_path / "runs").glob("*")) if (tmp_path / "runs").exists() else True
+    # The launcher of a UI-submitted run (zeropipe train --confine-to ... --confine-multinode) refuses it too.
+    with pytest.raises(ConfinementError) as raised:
+        confine(RunConfig.model_validate(raw), Confinement((tmp_path,), multinode=True, base=tmp_path))
+    assert "hardware.ssh_options" in str(raised.value)
+    confine(RunConfig.model_validate(tiny(hardware={"gpus": 1, "nodes": ["localhost", "box2"], "ssh_options": "-l trainer -p 2222 -o ConnectTimeout=5"})), Confinement((tmp_path,), multinode=True, base=tmp_path))
