@@ -80,3 +80,30 @@ def test_a_trusted_ui_takes_no_ssh_option_that_names_a_file_or_the_host_key_poli
         confine(RunConfig.model_validate(raw), Confinement((tmp_path,), multinode=True, base=tmp_path))
     assert "hardware.ssh_options" in str(raised.value)
     confine(RunConfig.model_validate(tiny(hardware={"gpus": 1, "nodes": ["localhost", "box2"], "ssh_options": "-l trainer -p 2222 -o ConnectTimeout=5"})), Confinement((tmp_path,), multinode=True, base=tmp_path))
+
+
+def test_a_checkpoint_pickle_that_runs_code_is_refused_by_generate_export_and_eval(runs_store, tmp_path):
+    """The issue's payload: a run's model states replaced by a pickle whose __reduce__ runs a command (issue 46, defect 1)."""
+    from tests.integration.conftest import zeropipe_here
+    from tests.unit.checkpoint.test_safeload import malicious
+    from zeropipe.data.tokenizer import train_tokenizer
+
+    marker = tmp_path / "pwned"
+    run = write_run(runs_store.roots.primary_runs, "copied", steps=12)
+    tag = run / "checkpoints" / "step_00000012"
+    (tag / "mp_rank_00_model_states.pt").unlink()
+    malicious(tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", marker)
+    malicious(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", marker)
+    train_tokenizer(["What is 1 + 2? 3"] * 20, 300, run / "tokenizer")
+    data = tmp_path / "eval.jsonl"
+    data.write_text(json.dumps({"instruction": "What is 1 + 2?", "input": "", "output": "3"}) + "\n")
+    runs_store.refresh()
+    with client_of(runs_store) as client:
+        answer = client.post("/api/generate", json={"run_id": 1, "checkpoint": "step_00000012", "prompt": "x"})
+        page = client.get("/runs/1").text
+    assert "event: error" in answer.text and "needs posix.system" in answer.text and "not unpickled" in answer.text, answer.text
+    assert "was not started by this UI" in page
+    for command in (["export", run, "--out", tmp_path / "out"], ["eval", run, "--data", data], ["generate", run, "--prompt", "x"]):
+        result = zeropipe_here(*command)
+        assert result.returncode != 0 and "posix.system" in result.stderr, (command, result.stdout[-2000:], result.stderr[-2000:])
+    assert not marker.exists()
