@@ -107,3 +107,33 @@ def test_a_checkpoint_pickle_that_runs_code_is_refused_by_generate_export_and_ev
         result = zeropipe_here(*command)
         assert result.returncode != 0 and "posix.system" in result.stderr, (command, result.stdout[-2000:], result.stderr[-2000:])
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("section, key, value, words", [
+    ("train", "max_steps", 1e20, "max_steps"),
+    ("train", "max_steps", 10**17, "at most 100,000,000"),
+    ("data.synthetic", "examples", 1_000_000_000, "at most 1,000,000"),
+    ("generate", "max_new_tokens", 10**9, "at most 100,000"),
+    ("hardware", "gpus", 10**6, "at most 4,096"),
+    ("run", "seed", 10**30, "at most"),
+])  # fmt: skip
+def test_every_size_is_bounded_by_the_schema_before_any_work(client, section, key, value, words):
+    from tests.unit.server.test_server_confinement import tiny
+
+    raw = tiny()
+    holder = raw
+    for part in section.split("."):
+        holder = holder.setdefault(part, {})
+    holder[key] = value
+    checked = client.post("/api/config/check", json={"config": raw})
+    assert checked.status_code == 200, checked.text
+    problems = {p["key"]: p["message"] for p in checked.json()["problems"]}
+    assert f"{section}.{key}" in problems and words in problems[f"{section}.{key}"] + f"{section}.{key}", problems
+
+
+def test_a_caption_extension_is_an_extension(client):
+    from tests.unit.server.test_server_confinement import tiny
+
+    raw = tiny(data={"images": {"caption_ext": ".txt/../../x"}})
+    checked = client.post("/api/config/check", json={"config": raw}).json()
+    assert not checked["valid"] and any(p["key"] == "data.images.caption_ext" for p in checked["problems"]), checked
