@@ -273,7 +273,7 @@ class ImagesSection(Section):
     flip: float = Field(0.0, ge=0, le=1, description="Probability of a horizontal flip (with cached latents, both orientations are cached).")
     caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training on the empty caption, which classifier-free guidance needs (0.05-0.1 usual).")
     caption_ext: str = Field(
-        ".txt", pattern=r"^\.[A-Za-z0-9_-]{1,16}$", description="Extension of the caption files beside the images (kohya layout), such as .txt or .caption."
+        ".txt", pattern=r"^\.[A-Za-z0-9_-]{1,16}$", description="Extension of the caption files beside the images (kohya layout)."
     )
 
 
