@@ -137,3 +137,17 @@ def test_a_caption_extension_is_an_extension(client):
     raw = tiny(data={"images": {"caption_ext": ".txt/../../x"}})
     checked = client.post("/api/config/check", json={"config": raw}).json()
     assert not checked["valid"] and any(p["key"] == "data.images.caption_ext" for p in checked["problems"]), checked
+
+
+def test_hidden_files_of_the_data_folders_are_not_read(store, client, tmp_path):
+    """`data.path: .secret/creds.txt` showed the secret in the preview (issue 46, defect 13)."""
+    from tests.unit.server.test_server_confinement import tiny
+
+    secret = tmp_path / "data" / ".secret"
+    secret.mkdir()
+    (secret / "creds.txt").write_text("password=hunter2\n")
+    raw = tiny(data={"path": "data/.secret/creds.txt", "format": "text", "max_seq_len": 32})
+    preview = client.post("/api/data/preview", json={"config": raw})
+    assert preview.status_code == 422 and "hidden" in preview.text and "hunter2" not in preview.text, preview.text
+    checked = client.post("/api/config/check", json={"config": raw}).json()
+    assert any(p["key"] == "data.path" and "hidden" in p["message"] for p in checked["problems"]), checked
