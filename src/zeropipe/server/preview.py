@@ -21,6 +21,7 @@ from typing import Any
 
 from zeropipe.confine import also_allowing, confining
 from zeropipe.errors import ZeroPipeError
+from zeropipe.server.dataset import shown_caption
 
 SHOWN_EXAMPLES = 20
 SHOWN_SKIPPED = 50
@@ -189,7 +190,7 @@ def image_preview(config, limit: int) -> dict[str, Any]:
         for item in scan.items[:limit]:
             width, height = assign_bucket(item.width, item.height, buckets)
             shown.append({
-                "file": str(item.path.relative_to(Path(folder).resolve())), "caption": item.caption, "repeats": item.repeats,
+                "file": str(item.path.relative_to(Path(folder).resolve())), "caption": shown_caption(item.caption), "repeats": item.repeats,
                 "size": [item.width, item.height], "bucket": [width, height], "thumbnail": thumbnail(item.path),
             })  # fmt: skip
         problems = [{"file": str(bad.path), "line": None, "reason": bad.reason} for bad in scan.bad] + [
@@ -222,7 +223,12 @@ def thumbnail(path: Path, side: int = 160) -> str:
 
     from PIL import Image, ImageOps
 
+    from zeropipe.diffusion.images import MAX_IMAGE_PIXELS
+
     with Image.open(path) as image:
+        if image.size[0] * image.size[1] > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{image.size[0]}x{image.size[1]} pixels: no thumbnail")
+        image.draft("RGB", (side * 2, side * 2))  # a JPEG decodes reduced (1/2 to 1/8)
         image = ImageOps.exif_transpose(image).convert("RGB")
         image.thumbnail((side, side))
         buffer = io.BytesIO()

@@ -151,3 +151,44 @@ def test_hidden_files_of_the_data_folders_are_not_read(store, client, tmp_path):
     assert preview.status_code == 422 and "hidden" in preview.text and "hunter2" not in preview.text, preview.text
     checked = client.post("/api/config/check", json={"config": raw}).json()
     assert any(p["key"] == "data.path" and "hidden" in p["message"] for p in checked["problems"]), checked
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def test_the_dataset_view_is_bounded_and_confined(store, client, tmp_path):
+    """A sparse 128 MiB caption, an image under Pillow's limit but huge, links out and hidden folders (issue 46, defects 5, 6, 8, 13)."""
+    from tests.e2e.fake_runs import png
+
+    folder = tmp_path / "data" / "shots"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(png(32, 32, (200, 10, 10)))
+    with open(folder / "a.txt", "wb") as handle:  # 0 bytes on disk, 128 MiB by stat
+        handle.truncate(128 * 2**20)
+    (folder / "b.png").write_bytes(png(32, 32, (10, 200, 10)))
+    (folder / "b.txt").write_text("word " * 2000)
+    (folder / "c.png").write_bytes(png(9000, 6000, (1, 2, 3)))  # 54 M pixels: under Pillow's 89 M, over the cap
+    (folder / "d.png").write_bytes(png(16, 16, (3, 3, 3)))
+    (folder / "d.txt").symlink_to("/etc/hostname")
+    (folder / "usr").symlink_to("/usr", target_is_directory=True)
+    (tmp_path / "data" / ".hidden").mkdir()
+    before = rss()
+    answer = client.post("/api/dataset", json={"path": str(folder), "resolution": 64, "bucket_step": 16})
+    grown = rss() - before
+    assert answer.status_code == 200, answer.text
+    view = answer.json()
+    files = {row["file"]: row for row in view["files"]}
+    rejected = {row["file"]: row["reason"] for row in view["rejected"]}
+    assert "more than a caption may" in rejected["a.png"] and "a.png" not in files
+    assert len(files["b.png"]["caption"]) < 2100 and "characters" in files["b.png"]["caption"]
+    assert "pixels, more than" in rejected["c.png"]
+    assert "d.png" in rejected and "outside" in rejected["d.png"]
+    assert not any(name.startswith("usr") for name in list(files) + list(rejected)), "a folder link out of the roots is not walked"
+    assert len(answer.content) < 1_000_000
+    assert grown < 300 * 2**20, f"the UI grew by {grown / 2**20:.0f} MiB"
+    # A folder outside, hidden or missing: one answer.
+    answers = [client.post("/api/dataset", json={"path": path}) for path in ("/etc", str(tmp_path / "data" / ".hidden"), str(tmp_path / "data" / "nothing"))]
+    assert {a.status_code for a in answers} == {403} and len({a.json()["detail"].split(" is not a folder")[1] for a in answers}) == 1, [a.text for a in answers]
