@@ -192,3 +192,23 @@ def test_the_dataset_view_is_bounded_and_confined(store, client, tmp_path):
     # A folder outside, hidden or missing: one answer.
     answers = [client.post("/api/dataset", json={"path": path}) for path in ("/etc", str(tmp_path / "data" / ".hidden"), str(tmp_path / "data" / "nothing"))]
     assert {a.status_code for a in answers} == {403} and len({a.json()["detail"].split(" is not a folder")[1] for a in answers}) == 1, [a.text for a in answers]
+
+
+def test_a_small_parquet_file_that_decompresses_to_much_is_refused_before_reading(store, client, tmp_path, monkeypatch):
+    """A 3 KB zstd Parquet holding 381 MiB of text kept a preview thread busy for 22+ minutes (issue 46, defect 9).
+
+    The bound is lowered to 4 MiB here so that the test writes 8 MiB, not 600.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.unit.server.test_server_confinement import tiny
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("zeropipe.server.preview"), "MAX_DATA_BYTES", 4 * 2**20)
+    pq.write_table(pa.table({"text": [f"{i} " + "a" * 2**20 for i in range(8)]}), tmp_path / "data" / "bomb.parquet", compression="zstd")
+    assert (tmp_path / "data" / "bomb.parquet").stat().st_size < 100_000
+    before = rss()
+    answer = client.post("/api/data/preview", json={"config": tiny(data={"path": "data/bomb.parquet", "format": "text", "max_seq_len": 32})})
+    assert answer.status_code == 400 and "once decompressed" in answer.text, answer.text[:500]
+    assert rss() - before < 200 * 2**20
