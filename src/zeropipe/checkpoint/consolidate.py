@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from zeropipe.checkpoint import safeload
 from zeropipe.checkpoint.manager import COMPLETE_MARKER, CheckpointInfo
 from zeropipe.errors import CheckpointError
 
@@ -18,12 +19,30 @@ from zeropipe.errors import CheckpointError
 def consolidated_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The full fp32 state dict of a checkpoint, gathered from every rank's shards."""
     marker = json.loads((info.path / COMPLETE_MARKER).read_text())
+    refuse_links_out(info)
+    # Never unpickled: tensors and DeepSpeed's own records only (checkpoint.safeload), here and in zero_to_fp32.
+    safeload.install()
     if marker.get("zero_stage", 0) == 0:
-        states = torch.load(info.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        states = safeload.load(info.path / "mp_rank_00_model_states.pt", map_location="cpu")
         return {key: value.float() for key, value in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
+
+
+def refuse_links_out(info: CheckpointInfo) -> None:
+    """Refuse a checkpoint whose files are symlinks leading out of its folder (a run's files are its own).
+
+    Raises:
+        CheckpointError: naming the file; it is not read.
+    """
+    folder = info.path.resolve()
+    for file in sorted(info.path.iterdir()):
+        if file.is_symlink():
+            try:
+                file.resolve().relative_to(folder)
+            except (ValueError, OSError, RuntimeError):
+                raise CheckpointError(f"{file} is a symlink that leads out of checkpoint {info.tag}: it is not read; copy the file itself into the checkpoint") from None
 
 
 

@@ -29,6 +29,10 @@ from zeropipe.errors import CheckpointError
 
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 LOG_NAME = "universal-conversion.log"
+SAFE_CONVERTER = (
+    "import sys; from zeropipe.checkpoint import safeload; safeload.install(); "
+    f"from {CONVERTER} import main, parse_arguments; main(parse_arguments())"
+)
 
 
 def has_partitioned_state(tag_dir: Path) -> bool:
@@ -80,7 +84,8 @@ def convert_to_universal(run_dir: Path, info: CheckpointInfo, log_dir: Path, acc
         env["DS_ACCELERATOR"] = "cpu"
     # One worker each: the converter's process pools would multiply the memory it holds.
     argv = [
-        sys.executable, "-m", CONVERTER,
+        # DeepSpeed's converter, with its checkpoint readers loading tensors only (checkpoint.safeload).
+        sys.executable, "-c", SAFE_CONVERTER,
         "--input_folder", str(Path(info.path).resolve()),
         "--output_folder", str(output),
         "--num_extract_workers", "1",

@@ -15,11 +15,46 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StringConstraint
 # The generated text tasks (data.synthetic.task); "shapes" is the image task of diffusion runs.
 TEXT_TASKS = ("arithmetic", "reverse", "mixed")
 
+# Issue 46: every size has a bound, checked before any work (a config is anyone's text through the UI:
+# `train.max_steps: 1e20` broke the run store, `data.synthetic.examples: 1000000000` filled host memory).
+# The largest value of each integer field that counts work or memory, by (section class, field); every
+# other integer (seeds, ports...) is bounded by INT_LIMIT, which SQLite, JSON readers and numpy all take.
+INT_LIMIT = 2**53
+INT_BOUNDS: dict[tuple[str, str], int] = {
+    ("TrainSection", "max_steps"): 100_000_000, ("TrainSection", "warmup_steps"): 100_000_000, ("TrainSection", "log_every"): 100_000_000,
+    ("TrainSection", "save_every"): 100_000_000, ("TrainSection", "eval_every"): 100_000_000, ("TrainSection", "keep_last"): 10_000,
+    ("TrainSection", "micro_batch_size"): 65_536, ("TrainSection", "gradient_accumulation_steps"): 65_536,
+    ("SyntheticSection", "examples"): 1_000_000, ("DataSection", "max_seq_len"): 1_048_576, ("DataSection", "mixture_examples"): 100_000_000,
+    ("DataSection", "max_bad_records"): 100_000_000, ("ModelSection", "tokenizer_vocab_size"): 1_000_000, ("LoraSection", "r"): 65_536,
+    ("ImagesSection", "resolution"): 8_192, ("ImagesSection", "bucket_step"): 1_024, ("VideoSection", "frame_buckets"): 4_096,
+    ("VideoSection", "sample_frames"): 4_096, ("GenerateSection", "max_new_tokens"): 100_000, ("GenerateSection", "sample_every"): 100_000_000,
+    ("GenerateSection", "sample_steps"): 1_000, ("HardwareSection", "gpus"): 4_096,
+}  # fmt: skip
+FLOAT_BOUNDS: dict[tuple[str, str], float] = {("TrainSection", "epochs"): 1_000_000.0}
+
+
+def bounded(owner: str, name: str, value: Any) -> Any:
+    """``value`` when within its field's bound; a ValueError naming the bound (an int, list of ints or float)."""
+    limit = INT_BOUNDS.get((owner, name), INT_LIMIT)
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, int) and not isinstance(item, bool) and not -INT_LIMIT <= item <= limit:
+            raise ValueError(f"{item} is more than this field allows (at most {limit:,}): a size this large is refused before any work")
+    ceiling = FLOAT_BOUNDS.get((owner, name))
+    if ceiling is not None and isinstance(value, float) and value > ceiling:
+        raise ValueError(f"{value:g} is more than this field allows (at most {ceiling:g})")
+    return value
+
+
 class Section(BaseModel):
     # Unknown keys are errors: a typo such as `micro_batchsize` must not be silently ignored.
     # .inf and .nan are YAML floats but never a learning rate, a ratio or a scale: refused
     # in every float field, here, rather than failing (or silently training on NaN) later.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, value: Any, info: Any) -> Any:
+        return bounded(cls.__name__, info.field_name, value)
 
 
 class RunSection(Section):
@@ -274,7 +309,9 @@ class ImagesSection(Section):
     crop: Literal["center", "random"] = Field("center", description="Crop to the bucket from the centre or at random (random needs cache.latents off).")
     flip: float = Field(0.0, ge=0, le=1, description="Probability of a horizontal flip (with cached latents, both orientations are cached).")
     caption_dropout: float = Field(0.0, ge=0, le=1, description="Probability of training on the empty caption, which classifier-free guidance needs (0.05-0.1 usual).")
-    caption_ext: str = Field(".txt", description="Extension of the caption files beside the images (kohya layout).")
+    caption_ext: str = Field(
+        ".txt", pattern=r"^\.[A-Za-z0-9_-]{1,16}$", description="Extension of the caption files beside the images (kohya layout)."
+    )
 
 
 class CacheSection(Section):

@@ -45,6 +45,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 CAPTION_KEYS = ("text", "caption", "prompt")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 LAYOUTS = ("kohya", "metadata", "flat")
+# Bounds checked before reading (issue 46): a caption file's size (by stat: a sparse 128 MiB caption
+# took 3.3 GB), a metadata file's, and an image's pixels (by its header, well below Pillow's 89 M).
+MAX_CAPTION_BYTES = 64 * 1024
+MAX_METADATA_BYTES = 64 * 1024 * 1024
+MAX_IMAGE_PIXELS = 50_000_000
 CROPS = ("center", "random")
 
 # "10_sks dog" -> repeats 10, concept "sks dog". Same pattern kohya's sd-scripts uses.
@@ -257,7 +262,12 @@ def _read_caption(path: Path, bad: list[BadImage], image: Path) -> str | None:
         bad.append(BadImage(image, f"its caption file {path.name} {OUTSIDE_REASON}"))
         return None
     try:
-        return path.read_text(encoding="utf-8").strip()
+        size = path.stat().st_size
+        if size > MAX_CAPTION_BYTES:
+            bad.append(BadImage(image, f"its caption file {path.name} holds {size:,} bytes, more than a caption may ({MAX_CAPTION_BYTES:,}): not read"))
+            return None
+        with path.open("rb") as handle:
+            return handle.read(MAX_CAPTION_BYTES).decode("utf-8").strip()
     except UnicodeDecodeError as error:
         bad.append(BadImage(image, f"its caption file {path.name} is not UTF-8 text ({error}): re-save it as UTF-8"))
         return None
@@ -304,6 +314,12 @@ def _flat_candidates(root: Path, caption_ext: str, bad: list[BadImage], missing_
 
 def _metadata_records(metadata_file: Path, bad_lines: list[str]):
     """Yield ``(line_number, record)`` for each parseable line; unparseable ones go to ``bad_lines``."""
+    if not usable(metadata_file):
+        bad_lines.append(f"{metadata_file} {OUTSIDE_REASON}")
+        return
+    if metadata_file.stat().st_size > MAX_METADATA_BYTES:
+        bad_lines.append(f"{metadata_file} holds {metadata_file.stat().st_size:,} bytes, more than a metadata file may ({MAX_METADATA_BYTES:,}): not read")
+        return
     if metadata_file.suffix == ".csv":
         with metadata_file.open(newline="", encoding="utf-8-sig", errors="replace") as handle:
             reader = csv.DictReader(handle)
@@ -363,6 +379,8 @@ def _decoded_size(path: Path) -> tuple[int, int] | str:
         if path.stat().st_size == 0:
             return "empty file (0 bytes)"
         with Image.open(path) as image:
+            if image.size[0] * image.size[1] > MAX_IMAGE_PIXELS:
+                return f"{image.size[0]}x{image.size[1]} pixels, more than the {MAX_IMAGE_PIXELS:,} an image may hold: not decoded; resize it"
             image.load()
             width, height = image.size
             orientation = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
@@ -480,6 +498,8 @@ def load_image_for_bucket(
         raise DataError(f"{path} {OUTSIDE_REASON}")
     try:
         with Image.open(path) as opened:
+            if opened.size[0] * opened.size[1] > MAX_IMAGE_PIXELS:
+                raise DataError(f"{opened.size[0]}x{opened.size[1]} pixels, more than {MAX_IMAGE_PIXELS:,}")
             opened.load()
             image = _to_rgb(ImageOps.exif_transpose(opened))
     except Exception as error:  # same reasoning as in _decoded_size: every failure means "skip this file"

@@ -10,6 +10,7 @@ import json
 import random
 import re
 import string
+from collections.abc import Iterator
 from pathlib import Path
 
 from zeropipe.errors import DataError
@@ -38,19 +39,24 @@ def _reverse(rng: random.Random) -> tuple[str, str]:
     return REVERSE_QUESTION.format(word=word), word[::-1]
 
 
-def _pairs(task: str, count: int, rng: random.Random) -> list[tuple[str, str]]:
+def _pairs(task: str, count: int, rng: random.Random) -> Iterator[tuple[str, str]]:
+    """The records one at a time (a file of any size is written without holding it in memory)."""
     if task == "arithmetic":
-        return [_arithmetic(rng) for _ in range(count)]
+        return (_arithmetic(rng) for _ in range(count))
     if task == "reverse":
-        return [_reverse(rng) for _ in range(count)]
-    # Exactly half of each, interleaved at random so every batch sees both.
-    kinds = [_arithmetic] * (count // 2) + [_reverse] * (count - count // 2)
+        return (_reverse(rng) for _ in range(count))
+    # Exactly half of each, interleaved at random so every batch sees both: one byte per record
+    # (0 arithmetic, 1 reverse), shuffled as the list of makers was (the same order, the same file).
+    kinds = bytearray(count // 2) + bytearray(b"\x01") * (count - count // 2)
     rng.shuffle(kinds)
-    return [make(rng) for make in kinds]
+    makers = (_arithmetic, _reverse)
+    return (makers[kind](rng) for kind in kinds)
 
 
 def generate_dataset(task: str, examples: int, seed: int, path: Path) -> Path:
     """Write ``examples`` Alpaca-format records for ``task`` to the JSONL file ``path``; same seed, same file.
+
+    Records are streamed to the file (memory does not grow with ``examples``; the schema bounds it).
 
     Raises:
         DataError: unknown task or fewer than one example.
@@ -61,11 +67,9 @@ def generate_dataset(task: str, examples: int, seed: int, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    lines = [
-        json.dumps({"instruction": instruction, "input": "", "output": output})
-        for instruction, output in _pairs(task, examples, rng)
-    ]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with open(path, "w", encoding="utf-8") as handle:
+        for instruction, output in _pairs(task, examples, rng):
+            handle.write(json.dumps({"instruction": instruction, "input": "", "output": output}) + "\n")
     return path
 
 

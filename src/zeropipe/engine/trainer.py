@@ -162,6 +162,9 @@ class Trainer:
         # A checkpoint saved by another number of ranks is read from its universal copy
         # (ds_config.json then has checkpoint.load_universal, set by the launcher).
         load_dir = manager.universal_dir(self.run.path) if self.plan.resume_universal else self.run.checkpoints
+        from zeropipe.checkpoint import safeload
+
+        safeload.install()  # DeepSpeed's checkpoint readers load tensors and its own records only, never code (issue 46)
         load_path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
@@ -169,7 +172,7 @@ class Trainer:
         # On more ranks than saved it, the new ranks keep the seed's streams.
         rng_file = self.run.checkpoints / tag / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
-            restore_rng_state(torch.load(rng_file, weights_only=False))
+            restore_rng_state(safeload.load(rng_file))
         log.info("resumed from %s at step %d%s", tag, self.step, f" (its universal copy, on {self.world_size} ranks)" if self.plan.resume_universal else "")
 
     # ------------------------------------------------------------------ train

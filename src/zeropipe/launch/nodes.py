@@ -49,6 +49,14 @@ SSH_OPTION_KEYS = {
 }  # fmt: skip
 SSH_VALUE = re.compile(r"^[A-Za-z0-9_./~:@%+,=-]{1,1024}$")  # no spaces, quotes, $, ;, |, backquotes or newlines
 PATH_OPTIONS = {"IdentityFile", "UserKnownHostsFile", "GlobalKnownHostsFile"}
+# From a config submitted through the UI (confined, even under --trust-multinode) no option may name
+# a file ssh reads or writes (-i KEY reads any file; UserKnownHostsFile + HostKeyAlias + HashKnownHosts=no
+# append chosen text to any writable file), nor set the host-key policy: keys and known hosts are the
+# launcher's own (its ~/.ssh/config), not the submitter's.
+CONFINED_REFUSED = {
+    "IdentityFile", "UserKnownHostsFile", "GlobalKnownHostsFile", "HostKeyAlias", "StrictHostKeyChecking", "UpdateHostKeys",
+    "HashKnownHosts", "CheckHostIP",
+}  # fmt: skip
 
 
 def ssh_option_problem(word: str) -> str:
@@ -57,8 +65,12 @@ def ssh_option_problem(word: str) -> str:
             "put anything else (ProxyJump, ProxyCommand...) in ~/.ssh/config on this machine, where you chose it")  # fmt: skip
 
 
-def ssh_arguments(options: str) -> list[str]:
+def ssh_arguments(options: str, confined: bool = False) -> list[str]:
     """hardware.ssh_options as ssh's arguments, each checked against the allow-list (``~`` expanded in file names).
+
+    Args:
+        confined: the config came through the UI: also refuse every option that names a file or sets
+            the host-key policy (``CONFINED_REFUSED``).
 
     Raises:
         ConfigError: a word that is not an allowed option or value (naming it and what is allowed).
@@ -91,6 +103,10 @@ def ssh_arguments(options: str) -> list[str]:
             name = SSH_OPTION_KEYS.get(key.lower())
             if name is None:
                 raise ConfigError([("hardware.ssh_options", ssh_option_problem(f"-o {key}" if flag == "-o" else word))])
+            if confined and name in CONFINED_REFUSED:
+                raise ConfigError([("hardware.ssh_options", (f"{name} names a file ssh reads or writes, or chooses how host keys are trusted: "
+                                                             "a config submitted through the UI may not set it, even with --trust-multinode; "
+                                                             "put it in ~/.ssh/config of the user who runs the UI"))])  # fmt: skip
             if not SSH_VALUE.match(setting) or setting.startswith("-"):
                 raise ConfigError([("hardware.ssh_options", (f"{name}'s value {setting!r} is not allowed: a plain word, number or file name "
                                                              "(no spaces, quotes, $, ;, | or leading '-')"))])  # fmt: skip
@@ -104,7 +120,7 @@ def ssh_arguments(options: str) -> list[str]:
     return out
 
 
-def hardware_problems(hardware: object) -> list[tuple[str, str]]:
+def hardware_problems(hardware: object, confined: bool = False) -> list[tuple[str, str]]:
     """The ssh options and host names of a hardware section (plain values), each problem with its key.
 
     What ``resolve_layout`` refuses, said when a config is validated (the UI's check and launch
@@ -113,7 +129,7 @@ def hardware_problems(hardware: object) -> list[tuple[str, str]]:
     if not isinstance(hardware, dict):
         return []
     problems: list[tuple[str, str]] = []
-    checks = [(lambda: ssh_arguments(hardware.get("ssh_options") or "")) if isinstance(hardware.get("ssh_options") or "", str) else None]
+    checks = [(lambda: ssh_arguments(hardware.get("ssh_options") or "", confined)) if isinstance(hardware.get("ssh_options") or "", str) else None]
     nodes = hardware.get("nodes")
     if isinstance(nodes, list):
         checks += [(lambda host=host, index=index: check_host(host, f"hardware.nodes[{index}]")) for index, host in enumerate(nodes)]

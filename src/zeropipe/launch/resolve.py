@@ -163,6 +163,10 @@ def confine(config: RunConfig, confinement: Confinement | None, user_ds_config: 
     if confinement is None:
         return
     problems = confinement.run_problems(config.model_dump(mode="json"), user_ds_config)
+    if confinement.multinode:  # trusted to name machines, never files: no ssh option naming a path (issue 46)
+        from zeropipe.launch.nodes import hardware_problems
+
+        problems += [p for p in hardware_problems({"ssh_options": config.hardware.ssh_options}, confined=True) if p not in problems]
     if problems:
         raise ConfinementError(problems)
 

@@ -296,7 +296,9 @@ def data_preview(request: Request, body: PreviewRequest):
 
     store = store_of(request)
     config, _ = store.validate(body.raw())  # every path confined, as for a launch
-    with confining(store.confinement):  # and every file the preview opens: a symlink out of a data folder is skipped, as training skips it
+    from zeropipe.server.workbench import one_at_a_time
+
+    with one_at_a_time("preview"), confining(store.confinement):  # and every file the preview opens: a symlink out of a data folder is skipped, as training skips it
         return preview(config, body.limit)
 
 

@@ -81,7 +81,7 @@ def dataset_view(
         if caption_file.exists() and refuse(caption_file) is not None:
             caption = "(its caption file is a link out of the folders this UI may read: not shown)"
         shown.append({
-            "file": relative(item.path, folder), "caption": caption, "repeats": item.repeats, "size": [item.width, item.height],
+            "file": relative(item.path, folder), "caption": shown_caption(caption), "repeats": item.repeats, "size": [item.width, item.height],
             "bucket": list(bucket), "frames": item.frames, "fps": round(item.fps, 3), "thumbnail": thumbnail_of(item.path, item.frames > 1 or item.fps > 0),
         })  # fmt: skip
     rejected = [{"file": relative(bad.path, folder), "reason": bad.reason} for bad in scan.bad] + [{"file": "", "reason": line} for line in scan.bad_lines]
@@ -101,6 +101,15 @@ def dataset_view(
         "files": shown,
         "rejected": rejected[:MAX_REJECTED],
     }
+
+
+SHOWN_CAPTION = 2000  # characters of a caption a response carries (captions are read up to 64 KiB)
+
+
+def shown_caption(caption: str | None) -> str | None:
+    if caption is None or len(caption) <= SHOWN_CAPTION:
+        return caption
+    return caption[:SHOWN_CAPTION] + f"… ({len(caption):,} characters)"
 
 
 def relative(path: Path, folder: Path) -> str:
@@ -125,7 +134,12 @@ def thumbnail_of(path: Path, video: bool, side: int = 160) -> str | None:
                 frame = next(container.decode(video=0))
                 image = frame.to_image()
         else:
+            from zeropipe.diffusion.images import MAX_IMAGE_PIXELS
+
             with Image.open(path) as opened:
+                if opened.size[0] * opened.size[1] > MAX_IMAGE_PIXELS:
+                    return None
+                opened.draft("RGB", (side * 2, side * 2))  # a JPEG decodes reduced (1/2 to 1/8)
                 image = ImageOps.exif_transpose(opened).convert("RGB")
         image.thumbnail((side, side))
         buffer = io.BytesIO()

@@ -28,8 +28,8 @@ def new_run_page(request: Request):
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: int = Path(ge=1, le=2**53)):
-    request.app.state.store.run(run_id)  # 404 for an unknown run, before drawing a page for it
-    return page(request, "run.html", f"Run {run_id}", nav="runs", run_id=run_id)
+    run = request.app.state.store.run(run_id)  # 404 for an unknown run, before drawing a page for it
+    return page(request, "run.html", f"Run {run_id}", nav="runs", run_id=run_id, foreign=run.get("origin") != "ui")
 
 
 @router.get("/generate", response_class=HTMLResponse)

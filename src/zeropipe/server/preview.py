@@ -21,6 +21,7 @@ from typing import Any
 
 from zeropipe.confine import also_allowing, confining
 from zeropipe.errors import ZeroPipeError
+from zeropipe.server.dataset import shown_caption
 
 SHOWN_EXAMPLES = 20
 SHOWN_SKIPPED = 50
@@ -55,9 +56,9 @@ def text_preview(config, limit: int) -> dict[str, Any]:
     data = config.data
     with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch, confining(also_allowing(Path(scratch))):  # generated data is read from scratch
         path, source = data_file(config, Path(scratch))
-        size = sum(p.stat().st_size for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
+        size = sum(expanded_size(p) for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
         if size > MAX_DATA_BYTES:
-            raise ZeroPipeError(f"{path} holds {size / 2**30:.1f} GiB: the preview reads at most {MAX_DATA_BYTES // 2**20} MiB; preview a sample of it")
+            raise ZeroPipeError(f"{path} holds {size / 2**20:,.0f} MiB once decompressed: the preview reads at most {MAX_DATA_BYTES // 2**20} MiB; preview a sample of it")
         records, bad = read_located_records(path)
         total = len(records) + len(bad)
         if data.synthetic is not None:
@@ -99,6 +100,28 @@ def text_preview(config, limit: int) -> dict[str, Any]:
             "skipped_count": len(bad),
             "verdict": verdict(len(bad), total, data),
         }
+
+
+def expanded_size(path: Path) -> int:
+    """The bytes a file becomes when read: a Parquet file's uncompressed size from its footer (a 3 KB zstd file held 381 MiB).
+
+    Raises:
+        ZeroPipeError: a Parquet file whose footer cannot be read.
+    """
+    size = path.stat().st_size
+    if path.suffix.lower() != ".parquet":
+        return size
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.ParquetFile(path).metadata
+    except Exception as err:  # noqa: BLE001 - any unreadable footer is one answer
+        raise ZeroPipeError(f"{path} is not a readable Parquet file ({type(err).__name__}): {err}") from None
+    expanded = 0
+    for group in range(metadata.num_row_groups):
+        row_group = metadata.row_group(group)
+        expanded += sum(row_group.column(c).total_uncompressed_size for c in range(row_group.num_columns))
+    return max(size, expanded)
 
 
 def data_file(config, scratch: Path) -> tuple[Path, str]:
@@ -190,7 +213,7 @@ def image_preview(config, limit: int) -> dict[str, Any]:
         for item in scan.items[:limit]:
             width, height = assign_bucket(item.width, item.height, buckets)
             shown.append({
-                "file": str(item.path.relative_to(Path(folder).resolve())), "caption": item.caption, "repeats": item.repeats,
+                "file": str(item.path.relative_to(Path(folder).resolve())), "caption": shown_caption(item.caption), "repeats": item.repeats,
                 "size": [item.width, item.height], "bucket": [width, height], "thumbnail": thumbnail(item.path),
             })  # fmt: skip
         problems = [{"file": str(bad.path), "line": None, "reason": bad.reason} for bad in scan.bad] + [
@@ -223,7 +246,12 @@ def thumbnail(path: Path, side: int = 160) -> str:
 
     from PIL import Image, ImageOps
 
+    from zeropipe.diffusion.images import MAX_IMAGE_PIXELS
+
     with Image.open(path) as image:
+        if image.size[0] * image.size[1] > MAX_IMAGE_PIXELS:
+            raise ValueError(f"{image.size[0]}x{image.size[1]} pixels: no thumbnail")
+        image.draft("RGB", (side * 2, side * 2))  # a JPEG decodes reduced (1/2 to 1/8)
         image = ImageOps.exif_transpose(image).convert("RGB")
         image.thumbnail((side, side))
         buffer = io.BytesIO()

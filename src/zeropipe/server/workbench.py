@@ -6,9 +6,11 @@ sees it; runs are named by id and their weights by checkpoint tag or export name
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from typing import Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, HTTPException, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import iterate_in_threadpool
 
@@ -103,12 +105,34 @@ def dataset(request: Request, body: DatasetRequest):
     from zeropipe.server.dataset import dataset_view
     from zeropipe.store import OutsideRoots
 
+    from zeropipe.confine import confining
+    from zeropipe.store.sandbox import hidden_in_data
+
     store = store_of(request)
     folder = store.roots.absolute(body.path)
     readable = store.roots.readable()
-    if not any(is_inside(folder, root) for root in readable):
-        raise OutsideRoots(f"{body.path} is outside the folders this UI may read ({', '.join(map(str, readable))})")
-    return dataset_view(folder, readable, body.caption_ext, body.resolution, body.bucket_step, body.max_aspect, body.bucketing, body.videos, body.offset, body.limit)
+    # One answer for a folder outside, hidden or missing: the page tells nothing of what lies outside.
+    if not any(is_inside(folder, root) for root in readable) or hidden_in_data(folder, store.roots) or not folder.is_dir():
+        raise OutsideRoots(f"{body.path} is not a folder inside the folders this UI may read ({', '.join(map(str, readable))}); hidden folders are not read")
+    # Every caption, metadata file and sub-folder is tested when it is opened: a link out of the folders is not followed.
+    with one_at_a_time("dataset"), confining(store.confinement):
+        return dataset_view(folder, readable, body.caption_ext, body.resolution, body.bucket_step, body.max_aspect, body.bucketing, body.videos, body.offset, body.limit)
+
+
+# One heavy look (a Dataset view, a data preview) of each kind at a time: each decodes images or reads
+# data files up to its bounds, and a second at once would double the memory it may take.
+_HEAVY: dict[str, threading.Lock] = {"dataset": threading.Lock(), "preview": threading.Lock()}
+
+
+@contextmanager
+def one_at_a_time(kind: str):
+    lock = _HEAVY[kind]
+    if not lock.acquire(blocking=False):
+        raise HTTPException(429, f"another {kind} look is running (one at a time, so that their memory never adds up): try again when it ends")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # -------------------------------------------------------------- sample now

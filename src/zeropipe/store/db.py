@@ -77,8 +77,23 @@ def decode(row: sqlite3.Row | None) -> dict[str, Any] | None:
     return out
 
 
+SQLITE_INT = 2**63 - 1
+
+
 def encode(fields: dict[str, Any]) -> dict[str, Any]:
-    return {key: json.dumps(value) if key in JSON_COLUMNS and value is not None else value for key, value in fields.items()}
+    """Fields as SQLite stores them: JSON columns as text, an integer beyond SQLite's 64 bits as a float.
+
+    A run directory is anyone's file (``train.max_steps: 1e20`` in a copied run's ``run.json``):
+    such a number is kept approximately rather than breaking every later write of the row.
+    """
+    out = {}
+    for key, value in fields.items():
+        if key in JSON_COLUMNS and value is not None:
+            value = json.dumps(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and not -SQLITE_INT <= value <= SQLITE_INT:
+            value = float(value)
+        out[key] = value
+    return out
 
 
 # How long opening the database waits for another process that holds it.

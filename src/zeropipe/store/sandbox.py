@@ -101,7 +101,7 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
     else:
         from zeropipe.launch.nodes import hardware_problems
 
-        problems += hardware_problems(raw.get("hardware"))  # the ssh allow-list and host names, as the launcher applies them
+        problems += hardware_problems(raw.get("hardware"), confined=True)  # the ssh allow-list and host names, as the launcher applies them
     run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
     if run.get("name") is None:
         problems.append(("run.name", "missing: name the run (it becomes the folder RUNS/NAME)"))
@@ -131,6 +131,9 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
         if resolved is None or not any(is_inside(resolved, root) for root in allowed):
             problems.append((found.key, f"{found.value} is outside the folders this UI may read and write ({shown}): "
                              "use a path inside them, or start zeropipe ui with --data-dir naming its folder"))  # fmt: skip
+        elif found.key != "data.cache.dir" and hidden_in_data(resolved, roots):
+            problems.append((found.key, f"{found.value} is a hidden file or folder (its name, or a folder's on the way, starts with '.'): "
+                             "the UI reads no hidden files of its data folders; rename it"))  # fmt: skip
     return problems
 
 
@@ -146,6 +149,19 @@ def python_code_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:
                 problems.append((f"{prefix}grpo.rewards[{number}].function", "a reward function is Python code imported and run on this machine: the UI refuses it "
                                  "unless started with `zeropipe ui --allow-remote-code`; use a built-in reward (answer, numeric, format, length, model), or run this config with `zeropipe train`"))  # fmt: skip
     return problems
+
+
+def hidden_in_data(path: Path, roots: Roots) -> bool:
+    """Whether ``path`` (resolved) lies in a data folder (not a runs folder) under a name starting with '.' (``.secret/creds.txt``)."""
+    if roots.runs_root_of(path) is not None:
+        return False
+    for root in roots.data:
+        try:
+            parts = Path(path).relative_to(root).parts
+        except ValueError:
+            continue
+        return any(part.startswith(".") for part in parts)
+    return False
 
 
 def absolutize(raw: dict[str, Any], roots: Roots) -> dict[str, Any]:

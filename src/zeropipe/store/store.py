@@ -14,6 +14,7 @@ launcher's pid, the metrics) is on disk.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shlex
 import subprocess
@@ -46,6 +47,7 @@ from zeropipe.store.series import SeriesCache
 
 LOG_NAME = re.compile(r"^(rank\d{1,4}|launcher|node_setup)$")  # node_setup: the caching process run before the ranks
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".gif"}
+log = logging.getLogger(__name__)
 STOPPING_SECONDS = 120  # how long "stopping" is shown before the launcher's own word is awaited no more
 
 
@@ -100,7 +102,12 @@ class RunStore:
                             run_id = self.db.insert_run(path=str(path), name=path.name, root=str(root), origin="cli", state="starting", created_at=time.time())
                             known[str(path)] = self.db.run(run_id)
             for row in known.values():
-                self.refresh_run(row)
+                # One run directory no reader expected (anyone's files: a copied or hand-edited run)
+                # never stops the refresh of the others; it is logged, and its row keeps what it had.
+                try:
+                    self.refresh_run(row)
+                except Exception:  # noqa: BLE001 - any defect of one run's files, reported once per change
+                    log.warning("run %s (%s) could not be read; the others are refreshed", row.get("id"), row.get("path"), exc_info=True)
 
     def refresh_run(self, row: dict[str, Any]) -> None:
         path = Path(row["path"])

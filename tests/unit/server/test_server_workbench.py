@@ -154,8 +154,10 @@ def test_the_dataset_view_reads_only_the_folders_the_ui_may_read(tmp_path):
         assert client.post("/api/dataset", json={"path": str(folder), "caption_ext": "../x"}).status_code == 422
         data = client.post("/api/dataset", json={"path": str(folder), "resolution": 64, "bucket_step": 16}).json()
     store.close()
-    assert data["usable"] == 2 and data["layout"] == "flat"
-    assert {r["file"]: r["reason"] for r in data["rejected"]}["c.png"].startswith("not an image")
+    # b.png is rejected unread, as a run launched by the UI skips it (issue 46: its caption was read in full before).
+    assert data["usable"] == 1 and data["layout"] == "flat"
+    rejected = {r["file"]: r["reason"] for r in data["rejected"]}
+    assert rejected["c.png"].startswith("not an image") and "outside" in rejected["b.png"]
     captions = {f["file"]: f["caption"] for f in data["files"]}
     assert captions["a.png"] == "a black field" and "private words" not in str(data)
-    assert sum(b["files"] for b in data["buckets"].values()) == 2
+    assert sum(b["files"] for b in data["buckets"].values()) == 1
