@@ -134,7 +134,7 @@ def thumbnail_of(path: Path, video: bool, side: int = 160) -> str | None:
                 frame = next(container.decode(video=0))
                 image = frame.to_image()
         else:
-            from zeropipe.diffusion.images import MAX_IMAGE_PIXELS
+            from zeropipe.data.images import MAX_IMAGE_PIXELS
 
             with Image.open(path) as opened:
                 if opened.size[0] * opened.size[1] > MAX_IMAGE_PIXELS:

@@ -246,7 +246,7 @@ def thumbnail(path: Path, side: int = 160) -> str:
 
     from PIL import Image, ImageOps
 
-    from zeropipe.diffusion.images import MAX_IMAGE_PIXELS
+    from zeropipe.data.images import MAX_IMAGE_PIXELS
 
     with Image.open(path) as image:
         if image.size[0] * image.size[1] > MAX_IMAGE_PIXELS:
