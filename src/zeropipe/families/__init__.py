@@ -133,7 +133,12 @@ def family_of_dir(path: Path) -> Family:
 # ------------------------------------------------------------------ the commands that dispatch
 def model_spec(config: "RunConfig") -> "ModelSpec":
     """The planner's description of a run config's model."""
-    return family_of(config.model).model_spec(config)
+    spec = family_of(config.model).model_spec(config)
+    if config.train.ema is not None:
+        from dataclasses import replace
+
+        spec = replace(spec, ema=True)
+    return spec
 
 
 def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False) -> Path:
