@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe
+from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe, zeropipe_here
 from zeropipe.checkpoint.consolidate import consolidated_ema_state_dict, consolidated_state_dict
 from zeropipe.checkpoint.manager import CheckpointInfo, tag_for
 
@@ -46,6 +46,16 @@ def test_zero3_ema_equals_the_reference_from_the_per_step_weights_and_resumes_ex
             for name in weights:
                 torch.testing.assert_close(ema[name], reference[name], rtol=0, atol=1e-6, msg=f"step {step}: {name}")
     assert max((ema[n] - weights[n]).abs().max().item() for n in weights) > 1e-4, "EMA and weights coincide: the test proves nothing"
+
+    # Exported beside the plain weights: both load with from_pretrained, the EMA export holds the EMA.
+    from transformers import AutoModelForCausalLM
+
+    for flag, expected in (("--ema", ema), (None, weights)):
+        out = tmp_path / ("export-ema" if flag else "export")
+        assert_ok(zeropipe_here("export", run_dir, "--out", out, *([flag] if flag else [])))
+        loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        for name, tensor in expected.items():
+            assert torch.equal(loaded[name], tensor), (flag, name)
 
     # Resumed from step 3 in a copy of the run: the same EMA at the end as the uninterrupted run's.
     cut = tmp_path / "cut"
