@@ -3,7 +3,7 @@
 Under ZeRO the fp32 master weights that the optimizer updates are partitioned across the ranks:
 ZeRO-1/2 hold them in ``optimizer.single_partition_of_fp32_groups``, ZeRO-3 in
 ``optimizer.fp32_partitioned_groups_flat`` (deepspeed 0.19, ``runtime/zero/stage_1_and_2.py`` and
-``runtime/zero/stage3.py``). The EMA is one fp32 tensor beside each, on the same device (the host
+``runtime/zero/stage3.py``; ZeRO-1's ``BF16_Optimizer`` in ``fp32_groups_flat_partition``). The EMA is one fp32 tensor beside each, on the same device (the host
 when the optimizer is offloaded): 4 bytes per trainable weight of the rank's partition, no
 collective. The full EMA is gathered offline the way DeepSpeed gathers the master weights
 (``zero_to_fp32``), with the EMA in their place (``checkpoint/consolidate.py``). Stage 0 keeps no
@@ -49,7 +49,9 @@ def master_partitions(engine: Any) -> tuple[list[torch.Tensor], list[str] | None
         raise ConfigError(
             [("train.ema", "cannot average weights that DeepSpeed swaps to NVMe (zero_optimization.offload_optimizer.device: nvme): offload the optimizer to cpu, or remove train.ema")]
         )
-    for attribute in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+    # ZeRO-1/2, ZeRO-3, and ZeRO-1's BF16_Optimizer (bf16 weights with fp32 gradient accumulation,
+    # runtime/bf16_optimizer.py, which checkpoints it as single_partition_of_fp32_groups too).
+    for attribute in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
         groups = getattr(optimizer, attribute, None)
         if groups is not None:
             return list(groups), None
