@@ -24,6 +24,7 @@ TAG_PATTERN = re.compile(r"^step_(\d+)$")
 SUPERSEDED = "superseded-"  # checkpoints/superseded-DATE: newer checkpoints a resume set aside
 UNIVERSAL = "universal"  # checkpoints/universal/TAG: a checkpoint converted for another rank count (checkpoint/universal.py)
 UNIVERSAL_MARKER = "zeropipe_universal.json"  # a universal copy counts only once it holds this
+EMA_FILE = "ema_rank{rank}.pt"  # checkpoints/TAG/ema_rank0.pt: one rank's partition of the EMA weights (engine/ema.py)
 
 
 @dataclass(frozen=True)

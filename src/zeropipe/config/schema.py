@@ -447,6 +447,19 @@ class DataSection(Section):
     )
 
 
+class EmaSection(Section):
+    """An exponential moving average of the trained weights, kept by each rank for its own ZeRO partition (docs/ema.md)."""
+
+    decay: float = Field(0.999, gt=0, lt=1, description="Decay of the average: ema = decay * ema + (1 - decay) * weights (0.999-0.9999 usual).")
+    every: int = Field(1, ge=1, description="Update the average every N optimizer steps.")
+    warmup: Literal["ratio", "power", "none"] = Field(
+        "ratio",
+        description="How the decay ramps up over the first updates (diffusers' EMAModel.get_decay): 'ratio': min(decay, (1+n)/(10+n)); "
+        "'power': min(decay, 1-(1+n)^-power); 'none': decay from the second update on. n counts updates from 0; the first update copies the weights.",
+    )
+    power: float = Field(2 / 3, gt=0, description="Exponent of warmup: power (diffusers' default 2/3; 3/4 for short runs).")
+
+
 class TrainSection(Section):
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides train.epochs when both are set.")
     epochs: float | None = Field(None, gt=0, description="Passes over the data (default 1 when max_steps is not set).")
@@ -490,6 +503,9 @@ class TrainSection(Section):
         "on the GPU, and bring them back for the block's recomputation in backward. Frees layers x tokens x hidden x 2 bytes of GPU memory per "
         "micro-batch (what dominates long sequences and video) for the same amount of host RAM per rank and a copy each way over the host "
         "link; the losses are the same as without. Needs model.gradient_checkpointing: true.",
+    )
+    ema: EmaSection | None = Field(
+        None, description="Keep an exponential moving average of the trained weights, saved in every checkpoint; absent: none (docs/ema.md)."
     )
 
 

@@ -25,6 +25,7 @@ import torch
 from zeropipe.checkpoint import manager
 from zeropipe.data.sampler import DataPosition
 from zeropipe.engine.optimizers import build_client_optimizer
+from zeropipe.engine.ema import EmaWeights
 from zeropipe.engine.task import RankTask
 from zeropipe.metrics import MetricSinks
 from zeropipe.models.checkpointing import offload_counter
@@ -106,6 +107,7 @@ class Trainer:
         # from the checkpoint); None: the beginning, or a family that counts in steps.
         self.data_position = DataPosition.from_dict(self.plan.resume_data_position) if self.plan.resume_data_position else None
         self.batches = None
+        self.ema: EmaWeights | None = None  # train.ema's, made once the engine exists (setup_model)
         self.pending_metrics: list[PendingStep] = []
         self.samples_asked = False  # the UI asked for samples: seen by rank 0 at the last flush, known to every rank
         self.process = psutil.Process()
@@ -153,6 +155,8 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=parameters, optimizer=client, config=self.ds_config
         )
+        # train.ema: this rank's EMA of its own partition of the trained weights (engine/ema.py).
+        self.ema = EmaWeights.for_engine(self.engine, self.config.train.ema) if self.config.train.ema else None
         self.task.after_initialize()
 
     def resume(self) -> None:
@@ -173,6 +177,8 @@ class Trainer:
         rng_file = self.run.checkpoints / tag / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             restore_rng_state(safeload.load(rng_file))
+        if self.ema is not None:
+            self.ema.load(self.run.checkpoints / tag, self.rank, self.world_size)
         log.info("resumed from %s at step %d%s", tag, self.step, f" (its universal copy, on {self.world_size} ranks)" if self.plan.resume_universal else "")
 
     # ------------------------------------------------------------------ train
@@ -234,6 +240,8 @@ class Trainer:
             tokens += batch_tokens
             samples += batch_samples
         self.step += 1
+        if self.ema is not None and self.step % self.config.train.ema.every == 0:
+            self.ema.update()  # after the accumulation boundary: the optimizer has stepped
         return epoch, loss_sum / self.accumulation, lr, tokens, samples
 
     def current_lr(self) -> float:
@@ -351,6 +359,8 @@ class Trainer:
         self.engine.save_checkpoint(str(self.run.checkpoints), tag=tag, client_state=client_state, save_latest=False)
         # Per-rank RNG: dropout and LoRA dropout must continue exactly after a resume.
         torch.save(rng_state(), self.run.checkpoints / tag / f"rng_rank{self.rank}.pt")
+        if self.ema is not None:
+            self.ema.save(self.run.checkpoints / tag, self.rank, self.world_size)
         dist.barrier()
         if self.rank == 0:
             meta = {

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
+from zeropipe.checkpoint.consolidate import consolidated_ema_state_dict, consolidated_state_dict, load_checked
 from zeropipe.checkpoint.manager import CheckpointInfo, resolve_checkpoint
 from zeropipe.config.schema import RunConfig
 from zeropipe.errors import ZeroPipeError
@@ -36,16 +36,18 @@ class ExportJob:
     out: Path
     merge: bool
     dtype_name: str
+    ema: bool = False  # the checkpoint's EMA weights (train.ema) instead of the trained ones
+
 
     @property
     def dtype(self) -> torch.dtype:
         return TORCH_DTYPES[self.dtype_name]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return consolidated_state_dict(self.info)
+        return consolidated_ema_state_dict(self.info) if self.ema else consolidated_state_dict(self.info)
 
 
-def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False) -> ExportJob:
+def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False, ema: bool = False) -> ExportJob:
     """Resolve what to export.
 
     Raises:
@@ -61,7 +63,7 @@ def export_job(source: str | Path, out: str | Path, merge: bool = False, dtype: 
     dtype = dtype or (config.deepspeed.precision if config.deepspeed.precision != "auto" else "fp32")
     if dtype not in TORCH_DTYPES:
         raise ZeroPipeError(f"--dtype must be one of {', '.join(TORCH_DTYPES)} (you gave {dtype})")
-    return ExportJob(run, info, config, out, merge, dtype)
+    return ExportJob(run, info, config, out, merge, dtype, ema)
 
 
 def write_transformers_export(job: ExportJob, model, state: dict[str, torch.Tensor] | None = None) -> Path:
@@ -100,7 +102,7 @@ def write_transformers_export(job: ExportJob, model, state: dict[str, torch.Tens
         # Vision-language runs: the processor (tokenizer + image processor) the run trained with.
         AutoProcessor.from_pretrained(str(run.processor)).save_pretrained(str(tmp))
     (tmp / "zeropipe_export.json").write_text(
-        json.dumps({"run": str(run.path.resolve()), "checkpoint": job.info.tag, "step": job.info.step, "merged": job.merge, "dtype": job.dtype_name}, indent=2)
+        json.dumps({"run": str(run.path.resolve()), "checkpoint": job.info.tag, "step": job.info.step, "merged": job.merge, "dtype": job.dtype_name, "ema": job.ema}, indent=2)
     )
     if job.out.exists():
         shutil.rmtree(job.out)

@@ -137,23 +137,24 @@ def model_spec(config: "RunConfig") -> "ModelSpec":
     """The planner's description of a run config's model."""
     from dataclasses import replace
 
-    # The optimizer's state is the same for every family: counted from train.optimizer here, once.
-    return replace(family_of(config.model).model_spec(config), optimizer=config.train.optimizer)
+    # The optimizer's state and the EMA are the same for every family: counted from train.* here, once.
+    return replace(family_of(config.model).model_spec(config), optimizer=config.train.optimizer, ema=config.train.ema is not None)
 
 
-def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False) -> Path:
+def export_run(source: str | Path, out: str | Path, merge: bool = False, dtype: str | None = None, force: bool = False, ema: bool = False) -> Path:
     """Write a run's checkpoint as its family's libraries load it (a transformers or diffusers directory, an adapter).
 
     Args:
         source: run directory, or one of its checkpoint directories.
         merge: for LoRA runs, merge the adapter into the base instead of saving it alone.
         dtype: bf16, fp16 or fp32; default: the run's training precision.
+        ema: export the checkpoint's EMA weights (train.ema) instead of the trained ones.
 
     Raises:
         CheckpointError: no complete checkpoint, or it does not match the run's model.
     """
 
-    job = export_job(source, out, merge, dtype, force)
+    job = export_job(source, out, merge, dtype, force, ema)
     return family_of(job.config.model).export(job)
 
 

@@ -383,7 +383,22 @@ def model_state_terms(spec: ModelSpec, world_size: int, choice: Choice) -> list[
         state = "Adam momentum + variance, fp32" if spec.optimizer == "adamw" else f"{spec.optimizer}'s state"
         opt_why = f"K={k} bytes per trainable weight ({master}{state})" + (f", a 1/{n} partition" if stage else "")
     terms.append(Term("optimizer states", optimizer_state_bytes(trainable, n, choice, spec.optimizer), opt_why))
+    if spec.ema:
+        terms.append(Term("EMA weights (fp32)", ema_bytes(trainable, n, choice), ema_why(n, choice)))
     return terms
+
+
+def ema_bytes(trainable: int, world_size: int, choice: Choice) -> int:
+    """train.ema: 4 bytes per trainable weight of the rank's partition, where its master weights are (engine/ema.py)."""
+    if choice.offload_optimizer:
+        return 0
+    return partition_elements(trainable, world_size) * 4 if choice.zero_stage else trainable * 4
+
+
+def ema_why(world_size: int, choice: Choice) -> str:
+    if choice.offload_optimizer:
+        return "none on the GPU: kept in host RAM beside the offloaded fp32 master weights"
+    return "train.ema: 4 bytes per trainable weight" + (f", a 1/{world_size} partition (beside the fp32 master weights)" if choice.zero_stage else " (every rank)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -155,6 +155,7 @@ class ModelSpec:
     # and whether each micro-batch also runs a gradient-free forward pass (DPO/KTO with LoRA: the reference, adapters off).
     sequences_per_example: int = 1
     reference_forward: bool = False
+    ema: bool = False  # train.ema: an fp32 EMA of the trainable weights beside the master weights (engine/ema.py)
     block_linear_params: int = 0  # weights of the linear layers in the repeated blocks: what an fp8 base stores in 8 bits
     block_linear_channels: int = 0
     largest_block_linear: int = 0

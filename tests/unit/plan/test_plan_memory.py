@@ -218,3 +218,30 @@ def test_plan_run_reads_the_limits_from_deepspeed_overrides(tmp_path):
     spec_params = 4 * (4 * 256 * 256 + 3 * 256 * 512 + 2 * 256) + 2 * 1000 * 256 + 256
     assert configured_kept({}) == pytest.approx(spec_params * 2, rel=0.01)
     assert configured_kept({"zero_optimization": {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}}) == 0
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ema_adds_four_bytes_per_trainable_weight_of_the_partition(stage):
+    from dataclasses import replace
+
+    spec, n = spec_from_params(PSI), 64
+    plain = model_state_terms(spec, n, Choice(zero_stage=stage))
+    with_ema = model_state_terms(replace(spec, ema=True), n, Choice(zero_stage=stage))
+    added = [t for t in with_ema if t not in plain]
+    assert [t.name for t in added] == ["EMA weights (fp32)"]
+    assert added[0].bytes == 4 * (PSI if stage == 0 else -(-PSI // n))
+    offloaded = model_state_terms(replace(spec, ema=True), n, Choice(zero_stage=stage, offload_optimizer=True)) if stage else []
+    assert all(t.bytes == 0 for t in offloaded if t.name.startswith("EMA")), "an offloaded optimizer keeps the EMA in host RAM"
+
+
+def test_a_run_config_with_train_ema_is_planned_with_its_term():
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.families import model_spec
+
+    tiny = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"model": {"config": tiny, "tokenizer_vocab_size": 300}, "data": {"synthetic": {"task": "arithmetic"}}}
+    plain = model_spec(RunConfig.model_validate(config))
+    with_ema = model_spec(RunConfig.model_validate({**config, "train": {"ema": {"decay": 0.99}}}))
+    assert (plain.ema, with_ema.ema) == (False, True)
+    terms = model_state_terms(with_ema, 2, Choice(zero_stage=3))
+    assert [t.bytes for t in terms if t.name == "EMA weights (fp32)"] == [4 * -(-with_ema.trainable_params // 2)]
