@@ -98,6 +98,12 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.micro_batch_size = self.plan.micro_batch_size
+        # Sequence parallelism (parallel.sequence_parallel_size): groups of N consecutive ranks share one
+        # sample's tokens; the data is dealt over world / N ranks. The family sets mpu (DeepSpeed's groups).
+        self.sequence_parallel = self.config.parallel.sequence_parallel_size
+        self.data_world = self.world_size // self.sequence_parallel
+        self.data_rank, self.sp_rank = divmod(self.rank, self.sequence_parallel)
+        self.mpu = None
         self.accumulation = self.plan.gradient_accumulation_steps
         self.step = 0
         # Where a resumed run starts in its data, counted for the whole run (the launcher read it
@@ -144,7 +150,9 @@ class Trainer:
         model, self.parameter_counts = self.task.build_model()
         parameters = [p for p in model.parameters() if p.requires_grad]
         # DeepSpeed builds optimizer and scheduler from ds_config: no client optimizer.
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=parameters, config=self.ds_config)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=parameters, config=self.ds_config, mpu=self.mpu
+        )
         self.task.after_initialize()
 
     def resume(self) -> None:
@@ -219,7 +227,9 @@ class Trainer:
             loss, batch_tokens, batch_samples = self.task.forward_loss(batch)
             self.engine.backward(loss)
             self.engine.step()
-            loss_sum = loss_sum + loss.detach().double()
+            # Under sequence parallelism a rank's loss is its shard's part; the task keeps the group's mean.
+            reported = getattr(self.task, "reported_loss", None) if self.sequence_parallel > 1 else None
+            loss_sum = loss_sum + (reported if reported is not None else loss.detach().double())
             tokens += batch_tokens
             samples += batch_samples
         self.step += 1

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, universal_dir, write_atomic
 from zeropipe.checkpoint.universal import convert_to_universal, has_partitioned_state
-from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
+from zeropipe.config.deepspeed import build_deepspeed_config, data_parallel_size, zero_stage_of
 from zeropipe.config.load import config_changes, dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.confine import confining
@@ -115,14 +115,16 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     # own record beside config.yaml, which stays the config as it was resolved and checked.
     learned = config_changes(checked, config)
 
-    micro_batches_per_epoch = data.micro_batches_per_epoch(micro, world_size)
+    # Sequence parallelism: groups of N ranks read one sample together, so the data is dealt over world / N.
+    data_world = data_parallel_size(config, world_size)
+    micro_batches_per_epoch = data.micro_batches_per_epoch(micro, data_world)
     steps_per_epoch = micro_batches_per_epoch // accumulation
     if steps_per_epoch == 0:
         raise ConfigError(
             [
                 (
                     "train.micro_batch_size",
-                    f"{data.examples} examples over {world_size} ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}"
+                    f"{data.examples} examples over {data_world} {'data-parallel ' if data_world != world_size else ''}ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}"
                     f"{f' ({data.batching_note})' if data.batching_note else ''}: "
                     "lower train.micro_batch_size or train.gradient_accumulation_steps, or add data",
                 )
@@ -156,7 +158,7 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
     if resume_tag:
         # A user's DeepSpeed JSON may name its own accumulation; the resume's global batch wins.
         deepspeed.config["gradient_accumulation_steps"] = accumulation
-        deepspeed.config["train_batch_size"] = micro * accumulation * world_size
+        deepspeed.config["train_batch_size"] = micro * accumulation * data_world
     if resume_universal:
         deepspeed.config.setdefault("checkpoint", {})["load_universal"] = True
 
