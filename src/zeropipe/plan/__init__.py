@@ -103,7 +103,8 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
     if run_config.deepspeed.config_file:
         notes.append(f"deepspeed.config_file is set: the plan follows the deepspeed.* fields, not {run_config.deepspeed.config_file}")
     if len(fixed) == len(knobs):
-        configured = evaluate(spec, hardware, Choice(**fixed, seq_len=seq_len, attention=attention, **limits), margin)
+        sp = run_config.parallel.sequence_parallel_size
+        configured = evaluate(spec, hardware, Choice(**fixed, seq_len=seq_len, attention=attention, sequence_parallel=sp, **limits), margin)
         result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits)
         result.configured = configured
         result.notes += notes + _configured_on_cpu_ranks(configured.choice, hardware)
