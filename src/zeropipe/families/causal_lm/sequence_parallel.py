@@ -34,6 +34,9 @@ def register(model: torch.nn.Module, attn_implementation: str, size: int, micro_
         sequence_parallel_size=size,
         micro_batch_size=micro_batch_size,
         seq_length_is_variable=True,
+        # Held-out evaluation and generation run in eval mode, each rank on whole sequences of its own:
+        # the model's own attention then, unsplit (transformers' causal sdpa; right padding only follows real tokens).
+        disable_in_eval=True,
     )
 
 
