@@ -371,15 +371,12 @@ def sequence_parallel_unsupported(ctx: CheckContext):
     from zeropipe.families import family_of
 
     try:
-        family = family_of(ctx.config.model).name
+        family = family_of(ctx.config.model)
     except Exception:  # noqa: BLE001 - ZP000 reports a model the families cannot read
         return []
-    if family == "diffusion":
-        return [(key, "sequence parallelism for diffusion models (diffusers' context-parallel plans) is not wired into ZeRO-Pipe yet; "
-                 "only causal language models train with it", off)]
-    if family == "vlm":
-        return [(key, "sequence parallelism for vision-language models is not supported: the image tokens are merged into the "
-                 "sequence inside the model, after the split DeepSpeed's Ulysses needs; only causal language models train with it", off)]
+    refusal = getattr(family, "sequence_parallel_refusal", "its rank task does not split sequences over a group")
+    if refusal is not None:
+        return [(key, f"sequence parallelism is not supported for this model ({family.name}): {refusal}", off)]
     found = []
     if ctx.config.preference is not None:
         found.append((key, "preference tuning scores whole sequences (chosen against rejected) on one rank; ZeRO-Pipe splits only "

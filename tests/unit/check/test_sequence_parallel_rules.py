@@ -70,3 +70,11 @@ def test_a_deepspeed_json_sequence_parallel_size_is_taken_into_the_config(tmp_pa
     assert (resolved.config.parallel.sequence_parallel_size, resolved.config.train.gradient_accumulation_steps) == (2, 2)
     assert any("parallel.sequence_parallel_size = 2 (from" in note for note in resolved.notes), resolved.notes
     assert sp_findings(resolved) == []
+
+
+def test_a_diffusion_model_is_refused_with_the_reason(tmp_path):
+    raw = {"model": {"family": "diffusion", "config": {"pipeline": "tiny-sdxl"}}, "hardware": {"gpus": 4}, "parallel": {"sequence_parallel_size": 2},
+           "data": {"synthetic": {"task": "shapes", "examples": 16}}}
+    cfg = validate_config(raw)
+    found = sp_findings(cfg)
+    assert found and "(diffusion)" in found[0].message and "context-parallel plans are not wired" in found[0].message, [f.render() for f in found]
