@@ -391,9 +391,13 @@ def sequence_parallel_unsupported(ctx: CheckContext):
         degrees = [d for d in range(2, ctx.world_size + 1) if ctx.world_size % d == 0]
         found.append((key, f"{ctx.world_size} ranks do not divide into groups of {size}",
                       f"set {key} to one of {', '.join(map(str, degrees)) or '1'}, or run on a multiple of {size} ranks"))
-    if ctx.zero_stage == 0:
-        found.append(("deepspeed.zero_stage", "sequence parallelism runs under ZeRO stages 1-3 here (ZeRO's gradient reduction is what "
-                      "DeepSpeed averages over world / N); stage 0 is not tested with it", "set deepspeed.zero_stage to 1, 2 or 3"))
+    if ctx.zero_stage != 3:
+        found.append(("deepspeed.zero_stage", "sequence parallelism is tested exact under ZeRO-3 only (DeepSpeed divides the gradients "
+                      "by different rank counts in its stages; ZeRO-1/2 are not verified against data parallelism yet)", "set deepspeed.zero_stage: 3"))
+    elif (ctx.ds_config.get("zero_optimization") or {}).get("reduce_scatter") is False:
+        found.append(("deepspeed: zero_optimization.reduce_scatter", "under sequence parallelism ZeRO-Pipe scales the loss for ZeRO-3's "
+                      "reduce-scatter of gradients (which divides by every rank); its all-reduce path divides by world / N instead",
+                      "remove zero_optimization.reduce_scatter (DeepSpeed's default is true)"))
     try:
         from zeropipe.models.common import model_config
 

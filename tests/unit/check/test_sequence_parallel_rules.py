@@ -48,7 +48,8 @@ def test_a_causal_lm_with_divisible_heads_and_ranks_is_accepted(tmp_path):
         (2, 3, {}, "parallel.sequence_parallel_size", "3 ranks do not divide into groups of 2"),
         (2, 4, {"data": {"packing": True}}, "parallel.sequence_parallel_size", "examples would see each other"),
         (2, 4, {"model": {"attn_implementation": "eager"}}, "model.attn_implementation", "refuses eager attention"),
-        (2, 4, {"deepspeed": {"zero_stage": 0}}, "deepspeed.zero_stage", "stages 1-3"),
+        (2, 4, {"deepspeed": {"zero_stage": 2}}, "deepspeed.zero_stage", "ZeRO-3 only"),
+        (2, 4, {"deepspeed": {"zero_stage": 3, "overrides": {"zero_optimization": {"reduce_scatter": False}}}}, "deepspeed: zero_optimization.reduce_scatter", "divides by every rank"),
     ],
 )
 def test_what_ulysses_cannot_run_is_refused_with_the_reason(tmp_path, sp, gpus, sections, key, words):

@@ -10,7 +10,8 @@ averages gradients over world / N (its ``sequence_parallel_size`` in the JSON an
 
 The loss: each rank sums the token losses of its shard and divides by the number of labelled
 tokens of the whole group's micro-batch, so the group's gradients add up to those of the
-micro-batch's mean loss, the loss a data-parallel rank takes of the same micro-batch.
+micro-batch's mean loss, the loss a data-parallel rank takes of the same micro-batch (times N
+under ZeRO-3, whose reduce-scatter divides by all the ranks: see :func:`group_loss`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def shard_batch(batch: dict[str, torch.Tensor], size: int, rank: int, pad_token_
     return {"input_ids": input_ids[:, part].contiguous(), "position_ids": position_ids[:, part].contiguous(), "shift_labels": shift_labels[:, part].contiguous()}
 
 
-def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch.device, zero_stage: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to backpropagate on this rank, the group's mean loss for the metrics) of one sharded micro-batch."""
     import deepspeed.comm as dist
 
@@ -77,4 +78,8 @@ def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch
     figures = torch.stack([token_sum.detach().double(), (shift_labels != -100).sum().double()])
     dist.all_reduce(figures, group=group)
     labelled = figures[1].clamp(min=1)
-    return token_sum / labelled.to(token_sum.dtype), figures[0] / labelled
+    # ZeRO-3's reduce-scatter of gradients (stage3.py __avg_scatter_grads -> reduce_scatter_coalesced) divides by
+    # every rank, not by world / N as its other paths and ZeRO-1/2 do: the group's gradients are N times too
+    # small unless the loss carries N (measured: the gradient norm was half the data-parallel one at N=2).
+    scale = group.size() if zero_stage == 3 else 1
+    return token_sum * scale / labelled.to(token_sum.dtype), figures[0] / labelled

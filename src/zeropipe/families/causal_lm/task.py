@@ -106,7 +106,7 @@ class CausalLMTask(TaskDefaults):
         else:
             tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
         shard = sequence_parallel.shard_batch(batch, trainer.sequence_parallel, trainer.sp_rank, self.pad_id)
-        loss, group_mean = sequence_parallel.group_loss(trainer.engine, shard, trainer.mpu.get_sequence_parallel_group(), trainer.device)
+        loss, group_mean = sequence_parallel.group_loss(trainer.engine, shard, trainer.mpu.get_sequence_parallel_group(), trainer.device, trainer.plan.zero_stage)
         self.reported_loss = group_mean
         counted = trainer.sp_rank == 0
         return loss, tokens if counted else 0.0, examples if counted else 0.0
