@@ -18,6 +18,7 @@ def test_sp2_x_dp2_matches_two_data_parallel_ranks(tmp_run):
     result = zeropipe("train", sp)
     assert_ok(result)
     run_dir = tmp_path / "runs" / "sp2"
+    assert "6 steps of 8 x 1 x 2 examples (sequence parallel: groups of 2 ranks share each example's tokens)" in result.stderr + result.stdout
     assert "groups of 2 ranks share each sample's tokens; 2 data-parallel ranks" in (run_dir / "logs" / "rank0.log").read_text()
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
     assert (ds_config["sequence_parallel_size"], ds_config["train_batch_size"]) == (2, 8 * 2)
