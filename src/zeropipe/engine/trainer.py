@@ -351,6 +351,8 @@ class Trainer:
                 "micro_batch_size": self.micro_batch_size,
                 "gradient_accumulation_steps": self.accumulation,
             }
+            if self.sequence_parallel > 1:
+                meta["sequence_parallel_size"] = self.sequence_parallel
             if position is not None:
                 meta["data_position"] = position.to_dict()
             manager.mark_complete(self.run.path, self.step, meta)

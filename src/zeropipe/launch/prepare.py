@@ -77,6 +77,15 @@ def prepare_run(config: RunConfig | ResolvedRun, resume: str | bool | None = Non
         saved_world = saved.get("world_size") or (saved_shape[2] if saved_shape else world_size)
         other_rank_count = saved_world != world_size
         notes.append(f"resuming {run.path} from {info.tag} (step {info.step})" + (f", saved by {saved_world} ranks, on {world_size}" if other_rank_count else ""))
+        saved_sp, sp = saved.get("sequence_parallel_size", 1), config.parallel.sequence_parallel_size
+        if (saved_sp != sp or other_rank_count) and max(saved_sp, sp) > 1:
+            # Only the same degree on the same ranks is verified exact (docs/parallel.md).
+            raise ConfigError([(
+                "parallel.sequence_parallel_size",
+                f"{info.tag} was saved by {saved_world} ranks with sequence_parallel_size {saved_sp}; resuming on {world_size} ranks with {sp} "
+                "is not supported yet (the data position and the batch are not converted between SP degrees): "
+                f"resume with hardware.gpus={saved_world} and parallel.sequence_parallel_size={saved_sp}",
+            )])
     else:
         run.claim()  # refuses a run directory a live launcher owns, even one that has written nothing yet
         if list_checkpoints(run.path, complete_only=False) or run.metrics.exists():
