@@ -348,8 +348,6 @@ UNSUPPORTED_DEEPSPEED = {
         "batch; ZeRO-Pipe's ranks each read their own batch, so the first step fails with \"Data inconsistency within the TP group\"",
         "remove the tensor_parallel block: ZeRO-3 (zero_optimization.stage 3) shards the parameters over the GPUs instead",
     ),
-    "sequence_parallel_size": ("Ulysses sequence parallelism needs ZeRO-Pipe's data loader to split sequences across ranks, which it does not",
-                               "remove sequence_parallel_size"),
     # docs/moe.md "Expert parallelism": tried on 2 CPU ranks; with that one call bypassed, a step runs under ZeRO-2 and ZeRO-3.
     "expert_parallel": (
         "DeepSpeed 0.19.8's AutoEP fails in deepspeed.initialize with transformers 5 on every device: deepspeed/module_inject/auto_ep_presets/base.py "
@@ -379,6 +377,59 @@ def deepspeed_feature_unsupported(ctx: CheckContext):
                 "and fails at start with \"Unable to JIT load the async_io op\" without them)",
                 f"set zero_optimization.{block}.device to \"cpu\" (host RAM), or remove the block",
             ))
+    return found
+
+
+@rule("ZP022", "error", "sequence parallelism this run cannot use", "docs/parallel.md")
+def sequence_parallel_unsupported(ctx: CheckContext):
+    """parallel.sequence_parallel_size (or a DeepSpeed JSON's sequence_parallel_size): what Ulysses needs here."""
+    size = ctx.config.parallel.sequence_parallel_size
+    if size == 1:
+        return []
+    key = "parallel.sequence_parallel_size"
+    off = f"set {key}: 1"
+    from zeropipe.families import family_of
+
+    try:
+        family = family_of(ctx.config.model)
+    except Exception:  # noqa: BLE001 - ZP000 reports a model the families cannot read
+        return []
+    refusal = getattr(family, "sequence_parallel_refusal", "its rank task does not split sequences over a group")
+    if refusal is not None:
+        return [(key, f"sequence parallelism is not supported for this model ({family.name}): {refusal}", off)]
+    found = []
+    if ctx.config.preference is not None:
+        found.append((key, "preference tuning scores whole sequences (chosen against rejected) on one rank; ZeRO-Pipe splits only "
+                      "supervised fine-tuning's next-token loss over a group", off + ", or remove the preference section"))
+    if ctx.config.data.packing:
+        found.append((key, "packed sequences need their example boundaries kept inside attention, and DeepSpeed's Ulysses attention with "
+                      "sdpa or eager attends causally over the whole row: examples would see each other", off + ", or set data.packing: false"))
+    if ctx.config.model.attn_implementation == "eager":
+        found.append(("model.attn_implementation", "DeepSpeed's Ulysses attention refuses eager attention (it needs a 4-D mask the size of "
+                      "the whole sequence squared)", "set model.attn_implementation: sdpa"))
+    if ctx.world_size % size:
+        degrees = [d for d in range(2, ctx.world_size + 1) if ctx.world_size % d == 0]
+        found.append((key, f"{ctx.world_size} ranks do not divide into groups of {size}",
+                      f"set {key} to one of {', '.join(map(str, degrees)) or '1'}, or run on a multiple of {size} ranks"))
+    if ctx.zero_stage != 3:
+        found.append(("deepspeed.zero_stage", "sequence parallelism is tested exact under ZeRO-3 only (DeepSpeed divides the gradients "
+                      "by different rank counts in its stages; ZeRO-1/2 are not verified against data parallelism yet)", "set deepspeed.zero_stage: 3"))
+    elif (ctx.ds_config.get("zero_optimization") or {}).get("reduce_scatter") is False:
+        found.append(("deepspeed: zero_optimization.reduce_scatter", "under sequence parallelism ZeRO-Pipe scales the loss for ZeRO-3's "
+                      "reduce-scatter of gradients (which divides by every rank); its all-reduce path divides by world / N instead",
+                      "remove zero_optimization.reduce_scatter (DeepSpeed's default is true)"))
+    try:
+        from zeropipe.models.common import model_config
+
+        text = model_config(ctx.config.model).get_text_config()
+        heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    except Exception:  # noqa: BLE001 - a config that cannot be read is reported by the family's own checks
+        return found
+    if heads % size or (kv_heads % size and size % kv_heads):
+        degrees = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        found.append((key, f"Ulysses splits attention heads over the group: the model's {heads} attention heads ({kv_heads} key/value heads) "
+                      f"do not split into {size} (the key/value heads must divide by it or divide it)",
+                      f"set {key} to one of {', '.join(map(str, degrees)) or '1'}"))
     return found
 
 

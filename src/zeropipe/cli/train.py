@@ -116,10 +116,13 @@ def run(args: argparse.Namespace) -> int:
         raise disk_problem(err, run_dir_for(config)) from None
     plan, run_dir = prepared.plan, prepared.run
     say(f"run directory: {run_dir.path}")
+    sp = config.parallel.sequence_parallel_size
+    data_ranks = plan.world_size // sp if sp > 1 else plan.world_size
     say(
         f"{plan.world_size} {plan.accelerator.upper()} ranks, ZeRO stage {plan.zero_stage}, {plan.examples} examples, "
-        f"{plan.total_steps} steps of {plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {plan.world_size} "
+        f"{plan.total_steps} steps of {plan.micro_batch_size} x {plan.gradient_accumulation_steps} x {data_ranks} "
         f"{'packed sequences' if config.data.packing else 'examples'}"
+        + (f" (sequence parallel: groups of {sp} ranks share each example's tokens)" if sp > 1 else "")
     )
     for note in prepared.notes:
         say(f"  {note}")

@@ -117,6 +117,15 @@ def precision_block(precision: str) -> dict[str, Any]:
     return {}
 
 
+def data_parallel_size(config: RunConfig, world_size: int) -> int:
+    """Ranks that read different samples: the world over the sequence-parallel degree (groups of N share a sample).
+
+    A world the degree does not divide is kept whole here; `check` refuses it (ZP020).
+    """
+    sp = config.parallel.sequence_parallel_size
+    return world_size // sp if sp > 1 and world_size % sp == 0 else world_size
+
+
 def build_deepspeed_config(
     config: RunConfig, world_size: int, total_steps: int, hidden_size: int | None = None, user_json: dict[str, Any] | None = None
 ) -> ResolvedDeepSpeed:
@@ -129,6 +138,8 @@ def build_deepspeed_config(
     Raises:
         TypeError: a config_file without its content (a caller that did not carry the resolved run's).
     """
+    # DeepSpeed's train_batch_size counts data-parallel ranks: the world over the sequence-parallel degree.
+    world_size = data_parallel_size(config, world_size)
     if config.deepspeed.config_file:
         if user_json is None:
             raise TypeError(f"build_deepspeed_config: deepspeed.config_file {config.deepspeed.config_file} given without its content: pass user_json=resolved.user_ds_config")
@@ -152,6 +163,8 @@ def build_deepspeed_config(
             ds_config["optimizer"] = optimizer
         ds_config.update(optimizer_settings(config))
         resolved = ResolvedDeepSpeed(ds_config)
+    if config.parallel.sequence_parallel_size > 1:
+        resolved.config["sequence_parallel_size"] = config.parallel.sequence_parallel_size
     merge(resolved.config, copy.deepcopy(config.deepspeed.overrides))
     check_batch_size(resolved.config, world_size)
     return resolved
@@ -346,6 +359,13 @@ def fold_user_config(config: RunConfig, world_size: int, user_json: dict[str, An
     merge(user, copy.deepcopy(config.deepspeed.overrides))
     source = f"{config.deepspeed.config_file}" if config.deepspeed.config_file else "deepspeed.overrides"
     taken: dict[tuple[str, str], tuple[Any, str]] = {}  # (section, field) -> (value, JSON key)
+    sp = _explicit(user, "sequence_parallel_size")
+    if isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1:
+        taken[("parallel", "sequence_parallel_size")] = (sp, "sequence_parallel_size")
+    else:
+        sp = config.parallel.sequence_parallel_size
+    if world_size % sp == 0:
+        world_size //= sp  # the batch counts data-parallel ranks: groups of sp share a sample
 
     micro = _explicit(user, "train_micro_batch_size_per_gpu")
     accumulation = _explicit(user, "gradient_accumulation_steps")

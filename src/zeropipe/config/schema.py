@@ -560,6 +560,16 @@ class DeepSpeedSection(Section):
     )
 
 
+class ParallelSection(Section):
+    sequence_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ulysses sequence parallelism (causal LMs): groups of this many ranks share one sample's tokens, each holding "
+        "1/N of them and 1/N of the attention heads; data parallelism is ranks / N. Also read from a DeepSpeed JSON's "
+        "sequence_parallel_size. docs/parallel.md.",
+    )
+
+
 class HardwareSection(Section):
     gpus: int | Literal["auto"] = Field("auto", description="Ranks to start: one per GPU; 'auto' uses every visible GPU, or 2 CPU ranks without CUDA.")
     accelerator: Literal["auto", "cuda", "cpu"] = Field("auto", description="'auto' uses CUDA when available, else CPU ranks (gloo).")
@@ -735,6 +745,7 @@ class RunConfig(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection, description="Where metrics go besides metrics.jsonl.")
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="ZeRO stage, offload and precision.")
     hardware: HardwareSection = Field(default_factory=HardwareSection, description="How many ranks, on what.")
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Sequence parallelism: ranks that share one sample's tokens.")
     preference: PreferenceSection | None = Field(
         None, description="Preference tuning (DPO, ORPO, SimPO/CPO, KTO, reward model) instead of supervised fine-tuning; docs/preference.md."
     )

@@ -101,6 +101,12 @@ class Trainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.micro_batch_size = self.plan.micro_batch_size
+        # Sequence parallelism (parallel.sequence_parallel_size): groups of N consecutive ranks share one
+        # sample's tokens; the data is dealt over world / N ranks. The family sets mpu (DeepSpeed's groups).
+        self.sequence_parallel = self.config.parallel.sequence_parallel_size
+        self.data_world = self.world_size // self.sequence_parallel
+        self.data_rank, self.sp_rank = divmod(self.rank, self.sequence_parallel)
+        self.mpu = None
         self.accumulation = self.plan.gradient_accumulation_steps
         self.step = 0
         # Where a resumed run starts in its data, counted for the whole run (the launcher read it
@@ -153,7 +159,7 @@ class Trainer:
         # always the scheduler; bitsandbytes' AdamW8bit and Prodigy are handed over built (engine.optimizers).
         client = build_client_optimizer(self.config.train, parameters)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=parameters, optimizer=client, config=self.ds_config
+            model=model, model_parameters=parameters, optimizer=client, config=self.ds_config, mpu=self.mpu
         )
         # train.ema: this rank's EMA of its own partition of the trained weights (engine/ema.py).
         self.ema = EmaWeights.for_engine(self.engine, self.config.train.ema) if self.config.train.ema else None
@@ -236,7 +242,9 @@ class Trainer:
             loss, batch_tokens, batch_samples = self.task.forward_loss(batch)
             self.engine.backward(loss)
             self.engine.step()
-            loss_sum = loss_sum + loss.detach().double()
+            # Under sequence parallelism a rank's loss is its shard's part; the task keeps the group's mean.
+            reported = getattr(self.task, "reported_loss", None) if self.sequence_parallel > 1 else None
+            loss_sum = loss_sum + (reported if reported is not None else loss.detach().double())
             tokens += batch_tokens
             samples += batch_samples
         self.step += 1
@@ -370,6 +378,8 @@ class Trainer:
                 "micro_batch_size": self.micro_batch_size,
                 "gradient_accumulation_steps": self.accumulation,
             }
+            if self.sequence_parallel > 1:
+                meta["sequence_parallel_size"] = self.sequence_parallel
             if position is not None:
                 meta["data_position"] = position.to_dict()
             manager.mark_complete(self.run.path, self.step, meta)

@@ -41,6 +41,9 @@ class Family(Protocol):
     # ``draw(loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames)``
     # (the diffusion family's ``draw.py``); ``zeropipe.families.load_drawing`` / ``draw`` ask it.
     draws_images: bool
+    # Optional (read with getattr, default: refused): why parallel.sequence_parallel_size > 1 cannot train this
+    # family, or None where its rank task splits sequences over a group (the causal LM; docs/parallel.md).
+    sequence_parallel_refusal: str | None
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""

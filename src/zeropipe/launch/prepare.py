@@ -17,7 +17,7 @@ from pathlib import Path
 
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint, universal_dir, write_atomic
 from zeropipe.checkpoint.universal import convert_to_universal, has_partitioned_state
-from zeropipe.config.deepspeed import build_deepspeed_config, zero_stage_of
+from zeropipe.config.deepspeed import build_deepspeed_config, data_parallel_size, zero_stage_of
 from zeropipe.config.load import config_changes, dump_config
 from zeropipe.config.schema import RunConfig
 from zeropipe.confine import confining
@@ -75,6 +75,15 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
         saved_world = saved.get("world_size") or (saved_shape[2] if saved_shape else world_size)
         other_rank_count = saved_world != world_size
         notes.append(f"resuming {run.path} from {info.tag} (step {info.step})" + (f", saved by {saved_world} ranks, on {world_size}" if other_rank_count else ""))
+        saved_sp, sp = saved.get("sequence_parallel_size", 1), config.parallel.sequence_parallel_size
+        if (saved_sp != sp or other_rank_count) and max(saved_sp, sp) > 1:
+            # Only the same degree on the same ranks is verified exact (docs/parallel.md).
+            raise ConfigError([(
+                "parallel.sequence_parallel_size",
+                f"{info.tag} was saved by {saved_world} ranks with sequence_parallel_size {saved_sp}; resuming on {world_size} ranks with {sp} "
+                "is not supported yet (the data position and the batch are not converted between SP degrees): "
+                f"resume with hardware.gpus={saved_world} and parallel.sequence_parallel_size={saved_sp}",
+            )])
     else:
         run.claim()  # refuses a run directory a live launcher owns, even one that has written nothing yet
         if list_checkpoints(run.path, complete_only=False) or run.metrics.exists():
@@ -113,14 +122,16 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
     # own record beside config.yaml, which stays the config as it was resolved and checked.
     learned = config_changes(checked, config)
 
-    micro_batches_per_epoch = data.micro_batches_per_epoch(micro, world_size)
+    # Sequence parallelism: groups of N ranks read one sample together, so the data is dealt over world / N.
+    data_world = data_parallel_size(config, world_size)
+    micro_batches_per_epoch = data.micro_batches_per_epoch(micro, data_world)
     steps_per_epoch = micro_batches_per_epoch // accumulation
     if steps_per_epoch == 0:
         raise ConfigError(
             [
                 (
                     "train.micro_batch_size",
-                    f"{data.examples} examples over {world_size} ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}"
+                    f"{data.examples} examples over {data_world} {'data-parallel ' if data_world != world_size else ''}ranks do not fill one step of micro-batch {micro} x accumulation {accumulation}"
                     f"{f' ({data.batching_note})' if data.batching_note else ''}: "
                     "lower train.micro_batch_size or train.gradient_accumulation_steps, or add data",
                 )
@@ -154,7 +165,7 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
     if resume_tag:
         # A user's DeepSpeed JSON may name its own accumulation; the resume's global batch wins.
         deepspeed.config["gradient_accumulation_steps"] = accumulation
-        deepspeed.config["train_batch_size"] = micro * accumulation * world_size
+        deepspeed.config["train_batch_size"] = micro * accumulation * data_world
     if resume_universal:
         deepspeed.config.setdefault("checkpoint", {})["load_universal"] = True
 

@@ -97,7 +97,8 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
     if len(fixed) == len(knobs):
         # train.activation_offload as the config sets it (it offloads only what checkpointing keeps).
         held = {**fixed, "activation_offload": run_config.train.activation_offload and fixed.get("gradient_checkpointing") is True}
-        configured = evaluate(spec, hardware, Choice(**held, seq_len=seq_len, attention=attention, **limits), margin)
+        sp = run_config.parallel.sequence_parallel_size
+        configured = evaluate(spec, hardware, Choice(**held, seq_len=seq_len, attention=attention, sequence_parallel=sp, **limits), margin)
         result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits)
         result.configured = configured
         result.notes += notes + _configured_on_cpu_ranks(configured.choice, hardware)

@@ -98,6 +98,8 @@ class Choice:
     zero3_reuse_distance: int = DEFAULT_STAGE3_REUSE_DISTANCE
     # train.activation_offload: the checkpointed blocks' inputs wait in host RAM (needs gradient_checkpointing).
     activation_offload: bool = False
+    # Ulysses sequence parallelism (parallel.sequence_parallel_size): each rank holds 1/N of a sample's tokens.
+    sequence_parallel: int = 1
 
     def describe(self) -> str:
         offload = []
@@ -110,6 +112,8 @@ class Choice:
         parts.append(("checkpointing, inputs offloaded" if self.activation_offload else "checkpointing") if self.gradient_checkpointing else "no checkpointing")
         parts.append(f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps}")
         parts.append(self.precision)
+        if self.sequence_parallel > 1:
+            parts.append(f"sequence parallel {self.sequence_parallel}")
         return ", ".join(parts)
 
     @property
@@ -491,7 +495,7 @@ def loss_activation_bytes(block: BlockShape, vocab: int, tokens: int, precision:
 def saved_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
     """Bytes saved for backward by the end of the forward pass (what ``saved_tensors_hooks`` sees)."""
     if spec.block is not None and spec.layers:
-        tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len
+        tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len // choice.sequence_parallel
         if choice.gradient_checkpointing:
             layers = spec.layers * checkpointed_layer_bytes(spec.block, tokens, choice.precision)
         else:
@@ -513,7 +517,9 @@ def _trace_scale(trace, choice: Choice) -> int:
 def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
     """Activations of one micro-batch on one GPU, for the forward/backward phase."""
     b, s = choice.micro_batch_size * spec.sequences_per_example, choice.seq_len
-    tokens = b * s
+    # Sequence parallelism: a rank holds s/N of each sample's tokens (inside attention, all s tokens of 1/N of the heads: the same bytes).
+    tokens = b * s // choice.sequence_parallel
+    split = f"/{choice.sequence_parallel} (sequence parallel)" if choice.sequence_parallel > 1 else ""
     terms: list[Term] = []
     if spec.block is not None and spec.layers:
         block = spec.block
@@ -527,7 +533,7 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
                 else Term(
                     "activations (checkpointed layer inputs)",
                     kept,
-                    f"{spec.layers} layers keep only their input, s·b·h·{value_bytes(choice.precision)} bytes each (s={s}, b={b}, h={block.hidden})",
+                    f"{spec.layers} layers keep only their input, s·b·h·{value_bytes(choice.precision)} bytes each (s={s}{split}, b={b}, h={block.hidden})",
                     FORWARD_BACKWARD,
                 )
             )
@@ -541,7 +547,7 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
                 Term(
                     "activations saved for backward",
                     spec.layers * full,
-                    f"{spec.layers} layers x {_gib(full)} (s={s}, b={b}, h={block.hidden}); per token and layer "
+                    f"{spec.layers} layers x {_gib(full)} (s={s}{split}, b={b}, h={block.hidden}); per token and layer "
                     f"{full // max(tokens, 1):,} bytes, counted tensor by tensor; {attention}"
                     + ("; frozen base layers save no inputs, adapters save theirs" if spec.lora else ""),
                     FORWARD_BACKWARD,

@@ -38,6 +38,7 @@ class CausalLM:
     evaluates_loss = True
     takes_images = False
     streams_answers = True
+    sequence_parallel_refusal = None  # its task splits each micro-batch over the group (sequence_parallel.py)
 
     def detect(self, section: ModelSection) -> bool:
         return True  # what no other family claims

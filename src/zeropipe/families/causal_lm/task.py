@@ -40,11 +40,13 @@ class CausalLMTask(TaskDefaults):
         else:
             self.dataset = TokenDataset(trainer.run.cache)
             self.collate = partial(collate, pad_token_id=pad_id)
+        self.pad_id = pad_id
         seed = trainer.config.run.seed
+        # Sequence parallelism: the ranks of a group read the same micro-batch (data rank = rank // N).
         if data.group_by_length:
-            self.sampler = LengthGroupedSampler(self.dataset.lengths(), trainer.rank, trainer.world_size, seed, trainer.micro_batch_size)
+            self.sampler = LengthGroupedSampler(self.dataset.lengths(), trainer.data_rank, trainer.data_world, seed, trainer.micro_batch_size)
         else:
-            self.sampler = ResumableDistributedSampler(len(self.dataset), trainer.rank, trainer.world_size, seed=seed, shuffle=True)
+            self.sampler = ResumableDistributedSampler(len(self.dataset), trainer.data_rank, trainer.data_world, seed=seed, shuffle=True)
         # Held-out data is always evaluated padded, example by example, whatever the training batches look like.
         self.eval_dataset = TokenDataset(trainer.run.eval_cache) if (data.eval_path or data.eval_fraction) else None
         self.eval_collate = partial(collate, pad_token_id=pad_id)
@@ -63,6 +65,12 @@ class CausalLMTask(TaskDefaults):
         # Alive for the whole run: transformers builds the model inside zero.Init, and generate() under ZeRO-3 needs it too.
         self.hf_ds_config = hf_zero3_config(trainer.ds_config, trainer.plan.zero_stage)
         model = build_model(section, config, trainer.config.deepspeed.precision, trainer.plan.zero_stage, activation_offload=trainer.config.train.activation_offload)
+        if trainer.sequence_parallel > 1:
+            from zeropipe.families.causal_lm import sequence_parallel
+
+            # DeepSpeed's Ulysses attention in place of the model's, and the groups: the mpu deepspeed.initialize takes.
+            trainer.mpu = sequence_parallel.register(model, section.attn_implementation, trainer.sequence_parallel, trainer.micro_batch_size)
+            log.info("sequence parallelism: groups of %d ranks share each sample's tokens; %d data-parallel ranks", trainer.sequence_parallel, trainer.data_world)
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
         if trainer.plan.zero_stage == 3 and section.zero3_leaf_blocks:
@@ -78,13 +86,15 @@ class CausalLMTask(TaskDefaults):
         trainer = self.trainer
         # Where a resumed run stands in its data, for all ranks together: it may have had another rank count.
         start = trainer.data_position or DataPosition.at_micro_step(
-            start_step * trainer.accumulation, trainer.plan.micro_batches_per_epoch, trainer.world_size, trainer.micro_batch_size
+            start_step * trainer.accumulation, trainer.plan.micro_batches_per_epoch, trainer.data_world, trainer.micro_batch_size
         )
         return sampler_batches(self.sampler, self.dataset, self.collate, trainer.micro_batch_size, start)
 
     def forward_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
         """(loss, tokens, examples) of one micro-batch; tokens counts non-padding tokens."""
         engine, device = self.trainer.engine, self.trainer.device
+        if self.trainer.sequence_parallel > 1:
+            return self.sequence_parallel_loss(batch)
         # Tokens and examples are counted on the host batch, before it moves: a count read
         # back from the device would make the step wait for it.
         if "num_tokens" not in batch:
@@ -133,6 +143,22 @@ class CausalLMTask(TaskDefaults):
         figures = {name: value / self.router_count for name, value in self.router_sums.items()}
         self.router_sums, self.router_count = {}, 0
         return figures
+
+    def sequence_parallel_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, float]:
+        """This rank's share of the group's micro-batch; tokens and examples counted on the group's first rank only."""
+        from zeropipe.families.causal_lm import sequence_parallel
+
+        trainer = self.trainer
+        batch = dict(batch)
+        if "num_tokens" in batch:
+            tokens, examples = float(batch.pop("num_tokens")), float(batch.pop("num_examples"))
+        else:
+            tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+        shard = sequence_parallel.shard_batch(batch, trainer.sequence_parallel, trainer.sp_rank, self.pad_id)
+        loss, group_mean = sequence_parallel.group_loss(trainer.engine, shard, trainer.mpu.get_sequence_parallel_group(), trainer.device, trainer.plan.zero_stage)
+        self.reported_loss = group_mean
+        counted = trainer.sp_rank == 0
+        return loss, tokens if counted else 0.0, examples if counted else 0.0
 
     def after_step(self) -> None:
         trainer = self.trainer

@@ -40,6 +40,8 @@ class Diffusion:
     evaluates_loss = False
     takes_images = False
     streams_answers = False
+    sequence_parallel_refusal = ("diffusers' context-parallel plans are not wired into ZeRO-Pipe yet; only causal language "
+                                 "models train with sequence parallelism")
 
     def detect(self, section: ModelSection) -> bool:
         if section.path:

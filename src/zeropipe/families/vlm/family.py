@@ -35,6 +35,8 @@ class VisionLanguage:
     evaluates_loss = False  # zeropipe eval reads text-only held-out data
     takes_images = True
     streams_answers = False
+    sequence_parallel_refusal = ("the image tokens are merged into the sequence inside the model, after the split DeepSpeed's "
+                                 "Ulysses needs; only causal language models train with sequence parallelism")
 
     def detect(self, section: ModelSection) -> bool:
         config = read_model_config_json(section)
