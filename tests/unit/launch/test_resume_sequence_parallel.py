@@ -6,6 +6,7 @@ from zeropipe.checkpoint.manager import mark_complete
 from zeropipe.config.load import validate_config
 from zeropipe.errors import ConfigError
 from zeropipe.launch.prepare import prepare_run, run_dir_for
+from zeropipe.launch.resolve import resolve_run
 
 LLAMA = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 64}
 
@@ -19,6 +20,6 @@ def test_resuming_an_sp_checkpoint_with_another_degree_is_refused_with_the_setti
     (run_dir / "checkpoints" / "step_00000003").mkdir(parents=True)
     mark_complete(run_dir, 3, {"world_size": 4, "zero_stage": 3, "micro_batch_size": 1, "gradient_accumulation_steps": 1, "sequence_parallel_size": 2})
     with pytest.raises(ConfigError) as err:
-        prepare_run(config, resume=True, world_size=2)
+        prepare_run(resolve_run(config, world_size=2, accelerator="cpu", fill_auto_knobs=False), resume=True)
     assert err.value.problems[0][0] == "parallel.sequence_parallel_size"
     assert "saved by 4 ranks with sequence_parallel_size 2" in str(err.value) and "hardware.gpus=4 and parallel.sequence_parallel_size=2" in str(err.value)
