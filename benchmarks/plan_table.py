@@ -122,9 +122,17 @@ def describe(choice: dict) -> str:
 
 def cell(code: int, result: dict) -> str:
     best = result.get("best")
+    usable = result.get("usable_gpu_bytes") or 0
+    offers = result.get("offers") or []
+    if not best and offers:
+        # Only a quality-changing setting makes it fit: the plan offers it (never picks it), named with its price.
+        offer = offers[0]
+        change = " and ".join(setting["key"] for setting in offer["settings"])
+        candidate = offer["candidate"]
+        return (f"exit {code}, fits if you set {change}: {describe(candidate['choice'])}; {candidate['per_gpu_bytes'] / GIB:.1f} of "
+                f"{usable / GIB:.1f} GiB per GPU, {candidate['per_node_bytes'] / GIB:.1f} GiB host RAM")
     if not best:
         return f"exit {code}: {(result.get('reason') or 'nothing fits')[:160]}"
-    usable = result.get("usable_gpu_bytes") or 0
     fits = "fits" if best.get("fits") else "does not fit"
     return f"exit {code}, {fits}: {describe(best['choice'])}; {best['per_gpu_bytes'] / GIB:.1f} of {usable / GIB:.1f} GiB per GPU, {best['per_node_bytes'] / GIB:.1f} GiB host RAM"
 

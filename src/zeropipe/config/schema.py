@@ -25,7 +25,9 @@ INT_BOUNDS: dict[tuple[str, str], int] = {
     ("TrainSection", "save_every"): 100_000_000, ("TrainSection", "eval_every"): 100_000_000, ("TrainSection", "keep_last"): 10_000,
     ("TrainSection", "micro_batch_size"): 65_536, ("TrainSection", "gradient_accumulation_steps"): 65_536,
     ("SyntheticSection", "examples"): 1_000_000, ("DataSection", "max_seq_len"): 1_048_576, ("DataSection", "mixture_examples"): 100_000_000,
-    ("DataSection", "max_bad_records"): 100_000_000, ("ModelSection", "tokenizer_vocab_size"): 1_000_000, ("LoraSection", "r"): 65_536,
+    ("DataSection", "max_bad_records"): 100_000_000, ("ModelSection", "tokenizer_vocab_size"): 1_000_000,
+    # 1e6: diffusion-pipe's way of asking peft for full-matrix LoKr (its example), which convert writes as given.
+    ("LoraSection", "r"): 1_000_000,
     ("ImagesSection", "resolution"): 8_192, ("ImagesSection", "bucket_step"): 1_024, ("VideoSection", "frame_buckets"): 4_096,
     ("VideoSection", "sample_frames"): 4_096, ("GenerateSection", "max_new_tokens"): 100_000, ("GenerateSection", "sample_every"): 100_000_000,
     ("GenerateSection", "sample_steps"): 1_000, ("HardwareSection", "gpus"): 4_096,

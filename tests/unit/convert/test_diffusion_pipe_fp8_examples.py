@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from tests.unit.convert.test_convert_issue27 import DP, peer_main, unmapped
-from tests.unit.diffusion.test_architecture_contract import denoiser_output, one_rank, prepare
+from tests.diffusion_contract import denoiser_output, one_rank, prepare
 from zeropipe.convert import convert_file
 from zeropipe.families.diffusion.entries import architecture_named
 from zeropipe.data.images import generate_shapes_dataset

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.diffusion.test_architecture_contract import assert_exports_load, data_section, prepare, run_config, train_one_rank
+from tests.diffusion_contract import assert_exports_load, data_section, prepare, run_config, train_one_rank
 from zeropipe.families.diffusion import entries as architectures
 
 

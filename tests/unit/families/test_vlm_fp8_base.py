@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.integration.test_vlm import TINY_LLAVA
-from tests.unit.diffusion.test_architecture_contract import one_rank, prepare
+from tests.diffusion_contract import one_rank, prepare
 
 CAPTIONS = ["a red circle on a blue background", "a green square on a white background", "a yellow triangle on a black background", "Describe the image."]
 

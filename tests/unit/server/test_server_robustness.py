@@ -186,7 +186,7 @@ def test_number_or_auto_fields_are_one_line_inputs(client):
     assert {k for k, f in found.items() if f["kind"] == "yaml"} <= {
         "model.config", "model.trainable", "data.columns", "model.load_kwargs", "model.lora.target_modules", "data.mixture", "generate.prompts",
         "generate.images", "deepspeed.overrides", "stages", "run.accept_warnings", "data.video.frame_buckets", "hardware.nodes",
-        "data.control_paths", "preference.loss_type", "preference.loss_weights",
+        "data.control_paths", "preference.loss_type", "preference.loss_weights", "convert.cannot_train", "model.lora.target_parameters",
     }  # fmt: skip
 
 
