@@ -244,7 +244,7 @@ def cache_filling_placement(spec: ModelSpec, hardware: Hardware, precision: str)
     """(bytes on the node's first GPU, bytes streamed from host RAM, where) while the node's setup process encodes captions.
 
     It loads the text encoders on the first GPU; one larger than that GPU is spread over the
-    node's GPUs and, beyond them, host RAM (``diffusion.pipelines.spread_placement``, which keeps
+    node's GPUs and, beyond them, host RAM (``families.diffusion.pipelines.spread_placement``, which keeps
     10% of each GPU free).
     """
     encoders = [m for m in spec.cached_models if not m.name.startswith("vae")]
