@@ -24,7 +24,7 @@ INT_BOUNDS: dict[tuple[str, str], int] = {
     ("TrainSection", "max_steps"): 100_000_000, ("TrainSection", "warmup_steps"): 100_000_000, ("TrainSection", "log_every"): 100_000_000,
     ("TrainSection", "save_every"): 100_000_000, ("TrainSection", "eval_every"): 100_000_000, ("TrainSection", "keep_last"): 10_000,
     ("TrainSection", "micro_batch_size"): 65_536, ("TrainSection", "gradient_accumulation_steps"): 65_536,
-    ("SyntheticSection", "examples"): 1_000_000, ("DataSection", "max_seq_len"): 1_048_576, ("DataSection", "mixture_examples"): 100_000_000,
+    ("SyntheticSection", "examples"): 10_000_000, ("DataSection", "max_seq_len"): 1_048_576, ("DataSection", "mixture_examples"): 100_000_000,
     ("DataSection", "max_bad_records"): 100_000_000, ("ModelSection", "tokenizer_vocab_size"): 1_000_000,
     # 1e6: diffusion-pipe's way of asking peft for full-matrix LoKr (its example), which convert writes as given.
     ("LoraSection", "r"): 1_000_000,

@@ -112,7 +112,7 @@ def test_a_checkpoint_pickle_that_runs_code_is_refused_by_generate_export_and_ev
 @pytest.mark.parametrize("section, key, value, words", [
     ("train", "max_steps", 1e20, "max_steps"),
     ("train", "max_steps", 10**17, "at most 100,000,000"),
-    ("data.synthetic", "examples", 1_000_000_000, "at most 1,000,000"),
+    ("data.synthetic", "examples", 1_000_000_000, "at most 10,000,000"),
     ("generate", "max_new_tokens", 10**9, "at most 100,000"),
     ("hardware", "gpus", 10**6, "at most 4,096"),
     ("run", "seed", 10**30, "at most"),
