@@ -345,10 +345,10 @@ def test_the_dataset_page_names_a_corrupted_image_as_rejected_with_why(page, ui)
     expect(page.locator("#ds-buckets tr[data-bucket='64x64']")).to_contain_text("1")
     assert page.locator("#ds-files img").first.evaluate("img => img.complete && img.naturalWidth > 0")
     screenshot(page, "52-dataset", full_page=True)
-    # A folder outside the folders this UI may read is refused, not listed.
+    # A folder outside the folders this UI may read is refused, not listed (the same answer as a missing or hidden one).
     page.fill("#ds-path", "/etc")
     page.click("#ds-open")
-    expect(page.locator("#ds-message")).to_contain_text("outside the folders this UI may read")
+    expect(page.locator("#ds-message")).to_contain_text("is not a folder inside the folders this UI may read")
 
 
 # ------------------------------------------------------------------ generate
