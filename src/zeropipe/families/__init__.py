@@ -235,9 +235,12 @@ def load_drawing(path: str | Path, checkpoint: str | None = None, device: str | 
 
 
 def draw(loaded: "LoadedModel", out_dir: str | Path, prompt: str, negative_prompt: str = "", width: int = 512, height: int = 512,
-         steps: int = 20, guidance: float = 5.0, seed: int = 0, frames: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Draw one picture (or clip, for a video model) with a loaded pipeline into ``out_dir``; returns what was written."""
-    return family_named(loaded.source.family).draw(loaded, Path(out_dir), prompt, negative_prompt, width, height, steps, guidance, seed, frames)
+         steps: int = 20, guidance: float = 5.0, seed: int = 0, frames: int | None = None, on_step: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Draw one picture (or clip, for a video model) with a loaded pipeline into ``out_dir``; returns what was written.
+
+    ``on_step(step, steps)`` is called after each denoising step (the UI's progress; raising there stops the drawing).
+    """
+    return family_named(loaded.source.family).draw(loaded, Path(out_dir), prompt, negative_prompt, width, height, steps, guidance, seed, frames, on_step=on_step)
 
 
 __all__ = [

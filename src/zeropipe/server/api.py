@@ -323,8 +323,8 @@ def generate_answer(request: Request, body: GenerateRequest):
     source, checkpoint = store.model_source(run, body.export, body.checkpoint)
     settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": body.raw}
     image = store.readable_file(body.image) if body.image else None
-    stream = request.app.state.generator.stream(source, checkpoint, body.prompt, settings, image)
-    return events.streaming(iterate_in_threadpool(stream))
+    generator, label = request.app.state.generator, f"run {run['name']} ({checkpoint or 'export ' + str(body.export)})"
+    return events.cancellable(lambda cancel: generator.stream(source, checkpoint, body.prompt, settings, image, cancel=cancel, label=label))
 
 
 # ---------------------------------------------------------------- presets

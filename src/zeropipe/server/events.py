@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -49,6 +50,50 @@ def sse(event: str, data: Any) -> str:
 
 def streaming(generator: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(generator, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def cancellable(make: Callable[[threading.Event], Iterator[str]]) -> StreamingResponse:
+    """A long answer's events, stopped when its client leaves.
+
+    ``make(cancel)`` is a blocking generator (a model answering); it runs whole in one thread of its
+    own and is closed in that thread, so that what it holds (the model's lock) is released when it
+    ends, not when it is garbage-collected. When the client leaves, the server cancels the response
+    and ``cancel`` is set: the generator checks it at each token (or denoising step) and stops.
+    """
+    cancel = threading.Event()
+
+    async def relay():
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        def put(item) -> None:
+            try:
+                loop.call_soon_threadsafe(items.put_nowait, item)
+            except RuntimeError:  # the server's loop has closed (Ctrl-C): nobody reads any more
+                cancel.set()
+
+        def pump() -> None:
+            stream = make(cancel)
+            try:
+                for item in stream:
+                    if cancel.is_set():
+                        break
+                    put(item)
+            except Exception as err:  # noqa: BLE001 - the page gets one error event, never a cut stream
+                put(sse("error", {"detail": f"the answer failed ({type(err).__name__}: {err})"}))
+            finally:
+                stream.close()
+                put(end)
+
+        threading.Thread(target=pump, name="zeropipe-answer", daemon=True).start()
+        try:
+            while (item := await items.get()) is not end:
+                yield item
+        finally:
+            cancel.set()
+
+    return streaming(relay())
 
 
 def runs_stream(request: Request, store: RunStore, max_seconds: float) -> StreamingResponse:

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,6 +28,31 @@ MAX_NEW_TOKENS = 1024
 
 class ModelBusy(ZeroPipeError):
     """Another request holds the loaded model."""
+
+
+class Cancelled(ZeroPipeError):
+    """The request that asked for an answer or a drawing went away (its client left, or it pressed Cancel)."""
+
+
+class CancelCheck:
+    """A streamer-shaped cancellation token for ``model.generate``: each new token asks it, and a cancelled request stops there.
+
+    transformers calls ``put`` with the prompt, then with every token it makes; raising there ends the
+    generation at once (a model answering 1,024 tokens on a CPU would otherwise run on for minutes).
+    """
+
+    def __init__(self, cancel: threading.Event, inner=None):
+        self.cancel, self.inner = cancel, inner
+
+    def put(self, value) -> None:
+        if self.cancel.is_set():
+            raise Cancelled("the request was cancelled (its client left): the answer stopped")
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
 
 IDLE_SECONDS = 300.0
 
@@ -74,6 +100,34 @@ class Generator:
         self.device_reason = ""
         self.last_used = time.monotonic()
         self.unloader: threading.Thread | None = None
+        self.holder: dict[str, Any] | None = None  # what holds the lock: kind, label, since, and a drawing's progress
+
+    @contextmanager
+    def hold(self, kind: str, label: str):
+        """The model for one request, released when the request ends (its answer done, failed or cancelled), never by garbage collection.
+
+        Raises:
+            ModelBusy: another request holds it (the message says which: answering or drawing, for which run, since when).
+        """
+        if not self.lock.acquire(timeout=1):
+            raise ModelBusy(self.busy_message())
+        self.holder = {"kind": kind, "label": label, "since": time.time(), "step": None, "steps": None}
+        try:
+            yield self.holder
+        finally:
+            self.holder = None
+            self.last_used = time.monotonic()
+            self.lock.release()
+
+    def busy_message(self) -> str:
+        holder = self.holder
+        if holder is None:  # released between the try and this line
+            return "the model was busy for another request: send again"
+        doing = "drawing" if holder["kind"] == "draw" else "answering"
+        since = time.strftime("%H:%M:%S", time.localtime(holder["since"]))
+        progress = f", step {holder['step']} of {holder['steps']}" if holder.get("step") is not None else ""
+        return (f"the model is {doing} for {holder['label']} since {since} ({time.time() - holder['since']:.0f} s{progress}): "
+                "wait for it or cancel it (closing its page cancels it), then send again")  # fmt: skip
 
     def model(self, path: Path, checkpoint: str | None, purpose: str = "answer"):
         """The model of ``path`` (and checkpoint), loaded once: to answer (Generate, Chat) or to draw (Draw)."""
@@ -90,25 +144,38 @@ class Generator:
         self.last_used = time.monotonic()
         return self.loaded
 
-    def draw(self, path: Path, checkpoint: str | None, out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    def draw(self, path: Path, checkpoint: str | None, out_dir: Path, settings: dict[str, Any], cancel: threading.Event | None = None,
+             label: str = "", bound=None) -> dict[str, Any]:  # fmt: skip
         """Draw one picture (or clip) into ``out_dir``; the answer names the files and what drew them.
 
+        Each denoising step reports its progress (``state()["busy"]``) and asks ``cancel``: a set
+        event stops the drawing at the next step. ``bound(device)`` may refuse the work for the device
+        the model is on (a CPU draws far less than a GPU in the same time).
+
         Raises:
-            ZeroPipeError: the model cannot be loaded or cannot draw; ActionRefused-like busy state as ZeroPipeError.
+            ModelBusy: another request holds the model. Cancelled: ``cancel`` was set.
+            ZeroPipeError: the model cannot be loaded or cannot draw, or ``bound`` refused the work.
         """
         from zeropipe.families import draw
 
-        if not self.lock.acquire(timeout=1):
-            raise ModelBusy("the model is answering or drawing for another request: wait for it, then send again")
-        started = time.monotonic()
-        try:
+        cancel = cancel or threading.Event()
+        with self.hold("draw", label or path.name) as holder:
+            started = time.monotonic()
             loaded = self.model(path, checkpoint, purpose="draw")
-            files = draw(loaded, out_dir, **settings)
+            if bound is not None:
+                bound(loaded.device)
+            holder["steps"], holder["step"] = settings.get("steps"), 0
+
+            def on_step(step: int, steps: int) -> None:
+                holder["step"], holder["steps"] = step, steps
+                if cancel.is_set():
+                    raise Cancelled(f"the drawing was cancelled at step {step} of {steps}")
+
+            if cancel.is_set():
+                raise Cancelled("the drawing was cancelled before its first step")
+            files = draw(loaded, out_dir, **settings, on_step=on_step)
             return {"source": loaded.source.describe(), "device": str(loaded.device), "device_reason": self.device_reason,
                     "files": files, "seconds": round(time.monotonic() - started, 2)}  # fmt: skip
-        finally:
-            self.last_used = time.monotonic()
-            self.lock.release()
 
     def unload(self) -> None:
         """Let the loaded model go (the caller holds the lock, or nothing else uses the model)."""
@@ -147,7 +214,7 @@ class Generator:
 
     def state(self) -> dict[str, Any]:
         """What is loaded, where, and when it will be let go (the pages show it)."""
-        loaded = self.loaded
+        loaded, holder = self.loaded, self.holder
         device, reason = (str(loaded.device), self.device_reason) if loaded is not None else model_device()
         return {
             "loaded": None if loaded is None else loaded.source.describe(),
@@ -155,76 +222,81 @@ class Generator:
             "device_reason": reason,
             "idle_seconds": idle_seconds(),
             "unloads_in": None if loaded is None else max(0.0, round(idle_seconds() - (time.monotonic() - self.last_used), 1)),
+            "busy": None if holder is None else {**holder, "seconds": round(time.time() - holder["since"], 1)},
         }
 
-    def stream(self, path: Path, checkpoint: str | None, prompt: str | list[dict[str, str]], settings: dict[str, Any], image: Path | None = None) -> Iterator[str]:
+    def stream(self, path: Path, checkpoint: str | None, prompt: str | list[dict[str, str]], settings: dict[str, Any], image: Path | None = None,
+               cancel: threading.Event | None = None, label: str = "") -> Iterator[str]:  # fmt: skip
         """Server-sent events: ``source`` (what answers), ``token`` (text as it comes), then ``done`` or ``error``.
 
         Args:
             prompt: one user turn's text, or a whole conversation (the Chat page).
             image: vision-language models: the picture the prompt asks about (already confined by the caller).
+            cancel: set when the client leaves (``events.cancellable``): the model stops at its next token and
+                the model is released when this generator is closed.
         """
+        cancel = cancel or threading.Event()
+        started = time.monotonic()
+        try:
+            with self.hold("answer", label or path.name):
+                yield from self._answer(path, checkpoint, prompt, settings, image, cancel, started)
+        except ModelBusy as err:
+            yield sse("error", {"detail": str(err)})
+
+    def _answer(self, path, checkpoint, prompt, settings, image, cancel: threading.Event, started: float) -> Iterator[str]:
         from zeropipe.families import family_named, generate
 
-        started = time.monotonic()
-        if not self.lock.acquire(timeout=1):
-            yield sse("error", {"detail": "another answer is being generated: wait for it, then send again"})
-            return
         try:
+            loaded = self.model(path, checkpoint)
+        except ZeroPipeError as err:
+            yield sse("error", {"detail": str(err)})
+            return
+        yield sse("source", {"source": loaded.source.describe(), "device": str(loaded.device), "device_reason": self.device_reason,
+                             "idle_seconds": idle_seconds(), "family": loaded.source.family})  # fmt: skip
+        family = family_named(loaded.source.family)
+        if not family.answers_prompts:
+            yield sse("error", {"detail": f"{loaded.source.describe()} is a diffusion model: its pictures are in the run's sample gallery (generate.sample_every), and the Draw page draws with it"})
+            return
+        if image is not None and not family.takes_images:
+            yield sse("error", {"detail": f"an image needs a vision-language model; {loaded.source.describe()} reads text only: clear the image"})
+            return
+        if not family.streams_answers:
+            # A backend that sends no text as it goes (vision-language) answers whole: one piece, then done; it still stops at a cancel.
             try:
-                loaded = self.model(path, checkpoint)
+                result = generate(loaded, [prompt], images=[str(image)] if image is not None else None, streamer=CancelCheck(cancel), **settings)[0]
             except ZeroPipeError as err:
                 yield sse("error", {"detail": str(err)})
                 return
-            yield sse("source", {"source": loaded.source.describe(), "device": str(loaded.device), "device_reason": self.device_reason,
-                                 "idle_seconds": idle_seconds(), "family": loaded.source.family})  # fmt: skip
-            family = family_named(loaded.source.family)
-            if not family.answers_prompts:
-                yield sse(
-                    "error",
-                    {
-                        "detail": f"{loaded.source.describe()} is a diffusion model: its pictures are in the run's sample gallery (generate.sample_every)"
-                    },
-                )
-                return
-            if image is not None and not family.takes_images:
-                yield sse("error", {"detail": f"an image needs a vision-language model; {loaded.source.describe()} reads text only: clear the image"})
-                return
-            if not family.streams_answers:
-                # A backend that takes no streamer (vision-language) answers whole: one piece, then done.
-                try:
-                    result = generate(loaded, [prompt], images=[str(image)] if image is not None else None, **settings)[0]
-                except ZeroPipeError as err:
-                    yield sse("error", {"detail": str(err)})
-                    return
-                yield sse("token", {"text": result.output})
-                yield sse("done", {"output": result.output, "seconds": round(time.monotonic() - started, 2), "prompt_tokens": result.prompt_tokens})
-                return
-            streamer = TokenStreamer(loaded.tokenizer)
-            outcome: dict[str, Any] = {}
+            yield sse("token", {"text": result.output})
+            yield sse("done", {"output": result.output, "seconds": round(time.monotonic() - started, 2), "prompt_tokens": result.prompt_tokens})
+            return
+        streamer = TokenStreamer(loaded.tokenizer)
+        outcome: dict[str, Any] = {}
 
-            def work():
-                try:
-                    outcome["results"] = generate(loaded, [prompt], streamer=streamer, **settings)
-                except Exception as err:  # noqa: BLE001 - reported to the page; the streamer must end either way
-                    outcome["error"] = err
-                    streamer.end()
+        def work():
+            try:
+                outcome["results"] = generate(loaded, [prompt], streamer=CancelCheck(cancel, streamer), **settings)
+            except Exception as err:  # noqa: BLE001 - reported to the page; the streamer must end either way
+                outcome["error"] = err
+                streamer.end()
 
-            thread = threading.Thread(target=work, name="zeropipe-generate", daemon=True)
-            thread.start()
+        thread = threading.Thread(target=work, name="zeropipe-generate", daemon=True)
+        thread.start()
+        try:
             for text in streamer:
                 if text:
                     yield sse("token", {"text": text})
-            thread.join()
-            if "error" in outcome:
-                err = outcome["error"]
-                yield sse("error", {"detail": str(err) if isinstance(err, ZeroPipeError) else f"generation failed ({type(err).__name__}: {err})"})
-                return
-            result = outcome["results"][0]
-            yield sse("done", {"output": result.output, "seconds": round(time.monotonic() - started, 2), "prompt_tokens": result.prompt_tokens})
+        except GeneratorExit:
+            cancel.set()  # closed early (the client left): the next token's check stops the model
+            raise
         finally:
-            self.last_used = time.monotonic()
-            self.lock.release()
+            thread.join()  # the model is free only once the thread that uses it has ended
+        if "error" in outcome:
+            err = outcome["error"]
+            yield sse("error", {"detail": str(err) if isinstance(err, ZeroPipeError) else f"generation failed ({type(err).__name__}: {err})"})
+            return
+        result = outcome["results"][0]
+        yield sse("done", {"output": result.output, "seconds": round(time.monotonic() - started, 2), "prompt_tokens": result.prompt_tokens})
 
 
 class TokenStreamer:

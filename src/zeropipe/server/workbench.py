@@ -12,7 +12,6 @@ from typing import Literal
 
 from fastapi import APIRouter, HTTPException, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.concurrency import iterate_in_threadpool
 
 from zeropipe.rundir import is_inside
 from zeropipe.server import events
@@ -78,8 +77,8 @@ def chat(request: Request, body: ChatRequest):
     source, checkpoint = store.model_source(run, body.export, body.checkpoint)
     settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": False}
     image = store.readable_file(body.image) if body.image else None
-    stream = request.app.state.generator.stream(source, checkpoint, body.conversation(), settings, image)
-    return events.streaming(iterate_in_threadpool(stream))
+    generator, label = request.app.state.generator, f"run {run['name']} ({checkpoint or 'export ' + str(body.export)})"
+    return events.cancellable(lambda cancel: generator.stream(source, checkpoint, body.conversation(), settings, image, cancel=cancel, label=label))
 
 
 @router.get("/model", summary="The model loaded for Generate and Chat: what, on which device and why, and when it is let go")
@@ -143,6 +142,7 @@ def sample_now(request: Request, run_id: int = Path(ge=1, le=2**53, description=
 
 # -------------------------------------------------------------------- draw
 MAX_DRAW_PIXELS = 2048 * 2048  # width x height x frames of one drawing: minutes on a CPU, seconds on a GPU
+MAX_CPU_DRAW_WORK = 256 * 256 * 50  # width x height x frames x steps on a CPU: a 256x256 picture in 50 steps (minutes for a real model)
 DRAW_NAME = r"^draw-[0-9]{8}-[0-9]{6}-[0-9]{3}$"
 DRAW_FILE = r"^[A-Za-z0-9_-]{1,64}\.(png|mp4|webp|json)$"
 
@@ -153,48 +153,120 @@ class DrawRequest(Strict):
     export: str | None = Field(None, max_length=100, description="a finished export of the run instead (a pipeline folder or a LoRA)")
     prompt: str = Field(..., min_length=1, max_length=2000, description="what to draw")
     negative_prompt: str = Field("", max_length=2000, description="what not to draw (pipelines that take one)")
-    width: int = Field(512, ge=16, le=2048, multiple_of=8, description="pixels; a multiple of 8")
-    height: int = Field(512, ge=16, le=2048, multiple_of=8, description="pixels; a multiple of 8")
-    steps: int = Field(20, ge=1, le=150, description="denoising steps")
-    guidance: float = Field(5.0, ge=0, le=30, description="classifier-free guidance scale")
+    width: int | None = Field(None, ge=16, le=2048, multiple_of=8, description="pixels, a multiple of 8 (default: the run's data.images.resolution)")
+    height: int | None = Field(None, ge=16, le=2048, multiple_of=8, description="pixels, a multiple of 8 (default: the run's data.images.resolution)")
+    steps: int | None = Field(None, ge=1, le=150, description="denoising steps (default: the run's generate.sample_steps)")
+    guidance: float | None = Field(None, ge=0, le=30, description="classifier-free guidance scale (default: the run's generate.guidance_scale)")
     seed: int = Field(0, ge=0, le=2**31)
     frames: int | None = Field(None, ge=1, le=257, description="video models: frames of the clip (default: the pipeline's)")
 
     @model_validator(mode="after")
     def bounded(self):
-        if self.width * self.height * (self.frames or 1) > MAX_DRAW_PIXELS:
+        if (self.width or 0) * (self.height or 0) * (self.frames or 1) > MAX_DRAW_PIXELS:
             raise ValueError(f"width x height x frames is over {MAX_DRAW_PIXELS:,} pixels: draw smaller (or fewer frames)")
         if self.checkpoint is not None and self.export is not None:
             raise ValueError("name a checkpoint or an export, not both")
         return self
 
 
-@router.post("/draw", summary="Draw a picture (a clip for video models) with a diffusion run's checkpoint or export; kept in RUN/draws/")
-def draw(request: Request, body: DrawRequest):
+def draw_defaults(store: RunStore, run: dict) -> dict:
+    """What Draw draws when the request leaves it out: the run's own resolution, steps and guidance (as its samples)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(store.config_text(run)) or {}
+    except Exception:  # noqa: BLE001 - an unreadable config: the pipeline's usual values
+        config = {}
+    images = ((config.get("data") or {}).get("images") or {}) if isinstance(config, dict) else {}
+    generate = (config.get("generate") or {}) if isinstance(config, dict) else {}
+
+    def number(value, default, low, high):
+        return min(high, max(low, value)) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+    side = int(number(images.get("resolution"), 512, 16, 2048)) // 8 * 8
+    return {"width": side, "height": side, "steps": int(number(generate.get("sample_steps"), 20, 1, 150)), "guidance": float(number(generate.get("guidance_scale"), 5.0, 0, 30))}
+
+
+def device_bound(settings: dict):
+    """The work a drawing may ask of the device it runs on: on a CPU, width x height x frames x steps is capped."""
+
+    def bound(device) -> None:
+        work = settings["width"] * settings["height"] * (settings.get("frames") or 1) * settings["steps"]
+        if getattr(device, "type", str(device)) == "cpu" and work > MAX_CPU_DRAW_WORK:
+            from zeropipe.errors import ZeroPipeError
+
+            raise ZeroPipeError(
+                f"on the CPU a drawing is at most {MAX_CPU_DRAW_WORK:,} pixel-steps (width x height x frames x steps, e.g. 256x256 in 50 steps); "
+                f"{settings['width']}x{settings['height']}{' x ' + str(settings['frames']) + ' frames' if settings.get('frames') else ''} in {settings['steps']} steps "
+                f"is {work:,}: draw smaller or with fewer steps, or free a GPU (the model goes to a GPU no run uses)"
+            )
+
+    return bound
+
+
+@router.post("/draw", summary="Draw a picture (a clip for video models) with a diffusion run's checkpoint or export; kept in RUN/draws/. "
+             "Its progress is in GET /api/model (busy.step of busy.steps); closing the request cancels it")  # fmt: skip
+async def draw(request: Request, body: DrawRequest):
+    import asyncio
     import json
     import time
 
-    from zeropipe.server.generation import ModelBusy
+    from starlette.concurrency import run_in_threadpool
+
+    from zeropipe.server.generation import Cancelled, ModelBusy
     from zeropipe.store import ActionRefused
 
     store = store_of(request)
-    run = store.run(body.run_id)
-    source, checkpoint = store.model_source(run, body.export, body.checkpoint)
+
+    def prepare():
+        run = store.run(body.run_id)
+        source, checkpoint = store.model_source(run, body.export, body.checkpoint)
+        defaults = draw_defaults(store, run)
+        now = time.time()
+        name = time.strftime("draw-%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}"
+        out_dir = store.own(run, f"draws/{name}")  # confined: a draws/ link out of the run is refused
+        return run, source, checkpoint, defaults, name, out_dir, now
+
+    run, source, checkpoint, defaults, name, out_dir, now = await run_in_threadpool(prepare)
     weights = f"export {body.export}" if checkpoint is None else f"checkpoint {checkpoint}"
-    now = time.time()
-    name = time.strftime("draw-%Y%m%d-%H%M%S", time.localtime(now)) + f"-{int(now * 1000) % 1000:03d}"
-    out_dir = store.own(run, f"draws/{name}")  # confined: a draws/ link out of the run is refused
     settings = body.model_dump(include={"prompt", "negative_prompt", "width", "height", "steps", "guidance", "seed", "frames"})
+    settings.update({key: value for key, value in defaults.items() if settings.get(key) is None})
+    if settings["width"] * settings["height"] * (settings["frames"] or 1) > MAX_DRAW_PIXELS:
+        raise HTTPException(422, f"width x height x frames is over {MAX_DRAW_PIXELS:,} pixels: draw smaller (or fewer frames)")
+    cancel = threading.Event()
+    work = asyncio.ensure_future(run_in_threadpool(request.app.state.generator.draw, source, checkpoint, out_dir, settings, cancel, f"run {run['name']} ({weights})", device_bound(settings)))
     try:
-        result = request.app.state.generator.draw(source, checkpoint, out_dir, settings)
+        while not work.done():
+            await asyncio.wait({work}, timeout=0.25)
+            if not work.done() and await request.is_disconnected():
+                cancel.set()  # the page was closed or its Cancel pressed: the drawing stops at its next step
+        result = work.result()
     except ModelBusy as err:
         raise ActionRefused(str(err)) from None
+    except Cancelled as err:
+        raise HTTPException(409, str(err)) from None
+    finally:
+        cancel.set()  # the endpoint itself cancelled (the server stopping): the thread stops too
     record = {"name": name, "weights": weights, **settings, **result, "created_at": now}
     (out_dir / "draw.json").write_text(json.dumps(record, indent=2))
     return record
 
 
-@router.get("/runs/{run_id}/draws", summary="The pictures drawn with a run's weights, newest first")
+def family_name(store: RunStore, run: dict) -> str:
+    """The run's model.family as its config says (``auto`` when it says none)."""
+    try:
+        return str(((store.run_dir(run).read_config_fields() or {}).get("model") or {}).get("family") or "auto")
+    except Exception:  # noqa: BLE001 - an unreadable run directory: not known
+        return "auto"
+
+
+@router.get("/draw/runs", summary="The runs that can draw (diffusion runs), newest first")
+def drawing_runs(request: Request):
+    store = store_of(request)
+    return {"runs": [run for run in store.runs() if run["state"] != "starting" and (run.get("has_samples") or family_name(store, run) == "diffusion")]}
+
+
+@router.get("/runs/{run_id}/draws", summary="The pictures drawn with a run's weights, newest first, and the settings Draw starts from (the run's own)")
 def list_draws(request: Request, run_id: int = Path(ge=1, le=2**53)):
     import json
     import re
@@ -212,7 +284,7 @@ def list_draws(request: Request, run_id: int = Path(ge=1, le=2**53)):
                 out.append(json.loads(info.read_text()))
             except ValueError:
                 continue
-    return {"draws": out}
+    return {"draws": out, "defaults": draw_defaults(store, run), "cpu_limit": MAX_CPU_DRAW_WORK}
 
 
 @router.get("/runs/{run_id}/draws/{name}/{file}", summary="A file of a drawing (PNG, mp4 or animated WebP)")

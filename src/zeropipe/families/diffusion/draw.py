@@ -115,10 +115,13 @@ def _load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dt
     return LoadedModel(pipeline, None, source, device)
 
 
-def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, width: int, height: int, steps: int, guidance: float, seed: int, frames: int | None) -> list[dict[str, Any]]:
+def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, width: int, height: int, steps: int, guidance: float, seed: int, frames: int | None,
+         on_step: Any = None) -> list[dict[str, Any]]:  # fmt: skip
     """Draw one picture (or clip) and write it into ``out_dir``; returns [{file, kind, width, height, frames}].
 
     Arguments the pipeline does not take (a negative prompt, a frame count for an image model) are left out.
+    ``on_step(step, steps)`` is called after each denoising step through the pipeline's ``callback_on_step_end``
+    (the UI's progress and Cancel: an exception raised there ends the drawing).
     """
     pipeline = loaded.model
     accepted = set(inspect.signature(pipeline.__call__).parameters)
@@ -139,6 +142,13 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
         kwargs["num_frames"] = frames
     if "output_type" in accepted:
         kwargs["output_type"] = "np"
+    if on_step is not None and "callback_on_step_end" in accepted:
+
+        def step_end(pipe, index, timestep, tensors):
+            on_step(index + 1, int(getattr(pipe, "num_timesteps", 0) or steps))
+            return tensors
+
+        kwargs["callback_on_step_end"] = step_end
     with torch.no_grad():
         result = pipeline(**kwargs)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -134,8 +134,8 @@ class Diffusion:
     def load_for_drawing(self, source, device, dtype):
         return drawing.load_for_drawing(source, device, dtype)
 
-    def draw(self, loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames):
-        return drawing.draw(loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames)
+    def draw(self, loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames, on_step=None):
+        return drawing.draw(loaded, out_dir, prompt, negative_prompt, width, height, steps, guidance, seed, frames, on_step=on_step)
 
 
 FAMILY = Diffusion()

@@ -82,7 +82,7 @@ class VisionLanguage:
         return vlm_generate.load_for_generation(source, device, dtype)
 
     def generate(self, loaded, prompts, images, tokens, temperature, top_p, seed, raw, streamer=None):
-        return vlm_generate.generate_with_images(loaded, prompts, images, tokens, temperature, top_p, seed)
+        return vlm_generate.generate_with_images(loaded, prompts, images, tokens, temperature, top_p, seed, streamer)
 
 
 FAMILY = VisionLanguage()

@@ -63,8 +63,10 @@ def load_for_generation(source, device: torch.device, dtype: torch.dtype):
     return loaded
 
 
-def generate_with_images(loaded, prompts: list[str], images: list[str | None], max_new_tokens: int, temperature: float, top_p: float, seed: int):
+def generate_with_images(loaded, prompts: list[str], images: list[str | None], max_new_tokens: int, temperature: float, top_p: float, seed: int, streamer=None):
     """Answer each prompt about its image (or as text alone), rendered as in training.
+
+    ``streamer`` is handed to ``model.generate`` (the UI's cancellation check, asked at each token).
 
     Raises:
         ZeroPipeError: an image that cannot be read.
@@ -92,7 +94,7 @@ def generate_with_images(loaded, prompts: list[str], images: list[str | None], m
             inputs.update({key: value.to(loaded.device, dtype=dtype if value.is_floating_point() else value.dtype) for key, value in example["images"].items()})
             output = loaded.model.generate(
                 **inputs, attention_mask=torch.ones_like(inputs["input_ids"]), max_new_tokens=max_new_tokens,
-                pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, **sampling,
+                pad_token_id=pad_id, eos_token_id=tokenizer.eos_token_id, streamer=streamer, **sampling,
             )
             answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
             results.append(Generation(last_user_text(prompt), answer, image, prompt_tokens=int(inputs["input_ids"].shape[1])))

@@ -10,13 +10,14 @@
   const message = document.getElementById("draw-message");
   const deviceBox = document.getElementById("draw-device");
   const wanted = new URLSearchParams(location.search).get("run");
+  const cancel = document.getElementById("draw-cancel");
+  const progress = document.getElementById("draw-progress");
   const number = (id) => Number(document.getElementById(id).value);
+  let drawingNow = null; // the AbortController of the drawing in flight: Cancel (or leaving the page) ends the request, and the server stops at its next step
 
   async function loadRuns() {
-    const { runs } = await api("/api/runs");
-    // Runs with samples are diffusion runs; the others are listed after them (the server says when one cannot draw).
-    const usable = runs.filter((r) => r.state !== "starting").sort((a, b) => Number(b.has_samples) - Number(a.has_samples));
-    ZP.fillRuns(runSelect, usable, "no run yet", wanted);
+    const { runs } = await api("/api/draw/runs"); // diffusion runs only: a language model does not draw
+    ZP.fillRuns(runSelect, runs, "no diffusion run yet", wanted);
     await loadSources();
   }
 
@@ -24,7 +25,9 @@
     results.replaceChildren();
     if (!(await ZP.fillSources(sourceSelect, runSelect.value))) return;
     go.disabled = !sourceSelect.value;
-    const { draws } = await api(`/api/runs/${runSelect.value}/draws`);
+    const { draws, defaults } = await api(`/api/runs/${runSelect.value}/draws`);
+    // The run's own resolution, sample steps and guidance: what its samples were drawn with.
+    for (const key of ["width", "height", "steps", "guidance"]) document.getElementById(`draw-${key}`).value = defaults[key];
     results.replaceChildren(...draws.map(drawing));
   }
 
@@ -71,19 +74,38 @@
     };
     ZP.message(message, "");
     go.disabled = true;
-    status.textContent = "loading the model and drawing…";
+    cancel.hidden = false;
+    progress.hidden = false;
+    progress.removeAttribute("value"); // loading: no step yet
+    status.textContent = "loading the model…";
+    drawingNow = new AbortController();
+    const poll = setInterval(() => showProgress().catch(() => {}), 500);
     try {
-      const d = await api("/api/draw", { method: "POST", body });
+      const d = await api("/api/draw", { method: "POST", body, signal: drawingNow.signal });
       results.prepend(drawing(d));
     } catch (error) {
-      message.replaceChildren(ZP.errorBox(error));
+      if (error.name === "AbortError") ZP.message(message, "Cancelled: the drawing stopped at its next step.");
+      else message.replaceChildren(ZP.errorBox(error));
     } finally {
+      clearInterval(poll);
+      drawingNow = null;
       go.disabled = !sourceSelect.value;
+      cancel.hidden = true;
+      progress.hidden = true;
       status.textContent = "";
       showDevice().catch(() => {});
     }
   }
 
+  async function showProgress() {
+    const { busy } = await api("/api/model");
+    if (!drawingNow || !busy || busy.kind !== "draw" || busy.step === null) return;
+    progress.max = busy.steps;
+    progress.value = busy.step;
+    status.textContent = `step ${busy.step} of ${busy.steps} · ${ZP.fmtDuration(busy.seconds)}`;
+  }
+
+  cancel.addEventListener("click", () => drawingNow && drawingNow.abort());
   runSelect.addEventListener("change", () => loadSources().catch((e) => ZP.message(message, e.message)));
   go.addEventListener("click", drawNow);
   loadRuns().catch((error) => ZP.message(message, error.message));
