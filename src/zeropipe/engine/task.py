@@ -172,5 +172,28 @@ def write_generations(trainer, tokenizer, inputs: list[tuple[dict[str, torch.Ten
             rows.append({**row, "output": answer, "step": trainer.step})
     model.train()
     if trainer.rank == 0:
-        with open(trainer.run.generations, "w") as handle:
-            handle.writelines(json.dumps(row) + "\n" for row in rows)
+        keep_by_step(trainer.run.generations, rows)
+
+
+def keep_by_step(path, rows: list[dict[str, Any]]) -> None:
+    """Add one step's answers to RUN/generations.jsonl: answers of other steps (an earlier Sample now) are kept,
+    answers of this step (written again after a resume) replaced. Written whole to a new file, then renamed."""
+    import os
+
+    steps = {row.get("step") for row in rows}
+    kept = []
+    try:
+        with open(path) as handle:
+            for line in handle:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and row.get("step") not in steps:
+                    kept.append(row)
+    except FileNotFoundError:
+        pass
+    partial = f"{path}.partial"
+    with open(partial, "w") as handle:
+        handle.writelines(json.dumps(row) + "\n" for row in kept + rows)
+    os.replace(partial, path)

@@ -125,7 +125,7 @@ def test_a_drawing_is_bounded_and_names_only_a_runs_weights(client, body, status
 
 
 def test_a_drawing_s_files_are_served_only_from_the_run_s_draws(client, tmp_path):
-    assert client.get("/api/runs/1/draws").json() == {"draws": []}
+    assert client.get("/api/runs/1/draws").json()["draws"] == []
     assert client.get("/api/runs/1/draws/draw-20260101-000000-000/..%2F..%2Fconfig.yaml").status_code in (404, 422)
     assert client.get("/api/runs/1/draws/..%2F..%2F/config.yaml").status_code in (404, 422)
     folder = tmp_path / "runs" / "done" / "draws" / "draw-20260101-000000-000"
