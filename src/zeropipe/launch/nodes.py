@@ -149,10 +149,20 @@ def check_host(host: object, key: str) -> str:
     Raises:
         ConfigError: naming ``key``: not a string, empty, starting with '-', or with spaces or shell characters.
     """
-    if not isinstance(host, str) or not HOST_NAME.match(host):
+    if not isinstance(host, str) or not (HOST_NAME.match(host) or is_ipv6_address(host)):
         raise ConfigError([(key, (f"{str(host)[:100]!r} is not a host name: letters, digits, '.', '-', '_', ':', '@' and '[]', "
                                   "not starting with '-' (a name starting with '-' would be read as an ssh option)"))])  # fmt: skip
     return host
+
+
+def is_ipv6_address(host: str) -> bool:
+    """An IPv6 address written bare (``::1``, ``fe80::1%eth0``): it may start with ':', never with '-'."""
+    import ipaddress
+
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from fastapi import APIRouter, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 from starlette.concurrency import iterate_in_threadpool
 
 from zeropipe.errors import ConfigError
@@ -52,7 +52,7 @@ class ResumeRequest(Strict):
         description="ranks to resume on (default: the config's hardware.gpus); another count than the checkpoint's converts it "
         "to a universal checkpoint and keeps the global batch (the accumulation is recomputed)",
     )
-    confirm: bool = Field(
+    confirm: StrictBool = Field(
         False,
         description="must be true: resuming from an older checkpoint moves the newer ones aside (into checkpoints/superseded-DATE), "
         "so a resume is never done by a request that did not ask for it explicitly",
@@ -62,7 +62,7 @@ class ResumeRequest(Strict):
 class ExportRequest(Strict):
     checkpoint: str | None = Field(None, max_length=64, description="checkpoint tag; default: the latest complete one")
     name: str | None = Field(None, max_length=100, description="folder name under RUN/exports (default: the tag)")
-    merge: bool = Field(False, description="LoRA runs: merge the adapter into the base weights")
+    merge: StrictBool = Field(False, description="LoRA runs: merge the adapter into the base weights")
     dtype: Literal["bf16", "fp16", "fp32"] | None = Field(None, description="weights dtype (default: the run's precision)")
 
 
@@ -335,7 +335,7 @@ PresetName = Path(max_length=100, description="the example's or preset's name, o
 class PresetSubmission(Strict):
     name: str = Field(..., max_length=100, description="the preset's name (letters, digits, '.', '_', '-')")
     yaml: str = Field(..., max_length=MAX_YAML, description="the config as YAML text (need not be complete)")
-    overwrite: bool = Field(False, description="replace a saved preset of that name")
+    overwrite: StrictBool = Field(False, description="replace a saved preset of that name")
 
 
 @router.get("/presets", summary="Configs to start a new run from: the shipped examples, saved presets and past runs")

@@ -161,7 +161,12 @@ class Generator:
         cancel = cancel or threading.Event()
         with self.hold("draw", label or path.name) as holder:
             started = time.monotonic()
-            loaded = self.model(path, checkpoint, purpose="draw")
+            try:
+                loaded = self.model(path, checkpoint, purpose="draw")
+            except ZeroPipeError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a damaged checkpoint or export: a 400 that says so, not a 500
+                raise ZeroPipeError(unloadable(path, checkpoint, err)) from None
             if bound is not None:
                 bound(loaded.device)
             holder["steps"], holder["step"] = settings.get("steps"), 0
@@ -251,6 +256,9 @@ class Generator:
         except ZeroPipeError as err:
             yield sse("error", {"detail": str(err)})
             return
+        except Exception as err:  # noqa: BLE001 - a damaged checkpoint or export: one error event, never a cut stream
+            yield sse("error", {"detail": unloadable(path, checkpoint, err)})
+            return
         yield sse("source", {"source": loaded.source.describe(), "device": str(loaded.device), "device_reason": self.device_reason,
                              "idle_seconds": idle_seconds(), "family": loaded.source.family})  # fmt: skip
         family = family_named(loaded.source.family)
@@ -297,6 +305,11 @@ class Generator:
             return
         result = outcome["results"][0]
         yield sse("done", {"output": result.output, "seconds": round(time.monotonic() - started, 2), "prompt_tokens": result.prompt_tokens})
+
+
+def unloadable(path: Path, checkpoint: str | None, err: Exception) -> str:
+    what = f"checkpoint {checkpoint} of {path.name}" if checkpoint else f"export {path.name}"
+    return f"the {what} cannot be loaded ({type(err).__name__}: {str(err)[:500]}): it is damaged or incomplete; pick another checkpoint or export"
 
 
 class TokenStreamer:

@@ -134,7 +134,23 @@ def config_path_problems(raw: dict[str, Any], roots: Roots, allow_remote_code: b
         elif found.key != "data.cache.dir" and hidden_in_data(resolved, roots):
             problems.append((found.key, f"{found.value} is a hidden file or folder (its name, or a folder's on the way, starts with '.'): "
                              "the UI reads no hidden files of its data folders; rename it"))  # fmt: skip
+        elif (kind := special_file(resolved)) is not None:
+            problems.append((found.key, f"{found.value} is a {kind}, not a file or a folder: reading it would wait for a writer "
+                             "(or never end); give a regular file or a folder"))  # fmt: skip
     return problems
+
+
+def special_file(path: Path) -> str | None:
+    """What ``path`` is when it exists and is neither a regular file nor a folder (a FIFO, a socket, a device), else None."""
+    import stat
+
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return {stat.S_IFIFO: "named pipe (FIFO)", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}.get(stat.S_IFMT(mode), "special file")
 
 
 def python_code_problems(raw: dict[str, Any]) -> list[tuple[str, str]]:

@@ -682,6 +682,7 @@ class RunStore:
         return {
             "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
             "evaluate": {"available": evaluates, "reason": None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."},
+            "draw": {"available": bool(getattr(family, "draws_images", False)), "reason": None if getattr(family, "draws_images", False) else f"A {name} model writes text: talk to it on the Chat page."},
         }
 
     def has_held_out(self, run: dict[str, Any]) -> bool:

@@ -212,3 +212,96 @@ def test_a_small_parquet_file_that_decompresses_to_much_is_refused_before_readin
     answer = client.post("/api/data/preview", json={"config": tiny(data={"path": "data/bomb.parquet", "format": "text", "max_seq_len": 32})})
     assert answer.status_code == 400 and "once decompressed" in answer.text, answer.text[:500]
     assert rss() - before < 200 * 2**20
+
+
+# ------------------------------------------------------------------ the Low items (issue 46)
+def test_a_damaged_checkpoint_is_an_error_event_not_a_cut_stream(runs_store):
+    """A corrupt checkpoint broke the answer's stream (no `error` event, the page left waiting)."""
+    from zeropipe.data.tokenizer import train_tokenizer
+
+    run = write_run(runs_store.roots.primary_runs, "damaged", steps=12)
+    train_tokenizer(["What is 1 + 2? 3"] * 20, 300, run / "tokenizer")
+    (run / "checkpoints" / "step_00000012" / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04" + b"garbage" * 10)
+    runs_store.refresh()
+    with client_of(runs_store) as client:
+        answer = client.post("/api/generate", json={"run_id": 1, "prompt": "x"})
+    assert answer.status_code == 200 and answer.text.startswith("event: error"), answer.text
+    assert "checkpoint step_00000012 of damaged cannot be loaded" in answer.text and "damaged or incomplete" in answer.text, answer.text
+
+
+def test_confirm_is_json_true_not_a_word(runs_store):
+    """`"confirm": "yes"` (and "1", "on") was taken as true by a resume; overwrite and merge likewise."""
+    write_run(runs_store.roots.primary_runs, "older", steps=12, total_steps=24, state="stopped")
+    runs_store.refresh()
+    with client_of(runs_store) as client:
+        for word in ("yes", "1", "on", 1):
+            resumed = client.post("/api/runs/1/resume", json={"checkpoint": "step_00000006", "confirm": word})
+            assert resumed.status_code == 422 and "confirm" in resumed.text, (word, resumed.text)
+        saved = client.post("/api/presets", json={"name": "p", "yaml": "train: {lr: 0.001}\n", "overwrite": "yes"})
+        assert saved.status_code == 422 and "overwrite" in saved.text
+        exported = client.post("/api/runs/1/export", json={"merge": "yes"})
+        assert exported.status_code == 422 and "merge" in exported.text
+    assert runs_store.run("older")["state"] == "stopped"
+
+
+def test_a_fifo_as_data_path_is_refused_by_check_with_what_it_is(client, tmp_path):
+    """A FIFO as data.path passed check, then gave a 500 in the preview and a wrong diagnosis at launch."""
+    import os
+
+    from tests.unit.server.test_server_confinement import tiny
+
+    os.mkfifo(tmp_path / "data" / "pipe.jsonl")
+    raw = tiny(data={"path": "data/pipe.jsonl", "format": "alpaca", "max_seq_len": 32})
+    checked = client.post("/api/config/check", json={"config": raw}).json()
+    assert not checked["valid"] and any(p["key"] == "data.path" and "named pipe (FIFO)" in p["message"] for p in checked["problems"]), checked
+    preview = client.post("/api/data/preview", json={"config": raw})
+    assert preview.status_code == 422 and "named pipe" in preview.text, preview.text
+
+
+@pytest.mark.parametrize("host, ok", [("::1", True), ("fe80::1%eth0", True), ("[::1]", True), ("box2", True), (":-oProxyCommand=x", False), ("-oProxyCommand=x", False), (":::", False)])
+def test_an_ipv6_address_is_a_node_name(host, ok):
+    """`::1` was refused as a node name (a host name may not start with ':')."""
+    from zeropipe.errors import ConfigError
+    from zeropipe.launch.nodes import check_host
+
+    if ok:
+        assert check_host(host, "hardware.nodes[1]") == host
+    else:
+        with pytest.raises(ConfigError, match="is not a host name"):
+            check_host(host, "hardware.nodes[1]")
+
+
+def test_an_image_outside_the_folders_gets_one_answer_whether_it_exists_or_not(runs_store, tmp_path):
+    """A VLM image path must not tell whether a file exists outside the folders (through '..', a link, or a plain path)."""
+    write_run(runs_store.roots.primary_runs, "done", steps=12)
+    (tmp_path / "data" / "etc").symlink_to("/etc", target_is_directory=True)
+    runs_store.refresh()
+    with client_of(runs_store) as client:
+        answers = {}
+        for exists, missing in [("/etc/hostname", "/etc/no-such-file"), ("data/../../../../../etc/hostname", "data/../../../../../etc/no-such-file"),
+                                ("data/etc/hostname", "data/etc/no-such-file")]:  # fmt: skip
+            for name in (exists, missing):
+                response = client.post("/api/chat", json={"run_id": 1, "messages": [{"role": "user", "content": "x"}], "image": name})
+                answers[name] = (response.status_code, response.json()["detail"].replace(name, "NAME"))
+            assert answers[exists] == answers[missing], answers
+
+
+def test_the_run_page_offers_draw_for_a_diffusion_run_and_chat_for_a_language_model(runs_store):
+    """Draw was linked only from runs with samples, Chat never (the actions now say which)."""
+    import yaml
+
+    write_run(runs_store.roots.primary_runs, "lm", steps=12)
+    sd = write_run(runs_store.roots.primary_runs, "sd", steps=12)
+    config = yaml.safe_load((sd / "config.yaml").read_text())
+    config["model"] = {"family": "diffusion", "config": {"pipeline": "tiny-sdxl"}}
+    (sd / "config.yaml").write_text(yaml.safe_dump(config))
+    runs_store.refresh()
+    with client_of(runs_store) as client:
+        lm_actions = client.get("/api/runs/1").json()["actions"]
+        sd_actions = client.get("/api/runs/2").json()["actions"]
+        drawing = [run["name"] for run in client.get("/api/draw/runs").json()["runs"]]
+        script = client.get("/static/run.js").text
+    assert lm_actions["generate"]["available"] and not lm_actions["draw"]["available"] and "Chat page" in lm_actions["draw"]["reason"]
+    assert sd_actions["draw"]["available"] and not sd_actions["generate"]["available"]
+    assert drawing == ["sd"]
+    assert 'id: "chat-link"' in script and "drawing.available" in script

@@ -160,7 +160,9 @@
     // The server says what this run's family can do (a diffusion model answers no prompts).
     const generate = (detail && detail.actions && detail.actions.generate) || { available: true };
     if ((detail ? detail.checkpoints : []).some((c) => c.complete) && generate.available) buttons.push(el("a", { class: "button", id: "generate-link", href: `/generate?run=${run.id}` }, "Generate"));
-    if (run.has_samples && (detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "draw-link", href: `/draw?run=${run.id}` }, "Draw"));
+    if ((detail ? detail.checkpoints : []).some((c) => c.complete) && generate.available) buttons.push(el("a", { class: "button", id: "chat-link", href: `/chat?run=${run.id}` }, "Chat"));
+    const drawing = (detail && detail.actions && detail.actions.draw) || { available: false };
+    if ((drawing.available || run.has_samples) && (detail ? detail.checkpoints : []).some((c) => c.complete)) buttons.push(el("a", { class: "button", id: "draw-link", href: `/draw?run=${run.id}` }, "Draw"));
     buttons.push(el("a", { class: "button", id: "new-from-run", href: `/new?from=run:${run.id}`, title: "a new run with this run's config" }, "New run from this config"));
     if (ENDED.includes(run.state)) {
       buttons.push(el("button", { id: "rename", onclick: () => showRename(run) }, "Rename"));
