@@ -24,6 +24,28 @@ from typing import Any, Iterator
 from zeropipe.errors import ZeroPipeError
 
 MAX_NEW_TOKENS = 1024
+MAX_CHAT_IMAGE_PIXELS = 4096 * 4096  # a chat image's width x height, read from its header before anything decodes it
+
+
+def chat_image(path: Path) -> Path:
+    """A chat image (already confined) whose header says it is at most MAX_CHAT_IMAGE_PIXELS; nothing is decoded here.
+
+    Raises:
+        ZeroPipeError: not an image Pillow reads, or more pixels than the cap (a 12000x12000 PNG of 560 KB cost 4 GB in one turn).
+    """
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+    except Image.DecompressionBombError:
+        width = height = None
+    except Exception as err:  # noqa: BLE001 - Pillow raises many kinds on a file that is not an image
+        raise ZeroPipeError(f"{path.name} is not an image Pillow reads ({type(err).__name__}): give a PNG, JPEG or WebP") from None
+    if width is None or width * height > MAX_CHAT_IMAGE_PIXELS:
+        size = f"{width}x{height} pixels" if width is not None else "more pixels than Pillow opens"
+        raise ZeroPipeError(f"{path.name} is {size}, more than the {MAX_CHAT_IMAGE_PIXELS:,} a chat image may hold: it was not decoded; resize it")
+    return path
 
 
 class ModelBusy(ZeroPipeError):

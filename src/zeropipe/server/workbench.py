@@ -76,7 +76,9 @@ def chat(request: Request, body: ChatRequest):
     run = store.run(body.run_id)
     source, checkpoint = store.model_source(run, body.export, body.checkpoint)
     settings = {"max_new_tokens": body.max_new_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "raw": False}
-    image = store.readable_file(body.image) if body.image else None
+    from zeropipe.server.generation import chat_image
+
+    image = chat_image(store.readable_file(body.image)) if body.image else None
     generator, label = request.app.state.generator, f"run {run['name']} ({checkpoint or 'export ' + str(body.export)})"
     return events.cancellable(lambda cancel: generator.stream(source, checkpoint, body.conversation(), settings, image, cancel=cancel, label=label))
 

@@ -305,3 +305,23 @@ def test_the_run_page_offers_draw_for_a_diffusion_run_and_chat_for_a_language_mo
     assert sd_actions["draw"]["available"] and not sd_actions["generate"]["available"]
     assert drawing == ["sd"]
     assert 'id: "chat-link"' in script and "drawing.available" in script
+
+
+def test_a_chat_image_over_the_pixel_cap_is_refused_from_its_header(runs_store, tmp_path):
+    """A 12000x12000 PNG of 560 KB cost +4 GB in one VLM chat turn (issue 46, defect 6): its header is read, nothing decoded."""
+    from tests.e2e.fake_runs import png
+
+    write_run(runs_store.roots.primary_runs, "done", steps=12)
+    runs_store.refresh()
+    (tmp_path / "data" / "huge.png").write_bytes(png(5000, 4000, (9, 9, 9)))  # 20 M pixels: under Pillow's limit, over the cap
+    (tmp_path / "data" / "fake.png").write_bytes(b"not an image")
+    with client_of(runs_store) as client:
+        before = rss()
+        for path in ("/api/chat", "/api/generate"):
+            body = {"run_id": 1, "image": "data/huge.png", **({"messages": [{"role": "user", "content": "x"}]} if path == "/api/chat" else {"prompt": "x"})}
+            answer = client.post(path, json=body)
+            assert answer.status_code == 400 and "5000x4000 pixels, more than the 16,777,216 a chat image may hold" in answer.text, answer.text
+        grown = rss() - before
+        answer = client.post("/api/generate", json={"run_id": 1, "prompt": "x", "image": "data/fake.png"})
+        assert answer.status_code == 400 and "not an image" in answer.text, answer.text
+    assert grown < 40 * 2**20, f"the UI grew by {grown / 2**20:.0f} MiB"
