@@ -290,16 +290,21 @@ class PreviewRequest(ConfigSubmission):
 
 
 @router.post("/data/preview", summary="The first records of a config's data as the trainer will see them, and the records it would skip")
-def data_preview(request: Request, body: PreviewRequest):
+async def data_preview(request: Request, body: PreviewRequest):
+    from starlette.concurrency import run_in_threadpool
+
     from zeropipe.confine import confining
     from zeropipe.server.preview import preview
-
-    store = store_of(request)
-    config, _ = store.validate(body.raw())  # every path confined, as for a launch
     from zeropipe.server.workbench import one_at_a_time
 
-    with one_at_a_time("preview"), confining(store.confinement):  # and every file the preview opens: a symlink out of a data folder is skipped, as training skips it
-        return preview(config, body.limit)
+    store = store_of(request)
+    config, _ = await run_in_threadpool(store.validate, body.raw())  # every path confined, as for a launch
+
+    def look(cancel):
+        with one_at_a_time("preview"), confining(store.confinement):  # and every file the preview opens: a symlink out of a data folder is skipped, as training skips it
+            return preview(config, body.limit, cancel)
+
+    return await events.until_disconnected(request, look)  # the client leaves: the preview stops at its next record
 
 
 # --------------------------------------------------------------- generate

@@ -96,6 +96,24 @@ def cancellable(make: Callable[[threading.Event], Iterator[str]]) -> StreamingRe
     return streaming(relay())
 
 
+async def until_disconnected(request: Request, work: Callable[[threading.Event], Any]) -> Any:
+    """``work(cancel)`` in a worker thread; ``cancel`` is set when the client leaves (checked every 0.25 s) or this request is cancelled.
+
+    Raises:
+        whatever ``work`` raises (generation.Cancelled once it saw ``cancel``).
+    """
+    cancel = threading.Event()
+    task = asyncio.ensure_future(run_in_threadpool(work, cancel))
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                cancel.set()
+        return task.result()
+    finally:
+        cancel.set()
+
+
 def runs_stream(request: Request, store: RunStore, max_seconds: float) -> StreamingResponse:
     async def generate():
         yield "retry: 2000\n\n"

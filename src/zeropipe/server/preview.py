@@ -30,8 +30,10 @@ MAX_DATA_BYTES = 512 * 1024 * 1024
 PREVIEW_SYNTHETIC = TOKENIZER_SAMPLE  # generated records a preview makes, whatever data.synthetic.examples asks
 
 
-def preview(config, limit: int = SHOWN_EXAMPLES) -> dict[str, Any]:
+def preview(config, limit: int = SHOWN_EXAMPLES, cancel=None) -> dict[str, Any]:
     """The preview of ``config``'s training data (a validated RunConfig whose paths were confined).
+
+    ``cancel`` (a threading.Event, set when the client leaves) is asked between records and between images.
 
     Raises:
         ZeroPipeError: the data cannot be read (the message says why and what to fix).
@@ -46,10 +48,17 @@ def preview(config, limit: int = SHOWN_EXAMPLES) -> dict[str, Any]:
             "available": False,
             "reason": f"the preview of {family} data is not built yet: `zeropipe train` reports its skipped records when it starts",
         }
-    return previews[family](config, limit)
+    return previews[family](config, limit, cancel)
 
 
-def text_preview(config, limit: int) -> dict[str, Any]:
+def stop_if(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        from zeropipe.server.generation import Cancelled
+
+        raise Cancelled("the preview was cancelled: its client left")
+
+
+def text_preview(config, limit: int, cancel=None) -> dict[str, Any]:
     from zeropipe.data.formats import RecordError, detect_format, read_located_records, to_conversation
     from zeropipe.data.tokenize import IGNORE_INDEX, _conversation_segments, _tokenize_batch
 
@@ -59,6 +68,7 @@ def text_preview(config, limit: int) -> dict[str, Any]:
         size = sum(expanded_size(p) for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
         if size > MAX_DATA_BYTES:
             raise ZeroPipeError(f"{path} holds {size / 2**20:,.0f} MiB once decompressed: the preview reads at most {MAX_DATA_BYTES // 2**20} MiB; preview a sample of it")
+        stop_if(cancel)
         records, bad = read_located_records(path)
         total = len(records) + len(bad)
         if data.synthetic is not None:
@@ -69,7 +79,9 @@ def text_preview(config, limit: int) -> dict[str, Any]:
         fmt = detect_format([record.value for record in records], data.format)
         tokenizer, tokenizer_note = preview_tokenizer(config, [r.value for r in records[:TOKENIZER_SAMPLE]], fmt, Path(scratch))
         examples = []
-        for record in records:
+        for number, record in enumerate(records):
+            if number % 256 == 0:
+                stop_if(cancel)
             try:
                 content = to_conversation(record.value, fmt)
                 plan = content if isinstance(content, str) else _conversation_segments(tokenizer, content, False)
@@ -109,6 +121,8 @@ def expanded_size(path: Path) -> int:
         ZeroPipeError: a Parquet file whose footer cannot be read.
     """
     size = path.stat().st_size
+    if path.suffix.lower() == ".arrow":
+        return arrow_expanded_size(path, size)
     if path.suffix.lower() != ".parquet":
         return size
     import pyarrow.parquet as pq
@@ -121,6 +135,35 @@ def expanded_size(path: Path) -> int:
     for group in range(metadata.num_row_groups):
         row_group = metadata.row_group(group)
         expanded += sum(row_group.column(c).total_uncompressed_size for c in range(row_group.num_columns))
+    return max(size, expanded)
+
+
+def arrow_expanded_size(path: Path, size: int) -> int:
+    """An Arrow IPC file's size once its (LZ4 or zstd) buffers are decompressed, counted one record batch at a time and stopped
+    at the first batch past MAX_DATA_BYTES: its footer holds no uncompressed sizes, so one batch is the most ever held.
+
+    Raises:
+        ZeroPipeError: not a readable Arrow IPC file.
+    """
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            try:
+                reader = pa.ipc.open_stream(source)
+                batches = iter(reader)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                opened = pa.ipc.open_file(source)
+                batches = (opened.get_batch(i) for i in range(opened.num_record_batches))
+            expanded = 0
+            for batch in batches:
+                expanded += batch.get_total_buffer_size()
+                del batch
+                if expanded > MAX_DATA_BYTES:
+                    break
+    except (pa.ArrowException, OSError) as err:
+        raise ZeroPipeError(f"{path} is not a readable Arrow file ({type(err).__name__}): {err}") from None
     return max(size, expanded)
 
 
@@ -189,7 +232,7 @@ def verdict(bad: int, total: int, data) -> dict[str, Any]:
     return {"starts": True, "text": f"{share} skipped, within {rule}: the run starts and skips them"}
 
 
-def image_preview(config, limit: int) -> dict[str, Any]:
+def image_preview(config, limit: int, cancel=None) -> dict[str, Any]:
     """Thumbnails of a diffusion image folder with caption, repeats and aspect-ratio bucket (as prepare assigns them)."""
     from zeropipe.data.images import generate_shapes_dataset, scan_image_folder
     from zeropipe.families.diffusion.buckets import assign_bucket, make_buckets
@@ -211,6 +254,7 @@ def image_preview(config, limit: int) -> dict[str, Any]:
         )
         shown = []
         for item in scan.items[:limit]:
+            stop_if(cancel)
             width, height = assign_bucket(item.width, item.height, buckets)
             shown.append({
                 "file": str(item.path.relative_to(Path(folder).resolve())), "caption": shown_caption(item.caption), "repeats": item.repeats,

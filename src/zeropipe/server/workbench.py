@@ -209,7 +209,6 @@ def device_bound(settings: dict):
 @router.post("/draw", summary="Draw a picture (a clip for video models) with a diffusion run's checkpoint or export; kept in RUN/draws/. "
              "Its progress is in GET /api/model (busy.step of busy.steps); closing the request cancels it")  # fmt: skip
 async def draw(request: Request, body: DrawRequest):
-    import asyncio
     import json
     import time
 
@@ -235,20 +234,13 @@ async def draw(request: Request, body: DrawRequest):
     settings.update({key: value for key, value in defaults.items() if settings.get(key) is None})
     if settings["width"] * settings["height"] * (settings["frames"] or 1) > MAX_DRAW_PIXELS:
         raise HTTPException(422, f"width x height x frames is over {MAX_DRAW_PIXELS:,} pixels: draw smaller (or fewer frames)")
-    cancel = threading.Event()
-    work = asyncio.ensure_future(run_in_threadpool(request.app.state.generator.draw, source, checkpoint, out_dir, settings, cancel, f"run {run['name']} ({weights})", device_bound(settings)))
-    try:
-        while not work.done():
-            await asyncio.wait({work}, timeout=0.25)
-            if not work.done() and await request.is_disconnected():
-                cancel.set()  # the page was closed or its Cancel pressed: the drawing stops at its next step
-        result = work.result()
+    generator, label = request.app.state.generator, f"run {run['name']} ({weights})"
+    try:  # the page closed or its Cancel pressed: the drawing stops at its next step
+        result = await events.until_disconnected(request, lambda cancel: generator.draw(source, checkpoint, out_dir, settings, cancel, label, device_bound(settings)))
     except ModelBusy as err:
         raise ActionRefused(str(err)) from None
     except Cancelled as err:
         raise HTTPException(409, str(err)) from None
-    finally:
-        cancel.set()  # the endpoint itself cancelled (the server stopping): the thread stops too
     record = {"name": name, "weights": weights, **settings, **result, "created_at": now}
     (out_dir / "draw.json").write_text(json.dumps(record, indent=2))
     return record

@@ -325,3 +325,39 @@ def test_a_chat_image_over_the_pixel_cap_is_refused_from_its_header(runs_store, 
         answer = client.post("/api/generate", json={"run_id": 1, "prompt": "x", "image": "data/fake.png"})
         assert answer.status_code == 400 and "not an image" in answer.text, answer.text
     assert grown < 40 * 2**20, f"the UI grew by {grown / 2**20:.0f} MiB"
+
+
+def test_a_small_arrow_file_that_decompresses_to_much_is_refused(store, client, tmp_path, monkeypatch):
+    """An Arrow IPC file with zstd buffers is bounded like a Parquet one, by what it becomes, not by its bytes on disk (issue 46, defect 9)."""
+    import importlib
+
+    import pyarrow as pa
+
+    from tests.unit.server.test_server_confinement import tiny
+
+    monkeypatch.setattr(importlib.import_module("zeropipe.server.preview"), "MAX_DATA_BYTES", 4 * 2**20)
+    table = pa.table({"text": [f"{i} " + "a" * 2**20 for i in range(8)]})
+    with pa.OSFile(str(tmp_path / "data" / "bomb.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        for batch in table.to_batches(max_chunksize=1):
+            writer.write_batch(batch)
+    assert (tmp_path / "data" / "bomb.arrow").stat().st_size < 200_000
+    answer = client.post("/api/data/preview", json={"config": tiny(data={"path": "data/bomb.arrow", "format": "text", "max_seq_len": 32})})
+    assert answer.status_code == 400 and "once decompressed" in answer.text, answer.text[:500]
+
+
+def test_a_preview_stops_at_its_cancel(store, tmp_path):
+    """A preview went on after its client left (issue 46, defect 9): the endpoint sets a cancel event when the client leaves
+    (the same `events.until_disconnected` as Draw, tested over HTTP in tests/e2e/test_ui_cancel.py); the preview asks it between records."""
+    import threading
+
+    from tests.unit.server.test_server_confinement import tiny
+    from zeropipe.server.generation import Cancelled
+    from zeropipe.server.preview import preview
+
+    (tmp_path / "data" / "many.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(2000)))
+    config, _ = store.validate(tiny(data={"path": "data/many.jsonl", "format": "text", "max_seq_len": 32}))
+    assert len(preview(config, 5)["examples"]) == 5
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled, match="its client left"):
+        preview(config, 5, cancel)
