@@ -15,7 +15,7 @@ from starlette.concurrency import iterate_in_threadpool
 from zeropipe.errors import ConfigError
 from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
-from zeropipe.store import RunNotFound, RunStore, parse_yaml_text
+from zeropipe.store import ActionRefused, RunNotFound, RunStore, parse_yaml_text
 from zeropipe.store.archive import tar_size, tar_stream
 
 router = APIRouter(prefix="/api")
@@ -216,6 +216,13 @@ def export_archive(request: Request, run_id: int = RunId, name: str = Path(max_l
     store = store_of(request)
     run = store.run(run_id)
     folder = store.export_folder(run_id, name)
+    from zeropipe.server.generation import links_out
+
+    linked = [link for link, _ in links_out([folder], [])]  # every link: an archive holds regular files only, so a linked file would be missing
+    if linked:
+        names = ", ".join(str(link.relative_to(folder)) for link in linked[:3])
+        raise ActionRefused(f"export {name} holds {names} as {'a link' if len(linked) == 1 else 'links'}: a download sends regular files only, "
+                            "and the archive would lack it; replace the link by the file itself, or export again")  # fmt: skip
     top = f"{run['name']}-{name}"
     headers = {"Content-Disposition": f'attachment; filename="{top}.tar"', "Content-Length": str(tar_size(folder, top))}
     return StreamingResponse(iterate_in_threadpool(tar_stream(folder, top)), media_type="application/x-tar", headers=headers)

@@ -100,7 +100,7 @@ def create_app(store: RunStore, token: str | None = None, bind_host: str = "127.
     app.state.stopping = threading.Event()
     from zeropipe.server.generation import Generator
 
-    app.state.generator = Generator()
+    app.state.generator = Generator(readable=store.roots.readable())  # a file of a checkpoint or export that links out of these is not loaded
     from zeropipe.server.security import is_loopback
 
     allowed = None

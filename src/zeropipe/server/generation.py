@@ -114,8 +114,49 @@ def model_device() -> tuple[str, str]:
         return "cpu", f"cannot tell which GPUs are free ({type(err).__name__})"
 
 
+MAX_SCANNED_FILES = 100_000  # files of a checkpoint or export folder looked at for links before loading
+
+
+def links_out(folders: list[Path], readable: list[Path]) -> list[tuple[Path, Path]]:
+    """Files and folders under ``folders`` (not descending into links) that are symlinks resolving outside ``readable``."""
+    from zeropipe.rundir import is_inside
+
+    out, seen = [], 0
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for root, dirs, files in os.walk(folder, followlinks=False):
+            for name in dirs + files:
+                seen += 1
+                path = Path(root) / name
+                if path.is_symlink():
+                    target = path.resolve()
+                    if not any(is_inside(target, top) for top in readable):
+                        out.append((path, target))
+            if seen > MAX_SCANNED_FILES:
+                raise ZeroPipeError(f"{folder} holds more than {MAX_SCANNED_FILES:,} files: not loaded by the UI; load it with the command line")
+    return out
+
+
+def refuse_links_out(path: Path, checkpoint: str | None, readable: list[Path] | None) -> None:
+    """A checkpoint's or export's files are read only when none is a link out of the UI's folders (the folder itself was checked by the store).
+
+    Raises:
+        ZeroPipeError: naming the first such file (not where it leads).
+    """
+    if readable is None:
+        return
+    folders = [path / "checkpoints" / checkpoint, path / "tokenizer", path / "processor"] if checkpoint else [path]
+    found = links_out(folders, readable)
+    if found:
+        names = ", ".join(str(link.relative_to(path)) for link, _ in found[:3])
+        raise ZeroPipeError(f"{names} in {path.name} {'is a link' if len(found) == 1 else 'are links'} out of the folders this UI may read: "
+                            "not loaded; replace the link by the file itself")  # fmt: skip
+
+
 class Generator:
-    def __init__(self):
+    def __init__(self, readable: list[Path] | None = None):
+        self.readable = readable  # the UI's folders: a checkpoint's or export's file that links out of them is not loaded
         self.lock = threading.Lock()  # one generation at a time: they share the loaded model
         self.key: tuple | None = None
         self.loaded = None
@@ -158,6 +199,7 @@ class Generator:
         key = (str(path), checkpoint, purpose)
         if self.key != key:
             self.unload()  # let the previous model go before loading the next: one model at a time
+            refuse_links_out(Path(path), checkpoint, self.readable)
             device, self.device_reason = model_device()
             loader = load_drawing if purpose == "draw" else load_model
             self.loaded = loader(path, checkpoint=checkpoint, device=device)

@@ -361,3 +361,36 @@ def test_a_preview_stops_at_its_cancel(store, tmp_path):
     cancel.set()
     with pytest.raises(Cancelled, match="its client left"):
         preview(config, 5, cancel)
+
+
+def test_a_file_of_a_checkpoint_or_export_that_links_out_is_not_loaded_nor_left_out_silently(runs_store, tmp_path):
+    """Files inside checkpoint and export folders that are symlinks out of the roots were loaded (only the folder was checked);
+    an export whose weights are a link downloaded as a .tar without them, without a word (issue 46, defect 7)."""
+    import time
+
+    from zeropipe.data.tokenizer import train_tokenizer
+
+    run = write_run(runs_store.roots.primary_runs, "linked", steps=12)
+    train_tokenizer(["What is 1 + 2? 3"] * 20, 300, run / "tokenizer")
+    (tmp_path / "elsewhere.pt").write_bytes(b"\0" * 64)
+    states = run / "checkpoints" / "step_00000012" / "mp_rank_00_model_states.pt"
+    states.unlink()
+    states.symlink_to(tmp_path / "elsewhere.pt")
+    export = run / "exports" / "hf"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    (tmp_path / "weights.safetensors").write_bytes(b"\0" * 64)
+    (export / "model.safetensors").symlink_to(tmp_path / "weights.safetensors")
+    runs_store.refresh()
+    runs_store.db.insert_launch(run_id=1, action="export", pid=1, command=["zeropipe", "export"], log_path=str(run / "exports" / "hf.log"),
+                                started_at=time.time() - 5, ended_at=time.time() - 1, exit_code=0, out_path=str(export))  # fmt: skip
+    with client_of(runs_store) as client:
+        answer = client.post("/api/generate", json={"run_id": 1, "checkpoint": "step_00000012", "prompt": "x"})
+        from_export = client.post("/api/chat", json={"run_id": 1, "export": "hf", "messages": [{"role": "user", "content": "x"}]})
+        drawn = client.post("/api/draw", json={"run_id": 1, "export": "hf", "prompt": "x"})
+        archive = client.get("/api/runs/1/exports/hf/archive")
+    assert "event: error" in answer.text and "checkpoints/step_00000012/mp_rank_00_model_states.pt in linked is a link out of the folders" in answer.text, answer.text
+    assert "model.safetensors in hf is a link out of the folders" in from_export.text, from_export.text
+    assert drawn.status_code == 400 and "model.safetensors in hf is a link out" in drawn.text, drawn.text
+    assert archive.status_code == 409 and "export hf holds model.safetensors as a link" in archive.text, archive.text
+    assert str(tmp_path / "weights.safetensors") not in answer.text + from_export.text + drawn.text + archive.text
