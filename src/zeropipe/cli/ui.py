@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 
 def register(commands) -> None:
@@ -57,6 +58,18 @@ def shown_hosts(host: str) -> list[str]:
     return [str(ip) for ip in found] or [socket.gethostname()]
 
 
+def data_root_notes(data: list[Path], given: bool) -> list[str]:
+    """What the start-up lines say of the data folders: which one was taken by default, and a warning for a home folder (or a folder above it)."""
+    home = Path.home().resolve()
+    notes = [] if given else [f"data: {data[0]} is the folder the UI was started in (no --data-dir): configs sent to the UI may read any file under it"]
+    for root in data:
+        if root == home or home.is_relative_to(root):
+            what = "your home folder" if root == home else f"a folder holding your home folder ({home})"
+            notes.append(f"warning: the data folder {root} is {what}: every config sent to the UI may read the files under it "
+                         "(hidden files and folders such as ~/.ssh are skipped); start the UI with --data-dir naming the folder of your data")  # fmt: skip
+    return notes
+
+
 def run(args: argparse.Namespace) -> int:
     import socket
 
@@ -94,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     if len(urls) > 1:
         print(f"  also at: {'  '.join(urls[1:])}", file=sys.stderr, flush=True)
     print(f"  runs: {', '.join(map(str, roots.runs))}  data: {', '.join(map(str, roots.data))}  database: {store.db_path}", file=sys.stderr, flush=True)
+    for line in data_root_notes(roots.data, given=bool(args.data_dir)):
+        print(f"  {line}", file=sys.stderr, flush=True)
     if args.allow_remote_code:
         print("  --allow-remote-code: configs sent from the UI may set trust_remote_code (Python code from model folders runs here)", file=sys.stderr, flush=True)
     if args.trust_multinode:

@@ -394,3 +394,17 @@ def test_a_file_of_a_checkpoint_or_export_that_links_out_is_not_loaded_nor_left_
     assert drawn.status_code == 400 and "model.safetensors in hf is a link out" in drawn.text, drawn.text
     assert archive.status_code == 409 and "export hf holds model.safetensors as a link" in archive.text, archive.text
     assert str(tmp_path / "weights.safetensors") not in answer.text + from_export.text + drawn.text + archive.text
+
+
+def test_the_default_data_folder_is_said_and_a_home_folder_is_warned_of(tmp_path, monkeypatch):
+    """The default data root was the folder the UI was started in, without a word, and the docs suggested $HOME (issue 46, defect 13)."""
+    from zeropipe.cli.ui import data_root_notes
+
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    (tmp_path / "me" / "data").mkdir(parents=True)
+    default = data_root_notes([tmp_path / "me" / "data"], given=False)
+    assert len(default) == 1 and "is the folder the UI was started in (no --data-dir)" in default[0]
+    assert data_root_notes([tmp_path / "me" / "data"], given=True) == []
+    for root, words in [(tmp_path / "me", "is your home folder"), (tmp_path, "is a folder holding your home folder")]:
+        notes = data_root_notes([root], given=True)
+        assert len(notes) == 1 and notes[0].startswith("warning: the data folder") and words in notes[0] and "--data-dir" in notes[0], notes
