@@ -168,3 +168,31 @@ def test_draw_starts_from_the_run_shows_its_steps_and_stops_when_its_client_leav
 def test_draw_lists_only_diffusion_runs(server):
     """Draw listed language-model runs, which always failed (issue 46, Low)."""
     assert [run["name"] for run in server.api("/api/draw/runs")["runs"]] == ["sd"]
+
+
+def test_the_draw_page_starts_from_the_run_shows_progress_and_cancels(browser, server):
+    """The Draw page: the run's resolution and steps filled in, a progress bar with the step, Cancel that frees the model."""
+    from playwright.sync_api import expect
+
+    from tests.e2e.conftest import screenshot
+
+    page = browser.new_page(viewport={"width": 1300, "height": 900})
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(f"{server.url}/draw?run={server.run('sd')['id']}")
+    expect(page.locator("#draw-width")).to_have_value("32")
+    expect(page.locator("#draw-steps")).to_have_value("3")
+    assert page.locator("#draw-run option").all_inner_texts() and all("lm" not in t for t in page.locator("#draw-run option").all_inner_texts())
+    page.select_option("#draw-source", "export:pipe")
+    page.fill("#draw-prompt", "a green triangle")
+    page.fill("#draw-steps", "150")
+    page.click("#draw-go")
+    expect(page.locator("#draw-status")).to_contain_text(" of 150", timeout=60_000)
+    expect(page.locator("#draw-progress")).to_be_visible()
+    screenshot(page, "56-draw-progress", full_page=False)
+    page.click("#draw-cancel")
+    expect(page.locator("#draw-message")).to_contain_text("Cancelled")
+    expect(page.locator("#draw-cancel")).to_be_hidden()
+    wait_free(server, 5)
+    assert errors == [], errors
+    page.close()

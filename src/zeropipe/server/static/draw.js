@@ -74,8 +74,8 @@
     };
     ZP.message(message, "");
     go.disabled = true;
-    cancel.hidden = false;
-    progress.hidden = false;
+    cancel.hidden = progress.hidden = false;
+    cancel.style.display = progress.style.display = "";
     progress.removeAttribute("value"); // loading: no step yet
     status.textContent = "loading the model…";
     drawingNow = new AbortController();
@@ -90,8 +90,8 @@
       clearInterval(poll);
       drawingNow = null;
       go.disabled = !sourceSelect.value;
-      cancel.hidden = true;
-      progress.hidden = true;
+      cancel.hidden = progress.hidden = true;
+      cancel.style.display = progress.style.display = "none"; // a button's display rule would show it despite hidden
       status.textContent = "";
       showDevice().catch(() => {});
     }
