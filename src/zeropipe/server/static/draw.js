@@ -23,11 +23,12 @@
 
   async function loadSources() {
     results.replaceChildren();
+    if (!runSelect.value) return;
+    // The run's own resolution, sample steps and guidance (what its samples were drawn with), set before the weights are offered.
+    const { draws, defaults } = await api(`/api/runs/${runSelect.value}/draws`);
+    for (const key of ["width", "height", "steps", "guidance"]) document.getElementById(`draw-${key}`).value = defaults[key];
     if (!(await ZP.fillSources(sourceSelect, runSelect.value))) return;
     go.disabled = !sourceSelect.value;
-    const { draws, defaults } = await api(`/api/runs/${runSelect.value}/draws`);
-    // The run's own resolution, sample steps and guidance: what its samples were drawn with.
-    for (const key of ["width", "height", "steps", "guidance"]) document.getElementById(`draw-${key}`).value = defaults[key];
     results.replaceChildren(...draws.map(drawing));
   }
 
