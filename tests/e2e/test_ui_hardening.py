@@ -252,6 +252,8 @@ def test_a_diffusion_run_offers_only_what_works_and_its_samples_zoom(context, se
     expect(page.locator("#resume-checkpoint, #new-from-run").first).to_be_visible()
     expect(page.locator("#eval-unavailable")).to_contain_text("diffusion")
     assert page.locator("#generate-link").count() == 0 and page.locator("#evaluate").count() == 0
+    expect(page.locator("#draw-link")).to_be_visible()  # issue 46: Draw for a diffusion run, Chat for a language model
+    assert page.locator("#chat-link").count() == 0
     sample = page.locator("#gallery img").first
     expect(sample).to_be_visible()
     assert sample.bounding_box()["width"] >= 150
@@ -267,6 +269,8 @@ def test_a_diffusion_run_offers_only_what_works_and_its_samples_zoom(context, se
     page.goto(f"{server.url}/runs/{run_id(server, 'finished')}")
     expect(page.locator("#generate-link")).to_be_visible()
     expect(page.locator("#evaluate")).to_be_visible()
+    expect(page.locator("#chat-link")).to_have_attribute("href", f"/chat?run={run_id(server, 'finished')}")
+    assert page.locator("#draw-link").count() == 0
     page.close()
 
 
