@@ -246,18 +246,23 @@ async def draw(request: Request, body: DrawRequest):
     return record
 
 
-def family_name(store: RunStore, run: dict) -> str:
-    """The run's model.family as its config says (``auto`` when it says none)."""
+def draws_pictures(store: RunStore, run: dict) -> bool:
+    """Whether the run's family draws (the family says so: ``draws_images``), from its config's model.family; a run with samples does."""
+    from zeropipe.families import family_named
+
+    if run.get("has_samples"):
+        return True
     try:
-        return str(((store.run_dir(run).read_config_fields() or {}).get("model") or {}).get("family") or "auto")
-    except Exception:  # noqa: BLE001 - an unreadable run directory: not known
-        return "auto"
+        name = ((store.run_dir(run).read_config_fields() or {}).get("model") or {}).get("family")
+        return bool(name) and bool(getattr(family_named(str(name)), "draws_images", False))
+    except Exception:  # noqa: BLE001 - an unreadable run directory or a plug-in this server has not loaded: not listed
+        return False
 
 
 @router.get("/draw/runs", summary="The runs that can draw (diffusion runs), newest first")
 def drawing_runs(request: Request):
     store = store_of(request)
-    return {"runs": [run for run in store.runs() if run["state"] != "starting" and (run.get("has_samples") or family_name(store, run) == "diffusion")]}
+    return {"runs": [run for run in store.runs() if run["state"] != "starting" and draws_pictures(store, run)]}
 
 
 @router.get("/runs/{run_id}/draws", summary="The pictures drawn with a run's weights, newest first, and the settings Draw starts from (the run's own)")
