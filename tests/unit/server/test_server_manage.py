@@ -95,8 +95,6 @@ def finished_export(store, run, name="hf"):
 def test_download_an_export_as_a_tar_archive(client, store, tmp_path):
     run = add(store, "done", steps=12)
     out = finished_export(store, run)
-    (tmp_path / "secret.txt").write_text("hunter2")
-    os.symlink(tmp_path / "secret.txt", out / "leak.txt")
     response = client.get(f"/api/runs/{run['id']}/exports/hf/archive")
     assert response.status_code == 200 and response.headers["content-type"] == "application/x-tar"
     assert 'filename="done-hf.tar"' in response.headers["content-disposition"]
@@ -105,7 +103,12 @@ def test_download_an_export_as_a_tar_archive(client, store, tmp_path):
         names = sorted(archive.getnames())
         assert names == ["done-hf/config.json", "done-hf/model.safetensors", "done-hf/tokenizer/tokenizer.json"]
         assert archive.extractfile("done-hf/model.safetensors").read() == (out / "model.safetensors").read_bytes()
-    assert b"hunter2" not in response.content
+    # A link in the export is never followed, and the archive is not sent without it silently (issue 46): refused with its name.
+    (tmp_path / "secret.txt").write_text("hunter2")
+    os.symlink(tmp_path / "secret.txt", out / "leak.txt")
+    response = client.get(f"/api/runs/{run['id']}/exports/hf/archive")
+    assert response.status_code == 409 and "export hf holds leak.txt as a link" in response.text, response.text
+    assert "hunter2" not in response.text and str(tmp_path) not in response.text
 
 
 @pytest.mark.parametrize("name", ["nope", "..", "..%2F..%2Fcheckpoints", "hf%2F..%2F..%2Flogs"])
