@@ -91,7 +91,7 @@ class LoraSection(Section):
         None,
         description="Continue from an existing adapter: a LoRA file or folder (peft's adapter_model.safetensors, diffusers' "
         "pytorch_lora_weights.safetensors, ComfyUI's, kohya's, musubi-tuner's or ai-toolkit's layouts, ZeRO-Pipe's own exports). "
-        "Its rank and modules must be the run's (r, target_modules); its alpha is converted exactly. docs/lora.md.",
+        "Its rank and modules must be the run's (r, target_modules); its alpha is converted exactly. docs/adapters.md.",
     )
 
     # Mixture-of-experts models (docs/moe.md).
