@@ -115,7 +115,8 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
         notes += shape_notes
     checked = config.model_copy(deep=True)
     run.confine_data(resolved.confinement)
-    adapter_init = None
+    # A resume takes its adapters from the checkpoint: run.json keeps what the run started from.
+    adapter_init = previous_plan.get("adapter_init") if resume_tag else None
     if config.model.lora is not None and config.model.lora.init_from and not resume_tag:
         # Read (and confined) before the data step: a missing or unreadable adapter stops the run here, not in every rank.
         from zeropipe.models.adapter_init import describe
