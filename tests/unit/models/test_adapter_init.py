@@ -218,3 +218,30 @@ def test_an_entry_whose_original_layout_fuses_layers_names_the_fused_keys(tmp_pa
 
     originals, fused = original_names(fusing, {"blocks.0.attn.q": (4, 4), "blocks.0.attn.k": (4, 4)}, 2)
     assert originals == {} and fused == {"diffusion_model.blocks.0.attn.qkv"}
+
+
+# ----------------------------------------------------------------------------- VLM: peft's layout over the projector and the language model
+
+
+def test_a_vlm_continues_from_its_peft_export_at_the_same_loss(tmp_path):
+    from tests.unit.models.test_models_vlm import TINY_LLAVA, section
+    from zeropipe.families.vlm.model import build_vlm, vlm_config
+
+    def llava(alpha: float):
+        torch.manual_seed(0)
+        chosen = section(TINY_LLAVA, lora={"r": 4, "alpha": alpha, "dropout": 0.0})
+        return build_vlm(chosen, vlm_config(chosen), "fp32")
+
+    def loss(model) -> float:
+        ids = torch.arange(1, 13).reshape(1, 12)
+        model.eval()
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+
+    original = llava(alpha=8)
+    randomise_lora(original, seed=4)
+    original.save_pretrained(str(tmp_path / "export"), safe_serialization=True)  # what zeropipe export writes for a VLM LoRA run
+    continued = llava(alpha=32)
+    noted = load_initial_adapter(continued, tmp_path / "export")
+    assert noted["layout"] == "peft" and noted["strength_folded_into_lora_B"] == [0.25]
+    assert loss(continued) == pytest.approx(loss(original), abs=1e-6)
