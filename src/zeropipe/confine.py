@@ -74,7 +74,7 @@ def confined(path: Path, root: Path) -> Path | None:
 # Typed config fields that name a file or folder (list items as [*]); the same inside every
 # curriculum stage. The launcher reads them; data.cache.dir and run.output_dir are written to.
 PATH_FIELDS = {
-    "model.path", "model.tokenizer", "model.processor", "model.diffusion.denoiser_file",
+    "model.path", "model.tokenizer", "model.processor", "model.diffusion.denoiser_file", "model.lora.init_from",
     "data.path", "data.eval_path", "data.control_path", "data.control_paths[*]", "data.cache.dir", "data.vision.image_root", "data.mixture[*].path",
     "generate.images[*]", "deepspeed.config_file", "hardware.hostfile",
     "grpo.rewards[*].path",

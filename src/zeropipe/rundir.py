@@ -117,6 +117,8 @@ class RunPlan:
     # The plug-in modules the run was prepared with ({"module": name, "path": the folder it was imported
     # from}): a later command on the run (a rank, export, a resume) imports them itself, without ZEROPIPE_PLUGINS.
     plugins: list[dict] = field(default_factory=list)
+    # model.lora.init_from: the adapter the run's LoRA starts from ({"path", "sha256", "layout", "modules", "rank"}); None: peft's initialisation.
+    adapter_init: dict | None = None
 
 
 # The plug-in modules this process imported (ZEROPIPE_PLUGINS, or a run's run.json), by name: the folder on

@@ -75,6 +75,28 @@ def test_lora_trains_adapters_only_and_exports_for_peft(tmp_run, base_model, sta
     assert torch.allclose(via_peft, via_merge, atol=1e-4)
     assert not torch.allclose(via_peft, untouched, atol=1e-4), "the adapter changed nothing"
 
+    if stage == 3:
+        # model.lora.init_from on 2 ranks under ZeRO-3: a run continuing from this export (at another alpha, so lora_B is
+        # rescaled) starts with the same adapter in its partitions: one step at a negligible lr, exported, gives the same logits.
+        name = "continued3"
+        config = make(
+            name,
+            model={"config": None, "path": str(base_model), "lora": {"r": 4, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"], "init_from": str(adapter)}},
+            train={"max_steps": 1, "lr": 1e-12, "warmup_steps": 0},
+            deepspeed={"zero_stage": 3},
+        )
+        assert_ok(zeropipe("train", config))
+        continued_dir = tmp_path / "runs" / name
+        recorded = json.loads((continued_dir / "run.json").read_text())["adapter_init"]
+        assert recorded["layout"] == "peft" and recorded["rank"] == [4] and recorded["path"] == str((adapter / "adapter_model.safetensors").resolve())
+        again = tmp_path / "adapter-continued"
+        assert_ok(zeropipe_here("export", continued_dir, "--out", again, "--dtype", "fp32"))
+        assert json.loads((again / "adapter_config.json").read_text())["lora_alpha"] == 16
+        base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+        with torch.no_grad():
+            via_continued = PeftModel.from_pretrained(base, again).eval()(ids).logits
+        torch.testing.assert_close(via_continued, via_peft, rtol=0, atol=1e-5)
+
 
 FORMATS = {
     "alpaca": lambda i: {"instruction": f"What is {i % 7} + 2?", "input": "", "output": str(i % 7 + 2)},

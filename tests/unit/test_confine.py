@@ -201,3 +201,18 @@ def test_a_preference_pairs_image_out_of_the_roots_is_counted_never_decoded(tmp_
             load_rgb(outside / "blue.png")  # what a rank would open, had the file been swapped since
     with confining(None):
         assert len(check_images(read_vlm_pairs(data / "pairs.jsonl", None, None, None)).examples) == 3
+
+
+def test_an_adapter_to_continue_from_is_confined(tmp_path, folders):
+    """model.lora.init_from: outside the roots the resolved run refuses it; a symlink in the roots leading out is never read."""
+    from zeropipe.models.adapter_init import read_adapter
+
+    roots, outside = folders
+    with pytest.raises(ConfinementError) as err:
+        resolve_run(validate_config(config(tmp_path, model={"config": TINY, "lora": {"init_from": str(outside / "shadow")}})), fill_auto_knobs=False, confinement=roots)
+    assert [k for k, _ in err.value.problems] == ["model.lora.init_from"]
+    link = tmp_path / "data" / "adapter.safetensors"
+    link.symlink_to(outside / "shadow")
+    with confining(roots), pytest.raises(OutsideRoots) as refused:
+        read_adapter(link)
+    assert SECRET not in str(refused.value)

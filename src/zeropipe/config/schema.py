@@ -87,6 +87,13 @@ class LoraSection(Section):
         "regular expression matched against whole module names, as peft reads it (e.g. 'model.language_model.layers.[\\d]+.self_attn.[qkvo]_proj': the language model's attention only, as axolotl's vision recipes write it).",
     )
 
+    init_from: str | None = Field(
+        None,
+        description="Continue from an existing adapter: a LoRA file or folder (peft's adapter_model.safetensors, diffusers' "
+        "pytorch_lora_weights.safetensors, ComfyUI's, kohya's, musubi-tuner's or ai-toolkit's layouts, ZeRO-Pipe's own exports). "
+        "Its rank and modules must be the run's (r, target_modules); its alpha is converted exactly. docs/adapters.md.",
+    )
+
     # Mixture-of-experts models (docs/moe.md).
     target_parameters: list[str] | Literal["experts"] | None = Field(
         None,

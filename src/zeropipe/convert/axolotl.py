@@ -18,6 +18,7 @@ from zeropipe.convert.common import (
     local_model,
     map_moe_keys,
     map_deepspeed,
+    map_adapter_init,
     map_optimizer,
     map_output_dir,
     map_precision,
@@ -63,7 +64,6 @@ NOT_MAPPED = {
     "hub_strategy": "nothing is uploaded",
     "push_dataset_to_hub": "nothing is uploaded",
     "early_stopping_patience": "no early stopping; watch eval loss in metrics.jsonl or `zeropipe ui`",
-    "lora_model_dir": "starting from a saved adapter is not supported: merge it into the base first (`zeropipe export --merge` does for its own runs)",
     "lora_modules_to_save": "only LoRA adapters train in a LoRA run",
     "lora_fan_in_fan_out": "peft detects the layout",
     "gradient_checkpointing_kwargs": "ZeRO-Pipe picks the checkpointing implementation",
@@ -145,7 +145,12 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
             continue
         conversion.set("model.attn_implementation", "sdpa", f"from {key}: {value} (PyTorch's sdpa uses flash kernels where it can)")
 
+    lora_model_dir = rest.pop("lora_model_dir", None)
     _adapter(conversion, rest)
+    if "model.lora.r" in conversion.entries:
+        map_adapter_init(conversion, "lora_model_dir", lora_model_dir)
+    elif not is_unset(lora_model_dir):
+        conversion.skip("lora_model_dir", f"{lora_model_dir!r}: without adapter: lora/qlora this is a full fine-tune, which starts from the base; merge the adapter into it first and set model.path to the merged folder")
     _datasets(conversion, rest, bases, preference)
 
     _test_datasets(conversion, rest, bases, preference)

@@ -311,16 +311,41 @@ def map_schedule(conversion: Conversion, key: str, value: Any) -> None:
         conversion.skip(key, f"{value!r}: ZeRO-Pipe has cosine, linear and constant schedules (after a linear warm-up)")
 
 
+# Hugging Face's optim names (LLaMA-Factory's optim, axolotl's optimizer) -> train.optimizer, and what of the peer's optimizer is not kept.
+OPTIMIZER_NAMES = {
+    "adamw_torch": ("adamw", ""), "adamw_torch_fused": ("adamw", "DeepSpeed's fused AdamW"), "adamw_hf": ("adamw", ""), "adamw": ("adamw", ""),
+    "adamw_apex_fused": ("adamw", "DeepSpeed's fused AdamW"), "paged_adamw_32bit": ("adamw", "paged states are not used"),
+    "adamw_bnb_8bit": ("adamw8bit", ""), "adamw_8bit": ("adamw8bit", ""), "bnb_8bit": ("adamw8bit", ""), "paged_adamw_8bit": ("adamw8bit", "paged states are not used"),
+    "adafactor": ("adafactor", ""), "muon": ("muon", ""),
+}  # fmt: skip
+
+
 def map_optimizer(conversion: Conversion, key: str, value: Any) -> None:
     if is_unset(value):
         return
-    if str(value) in ADAMW_OPTIMIZERS:
-        if str(value) == "adamw_torch":
-            conversion.already.append(f"{key}: adamw_torch (DeepSpeed builds AdamW)")
-        else:
-            conversion.skip(key, f"{value!r}: DeepSpeed builds AdamW (its CPU Adam under offload); 8-bit and paged states are not used: `zeropipe plan` shows what fits")
-    else:
-        conversion.skip(key, f"{value!r}: ZeRO-Pipe lets DeepSpeed build AdamW; other optimizers are not supported")
+    name = str(value).lower()
+    if name not in OPTIMIZER_NAMES:
+        conversion.skip(key, f"{value!r}: ZeRO-Pipe's optimizers are adamw, muon, adafactor, adamw8bit and prodigy (train.optimizer); converted as adamw")
+        return
+    optimizer, lost = OPTIMIZER_NAMES[name]
+    if optimizer == "adamw":
+        conversion.already.append(f"{key}: {value} (DeepSpeed builds AdamW{'; ' + lost if lost else ''})")
+        return
+    where = {"adamw8bit": "bitsandbytes' AdamW8bit, ZeRO 0-3 without offload", "adafactor": "torch's Adafactor, ZeRO-0 only", "muon": "DeepSpeed's Muon, no offload"}[optimizer]
+    conversion.set("train.optimizer", optimizer, f"from {key}: {value} ({where}{'; ' + lost if lost else ''}; docs/optimizers.md)")
+
+
+def map_adapter_init(conversion: Conversion, key: str, value: Any) -> None:
+    """A peer's adapter to continue from (LLaMA-Factory's adapter_name_or_path, axolotl's lora_model_dir) -> model.lora.init_from."""
+    if is_unset(value):
+        return
+    paths = [part.strip() for part in (value.split(",") if isinstance(value, str) else value) if str(part).strip()]
+    if len(paths) != 1:
+        conversion.skip(key, f"{value!r}: several adapters; ZeRO-Pipe continues from one: merge the others into the base first (`zeropipe export --merge`, or peft's merge_and_unload), then set model.lora.init_from")
+        return
+    found = Path(paths[0]).expanduser()
+    note = "" if found.exists() else f"; {found} is not on this machine: ZeRO-Pipe downloads nothing, put the adapter there (or set model.lora.init_from to where it is)"
+    conversion.set("model.lora.init_from", paths[0], f"from {key}: the LoRA starts from this adapter (its rank and modules must be the run's; docs/adapters.md){note}")
 
 
 def map_warmup_ratio(conversion: Conversion, key: str, value: Any) -> None:

@@ -506,9 +506,24 @@ def _adapter(conversion: Conversion, adapter: dict[str, Any]) -> None:
         conversion.skip(f"adapter.{key}", f"{value!r}: no ZeRO-Pipe equivalent, left out")
 
 
+# diffusion-pipe's optimizer types -> train.optimizer. Its Kahan-summation types stay DeepSpeed's AdamW (as before): Kahan
+# summation makes up for stepping bf16 weights in place, which DeepSpeed's fp32 master weights already do.
+OPTIMIZER_TYPES = {"adamw8bit": "adamw8bit", "prodigy": "prodigy"}
+
+
 def _optimizer(conversion: Conversion, optimizer: dict[str, Any]) -> None:
     kind = str(optimizer.pop("type", "adamw"))
-    if kind.lower() not in ADAMW_TYPES:
+    if kind.lower() in OPTIMIZER_TYPES:
+        chosen = OPTIMIZER_TYPES[kind.lower()]
+        conversion.set(
+            "train.optimizer", chosen,
+            f"from [optimizer] type {kind!r}" + (" (bitsandbytes' AdamW8bit)" if chosen == "adamw8bit" else " (prodigyopt; lr is its multiplier; ZeRO-0)")
+            + ": docs/optimizers.md",
+        )
+        if chosen == "prodigy":
+            for key in [k for k in optimizer if k not in ("lr", "betas", "weight_decay", "eps")]:
+                conversion.skip(f"optimizer.{key}", f"{optimizer.pop(key)!r}: ZeRO-Pipe builds Prodigy with its lr, betas, weight_decay and eps; prodigyopt's default is used for {key}")
+    if kind.lower() not in ADAMW_TYPES and kind.lower() not in OPTIMIZER_TYPES:
         conversion.skip(
             "optimizer.type",
             f"{kind!r}: ZeRO-Pipe lets DeepSpeed build AdamW; its lr and betas are left at ZeRO-Pipe's defaults because {kind}'s do not carry over",
@@ -517,12 +532,12 @@ def _optimizer(conversion: Conversion, optimizer: dict[str, Any]) -> None:
             conversion.skip(f"optimizer.{key}", f"belongs to {kind}, not used")
         return
     if "lr" in optimizer and "train.lr" not in conversion.entries:
-        conversion.set("train.lr", to_float(optimizer.pop("lr"), "optimizer.lr"), f"from [optimizer] lr; type {kind!r} becomes DeepSpeed's AdamW (its 8-bit and Kahan-summation variants are not used)")
+        conversion.set("train.lr", to_float(optimizer.pop("lr"), "optimizer.lr"), f"from [optimizer] lr" + ("" if kind.lower() in OPTIMIZER_TYPES else f"; type {kind!r} becomes DeepSpeed's AdamW (its Kahan-summation variant is not used)"))
     elif "lr" in optimizer:
         conversion.skip("optimizer.lr", f"{optimizer.pop('lr')!r}: [model] unet_lr is used instead")
     betas = optimizer.pop("betas", None)
     if isinstance(betas, list) and len(betas) == 2:
-        conversion.set("train.adam_beta1", to_float(betas[0], "optimizer.betas"), f"from [optimizer] betas; type {kind!r} becomes DeepSpeed's AdamW")
+        conversion.set("train.adam_beta1", to_float(betas[0], "optimizer.betas"), "from [optimizer] betas")
         conversion.set("train.adam_beta2", to_float(betas[1], "optimizer.betas"), "from [optimizer] betas")
     if "weight_decay" in optimizer:
         conversion.set("train.weight_decay", to_float(optimizer.pop("weight_decay"), "optimizer.weight_decay"), "from [optimizer] weight_decay")

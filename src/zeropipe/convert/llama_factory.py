@@ -19,6 +19,7 @@ from zeropipe.convert.common import (
     local_model,
     map_moe_keys,
     map_deepspeed,
+    map_adapter_init,
     map_optimizer,
     map_output_dir,
     map_precision,
@@ -75,7 +76,6 @@ NOT_MAPPED = {
     "ddp_timeout": "ZeRO-Pipe sets the rendezvous itself",
     "max_samples": "every record of the file is used: cut the file to train on fewer",
     "resume_from_checkpoint": "resume with `zeropipe train FILE --resume [PATH]`",
-    "adapter_name_or_path": "starting from a saved adapter is not supported: merge it into the base first",
     "eval_strategy": "evaluation runs every train.eval_every steps (from eval_steps)",
     "per_device_eval_batch_size": "evaluation uses train.micro_batch_size",
     "do_eval": "evaluation runs when held-out data is set (val_size)",
@@ -145,6 +145,11 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
         else:
             conversion.skip("gradient_checkpointing", f"{checkpointing!r}: LLaMA-Factory decides from disable_gradient_checkpointing, which is what is written")
     _method(conversion, rest, prequantized)
+    adapter = rest.pop("adapter_name_or_path", None)
+    if "model.lora.r" in conversion.entries:
+        map_adapter_init(conversion, "adapter_name_or_path", adapter)
+    elif not is_unset(adapter):
+        conversion.skip("adapter_name_or_path", f"{adapter!r}: a full fine-tune starts from the base; merge the adapter into it first (`zeropipe export --merge`, or peft's merge_and_unload) and set model.path to the merged folder")
     vision = any(key in rest for key in ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model", "image_max_pixels"))
     _vision(conversion, rest, looks_like_vlm=vision or VLM_TEMPLATE.search(str(rest.get("template", ""))) is not None)
 

@@ -152,6 +152,13 @@ class Trainer:
         import deepspeed
 
         model, self.parameter_counts = self.task.build_model()
+        lora = self.config.model.lora
+        if lora is not None and lora.init_from and not self.plan.resume_from:
+            # model.lora.init_from: the adapters start from the user's file, before DeepSpeed takes them (a resume's checkpoint has them).
+            from zeropipe.models.adapter_init import load_initial_adapter
+
+            loaded = load_initial_adapter(model, lora.init_from, original_layout=getattr(self.task, "original_lora_layout", None))
+            log.info("LoRA starts from %s (%s layout, %d modules; its strength over the run's folded into lora_B: %s)", loaded["path"], loaded["layout"], loaded["modules"], loaded["strength_folded_into_lora_B"])
         # train.activation_offload: the bytes its hooks copy to host RAM, reported per step in metrics.jsonl.
         self.activation_offload = offload_counter(model)
         parameters = [p for p in model.parameters() if p.requires_grad]

@@ -115,6 +115,15 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
         notes += shape_notes
     checked = config.model_copy(deep=True)
     run.confine_data(resolved.confinement)
+    # A resume takes its adapters from the checkpoint: run.json keeps what the run started from.
+    adapter_init = previous_plan.get("adapter_init") if resume_tag else None
+    if config.model.lora is not None and config.model.lora.init_from and not resume_tag:
+        # Read (and confined) before the data step: a missing or unreadable adapter stops the run here, not in every rank.
+        from zeropipe.models.adapter_init import describe
+
+        with confining(resolved.confinement):
+            adapter_init = describe(config.model.lora.init_from)
+        notes.append(f"LoRA starts from {adapter_init['path']} ({adapter_init['layout']} layout, {adapter_init['modules']} modules, rank {', '.join(map(str, adapter_init['rank']))})")
     with confining(resolved.confinement):  # a UI run's data preparation skips files that resolve outside its roots
         data = family.prepare_data(config, run, reuse=bool(resume_tag))
     notes += data.notes
@@ -189,6 +198,7 @@ def prepare_run(resolved: ResolvedRun, resume: str | bool | None = None, new_sch
         native_precision_why=resolved.native_precision[1],
         confined_to=resolved.confinement.to_json() if resolved.confinement is not None else None,
         plugins=plugins_in_use(),
+        adapter_init=adapter_init,
     )
     if data.node_setup:
         precision, why = encoder_precision_for(accelerator, *resolved.native_precision)

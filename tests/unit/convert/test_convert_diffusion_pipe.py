@@ -325,14 +325,14 @@ def test_unknown_keys_are_listed_never_dropped(tmp_path):
     images = image_dir(tmp_path, "photos")
     path = write(
         tmp_path,
-        f"dataset = 'dataset.toml'\nmy_new_option = 3\ncompile = true\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\nflux_shift = true\n[optimizer]\ntype = 'Prodigy'\nlr = 1\n",
+        f"dataset = 'dataset.toml'\nmy_new_option = 3\ncompile = true\n[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\nflux_shift = true\n[optimizer]\ntype = 'automagic'\nlr = 1\n",
         f"cache_shuffle_num = 10\n[[directory]]\npath = '{images}'\n",
     )
     conversion = convert_file(path)
     why = unmapped(conversion)
     assert {"my_new_option", "compile", "optimizer.type", "optimizer.lr", "dataset.cache_shuffle_num"} <= set(why)
     assert "flux_shift" in conversion.entries["model.diffusion.shift"].comment  # written: a per-bucket shift, the nearest ZeRO-Pipe has
-    assert "train.lr" not in values(conversion)  # Prodigy's lr of 1 must not become AdamW's
+    assert "train.lr" not in values(conversion)  # automagic's lr of 1 must not become AdamW's
 
 
 def test_bad_toml_and_missing_files_are_clear(tmp_path):

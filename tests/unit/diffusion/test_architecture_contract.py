@@ -113,9 +113,35 @@ def test_an_entry_declares_wiring_that_caches_predicts_samples_and_lays_out_its_
     samples = sorted(p.name for p in (run.path / "samples").rglob("*") if p.is_file() and p.name != "index.jsonl")
     assert samples, f"{name}: no sample written"
 
-    layers = {key: value.detach() for key, value in get_peft_model_state_dict(model).items()}
+    # The LoRA as trained (A and B random, every module counting), in the entry's original layout.
+    generator = torch.Generator().manual_seed(11)
+    adapter = [param for param_name, param in model.named_parameters() if "lora_" in param_name]
+    with torch.no_grad():
+        for param in adapter:
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    trained = [param.detach().clone() for param in adapter]
+    layers = {key: value.detach().clone() for key, value in get_peft_model_state_dict(model).items()}
     original = arch.original_lora_layout(layers, float(task.config.model.lora.alpha))  # raises ValueError on a key it cannot place
     assert original is None or (original and all(torch.isfinite(value).all() for value in original.values())), f"{name}: original LoRA layout {sorted(original or {})[:4]}"
+    if original:
+        # model.lora.init_from reads the file back (models.adapter_init): the same weights on the same modules, or, where
+        # the layout fuses layers, a refusal naming the fused keys.
+        from safetensors.torch import save_file
+
+        from zeropipe.errors import ConfigError
+        from zeropipe.models.adapter_init import load_initial_adapter
+
+        save_file({key: value.contiguous() for key, value in original.items()}, str(tmp_path / "original.safetensors"))
+        with torch.no_grad():
+            for param in adapter:
+                param.zero_()
+        try:
+            load_initial_adapter(model, tmp_path / "original.safetensors", original_layout=arch.original_lora_layout)
+        except ConfigError as err:
+            assert "fuses" in str(err), f"{name}: its own original LoRA layout is not read back: {err}"
+        else:
+            for param, expected in zip(adapter, trained):
+                torch.testing.assert_close(param.detach(), expected, rtol=1e-5, atol=1e-6, msg=f"{name}: read back from its original layout")
 
 
 def test_the_integration_lane_runs_one_entry_of_each_kind_of_part():

@@ -89,6 +89,37 @@ def write_original_lokr(arch, layers: dict[str, torch.Tensor], scaling: float, f
     return True
 
 
+def write_diffusers_lora(arch, denoiser, lora, dtype: torch.dtype, folder: Path) -> dict[str, torch.Tensor]:
+    """``folder/pytorch_lora_weights.safetensors``: the adapter in diffusers' layout, as the pipeline's own ``save_lora_weights`` writes it; returns its layers."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    layers = get_peft_model_state_dict(denoiser)
+    if arch.denoiser == "unet" and lora.kind == "lora":
+        # UNets: the attention-processor names their training scripts write. Transformers keep
+        # peft's lora_A/lora_B names, which every transformer loader reads (Qwen-Image's reads no other).
+        layers = convert_state_dict_to_diffusers(layers)
+    layers = {key: value.to(dtype) for key, value in layers.items()}
+    # The adapter's config (alpha in particular) goes into the file's metadata: without it
+    # load_lora_weights assumes alpha = r and the adapter acts at the wrong strength.
+    # Dropout is written as 0: the adapter layers load_lora_weights adds are in training
+    # mode, and dropout would make every image random.
+    metadata = denoiser.peft_config["default"].to_dict()
+    if "lora_dropout" in metadata:
+        metadata["lora_dropout"] = 0.0
+    pipeline_cls = arch.pipeline()
+    if hasattr(pipeline_cls, "save_lora_weights"):
+        pipeline_cls.save_lora_weights(str(folder), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+    else:
+        # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanImage, HunyuanVideo 1.5): the same file, written by the
+        # loaders' common base as every pipeline's save_lora_weights writes it, which the denoiser's
+        # load_lora_adapter reads (draw.load_adapter_export).
+        from diffusers.loaders.lora_base import LoraBaseMixin
+
+        LoraBaseMixin._save_lora_weights(str(folder), lora_layers={arch.denoiser: layers}, lora_metadata={arch.denoiser: metadata})
+    return layers
+
+
 def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     """(architecture, the run's data plan, its pipeline folder, the denoiser with the checkpoint's weights): what an export writes and Draw draws with.
 
@@ -143,33 +174,8 @@ def export_diffusion(job: ExportJob) -> Path:
             "(a full pipeline folder, the adapter merged into the denoiser), or train kind: lokr or dora, which diffusers loads"
         )
     if lora is not None and not merge:
-        from diffusers.utils import convert_state_dict_to_diffusers
-        from peft.utils import get_peft_model_state_dict
-
-        layers = get_peft_model_state_dict(denoiser)
-        if arch.denoiser == "unet" and lora.kind == "lora":
-            # UNets: the attention-processor names their training scripts write. Transformers keep
-            # peft's lora_A/lora_B names, which every transformer loader reads (Qwen-Image's reads no other).
-            layers = convert_state_dict_to_diffusers(layers)
-        layers = {key: value.to(dtype) for key, value in layers.items()}
         tmp.mkdir(parents=True)
-        # The adapter's config (alpha in particular) goes into the file's metadata: without it
-        # load_lora_weights assumes alpha = r and the adapter acts at the wrong strength.
-        # Dropout is written as 0: the adapter layers load_lora_weights adds are in training
-        # mode, and dropout would make every image random.
-        metadata = denoiser.peft_config["default"].to_dict()
-        if "lora_dropout" in metadata:
-            metadata["lora_dropout"] = 0.0
-        pipeline_cls = arch.pipeline()
-        if hasattr(pipeline_cls, "save_lora_weights"):
-            pipeline_cls.save_lora_weights(str(tmp), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
-        else:
-            # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanImage, HunyuanVideo 1.5): the same file, written by the
-            # loaders' common base as every pipeline's save_lora_weights writes it, which the denoiser's
-            # load_lora_adapter reads (draw.load_adapter_export).
-            from diffusers.loaders.lora_base import LoraBaseMixin
-
-            LoraBaseMixin._save_lora_weights(str(tmp), lora_layers={arch.denoiser: layers}, lora_metadata={arch.denoiser: metadata})
+        layers = write_diffusers_lora(arch, denoiser, lora, dtype, tmp)
         if lora.kind == "lora":
             write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
         elif lora.kind == "lokr" and write_original_lokr(arch, layers, lora.alpha / lora.r, tmp):

@@ -122,6 +122,11 @@ class DiffusionTask(TaskDefaults):
         objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
         self.objective = objective(scheduler_config, self.config.model.diffusion)
 
+    @property
+    def original_lora_layout(self):
+        """The entry's original (ComfyUI) LoRA layout: model.lora.init_from reads those names back (models.adapter_init)."""
+        return self.arch.original_lora_layout
+
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
 
         cls = self.arch.model_class()
