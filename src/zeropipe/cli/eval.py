@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  checkpoint {result['checkpoint']} (step {result['step']}) of {result['run']}, computed in fp32")
         return 0
 
+    if diffusion_run(args.source, args.checkpoint):
+        return run_diffusion(args)
     result = evaluate_checkpoint(args.source, checkpoint=args.checkpoint, data=args.data, dtype=args.dtype, batch_size=args.batch_size)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -46,4 +48,38 @@ def run(args: argparse.Namespace) -> int:
     print(f"eval loss {result.loss:.4f}  perplexity {result.perplexity:.4g}")
     print(f"  {result.tokens:,} loss tokens in {result.examples:,} examples of {result.data}")
     print(f"  checkpoint {result.checkpoint} (step {result.step}) of {result.run}, computed in {result.dtype}")
+    return 0
+
+
+def diffusion_run(source: str, checkpoint: str | None) -> bool:
+    """Whether SOURCE is a diffusion run (its config says so); anything else is left to the language models' path and its messages."""
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.families.causal_lm.evaluation import resolve_run_checkpoint
+
+    try:
+        run, _ = resolve_run_checkpoint(source, checkpoint)
+        return run.read_config().model.family == "diffusion"
+    except ZeroPipeError:
+        return False
+
+
+def run_diffusion(args: argparse.Namespace) -> int:
+    """A diffusion run's validation loss: its held-out images at the fixed timesteps and noise training used (docs/diffusion.md)."""
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.families.causal_lm.evaluation import resolve_run_checkpoint
+    from zeropipe.families.diffusion.validation import evaluate_diffusion_checkpoint
+
+    if args.data or args.batch_size:
+        raise ZeroPipeError(
+            f"{'--data' if args.data else '--batch-size'} applies to language models: a diffusion run is evaluated on the held-out images it kept "
+            "(data.eval_path or data.eval_fraction), one image and timestep per forward pass, as during training: leave it out"
+        )
+    run, info = resolve_run_checkpoint(args.source, args.checkpoint)
+    result = evaluate_diffusion_checkpoint(run, info, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    print(f"validation loss {result.loss:.4f}  (mean over {len(result.loss_by_quantile)} fixed timestep quantiles)")
+    print("  by quantile: " + "  ".join(f"{q} {loss:.4f}" for q, loss in result.loss_by_quantile.items()))
+    print(f"  {result.examples:,} held-out item(s); checkpoint {result.checkpoint} (step {result.step}) of {result.run}, computed in {result.dtype}")
     return 0

@@ -685,9 +685,12 @@ class RunStore:
         }
 
     def has_held_out(self, run: dict[str, Any]) -> bool:
-        """Whether the run kept held-out data (data.eval_fraction or data.eval_path), tokenized, to evaluate on."""
+        """Whether the run kept held-out data (data.eval_fraction or data.eval_path) to evaluate on: tokenized, or a diffusion run's held-out items."""
         info = self.own_or_none(run, "cache/eval/cache.json")
-        return info is not None and info.is_file()
+        if info is not None and info.is_file():
+            return True
+        plan = self.own_or_none(run, "data/diffusion.json")
+        return plan is not None and plan.is_file() and bool((read_json(plan) or {}).get("eval_items"))
 
     def evaluations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The run's evaluations started here, newest first, with their result once written."""

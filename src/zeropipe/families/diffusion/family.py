@@ -37,7 +37,7 @@ class Diffusion:
     name = "diffusion"
     trains_tokenizer = False
     answers_prompts = False
-    evaluates_loss = False
+    evaluates_loss = True  # the validation loss on held-out images at fixed timesteps and noise (validation.py)
     takes_images = False
     streams_answers = False
     sequence_parallel_refusal = ("diffusers' context-parallel plans are not wired into ZeRO-Pipe yet; only causal language "
@@ -52,7 +52,7 @@ class Diffusion:
         return is_pipeline_folder(path)
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        problems = text_only_problems(config, self.name, bitsandbytes_base=True)
+        problems = text_only_problems(config, self.name, bitsandbytes_base=True, held_out_data=True)
         if config.preference is not None:
             # Said before anything starts: the diffusion task would train it as supervised data, silently.
             problems.append(("preference", "preference tuning (DPO, ORPO, SimPO, KTO, reward models) is implemented for language and vision-language models, and this is a diffusion run: remove preference"))
