@@ -39,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  checkpoint {result['checkpoint']} (step {result['step']}) of {result['run']}, computed in fp32")
         return 0
 
-    if diffusion_run(args.source, args.checkpoint):
-        return run_diffusion(args)
+    found = family_evaluation(args.source, args.checkpoint)
+    if found is not None:
+        return run_family_eval(args, found)
     result = evaluate_checkpoint(args.source, checkpoint=args.checkpoint, data=args.data, dtype=args.dtype, batch_size=args.batch_size)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -51,31 +52,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def diffusion_run(source: str, checkpoint: str | None) -> bool:
-    """Whether SOURCE is a diffusion run (its config says so); anything else is left to the language models' path and its messages."""
+
+def family_evaluation(source: str, checkpoint: str | None):
+    """(run, checkpoint, the family's own evaluation) where SOURCE's family evaluates its held-out data itself (a diffusion run's
+    validation loss: ``evaluate_held_out``); None leaves it to the language models' path and its messages."""
     from zeropipe.errors import ZeroPipeError
+    from zeropipe.families import family_named
     from zeropipe.families.causal_lm.evaluation import resolve_run_checkpoint
 
     try:
-        run, _ = resolve_run_checkpoint(source, checkpoint)
-        return run.read_config().model.family == "diffusion"
+        run, info = resolve_run_checkpoint(source, checkpoint)
+        family = family_named(run.read_config().model.family)
     except ZeroPipeError:
-        return False
+        return None
+    evaluate = getattr(family, "evaluate_held_out", None)
+    return (run, info, evaluate) if evaluate is not None else None
 
 
-def run_diffusion(args: argparse.Namespace) -> int:
+def run_family_eval(args: argparse.Namespace, found) -> int:
     """A diffusion run's validation loss: its held-out images at the fixed timesteps and noise training used (docs/diffusion.md)."""
     from zeropipe.errors import ZeroPipeError
-    from zeropipe.families.causal_lm.evaluation import resolve_run_checkpoint
-    from zeropipe.families.diffusion.validation import evaluate_diffusion_checkpoint
 
+    run, info, evaluate = found
     if args.data or args.batch_size:
         raise ZeroPipeError(
             f"{'--data' if args.data else '--batch-size'} applies to language models: a diffusion run is evaluated on the held-out images it kept "
             "(data.eval_path or data.eval_fraction), one image and timestep per forward pass, as during training: leave it out"
         )
-    run, info = resolve_run_checkpoint(args.source, args.checkpoint)
-    result = evaluate_diffusion_checkpoint(run, info, dtype=args.dtype)
+    result = evaluate(run, info, dtype=args.dtype)
     if args.json:
         print(json.dumps(result.to_json()))
         return 0

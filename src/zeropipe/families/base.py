@@ -44,6 +44,8 @@ class Family(Protocol):
     # Optional (read with getattr, default: refused): why parallel.sequence_parallel_size > 1 cannot train this
     # family, or None where its rank task splits sequences over a group (the causal LM; docs/parallel.md).
     sequence_parallel_refusal: str | None
+    # Optional (read with getattr): ``evaluate_held_out(run, info, dtype)``, the family's own `zeropipe eval` of a checkpoint on
+    # the held-out data it kept (the diffusion family's validation loss); without it `zeropipe eval` is the language models'.
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""

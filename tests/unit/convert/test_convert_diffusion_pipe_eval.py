@@ -25,7 +25,7 @@ def peer_example_with_eval(tmp_path: Path) -> Path:
     assert "eval_datasets = [\n" in text and "\neval_every_n_steps = 100" in text
     text = text.replace("output_dir = '/data/diffusion_pipe_training_runs/hunyuan_video_test'", f"output_dir = '{tmp_path / 'runs'}'")
     start = text.index("[model]")
-    text = text[:start] + f"[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\ndtype = 'bfloat16'\n" + text[text.index("[adapter]"):]
+    text = text[:start] + f"[model]\ntype = 'flux'\ndiffusers_path = '{flux}'\ndtype = 'bfloat16'\n" + text[text.index("\n[adapter]") + 1:]
     (tmp_path / "dataset.toml").write_text(f"resolutions = [512]\n[[directory]]\npath = '{train_images}'\nnum_repeats = 1\n")
     (tmp_path / "eval_dataset.toml").write_text(f"resolutions = [512]\n[[directory]]\npath = '{held_out}'\n")
     path = tmp_path / "main.toml"

@@ -40,7 +40,7 @@ def test_flow_quantiles_are_the_training_distributions_and_the_drawn_stream_is_u
 def test_ddpm_quantiles_are_timesteps_of_its_schedule():
     objective = DDPMObjective(DDPM_SCHEDULE, DiffusionSection(prediction_type="epsilon"))
     latents = torch.randn(1, 4, 8, 8)
-    steps = [int(objective.noise(latents, torch.Generator().manual_seed(0), quantiles=torch.tensor([q])).timesteps) for q in EVAL_QUANTILES]
+    steps = [int(objective.noise(latents, torch.Generator().manual_seed(0), quantiles=torch.tensor([q], dtype=torch.float64)).timesteps) for q in EVAL_QUANTILES]
     assert steps == [round(1000 * q) for q in EVAL_QUANTILES]
     first = objective.noise(latents, torch.Generator().manual_seed(3), quantiles=torch.tensor([0.5]))
     second = objective.noise(latents, torch.Generator().manual_seed(3), quantiles=torch.tensor([0.5]))
@@ -86,6 +86,6 @@ def test_the_held_out_images_are_a_fraction_drawn_with_the_seed_or_the_eval_fold
 
 
 def test_a_diffusion_run_may_hold_images_out_and_evaluate_them():
-    raw = {"model": {"config": {"pipeline": "tiny-sd3"}}, "data": {"synthetic": {"task": "shapes", "examples": 8}, "eval_fraction": 0.25}, "train": {"eval_every": 2}}
+    raw = {"model": {"config": {"pipeline": "tiny-sd3"}}, "data": {"synthetic": {"task": "shapes", "examples": 12}, "eval_fraction": 0.25}, "train": {"eval_every": 2}}
     assert not [key for key, _ in FAMILY.config_problems(validate_config(raw)) if key.startswith("data.eval")]
     assert FAMILY.evaluates_loss

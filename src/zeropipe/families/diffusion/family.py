@@ -131,6 +131,12 @@ class Diffusion:
 
     draws_images = True
 
+    def evaluate_held_out(self, run: RunDir, info, dtype: str | None = None):
+        """``zeropipe eval`` on a diffusion run: the validation loss of a checkpoint, in this process (evaluation.py)."""
+        from zeropipe.families.diffusion.evaluation import evaluate_diffusion_checkpoint
+
+        return evaluate_diffusion_checkpoint(run, info, dtype=dtype)
+
     def load_for_drawing(self, source, device, dtype):
         return drawing.load_for_drawing(source, device, dtype)
 
