@@ -679,9 +679,13 @@ class RunStore:
         answers = family is None or family.answers_prompts
         evaluates = family is None or getattr(family, "evaluates_loss", False)  # a plug-in that does not say: no
         drawn = "draw pictures with it on the Draw page; its samples are in the sample gallery below"
+        reason = None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."
+        if evaluates and family is not None and getattr(family, "evaluate_held_out", None) is not None and not self.has_held_out(run):
+            # A family that evaluates only the held-out data it kept (a diffusion run's validation loss) takes no file instead.
+            evaluates, reason = False, f"This {name} run kept no held-out data: train with data.eval_fraction (e.g. 0.05) or data.eval_path to get its validation loss."
         return {
             "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
-            "evaluate": {"available": evaluates, "reason": None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."},
+            "evaluate": {"available": evaluates, "reason": reason},
         }
 
     def has_held_out(self, run: dict[str, Any]) -> bool:

@@ -10,11 +10,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.engine.test_optimizers import batch, distributed, engine_for, run_config, tiny_model  # noqa: F401 (distributed: a fixture)
+from tests.unit.engine.test_optimizers import LR, STEPS, batch, distributed, run_config, tiny_model  # noqa: F401 (distributed: a fixture)
+from zeropipe.config.deepspeed import build_deepspeed_config
 from zeropipe.config.schema import EmaSection
 from zeropipe.engine.ema import EmaWeights
 
 DECAY = 0.5
+
+
+def engine_for(config, model: torch.nn.Module):
+    """A DeepSpeed engine over torch's AdamW (a client optimizer: no DeepSpeed op to compile for this check)."""
+    import deepspeed
+
+    ds = build_deepspeed_config(config, world_size=1, total_steps=STEPS, hidden_size=32).config
+    ds.pop("optimizer", None)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters, optimizer=torch.optim.AdamW(parameters, lr=LR), config=ds)
+    return engine
 
 
 def weights_of(engine) -> dict[str, torch.Tensor]:
