@@ -43,7 +43,7 @@ def step(engine, ids) -> float:
     return loss.item()
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])  # ZeRO-1 publishes as ZeRO-2 does (update_lp_params)
 def test_samples_see_the_ema_and_training_goes_on_with_the_trained_weights(tmp_path, distributed, stage):  # noqa: F811
     config = run_config(tmp_path, "adamw", stage)
     ids = batch()
