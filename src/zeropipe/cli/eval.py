@@ -39,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"  checkpoint {result['checkpoint']} (step {result['step']}) of {result['run']}, computed in fp32")
         return 0
 
+    found = family_evaluation(args.source, args.checkpoint)
+    if found is not None:
+        return run_family_eval(args, found)
     result = evaluate_checkpoint(args.source, checkpoint=args.checkpoint, data=args.data, dtype=args.dtype, batch_size=args.batch_size)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -46,4 +49,41 @@ def run(args: argparse.Namespace) -> int:
     print(f"eval loss {result.loss:.4f}  perplexity {result.perplexity:.4g}")
     print(f"  {result.tokens:,} loss tokens in {result.examples:,} examples of {result.data}")
     print(f"  checkpoint {result.checkpoint} (step {result.step}) of {result.run}, computed in {result.dtype}")
+    return 0
+
+
+
+def family_evaluation(source: str, checkpoint: str | None):
+    """(run, checkpoint, the family's own evaluation) where SOURCE's family evaluates its held-out data itself (a diffusion run's
+    validation loss: ``evaluate_held_out``); None leaves it to the language models' path and its messages."""
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.families import family_named
+    from zeropipe.families.causal_lm.evaluation import resolve_run_checkpoint
+
+    try:
+        run, info = resolve_run_checkpoint(source, checkpoint)
+        family = family_named(run.read_config().model.family)
+    except ZeroPipeError:
+        return None
+    evaluate = getattr(family, "evaluate_held_out", None)
+    return (run, info, evaluate) if evaluate is not None else None
+
+
+def run_family_eval(args: argparse.Namespace, found) -> int:
+    """A diffusion run's validation loss: its held-out images at the fixed timesteps and noise training used (docs/diffusion.md)."""
+    from zeropipe.errors import ZeroPipeError
+
+    run, info, evaluate = found
+    if args.data or args.batch_size:
+        raise ZeroPipeError(
+            f"{'--data' if args.data else '--batch-size'} applies to language models: a diffusion run is evaluated on the held-out images it kept "
+            "(data.eval_path or data.eval_fraction), one image and timestep per forward pass, as during training: leave it out"
+        )
+    result = evaluate(run, info, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    print(f"validation loss {result.loss:.4f}  (mean over {len(result.loss_by_quantile)} fixed timestep quantiles)")
+    print("  by quantile: " + "  ".join(f"{q} {loss:.4f}" for q, loss in result.loss_by_quantile.items()))
+    print(f"  {result.examples:,} held-out item(s); checkpoint {result.checkpoint} (step {result.step}) of {result.run}, computed in {result.dtype}")
     return 0

@@ -42,7 +42,7 @@ class Progress:
         rows, self.offset = self.run.read_metrics_from(self.offset)
         for row in rows:
             if row.get("kind") == "eval":
-                message = f"step {row['step']} eval loss {row['eval_loss']:.4f} perplexity {row['eval_perplexity']:.4g}"
+                message = f"step {row['step']} eval loss {row['eval_loss']:.4f}" + (f" perplexity {row['eval_perplexity']:.4g}" if "eval_perplexity" in row else "")
                 if self.bar is not None:
                     self.bar.write(message, file=sys.stderr)  # above the bar, which stays on the last line
                 else:

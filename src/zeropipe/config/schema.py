@@ -467,6 +467,11 @@ class EmaSection(Section):
         "'power': min(decay, 1-(1+n)^-power); 'none': decay from the second update on. n counts updates from 0; the first update copies the weights.",
     )
     power: float = Field(2 / 3, gt=0, description="Exponent of warmup: power (diffusers' default 2/3; 3/4 for short runs).")
+    sample_from_ema: bool = Field(
+        False,
+        description="Draw the samples during training (generate.sample_every, the UI's Sample now, the end's; a language model's answers too) "
+        "with the EMA weights instead of the trained ones, as ai-toolkit and SimpleTuner offer; the trained weights are back for the next step.",
+    )
 
 
 class TrainSection(Section):
@@ -503,7 +508,8 @@ class TrainSection(Section):
         None,
         ge=1,
         description="Evaluate on the held-out data (data.eval_path or data.eval_fraction) every N optimizer steps; with held-out data, "
-        "the end of training is always evaluated. Eval loss and perplexity are written to metrics.jsonl.",
+        "the end of training is always evaluated. Eval loss and perplexity (a diffusion run: the validation loss at fixed timesteps and noise, "
+        "docs/diffusion.md) are written to metrics.jsonl.",
     )
     keep_last: int = Field(2, ge=1, description="Keep this many most recent checkpoints; older ones are deleted after a newer one is complete.")
     activation_offload: bool = Field(

@@ -120,14 +120,15 @@ NOT_MAPPED = {
     "parameters across the GPUs instead, which is what pipeline stages are for",
     "partition_method": "pipeline parallelism only; ZeRO partitions every parameter evenly",
     "partition_split": "pipeline parallelism only; ZeRO partitions every parameter evenly",
-    "eval_every_n_epochs": "diffusion runs report the loss on a fixed batch with fixed noise and timesteps (summary.json) instead of a held-out evaluation",
-    "eval_every_n_steps": "diffusion runs report the loss on a fixed batch with fixed noise and timesteps (summary.json) instead of a held-out evaluation",
-    "eval_every_n_examples": "diffusion runs report the loss on a fixed batch (summary.json) instead of a held-out evaluation",
-    "eval_before_first_step": "the fixed-batch loss is measured before and after training (summary.json)",
-    "eval_micro_batch_size_per_gpu": "no held-out evaluation for diffusion runs",
-    "image_eval_micro_batch_size_per_gpu": "no held-out evaluation for diffusion runs",
-    "eval_gradient_accumulation_steps": "no held-out evaluation for diffusion runs",
-    "eval_datasets": "no held-out evaluation for diffusion runs",
+    # The evaluation keys _eval does not map (issue 44: the validation loss, docs/diffusion.md).
+    "eval_every_n_epochs": "ZeRO-Pipe evaluates every N optimizer steps, and at the end: set train.eval_every (steps per epoch = images x repeats / global batch)",
+    "eval_every_n_examples": "ZeRO-Pipe evaluates every N optimizer steps, and at the end: set train.eval_every (examples / global batch)",
+    "eval_before_first_step": "the validation loss is computed every train.eval_every steps and at the end; the loss on a fixed training batch before "
+    "training is in summary.json (fixed_batch_loss_start)",
+    "eval_micro_batch_size_per_gpu": "the validation loss runs one held-out image per forward pass, so that no image is dropped and the figure "
+    "is the same on any number of GPUs",
+    "image_eval_micro_batch_size_per_gpu": "the validation loss runs one held-out image or clip per forward pass",
+    "eval_gradient_accumulation_steps": "the validation loss runs one held-out image per forward pass",
     "disable_block_swap_for_eval": "no block swap and no held-out evaluation",
     "save_every_n_epochs": "ZeRO-Pipe saves every N optimizer steps: set train.save_every (a final checkpoint is always saved)",
     "save_every_n_examples": "ZeRO-Pipe saves every N optimizer steps: set train.save_every",
@@ -223,9 +224,51 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
         )
     _dataset(conversion, dataset_path, links_dir or dataset_path.with_name(dataset_path.stem + ".zeropipe-images"), video)
 
+    _eval(conversion, rest, path, video)
+
     for key, value in rest.items():
         conversion.skip(key, NOT_MAPPED.get(key, f"not a diffusion-pipe key ZeRO-Pipe knows ({value!r}): left out"))
     return conversion
+
+
+def _eval(conversion: Conversion, rest: dict[str, Any], path: Path, video: bool) -> None:
+    """eval_datasets (diffusion-pipe's held-out datasets, train.py) as data.eval_path, and eval_every_n_steps as train.eval_every.
+
+    diffusion-pipe evaluates each eval dataset at the timestep quantiles 0.1-0.9 (TIMESTEP_QUANTILES_FOR_EVAL); so does
+    ZeRO-Pipe's validation loss, with the noise fixed per image (families/diffusion/validation.py).
+    """
+    datasets = rest.pop("eval_datasets", None)
+    folder = None
+    if isinstance(datasets, list) and datasets:
+        first = datasets[0] if isinstance(datasets[0], dict) else {}
+        if len(datasets) > 1:
+            conversion.skip("eval_datasets", f"{len(datasets)} eval datasets: ZeRO-Pipe evaluates one held-out folder (data.eval_path); the first is used")
+        name = first.get("config")
+        dataset_path = find_path(name, Path.cwd(), path.parent) if isinstance(name, str) else None
+        if dataset_path is None or not dataset_path.is_file():
+            conversion.skip("eval_datasets[0].config", f"{name!r} not found (looked relative to {Path.cwd()} and {path.parent}): set data.eval_path to the held-out images' folder")
+        else:
+            try:
+                directories = tomllib.loads(dataset_path.read_text(encoding="utf-8", errors="replace")).get("directory") or []
+            except tomllib.TOMLDecodeError as err:
+                raise ConversionError(f"{dataset_path} (an eval dataset TOML) is not valid TOML: {err}; fix the syntax") from None
+            folders = [d.get("path") for d in directories if isinstance(d, dict) and isinstance(d.get("path"), str)]
+            if not folders:
+                conversion.skip("eval_datasets[0]", f"{dataset_path} has no [[directory]] path: set data.eval_path to the held-out images' folder")
+            else:
+                found = find_path(folders[0], Path.cwd(), dataset_path.parent)
+                folder = found if found is not None else Path(folders[0]).expanduser()
+                conversion.set("data.eval_path", str(folder), f"from eval_datasets[0] ({first.get('name', dataset_path.stem)}): its [[directory]] path, the held-out {'clips' if video else 'images'}")
+                if len(folders) > 1:
+                    conversion.skip(f"eval_datasets[0] ({dataset_path.name})", f"{len(folders)} [[directory]] entries: data.eval_path is one folder; the first is used")
+    steps = rest.pop("eval_every_n_steps", None)
+    if steps is not None:
+        if folder is not None:
+            conversion.set("train.eval_every", to_int(steps, "eval_every_n_steps"), "from eval_every_n_steps: the validation loss at fixed timesteps and noise")
+        else:
+            conversion.skip("eval_every_n_steps", f"{steps}: no eval_datasets, so no held-out images to evaluate on: set data.eval_path (or data.eval_fraction) and train.eval_every")
+    if folder is None and "eval_every_n_epochs" in rest:
+        conversion.skip("eval_every_n_epochs", f"{rest.pop('eval_every_n_epochs')}: no eval_datasets, so no held-out images to evaluate on: set data.eval_path (or data.eval_fraction) and train.eval_every")
 
 
 def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool = True) -> None:

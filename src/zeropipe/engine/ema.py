@@ -18,6 +18,7 @@ min(decay, 1-(1+n)^-power) ("power", its ``use_ema_warmup``), or the decay itsel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,22 @@ def ema_decay(update: int, decay: float, warmup: str = "ratio", power: float = 2
     if warmup == "power":
         return min(decay, 1 - (1 + n) ** -power)
     return decay
+
+
+def publish_masters(engine: Any) -> None:
+    """Copy this rank's master weights into the module's (16-bit or fp32) weights, as DeepSpeed does after an optimizer step.
+
+    ZeRO-1/2 and ZeRO-1's BF16_Optimizer: ``update_lp_params`` (copy, then all-gather: a collective).
+    ZeRO-3: each sub-group's ``_reassign_or_swap_out_partitioned_parameters`` (each rank its own partition;
+    in fp32 runs the masters are the partitions themselves). Stage 0: the masters are the module's parameters.
+    """
+    optimizer = engine.optimizer
+    groups = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if groups is not None:
+        for group in range(len(groups)):
+            optimizer._reassign_or_swap_out_partitioned_parameters(group)
+    elif hasattr(optimizer, "update_lp_params"):
+        optimizer.update_lp_params()
 
 
 def master_partitions(engine: Any) -> tuple[list[torch.Tensor], list[str] | None]:
@@ -94,6 +111,27 @@ class EmaWeights:
         """Start again from the current weights (a resume whose checkpoint holds no EMA for this rank)."""
         self.updates = 0
         self.tensors = [m.detach().float().clone() for m in self.masters]
+
+    @contextlib.contextmanager
+    def in_module(self, engine: Any):
+        """The module computes with the EMA weights inside the block (samples from the EMA: train.ema.sample_from_ema), with the trained ones after.
+
+        The masters are set to the EMA and published to the module, then put back and published again,
+        so the optimizer's state and the next step are untouched. A collective under ZeRO 1-2: every rank enters.
+        It holds a copy of this rank's masters meanwhile (4 bytes per trained weight of its partition).
+        """
+        kept = [master.detach().clone() for master in self.masters]
+        try:
+            with torch.no_grad():
+                for master, ema in zip(self.masters, self.tensors):
+                    master.copy_(ema.to(device=master.device, dtype=master.dtype))
+            publish_masters(engine)
+            yield
+        finally:
+            with torch.no_grad():
+                for master, saved in zip(self.masters, kept):
+                    master.copy_(saved)
+            publish_masters(engine)
 
     def state_dict(self, rank: int, world_size: int) -> dict[str, Any]:
         return {"updates": self.updates, "tensors": self.tensors, "names": self.names, "rank": rank, "world_size": world_size}

@@ -219,6 +219,14 @@ class Trainer:
             previous_end = now + (time.perf_counter() - recorded)
         self.save_checkpoint()
 
+    def sampling_weights(self):
+        """The weights samples are drawn with: the EMA's inside the block with train.ema.sample_from_ema, else the trained ones. A collective."""
+        import contextlib
+
+        if self.ema is not None and self.config.train.ema.sample_from_ema:
+            return self.ema.in_module(self.engine)
+        return contextlib.nullcontext()
+
     def sample_now(self) -> None:
         """Every rank draws the run's samples (answers) with the current weights; rank 0 then removes the request.
 
@@ -420,7 +428,7 @@ class Trainer:
                 **self.task.summary_fields(),
             }
             if evals:
-                summary.update(final_eval_loss=evals[-1]["eval_loss"], final_eval_perplexity=evals[-1]["eval_perplexity"])
+                summary.update(final_eval_loss=evals[-1]["eval_loss"], final_eval_perplexity=evals[-1].get("eval_perplexity"))  # a diffusion run's validation loss has none
             manager.write_atomic(self.run.summary, json.dumps(summary, indent=2))
         self.sinks.close()
         dist.barrier()

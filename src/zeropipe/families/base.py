@@ -30,7 +30,7 @@ class Family(Protocol):
     name: str  # written into config.yaml as model.family
     trains_tokenizer: bool  # a model without a tokenizer gets one trained on the data (curricula train one for all stages)
     answers_prompts: bool  # zeropipe generate and the UI's Generate page write its answers
-    evaluates_loss: bool  # zeropipe eval (and the UI's Evaluate) computes its loss and perplexity on held-out text
+    evaluates_loss: bool  # zeropipe eval (and the UI's Evaluate) computes its loss on held-out data (a language model's perplexity too)
     takes_images: bool  # a prompt may come with an image
     streams_answers: bool  # generate() passes answers token by token to a streamer
     # Optional (read with getattr, default False): its rank task's batches report a global data
@@ -44,6 +44,8 @@ class Family(Protocol):
     # Optional (read with getattr, default: refused): why parallel.sequence_parallel_size > 1 cannot train this
     # family, or None where its rank task splits sequences over a group (the causal LM; docs/parallel.md).
     sequence_parallel_refusal: str | None
+    # Optional (read with getattr): ``evaluate_held_out(run, info, dtype)``, the family's own `zeropipe eval` of a checkpoint on
+    # the held-out data it kept (the diffusion family's validation loss); without it `zeropipe eval` is the language models'.
 
     def detect(self, section: "ModelSection") -> bool:
         """Whether model.path / model.config holds a model of this family (model.family: auto)."""
@@ -95,16 +97,17 @@ class Family(Protocol):
         """
 
 
-def text_only_problems(config: "RunConfig", family: str, bitsandbytes_base: bool = False) -> list[tuple[str, str]]:
+def text_only_problems(config: "RunConfig", family: str, bitsandbytes_base: bool = False, held_out_data: bool = False) -> list[tuple[str, str]]:
     """The causal-LM features (data features, QLoRA's 4-bit base) a run of another family set.
 
     A ``preference:`` section is each family's to accept or refuse (the VLM trains it; diffusion refuses it).
     ``bitsandbytes_base``: the family loads an nf4/fp4/int8 base itself (diffusion, ``models.bnb_base``), so it is not refused here.
+    ``held_out_data``: the family evaluates data.eval_path / data.eval_fraction itself (diffusion's validation loss).
     """
     problems = [
         (f"data.{key}", f"is implemented for causal language models only, and this is a {family} run: remove it")
         for key in TEXT_ONLY_DATA_KEYS
-        if getattr(config.data, key)
+        if getattr(config.data, key) and not (held_out_data and key in ("eval_path", "eval_fraction"))
     ]
     if getattr(config, "grpo", None) is not None:
         problems.append(("grpo", f"GRPO (online reinforcement learning) is implemented for causal language models, and this is a {family} run: remove grpo"))

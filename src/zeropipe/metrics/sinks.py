@@ -45,6 +45,7 @@ NAMES = {
     "eval_tokens": "eval/tokens",
     "eval_examples": "eval/examples",
     "eval_time_s": "eval/time_s",
+    "eval_loss_by_quantile": "eval/loss_quantile",  # a diffusion run's, one scalar per fixed timestep quantile
 }
 NOT_METRICS = {"step", "time"}
 IDS_FILE = "metric_sinks.json"
@@ -61,6 +62,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             for rank, item in enumerate(value):
                 if is_number(item):
                     out[f"{name}/rank{rank}"] = float(item)
+        elif isinstance(value, dict):
+            out.update({f"{name}/{part}": float(item) for part, item in value.items() if is_number(item)})
         elif is_number(value):
             out[name] = float(value)
     return out

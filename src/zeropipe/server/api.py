@@ -17,6 +17,7 @@ from zeropipe.server import checking, events
 from zeropipe.server.formschema import form_schema
 from zeropipe.store import ActionRefused, RunNotFound, RunStore, parse_yaml_text
 from zeropipe.store.archive import tar_size, tar_stream
+from zeropipe.store.series import EVAL_SCALARS
 
 router = APIRouter(prefix="/api")
 
@@ -255,7 +256,12 @@ def compare(
             missing.append(run_id)
             first_miss = first_miss or err
             continue
-        data = store.metrics(run, [key], width)
+        if key in EVAL_SCALARS:
+            # Evaluations (a diffusion run's validation loss, a language model's eval loss) are at a few steps only: all of them, never downsampled away.
+            evals = store.series.get(store.metrics_file(run)).evals()
+            data = {"step": evals["step"], "series": {key: evals[key]}}
+        else:
+            data = store.metrics(run, [key], width)
         out.append({"id": run["id"], "name": run["name"], "state": run["state"], "step": data["step"], "values": data["series"].get(key, [])})
     if not out and first_miss is not None:
         raise first_miss  # none of them: a 404

@@ -679,16 +679,23 @@ class RunStore:
         answers = family is None or family.answers_prompts
         evaluates = family is None or getattr(family, "evaluates_loss", False)  # a plug-in that does not say: no
         drawn = "draw pictures with it on the Draw page; its samples are in the sample gallery below"
+        reason = None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."
+        if evaluates and family is not None and getattr(family, "evaluate_held_out", None) is not None and not self.has_held_out(run):
+            # A family that evaluates only the held-out data it kept (a diffusion run's validation loss) takes no file instead.
+            evaluates, reason = False, f"This {name} run kept no held-out data: train with data.eval_fraction (e.g. 0.05) or data.eval_path to get its validation loss."
         return {
             "generate": {"available": answers, "reason": None if answers else f"A {name} model does not answer prompts: {drawn}."},
-            "evaluate": {"available": evaluates, "reason": None if evaluates else f"Evaluation computes a language model's loss on held-out text; a {name} run has none ({drawn})."},
+            "evaluate": {"available": evaluates, "reason": reason},
             "draw": {"available": bool(getattr(family, "draws_images", False)), "reason": None if getattr(family, "draws_images", False) else f"A {name} model writes text: talk to it on the Chat page."},
         }
 
     def has_held_out(self, run: dict[str, Any]) -> bool:
-        """Whether the run kept held-out data (data.eval_fraction or data.eval_path), tokenized, to evaluate on."""
+        """Whether the run kept held-out data (data.eval_fraction or data.eval_path) to evaluate on: tokenized, or a diffusion run's held-out items."""
         info = self.own_or_none(run, "cache/eval/cache.json")
-        return info is not None and info.is_file()
+        if info is not None and info.is_file():
+            return True
+        plan = self.own_or_none(run, "data/diffusion.json")
+        return plan is not None and plan.is_file() and bool((read_json(plan) or {}).get("eval_items"))
 
     def evaluations(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The run's evaluations started here, newest first, with their result once written."""

@@ -196,7 +196,12 @@ def test_the_run_says_what_its_family_can_do(client, store):
     assert actions["generate"]["available"] and actions["evaluate"]["available"]
     actions = client.get(f"/api/runs/{sd['id']}").json()["actions"]
     assert not actions["generate"]["available"] and "sample gallery" in actions["generate"]["reason"]
-    assert not actions["evaluate"]["available"] and "diffusion" in actions["evaluate"]["reason"]
+    assert not actions["evaluate"]["available"] and "held-out" in actions["evaluate"]["reason"]
+    # A diffusion run that held images out: its validation loss (issue 44).
+    plan = store.roots.primary_runs / "sd" / "data" / "diffusion.json"
+    plan.parent.mkdir(exist_ok=True)
+    plan.write_text('{"eval_items": [3, 7]}')
+    assert client.get(f"/api/runs/{sd['id']}").json()["actions"]["evaluate"]["available"]
 
 
 def test_a_starting_run_says_what_it_is_doing_until_its_first_step(client, store):

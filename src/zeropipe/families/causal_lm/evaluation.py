@@ -146,6 +146,20 @@ def evaluate_checkpoint(
         ZeroPipeError: the run has no held-out data and none was given, or is not a causal LM.
     """
 
+    run, info = resolve_run_checkpoint(source, checkpoint)
+    config = run.read_config()
+    if config.model.family not in ("causal_lm", "auto"):
+        raise ZeroPipeError(f"zeropipe eval computes the loss of causal language models; {run.path} is a {config.model.family} run")
+    return _evaluate_loaded(run, info, config, data, dtype, batch_size)
+
+
+def resolve_run_checkpoint(source: str | Path, checkpoint: str | None = None) -> tuple[RunDir, Any]:
+    """(the run, its checkpoint) that ``zeropipe eval SOURCE [--checkpoint TAG]`` names; the run confined to its own files.
+
+    Raises:
+        ZeroPipeError: SOURCE is not a run directory.
+        CheckpointError: no such (complete) checkpoint.
+    """
     source = Path(source)
     if not RunDir(source).config.is_file() and not (source.parent.name == "checkpoints" and RunDir(source.parent.parent).config.is_file()):
         raise ZeroPipeError(f"{source} is not a run directory (no config.yaml): give the directory `zeropipe train` wrote")
@@ -160,9 +174,10 @@ def evaluate_checkpoint(
         run_path, info = resolve_checkpoint(source)
     run = RunDir(run_path)
     run.use_checkpoint(info.path)  # a UI run's: never a checkpoint folder symlinked out of the run; its data confined
-    config = run.read_config()
-    if config.model.family not in ("causal_lm", "auto"):
-        raise ZeroPipeError(f"zeropipe eval computes the loss of causal language models; {run.path} is a {config.model.family} run")
+    return run, info
+
+
+def _evaluate_loaded(run: RunDir, info, config, data, dtype, batch_size) -> EvalResult:
     # A run's saved precision is resolved; a hand-written config's auto is taken as fp32 (exact on any machine).
     dtype = dtype or (config.deepspeed.precision if config.deepspeed.precision != "auto" else "fp32")
     if dtype not in DTYPES:

@@ -202,4 +202,5 @@ class CausalLMTask(TaskDefaults):
         for prompt in prompts:
             ids = render_prompt(self.tokenizer, [{"role": "user", "content": prompt}])
             inputs.append(({"input_ids": torch.tensor([ids], device=trainer.device)}, {"prompt": prompt}))
-        write_generations(trainer, self.tokenizer, inputs)
+        with trainer.sampling_weights():  # train.ema.sample_from_ema: the answers of the EMA weights
+            write_generations(trainer, self.tokenizer, inputs)

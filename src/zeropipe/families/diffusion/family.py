@@ -37,7 +37,7 @@ class Diffusion:
     name = "diffusion"
     trains_tokenizer = False
     answers_prompts = False
-    evaluates_loss = False
+    evaluates_loss = True  # the validation loss on held-out images at fixed timesteps and noise (validation.py)
     takes_images = False
     streams_answers = False
     sequence_parallel_refusal = ("diffusers' context-parallel plans are not wired into ZeRO-Pipe yet; only causal language "
@@ -52,7 +52,7 @@ class Diffusion:
         return is_pipeline_folder(path)
 
     def config_problems(self, config: RunConfig) -> list[tuple[str, str]]:
-        problems = text_only_problems(config, self.name, bitsandbytes_base=True)
+        problems = text_only_problems(config, self.name, bitsandbytes_base=True, held_out_data=True)
         if config.preference is not None:
             # Said before anything starts: the diffusion task would train it as supervised data, silently.
             problems.append(("preference", "preference tuning (DPO, ORPO, SimPO, KTO, reward models) is implemented for language and vision-language models, and this is a diffusion run: remove preference"))
@@ -130,6 +130,12 @@ class Diffusion:
         raise ZeroPipeError("zeropipe generate writes text; diffusion runs draw samples during training (generate.sample_every)")
 
     draws_images = True
+
+    def evaluate_held_out(self, run: RunDir, info, dtype: str | None = None):
+        """``zeropipe eval`` on a diffusion run: the validation loss of a checkpoint, in this process (evaluation.py)."""
+        from zeropipe.families.diffusion.evaluation import evaluate_diffusion_checkpoint
+
+        return evaluate_diffusion_checkpoint(run, info, dtype=dtype)
 
     def load_for_drawing(self, source, device, dtype):
         return drawing.load_for_drawing(source, device, dtype)

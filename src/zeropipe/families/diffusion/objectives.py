@@ -44,14 +44,19 @@ class DDPMObjective:
         alphas = self.scheduler.alphas_cumprod
         self.snr = alphas / (1 - alphas)
 
-    def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> NoisedBatch:
+    def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None, quantiles: torch.Tensor | None = None) -> NoisedBatch:
+        """The batch noised at drawn timesteps, or with ``quantiles`` at those quantiles of the training distribution (the validation loss's fixed timesteps)."""
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents)
         if self.section.noise_offset:
             # A per-channel constant shift: the model can then change an image's mean brightness.
             offset = torch.randn((latents.shape[0], latents.shape[1], 1, 1), generator=generator, dtype=torch.float32).to(latents)
             noise = noise + self.section.noise_offset * offset
         count = self.scheduler.config.num_train_timesteps
-        if self.section.timestep_sampling == "logit_normal":
+        if quantiles is not None:
+            q = quantiles.double().clamp(1e-7, 1 - 1e-7)
+            u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.special.ndtri(q)) if self.section.timestep_sampling == "logit_normal" else q
+            timesteps = (u * count).long().clamp(0, count - 1)
+        elif self.section.timestep_sampling == "logit_normal":
             u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.randn((latents.shape[0],), generator=generator))
             timesteps = (u * count).long().clamp(0, count - 1)
         else:
@@ -99,8 +104,12 @@ class FlowObjective:
             else:
                 u = torch.rand((batch,), generator=generator)
             return self.shift * u / (1 + (self.shift - 1) * u)
+        return self.sigmas_at(torch.rand((batch,), generator=generator, dtype=torch.float64))
+
+    def sigmas_at(self, quantiles: torch.Tensor) -> torch.Tensor:
+        """The noise levels at these quantiles (0-1) of the distribution training draws from, within min_t/max_t (diffusion-pipe's eval quantiles)."""
         low, high = self.quantile(self.min_t), self.quantile(self.max_t)
-        q = (low + (high - low) * torch.rand((batch,), generator=generator, dtype=torch.float64)).clamp(1e-7, 1 - 1e-7)
+        q = (low + (high - low) * quantiles.double()).clamp(1e-7, 1 - 1e-7)
         if self.logit_normal:
             u = torch.sigmoid(self.section.logit_mean + self.section.logit_std * torch.special.ndtri(q))
         else:
@@ -123,9 +132,10 @@ class FlowObjective:
         z = (math.log(u / (1 - u)) - self.section.logit_mean) / self.section.logit_std
         return float(torch.special.ndtr(torch.tensor(z, dtype=torch.float64)))
 
-    def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None) -> NoisedBatch:
+    def noise(self, latents: torch.Tensor, generator: torch.Generator | None = None, quantiles: torch.Tensor | None = None) -> NoisedBatch:
+        """The batch noised at drawn noise levels, or with ``quantiles`` at those quantiles of the training distribution (the validation loss's fixed timesteps)."""
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(latents)
-        sigmas = self.sigmas(latents.shape[0], generator).to(latents)
+        sigmas = (self.sigmas(latents.shape[0], generator) if quantiles is None else self.sigmas_at(quantiles)).to(latents)
         shaped = sigmas.view(-1, *([1] * (latents.dim() - 1)))
         noisy = (1 - shaped) * latents + shaped * noise
         return NoisedBatch(noisy, sigmas * self.num_train_timesteps, noise - latents, None)

@@ -28,6 +28,7 @@ from zeropipe.data.images import PreparedImage
 from zeropipe.families.diffusion.buckets import assign_bucket, make_buckets, micro_batches_per_rank
 from zeropipe.families.diffusion.parts import Encoding, Planning, active_conditions, part_problems
 from zeropipe.families.diffusion.pipelines import PipelineFolder, build_tiny_pipeline, load_component, text_pipeline, vae_scale_factor
+from zeropipe.data.split import RecordSplit
 from zeropipe.errors import ConfigError, DataError
 from zeropipe.rundir import PreparedData, RunDir
 
@@ -76,6 +77,8 @@ class DiffusionPlan:
     missing_control_texts: list[list] = field(default_factory=list)  # [key, text, item index, bucket] to encode with the item's control image
     # The entry's conditions this run has (their entry names), decided here once: those the folder has and the settings ask for. None: a plan from before.
     conditions: list[str] | None = None
+    # The held-out items (data.eval_path's, or data.eval_fraction of data.path's), in a fixed order: the validation loss's (families/diffusion/validation.py).
+    eval_items: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.denoiser:  # a plan written before experts: the architecture's own
@@ -137,9 +140,12 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         )
     buckets = make_buckets(images.resolution, images.bucket_step, images.max_aspect) if images.bucketing else [(images.resolution, images.resolution)]
     items = [{**asdict(item), "path": str(item.path)} for item in scan.items]
+    items, held_out = held_out_items(config, codec, items, notes)
     item_buckets = [assign_bucket(item["width"], item["height"], buckets) for item in items]
     items, item_buckets, fps, sample_frames, clip_notes = codec.take_clips(config, arch.name, items, item_buckets)
     notes += clip_notes
+    # Held-out items are planned and cached as the others, and never trained on (no repeats).
+    eval_items = [index for index, item in enumerate(items) if item["path"] in held_out]
 
     cache_dir = cache_dir_for(config).resolve()
     folder = PipelineFolder(pipeline_dir, arch, cache_dir / "fingerprints.json")
@@ -150,7 +156,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     planning = Planning(config, arch, folder, image_dir, cache_dir, items, item_buckets, prompts, folder.fingerprints, notes)
     for condition in conditions:
         condition.attach(planning)
-    repeats = [item["repeats"] for item in items]
+    repeats = [0 if item["path"] in held_out else item["repeats"] for item in items]
 
     # A condition whose encoder's output is cached with the latents makes that encoder part of every key.
     vae_fp = folder.fingerprint("vae")
@@ -195,6 +201,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         sample_frames=sample_frames,
         denoiser=denoiser,
         conditions=[condition.entry for condition in conditions],
+        eval_items=eval_items,
         **fields,
     )
     texts_missing = arch.text.missing(plan)
@@ -210,6 +217,36 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         batching_note=codec.batching_note(),
         node_setup="zeropipe.families.diffusion.prepare:fill_caches" if missing_latents or texts_missing else None,
     )
+
+
+def held_out_items(config: RunConfig, codec, items: list[dict[str, Any]], notes: list[str]) -> tuple[list[dict[str, Any]], set[str]]:
+    """The items with data.eval_path's appended, and the paths of the held-out ones (data.eval_path's, or data.eval_fraction of data.path's).
+
+    The fraction is drawn by file with run.seed (``data.split.RecordSplit``, as the language models' records are),
+    so the clips of one video never fall on both sides.
+
+    Raises:
+        DataError: data.eval_path has no usable file.
+    """
+    data = config.data
+    if data.eval_fraction:
+        paths = sorted({item["path"] for item in items})
+        held = RecordSplit(data.eval_fraction, config.run.seed, held_out=True).held_out_positions(len(paths))
+        chosen = {paths[position] for position in held}
+        notes.append(f"held out {len(chosen)} of {len(paths)} {codec.file_noun}s (data.eval_fraction {data.eval_fraction:g}, drawn with run.seed) for the validation loss")
+        return items, chosen
+    if not data.eval_path:
+        return items, set()
+    folder = Path(data.eval_path).expanduser().resolve()
+    scan = codec.scan(folder, data.images.caption_ext)
+    extra = [{**asdict(item), "path": str(item.path)} for item in scan.items]
+    if not extra:
+        raise DataError(f"data.eval_path {folder} has no usable {codec.file_noun}: point it at a folder laid out as data.path (captions beside the files)")
+    if scan.bad:
+        notes.append(f"skipped {len(scan.bad)} unusable {codec.file_noun}(s) in data.eval_path {folder} ({scan.bad[0].path}: {scan.bad[0].reason})")
+    notes.append(f"validation loss on the {len(extra)} {codec.file_noun}s of {folder} (data.eval_path)")
+    known = {item["path"] for item in items}
+    return items + [item for item in extra if item["path"] not in known], {item["path"] for item in extra}
 
 
 def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]) -> str:

@@ -346,9 +346,35 @@ class DiffusionTask(TaskDefaults):
         return row
 
     def after_step(self) -> None:
+        every = self.config.train.eval_every
+        if self.data.eval_items and ((every and self.step % every == 0) or self.step == self.plan.total_steps):
+            self.evaluate()
         every = self.config.generate.sample_every
         if every and self.step % every == 0 and self.step < self.plan.total_steps:
             self.sample_images()
+
+    def evaluate(self) -> dict[str, Any]:
+        """The validation loss on the held-out items (families/diffusion/validation.py); a collective, rank 0 writes the row."""
+        import time
+
+        from zeropipe.families.diffusion.validation import eval_record, evaluate_in_ranks
+
+        started = time.perf_counter()
+        module = self.engine.module
+        was_training = module.training
+        module.eval()
+        table = evaluate_in_ranks(self)
+        if was_training:
+            module.train()
+        record = eval_record(self.step, table, time.perf_counter() - started)
+        if self.rank == 0:
+            record["time"] = time.time()
+            with open(self.run.metrics, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            self.trainer.sinks.log(record)
+            log.info("step %d validation loss %.4f (%d held-out item(s) at %d fixed timesteps, %.1f s)", self.step, record["eval_loss"],
+                     record["eval_examples"], len(record["eval_loss_by_quantile"]), record["eval_time_s"])
+        return record
 
     def generate_samples(self) -> None:
         self.sample_images()
@@ -400,12 +426,16 @@ class DiffusionTask(TaskDefaults):
             if added.per_prompt is not None:
                 per_prompt = [{**(mine or {}), **extra} for mine, extra in zip(per_prompt or [None] * len(prompts), added.per_prompt)]
         pipeline.set_progress_bar_config(disable=True)
-        if per_prompt is not None:  # a part gives each prompt its own arguments (a control image): one call per prompt
-            drawn = [self.arch.sample_outputs(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)]
-            latents = torch.cat([latent for latent, _ in drawn])
-            outputs = {name: torch.cat([other[name] for _, other in drawn]) for name in drawn[0][1]}
-        else:
-            latents, outputs = self.arch.sample_outputs(pipeline, kwargs)
+        from_ema = self.trainer.ema is not None and self.config.train.ema.sample_from_ema
+        for row in rows:
+            row["weights"] = "ema" if from_ema else "trained"
+        with self.trainer.sampling_weights():
+            if per_prompt is not None:  # a part gives each prompt its own arguments (a control image): one call per prompt
+                drawn = [self.arch.sample_outputs(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)]
+                latents = torch.cat([latent for latent, _ in drawn])
+                outputs = {name: torch.cat([other[name] for _, other in drawn]) for name in drawn[0][1]}
+            else:
+                latents, outputs = self.arch.sample_outputs(pipeline, kwargs)
         if was_training:
             module.train()
         if self.rank != 0:

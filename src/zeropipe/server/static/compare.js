@@ -54,7 +54,9 @@
       return;
     }
     const [steps, columns] = join(data.runs);
-    chart = new ZP.Chart(container, { title: metric.options[metric.selectedIndex].text, labels: data.runs.map((r) => r.name), height: 400 });
+    const labels = data.runs.map((r) => r.name);
+    // Evaluations are at a few steps only: drawn as joined points, as on the run page.
+    chart = new ZP.Chart(container, { title: metric.options[metric.selectedIndex].text, labels, height: 400, sparse: metric.value.startsWith("eval_") ? labels : [] });
     chart.set(steps, columns);
     window.zpCharts.compare = chart;
     body.replaceChildren(
