@@ -195,7 +195,7 @@ class DiffusionSection(Section):
     guidance_preserving: float | None = Field(
         None,
         gt=0,
-        description="Guidance-distilled models (MiniMax-H3): train with the guidance-preserving objective, reading the model's output as guided at this "
+        description="Guidance-distilled models whose entry selects it (docs/diffusion.md; none of the built-in entries yet): train with the guidance-preserving objective, reading the model's output as guided at this "
         "classifier-free guidance scale (e.g. 4) and fitting the raw velocity recovered with its own unconditional prediction, so LoRA training keeps the "
         "built-in guidance (diffusion-pipe's CFG-augmented training, its `cfg`). One more forward pass per step, without gradient. None: plain flow matching.",
     )
