@@ -87,7 +87,11 @@ def reference_images(data: dict, targets: Path, tmp_path: Path) -> None:
     data["images"]["bucket_step"] = data["images"]["resolution"]
 
 
-PROVIDERS = {"data.control_path": control_images, "data.control_paths": reference_images}
+def guidance_preserving(data: dict, targets: Path, tmp_path: Path) -> None:
+    """Nothing: the setting is optional; the contract runs the entry's own loss, tests/integration/test_guidance_preserving.py the objective."""
+
+
+PROVIDERS = {"data.control_path": control_images, "data.control_paths": reference_images, "model.diffusion.guidance_preserving": guidance_preserving}
 
 
 def run_config(arch, tmp_path: Path, name: str, data: dict, **overrides) -> dict:

@@ -199,6 +199,13 @@ class DiffusionSection(Section):
         "auto", description="Timestep shift of flow matching (SD3 uses 3.0); 'auto': the scheduler config's shift, else 1.0 (no shift)."
     )
     guidance: float = Field(1.0, ge=0, description="Guidance value fed to guidance-distilled transformers (Flux dev: 1.0 for training); ignored otherwise.")
+    guidance_preserving: float | None = Field(
+        None,
+        gt=0,
+        description="Guidance-distilled models whose entry selects it (docs/diffusion.md; none of the built-in entries yet): train with the guidance-preserving objective, reading the model's output as guided at this "
+        "classifier-free guidance scale (e.g. 4) and fitting the raw velocity recovered with its own unconditional prediction, so LoRA training keeps the "
+        "built-in guidance (diffusion-pipe's CFG-augmented training, its `cfg`). One more forward pass per step, without gradient. None: plain flow matching.",
+    )
     min_t: float = Field(
         0.0, ge=0, le=1, description="Flow matching: train only on noise levels t >= min_t (t in [0, 1] after the shift, 1 is pure noise). "
         "Wan 2.2 A14B's high-noise expert: min_t 0.875 (T2V; 0.9 for I2V)."

@@ -11,6 +11,7 @@ from zeropipe.families.diffusion.parts.control_image import ControlImage
 from zeropipe.families.diffusion.parts.control_prompt import PromptWithControlImage
 from zeropipe.families.diffusion.parts.first_frame import FirstFrame, FirstFrameAlone
 from zeropipe.families.diffusion.parts.first_frame_embeddings import FirstFrameEmbeddings
+from zeropipe.families.diffusion.parts.guidance import GuidedPrompt
 from zeropipe.families.diffusion.parts.reference_images import ReferenceImages
 from zeropipe.families.diffusion.parts.reference_prompt import PromptWithReferenceImages
 from zeropipe.families.diffusion.parts.text import PromptText
@@ -23,6 +24,10 @@ PART_SETTINGS = {
     ),
     "data.control_paths": lambda config, arch: (
         "data.control_paths", f"this {arch.name} pipeline takes no reference images: remove data.control_paths, or train a multi-reference edit model (qwen-image-edit-plus, flux2)"
+    ),
+    "model.diffusion.guidance_preserving": lambda config, arch: (
+        "model.diffusion.guidance_preserving", f"the {arch.name} entry does not offer the guidance-preserving objective (an entry selects it with "
+        "its prompt part, GuidedPrompt): remove model.diffusion.guidance_preserving"
     ),
 }
 
@@ -47,7 +52,7 @@ def _setting(config: Any, key: str) -> Any:
 
 
 __all__ = [
-    "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "ImageLatents", "Inputs", "Part",
+    "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "GuidedPrompt", "ImageLatents", "Inputs", "Part",
     "PerChannelVideoLatents", "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
     "Sampling", "VideoLatents", "active_conditions", "part_problems",
 ]
