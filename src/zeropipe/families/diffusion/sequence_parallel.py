@@ -174,8 +174,17 @@ def group_loss(task: Any, compute: Callable[[], torch.Tensor], latents: torch.Te
     """
     trainer = task.trainer
     size = trainer.sequence_parallel
+    # The group draws alike (one sample, its noise and timestep), but dropout (LoRA's) must not give every rank the
+    # same mask over its different tokens: the denoiser runs on a stream of this rank's own, seeded from the run's
+    # seed, the rank, the step and the micro-batch (so a resumed run draws the same), and the shared stream is left as it was.
+    task.sp_micro = getattr(task, "sp_micro", 0) + 1 if getattr(task, "sp_micro_step", None) == trainer.step else 1
+    task.sp_micro_step = trainer.step
+    seed = ((task.config.run.seed * 1_000_003 + trainer.step) * 1009 + task.sp_micro) * 4099 + trainer.rank
+    devices = [trainer.device] if trainer.device.type == "cuda" else []
     try:
-        loss = compute()
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            loss = compute()
     except AssertionError as err:  # diffusers' EquipartitionSharder: a split dimension that does not divide by the group
         if "divisible by mesh size" not in str(err):
             raise
