@@ -193,7 +193,7 @@ SEQUENCE_PARALLEL_PRICE = "each attention layer's q, k, v and output cross the g
 
 def sequence_parallel_degrees(spec: ModelSpec, world_size: int) -> list[int]:
     """The degrees > 1 that split this model's attention heads and these ranks evenly, where ZeRO-Pipe trains it with sequence parallelism."""
-    if spec.family == "causal_lm" and spec.block is not None and spec.block.heads:
+    if spec.block is not None and spec.block.heads:  # a language model counted by its layer shape
         heads = spec.block.heads
         kv = max(1, spec.block.kv_dim // max(1, spec.block.q_dim // heads))
 

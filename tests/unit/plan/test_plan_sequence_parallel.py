@@ -69,3 +69,14 @@ def test_the_search_picks_the_degree_when_nothing_fits_without_it(spec_of):
     assert set(by_degree) == {1, 5}
     frames = {d: max(s.frames for s in shapes) for d, shapes in by_degree.items()}
     assert frames[5] > frames[1]
+
+
+def test_an_exact_degree_is_recommended_before_a_quality_change(capsys):
+    """Wan 2.2 A14B LoRA on 5 x 24 GB, 64 GB: without a split only an fp8 base fits; 5 ranks split its 40 heads, which changes no result."""
+    from zeropipe.cli.main import main
+
+    assert main(["plan", "--model", "wan2.2-t2v-a14b", "--gpus", "5x24GB", "--ram", "64GB", "--lora-r", "32"]) == 0
+    out = capsys.readouterr().out
+    verdict = next(line for line in out.splitlines() if line.startswith(("Recommended", "Fits if you set")))
+    assert verdict.startswith("Recommended: ZeRO-3") and verdict.split(" (relative")[0].endswith("sequence parallel 5"), verdict
+    assert "  parallel:\n    sequence_parallel_size: 5" in out
