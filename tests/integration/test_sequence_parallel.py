@@ -5,13 +5,14 @@ global batch. The groups exchange tokens: each rank holds half of every sample's
 from __future__ import annotations
 
 import json
+import shutil
 
 from tests.integration.conftest import assert_ok, metrics, zeropipe
 
 
-def test_sp2_x_dp2_matches_two_data_parallel_ranks(tmp_run):
+def test_sp2_x_dp2_matches_two_data_parallel_ranks_and_resumes_exactly(tmp_run):
     tmp_path, make = tmp_run
-    common = {"train": {"max_steps": 6, "log_every": 3}, "deepspeed": {"zero_stage": 3, "precision": "fp32"}, "generate": {"prompts": []}}
+    common = {"train": {"max_steps": 6, "log_every": 3, "save_every": 3, "keep_last": 5}, "deepspeed": {"zero_stage": 3, "precision": "fp32"}, "generate": {"prompts": []}}
     reference = make("dp2", hardware={"gpus": 2}, **common)
     sp = make("sp2", hardware={"gpus": 4}, parallel={"sequence_parallel_size": 2}, **common)
     assert_ok(zeropipe("train", reference))
@@ -31,3 +32,13 @@ def test_sp2_x_dp2_matches_two_data_parallel_ranks(tmp_run):
     # Samples counted once per group: the same samples per step as the reference (the speeds' numerators).
     for a, b in zip(want, got):
         assert round(a["samples_per_s"] * a["step_time_s"]) == round(b["samples_per_s"] * b["step_time_s"]) == 16
+
+    # Resume: a copy continued from step 3 on the same 4 ranks and degree gives steps 4-6 the uninterrupted run's figures.
+    again = tmp_path / "runs" / "sp2-again"
+    shutil.copytree(run_dir, again)
+    config = make("sp2-again", hardware={"gpus": 4}, parallel={"sequence_parallel_size": 2}, **common)
+    assert_ok(zeropipe("train", config, "--resume", str(again / "checkpoints" / "step_00000003")))
+    resumed = metrics(again)
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for a, b in zip(got[3:], resumed[3:]):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]

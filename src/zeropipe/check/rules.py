@@ -418,6 +418,9 @@ def sequence_parallel_unsupported(ctx: CheckContext):
         found.append(("deepspeed: zero_optimization.reduce_scatter", "under sequence parallelism ZeRO-Pipe scales the loss for ZeRO-3's "
                       "reduce-scatter of gradients (which divides by every rank); its all-reduce path divides by world / N instead",
                       "remove zero_optimization.reduce_scatter (DeepSpeed's default is true)"))
+    own = getattr(family, "sequence_parallel_problems", None)  # a family that checks its own model (diffusion: the entry's plan and heads)
+    if own is not None:
+        return found + own(ctx.config, size)
     try:
         from zeropipe.models.common import model_config
 

@@ -107,8 +107,9 @@ def run(args: argparse.Namespace) -> int:
             # Plan before the download: a model.path not on disk yet that names a catalog model.
             from zeropipe.plan.before_download import plan_from_catalog
 
-            from zeropipe.families import model_spec
+            from zeropipe.families import families, model_spec
 
+            families()  # the diffusion family registers its planner builders (a diffusion catalog model)
             result = plan_from_catalog(args.config, overrides, err, hardware, args.margin, args.global_batch, model_spec)
             return _finish(args, result)
         # Resolved for the machine planned for: its accelerator and CPU decide precision "auto".

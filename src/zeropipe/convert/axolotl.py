@@ -19,6 +19,7 @@ from zeropipe.convert.common import (
     map_moe_keys,
     map_deepspeed,
     map_adapter_init,
+    map_sequence_parallel,
     map_optimizer,
     map_output_dir,
     map_precision,
@@ -192,6 +193,8 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     map_warmup_ratio(conversion, "warmup_ratio", rest.pop("warmup_ratio", None))
     map_precision(conversion, rest, "axolotl")
     map_deepspeed(conversion, "deepspeed", rest.pop("deepspeed", None), bases)
+    map_sequence_parallel(conversion, rest, ("sequence_parallel_degree", "context_parallel_size"), "axolotl splits with ring-flash-attn's ring attention",
+                          ("heads_k_stride", "ring_attn_func"))
     map_output_dir(conversion, rest.pop("output_dir", None))
     project = rest.pop("wandb_project", None)
     if not is_unset(project):

@@ -469,3 +469,26 @@ def map_moe_keys(conversion: "Conversion", rest: dict[str, Any]) -> None:
         if rest.get(key) not in (None, 1):
             conversion.skip(key, f"{rest.pop(key)}: expert parallelism (DeepSpeed's AutoEP) fails with transformers 5; ZeRO-3 gathers each MoE block whole instead (docs/moe.md)")
         rest.pop(key, None)
+
+
+def map_sequence_parallel(conversion: Conversion, rest: dict[str, Any], keys: tuple[str, ...], how: str, ignored: tuple[str, ...] = ()) -> None:
+    """A peer's sequence-parallel degree (axolotl's sequence_parallel_degree / context_parallel_size, LLaMA-Factory's
+    sequence_parallel_size) -> parallel.sequence_parallel_size; ``how``: how the peer splits, said beside it.
+
+    ``ignored``: the peer's settings of its own splitting (ring-attention strides, its mode), reported as not mapped.
+    """
+    for key in keys:
+        if key not in rest:
+            continue
+        value = rest.pop(key)
+        if is_unset(value):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            conversion.skip(key, f"{value!r}: the number of ranks that share each sample, a whole number (parallel.sequence_parallel_size)")
+            continue
+        if value > 1:
+            conversion.set("parallel.sequence_parallel_size", value, f"from {key}: {value} ({how}; ZeRO-Pipe splits with Ulysses' all-to-all over the "
+                           "attention heads: the same losses, other communication; `zeropipe check` says where it runs)")
+    for key in ignored:
+        if key in rest:
+            conversion.skip(key, f"{rest.pop(key)!r}: how {conversion.tool} splits a sequence; ZeRO-Pipe's Ulysses split has no such setting")

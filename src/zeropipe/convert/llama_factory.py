@@ -20,6 +20,7 @@ from zeropipe.convert.common import (
     map_moe_keys,
     map_deepspeed,
     map_adapter_init,
+    map_sequence_parallel,
     map_optimizer,
     map_output_dir,
     map_precision,
@@ -210,6 +211,7 @@ def convert(path: Path, raw: dict[str, Any]) -> Conversion:
     map_warmup_ratio(conversion, "warmup_ratio", rest.pop("warmup_ratio", None))
     map_precision(conversion, rest, "LLaMA-Factory")
     map_deepspeed(conversion, "deepspeed", rest.pop("deepspeed", None), bases)
+    map_sequence_parallel(conversion, rest, ("sequence_parallel_size",), "LLaMA-Factory's sequence parallelism (zigzag ring or Ulysses)", ("sequence_parallel_mode",))
     map_output_dir(conversion, rest.pop("output_dir", None))
     report_to = rest.get("report_to")
     if report_to == "wandb" or (isinstance(report_to, list) and "wandb" in report_to):

@@ -86,23 +86,28 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
         hardware = hardware.with_gpus(run_config.hardware.gpus)
     knobs = knobs_from_config(run_config)
     fixed = {name: value for name, value in knobs.items() if value != AUTO}
+    all_set = len(fixed) == len(knobs)
+    # parallel.sequence_parallel_size as set: held, and the batch dealt over world / N data-parallel ranks.
+    sp = run_config.parallel.sequence_parallel_size
+    held_sp = {"sequence_parallel": sp} if sp > 1 and hardware.world_size % sp == 0 else {}
+    fixed.update(held_sp)
     seq_len = run_config.data.max_seq_len
     attention = run_config.model.attn_implementation
     micro, accumulation = fixed.get("micro_batch_size"), fixed.get("gradient_accumulation_steps")
-    global_batch = micro * accumulation * hardware.world_size if micro is not None and accumulation is not None else None
+    global_batch = micro * accumulation * (hardware.world_size // (sp if held_sp else 1)) if micro is not None and accumulation is not None else None
     notes = []
     limits = zero3_limits(run_config, user_ds_config)
     if run_config.deepspeed.config_file:
         notes.append(f"deepspeed.config_file is set: the plan follows the deepspeed.* fields, not {run_config.deepspeed.config_file}")
-    if len(fixed) == len(knobs):
+    if all_set:
         # train.activation_offload as the config sets it (it offloads only what checkpointing keeps).
         held = {**fixed, "activation_offload": run_config.train.activation_offload and fixed.get("gradient_checkpointing") is True}
-        sp = run_config.parallel.sequence_parallel_size
+        held.pop("sequence_parallel", None)
         configured = evaluate(spec, hardware, Choice(**held, seq_len=seq_len, attention=attention, sequence_parallel=sp, **limits), margin)
-        result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits)
+        result = recommend(spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=held_sp or None, attention=attention, zero3_limits=limits)
         result.configured = configured
         result.notes += notes + _configured_on_cpu_ranks(configured.choice, hardware)
-        result.notes += fp8_base_offer(spec, hardware, result, lambda other: recommend(other, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, attention=attention, zero3_limits=limits))
+        result.notes += fp8_base_offer(spec, hardware, result, lambda other: recommend(other, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=held_sp or None, attention=attention, zero3_limits=limits))
         return result
     result = recommend(
         spec, hardware, global_batch=global_batch, seq_len=seq_len, margin=margin, fixed=fixed, attention=attention, zero3_limits=limits

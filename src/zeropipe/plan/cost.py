@@ -22,6 +22,8 @@ a consumer box; ``Speeds.measured`` names which figures were measured, and the p
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, replace
 
 from zeropipe.plan.hardware import Hardware
@@ -112,7 +114,8 @@ def step_seconds(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Sp
     n = hardware.world_size
     v = value_bytes(choice.precision)
     micro_steps = choice.gradient_accumulation_steps
-    forward = forward_flops_per_sample(spec, choice.seq_len) * choice.micro_batch_size * spec.sequences_per_example * micro_steps
+    sp = choice.sequence_parallel  # a group of sp ranks shares each sample: each computes 1/sp of it
+    forward = forward_flops_per_sample(spec, choice.seq_len) * choice.micro_batch_size * spec.sequences_per_example * micro_steps / sp
     backward = forward * (1.0 if spec.lora is not None else 2.0)
     reference = forward if spec.reference_forward else 0.0  # the reference's pass (LoRA adapters off), without backward
     slowdown = speeds.fp32_slowdown if choice.precision == "fp32" else 1.0
@@ -149,7 +152,21 @@ def step_seconds(spec: ModelSpec, hardware: Hardware, choice: Choice, speeds: Sp
         # The checkpointed block inputs go to pinned host memory in forward and come back in backward.
         parts["offload"] += 2 * micro_steps * checkpointed_input_bytes(spec, choice) / speeds.host_link_bytes_per_second
     parts["dequantise"] = micro_steps * dequantise_seconds(spec, choice, speeds)
+    parts["sequence_parallel"] = micro_steps * sequence_parallel_bytes(spec, choice) / speeds.intra_node_bytes_per_second if sp > 1 else 0.0
     return parts
+
+
+def sequence_parallel_bytes(spec: ModelSpec, choice: Choice) -> float:
+    """Bytes one rank sends per micro-batch in Ulysses' all-to-alls: q, k, v and the output of every attention layer.
+
+    Each is the size of the layer's input (tokens x hidden); a rank holds 1/N of the tokens and keeps 1/N of
+    what it holds. Forward and backward, and the forward again where checkpointing recomputes it. Groups
+    are consecutive ranks of one node: the intra-node link (``zeropipe calibrate`` measures it).
+    """
+    sp = choice.sequence_parallel
+    whole = checkpointed_input_bytes(spec, dataclasses.replace(choice, sequence_parallel=1))
+    passes = 3 if choice.gradient_checkpointing else 2
+    return passes * 4 * whole / sp * (sp - 1) / sp
 
 
 def checkpointed_input_bytes(spec: ModelSpec, choice: Choice) -> int:
@@ -157,10 +174,10 @@ def checkpointed_input_bytes(spec: ModelSpec, choice: Choice) -> int:
     from zeropipe.plan.memory import checkpointed_layer_bytes
 
     if spec.block is not None and spec.layers:
-        tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len
+        tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len // choice.sequence_parallel
         return spec.layers * checkpointed_layer_bytes(spec.block, tokens, choice.precision)
     if spec.activation_trace is not None:
-        return spec.activation_trace.checkpointed_bytes * choice.micro_batch_size * spec.sequences_per_example
+        return spec.activation_trace.checkpointed_bytes * choice.micro_batch_size * spec.sequences_per_example // choice.sequence_parallel
     return 0
 
 

@@ -505,7 +505,7 @@ def saved_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
     if spec.activation_trace is not None:
         trace = spec.activation_trace
         per_sample = trace.checkpointed_bytes if choice.gradient_checkpointing else trace.saved_bytes
-        return per_sample * choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice)
+        return per_sample * choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice) // choice.sequence_parallel
     return 0
 
 
@@ -565,25 +565,26 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
         )
     elif spec.activation_trace is not None:
         trace = spec.activation_trace
-        scale = b * _trace_scale(trace, choice)
+        # Sequence parallelism: each rank of a group holds 1/N of the latent tokens (the text, whole on every rank, is a small share).
+        scale = b * _trace_scale(trace, choice) / choice.sequence_parallel
         clip = f" x {trace.frames} frames" if trace.frames > 1 else ""
-        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px{clip}, x {b} samples"
+        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px{clip}, x {b} samples{split}"
         if choice.gradient_checkpointing and choice.activation_offload:
             terms.append(offloaded_activation_gpu_term(spec, choice))
         if choice.gradient_checkpointing and not choice.activation_offload:
-            terms.append(Term("activations (checkpointed block inputs)", trace.checkpointed_bytes * scale, where, FORWARD_BACKWARD))
+            terms.append(Term("activations (checkpointed block inputs)", int(trace.checkpointed_bytes * scale), where, FORWARD_BACKWARD))
         if choice.gradient_checkpointing:
             terms.append(
                 Term(
                     "one block recomputed in backward",
-                    trace.largest_block_bytes * scale,
+                    int(trace.largest_block_bytes * scale),
                     "the largest checkpointed block's activations",
                     FORWARD_BACKWARD,
                 )
             )
         else:
             terms.append(
-                Term("activations saved for backward", trace.saved_bytes * scale, where + "; fused attention (no s² term)", FORWARD_BACKWARD)
+                Term("activations saved for backward", int(trace.saved_bytes * scale), where + "; fused attention (no s² term)", FORWARD_BACKWARD)
             )
     else:
         terms.append(Term("activations", 0, "unknown for a bare parameter count: pass --model to include them", FORWARD_BACKWARD))
@@ -632,14 +633,14 @@ def offloaded_input_sizes(spec: ModelSpec, choice: Choice) -> list[int]:
     b = choice.micro_batch_size * spec.sequences_per_example
     if spec.block is not None and spec.layers:
         # transformers hands a decoder layer only its hidden states positionally (masks and rotary tables are keywords, kept once).
-        return [checkpointed_layer_bytes(spec.block, b * choice.seq_len, choice.precision)] * spec.layers
+        return [checkpointed_layer_bytes(spec.block, b * choice.seq_len // choice.sequence_parallel, choice.precision)] * spec.layers
     trace = spec.activation_trace
     if trace is not None:
-        scale = b * _trace_scale(trace, choice)
+        scale = b * _trace_scale(trace, choice) / choice.sequence_parallel
         if trace.offloaded_sizes is not None:
-            return [size * scale for size in trace.offloaded_sizes]
+            return [int(size * scale) for size in trace.offloaded_sizes]
         # A trace made before offload was counted: every checkpointed byte is taken to move (an overcount by what is saved outside the blocks).
-        return [trace.checkpointed_bytes * scale]
+        return [int(trace.checkpointed_bytes * scale)]
     return []
 
 
@@ -664,8 +665,8 @@ def offloaded_activation_gpu_term(spec: ModelSpec, choice: Choice) -> Term:
     moved = sum(sizes)
     trace = spec.activation_trace if spec.block is None or not spec.layers else None
     if trace is not None and trace.offloaded_sizes is not None:
-        scale = choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice)
-        outside = max(0, trace.offload_resident_bytes or 0) * scale
+        scale = choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice) / choice.sequence_parallel
+        outside = int(max(0, trace.offload_resident_bytes or 0) * scale)
         per_block = moved // max(1, trace.checkpointed_blocks)
         return Term(
             "activations (checkpointed block inputs, offloaded)",

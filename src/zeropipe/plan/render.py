@@ -62,6 +62,8 @@ def render_plan(result: PlanResult) -> str:
             for s in result.largest_shape
         ]
         lines.append(f"Largest that fits with {planned} at micro-batch 1: " + "; ".join(shapes) + " (activations scaled from the trace, an upper bound)")
+    for degree, found in result.largest_shape_by_degree.items():
+        lines.append(f"  with parallel.sequence_parallel_size: {degree}: " + ("; ".join(s.describe() for s in found) or "nothing of the shapes tried"))
     lines.append("")
     if shown is not None:
         lines += _terms_table(
@@ -79,7 +81,7 @@ def render_plan(result: PlanResult) -> str:
         lines.append("")
         lines.append("Run-config settings (YAML):")
         lines += ["  " + line for line in result.yaml_fragment().splitlines()]
-        lines += [f"  # and {s.key}" for s in result.settings]
+        lines += [f"  # and {s.key}" for s in result.settings if s.knob != "sequence_parallel"]  # the degree is in the YAML above
     elif result.offers:
         lines.append("")
         lines.append(f"Run-config settings with {result.offers[0].keys} (YAML):")
@@ -104,6 +106,8 @@ def yaml_fragment(candidate: Candidate) -> str:
     }
     if getattr(c, "activation_offload", False):
         fragment["train"]["activation_offload"] = True
+    if c.sequence_parallel > 1:
+        fragment["parallel"] = {"sequence_parallel_size": c.sequence_parallel}
     return yaml.safe_dump(fragment, sort_keys=False)
 
 

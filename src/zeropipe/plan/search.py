@@ -35,7 +35,7 @@ from zeropipe.plan.variants import (
 # Knobs that change no result: the search may pick them. Knobs that change the result: only offered.
 EXACT_KNOBS = (
     "zero_stage", "offload_optimizer", "offload_param", "gradient_checkpointing", "activation_offload",
-    "micro_batch_size", "gradient_accumulation_steps", "data.cache.latents", "data.cache.text", "sequence_parallel (hook)",
+    "micro_batch_size", "gradient_accumulation_steps", "data.cache.latents", "data.cache.text", "sequence_parallel",
 )
 OFFERED_KNOBS = ("model.quantization (fp8, nf4)", "model.lora.target_modules (narrower)", "data.images.resolution", "data.video.frame_buckets")
 
@@ -53,6 +53,7 @@ KNOBS = (
     "gradient_checkpointing",
     "micro_batch_size",
     "gradient_accumulation_steps",
+    "sequence_parallel",  # parallel.sequence_parallel_size: groups of N ranks share each sample; the batch is dealt over world / N
 )
 # Activation offload (train.activation_offload) is a Choice field where the memory model has its term.
 ACTIVATION_OFFLOAD = "activation_offload" in {f.name for f in dataclasses.fields(Choice)}
@@ -110,6 +111,8 @@ class PlanResult:
     offers: list[Offer] = field(default_factory=list)
     largest_shape: tuple[Shape, ...] = ()  # the largest resolution at the planned frames, and (video) the most frames at the planned resolution
     nearest_box: str | None = None
+    # The same per sequence-parallel degree the model and ranks allow (1: none), with the plan's other settings.
+    largest_shape_by_degree: dict[int, tuple[Shape, ...]] = field(default_factory=dict)
 
     @property
     def runnable(self) -> bool:
@@ -143,7 +146,7 @@ class PlanResult:
             "model": {"gradient_checkpointing": choice.gradient_checkpointing},
             "train": {"micro_batch_size": choice.micro_batch_size, "gradient_accumulation_steps": choice.gradient_accumulation_steps}
             | ({"activation_offload": True} if getattr(choice, "activation_offload", False) else {}),
-        }
+        } | ({"parallel": {"sequence_parallel_size": choice.sequence_parallel}} if choice.sequence_parallel > 1 else {})
 
     def yaml_fragment(self) -> str:
         return yaml.safe_dump(self.fragment(), sort_keys=False)
@@ -190,6 +193,7 @@ class PlanResult:
             "settings": [s.to_dict() for s in self.settings],
             "offers": [o.to_dict() for o in self.offers],
             "largest_shape": [vars(s) for s in self.largest_shape],
+            "largest_shape_by_degree": {str(d): [vars(s) for s in shapes] for d, shapes in self.largest_shape_by_degree.items()},
             "nearest_box": self.nearest_box,
         }
 
@@ -267,13 +271,13 @@ def evaluate(spec: ModelSpec, hardware: Hardware, choice: Choice, margin: float 
     )
 
 
-def batch_shapes(hardware: Hardware, global_batch: int | None) -> list[tuple[int, int]]:
-    """(micro-batch, accumulation) pairs giving the global batch on this many ranks.
+def batch_shapes(hardware: Hardware, global_batch: int | None, sequence_parallel: int = 1) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs giving the global batch on this many ranks (data-parallel ranks: world / sequence_parallel).
 
     Raises:
         ZeroPipeError: when the global batch is not a multiple of the number of ranks.
     """
-    ranks = hardware.world_size
+    ranks = hardware.world_size // sequence_parallel
     if global_batch is None:
         global_batch = DEFAULT_EXAMPLES_PER_RANK * ranks
     if global_batch < ranks or global_batch % ranks:
@@ -329,7 +333,8 @@ def candidate_choices(
     if unknown:
         raise ValueError(f"unknown knobs {sorted(unknown)}; known: {KNOBS}")
     precisions, offloads = hardware_options(hardware, fixed)
-    shapes = batch_shapes(hardware, global_batch)
+    sp = int(fixed.get("sequence_parallel", 1))
+    shapes = batch_shapes(hardware, global_batch, sp)
     if "micro_batch_size" in fixed or "gradient_accumulation_steps" in fixed:
         micro = fixed.get("micro_batch_size")
         accumulation = fixed.get("gradient_accumulation_steps")
@@ -339,7 +344,7 @@ def candidate_choices(
             shapes = [(m, a) for m, a in shapes if (micro is None or m == micro) and (accumulation is None or a == accumulation)]
             if not shapes:
                 # The other knob is free: fill it from the global batch if there is one, else 1.
-                per_rank = (global_batch // hardware.world_size) if global_batch else None
+                per_rank = (global_batch // (hardware.world_size // sp)) if global_batch else None
                 if micro is not None:
                     shapes = [(micro, max(1, per_rank // micro) if per_rank else 1)]
                 else:
@@ -366,6 +371,7 @@ def candidate_choices(
                                 gradient_accumulation_steps=accumulation,
                                 seq_len=seq_len,
                                 attention=attention,
+                                sequence_parallel=sp,
                                 **extra,
                                 **(zero3_limits or {}),
                             )
@@ -459,9 +465,12 @@ def complete(result: PlanResult, kwargs: dict[str, Any], offer: bool = True) -> 
     """Steps 2-4 of ``search`` and the largest shape, on a plan already made (``recommend``'s or a run config's) with the same arguments."""
     spec, hardware, margin = result.spec, result.hardware, result.margin
     configured, notes = result.configured, result.notes
+    degrees = {c.choice.sequence_parallel for c in result.candidates}
+    if len(degrees) == 1 and min(degrees) > 1:  # the run config holds a sequence-parallel degree: the rest of the search keeps it
+        kwargs = {**kwargs, "fixed": {**(kwargs.get("fixed") or {}), "sequence_parallel": min(degrees)}}
     settings: tuple[Setting, ...] = ()
     if result.best is None:
-        for setting, other in cache_settings(spec) + sequence_parallel_settings(spec):
+        for setting, other in cache_settings(spec):
             cached = recommend(other, hardware, **kwargs)
             if cached.best is not None:
                 per_example = caching_pass_seconds(other, 1, speeds_for(hardware))
@@ -473,6 +482,15 @@ def complete(result: PlanResult, kwargs: dict[str, Any], offer: bool = True) -> 
                 result, settings = cached, (setting,)
                 break
             spec, settings = other, (setting,)  # the offers below start from the cached run
+    if result.best is None and "sequence_parallel" not in (kwargs.get("fixed") or {}):
+        # Sequence parallelism (exact; its price is the all-to-all time): the smallest degree that fits, on the spec reached so far.
+        for setting in sequence_parallel_settings(spec, hardware.world_size):
+            split = recommend(spec, hardware, **{**kwargs, "fixed": {**(kwargs.get("fixed") or {}), "sequence_parallel": setting.value}})
+            if split.best is not None:
+                split.notes = notes + [f"picked {setting.key} (changes no result; {setting.price}): without it {result.reason}"]
+                split.configured = configured
+                result, settings = split, settings + (setting,)
+                break
     result.settings = settings
     if result.best is None and offer:
         result.offers = offers_for(spec, hardware, kwargs, settings)
@@ -481,6 +499,11 @@ def complete(result: PlanResult, kwargs: dict[str, Any], offer: bool = True) -> 
     )
     if plan_spec is not None and plan_spec.activation_trace is not None:
         result.largest_shape = largest_shape(plan_spec, hardware, plan_choice, margin)
+        degrees = [s.value for s in sequence_parallel_settings(plan_spec, hardware.world_size)]
+        if degrees:
+            result.largest_shape_by_degree = {
+                d: largest_shape(plan_spec, hardware, dataclasses.replace(plan_choice, sequence_parallel=d), margin) for d in [1, *degrees]
+            }
     if not result.runnable and offer:
         result.nearest_box = nearest_box(spec, hardware, kwargs)
     return result

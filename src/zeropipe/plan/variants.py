@@ -185,9 +185,39 @@ def shape_setting(spec: ModelSpec, shape: Shape) -> Setting:
 
 
 # ------------------------------------------------------------------ hooks for later issues
-def sequence_parallel_settings(spec: ModelSpec) -> list[tuple[Setting, ModelSpec]]:
-    """The sequence-parallel degree (its own issue): no setting until training supports it."""
-    return []
+# Denoiser classes ZeRO-Pipe trains with sequence parallelism: their diffusers context-parallel plan gives the
+# unsplit model's output and gradients (families/diffusion/sequence_parallel.py, which reads this list).
+SEQUENCE_PARALLEL_DENOISERS = ("WanTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel")
+SEQUENCE_PARALLEL_PRICE = "each attention layer's q, k, v and output cross the group's links in an all-to-all, priced in the step time"
+
+
+def sequence_parallel_degrees(spec: ModelSpec, world_size: int) -> list[int]:
+    """The degrees > 1 that split this model's attention heads and these ranks evenly, where ZeRO-Pipe trains it with sequence parallelism."""
+    if spec.block is not None and spec.block.heads:  # a language model counted by its layer shape
+        heads = spec.block.heads
+        kv = max(1, spec.block.kv_dim // max(1, spec.block.q_dim // heads))
+
+        def splits(d: int) -> bool:
+            return heads % d == 0 and (kv % d == 0 or d % kv == 0)
+    elif spec.family == "diffusion_transformer":
+        trained = (catalog_entry(spec.name) or {}).get("trained") or {}
+        heads = int((trained.get("config") or {}).get("num_attention_heads") or 0)
+        if trained.get("class") not in SEQUENCE_PARALLEL_DENOISERS or not heads:
+            return []
+
+        def splits(d: int) -> bool:
+            return heads % d == 0
+    else:
+        return []
+    return [d for d in range(2, world_size + 1) if world_size % d == 0 and splits(d)]
+
+
+def sequence_parallel_settings(spec: ModelSpec, world_size: int) -> list[Setting]:
+    """``parallel.sequence_parallel_size`` at each degree that splits the heads and the ranks (an exact knob: its price is time)."""
+    return [
+        Setting("sequence_parallel", f"parallel.sequence_parallel_size: {d}", True, SEQUENCE_PARALLEL_PRICE, 0.0, d)
+        for d in sequence_parallel_degrees(spec, world_size)
+    ]
 
 
 def lora_target_settings(spec: ModelSpec) -> list[tuple[Setting, ModelSpec]]:

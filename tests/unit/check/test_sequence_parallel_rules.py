@@ -73,9 +73,29 @@ def test_a_deepspeed_json_sequence_parallel_size_is_taken_into_the_config(tmp_pa
     assert sp_findings(resolved) == []
 
 
-def test_a_diffusion_model_is_refused_with_the_reason(tmp_path):
-    raw = {"model": {"family": "diffusion", "config": {"pipeline": "tiny-sdxl"}}, "hardware": {"gpus": 4}, "parallel": {"sequence_parallel_size": 2},
-           "data": {"synthetic": {"task": "shapes", "examples": 16}}}
-    cfg = validate_config(raw)
-    found = sp_findings(cfg)
-    assert found and "(diffusion)" in found[0].message and "context-parallel plans are not wired" in found[0].message, [f.render() for f in found]
+def diffusion_config(pipeline: str, gpus: int = 4, sp: int = 2, **overrides):
+    raw = {"model": {"family": "diffusion", "config": {"pipeline": pipeline, **overrides}}, "hardware": {"gpus": gpus},
+           "parallel": {"sequence_parallel_size": sp}, "deepspeed": {"zero_stage": 3}, "data": {"synthetic": {"task": "shapes", "examples": 16}}}
+    return validate_config(raw)
+
+
+def test_a_diffusion_transformer_with_a_verified_plan_is_accepted():
+    assert sp_findings(diffusion_config("tiny-wan")) == []
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "overrides", "words", "fix"),
+    [
+        # a UNet: no plan; the refusal lists the entries that have a verified one
+        ("tiny-sdxl", {}, "has no context-parallel plan (_cp_plan) in diffusers", "sequence_parallel_size: 1"),
+        # a plan diffusers ships that fails here (the text mask), refused with the measured reason
+        ("tiny-ltx-video", {}, "repeats the text mask over all the heads", "sequence_parallel_size: 1"),
+        # 3 heads do not split into 2: the degrees that work
+        ("tiny-wan", {"transformer": {"num_attention_heads": 3}}, "3 heads do not split into 2", "one of 3"),
+    ],
+)
+def test_what_a_diffusion_run_cannot_split_is_refused_with_the_reason(pipeline, overrides, words, fix):
+    found = sp_findings(diffusion_config(pipeline, **overrides))
+    assert any(words in f.message and fix in f.fix for f in found), [f.render() for f in found]
+    if "plan" in words:
+        assert "wan, wan-i2v" in found[0].message and "flux" in found[0].message and "ltx-video" not in found[0].message.split("entries")[-1]

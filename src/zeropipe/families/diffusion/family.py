@@ -40,8 +40,13 @@ class Diffusion:
     evaluates_loss = True  # the validation loss on held-out images at fixed timesteps and noise (validation.py)
     takes_images = False
     streams_answers = False
-    sequence_parallel_refusal = ("diffusers' context-parallel plans are not wired into ZeRO-Pipe yet; only causal language "
-                                 "models train with sequence parallelism")
+    sequence_parallel_refusal = None  # its task splits the latent tokens through diffusers' context-parallel plans (sequence_parallel.py)
+
+    def sequence_parallel_problems(self, config: RunConfig, size: int) -> list[tuple[str, str, str]]:
+        """What ``parallel.sequence_parallel_size: size`` needs of this entry: a verified plan, and heads that split into ``size``."""
+        from zeropipe.families.diffusion import sequence_parallel as sp
+
+        return sp.run_problems(self.architecture(config), config, size)
 
     def detect(self, section: ModelSection) -> bool:
         if section.path:

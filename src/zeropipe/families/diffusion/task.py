@@ -160,6 +160,10 @@ class DiffusionTask(TaskDefaults):
                 if param.requires_grad:
                     param.data = param.data.to(self.compute_dtype)
         model.train()
+        if self.trainer.sequence_parallel > 1:  # Ulysses over the heads through diffusers' context-parallel plan (sequence_parallel.py)
+            from zeropipe.families.diffusion import sequence_parallel
+
+            self.trainer.mpu = sequence_parallel.enable_for_run(model, self.trainer)
         trainable, total = count_parameters(model)
         log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.name, self.data.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         return model, {"trainable": trainable, "total": total}
@@ -167,7 +171,8 @@ class DiffusionTask(TaskDefaults):
     def after_initialize(self) -> None:
         # From here each rank draws its own noise (the model, LoRA init included, was built
         # from the shared seed); the trainer saves and restores these streams with checkpoints.
-        seed = self.config.run.seed * 1009 + self.rank
+        # Under sequence parallelism the ranks of a group draw alike (one seed per data-parallel rank): one sample, its noise and timestep.
+        seed = self.config.run.seed * 1009 + self.trainer.data_rank
         torch.manual_seed(seed)
         random.seed(seed)
         self.predict_context = PredictContext(self.device, self.compute_dtype, self.vae_factor, self.config.model.diffusion.guidance)
@@ -180,8 +185,8 @@ class DiffusionTask(TaskDefaults):
         while True:
             epoch, position = divmod(micro_step, per_epoch)
             mine = epoch_micro_batches(
-                [tuple(b) for b in self.data.buckets], self.data.repeats, self.micro_batch_size, self.world_size, self.config.run.seed, epoch
-            )[self.rank]
+                [tuple(b) for b in self.data.buckets], self.data.repeats, self.micro_batch_size, self.trainer.data_world, self.config.run.seed, epoch
+            )[self.trainer.data_rank]
             for indices in mine[position:per_epoch]:
                 yield epoch, indices
                 micro_step += 1
@@ -190,6 +195,10 @@ class DiffusionTask(TaskDefaults):
         latents, condition = self.assemble(indices)
         noised = self.objective.noise(latents)
         self.timesteps_drawn.append(noised.timesteps.detach().float())  # on the device: read when the metrics are written
+        if self.trainer.sequence_parallel > 1:  # the group's loss of its one micro-batch, counted once (sequence_parallel.py)
+            from zeropipe.families.diffusion import sequence_parallel
+
+            return sequence_parallel.group_loss(self, lambda: self.arch.loss(self.engine, noised, condition, self.predict_context), noised.model_input, len(indices))
         return self.arch.loss(self.engine, noised, condition, self.predict_context), 0.0, float(len(indices))
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -304,12 +313,13 @@ class DiffusionTask(TaskDefaults):
         import deepspeed.comm as dist
 
         state = (torch.get_rng_state(), random.getstate())
-        torch.manual_seed(self.config.run.seed + 7919 * self.rank)
-        random.seed(self.config.run.seed + self.rank)
+        data_rank = self.trainer.data_rank  # the rank itself, or its sequence-parallel group
+        torch.manual_seed(self.config.run.seed + 7919 * data_rank)
+        random.seed(self.config.run.seed + data_rank)
         # No caption dropout or flips: the same inputs each time it is measured.
-        indices = epoch_micro_batches([tuple(b) for b in self.data.buckets], self.data.repeats, self.micro_batch_size, self.world_size, self.config.run.seed, 0)[self.rank][0]
+        indices = epoch_micro_batches([tuple(b) for b in self.data.buckets], self.data.repeats, self.micro_batch_size, self.trainer.data_world, self.config.run.seed, 0)[data_rank][0]
         latents, condition = self.assemble(indices, augment=False)
-        generator = torch.Generator().manual_seed(self.config.run.seed + self.rank)
+        generator = torch.Generator().manual_seed(self.config.run.seed + data_rank)
         noised = self.objective.noise(latents, generator=generator)
         was_training = self.engine.module.training
         self.engine.module.eval()
