@@ -82,12 +82,18 @@ def evaluate_in_ranks(task: Any) -> torch.Tensor:
     import deepspeed.comm as dist
 
     items = task.data.eval_items
-    mine, passes = rank_positions(len(items), task.rank, task.world_size)
+    # Shared by data-parallel rank: under sequence parallelism the ranks of a group split one item's
+    # tokens, so they pass over the same items, and one rank of the group writes each row.
+    trainer = getattr(task, "trainer", None)
+    data_rank = getattr(trainer, "data_rank", task.rank)
+    data_world = getattr(trainer, "data_world", task.world_size)
+    writes = getattr(trainer, "sp_rank", 0) == 0
+    mine, passes = rank_positions(len(items), data_rank, data_world)
     table = torch.zeros((len(items), len(EVAL_QUANTILES)), dtype=torch.float64)
     for number in range(passes):
         position = mine[number] if number < len(mine) else (mine or [0])[-1]
         losses = item_losses(task, items[position], position)  # run even when not counted: under ZeRO-3 the other ranks wait for it
-        if number < len(mine):
+        if number < len(mine) and writes:
             table[position] = torch.tensor(losses, dtype=torch.float64)
     # Each row is written by one rank and zero on the others: the sum is exact, whatever the rank count.
     total = table.to(task.device)
