@@ -69,7 +69,7 @@ def setup(tmp_path_factory):
 # mode: (steps, save_every, model section's extra keys, train's, grpo's)
 MODES = {
     "lora": (40, 20, {"lora": LORA}, {"lr": 5e-3}, {"loss_type": "dapo"}),
-    "full": (30, 20, {}, {"lr": 1e-3}, {"loss_type": "grpo", "num_iterations": 2, "epsilon_high": 0.28}),
+    "full": (40, 30, {}, {"lr": 3e-3}, {"loss_type": "dapo"}),
 }
 
 
@@ -111,12 +111,9 @@ def test_grpo_raises_the_reward_under_zero3_resumes_exactly_and_exports(setup, t
     assert all(0 <= r["completions/mean_length"] <= 4 and "reward_std" in r and "clip_ratio/region_mean" in r for r in rows)
     samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} >= {1} and all("numeric" in s["rewards"] for s in samples)
-    if mode == "full":
-        assert "a frozen copy of" in result.stderr and "of its parameters on each rank" in result.stderr
-        # The second pass over each generation trains against the sampling policy's log-probs: the ratio moves off 1.
-        assert rows[0]["clip_ratio/region_mean"] == 0 and any(r["clip_ratio/region_mean"] > 0 for r in rows[1::2])
-        assert {s["step"] for s in samples} == set(range(1, steps + 1, 2))  # completions are sampled on every other step
-        assert all(rows[i]["reward"] == rows[i + 1]["reward"] for i in range(0, steps, 2))  # the second pass reports its generation's rewards
+    if mode == "full":  # the reference: the base again, half of its weights on each of the two ranks
+        log = (run_dir / "logs" / "rank0.log").read_text()
+        assert "KL reference: a frozen copy of" in log and "17,904 of its parameters on each rank" in log  # 35,808 in all
 
     # Exact resume from the middle checkpoint: the same samples (seeded per rank and micro-step), losses and rewards.
     cut = tmp_path / "cut"
@@ -138,6 +135,31 @@ def test_grpo_raises_the_reward_under_zero3_resumes_exactly_and_exports(setup, t
     after = sampled_accuracy(trained, out)
     print(f"{mode}: sampled accuracy on the 50 questions x 16 samples: base {before:.3f}, after GRPO {after:.3f}")
     assert after > before + 0.05, (before, after)
+
+
+def test_num_iterations_trains_twice_on_each_generation_and_resumes_exactly(setup, tmp_path):
+    """num_iterations 2 under ZeRO-3 (full fine-tune, reference copy): each generation is trained on for two steps, the second
+    clipped against the sampling policy's log-probs kept at generation; a resume at a generation boundary is exact."""
+    root = setup
+    raw = run_config(root, "grpo_iterations", "full")
+    raw["train"].update(max_steps=8, save_every=4, log_every=1)
+    raw["grpo"].update(num_iterations=2, loss_type="grpo", epsilon_high=0.28)
+    config = write_config(tmp_path, raw, "grpo_iterations.yaml")
+    assert_ok(zeropipe("train", config))
+    run_dir = root / "runs" / "grpo_iterations"
+    rows = metrics(run_dir)
+    samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 3, 5, 7}  # completions are sampled on every other step only
+    assert all(rows[i]["reward"] == rows[i + 1]["reward"] for i in range(0, 8, 2))  # the second pass reports its generation's rewards
+    # The first pass samples with the very weights it trains: ratio 1, nothing clipped; the second trains a policy that moved.
+    assert all(rows[i]["clip_ratio/region_mean"] == 0 for i in range(0, 8, 2)), [r["clip_ratio/region_mean"] for r in rows]
+    assert any(rows[i]["clip_ratio/region_mean"] > 0 for i in range(1, 8, 2)), [r["clip_ratio/region_mean"] for r in rows]
+    cut = tmp_path / "cut"
+    shutil.copytree(run_dir, cut)
+    assert_ok(zeropipe("train", config, "--resume", cut / "checkpoints" / "step_00000004"))
+    again = {row["step"]: row for row in metrics(cut)}
+    keys = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean")
+    assert all([again[row["step"]][k] for k in keys] == [row[k] for k in keys] for row in rows[4:])
 
 
 def sampled_accuracy(model, tokenizer_dir, samples: int = 16) -> float:
