@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.integration.conftest import TINY_LLAMA, assert_ok, metrics, write_config, zeropipe, zeropipe_here
 
@@ -137,17 +139,58 @@ def test_grpo_raises_the_reward_under_zero3_resumes_exactly_and_exports(setup, t
     assert after > before + 0.05, (before, after)
 
 
-def test_num_iterations_trains_twice_on_each_generation_and_resumes_exactly(setup, tmp_path):
-    """num_iterations 2 under ZeRO-3 (full fine-tune, reference copy): each generation is trained on for two steps, the second
+REWARDS = """\
+def accuracy_reward(completions, answer, **kwargs):
+    return [1.0 if text.strip() == right else 0.0 for text, right in zip(completions, answer)]
+"""
+
+
+def test_axolotls_grpo_recipe_trains_directly_twice_on_each_generation_and_resumes_exactly(setup, tmp_path):
+    """axolotl's GRPO recipe (docs/rlhf.qmd's, with its reward module, model and data replaced by tiny stand-ins), trained as
+    written under ZeRO-3 as a full fine-tune with num_iterations 2: each generation is trained on for two steps, the second
     clipped against the sampling policy's log-probs kept at generation; a resume at a generation boundary is exact."""
     root = setup
-    raw = run_config(root, "grpo_iterations", "full")
-    raw["train"].update(max_steps=8, save_every=4, log_every=1)
-    raw["grpo"].update(num_iterations=2, loss_type="grpo", epsilon_high=0.28)
-    config = write_config(tmp_path, raw, "grpo_iterations.yaml")
-    assert_ok(zeropipe("train", config))
-    run_dir = root / "runs" / "grpo_iterations"
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    deepspeed = Path(__file__).parents[1] / "fixtures" / "peers" / "axolotl" / "deepspeed_configs" / "zero3.json"
+    config = tmp_path / "grpo.yml"
+    config.write_text(f"""\
+base_model: {root / 'base'}
+rl: grpo
+trl:
+  beta: 0.04
+  max_completion_length: 4
+  num_generations: 8
+  num_iterations: 2
+  loss_type: grpo
+  epsilon_high: 0.28
+  reward_funcs: ["rewards.accuracy_reward"]
+  reward_weights: [1.0]
+datasets:
+  - path: {root / 'prompts.jsonl'}
+    type: rewards.prompt_transform
+sequence_len: 32
+micro_batch_size: 64
+gradient_accumulation_steps: 1
+max_steps: 8
+save_steps: 4
+learning_rate: 3e-3
+lr_scheduler: constant
+optimizer: adamw_torch
+bf16: false
+fp16: false
+seed: 7
+logging_steps: 1
+deepspeed: {deepspeed}
+output_dir: {tmp_path / 'out'}
+""")
+    result = zeropipe("train", config, cwd=tmp_path)  # rewards.py is importable from the folder the recipe is trained in
+    assert_ok(result)
+    written = yaml.safe_load((tmp_path / "grpo.zeropipe.yaml").read_text())
+    assert written["grpo"]["num_iterations"] == 2 and written["train"]["micro_batch_size"] == 8  # 64 completions = 8 prompts x 8
+    assert written["grpo"]["rewards"] == [{"kind": "function", "function": "rewards:accuracy_reward", "weight": 1.0}]
+    run_dir = tmp_path / "out"
     rows = metrics(run_dir)
+    assert json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3 and len(rows) == 8
     samples = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {1, 3, 5, 7}  # completions are sampled on every other step only
     assert all(rows[i]["reward"] == rows[i + 1]["reward"] for i in range(0, 8, 2))  # the second pass reports its generation's rewards
@@ -156,7 +199,7 @@ def test_num_iterations_trains_twice_on_each_generation_and_resumes_exactly(setu
     assert any(rows[i]["clip_ratio/region_mean"] > 0 for i in range(1, 8, 2)), [r["clip_ratio/region_mean"] for r in rows]
     cut = tmp_path / "cut"
     shutil.copytree(run_dir, cut)
-    assert_ok(zeropipe("train", config, "--resume", cut / "checkpoints" / "step_00000004"))
+    assert_ok(zeropipe("train", tmp_path / "grpo.zeropipe.yaml", "--resume", cut / "checkpoints" / "step_00000004", cwd=tmp_path))
     again = {row["step"]: row for row in metrics(cut)}
     keys = ("loss", "grad_norm", "reward", "kl", "clip_ratio/region_mean")
     assert all([again[row["step"]][k] for k in keys] == [row[k] for k in keys] for row in rows[4:])
