@@ -254,6 +254,7 @@ class RunDir:
     metrics = property(lambda self: self.path / "metrics.jsonl")
     summary = property(lambda self: self.path / "summary.json")
     generations = property(lambda self: self.path / "generations.jsonl")
+    completions = property(lambda self: self.path / "completions.jsonl")  # GRPO: completions sampled in the loop, with their rewards
     checkpoints = property(lambda self: self.path / "checkpoints")
     processor = property(lambda self: self.path / "processor")  # vision-language runs: the processor the ranks use
     pipeline = property(lambda self: self.path / "pipeline")  # diffusion runs from an inline preset: the built pipeline
@@ -317,8 +318,10 @@ class RunDir:
             raise OutsideRoots(f"{name} is not a file of the run directory {self.path}: it is not read")
         return name
 
-    def read_text(self, name: str | Path) -> str | None:
+    def read_text(self, name: str | Path, last_bytes: int | None = None) -> str | None:
         """A file of the run as text (undecodable bytes replaced), or None when it does not exist.
+
+        ``last_bytes``: only the file's end, from the first line that starts in its last ``last_bytes``.
 
         Raises:
             OutsideRoots: confined, and the file leads out of the run directory.
@@ -341,6 +344,11 @@ class RunDir:
         with os.fdopen(fd, "rb") as handle:
             if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
                 return None  # a folder or a device under a file's name
+            size = os.fstat(handle.fileno()).st_size
+            if last_bytes is not None and size > last_bytes:
+                handle.seek(size - last_bytes - 1)
+                chunk = handle.read()
+                return chunk[chunk.find(b"\n") + 1 :].decode("utf-8", errors="replace")  # from the first whole line on
             return handle.read().decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------- readers
@@ -639,6 +647,18 @@ class RunDir:
     def read_generations(self) -> list[dict[str, Any]]:
         """generations.jsonl: the trained model's answers to the run's prompts (prompt, output...)."""
         return self.read_jsonl(self.generations)
+
+    def read_completions(self, last_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
+        """A GRPO run's sampled completions (completions.jsonl: step, prompt, completion, rewards, advantage), its last rows only.
+
+        Untrusted text (what the model wrote): served as JSON strings, shown as text, never as markup.
+        """
+        try:
+            rows = json_rows(self.read_text(self.completions, last_bytes=last_bytes) or "")
+        except (OSError, OutsideRoots):
+            return []
+        keep = ("step", "prompt", "completion", "rewards", "advantage")
+        return [{key: row.get(key) for key in keep} for row in rows]
 
     def read_jsonl(self, name: str | Path) -> list[dict[str, Any]]:
         """The records of a JSON-lines file of the run; ``[]`` when it is missing or (confined) leads out."""

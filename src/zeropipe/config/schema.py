@@ -749,8 +749,13 @@ class GRPOSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
     mask_truncated_completions: bool = Field(False, description="Completions that hit max_completion_length without EOS are left out of the loss (DAPO).")
-    reference: Literal["auto", "adapters_off"] = Field(
-        "auto", description="The KL reference (beta > 0): the base with the LoRA adapters disabled (needs model.lora). auto: adapters_off."
+    reference: Literal["auto", "adapters_off", "copy"] = Field(
+        "auto", description="The KL reference (beta > 0): adapters_off, the base with the LoRA adapters disabled (needs model.lora); copy, a frozen "
+        "copy of model.path, partitioned over the ranks under ZeRO-3. auto: adapters_off with LoRA, copy for a full fine-tune."
+    )
+    num_iterations: int = Field(
+        1, ge=1, description="Optimisation steps per generation (TRL's num_iterations): the completions of one step are trained on this many "
+        "steps, the importance ratio against the sampling policy's log-probs clipped; 1 (TRL's default): sample every step."
     )
     rewards: list[RewardSection] = Field(
         default_factory=lambda: [RewardSection(kind="numeric")], description="The reward functions; default: numeric match with the record's answer."

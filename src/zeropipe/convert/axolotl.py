@@ -257,7 +257,7 @@ def _preference(conversion: Conversion, rl: str, rest: dict[str, Any]) -> None:
 # axolotl's trl: keys of an rl: grpo recipe that the grpo: section has under the same name (TRL's GRPOConfig's).
 GRPO_KEYS = {"beta": float, "num_generations": int, "max_completion_length": int, "epsilon": float, "epsilon_high": float, "delta": float,
              "temperature": float, "top_p": float, "top_k": int, "loss_type": str, "scale_rewards": str, "importance_sampling_level": str,
-             "mask_truncated_completions": bool}
+             "mask_truncated_completions": bool, "num_iterations": int}
 
 
 def _grpo(conversion: Conversion, rest: dict[str, Any]) -> None:
@@ -272,6 +272,13 @@ def _grpo(conversion: Conversion, rest: dict[str, Any]) -> None:
             value = "group" if value else "none"  # TRL < 0.22 took a boolean
         converted = to_float(value, f"trl.{key}") if kind is float else to_int(value, f"trl.{key}") if kind is int else kind(value)
         conversion.set(f"grpo.{key}", converted, f"from trl.{key}")
+    # TRL's per_device_train_batch_size (axolotl's micro_batch_size) counts completions; ZeRO-Pipe's micro-batch counts prompts.
+    generations = conversion.entries["grpo.num_generations"].value if "grpo.num_generations" in conversion.entries else 8
+    micro = rest.pop("micro_batch_size", None)
+    if not is_unset(micro):
+        prompts = max(1, to_int(micro, "micro_batch_size") // generations)
+        conversion.set("train.micro_batch_size", prompts, f"from micro_batch_size {micro}: completions per device in TRL, prompts per rank here, "
+                       f"each answered num_generations ({generations}) times: {prompts} x {generations} completions per rank")
     functions = trl.pop("reward_funcs", None) or []
     weights = trl.pop("reward_weights", None) or [1.0] * len(functions)
     rewards = []

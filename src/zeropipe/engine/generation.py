@@ -78,6 +78,22 @@ def gathered_for_generation(engine, zero_stage: int) -> Iterator[torch.nn.Module
         module.train(was_training)
 
 
+@contextlib.contextmanager
+def gathered_reference(reference: torch.nn.Module, zero_stage: int) -> Iterator[torch.nn.Module]:
+    """A frozen reference model built under ``zero.Init`` (no engine, no hooks), whole for the block: one all-gather in, its shards kept out.
+
+    Under ZeRO-3 each rank keeps 1/ranks of the reference; its forward pass needs every weight,
+    gathered once for the round like the policy's, not layer by layer (a collective: all ranks enter).
+    """
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(reference.parameters())):
+            yield reference
+    else:
+        yield reference
+
+
 def sample_completions(
     model,
     prompt_ids: torch.Tensor,

@@ -706,10 +706,13 @@ def offloaded_activation_host_term(spec: ModelSpec, hardware: Hardware, choice: 
 # Per GPU and per node
 
 
-def generation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
-    """GRPO's sampling round: the whole model gathered once (ZeRO-3), the KV cache and one step's logits of every completion.
+def generation_terms(spec: ModelSpec, choice: Choice, ranks: int = 1) -> list[Term]:
+    """GRPO's sampling round: the whole model gathered once (ZeRO-3), the KV cache and one step's logits of every completion;
+    and a full fine-tune's KL reference, a frozen copy of the weights (1/ranks of it per GPU under ZeRO-3), held throughout.
 
-    Its own phase: the gathered weights are freed before the training forward pass starts.
+    Its own phase: the gathered weights are freed before the training forward pass starts. The
+    reference copy is gathered whole for its forward pass after the policy's weights are freed:
+    the same bytes as the policy's, not more at once.
     """
     shape, block = spec.generation, spec.block
     if shape is None:
@@ -718,9 +721,15 @@ def generation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
     sequences = choice.micro_batch_size * shape.completions_per_example
     positions = choice.seq_len + shape.completion_tokens  # the prompt (up to data.max_seq_len) and the completion
     terms = []
+    if shape.reference_copy:
+        shards = ranks if choice.zero_stage == 3 else 1
+        terms.append(Term("KL reference (frozen copy)", -(-spec.total_params * v // shards),
+                          f"a full fine-tune's reference for grpo.beta: the weights again, without gradients or optimizer state"
+                          f"{f', partitioned over {shards} GPUs' if shards > 1 else ''}"))
     if choice.zero_stage == 3:
         terms.append(Term("weights gathered for generation", spec.total_params * v,
-                          "the whole model gathered once per round (engine.generation), not layer by layer per token", GENERATION))
+                          "the whole model gathered once per round (engine.generation), not layer by layer per token"
+                          + ("; then the reference copy's, as large, for its forward pass" if shape.reference_copy else ""), GENERATION))
     if block is not None:
         kv = 2 * spec.layers * block.kv_dim * sequences * positions * v
         terms.append(Term("KV cache of the completions", kv, f"{sequences} completions x {positions} positions x {spec.layers} layers of keys and values", GENERATION))
@@ -845,7 +854,7 @@ def per_gpu_terms(spec: ModelSpec, hardware: Hardware, choice: Choice) -> list[T
             Term("fp32 gradients in the optimizer step", step, "the step upcasts the rank's gradient share to fp32 while it runs", OPTIMIZER_STEP)
         )
     terms += activation_terms(spec, choice)
-    terms += generation_terms(spec, choice)
+    terms += generation_terms(spec, choice, n)
     if spec.frozen_model_params:
         names = ", ".join(m.name for m in spec.frozen_models)
         terms.append(

@@ -109,6 +109,7 @@ class GenerationShape:
 
     completions_per_example: int  # grpo.num_generations: each prompt of a micro-batch is answered this many times
     completion_tokens: int  # grpo.max_completion_length
+    reference_copy: bool = False  # a full fine-tune's KL reference (grpo.beta > 0): a frozen copy of the weights, partitioned under ZeRO-3
 
 
 @dataclass(frozen=True)

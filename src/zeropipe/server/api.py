@@ -109,6 +109,7 @@ def run_detail(request: Request, run_id: int = RunId):
         "actions": store.actions(run),
         "progress": store.progress(run) or None,
         "generations": store.generations(run),
+        "completions": run_dir.read_completions(),  # GRPO: the last completions sampled in the loop (untrusted text)
         "tensorboard": bool(store.own_or_none(run, "tensorboard")) and (FilePath(run["path"]) / "tensorboard").is_dir(),
     }
 

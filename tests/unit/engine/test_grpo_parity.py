@@ -166,3 +166,62 @@ def test_every_trl_loss_type_is_covered():
     help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
     listed = {name for name in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "gspo", "ppo") if f"'{name}'" in help_text or f"`{name}`" in help_text}
     assert listed <= set(LOSS_TYPES) and {case[0] for case in CASES} == set(LOSS_TYPES)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_num_iterations_matches_trl(tokenizer, models, tmp_path, loss_type):
+    """num_iterations 2: the sampling policy's log-probs are kept at generation (TRL's old_per_token_logps) and the second
+    pass, after the weights moved, is clipped against them: both passes' losses and figures equal TRL's."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    policy, reference = models
+    policy = copy.deepcopy(policy)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=len(PROMPTS) * GENERATIONS, num_generations=GENERATIONS,
+                      max_completion_length=MAX_COMPLETION, loss_type=loss_type, num_iterations=2, beta=0.05, epsilon=0.2, temperature=0.7,
+                      report_to=[], use_cpu=True, bf16=False, fp16=False)
+    trainer = GRPOTrainer(model=copy.deepcopy(policy), reward_funcs=[reward_length, reward_vowels], args=args,
+                          train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tokenizer)
+    trainer.model.train()
+    prompt_ids, completion_ids = injected(tokenizer)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    trainer._generate = lambda prompts: (prompt_ids, completion_ids, None, texts, None, {}, None, None)
+    output = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(GENERATIONS)])
+    trainer.current_gradient_accumulation_steps = 1
+    assert output.get("old_per_token_logps") is not None  # TRL keeps the sampling policy's log-probs for the later pass
+
+    settings = GRPOSettings(loss_type=loss_type, num_generations=GENERATIONS, max_completion_length=MAX_COMPLETION, beta=0.05, epsilon=0.2, temperature=0.7)
+    completions, mask = output["completion_ids"], output["completion_mask"]
+    prompts, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+    rewards = torch.tensor([[a, b] for a, b in zip(reward_length(texts), reward_vowels(texts), strict=True)])
+    advantages, _ = group_advantages(settings, rewards, ["reward_length", "reward_vowels"])
+
+    def scored(model):
+        ids = torch.cat([prompts, completions], dim=1)
+        attention = torch.cat([prompt_mask, mask], dim=1)
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, prompts.shape[1] - 1 : -1]
+        return completion_logps(logits, completions, settings.temperature)
+
+    with torch.no_grad():  # what GRPOTask.generate_round keeps: the sampling policy's and the reference's log-probs
+        old, ref_logps = scored(policy)[0], scored(reference)[0]
+    assert torch.allclose(old * mask, output["old_per_token_logps"] * mask, atol=TOLERANCE)
+
+    def move(model):  # the same update on both sides: the second pass trains a policy that moved since sampling
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator) * parameter.abs().mean())
+
+    for iteration in range(2):
+        if iteration == 1:
+            move(policy)
+            move(trainer.model)
+        trl_loss = trainer._compute_loss(trainer.model, output)
+        logps, entropies = scored(policy)
+        loss, figures = grpo_loss(settings, logps, mask, advantages, entropies, old, ref_logps)
+        assert float(loss) == pytest.approx(float(trl_loss), abs=TOLERANCE), iteration
+        logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if name in figures}
+        assert {"kl", "clip_ratio/region_mean", "entropy"} <= set(logged)
+        for name, value in logged.items():
+            assert float(figures[name]) == pytest.approx(value, abs=TOLERANCE), (iteration, name)
+        clipped = float(figures["clip_ratio/region_mean"])
+        assert clipped == 0 if iteration == 0 else clipped > 0  # the first pass samples with these very weights; the second is clipped

@@ -43,8 +43,9 @@ def causal_lm_config_spec(run_config: RunConfig) -> ModelSpec:
         spec = replace(spec, sequences_per_example=2, reference_forward=reference_mode(run_config) == "adapters_off")
     if run_config.grpo is not None:
         # A micro-batch of n prompts trains on n x num_generations sequences, sampled first in a generation round;
-        # beta > 0 adds the reference's pass (the adapters off) without gradient.
+        # beta > 0 adds the reference's pass without gradient (the adapters off, or a frozen copy of the weights).
         grpo = run_config.grpo
+        copy_reference = grpo.beta > 0 and (grpo.reference == "copy" or (grpo.reference == "auto" and run_config.model.lora is None))  # rl.reference_kind
         spec = replace(spec, sequences_per_example=grpo.num_generations, reference_forward=grpo.beta > 0,
-                       generation=GenerationShape(grpo.num_generations, grpo.max_completion_length))
+                       generation=GenerationShape(grpo.num_generations, grpo.max_completion_length, copy_reference))
     return spec

@@ -274,6 +274,7 @@
     renderNodes();
     renderLogTabs();
     renderGenerations();
+    renderCompletions();
     const paths = [`run directory: ${detail.run.path}`];
     if (detail.tensorboard) paths.push(`TensorBoard: tensorboard --logdir ${detail.run.path}`);
     document.getElementById("paths").textContent = paths.join(" · ");
@@ -428,6 +429,22 @@
     document
       .querySelector("#generations tbody")
       .replaceChildren(...detail.generations.map((g) => el("tr", {}, el("td", {}, g.prompt), el("td", {}, el("code", {}, g.output)), el("td", { class: "num" }, g.step ?? ""))));
+  }
+
+  // A GRPO run's completions (the model's own text: set as text, never as markup), the last few steps, newest first.
+  function renderCompletions() {
+    const rows = detail.completions || [];
+    document.getElementById("completions-card").hidden = !rows.length;
+    const steps = [...new Set(rows.map((c) => c.step))].sort((a, b) => b - a).slice(0, 5);
+    const shown = steps.flatMap((step) => rows.filter((c) => c.step === step));
+    const rewards = (values) => Object.entries(values || {}).map(([name, value]) => `${name} ${value === null ? "–" : ZP.fmtNumber(value, 3)}`).join(", ");
+    document.querySelector("#completions tbody").replaceChildren(
+      ...shown.map((c) =>
+        el("tr", { dataset: { step: c.step } }, el("td", { class: "num" }, `${c.step ?? ""}`), el("td", {}, `${c.prompt ?? ""}`),
+          el("td", {}, el("code", { class: "completion" }, `${c.completion ?? ""}`)), el("td", { class: "small" }, rewards(c.rewards)),
+          el("td", { class: "num" }, typeof c.advantage === "number" ? c.advantage.toFixed(3) : ""))
+      )
+    );
   }
 
   // -------------------------------------------------------------- nodes
