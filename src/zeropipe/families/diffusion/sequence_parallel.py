@@ -73,8 +73,8 @@ def working_degrees(heads: int, world_size: int | None = None) -> list[int]:
 def denoiser_heads(arch: Any, config: Any) -> int | None:
     """The configured denoiser's attention heads (``num_attention_heads``), from the inline preset or the pipeline folder; None when unreadable."""
     import inspect
-    import json
-    from pathlib import Path
+
+    from zeropipe.config.pipeline_index import read_pipeline_index
 
     fields: dict[str, Any] = {}
     section = config.model
@@ -84,7 +84,7 @@ def denoiser_heads(arch: Any, config: Any) -> int | None:
 
             fields = preset_components(section.config)[1].get(arch.denoiser, {})
         elif section.path:
-            fields = json.loads((Path(section.path).expanduser() / arch.denoiser / "config.json").read_text())
+            fields = read_pipeline_index(section.path).component_config(arch.denoiser)
     except (OSError, ValueError, Exception):  # noqa: BLE001 - the family's own checks report an unreadable model
         return None
     if "num_attention_heads" in fields:
