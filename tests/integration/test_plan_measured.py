@@ -173,7 +173,8 @@ def planned(stage: int, offload: bool, accumulation: int) -> dict[str, int]:
     from zeropipe.config.schema import ModelSection, RunConfig
     from zeropipe.families import model_spec as spec_from_config
     from zeropipe.plan import Choice, parse_hardware
-    from zeropipe.plan.memory import model_state_terms, per_node_terms
+    from zeropipe.plan.memory import model_state_terms
+    from zeropipe.plan.totals import per_node_terms
 
     config = RunConfig(model=ModelSection(config=dict(TINY)))
     spec = spec_from_config(config)
