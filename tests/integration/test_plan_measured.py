@@ -153,9 +153,9 @@ def worker(out_dir: str) -> None:
 def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
     out = tmp_path_factory.mktemp("measured")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    # Without a rendezvous port of its own, a parallel test could collide on the default one.
-    port = str(29500 + os.getpid() % 1000)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, __file__, str(out)]
+    # --standalone: torchrun's rendezvous store binds a free port itself and the ranks share it, so a parallel
+    # test can never collide on a port.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out)]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
     busiest: dict[str, dict[str, int]] = {}
