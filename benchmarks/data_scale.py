@@ -9,7 +9,7 @@ tokens: nothing is downloaded) is trained once on a sample of them. Each case th
 fresh subprocess while this process samples the summed PSS of that process and its children
 every 100 ms (file-backed pages, memory-mapped files among them, reported beside it):
 
-  zeropipe-jsonl     ``zeropipe.data.tokenize.build_token_cache`` on the JSONL (what ``zeropipe
+  zeropipe-jsonl     ``zeropipe.data.token_cache.build_token_cache`` on the JSONL (what ``zeropipe
                      train`` does before the ranks start): read, detect, check, render with the
                      chat template, tokenize, write the uint16 token cache and loss mask, with
                      ``num_workers`` = --processes (``data.num_workers``)
@@ -55,7 +55,7 @@ ZEROPIPE_CASE = """
 import inspect, sys, time
 from pathlib import Path
 from transformers import AutoTokenizer
-from zeropipe.data.tokenize import build_token_cache
+from zeropipe.data.token_cache import build_token_cache
 data, tokenizer_dir, out, processes = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
 tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
 # An older checkout (--before-src) has no workers: it runs in one process.

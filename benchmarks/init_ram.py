@@ -205,7 +205,7 @@ def save_model(directory: Path, shape: dict) -> int:
 
 
 def parameter_numels(directory: Path) -> list[int]:
-    from zeropipe.models.loading import CheckpointIndex
+    from zeropipe.models.checkpoint_index import CheckpointIndex
 
     index = CheckpointIndex(directory)
     return [index[name].numel for name in index]

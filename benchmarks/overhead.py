@@ -101,7 +101,7 @@ def bare_rank(run_dir: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from zeropipe.data.sampler import ResumableDistributedSampler
-    from zeropipe.data.tokenize import TokenDataset, collate
+    from zeropipe.data.token_cache import TokenDataset, collate
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = yaml.safe_load((run_dir / "config.yaml").read_text())

@@ -166,7 +166,7 @@ def hf_rank(run_dir: Path, out: Path, seed: int, mode: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
-    from zeropipe.data.tokenize import TokenDataset, collate
+    from zeropipe.data.token_cache import TokenDataset, collate
     from zeropipe.engine.trainer import seed_everything
     from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
     from zeropipe.families.causal_lm.model import build_model
@@ -354,7 +354,7 @@ def eval_before_training(run_dir: Path) -> float:
     import torch
     from transformers import AutoTokenizer
 
-    from zeropipe.data.tokenize import TokenDataset, collate
+    from zeropipe.data.token_cache import TokenDataset, collate
     from zeropipe.engine.trainer import seed_everything
     from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
     from zeropipe.families.causal_lm.model import build_model

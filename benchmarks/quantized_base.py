@@ -162,7 +162,8 @@ def planned(config: dict, storage: str) -> dict[str, int]:
     """The planner's per-rank figures for this model (ZeRO-3, 2 CPU ranks, bf16, LoRA r=16)."""
     from zeropipe.config.schema import LoraSection
     from zeropipe.plan.hardware import GIB, Hardware
-    from zeropipe.plan.memory import Choice, per_gpu_terms
+    from zeropipe.plan.memory import Choice
+    from zeropipe.plan.totals import per_gpu_terms
     from zeropipe.families.diffusion.plan_specs import _diffusion_spec
 
     entry = {"name": "qwen-image (cut)", "family": "diffusion_transformer", "resolution": 256, "architecture": "qwen-image",

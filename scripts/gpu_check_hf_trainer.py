@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-from zeropipe.data.tokenize import TokenDataset, collate
+from zeropipe.data.token_cache import TokenDataset, collate
 from zeropipe.rundir import RunDir
 
 WARMUP_STEPS = 10

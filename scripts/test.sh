@@ -34,8 +34,10 @@ for lane in unit integration e2e gpu; do
     # The unit lane runs on two workers (pytest-xdist), a test file at a time per worker (the diffusion
     # contract's per-entry tests one at a time: tests/conftest.py): many of its tests wait
     # (on files, subprocesses, DeepSpeed's start-up), so two files at a time use both cores. The
-    # integration lane starts two ranks per test already; ZEROPIPE_INTEGRATION_WORKERS=2 runs it on two
-    # workers too (measure before making it the default). 0 or 1: one process.
+    # integration lane starts two ranks per test already, which fill both cores: measured back to back
+    # on 2 cores (test_optimizers, test_ema, test_adapter_kinds: 6 tests, 9 two-rank runs), one worker
+    # took 176 s and two workers 204 s, so it runs on one. ZEROPIPE_INTEGRATION_WORKERS=2 runs it on two
+    # (rendezvous ports cannot collide: the launcher holds the port it picks). 0 or 1: one process.
     workers=()
     case "$lane" in
         unit) count="${ZEROPIPE_UNIT_WORKERS:-2}" ;;

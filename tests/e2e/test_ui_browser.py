@@ -169,7 +169,7 @@ def test_stop_resume_across_a_ui_restart(page, ui):
     assert psutil.pid_exists(before["supervisor_pid"]) and json.loads(status_file.read_text())["state"] == "running"
     ui.start()
     page.goto(f"{ui.url}/runs/{run['id']}")
-    expect(badge(page)).to_have_text("running")
+    expect(badge(page)).to_have_text("running", timeout=60_000)  # the restarted UI's first page takes seconds under load
     first = points(page)
     page.wait_for_function(f"Number(document.querySelector('#chart-loss').dataset.points) > {first}", timeout=120_000)
     # Evaluations that arrive while the page watches are drawn on the loss chart at their steps.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -63,12 +62,6 @@ for checkpoint, precision in cases:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny Llama checkpoints saved by the test: fp32, bf16, and bf16 sharded with tied embeddings."""
@@ -91,7 +84,8 @@ def test_every_rank_holds_the_model_from_pretrained_gives(checkpoints, stage):
     from transformers import AutoModelForCausalLM
 
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    # --standalone: torchrun's rendezvous store binds a free port itself and the ranks share it (no port picked, then taken).
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command += [str(checkpoints / "rank.py"), str(checkpoints), str(stage), json.dumps(CASES), json.dumps(IDS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
     assert_ok(result)

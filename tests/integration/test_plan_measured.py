@@ -153,9 +153,9 @@ def worker(out_dir: str) -> None:
 def measured(tmp_path_factory) -> dict[str, dict[str, int]]:
     out = tmp_path_factory.mktemp("measured")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    # Without a rendezvous port of its own, a parallel test could collide on the default one.
-    port = str(29500 + os.getpid() % 1000)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port, __file__, str(out)]
+    # --standalone: torchrun's rendezvous store binds a free port itself and the ranks share it, so a parallel
+    # test can never collide on a port.
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, str(out)]
     result = subprocess.run(command, check=False, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=env)
     assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
     busiest: dict[str, dict[str, int]] = {}
@@ -173,7 +173,8 @@ def planned(stage: int, offload: bool, accumulation: int) -> dict[str, int]:
     from zeropipe.config.schema import ModelSection, RunConfig
     from zeropipe.families import model_spec as spec_from_config
     from zeropipe.plan import Choice, parse_hardware
-    from zeropipe.plan.memory import model_state_terms, per_node_terms
+    from zeropipe.plan.memory import model_state_terms
+    from zeropipe.plan.totals import per_node_terms
 
     config = RunConfig(model=ModelSection(config=dict(TINY)))
     spec = spec_from_config(config)

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset, pad_right
+from zeropipe.data.token_cache import TokenDataset, pad_right
+from zeropipe.data.tokenize import IGNORE_INDEX
 from zeropipe.errors import DataError
 
 PACK_FILES = ("pack_members.npy", "pack_offsets.npy", "packs.json")

@@ -219,7 +219,7 @@ def build_pair_cache(records: Iterator[Any], tokenizer: Any, out_dir: Path, kind
     from zeropipe.data.records import BadRecord
     from zeropipe.errors import DataError
 
-    from zeropipe.data.tokenize import _NpyAppender  # the token cache's streamed .npy writer
+    from zeropipe.data.token_cache import _NpyAppender
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # Tokens go to disk as they come (the launcher never holds the dataset); a row is 4 numbers per example.

@@ -45,7 +45,7 @@ from zeropipe.launch import oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, choose_primary, diagnose
 from zeropipe.launch.node import TOKEN_FILE, versions
 from zeropipe.launch.nodes import NodeLayout, check_host, is_this_machine, ssh_arguments
-from zeropipe.launch.supervisor import Outcome, Supervisor, disk_free, free_port, run_settings, signal_group, tail
+from zeropipe.launch.supervisor import Outcome, Supervisor, disk_free, reserve_port, run_settings, signal_group, tail
 from zeropipe.rundir import RunDir
 
 HELLO_SECONDS = 60.0  # an agent that has not said hello by then is unreachable
@@ -158,7 +158,8 @@ class MultiNodeSupervisor:
         self.layout = layout
         self.accelerator = accelerator
         self.world_size = layout.world_size
-        self.port = master_port or free_port()
+        # The port held for the run's life when zeropipe picks it (hardware.master_port unset): see reserve_port.
+        self.port, self.port_reservation = (master_port, None) if master_port else reserve_port()
         self.on_tick = on_tick
         self.events: queue.Queue[tuple[int, dict]] = queue.Queue()
         self.connections: list[Connection] = []

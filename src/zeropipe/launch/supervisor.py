@@ -53,10 +53,19 @@ class Outcome:
     status_error: str | None = None  # why status.json could not record the outcome (a full disk)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def reserve_port() -> tuple[int, socket.socket]:
+    """A port for the ranks' rendezvous and the socket that holds it: keep the socket open until the ranks are gone.
+
+    A port found free by binding port 0 and closing is free only at that moment; rank 0 binds it seconds later (after its imports),
+    and meanwhile another run's pick, a gloo listener or any outgoing connection may take it: two
+    runs side by side (two test workers, two UI launches) would then meet on one port. A socket bound with
+    SO_REUSEADDR that never listens keeps every other ``bind(0)`` and ``connect()`` off the port, while rank
+    0's TCPStore (libuv's and torch's own both set SO_REUSEADDR) still binds and listens on it.
+    """
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    return sock.getsockname()[1], sock
 
 
 CPU_RANK_MMAP_THRESHOLD = 1 << 20  # bytes: host buffers of CPU ranks above 1 MiB are mappings of their own
@@ -189,7 +198,8 @@ class Supervisor:
         self.run = run
         self.world_size = world_size
         self.accelerator = accelerator
-        self.port = master_port or free_port()
+        # The port held for the run's life when zeropipe picks it (hardware.master_port unset): see reserve_port.
+        self.port, self.port_reservation = (master_port, None) if master_port else reserve_port()
         self.on_tick = on_tick
         self.local_ranks = local_ranks or world_size
         self.ranks = list(range(first_rank, first_rank + self.local_ranks))  # the global ranks this node runs

@@ -341,11 +341,12 @@ def load_initial_adapter(model: torch.nn.Module, init_from: str | Path, original
 
 def copy_into(values: dict[torch.Tensor, torch.Tensor]) -> None:
     """Copy each value into its parameter: a ZeRO-3 partitioned one gets this rank's slice of its partition (as ``models.loading`` fills the base), no collective."""
-    from zeropipe.models.loading import _is_zero3_param, partition_range
+    from zeropipe.models.checkpoint_index import partition_range
+    from zeropipe.models.tensor_copy import is_zero3_param
 
     with torch.no_grad():
         for param, value in values.items():
-            if _is_zero3_param(param):
+            if is_zero3_param(param):
                 import deepspeed.comm as dist
 
                 flat = value.reshape(-1).to(param.ds_tensor.dtype)

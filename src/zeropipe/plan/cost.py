@@ -171,7 +171,7 @@ def sequence_parallel_bytes(spec: ModelSpec, choice: Choice) -> float:
 
 def checkpointed_input_bytes(spec: ModelSpec, choice: Choice) -> int:
     """The block inputs checkpointing keeps for one micro-batch: what activation offload moves each way."""
-    from zeropipe.plan.memory import checkpointed_layer_bytes
+    from zeropipe.plan.activations import checkpointed_layer_bytes
 
     if spec.block is not None and spec.layers:
         tokens = choice.micro_batch_size * spec.sequences_per_example * choice.seq_len // choice.sequence_parallel

@@ -17,7 +17,8 @@ from zeropipe.doctor.facts import cpu_precision
 from zeropipe.errors import ZeroPipeError
 from zeropipe.plan.cost import caching_pass_seconds, offload_param_measured, relative_cost, speeds_for, step_seconds
 from zeropipe.plan.hardware import GIB, Hardware, format_gib, supports_bf16
-from zeropipe.plan.memory import Choice, Term, peak_bytes, per_gpu_terms, per_node_terms
+from zeropipe.plan.memory import Choice, Term, peak_bytes
+from zeropipe.plan.totals import per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import ModelSpec
 from zeropipe.plan.variants import (
     Setting,

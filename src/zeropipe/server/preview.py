@@ -60,7 +60,8 @@ def stop_if(cancel) -> None:
 
 def text_preview(config, limit: int, cancel=None) -> dict[str, Any]:
     from zeropipe.data.formats import RecordError, detect_format, read_located_records, to_conversation
-    from zeropipe.data.tokenize import IGNORE_INDEX, _conversation_segments, _tokenize_batch
+    from zeropipe.data.tokenize import conversation_segments, tokenize_batch
+    from zeropipe.data.tokenize import IGNORE_INDEX
 
     data = config.data
     with tempfile.TemporaryDirectory(prefix="zeropipe-preview-") as scratch, confining(also_allowing(Path(scratch))):  # generated data is read from scratch
@@ -84,14 +85,14 @@ def text_preview(config, limit: int, cancel=None) -> dict[str, Any]:
                 stop_if(cancel)
             try:
                 content = to_conversation(record.value, fmt)
-                plan = content if isinstance(content, str) else _conversation_segments(tokenizer, content, False)
+                plan = content if isinstance(content, str) else conversation_segments(tokenizer, content, False)
             except RecordError as error:
                 bad.append(record.bad(str(error)))
                 continue
             if len(examples) >= limit:
                 continue  # keep checking the rest: their reasons belong in the skipped list
             # The trainer's own tokenizing, truncation and masking (build_token_cache).
-            chunks = _tokenize_batch(tokenizer, [plan], data.max_seq_len)
+            chunks = tokenize_batch(tokenizer, [plan], data.max_seq_len)
             input_ids, labels, truncated = chunks[0]
             examples.append({
                 "file": record.file, "line": record.line_number, "tokens": len(input_ids), "loss_tokens": sum(1 for x in labels if x != IGNORE_INDEX),

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from zeropipe.errors import ZeroPipeError
 from zeropipe.rundir import RunDir, confined
 
 TERMINAL = {"completed", "failed", "stopped", "lost"}
@@ -188,3 +190,23 @@ def eta_seconds(run: dict[str, Any]) -> float | None:
     if run.get("state") not in ("running", "starting") or not run.get("total_steps") or not run.get("step_time_s"):
         return None
     return max(0, run["total_steps"] - (run.get("step") or 0)) * run["step_time_s"]
+
+
+class RunNotFound(ZeroPipeError):
+    """No run with that id, name or path in the store."""
+
+
+def tail_lines(path: Path, lines: int, max_bytes: int = 512 * 1024, within: Path | None = None) -> list[str]:
+    """The last ``lines`` lines of a file; none when it resolves outside ``within``."""
+    if within is not None and confined(path, within) is None:
+        return []
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", errors="replace")
+    return list(deque(text.splitlines(), maxlen=lines))

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from zeropipe.data.packing import PackedDataset, build_pack_index, collate_packed, pack_examples, pack_lengths, read_pack_info
-from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset, build_token_cache, collate
+from zeropipe.data.token_cache import TokenDataset, build_token_cache, collate
+from zeropipe.data.tokenize import IGNORE_INDEX
 from zeropipe.errors import DataError
 
 

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import zeropipe.data.tokenize as tokenize_module
+import zeropipe.data.token_cache as token_cache_module
 from zeropipe.data.formats import read_located_records
 from zeropipe.data.records import BadRecord, Record, iter_records
-from zeropipe.data.tokenize import TOKENIZE_BATCH, TokenCacheWriter, TokenDataset, build_token_cache, load_cache_info, token_dtype
+from zeropipe.data.token_cache import TOKENIZE_BATCH, TokenCacheWriter, TokenDataset, build_token_cache, load_cache_info, token_dtype
 from zeropipe.errors import DataError
 
 ROWS = [{"instruction": f"Say {word}", "input": "", "output": f"{word} {word}"} for word in ("cat", "dog", "fox", "owl", "bee")]
@@ -232,7 +232,7 @@ def test_the_cache_never_holds_more_than_a_few_batches_of_records(tmp_path, toke
     """Reading, checking, tokenizing and writing stream: records are freed a batch at a time."""
     path = write_jsonl(tmp_path / "data.jsonl", ROWS * 1000)
     counted, alive = counting_reader(iter_records)
-    monkeypatch.setattr(tokenize_module, "iter_records", counted)
+    monkeypatch.setattr(token_cache_module, "iter_records", counted)
     info = build_token_cache(path, tokenizer, tmp_path / "cache", max_seq_len=64)
     assert info.examples == 5000
     assert alive["most"] <= 2 * TOKENIZE_BATCH + 1, alive
@@ -242,7 +242,7 @@ PEAK_SCRIPT = """
 import json, resource, sys
 from pathlib import Path
 from transformers import AutoTokenizer
-from zeropipe.data.tokenize import build_token_cache
+from zeropipe.data.token_cache import build_token_cache
 count, tokenizer_dir, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 out.mkdir(parents=True, exist_ok=True)
 row = {"instruction": "Summarize the text below.", "input": "The quick brown fox jumps over the lazy dog. " * 8, "output": "A fox jumps over a dog. " * 8}
@@ -280,7 +280,7 @@ def test_read_located_records_still_lists_small_files(tmp_path):
 
 
 def test_the_prepared_tokenizer_gives_the_tokenizers_own_ids(tokenizer):
-    from zeropipe.data.tokenize import PreparedTokenizer
+    from zeropipe.data.token_cache import PreparedTokenizer
 
     texts = ["What is 3 + 5? 8.", "  double  spaces ", "<|user|>\nHello<|eos|>", "Ünïcode ✓ 漢字", ""]
     prepared = PreparedTokenizer(tokenizer)

@@ -12,7 +12,7 @@ import torch
 
 from zeropipe.data.packing import PackedDataset, build_pack_index, collate_packed
 from zeropipe.data.sampler import DataPosition, LengthGroupedSampler, ResumableDistributedSampler
-from zeropipe.data.tokenize import TokenDataset, build_token_cache, collate
+from zeropipe.data.token_cache import TokenDataset, build_token_cache, collate
 from zeropipe.engine.task import sampler_batches
 
 

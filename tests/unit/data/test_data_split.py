@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zeropipe.data.split import RecordSplit
-from zeropipe.data.tokenize import TokenDataset, build_token_cache
+from zeropipe.data.token_cache import TokenDataset, build_token_cache
 
 
 def test_split_is_deterministic_disjoint_and_complete():

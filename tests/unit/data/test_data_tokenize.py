@@ -9,15 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from zeropipe.data.tokenize import (
-    IGNORE_INDEX,
-    TokenDataset,
-    build_token_cache,
-    collate,
-    load_cache_info,
-    render_example,
-    render_prompt,
-)
+from zeropipe.data.token_cache import TokenDataset, build_token_cache, collate, load_cache_info
+from zeropipe.data.tokenize import IGNORE_INDEX, render_example, render_prompt
 from zeropipe.errors import DataError
 
 EOS = "<|eos|>"
@@ -313,7 +306,7 @@ def test_collate_pads_on_the_right(tmp_path):
 
 
 def test_what_max_seq_len_cut_and_the_detected_format_are_said(tmp_path, tokenizer, write_jsonl):
-    from zeropipe.data.tokenize import describe_cache
+    from zeropipe.data.token_cache import describe_cache
 
     lines = [{"instruction": "Hi", "output": "Hello"}] * 6 + [{"instruction": "Hi", "output": "word " * 80}] * 2 + [{"instruction": "word " * 80, "output": "late"}]
     path = write_jsonl(tmp_path / "data.jsonl", lines)

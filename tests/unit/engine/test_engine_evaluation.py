@@ -12,7 +12,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from zeropipe.data.tokenize import collate
+from zeropipe.data.token_cache import collate
 from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
 
 

@@ -19,14 +19,9 @@ from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.families import model_spec as spec_from_config
 from zeropipe.models.checkpointing import OffloadCounter, enable_checkpointing, offload_counter
 from zeropipe.plan.hardware import Hardware
-from zeropipe.plan.memory import (
-    Choice,
-    activation_offload_traffic_bytes,
-    offloaded_activation_bytes,
-    per_gpu_terms,
-    per_node_terms,
-    peak_bytes,
-)
+from zeropipe.plan.activations import activation_offload_traffic_bytes, offloaded_activation_bytes
+from zeropipe.plan.memory import Choice, peak_bytes
+from zeropipe.plan.totals import per_gpu_terms, per_node_terms
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
 

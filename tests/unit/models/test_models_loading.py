@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zeropipe.errors import CheckpointError
-from zeropipe.models.loading import CheckpointIndex, covering_rows, load_pretrained, partition_range
+from zeropipe.models.checkpoint_index import CheckpointIndex, covering_rows, partition_range
+from zeropipe.models.loading import load_pretrained
 
 TINY = {
     "hidden_size": 32,

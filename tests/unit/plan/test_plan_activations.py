@@ -20,7 +20,8 @@ import torch
 
 from zeropipe.config.schema import LoraSection, ModelSection, RunConfig
 from zeropipe.families import model_spec as spec_from_config
-from zeropipe.plan.memory import Choice, saved_activation_bytes
+from zeropipe.plan.activations import saved_activation_bytes
+from zeropipe.plan.memory import Choice
 
 TOLERANCE = 0.15
 SEQ_LEN, BATCH = 256, 2

@@ -11,7 +11,8 @@ from zeropipe.config.load import validate_config
 from zeropipe.families.causal_lm.spec import causal_lm_config_spec
 from zeropipe.plan import plan_run
 from zeropipe.plan.hardware import GIB, Hardware
-from zeropipe.plan.memory import Choice, per_gpu_terms
+from zeropipe.plan.memory import Choice
+from zeropipe.plan.totals import per_gpu_terms
 
 CATALOG = Path(__file__).parents[3] / "src/zeropipe/plan/catalog"
 

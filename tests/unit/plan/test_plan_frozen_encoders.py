@@ -10,7 +10,8 @@ from __future__ import annotations
 from zeropipe.models.common import encoder_precision_for
 from zeropipe.plan import parse_hardware
 from zeropipe.plan.hardware import GIB
-from zeropipe.plan.memory import Choice, frozen_model_bytes, per_gpu_terms, per_node_terms
+from zeropipe.plan.memory import Choice, frozen_model_bytes
+from zeropipe.plan.totals import per_gpu_terms, per_node_terms
 
 
 def frozen_term(spec, precision):

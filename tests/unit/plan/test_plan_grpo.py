@@ -5,7 +5,8 @@ from __future__ import annotations
 from zeropipe.config.schema import GRPOSection, LoraSection, ModelSection, RunConfig
 from zeropipe.families import model_spec as spec_from_config
 from zeropipe.plan.hardware import Hardware
-from zeropipe.plan.memory import GENERATION, Choice, peak_bytes, per_gpu_terms
+from zeropipe.plan.memory import GENERATION, Choice, peak_bytes
+from zeropipe.plan.totals import per_gpu_terms
 
 GIB = 1 << 30
 LLAMA = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,

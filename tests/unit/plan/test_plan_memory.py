@@ -5,20 +5,9 @@ from __future__ import annotations
 import pytest
 
 from zeropipe.plan.hardware import GIB, parse_hardware
-from zeropipe.plan.memory import (
-    FORWARD_BACKWARD,
-    OPTIMIZER_STEP,
-    Choice,
-    Term,
-    checkpointed_layer_bytes,
-    gradient_partition_elements,
-    layer_activation_bytes,
-    model_state_terms,
-    peak_bytes,
-    per_gpu_terms,
-    per_node_terms,
-    pinned_rounding_bytes,
-)
+from zeropipe.plan.activations import checkpointed_layer_bytes, layer_activation_bytes, pinned_rounding_bytes
+from zeropipe.plan.memory import FORWARD_BACKWARD, OPTIMIZER_STEP, Choice, Term, gradient_partition_elements, model_state_terms, peak_bytes
+from zeropipe.plan.totals import per_gpu_terms, per_node_terms
 from zeropipe.plan.model_spec import BlockShape, spec_from_params
 
 PSI = 7_500_000_000  # the paper's 7.5B-parameter model on 64 GPUs (section 5.1, figure 1)

@@ -8,7 +8,8 @@ import yaml
 
 from tests.unit.plan.test_plan_cli import run_plan
 from zeropipe.plan.hardware import parse_hardware
-from zeropipe.plan.memory import Choice, per_node_terms
+from zeropipe.plan.memory import Choice
+from zeropipe.plan.totals import per_node_terms
 from zeropipe.plan.model_spec import spec_from_catalog
 
 

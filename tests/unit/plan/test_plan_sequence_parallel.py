@@ -2,7 +2,8 @@
 
 from dataclasses import replace
 
-from zeropipe.plan.memory import Choice, activation_terms, saved_activation_bytes
+from zeropipe.plan.activations import activation_terms, saved_activation_bytes
+from zeropipe.plan.memory import Choice
 
 
 def test_activation_terms_fall_to_one_over_n(spec_of):

@@ -16,7 +16,8 @@ import torch
 from zeropipe.config.schema import RunConfig
 from zeropipe.families.diffusion.entries import architecture_named
 from zeropipe.families import model_spec as spec_from_config
-from zeropipe.plan.memory import Choice, saved_activation_bytes
+from zeropipe.plan.activations import saved_activation_bytes
+from zeropipe.plan.memory import Choice
 from zeropipe.plan.model_spec import video_tokens
 
 TOLERANCE = 0.15

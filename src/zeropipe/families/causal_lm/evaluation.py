@@ -26,7 +26,8 @@ import torch
 
 from zeropipe.checkpoint.consolidate import consolidated_state_dict, load_checked
 from zeropipe.checkpoint.manager import list_checkpoints, resolve_checkpoint
-from zeropipe.data.tokenize import IGNORE_INDEX, TokenDataset, build_token_cache, collate, pad_token_id
+from zeropipe.data.token_cache import TokenDataset, build_token_cache, collate
+from zeropipe.data.tokenize import IGNORE_INDEX, pad_token_id
 from zeropipe.errors import CheckpointError, ZeroPipeError
 from zeropipe.families.causal_lm.model import add_lora
 from zeropipe.models.common import TORCH_DTYPES as DTYPES

@@ -15,7 +15,7 @@ import torch
 from zeropipe.config.schema import ModelSection, RunConfig
 from zeropipe.data.mixture import mixture_note
 from zeropipe.data.synthetic import sample_prompts
-from zeropipe.data.tokenize import describe_cache
+from zeropipe.data.token_cache import describe_cache
 from zeropipe.errors import ConfigError
 from zeropipe.export.hf import ExportJob, write_transformers_export
 from zeropipe.families.causal_lm import generate as text_generation

@@ -22,7 +22,7 @@ from zeropipe.data.packing import build_pack_index, read_pack_info
 from zeropipe.data.records import Record, data_files, iter_records, sample_records
 from zeropipe.data.split import RecordSplit
 from zeropipe.data.synthetic import generate_dataset
-from zeropipe.data.tokenize import TOKEN_CACHE_ARRAYS, build_token_cache, default_workers
+from zeropipe.data.token_cache import TOKEN_CACHE_ARRAYS, build_token_cache, default_workers
 from zeropipe.data.tokenizer import texts_for_tokenizer, train_tokenizer
 from zeropipe.rundir import RunDir
 

@@ -12,7 +12,8 @@ import torch
 
 from zeropipe.data.packing import PackedDataset, collate_packed
 from zeropipe.data.sampler import DataPosition, LengthGroupedSampler, ResumableDistributedSampler
-from zeropipe.data.tokenize import TokenDataset, collate, pad_token_id, render_prompt
+from zeropipe.data.token_cache import TokenDataset, collate
+from zeropipe.data.tokenize import pad_token_id, render_prompt
 from zeropipe.engine.task import TaskDefaults, sampler_batches, write_generations
 from zeropipe.families.causal_lm.evaluation import eval_batch_indices, eval_record, eval_sums
 from zeropipe.families.causal_lm.model import build_model

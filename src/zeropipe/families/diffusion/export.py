@@ -46,7 +46,8 @@ def base_denoiser(arch, folder: Path, single_file: str | None, storage: Quantize
     if not single_file:
         return cls.from_pretrained(str(folder), torch_dtype=torch.float32)
     from zeropipe.families.diffusion.pipelines import single_file_renamer
-    from zeropipe.models.loading import CheckpointIndex, load_pretrained
+    from zeropipe.models.checkpoint_index import CheckpointIndex
+    from zeropipe.models.loading import load_pretrained
 
     weights = Path(single_file).expanduser()
     stored_fp8 = storage is not None and any(entry.dtype in FP8_FORMAT_OF_DTYPE for entry in CheckpointIndex(weights).entries.values())
