@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import clip_text, tiny_t5, tiny_vae
 
 
 @dataclass(frozen=True)
-class Flux(Architecture):
+class Flux(LegacyEntry):
     def image_processor_factor(self, vae_factor):
         return vae_factor * 2  # latents are packed 2x2 into tokens
 
