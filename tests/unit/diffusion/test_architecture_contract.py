@@ -81,6 +81,7 @@ def test_every_entry_is_a_record_and_its_roles(name):
     record = arch.record
     assert isinstance(arch, Architecture) and isinstance(record, Record) and record.name == name, f"{name}: not a declared record"
     assert set(ROLES) == set(ROLE_CLASSES)
+    hash(arch)  # an entry is a frozen value, usable as a key, as the former class was
     for role, cls in ROLE_CLASSES.items():
         bound = getattr(arch, role)
         assert isinstance(bound, cls) and bound.entry is arch and bound.record is record, f"{name}: its {role} role is not a {cls.__name__} bound to it"

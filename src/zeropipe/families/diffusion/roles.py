@@ -109,7 +109,7 @@ class PromptEncoding(Role):
         raise NotImplementedError(f"the {self.record.name} entry names prompt processors {self.record.text.processors} but cannot load one")
 
 
-@dataclass
+@dataclass(eq=False)
 class EncodePrompt(PromptEncoding):
     """Prompt encoding that is the pipeline's own ``encode_prompt``, declared: its keyword arguments besides the prompts and device,
     and the name the text cache keeps each of its returned tensors under (None: not kept)."""

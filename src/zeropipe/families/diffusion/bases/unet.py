@@ -10,7 +10,7 @@ import torch
 from zeropipe.families.diffusion.roles import DenoiserCall
 
 
-@dataclass
+@dataclass(eq=False)
 class UNetCall(DenoiserCall):
     """A ``UNet2DConditionModel`` called as the Stable Diffusion pipelines call it; ``added_conditions``: with SDXL's pooled text and size ids."""
 
