@@ -92,9 +92,9 @@ def main() -> int:
     os.environ.setdefault("ZEROPIPE_CALIBRATION", str(Path(__file__).resolve().parents[1] / "tests" / "no-calibration-profile.json"))
     import faulthandler
 
-    faulthandler.dump_traceback_later(900, exit=True)  # a hung run says where it hung
     out = {}
     for name in sys.argv[1:]:
+        faulthandler.dump_traceback_later(900, exit=True)  # an entry's run that hangs says where
         out[name] = fingerprint(name)
         print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
     print(json.dumps(out, indent=1, sort_keys=True))
