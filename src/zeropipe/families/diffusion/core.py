@@ -11,25 +11,19 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import Any
 
 from zeropipe.families.diffusion.parts import Condition, ImageLatents, Part, PromptText
+from zeropipe.families.diffusion.roles import (
+    DEFAULT_ROLES,
+    Assembly,
+    DenoiserCall,
+    ExportLayouts,
+    PredictContext,
+    PromptEncoding,
+    Sampling,
+)
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS  # LoRA's default targets in diffusers models: the attention projections
-
-if TYPE_CHECKING:
-    from zeropipe.families.diffusion.roles import Assembly, DenoiserCall, ExportLayouts, PromptEncoding, Sampling
-
-
-@dataclass(frozen=True)
-class PredictContext:
-    """What a denoiser call needs besides its inputs: the rank's device and dtype, and the run's settings."""
-
-    device: torch.device
-    dtype: torch.dtype
-    vae_factor: int  # pixels per latent along each side
-    guidance: float  # model.diffusion.guidance, for guidance-distilled models
 
 
 @dataclass(frozen=True)
@@ -143,11 +137,9 @@ class Architecture:
     assembly: Assembly = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
-        from zeropipe.families.diffusion import roles
-
         for name in ROLES:
             role = getattr(self, name)
-            role = copy.copy(role) if role is not None else roles.DEFAULT_ROLES[name]()
+            role = copy.copy(role) if role is not None else DEFAULT_ROLES[name]()
             object.__setattr__(role, "entry", self)
             object.__setattr__(self, name, role)
 
@@ -183,5 +175,7 @@ def original_layout_name(
         return top_level[module], None
     raise ValueError(f"{module} has no name in {model}'s original layout")
 
+
+__all__ = ["Architecture", "PredictContext", "Record", "ROLES", "DDPM_SCHEDULE", "original_layout_name"]
 
 DDPM_SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1}

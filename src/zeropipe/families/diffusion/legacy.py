@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from zeropipe.families.diffusion.core import PredictContext, Record
+from zeropipe.families.diffusion import roles
+from zeropipe.families.diffusion.core import Architecture, PredictContext, Record
 from zeropipe.families.diffusion.parts import Condition, ImageLatents, Part, PromptText
 from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS
@@ -232,8 +233,6 @@ class LegacyEntry:
     # -------------------------------------------------------------- today's shape
     def entry(self):
         """This entry in today's shape: its record (constants read once from the methods that return them) and roles that call its methods."""
-        from zeropipe.families.diffusion import roles
-
         record = Record(
             **{name: getattr(self, name) for name in LEGACY_RECORD_FIELDS},
             tokenizer_lengths={name: self.tokenizer_length(name) for name in self.tokenizers},
@@ -241,7 +240,10 @@ class LegacyEntry:
             pipeline_kwargs=self.pipeline_kwargs(),
             image_processor_patch=self.image_processor_factor(8) // 8,
         )
-        return roles.legacy_architecture(record, self)
+        return Architecture(
+            record=record, call=roles.LegacyCall(self), prompts=roles.LegacyPrompts(self), sampling=roles.LegacySampling(self),
+            layouts=roles.LegacyLayouts(self), assembly=roles.LegacyAssembly(self),
+        )
 
 
 LEGACY_RECORD_FIELDS = (

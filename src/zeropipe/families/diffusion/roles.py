@@ -20,23 +20,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
 
-if TYPE_CHECKING:
-    from zeropipe.families.diffusion.core import Architecture, PredictContext, Record
+
+
+@dataclass(frozen=True)
+class PredictContext:
+    """What a denoiser call needs besides its inputs: the rank's device and dtype, and the run's settings."""
+
+    device: torch.device
+    dtype: torch.dtype
+    vae_factor: int  # pixels per latent along each side
+    guidance: float  # model.diffusion.guidance, for guidance-distilled models
 
 
 class Role:
     """A role of one entry: ``entry`` is set when the entry is built (``core.Architecture`` binds a copy of the role to itself)."""
 
-    entry: Architecture
+    entry: Any  # the core.Architecture (roles import nothing from core: core imports them)
 
     @property
-    def record(self) -> Record:
+    def record(self) -> Any:
         return self.entry.record
 
 
@@ -71,8 +79,6 @@ class DenoiserCall(Role):
         The planner runs the denoiser on them to count the activations it saves; None: the planner does not trace it.
         ``latent_frames`` is 1 unless the entry is ``video``.
         """
-        from zeropipe.families.diffusion.core import PredictContext
-
         batch = self.trace_batch(config, latent_side, latent_frames, text_tokens, dtype)
         # The traced context: the trace's dtype, on the meta device, at the VAE factor the planner assumes (8).
         return None if batch is None else self.inputs(*batch, PredictContext(torch.device("meta"), dtype, 8, 1.0))
@@ -248,12 +254,3 @@ class LegacyAssembly(_Legacy, Assembly):
 
     def tiny_denoiser(self, model):
         return self.old.tiny_denoiser(model)
-
-
-def legacy_architecture(record: Record, old) -> Architecture:
-    """An entry in the old shape (``legacy.LegacyEntry``) as an ``Architecture``: its record, and roles that call its methods."""
-    from zeropipe.families.diffusion.core import Architecture
-
-    return Architecture(
-        record=record, call=LegacyCall(old), prompts=LegacyPrompts(old), sampling=LegacySampling(old), layouts=LegacyLayouts(old), assembly=LegacyAssembly(old)
-    )
