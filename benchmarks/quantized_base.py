@@ -97,7 +97,7 @@ def rank_main(args) -> None:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config)
     torch.manual_seed(1000 + rank)
     with torch.device("cpu"):
-        inputs = arch.trace_inputs(model.config, args.latent, 1, args.text_tokens, dtype)
+        inputs = arch.call.trace_inputs(model.config, args.latent, 1, args.text_tokens, dtype)
     batches = []
     for step in range(args.steps):
         generator = torch.Generator().manual_seed(step * 2 + rank)

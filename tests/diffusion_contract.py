@@ -41,19 +41,19 @@ def data_section(arch, tmp_path: Path) -> dict:
     A part reading a setting this test cannot provide fails here by name: teach ``PROVIDERS`` its data.
     """
     data = {"images": {"resolution": RESOLUTION, "bucket_step": RESOLUTION, "bucketing": False, "flip": 0}, "cache": {"dir": str(tmp_path / "cache")}}
-    if arch.codec.video:
-        data["video"] = {"frame_buckets": [1 + arch.codec.frame_multiple]}
-    keys = sorted({key for part in arch.parts for key in part.config_keys()})
+    if arch.record.codec.video:
+        data["video"] = {"frame_buckets": [1 + arch.record.codec.frame_multiple]}
+    keys = sorted({key for part in arch.record.parts for key in part.config_keys()})
     unknown = [key for key in keys if key not in PROVIDERS]
-    assert not unknown, f"{arch.name}: its parts read {unknown}, which the contract test does not provide yet: add them to PROVIDERS"
+    assert not unknown, f"{arch.record.name}: its parts read {unknown}, which the contract test does not provide yet: add them to PROVIDERS"
     # A few files of generated shapes (data.synthetic's smallest set is 10: more encoding than a contract needs).
     # Written by the entry's codec, as data.synthetic would be: shapes, moving-shape clips, or LTX-2's clips with a tone as their sound.
     from types import SimpleNamespace
 
     targets = tmp_path / "targets"
-    frames = [1 + arch.codec.frame_multiple] if arch.codec.video else [1]
+    frames = [1 + arch.record.codec.frame_multiple] if arch.record.codec.video else [1]
     synthetic = SimpleNamespace(data=SimpleNamespace(synthetic=SimpleNamespace(examples=EXAMPLES, seed=5), images=SimpleNamespace(resolution=RESOLUTION), video=SimpleNamespace(frame_buckets=frames)))
-    _, write = arch.codec.synthetic_folder(tmp_path, synthetic)
+    _, write = arch.record.codec.synthetic_folder(tmp_path, synthetic)
     write(targets)
     data["path"] = str(targets)
     for key in keys:
@@ -97,7 +97,7 @@ PROVIDERS = {"data.control_path": control_images, "data.control_paths": referenc
 def run_config(arch, tmp_path: Path, name: str, data: dict, **overrides) -> dict:
     config = {
         "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 3},
-        "model": {"config": {"pipeline": arch.preset_name}, "lora": {"r": 4, "alpha": 8}},
+        "model": {"config": {"pipeline": arch.record.preset_name}, "lora": {"r": 4, "alpha": 8}},
         "data": data,
         "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 5e-2, "schedule": "constant", "log_every": 1},
         "deepspeed": {"zero_stage": 3, "precision": "fp32"},
@@ -141,7 +141,7 @@ def one_rank(run_path: Path, monkeypatch):
 def denoiser_output(arch, model, batch) -> torch.Tensor:
     latents, timesteps, condition, context = batch
     with torch.no_grad():
-        return arch.predict(model.eval(), latents, timesteps, condition, context).float()
+        return arch.call.predict(model.eval(), latents, timesteps, condition, context).float()
 
 
 def train_one_rank(name: str, arch, run, monkeypatch, zero_stage: int = 3):
@@ -175,22 +175,22 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
 
     merged_dir = export_run(run.path, tmp_path / "merged", merge=True, dtype="fp32")
     pipeline_cls = arch.pipeline()
-    # A prompt processor the entry makes itself (arch.text.processors: Qwen-Image-Edit's and Qwen-Image 2.1's, which
+    # A prompt processor the entry makes itself (arch.record.text.processors: Qwen-Image-Edit's and Qwen-Image 2.1's, which
     # transformers builds only with torchvision) is given as the entry's text pipeline gets it (Qwen-Image 2.1's pipeline reads it
     # in its constructor).
     from zeropipe.families.diffusion.pipelines import prompt_processors
 
-    own = {**arch.pipeline_kwargs(), **{name: part for name, part in prompt_processors(run.pipeline, arch).items() if name in arch.text.processors}}
+    own = {**arch.record.pipeline_kwargs, **{name: part for name, part in prompt_processors(run.pipeline, arch).items() if name in arch.record.text.processors}}
     base = pipeline_cls.from_pretrained(str(run.pipeline), **own)
-    before = denoiser_output(arch, getattr(base, arch.denoiser), batch)
+    before = denoiser_output(arch, getattr(base, arch.record.denoiser), batch)
     # The loader Draw uses: the pipeline's load_lora_weights, or the denoiser's load_lora_adapter where the pipeline
     # has none (diffusers 0.42: HunyuanVideo 1.5, Cosmos 2, HunyuanImage) or does not read the kind (LoKr).
     load_adapter_export(base, adapter_dir, export_info(adapter_dir))
-    with_adapter = denoiser_output(arch, getattr(base, arch.denoiser), batch)
+    with_adapter = denoiser_output(arch, getattr(base, arch.record.denoiser), batch)
     assert (with_adapter - before).abs().max() > 1e-5, f"{name}: the adapter loaded by diffusers does not change the denoiser's output"
 
     full = pipeline_cls.from_pretrained(str(merged_dir), **own)
-    merged = denoiser_output(arch, getattr(full, arch.denoiser), batch)
+    merged = denoiser_output(arch, getattr(full, arch.record.denoiser), batch)
     torch.testing.assert_close(merged, with_adapter, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: the merged export's denoiser differs from base + adapter: {m}")
 
 
@@ -223,7 +223,7 @@ def cached_run(name: str, arch, tmp_path: Path, round_trip: bool = True):
     again_run.path.mkdir(parents=True)
     prepare_diffusion_data(validate_config(again), again_run, reuse=True)
     second = read_plan(again_run)
-    assert second.missing_latents == [] and arch.text.missing(second) == 0, f"{name}: a second run would encode {second.missing_latents} and {arch.text.missing(second)} caption(s) again"
+    assert second.missing_latents == [] and arch.record.text.missing(second) == 0, f"{name}: a second run would encode {second.missing_latents} and {arch.record.text.missing(second)} caption(s) again"
     elsewhere = dict(again, data={**again["data"], "cache": {"dir": str(tmp_path / "cache-elsewhere")}})
     prepare_diffusion_data(validate_config(elsewhere), again_run, reuse=False)
     fill_caches(again_run, cpu, torch.float32)
@@ -240,7 +240,7 @@ def part_kinds(arch) -> set[str]:
     """What kinds of part an entry has: an image or a video codec (video with sound is the AudioTrack condition), its
     objective (DDPM or flow), its prompt part and each condition, by class. Codec classes are not kinds: each entry's
     codec is one of the two, checked per entry by the declared-wiring test."""
-    return {type(part).__name__ for part in (arch.text, *arch.conditions)} | {"video" if arch.codec.video else "image", f"objective:{arch.objective}"}
+    return {type(part).__name__ for part in (arch.record.text, *arch.record.conditions)} | {"video" if arch.record.codec.video else "image", f"objective:{arch.record.objective}"}
 
 
 def one_entry_per_kind(names: list[str]) -> list[str]:

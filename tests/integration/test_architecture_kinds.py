@@ -87,7 +87,7 @@ def test_dora_lokr_and_loha_train_under_zero3_and_export_what_diffusers_loads(tm
         assert export_info(merged)["kind"] == "merged"
         base = arch.pipeline().from_pretrained(str(run.pipeline))
         full = arch.pipeline().from_pretrained(str(merged))
-        assert (denoiser_output(arch, getattr(full, arch.denoiser), batch) - denoiser_output(arch, getattr(base, arch.denoiser), batch)).abs().max() > 1e-5
+        assert (denoiser_output(arch, getattr(full, arch.record.denoiser), batch) - denoiser_output(arch, getattr(base, arch.record.denoiser), batch)).abs().max() > 1e-5
         return
     export_run(run.path, adapter, dtype="fp32")
     from safetensors.torch import load_file
@@ -98,7 +98,7 @@ def test_dora_lokr_and_loha_train_under_zero3_and_export_what_diffusers_loads(tm
     assert_exports_load(f"{name} {kind}", arch, run, batch, adapter, tmp_path)
     comfy = adapter / "lora_comfyui.safetensors"
     # The original (ComfyUI) layout of a LoKr where the entry has one (Z-Image: ai-toolkit's, diffusers' converter reads it).
-    assert comfy.exists() == (arch.original_lokr_layout({}, 1.0) is not None and kind == "lokr"), f"{name} {kind}: {sorted(p.name for p in adapter.iterdir())}"
+    assert comfy.exists() == (arch.layouts.original_lokr_layout({}, 1.0) is not None and kind == "lokr"), f"{name} {kind}: {sorted(p.name for p in adapter.iterdir())}"
     if comfy.exists():
         assert all(key.startswith("diffusion_model.") and ".lokr_w" in key for key in load_file(str(comfy)))
         via_diffusers, via_comfy = (arch.pipeline().from_pretrained(str(run.pipeline)) for _ in range(2))
@@ -127,7 +127,7 @@ def test_dora_lokr_and_loha_train_under_zero3_and_export_what_diffusers_loads(tm
     with deepspeed.zero.GatheredParameters(list(module.parameters())):
         resumed = {key: value.detach().clone() for key, value in get_peft_model_state_dict(module).items()}
     exported = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
-    assert resumed and all(torch.equal(value, exported[f"{arch.denoiser}.{key}"]) for key, value in resumed.items()), f"{name} {kind}: the resumed adapter is not the checkpoint's"
+    assert resumed and all(torch.equal(value, exported[f"{arch.record.denoiser}.{key}"]) for key, value in resumed.items()), f"{name} {kind}: the resumed adapter is not the checkpoint's"
     trainer.task.before_train()
     trainer.train()
     trainer.task.after_train()

@@ -43,7 +43,7 @@ def guided_flux(monkeypatch):
     arch = GuidedFlux(**{**{f.name: getattr(FLUX, f.name) for f in fields(FLUX)}, "name": "flux-guided", "preset_name": "tiny-flux-guided", "preset": preset, "text": GuidedPrompt()})
     entries.register(arch)
     yield arch
-    entries.unregister(arch.name)
+    entries.unregister(arch.record.name)
 
 
 @pytest.mark.timeout(300)

@@ -96,12 +96,12 @@ def test_qwen_image_edit_lora_learns_from_control_images_reuses_caches_and_expor
     embeds, mask = torch.randn(1, 12, 32, generator=torch.Generator().manual_seed(1)), torch.ones(1, 12, dtype=torch.long)
     kwargs = {
         "height": 32, "width": 32, "num_inference_steps": 2,
-        **arch.sample_kwargs({"prompt_embeds": embeds, "prompt_embeds_mask": mask}, {"prompt_embeds": embeds, "prompt_embeds_mask": mask}, 1.0, 1.0),
+        **arch.sampling.sample_kwargs({"prompt_embeds": embeds, "prompt_embeds_mask": mask}, {"prompt_embeds": embeds, "prompt_embeds_mask": mask}, 1.0, 1.0),
     }
     control = Image.open(controls / "1_shapes" / "00000.jpg")
 
     def draw(image):
-        return arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(0), "image": image})
+        return arch.sampling.draw(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(0), "image": image})
 
     before = draw(control)
     assert (draw(ImageOps.invert(control)) - before).abs().max() > 1e-3  # the control image conditions the sample

@@ -91,11 +91,11 @@ def test_qwen_image_edit_plus_lora_learns_from_two_references_samples_reuses_cac
     pipeline = QwenImageEditPlusPipeline.from_pretrained(str(run_dir / "pipeline"), processor=None)
     embeds, mask = torch.randn(1, 12, 32, generator=torch.Generator().manual_seed(1)), torch.ones(1, 12, dtype=torch.long)
     condition = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-    kwargs = {"height": 32, "width": 32, "num_inference_steps": 2, **arch.sample_kwargs(condition, condition, 1.0, 1.0)}
+    kwargs = {"height": 32, "width": 32, "num_inference_steps": 2, **arch.sampling.sample_kwargs(condition, condition, 1.0, 1.0)}
     references = [Image.open(folder / "1_shapes" / "00000.png") for folder in (greys, backgrounds)]
 
     def draw(images):
-        return arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(0), "image": images})
+        return arch.sampling.draw(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(0), "image": images})
 
     before = draw(references)
     assert (draw([references[0], ImageOps.invert(references[1])]) - before).abs().max() > 1e-3  # the second reference conditions the sample

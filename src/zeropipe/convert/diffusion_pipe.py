@@ -84,7 +84,7 @@ def model_architecture(kind: str, model: dict[str, Any] | None = None) -> str | 
 
 def is_video(kind: str, model: dict[str, Any] | None = None) -> bool:
     arch = architectures().get(model_architecture(kind, model) or "")
-    return arch.video if arch is not None else kind in VIDEO_TYPES
+    return arch.record.video if arch is not None else kind in VIDEO_TYPES
 
 
 VIDEO_TYPES = ("wan", "hunyuan-video", "ltx-video", "hunyuan_video_15", "ltx2", "cosmos", "longcat_video", "kandinsky5", "hy_framepack", "minimax_h3")
@@ -319,7 +319,7 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
         else:
             conversion.set("model.path", value, f"from [model] {key}: see the list above")
             if found is not None and found.is_file():
-                cls = architectures()[arch].pipeline_class if arch else "DiffusionPipeline"
+                cls = architectures()[arch].record.pipeline_class if arch else "DiffusionPipeline"
                 why = (
                     f"{value} is a single-file checkpoint; ZeRO-Pipe loads diffusers pipeline folders: "
                     f"`python -c \"import diffusers; diffusers.{cls}.from_single_file('{value}').save_pretrained('DIR')\"`, then set model.path: DIR"
@@ -405,7 +405,7 @@ def _shift(conversion: Conversion, model: dict[str, Any], arch: str | None) -> N
     shift = model.pop("shift", None)
     flux_shift = model.pop("flux_shift", None)
     entry = architectures().get(arch or "")
-    if entry is not None and entry.objective != "flow":
+    if entry is not None and entry.record.objective != "flow":
         if shift is not None:
             conversion.skip("model.shift", f"{shift!r}: a timestep shift applies to flow-matching models; {arch} trains on a DDPM schedule")
         if flux_shift:

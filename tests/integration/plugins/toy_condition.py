@@ -19,11 +19,14 @@ tests/integration/test_condition_door.py).
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from zeropipe.families.diffusion.bases.unet import UNetCall
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.entries import register
 from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
 from zeropipe.families.diffusion.parts import Condition, SampleInputs
@@ -80,20 +83,18 @@ class Loudness(Condition):
         return SampleInputs(kwargs={"prompt_embeds": kwargs["prompt_embeds"] + features[:, None]}, rows=[{"loudness": level}] * len(sampling.prompts))
 
 
-@dataclass(frozen=True)
-class LoudUNet(type(SD15)):
+class LoudUNetCall(UNetCall):
     def predict(self, model, model_input, timesteps, condition, context):
         heard = {**condition, "prompt_embeds": condition["prompt_embeds"] + condition["loudness_embeds"][:, None].to(condition["prompt_embeds"])}
         return super().predict(model, model_input, timesteps, heard, context)
 
 
-ARCHITECTURE = LoudUNet(
-    **{
-        **{name: getattr(SD15, name) for name in SD15.__dataclass_fields__},
-        "name": "toy-loud-unet",
-        "preset_name": "tiny-toy-loud-unet",
-        "conditions": (Loudness(width=SD15.preset["text_encoder"]["hidden_size"]),),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        SD15.record, name="toy-loud-unet", preset_name="tiny-toy-loud-unet", conditions=(Loudness(width=SD15.record.preset["text_encoder"]["hidden_size"]),)
+    ),
+    call=LoudUNetCall(),
+    prompts=SD15.prompts,
 )
 
 register(ARCHITECTURE)

@@ -216,7 +216,7 @@ def _train_refuses_frames(config):
     """What the launcher does when it prepares the clips (the entry's codec, take_clips), before any rank starts."""
     from zeropipe.families.diffusion.entries import architecture_named
 
-    architecture_named("wan").codec.take_clips(config, "wan", [], [])
+    architecture_named("wan").record.codec.take_clips(config, "wan", [], [])
 
 
 def _train_refuses_denoiser_file(config):
@@ -224,7 +224,7 @@ def _train_refuses_denoiser_file(config):
     from zeropipe.families.diffusion.entries import architecture_named
     from zeropipe.families.diffusion.pipelines import single_file_renamer
 
-    single_file_renamer(architecture_named("wan").denoiser_class, Path(config.model.diffusion.denoiser_file))
+    single_file_renamer(architecture_named("wan").record.denoiser_class, Path(config.model.diffusion.denoiser_file))
 
 
 # Every refusal `zeropipe train` makes after `check` and before the first step that a config alone decides (issue 45, item 6).
@@ -286,9 +286,9 @@ def test_7_qwen_image_edit_samples_in_bf16_beside_a_float32_vae(tmp_path, preset
     image = Image.new("RGB", (32, 32), (200, 40, 40))
     kwargs = {"height": 32, "width": 32, "num_inference_steps": 1, "output_type": "latent", "return_dict": False,
               "generator": torch.Generator().manual_seed(5), "image": image if preset == "tiny-qwen-image-edit" else [image],
-              **arch.sample_kwargs(condition, negative, 1.0, 1.0)}
+              **arch.sampling.sample_kwargs(condition, negative, 1.0, 1.0)}
     with torch.no_grad():
-        latents = arch.call_pipeline(pipeline, kwargs)
+        latents = arch.sampling.draw(pipeline, kwargs)
     assert latents.dtype == torch.bfloat16 and torch.isfinite(latents.float()).all()
 
 
@@ -316,7 +316,7 @@ def _applies(peer, conversion, source: dict, tool: str, flat: dict) -> bool:
         arch = architectures().get(diffusion_pipe_converter.model_architecture(str(model.get("type")), model) or "")
         if arch is None:
             return False
-        return arch.objective == "flow" if peer.applies == "flow" else arch.video
+        return arch.record.objective == "flow" if peer.applies == "flow" else arch.record.video
     return True
 
 

@@ -68,7 +68,7 @@ def test_diffusion_pipes_fp8_example_trains_as_converted_with_the_fp8_base_under
 
     arch = architecture_named(name)
     pipeline = tmp_path / "model"
-    build_tiny_pipeline({"pipeline": arch.preset_name}, pipeline, seed=1)
+    build_tiny_pipeline({"pipeline": arch.record.preset_name}, pipeline, seed=1)
     images = generate_shapes_dataset(tmp_path / "images", 4, seed=0, resolution=32)
     (tmp_path / "dataset.toml").write_text(f"resolutions = [32]\n[[directory]]\npath = '{images}'\n")
     assert (DP / example).read_text().count("transformer_dtype = 'float8'") == 1
@@ -128,7 +128,7 @@ def test_diffusion_pipes_fp8_example_trains_as_converted_with_the_fp8_base_under
     layers = load_file(str(adapter / "pytorch_lora_weights.safetensors"))
     assert any(value.abs().max() > 0 for key, value in layers.items() if "lora_B" in key), f"{name}: LoRA B is still zero: nothing trained"
     full = arch.pipeline().from_pretrained(str(pipeline), torch_dtype=torch.float32)
-    denoiser = getattr(full, arch.denoiser)
+    denoiser = getattr(full, arch.record.denoiser)
     before = denoiser_output(arch, denoiser, batch)
     full.load_lora_weights(str(adapter))
     loaded = get_peft_model_state_dict(denoiser, adapter_name=next(iter(denoiser.peft_config)))

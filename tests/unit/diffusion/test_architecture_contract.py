@@ -25,6 +25,10 @@ Where each assertion of the former per-entry ZeRO-3 run is made now:
 - DoRA, LoKr (with its ComfyUI layout) and LoHa under ZeRO-3/2, their exports and resume: the same
   integration module (moved unchanged).
 
+The entry's shape (fast, no tiny preset built): ``Architecture`` has at most 15 members, and every registered
+entry is a declared ``Record`` plus one role of each kind, its classes found in diffusers, its record's constants
+well formed (``test_the_entry_core_has_at_most_15_members``, ``test_every_entry_is_a_record_and_its_roles``).
+
 Every assertion names the entry.
 """
 
@@ -37,9 +41,58 @@ import torch
 
 from tests.diffusion_contract import cached_run, one_entry_per_kind
 from zeropipe.families.diffusion import entries as architectures
+from zeropipe.families.diffusion import roles
+from zeropipe.families.diffusion.core import ROLES, Architecture, Record
 
 ENTRIES = sorted(architectures.architectures())
 XDIST_SPREAD = True  # one entry per test, nothing shared between them: spread over the test workers (tests/conftest.py)
+
+
+MOST_MEMBERS = 15
+
+
+def core_members(cls) -> list[str]:
+    """The members a class defines itself: its fields, properties and methods (dunder methods such as ``__post_init__`` aside)."""
+    import dataclasses
+
+    fields = [field.name for field in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+    own = [name for name, value in vars(cls).items() if not name.startswith("__") and (callable(value) or isinstance(value, (property, staticmethod, classmethod)))]
+    return sorted(set(fields) | set(own))
+
+
+def test_the_entry_core_has_at_most_15_members():
+    members = core_members(Architecture)
+    assert len(members) <= MOST_MEMBERS, f"Architecture has {len(members)} members ({', '.join(members)}): a constant belongs in the Record, code in a role"
+    # The counter counts: the class it replaced had 46.
+    from zeropipe.families.diffusion.legacy import LegacyEntry
+
+    assert len(core_members(LegacyEntry)) > MOST_MEMBERS
+
+
+ROLE_CLASSES = {"call": roles.DenoiserCall, "prompts": roles.PromptEncoding, "sampling": roles.Sampling, "layouts": roles.ExportLayouts, "assembly": roles.Assembly}
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_every_entry_is_a_record_and_its_roles(name):
+    """The declared wiring without building anything: a record, a role of each kind bound to this entry, classes diffusers has."""
+    import diffusers
+
+    arch = architectures.architecture_named(name)
+    record = arch.record
+    assert isinstance(arch, Architecture) and isinstance(record, Record) and record.name == name, f"{name}: not a declared record"
+    assert set(ROLES) == set(ROLE_CLASSES)
+    hash(arch)  # an entry is a frozen value, usable as a key, as the former class was
+    for role, cls in ROLE_CLASSES.items():
+        bound = getattr(arch, role)
+        assert isinstance(bound, cls) and bound.entry is arch and bound.record is record, f"{name}: its {role} role is not a {cls.__name__} bound to it"
+    for class_name in (record.pipeline_class, record.denoiser_class, *record.related_pipelines):
+        assert hasattr(diffusers, class_name), f"{name}: diffusers has no {class_name}"
+    assert record.objective in ("ddpm", "flow") and record.denoiser in ("unet", "transformer"), f"{name}: {record.objective} / {record.denoiser}"
+    assert record.preset_name and record.denoiser in record.preset, f"{name}: its tiny preset has no {record.denoiser}"
+    assert all(record.tokenizer_length(tokenizer) > 0 for tokenizer in record.tokenizers) and record.trace_text_tokens() > 0, f"{name}: prompt lengths"
+    assert record.image_processor_patch >= 1 and record.patch_factor >= 1 and record.trace_frames >= 1
+    assert set(record.frozen_components) <= {"vae", *record.preset}, f"{name}: frozen components {record.frozen_components} not in its preset"
+    assert not (set(record.pipeline_kwargs) & set(record.preset)), f"{name}: pipeline_kwargs name components"
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +122,7 @@ def lora_denoiser(task):
     model = cls.from_pretrained(str(task.pipeline_dir / task.data.denoiser), torch_dtype=torch.float32)
     model.requires_grad_(False)
     lora = task.config.model.lora
-    model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, task.arch.lora_targets), gaussian_init=True))
+    model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, task.arch.record.lora_targets), gaussian_init=True))
     return model
 
 
@@ -80,14 +133,14 @@ def test_an_entry_declares_wiring_that_caches_predicts_samples_and_lays_out_its_
     from peft.utils import get_peft_model_state_dict
 
     arch = architectures.architecture_named(name)
-    assert arch.preset_name, f"{name}: every entry has a tiny preset (its tests and demos build it from config)"
+    assert arch.record.preset_name, f"{name}: every entry has a tiny preset (its tests and demos build it from config)"
     run = cached_run(name, arch, tmp_path)
 
     trainer = rank_task(run, monkeypatch)
     task = trainer.task
     model = lora_denoiser(task)
     wrapped = {module_name: module for module_name, module in model.named_modules() if isinstance(module, LoraLayer)}
-    assert wrapped, f"{name}: its LoRA targets {arch.lora_targets} match no layer of {arch.denoiser_class}"
+    assert wrapped, f"{name}: its LoRA targets {arch.record.lora_targets} match no layer of {arch.record.denoiser_class}"
     not_linear = sorted(module_name for module_name, module in wrapped.items() if not isinstance(module.get_base_layer(), torch.nn.Linear))
     assert not not_linear, f"{name}: LoRA targets that are not linear layers: {not_linear[:4]}"
 
@@ -96,9 +149,9 @@ def test_an_entry_declares_wiring_that_caches_predicts_samples_and_lays_out_its_
     latents, condition = task.assemble([0], augment=False)
     noised = task.objective.noise(latents, generator=torch.Generator().manual_seed(1))
     model.train()
-    prediction = arch.predict(model, noised.model_input, noised.timesteps, condition, task.predict_context)
+    prediction = arch.call.predict(model, noised.model_input, noised.timesteps, condition, task.predict_context)
     assert prediction.shape == noised.target.shape, f"{name}: predict gave {tuple(prediction.shape)}, the objective's target is {tuple(noised.target.shape)}"
-    loss = arch.loss(model, noised, condition, task.predict_context)
+    loss = arch.call.loss(model, noised, condition, task.predict_context)
     assert torch.isfinite(loss), f"{name}: loss {loss}"
     loss.backward()
     ups = {param_name: param for param_name, param in model.named_parameters() if "lora_B" in param_name}
@@ -121,7 +174,7 @@ def test_an_entry_declares_wiring_that_caches_predicts_samples_and_lays_out_its_
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     trained = [param.detach().clone() for param in adapter]
     layers = {key: value.detach().clone() for key, value in get_peft_model_state_dict(model).items()}
-    original = arch.original_lora_layout(layers, float(task.config.model.lora.alpha))  # raises ValueError on a key it cannot place
+    original = arch.layouts.original_lora_layout(layers, float(task.config.model.lora.alpha))  # raises ValueError on a key it cannot place
     assert original is None or (original and all(torch.isfinite(value).all() for value in original.values())), f"{name}: original LoRA layout {sorted(original or {})[:4]}"
     if original:
         # model.lora.init_from reads the file back (models.adapter_init): the same weights on the same modules, or, where
@@ -136,7 +189,7 @@ def test_an_entry_declares_wiring_that_caches_predicts_samples_and_lays_out_its_
             for param in adapter:
                 param.zero_()
         try:
-            load_initial_adapter(model, tmp_path / "original.safetensors", original_layout=arch.original_lora_layout)
+            load_initial_adapter(model, tmp_path / "original.safetensors", original_layout=arch.layouts.original_lora_layout)
         except ConfigError as err:
             assert "fuses" in str(err), f"{name}: its own original LoRA layout is not read back: {err}"
         else:

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import pytest
 import torch
 
 from zeropipe.families.diffusion import entries as architectures
+from zeropipe.families.diffusion.bases.unet import UNetCall
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.entries import PredictContext, architecture_of, register, unregister
 from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
 from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, preset_components, text_pipeline
 from zeropipe.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class ToyUNet(type(SD15)):
-    """SD 1.x's layout with wider attention and LoRA on the feed-forward too: a variant a plug-in might add."""
+class CountedUNetCall(UNetCall):
+    """SD 1.x's denoiser call, counting the batches it is given: a role a plug-in might add."""
 
     def predict(self, model, model_input, timesteps, condition, context):
         self.calls.append(tuple(model_input.shape))
@@ -25,10 +26,12 @@ class ToyUNet(type(SD15)):
 
 @pytest.fixture
 def toy():
-    preset = {name: dict(fields) for name, fields in SD15.preset.items()}
+    preset = {name: dict(fields) for name, fields in SD15.record.preset.items()}
     preset["unet"]["attention_head_dim"] = 8
-    arch = ToyUNet(**{**SD15.__dict__, "name": "toy-unet", "preset_name": "tiny-toy-unet", "preset": preset, "lora_targets": ("to_q", "to_v", "ff.net.2")})
-    object.__setattr__(arch, "calls", [])
+    # SD 1.x's layout with wider attention and LoRA on the feed-forward too: a variant a plug-in might add.
+    record = dataclasses.replace(SD15.record, name="toy-unet", preset_name="tiny-toy-unet", preset=preset, lora_targets=("to_q", "to_v", "ff.net.2"))
+    arch = Architecture(record=record, call=CountedUNetCall(), prompts=SD15.prompts)
+    arch.call.calls = []
     register(arch)
     yield arch
     unregister("toy-unet")
@@ -44,8 +47,8 @@ def test_a_registered_architecture_is_found_built_and_called(tmp_path, toy):
     unet = toy.model_class().from_pretrained(str(tmp_path / "pipeline" / "unet"))
     assert unet.config.attention_head_dim == 8
     batch = {"prompt_embeds": torch.stack([row["prompt_embeds"] for row in condition])}
-    out = toy.predict(unet, torch.randn(2, 4, 16, 16), torch.tensor([10, 500]), batch, PredictContext(torch.device("cpu"), torch.float32, 2, 1.0))
-    assert out.shape == (2, 4, 16, 16) and toy.calls == [(2, 4, 16, 16)]
+    out = toy.call.predict(unet, torch.randn(2, 4, 16, 16), torch.tensor([10, 500]), batch, PredictContext(torch.device("cpu"), torch.float32, 2, 1.0))
+    assert out.shape == (2, 4, 16, 16) and toy.call.calls == [(2, 4, 16, 16)]
 
 
 def test_an_unknown_preset_names_the_registered_ones(toy):
@@ -79,7 +82,7 @@ def test_every_entry_takes_what_the_shared_code_passes_to_each_method():
             try:
                 inspect.signature(own).bind(*args)
             except TypeError as err:
-                raise AssertionError(f"{arch.name}: {name}{inspect.signature(own)} does not take the base's {inspect.signature(base)}: {err}") from None
+                raise AssertionError(f"{arch.record.name}: {name}{inspect.signature(own)} does not take the base's {inspect.signature(base)}: {err}") from None
 
 
 def test_every_part_takes_what_the_shared_code_passes_to_each_hook():
@@ -89,7 +92,7 @@ def test_every_part_takes_what_the_shared_code_passes_to_each_hook():
     from zeropipe.families.diffusion.parts import Condition, ImageLatents, PromptText
 
     for arch in architectures.architectures().values():
-        for part in arch.parts:
+        for part in arch.record.parts:
             for generic in (ImageLatents, PromptText, Condition):
                 if not isinstance(part, generic):
                     continue
@@ -100,4 +103,4 @@ def test_every_part_takes_what_the_shared_code_passes_to_each_hook():
                     try:
                         inspect.signature(getattr(type(part), name)).bind(*[object()] * len(wanted))
                     except TypeError as err:
-                        raise AssertionError(f"{arch.name}'s {type(part).__name__}.{name} does not take {generic.__name__}'s {inspect.signature(base)}: {err}") from None
+                        raise AssertionError(f"{arch.record.name}'s {type(part).__name__}.{name} does not take {generic.__name__}'s {inspect.signature(base)}: {err}") from None

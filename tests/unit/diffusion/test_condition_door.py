@@ -65,23 +65,23 @@ def test_shared_diffusion_code_branches_on_no_entry_flag():
 def test_the_flag_finder_finds_flags_and_part_checks():
     """The check above can fail: the branches the shared code had before the parts are found."""
     assert flag_branches("if self.arch.frame_conditioned:\n    pass\n") == [1]
-    assert flag_branches("x = 1 if arch.video else 2\n") == [1]
+    assert flag_branches("x = 1 if arch.record.video else 2\n") == [1]
     assert flag_branches("keys = [k for k in keys if arch.control_in_prompt]\n") == [1]
-    assert flag_branches("if any(isinstance(part, ControlImage) for part in arch.parts):\n    pass\n") == [1]
-    assert flag_branches("for part in arch.conditions:\n    part.encode(batch)\n") == []
+    assert flag_branches("if any(isinstance(part, ControlImage) for part in arch.record.parts):\n    pass\n") == [1]
+    assert flag_branches("for part in arch.record.conditions:\n    part.encode(batch)\n") == []
 
 
 def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions():
     entries = architectures.architectures()
-    assert {name for name, arch in entries.items() if arch.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video", "wan-ti2v", "wan-ti2v-i2v", "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "skyreels-v2", "skyreels-v2-i2v", "ltx2", "kandinsky5-t2v", "kandinsky5-i2v", "cosmos-predict2-video2world"}
-    conditions = {name: [part.entry for part in arch.conditions] for name, arch in entries.items() if arch.conditions}
+    assert {name for name, arch in entries.items() if arch.record.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video", "wan-ti2v", "wan-ti2v-i2v", "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "skyreels-v2", "skyreels-v2-i2v", "ltx2", "kandinsky5-t2v", "kandinsky5-i2v", "cosmos-predict2-video2world"}
+    conditions = {name: [part.entry for part in arch.record.conditions] for name, arch in entries.items() if arch.record.conditions}
     assert conditions == {
         "wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"],
         "qwen-image-edit-plus": ["references"], "flux2": ["references"], "flux2-klein": ["references"],
         "wan-ti2v-i2v": ["condition"], "hunyuan-video-1.5-i2v": ["condition", "image_embeds"], "skyreels-v2-i2v": ["condition", "image_embeds"], "kandinsky5-i2v": ["condition"],
         "ltx2": ["audio"], "cosmos-predict2-video2world": ["condition"],
     }
-    assert [name for name, arch in entries.items() if arch.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus", "ltx2", "qwen-image-2.1"]
+    assert [name for name, arch in entries.items() if arch.record.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus", "ltx2", "qwen-image-2.1"]
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def toy():
         sys.path.remove(plugins)
     register(toy_condition.ARCHITECTURE)
     yield toy_condition
-    unregister(toy_condition.ARCHITECTURE.name)
+    unregister(toy_condition.ARCHITECTURE.record.name)
 
 
 def loud_data(folder: Path, levels: list[float]) -> Path:
@@ -139,12 +139,12 @@ def test_a_new_condition_kind_keys_the_cache_fills_it_and_changes_the_denoisers_
     assert torch.allclose(after["mean"], before[0]["mean"], atol=1e-5) and not torch.equal(after["loudness"], before[0]["loudness"])
 
     # What the condition gives the denoiser changes its output, the prompt and the latents the same.
-    arch, condition = toy.ARCHITECTURE, toy.ARCHITECTURE.conditions[0]
+    arch, condition = toy.ARCHITECTURE, toy.ARCHITECTURE.record.conditions[0]
     unet = arch.model_class().from_pretrained(str(run.pipeline / "unet")).eval()
     batch = Inputs(cpu, torch.float32, normalize=lambda latents: latents)
     prompt = {"prompt_embeds": torch.randn(1, 77, 32, generator=torch.Generator().manual_seed(0))}
     latents, timesteps = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([500])
     context = PredictContext(cpu, torch.float32, 2, 1.0)
     with torch.no_grad():
-        outputs = [arch.predict(unet, latents, timesteps, {**prompt, **condition.inputs([entry["loudness"]], batch)}, context) for entry in (before[0], after)]
+        outputs = [arch.call.predict(unet, latents, timesteps, {**prompt, **condition.inputs([entry["loudness"]], batch)}, context) for entry in (before[0], after)]
     assert outputs[0].shape == latents.shape and (outputs[0] - outputs[1]).abs().max() > 1e-4

@@ -61,7 +61,7 @@ def cached_condition(arch, encoder, prompts):
 
 def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation(tiny, encoder):
     arch, folder, pipeline = tiny
-    assert architecture_of(folder) is arch and arch.name == "cosmos-predict2"
+    assert architecture_of(folder) is arch and arch.record.name == "cosmos-predict2"
     calls = []
     forward = pipeline.transformer.forward
 
@@ -80,7 +80,7 @@ def test_predict_is_the_pipelines_transformer_call_on_its_own_prompt_preparation
     timesteps = inputs["timestep"].float() * 1000
     context = PredictContext(CPU, torch.float32, vae_scale_factor(folder), 1.0)
     with torch.no_grad():
-        out = arch.predict(pipeline.transformer, inputs["hidden_states"], timesteps, cached_condition(arch, encoder, [PROMPT]), context)
+        out = arch.call.predict(pipeline.transformer, inputs["hidden_states"], timesteps, cached_condition(arch, encoder, [PROMPT]), context)
     assert 0.05 < float(inputs["timestep"][0]) < 0.95 and expected.abs().mean() > 1e-3  # a zero output would match any call
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
@@ -91,7 +91,7 @@ def test_the_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny, encoder
     negative = cached_condition(arch, encoder, ["", ""])
     kwargs = {
         "height": SIZE, "width": SIZE, "num_inference_steps": 2, "output_type": "latent", "return_dict": False,
-        **arch.sample_kwargs(condition, negative, 3.0, 1.0),
+        **arch.sampling.sample_kwargs(condition, negative, 3.0, 1.0),
     }
     theirs = pipeline(**kwargs, generator=torch.Generator().manual_seed(7))[0]
     ours = draw_latents(pipeline, **kwargs, generator=torch.Generator().manual_seed(7))
@@ -115,7 +115,7 @@ def test_zeropipes_pipelines_refuse_to_generate_and_what_a_user_loads_keeps_nvid
         from zeropipe.export.generate import ModelSource
         from zeropipe.families.diffusion.draw import EXPORT_INFO, load_for_drawing
 
-        (folder / EXPORT_INFO).write_text(json.dumps({"architecture": arch.name, "kind": "full"}))
+        (folder / EXPORT_INFO).write_text(json.dumps({"architecture": arch.record.name, "kind": "full"}))
         with pytest.raises(ZeroPipeError, match=r"cannot be built here: `cosmos_guardrail` is not installed.*pip install cosmos_guardrail"):
             load_for_drawing(ModelSource("hf", folder, "diffusion"), CPU, torch.float32)
 
@@ -127,16 +127,16 @@ def test_the_original_lora_layout_is_nvidias_module_names_that_diffusers_convert
     from zeropipe.models.common import resolve_lora_targets  # noqa: F401  (the export adapts these same targets)
 
     transformer = arch.model_class().from_config(pipeline.transformer.config)
-    transformer.add_adapter(LoraConfig(r=2, lora_alpha=8, target_modules=list(arch.lora_targets)))
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=8, target_modules=list(arch.record.lora_targets)))
     layers = get_peft_model_state_dict(transformer)
-    original = arch.original_lora_layout(layers, 8.0)
+    original = arch.layouts.original_lora_layout(layers, 8.0)
     assert "diffusion_model.blocks.1.cross_attn.q_proj.lora_A.weight" in original
     assert "diffusion_model.blocks.0.self_attn.output_proj.lora_B.weight" in original
     assert "diffusion_model.blocks.1.mlp.layer2.alpha" in original and float(original["diffusion_model.blocks.1.mlp.layer2.alpha"]) == 8.0
     # Every adapted layer of both blocks, and nothing else: 8 attention projections and 2 MLP layers each, A, B and alpha.
     assert len(layers) == 2 * 10 * 2 and len(original) == 2 * 10 * 3
     with pytest.raises(ValueError, match="no name in Cosmos-Predict2's original layout"):
-        arch.original_lora_layout({"time_embed.t_embedder.linear_1.lora_A.weight": torch.ones(1)}, 8.0)
+        arch.layouts.original_lora_layout({"time_embed.t_embedder.linear_1.lora_A.weight": torch.ones(1)}, 8.0)
 
 
 def test_a_transformer_that_needs_torchvision_is_refused_before_anything_starts_where_it_is_missing(tiny, tmp_path):
@@ -177,7 +177,7 @@ def test_a_single_file_in_nvidias_layout_is_read_over_the_folder_by_diffusers_co
         return "net." + key
 
     save_file({original(key): value for key, value in ours.items()}, str(tmp_path / "model.safetensors"))
-    rename = single_file_renamer(arch.denoiser_class, tmp_path / "model.safetensors")
+    rename = single_file_renamer(arch.record.denoiser_class, tmp_path / "model.safetensors")
     assert sorted(rename(original(key)) for key in ours) == sorted(ours)
 
 
@@ -201,7 +201,7 @@ def first_frame():
 
 def test_video2world_predict_is_the_pipelines_call_with_the_given_frame_clean_and_its_own_timestep(tiny_v2w):
     arch, folder, pipeline, encoder = tiny_v2w
-    assert architecture_of(folder) is arch and arch.name == "cosmos-predict2-video2world"
+    assert architecture_of(folder) is arch and arch.record.name == "cosmos-predict2-video2world"
     calls = []
     forward = pipeline.transformer.forward
 
@@ -225,10 +225,10 @@ def test_video2world_predict_is_the_pipelines_call_with_the_given_frame_clean_an
     timesteps = inputs["timestep"][:, 0, 1, 0, 0].float() * 1000
     context = PredictContext(CPU, torch.float32, vae_scale_factor(folder), 1.0)
     with torch.no_grad():
-        out = arch.predict(pipeline.transformer, noised, timesteps, condition, context)
+        out = arch.call.predict(pipeline.transformer, noised, timesteps, condition, context)
     assert expected.abs().mean() > 1e-3
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
-    prediction, target = arch.loss_region(out, torch.zeros_like(out))
+    prediction, target = arch.call.loss_region(out, torch.zeros_like(out))
     assert prediction.shape[2] == target.shape[2] == 2  # the given frame is never denoised: not in the loss
 
 
@@ -238,7 +238,7 @@ def test_video2world_sampling_loop_draws_what_the_pipelines_own_call_draws(tiny_
     arch, _, pipeline, encoder = tiny_v2w
     kwargs = {
         "image": first_frame(), "height": SIZE, "width": SIZE, "num_frames": 5, "num_inference_steps": 2, "output_type": "latent", "return_dict": False,
-        **arch.sample_kwargs(cached_condition(arch, encoder, [PROMPT]), cached_condition(arch, encoder, [""]), 3.0, 1.0),
+        **arch.sampling.sample_kwargs(cached_condition(arch, encoder, [PROMPT]), cached_condition(arch, encoder, [""]), 3.0, 1.0),
     }
     theirs = pipeline(**kwargs, generator=torch.Generator().manual_seed(7))[0]
     ours = draw_video_latents(pipeline, **kwargs, generator=torch.Generator().manual_seed(7))

@@ -94,7 +94,7 @@ def test_tiny_pipelines_are_deterministic_and_encode_prompts(tmp_path, preset):
     assert architecture_of(tmp_path / "a") == arch
     # Same config and seed: the same weights, so a second run's caches match the first's.
     assert fingerprint_files(tmp_path / "a" / "vae") == fingerprint_files(tmp_path / "b" / "vae")
-    assert fingerprint_files(tmp_path / "a" / arch.denoiser) == fingerprint_files(tmp_path / "b" / arch.denoiser)
+    assert fingerprint_files(tmp_path / "a" / arch.record.denoiser) == fingerprint_files(tmp_path / "b" / arch.record.denoiser)
     pipeline = text_pipeline(tmp_path / "a", arch, torch.float32, torch.device("cpu"))
     encoded = encode_prompts(pipeline, arch, ["a red circle", ""], torch.device("cpu"))
     assert len(encoded) == 2 and not torch.equal(encoded[0]["prompt_embeds"], encoded[1]["prompt_embeds"])

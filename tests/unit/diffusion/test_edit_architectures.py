@@ -21,7 +21,7 @@ def control_image(colour=(200, 40, 40)) -> Image.Image:
 def pipeline_call(pipeline, arch, latents, control_latents, timestep, condition):
     """One denoising step's transformer output as the pipeline's own __call__ computes it (its lines for this architecture)."""
     t = timestep.expand(1)
-    if arch.name == "qwen-image-edit":
+    if arch.record.name == "qwen-image-edit":
         grid = (1, latents.shape[-2] // 2, latents.shape[-1] // 2)
         packed, control = (pipeline._pack_latents(x, 1, x.shape[1], x.shape[-2], x.shape[-1]) for x in (latents, control_latents))
         out = pipeline.transformer(
@@ -44,27 +44,27 @@ def pipeline_call(pipeline, arch, latents, control_latents, timestep, condition)
 @pytest.mark.parametrize("preset", ["tiny-qwen-image-edit", "tiny-flux-kontext"])
 def test_an_edit_entrys_prediction_is_the_pipelines_and_depends_on_the_control_image(tmp_path, preset):
     arch = build_tiny_pipeline({"pipeline": preset}, tmp_path / "pipeline", seed=1)
-    kwargs = {"processor": None} if arch.text.processors else {}
+    kwargs = {"processor": None} if arch.record.text.processors else {}
     pipeline = arch.pipeline().from_pretrained(str(tmp_path / "pipeline"), **kwargs)
     pipeline.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(0)
-    if arch.name == "qwen-image-edit":
+    if arch.record.name == "qwen-image-edit":
         condition = {"prompt_embeds": torch.randn(1, 7, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 7, dtype=torch.long)}
     else:
         condition = {"prompt_embeds": torch.randn(1, 9, 64, generator=generator), "pooled_prompt_embeds": torch.randn(1, 32, generator=generator)}
     # The pipeline's own encoding of the control image (prepare_latents: VAE mode, normalised, packed), unpacked to the grid predict takes.
     pixels = pipeline.image_processor.preprocess(control_image(), SIZE, SIZE)
-    pixels = arch.codec.vae_pixels(pixels)
+    pixels = arch.record.codec.vae_pixels(pixels)
     channels = pipeline.transformer.config.in_channels // 4
     _, packed_control, *_ = pipeline.prepare_latents(pixels, 1, channels, SIZE, SIZE, torch.float32, torch.device("cpu"), generator)
-    control = arch.codec.vae_pixels(pipeline._unpack_latents(packed_control, SIZE, SIZE, pipeline.vae_scale_factor))
+    control = arch.record.codec.vae_pixels(pipeline._unpack_latents(packed_control, SIZE, SIZE, pipeline.vae_scale_factor))
     latents = torch.randn(control.shape, generator=generator)
     timestep = torch.tensor([600.0])
     context = PredictContext(torch.device("cpu"), torch.float32, vae_scale_factor(tmp_path / "pipeline"), 1.0)
     with torch.no_grad():
-        mine = arch.predict(pipeline.transformer, latents, timestep, {**condition, "control_latents": control}, context)
+        mine = arch.call.predict(pipeline.transformer, latents, timestep, {**condition, "control_latents": control}, context)
         reference = pipeline_call(pipeline, arch, latents, control, timestep, condition)
-        other = arch.predict(pipeline.transformer, latents, timestep, {**condition, "control_latents": torch.randn(control.shape, generator=generator)}, context)
+        other = arch.call.predict(pipeline.transformer, latents, timestep, {**condition, "control_latents": torch.randn(control.shape, generator=generator)}, context)
     assert mine.shape == latents.shape
     torch.testing.assert_close(mine, reference.reshape(mine.shape), rtol=1e-5, atol=1e-6)
     assert (other - mine).abs().max() > 1e-3
@@ -82,9 +82,9 @@ def test_qwen_image_edit_samples_as_its_pipeline_draws_where_the_control_image_i
     generator = torch.Generator().manual_seed(0)
     condition = {"prompt_embeds": torch.randn(1, 9, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 9, dtype=torch.long)}
     negative = {"prompt_embeds": torch.randn(1, 9, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 9, dtype=torch.long)}
-    kwargs = {"height": 1024, "width": 1024, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sample_kwargs(condition, negative, 3.0, 1.0)}
+    kwargs = {"height": 1024, "width": 1024, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sampling.sample_kwargs(condition, negative, 3.0, 1.0)}
     with torch.no_grad():
-        mine = arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": image})
+        mine = arch.sampling.draw(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": image})
         reference = pipeline(image=image, **kwargs, generator=torch.Generator().manual_seed(5))[0]
     assert mine.shape == (1, 32 * 32, 64)
     torch.testing.assert_close(mine, reference)

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from tests.unit.diffusion.test_image_architectures import deltas, random_lora
-from zeropipe.families.diffusion.entries.flux2 import ARCHITECTURE as FLUX2
-from zeropipe.families.diffusion.bases.flux2 import text_encoder_layers
-from zeropipe.families.diffusion.entries.flux2_klein import ARCHITECTURE as FLUX2_KLEIN
 from zeropipe.errors import ConfigError
+from zeropipe.families.diffusion.bases.flux2 import text_encoder_layers
+from zeropipe.families.diffusion.entries import architecture_named
+
+FLUX2 = architecture_named("flux2")
+FLUX2_KLEIN = architecture_named("flux2-klein")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
     shift, scale = latent_scaling(tiny_flux2, FLUX2)
     assert shift.shape == (16,) and not torch.allclose(shift, torch.zeros(16))
     mean, _ = cache.encode_latent_distribution(vae, pixels)
-    ours = normalize_latents(FLUX2.codec.from_vae(mean), shift, scale)
+    ours = normalize_latents(FLUX2.record.codec.from_vae(mean), shift, scale)
     pipeline = Flux2Pipeline(scheduler=None, vae=vae, text_encoder=None, tokenizer=None, transformer=None)
     with torch.no_grad():
         reference = pipeline._encode_vae_image(pixels, generator=None)  # the mode of the distribution, patched and normalised
@@ -55,7 +57,7 @@ def test_latents_are_patched_then_normalised_by_the_vaes_batch_norm_and_decoded_
     with torch.no_grad():
         bn_std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
         expected = vae.decode(pipeline._unpatchify_latents(reference * bn_std + vae.bn.running_mean.view(1, -1, 1, 1))).sample
-        decoded = FLUX2.codec.decode(vae, denormalize_latents(ours, shift, scale))
+        decoded = FLUX2.record.codec.decode(vae, denormalize_latents(ours, shift, scale))
     torch.testing.assert_close(decoded, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -66,8 +68,8 @@ def test_a_fitted_tiny_vae_stores_unit_variance_statistics_in_its_batch_norm():
 
     vae = AutoencoderKLFlux2(**tiny_flux2_vae())
     latents = torch.randn(64, 4, 8, 8, generator=torch.Generator().manual_seed(0)) * 3 + 1
-    patched = FLUX2.codec.from_vae(latents)
-    FLUX2.codec.store_statistics(vae, patched)
+    patched = FLUX2.record.codec.from_vae(latents)
+    FLUX2.record.codec.store_statistics(vae, patched)
     normalized = (patched - vae.bn.running_mean.view(1, -1, 1, 1)) / torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
     assert abs(float(normalized.mean())) < 0.05 and abs(float(normalized.std()) - 1) < 0.05
 
@@ -107,7 +109,7 @@ def test_flux2_lora_in_bfl_names_converts_back_with_diffusers_at_flux2_dev_sizes
     del shapes["transformer_blocks.7.attn.add_q_proj"]
     rank, alpha = 2, 8.0
     layers = random_lora(shapes, rank)
-    original = FLUX2.original_lora_layout(layers, alpha)
+    original = FLUX2.layouts.original_lora_layout(layers, alpha)
     assert original["diffusion_model.double_blocks.7.img_attn.qkv.lora_A.weight"].shape == (3 * rank, inner)
     assert original["diffusion_model.double_blocks.0.txt_attn.qkv.lora_B.weight"].shape == (3 * inner, 3 * rank)
     assert "diffusion_model.single_blocks.47.linear1.lora_B.weight" in original and not any(key.endswith(".alpha") for key in original)

@@ -34,7 +34,7 @@ def test_tiny_hunyuan_video_is_a_diffusers_pipeline_with_4x_time_and_8x_space(ti
     assert architecture_of(tiny_hunyuan) is HUNYUAN
     # Its VAE says temporal_compression_ratio (not scale_factor_temporal, as Wan's does): 9 frames are 3 latent frames.
     assert (vae_scale_factor(tiny_hunyuan), vae_temporal_factor(tiny_hunyuan)) == (8, 4)
-    assert [HUNYUAN.codec.accepts_frames(n) for n in (1, 5, 9, 8, 17)] == [True, True, True, False, True]
+    assert [HUNYUAN.record.codec.accepts_frames(n) for n in (1, 5, 9, 8, 17)] == [True, True, True, False, True]
     pipeline = HunyuanVideoPipeline.from_pretrained(str(tiny_hunyuan))
     pipeline.set_progress_bar_config(disable=True)
     frames = pipeline("a red circle moving left", num_frames=9, height=32, width=32, num_inference_steps=2, output_type="np").frames
@@ -54,8 +54,8 @@ def test_the_prompt_survives_the_template_cut_and_the_denoiser_is_told_the_guida
     condition = {name: torch.stack([short[name], long[name]]) for name in short}
     latents = torch.randn(2, 16, 3, 4, 4)
     timesteps = torch.tensor([900.0, 100.0])
-    out = HUNYUAN.predict(model, latents, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))
-    other_guidance = HUNYUAN.predict(model, latents, timesteps, condition, PredictContext(CPU, torch.float32, 8, 6.0))
+    out = HUNYUAN.call.predict(model, latents, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))
+    other_guidance = HUNYUAN.call.predict(model, latents, timesteps, condition, PredictContext(CPU, torch.float32, 8, 6.0))
     assert out.shape == latents.shape and not torch.allclose(out, other_guidance)
 
 
@@ -109,9 +109,9 @@ def test_tiny_ltx_video_is_a_diffusers_pipeline_with_8x_time_and_its_statistics_
 
     assert architecture_of(tiny_ltx) is LTX
     assert (vae_scale_factor(tiny_ltx), vae_temporal_factor(tiny_ltx)) == (8, 8)
-    assert [LTX.codec.accepts_frames(n) for n in (1, 9, 17, 5, 13)] == [True, True, True, False, False]
+    assert [LTX.record.codec.accepts_frames(n) for n in (1, 9, 17, 5, 13)] == [True, True, True, False, False]
     # LTX-Video 0.9.1's VAE config (patch size 4, three halving blocks): 32x in space, 8x in time.
-    assert LTX.vae_factors({"patch_size": 4, "patch_size_t": 1, "spatio_temporal_scaling": [True, True, True, False]}) == (32, 8)
+    assert LTX.record.codec.vae_factors({"patch_size": 4, "patch_size_t": 1, "spatio_temporal_scaling": [True, True, True, False]}) == (32, 8)
     pipeline = LTXPipeline.from_pretrained(str(tiny_ltx))
     pipeline.set_progress_bar_config(disable=True)
     frames = pipeline("a red circle moving left", num_frames=9, height=32, width=32, num_inference_steps=2, output_type="np").frames
@@ -137,7 +137,7 @@ def test_ltx_denoiser_call_packs_tokens_as_the_pipeline_does(tiny_ltx):
     model = LTXVideoTransformer3DModel.from_pretrained(str(tiny_ltx / "transformer"))
     latents = torch.randn(2, 8, 2, 4, 4)
     timesteps = torch.tensor([700.0, 300.0])
-    out = LTX.predict(model, latents, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))
+    out = LTX.call.predict(model, latents, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))
     # The pipeline's own call, on packed tokens, at its default frame rate (25).
     packed = model(
         hidden_states=LTXPipeline._pack_latents(latents), encoder_hidden_states=condition["prompt_embeds"], timestep=timesteps,
@@ -150,7 +150,7 @@ def test_ltx_original_lora_layout_is_diffusers_names_under_diffusion_model_with_
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ltxv_lora_to_diffusers
 
     layers = {"transformer_blocks.0.attn1.to_q.lora_A.weight": torch.ones(2, 4), "transformer_blocks.0.attn1.to_q.lora_B.weight": torch.ones(4, 2)}
-    original = LTX.original_lora_layout(layers, 8.0)
+    original = LTX.layouts.original_lora_layout(layers, 8.0)
     assert set(original) == {"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight", "diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight"}
     assert torch.equal(original["diffusion_model.transformer_blocks.0.attn1.to_q.lora_B.weight"], torch.full((4, 2), 4.0))  # alpha / r = 8 / 2
     back = _convert_non_diffusers_ltxv_lora_to_diffusers(original)

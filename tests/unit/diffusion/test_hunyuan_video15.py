@@ -48,7 +48,7 @@ def test_predict_is_the_pipelines_own_transformer_call(tiny):
         kwargs, expected = seen[0]
         for name, key in (("encoder_hidden_states", "prompt_embeds"), ("encoder_hidden_states_2", "prompt_embeds_2")):
             assert torch.equal(kwargs[name], condition[key])  # the cached conditioning is what the pipeline encodes
-        got = HV15.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 16, 1.0))
+        got = HV15.call.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 16, 1.0))
     assert kwargs["hidden_states"].shape[1] == 8 + 8 + 1
     assert torch.equal(got, expected)
 
@@ -74,8 +74,8 @@ def test_image_to_video_conditions_are_the_pipelines_own_and_predict_is_its_tran
     frames = moving_shape_frames("circle", "red", "blue", "left", (64, 64), 9, random.Random(0))
     clip = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]
 
-    latents_part, embeddings_part = i2v.conditions
-    encoding = Encoding(vae=pipeline.vae, pixels=clip, loaded=[None], encoder=embeddings_part.encoder(PipelineFolder(folder, i2v), torch.float32, CPU), codec=i2v.codec, device=CPU)
+    latents_part, embeddings_part = i2v.record.conditions
+    encoding = Encoding(vae=pipeline.vae, pixels=clip, loaded=[None], encoder=embeddings_part.encoder(PipelineFolder(folder, i2v), torch.float32, CPU), codec=i2v.record.codec, device=CPU)
     first_frame = normalize_latents(torch.stack(latents_part.encode(encoding)), *latent_scaling(folder, i2v))
     image_embeds = torch.stack(embeddings_part.encode(encoding))
 
@@ -91,6 +91,6 @@ def test_image_to_video_conditions_are_the_pipelines_own_and_predict_is_its_tran
             "prompt_embeds_2": kwargs["encoder_hidden_states_2"], "prompt_embeds_mask_2": kwargs["encoder_attention_mask_2"],
             "first_frame_latents": first_frame, "image_embeds": image_embeds,
         }
-        got = i2v.predict(pipeline.transformer, noisy, kwargs["timestep"], condition, None)
+        got = i2v.call.predict(pipeline.transformer, noisy, kwargs["timestep"], condition, None)
     assert torch.allclose(kwargs["hidden_states"][:, 8:16, :1], first_frame, atol=1e-5) and float(kwargs["hidden_states"][:, 16, 0].min()) == 1.0
     assert torch.allclose(got, expected, atol=1e-5)

@@ -72,23 +72,23 @@ def test_predict_sampling_and_decoding_are_the_pipelines_own(tiny):
 
     # The denoiser call: the cached conditioning, the latents in the entry's layout, the scheduler's timestep.
     with torch.no_grad():
-        ours = arch.predict(pipeline.transformer, arch.unpack_latents(pipeline, latents, SIZE, factor), timestep.reshape(1).float(), condition, context)
-    expected = arch.unpack_latents(pipeline, velocity, SIZE, factor)
+        ours = arch.call.predict(pipeline.transformer, arch.sampling.unpack_latents(pipeline, latents, SIZE, factor), timestep.reshape(1).float(), condition, context)
+    expected = arch.sampling.unpack_latents(pipeline, velocity, SIZE, factor)
     assert expected.abs().mean() > 1e-3
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-5)
 
     # The sampling loop on the cached conditioning: the same noise, sigmas and steps as the pipeline's own call.
     kwargs = {
-        **arch.sample_kwargs(condition, conditioning(arch, encoders, [""]), 1.0, 1.0), "height": SIZE, "width": SIZE, "num_inference_steps": 3,
+        **arch.sampling.sample_kwargs(condition, conditioning(arch, encoders, [""]), 1.0, 1.0), "height": SIZE, "width": SIZE, "num_inference_steps": 3,
         "generator": torch.Generator().manual_seed(0), "output_type": "latent", "return_dict": False,
     }
-    drawn = arch.call_pipeline(pipeline, kwargs)
+    drawn = arch.sampling.draw(pipeline, kwargs)
     torch.testing.assert_close(drawn, final["latents"], rtol=1e-4, atol=1e-5)
 
     # The codec decodes those latents (unpatched in Ideogram's channel order, the VAE's statistics undone) into the pipeline's image.
     shift, scale = latent_scaling(folder, arch)
     with torch.no_grad():
-        decoded = arch.codec.decode(pipeline.vae, denormalize_latents(arch.unpack_latents(pipeline, drawn, SIZE, factor), shift, scale))
+        decoded = arch.record.codec.decode(pipeline.vae, denormalize_latents(arch.sampling.unpack_latents(pipeline, drawn, SIZE, factor), shift, scale))
     torch.testing.assert_close((decoded / 2 + 0.5).clamp(0, 1), images, rtol=1e-4, atol=1e-4)
     packed = torch.randn(2, 16, 4, 6)
     assert torch.equal(patchify(unpatchify(packed)), packed)
@@ -112,8 +112,8 @@ def test_a_captions_prediction_does_not_depend_on_its_batchs_padding(tiny):
     context = PredictContext(CPU, torch.float32, vae_scale_factor(folder), 1.0)
     latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        reference = arch.predict(pipeline.transformer, latents, torch.tensor([700.0]), alone, context)
-        batch = arch.predict(pipeline.transformer, latents.repeat(2, 1, 1, 1), torch.tensor([700.0, 700.0]), both, context)
+        reference = arch.call.predict(pipeline.transformer, latents, torch.tensor([700.0]), alone, context)
+        batch = arch.call.predict(pipeline.transformer, latents.repeat(2, 1, 1, 1), torch.tensor([700.0, 700.0]), both, context)
     torch.testing.assert_close(batch[:1], reference, rtol=1e-4, atol=1e-5)
     assert (batch[0] - batch[1]).abs().max() > 1e-5
 
@@ -130,7 +130,7 @@ def test_lora_in_ai_toolkits_layout_converts_back_with_diffusers_to_the_trained_
     shapes |= {"layers.33.attention.to_q": (inner, inner)}  # q alone: k and v keep zero rows
     rank, alpha = 4, 16.0
     layers = random_lora(shapes, rank)
-    original = architecture_named("ideogram4").original_lora_layout(layers, alpha)
+    original = architecture_named("ideogram4").layouts.original_lora_layout(layers, alpha)
     assert "diffusion_model.layers.0.attention.qkv.lora_A.weight" in original and not any(key.endswith(".alpha") for key in original)
     assert original["diffusion_model.layers.0.attention.qkv.lora_B.weight"].shape == (3 * inner, 3 * rank)
     converted = _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(original))

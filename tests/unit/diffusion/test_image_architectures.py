@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropipe.families.diffusion.entries.chroma import ARCHITECTURE as CHROMA
+from zeropipe.families.diffusion.entries import architecture_named
+
+CHROMA = architecture_named("chroma")
 
 
 def random_lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -46,7 +48,7 @@ def test_chroma_lora_in_the_kohya_layout_converts_back_with_diffusers_at_chroma_
         shapes[f"single_transformer_blocks.{block}.proj_out"] = (inner, inner + mlp)
     rank, alpha = 2, 8.0
     layers = random_lora(shapes, rank)
-    original = CHROMA.original_lora_layout(layers, alpha)
+    original = CHROMA.layouts.original_lora_layout(layers, alpha)
     assert "lora_unet_double_blocks_18_img_attn_qkv.lora_down.weight" in original
     assert original["lora_unet_single_blocks_37_linear1.lora_up.weight"].shape == (3 * inner + mlp, 4 * rank)
     assert float(original["lora_unet_double_blocks_0_txt_attn_qkv.alpha"]) == 3 * alpha  # rank 3 x 2: the strength alpha / rank is kept
@@ -73,12 +75,12 @@ def test_a_captions_prediction_does_not_depend_on_the_padding_its_batch_adds(tmp
     with_long = encode_prompts(encoders, arch, ["a red circle", "a small green square on a white background, seen from above"], cpu)
     padded = {key: stack_padded([row[key] for row in with_long]) for key in alone}
     assert padded["prompt_embeds"].shape[1] > alone["prompt_embeds"].shape[0] or preset == "tiny-chroma"  # Chroma pads every prompt to a fixed length
-    model = arch.model_class().from_pretrained(str(tmp_path / "pipeline" / arch.denoiser)).eval()
+    model = arch.model_class().from_pretrained(str(tmp_path / "pipeline" / arch.record.denoiser)).eval()
     context = PredictContext(cpu, torch.float32, vae_scale_factor(tmp_path / "pipeline"), 1.0)
     latents = torch.randn(latent_shape, generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([700.0])
     with torch.no_grad():
-        reference = arch.predict(model, latents, timesteps, {key: value[None] for key, value in alone.items()}, context)
-        in_batch = arch.predict(model, latents.repeat(2, *[1] * (latents.dim() - 1)), timesteps.repeat(2), padded, context)[:1]
+        reference = arch.call.predict(model, latents, timesteps, {key: value[None] for key, value in alone.items()}, context)
+        in_batch = arch.call.predict(model, latents.repeat(2, *[1] * (latents.dim() - 1)), timesteps.repeat(2), padded, context)[:1]
     assert reference.shape == latents.shape
     torch.testing.assert_close(in_batch, reference, rtol=1e-4, atol=1e-5)

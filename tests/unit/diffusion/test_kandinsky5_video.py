@@ -39,7 +39,7 @@ def first_call(pipeline, **call):
 def pipeline_of(name, tmp_path, seed):
     arch = architecture_named(name)
     folder = tmp_path / name
-    build_tiny_pipeline({"pipeline": arch.preset_name}, folder, seed=seed)
+    build_tiny_pipeline({"pipeline": arch.record.preset_name}, folder, seed=seed)
     assert architecture_of(folder) is arch
     pipeline = arch.pipeline().from_pretrained(str(folder))
     pipeline.set_progress_bar_config(disable=True)
@@ -56,8 +56,8 @@ def test_text_to_video_predict_is_the_pipelines_own_call(tmp_path):
     assert hidden.shape[-1] == 33 and not hidden[..., 16:].any()  # visual_cond: zero condition and mask in text-to-video
     latents = channels_first(hidden[..., :16])
     with torch.no_grad():
-        condition = arch.encode_prompts(pipeline, [PROMPT], CPU)
-        got = arch.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
+        condition = arch.prompts.encode_prompts(pipeline, [PROMPT], CPU)
+        got = arch.call.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
     assert kwargs["scale_factor"] == (1, 3.16, 3.16)
     # The template's system prompt is cut off whole (128 tokens, as with Qwen2.5's tokenizer): the transformer reads the user turn.
     user_turn = pipeline.tokenizer(f"<|im_start|>user\n{PROMPT}<|im_end|>")["input_ids"]
@@ -82,9 +82,9 @@ def test_image_to_video_predict_is_the_pipelines_own_call_and_leaves_the_given_f
     noisy = torch.randn(channels_first(hidden[..., :16]).shape, generator=torch.Generator().manual_seed(3))
     noisy[:, :, 1:] = channels_first(hidden[:, 1:, ..., :16])  # the first frame is replaced by the given one, whatever it was
     with torch.no_grad():
-        condition = {**arch.encode_prompts(pipeline, [PROMPT], CPU), "first_frame_latents": given}
-        got = arch.predict(pipeline.transformer, noisy, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
+        condition = {**arch.prompts.encode_prompts(pipeline, [PROMPT], CPU), "first_frame_latents": given}
+        got = arch.call.predict(pipeline.transformer, noisy, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
     torch.testing.assert_close(got, channels_first(output), rtol=1e-4, atol=1e-5)
-    prediction, target = arch.loss_region(got, torch.zeros_like(got))
+    prediction, target = arch.call.loss_region(got, torch.zeros_like(got))
     assert prediction.shape[2] == got.shape[2] - 1
 

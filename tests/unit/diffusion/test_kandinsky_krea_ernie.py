@@ -81,7 +81,7 @@ def tiny_pipelines(tmp_path_factory):
     def build(name):
         if name not in built:
             arch = architecture_named(name)
-            build_tiny_pipeline({"pipeline": arch.preset_name}, root / name, seed=1)
+            build_tiny_pipeline({"pipeline": arch.record.preset_name}, root / name, seed=1)
             built[name] = root / name
         return built[name]
 
@@ -94,19 +94,19 @@ def test_predict_is_the_pipelines_own_denoiser_call_on_its_own_prompt_encoding_a
 
     arch = architecture_named(name)
     folder: Path = tiny_pipelines(name)
-    pipeline = arch.pipeline().from_pretrained(str(folder), **arch.pipeline_kwargs())
+    pipeline = arch.pipeline().from_pretrained(str(folder), **arch.record.pipeline_kwargs)
     pipeline.set_progress_bar_config(disable=True)
     extra, to_entry_input, to_entry_output = CASES[name](pipeline)
     kwargs, output = captured_call(
-        pipeline, arch.denoiser, prompt=PROMPT, height=32, width=32, num_inference_steps=2, output_type="latent",
+        pipeline, arch.record.denoiser, prompt=PROMPT, height=32, width=32, num_inference_steps=2, output_type="latent",
         generator=torch.Generator().manual_seed(0), **extra,
     )
     latents, timesteps = to_entry_input(kwargs)
     cpu = torch.device("cpu")
     with torch.no_grad():
-        condition = arch.encode_prompts(pipeline, [PROMPT], cpu)
+        condition = arch.prompts.encode_prompts(pipeline, [PROMPT], cpu)
         context = PredictContext(cpu, torch.float32, vae_scale_factor(folder), 1.0)
-        predicted = arch.predict(getattr(pipeline, arch.denoiser), latents, timesteps, condition, context)
+        predicted = arch.call.predict(getattr(pipeline, arch.record.denoiser), latents, timesteps, condition, context)
     expected = to_entry_output(output)
     assert predicted.shape == latents.shape, f"{name}: predict returned {tuple(predicted.shape)} for latents {tuple(latents.shape)}"
     torch.testing.assert_close(predicted, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: predict differs from the pipeline's denoiser call: {m}")
@@ -124,7 +124,7 @@ DECODED_WITH = {
 @pytest.mark.parametrize("name", sorted(DECODED_WITH))
 def test_the_codec_normalises_latents_as_the_pipeline_decodes_them(name):
     config, (shift, scale) = DECODED_WITH[name]
-    got_shift, got_scale = architecture_named(name).codec.normalization(config)
+    got_shift, got_scale = architecture_named(name).record.codec.normalization(config)
     torch.testing.assert_close(torch.as_tensor(got_shift).float(), torch.full_like(torch.as_tensor(got_shift).float(), shift))
     torch.testing.assert_close(torch.as_tensor(got_scale).float(), torch.full_like(torch.as_tensor(got_scale).float(), scale))
 
@@ -148,7 +148,7 @@ def test_krea2_lora_in_krea_names_converts_back_with_diffusers_to_the_same_updat
     for module in modules:
         layers[f"{module}.lora_A.weight"] = torch.randn(rank, 24, generator=generator)
         layers[f"{module}.lora_B.weight"] = torch.randn(24, rank, generator=generator)
-    original = architecture_named("krea2").original_lora_layout(layers, alpha)
+    original = architecture_named("krea2").layouts.original_lora_layout(layers, alpha)
     assert "diffusion_model.blocks.27.attn.wq.lora_A.weight" in original and "diffusion_model.blocks.0.mlp.down.lora_B.weight" in original
     converted = _convert_non_diffusers_krea2_lora_to_diffusers(dict(original))
     for module in modules:
@@ -168,13 +168,13 @@ def test_a_captions_prediction_does_not_depend_on_the_other_captions_of_its_batc
     encoders = text_pipeline(folder, arch, torch.float32, cpu)
     rows = [encode_prompts(encoders, arch, [prompt], cpu)[0] for prompt in (PROMPT, "a small green square on a white background, seen from above")]
     batch = {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
-    model = arch.model_class().from_pretrained(str(folder / arch.denoiser)).eval()
+    model = arch.model_class().from_pretrained(str(folder / arch.record.denoiser)).eval()
     context = PredictContext(cpu, torch.float32, vae_scale_factor(folder), 1.0)
-    shape = (2, 16, 1, 8, 8) if arch.codec.vae_class == "AutoencoderKLQwenImage" else (2, 16 if arch.codec.vae_class == "AutoencoderKLFlux2" else 4, 8, 8)
+    shape = (2, 16, 1, 8, 8) if arch.record.codec.vae_class == "AutoencoderKLQwenImage" else (2, 16 if arch.record.codec.vae_class == "AutoencoderKLFlux2" else 4, 8, 8)
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([700.0, 300.0])
     with torch.no_grad():
-        together = arch.predict(model, latents, timesteps, batch, context)
+        together = arch.call.predict(model, latents, timesteps, batch, context)
         for index, row in enumerate(rows):
-            alone = arch.predict(model, latents[index : index + 1], timesteps[index : index + 1], {key: value[None] for key, value in row.items()}, context)
+            alone = arch.call.predict(model, latents[index : index + 1], timesteps[index : index + 1], {key: value[None] for key, value in row.items()}, context)
             torch.testing.assert_close(together[index : index + 1], alone, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: row {index} differs in a batch: {m}")

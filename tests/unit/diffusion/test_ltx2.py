@@ -49,11 +49,11 @@ def test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_d
     assert torch.allclose(condition["audio_prompt_embeds"], called["audio_encoder_hidden_states"], atol=1e-5)
     video = pipeline._unpack_latents(called["hidden_states"], 2, 4, 4)
     with torch.no_grad():
-        video_out, audio_out = LTX2.joint_predict(pipeline.transformer, video, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
+        video_out, audio_out = LTX2.call.old.joint_predict(pipeline.transformer, video, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
     assert torch.allclose(video_out, pipeline._unpack_latents(seen["output"][0], 2, 4, 4), atol=1e-4)
     assert torch.allclose(audio_out, seen["output"][1], atol=1e-4)
     # The clip's audio latents are as many as the pipeline draws for its duration.
-    assert LTX2.audio_tokens(pipeline.transformer, video) == called["audio_hidden_states"].shape[1] == 9
+    assert LTX2.call.old.audio_tokens(pipeline.transformer, video) == called["audio_hidden_states"].shape[1] == 9
 
 
 def test_only_the_audio_loss_term_reaches_the_last_blocks_audio_feed_forward(tiny_ltx2):
@@ -64,7 +64,7 @@ def test_only_the_audio_loss_term_reaches_the_last_blocks_audio_feed_forward(tin
 
     model = LTX2VideoTransformer3DModel.from_pretrained(str(tiny_ltx2 / "transformer"))
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=list(LTX2.lora_targets)))
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=list(LTX2.record.lora_targets)))
     torch.nn.init.normal_(model.transformer_blocks[1].audio_ff.net[2].lora_B["default"].weight, std=0.1)  # B starts at zero
     torch.manual_seed(0)
     video = torch.randn(2, 8, 2, 4, 4)
@@ -75,10 +75,10 @@ def test_only_the_audio_loss_term_reaches_the_last_blocks_audio_feed_forward(tin
     condition = {"prompt_embeds": torch.randn(2, 16, 32), "audio_prompt_embeds": torch.randn(2, 16, 32), "prompt_attention_mask": torch.ones(2, 16),
                  "audio_latents": torch.randn(2, 9, 16)}
     weight = model.transformer_blocks[1].audio_ff.net[2].lora_A["default"].weight
-    video_only = weighted_mse(LTX2.predict(model, noised.model_input, timesteps, condition, CONTEXT), noised.target, None)
+    video_only = weighted_mse(LTX2.call.predict(model, noised.model_input, timesteps, condition, CONTEXT), noised.target, None)
     (video_grad,) = torch.autograd.grad(video_only, weight, allow_unused=True)
     assert video_grad is None or video_grad.abs().max() == 0
-    (joint_grad,) = torch.autograd.grad(LTX2.loss(model, noised, condition, CONTEXT), weight)
+    (joint_grad,) = torch.autograd.grad(LTX2.call.loss(model, noised, condition, CONTEXT), weight)
     assert joint_grad.abs().max() > 0
 
 
@@ -127,7 +127,7 @@ def test_the_original_lora_layout_converts_back_with_diffusers_ltx2_converter():
         "transformer_blocks.1.ff.net.2.lora_A.weight": torch.randn(4, 64),
         "transformer_blocks.1.ff.net.2.lora_B.weight": torch.randn(16, 4),
     }
-    original = LTX2.original_lora_layout(layers, alpha=8.0)
+    original = LTX2.layouts.original_lora_layout(layers, alpha=8.0)
     assert "diffusion_model.transformer_blocks.0.audio_attn1.to_q.lora_A.weight" in original and all(".lora_" in key for key in original)
     back = _convert_non_diffusers_ltx2_lora_to_diffusers(original)
     assert set(back) == {f"transformer.{key}" for key in layers}

@@ -47,7 +47,7 @@ def first_step(arch, pipeline, **kwargs):
 
     scheduler.step = record
     try:
-        arch.call_pipeline(pipeline, kwargs)
+        arch.sampling.draw(pipeline, kwargs)
     finally:
         del scheduler.step
     return seen[0]
@@ -55,8 +55,8 @@ def first_step(arch, pipeline, **kwargs):
 
 def test_predict_is_the_pipelines_denoiser_step_on_its_own_prompt_preparation(tiny):
     preset, arch, folder = tiny
-    assert architecture_of(folder) is arch and arch.preset_name == preset
-    pipeline = arch.pipeline().from_pretrained(str(folder), **arch.pipeline_kwargs())
+    assert architecture_of(folder) is arch and arch.record.preset_name == preset
+    pipeline = arch.pipeline().from_pretrained(str(folder), **arch.record.pipeline_kwargs)
     pipeline.set_progress_bar_config(disable=True)
     size = 64
     velocity, latents, timestep = first_step(
@@ -64,15 +64,15 @@ def test_predict_is_the_pipelines_denoiser_step_on_its_own_prompt_preparation(ti
         **PRESETS[preset][0],
     )
     factor = vae_scale_factor(folder)
-    ours_latents = arch.unpack_latents(pipeline, latents, size, factor)
-    expected = arch.unpack_latents(pipeline, velocity, size, factor)
+    ours_latents = arch.sampling.unpack_latents(pipeline, latents, size, factor)
+    expected = arch.sampling.unpack_latents(pipeline, velocity, size, factor)
 
     encoders = text_pipeline(folder, arch, torch.float32, CPU)
     rows = encode_prompts(encoders, arch, [PROMPT], CPU)  # what the text cache holds for the caption
     condition = {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
     context = PredictContext(CPU, torch.float32, factor, 1.0)
     with torch.no_grad():
-        out = arch.predict(pipeline.transformer, ours_latents, timestep.reshape(1).float(), condition, context)
+        out = arch.call.predict(pipeline.transformer, ours_latents, timestep.reshape(1).float(), condition, context)
     assert out.shape == ours_latents.shape and expected.abs().mean() > 1e-3  # a zero output would match any call
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
@@ -84,14 +84,14 @@ def test_a_captions_prediction_does_not_depend_on_the_padding_its_batch_adds(tin
     alone = encode_prompts(encoders, arch, ["a red circle"], CPU)[0]
     with_long = encode_prompts(encoders, arch, ["a red circle", "a small green square on a white background, seen from above"], CPU)
     batch = {key: stack_padded([row[key] for row in with_long]) for key in alone}
-    model = arch.model_class().from_pretrained(str(folder / arch.denoiser)).eval()
+    model = arch.model_class().from_pretrained(str(folder / arch.record.denoiser)).eval()
     factor = vae_scale_factor(folder)
     context = PredictContext(CPU, torch.float32, factor, 1.0)
     latents = torch.randn(1, *PRESETS[preset][1], generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([700.0])
     with torch.no_grad():
-        reference = arch.predict(model, latents, timesteps, {key: value[None] for key, value in alone.items()}, context)
-        both = arch.predict(model, latents.repeat(2, *[1] * (latents.dim() - 1)), timesteps.repeat(2), batch, context)
+        reference = arch.call.predict(model, latents, timesteps, {key: value[None] for key, value in alone.items()}, context)
+        both = arch.call.predict(model, latents.repeat(2, *[1] * (latents.dim() - 1)), timesteps.repeat(2), batch, context)
     torch.testing.assert_close(both[:1], reference, rtol=1e-4, atol=1e-5)
     assert (both[0] - both[1]).abs().max() > 1e-6  # the caption reaches the denoiser (weakly, in a random tiny AuraFlow)
 
@@ -113,9 +113,9 @@ def test_hidream_trains_on_the_prediction_the_pipeline_samples_with(tmp_path):
         timesteps = torch.tensor([800.0, 250.0])
         with torch.no_grad():
             model.eval()
-            sampled = arch.predict(model, latents, timesteps, condition, context)
+            sampled = arch.call.predict(model, latents, timesteps, condition, context)
             model.train()
-            trained = arch.predict(model, latents, timesteps, condition, context)
+            trained = arch.call.predict(model, latents, timesteps, condition, context)
         assert trained.shape == latents.shape
         torch.testing.assert_close(trained, sampled, rtol=1e-4, atol=1e-5)
 
@@ -132,7 +132,7 @@ def test_hidream_lora_in_comfyui_names_converts_back_with_diffusers_to_the_train
     shapes |= {f"single_stream_blocks.31.block.attn1.{name}": (inner, inner) for name in ("to_q", "to_v")}
     rank, alpha = 4, 16.0
     layers = random_lora(shapes, rank)
-    original = architecture_named("hidream").original_lora_layout(layers, alpha)
+    original = architecture_named("hidream").layouts.original_lora_layout(layers, alpha)
     assert "diffusion_model.double_stream_blocks.0.block.attn1.to_q_t.lora_A.weight" in original and not any(key.endswith(".alpha") for key in original)
     converted = _convert_non_diffusers_hidream_lora_to_diffusers(dict(original))
     recovered = {key.removeprefix("transformer."): value for key, value in deltas(converted, 1.0).items()}
@@ -160,10 +160,10 @@ def test_hunyuan_image_trains_with_gradient_checkpointing_as_without():
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(1)
-        model = arch.model_class()(**arch.preset["transformer"]).train()
+        model = arch.model_class()(**arch.record.preset["transformer"]).train()
         if checkpointing:
             model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_with_keywords)
-        arch.predict(model, latents, torch.tensor([900.0, 300.0]), condition, context).square().mean().backward()
+        arch.call.predict(model, latents, torch.tensor([900.0, 300.0]), condition, context).square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)

@@ -81,7 +81,7 @@ def first_step(arch, pipeline, **kwargs):
 
     pipeline.scheduler.step = record
     try:
-        arch.call_pipeline(pipeline, kwargs)
+        arch.sampling.draw(pipeline, kwargs)
     finally:
         del pipeline.scheduler.step
     return seen[0]
@@ -97,8 +97,8 @@ def test_predict_is_the_pipelines_denoiser_step_and_does_not_depend_on_its_batch
         arch, pipeline, prompt=prompt, height=size, width=size, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent", return_dict=False,
     )
     factor = vae_scale_factor(folder)
-    ours_latents = arch.unpack_latents(pipeline, latents, size, factor)
-    expected = arch.unpack_latents(pipeline, velocity, size, factor)
+    ours_latents = arch.sampling.unpack_latents(pipeline, latents, size, factor)
+    expected = arch.sampling.unpack_latents(pipeline, velocity, size, factor)
 
     encoders = text_pipeline(folder, arch, torch.float32, CPU)
     rows = encode_prompts(encoders, arch, [prompt, "a blue square"], CPU)  # what the text cache holds for each caption
@@ -106,8 +106,8 @@ def test_predict_is_the_pipelines_denoiser_step_and_does_not_depend_on_its_batch
     alone = {key: stack_padded([rows[0][key]]) for key in rows[0]}
     batched = {key: stack_padded([rows[1][key], rows[0][key]]) for key in rows[0]}
     with torch.no_grad():
-        out = arch.predict(pipeline.transformer, ours_latents, timestep.reshape(1).float(), alone, context)
-        in_batch = arch.predict(pipeline.transformer, ours_latents.repeat(2, 1, 1, 1, 1), timestep.reshape(1).float().repeat(2), batched, context)
+        out = arch.call.predict(pipeline.transformer, ours_latents, timestep.reshape(1).float(), alone, context)
+        in_batch = arch.call.predict(pipeline.transformer, ours_latents.repeat(2, 1, 1, 1, 1), timestep.reshape(1).float().repeat(2), batched, context)
     assert out.shape == ours_latents.shape and expected.abs().mean() > 1e-3  # a zero output would match any call
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert batched["prompt_embeds_mask"][0].sum() < batched["prompt_embeds_mask"][1].sum()  # the first caption is padded in the batch
@@ -124,9 +124,9 @@ def test_training_images_reach_the_vae_as_the_pipelines_opaque_rgba(tiny):
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8))
     expected = pipeline.image_processor.preprocess(image.convert("RGBA"), width=64, height=64).unsqueeze(2)
     rgb = pipeline.image_processor.preprocess(image, width=64, height=64)
-    torch.testing.assert_close(arch.codec.vae_pixels(rgb), expected)
+    torch.testing.assert_close(arch.record.codec.vae_pixels(rgb), expected)
     decoded = pipeline.vae.decode(pipeline.vae.encode(expected).latent_dist.mode()).sample
-    assert decoded.shape[1] == 4 and arch.codec.vae_images(decoded).shape == (1, 3, 64, 64)
+    assert decoded.shape[1] == 4 and arch.record.codec.vae_images(decoded).shape == (1, 3, 64, 64)
 
 
 def test_diffusion_pipes_qwen_image21_type_converts_to_the_entry():

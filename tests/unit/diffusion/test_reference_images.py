@@ -108,7 +108,7 @@ def test_the_settings_are_checked_per_entry(tmp_path):
 
 def test_changing_the_second_reference_changes_that_targets_latent_and_text_keys_only(tmp_path):
     arch = architecture_named("qwen-image-edit-plus")
-    (condition,) = arch.conditions
+    (condition,) = arch.record.conditions
     items = [{"path": str(picture(tmp_path / f"t{n}.png")), "references": [str(picture(tmp_path / f"t{n}_{r}.png")) for r in range(2)]} for n in range(2)]
 
     def keys():
@@ -161,10 +161,10 @@ def tiny_folders(tmp_path_factory):
 @pytest.mark.parametrize("preset", ["tiny-qwen-image-edit-plus", "tiny-flux2"])
 def test_an_entrys_prediction_is_its_pipelines_denoiser_call_and_the_second_reference_changes_it(tiny_folders, preset):
     arch, folder = tiny_folders[preset]
-    pipeline = arch.pipeline().from_pretrained(str(folder), **({"processor": None} if arch.text.processors else {}))
+    pipeline = arch.pipeline().from_pretrained(str(folder), **({"processor": None} if arch.record.text.processors else {}))
     generator = torch.Generator().manual_seed(0)
     # The pipelines' own encoding of two reference images (VAE mode, normalised; FLUX.2's patched), as the entries' normalised references.
-    if arch.name == "qwen-image-edit-plus":
+    if arch.record.name == "qwen-image-edit-plus":
         condition = {"prompt_embeds": torch.randn(1, 7, 32, generator=generator), "prompt_embeds_mask": torch.ones(1, 7, dtype=torch.long)}
         pixels = [pipeline.image_processor.preprocess(drawing(c), SIZE, SIZE).unsqueeze(2) for c in ((200, 40, 40), (40, 200, 40))]
         references = [pipeline._encode_vae_image(p, generator) for p in pixels]
@@ -173,28 +173,28 @@ def test_an_entrys_prediction_is_its_pipelines_denoiser_call_and_the_second_refe
         pixels = [pipeline.image_processor.preprocess(drawing(c), SIZE, SIZE) for c in ((200, 40, 40), (40, 200, 40))]
         references = [pipeline._encode_vae_image(p, generator) for p in pixels]
     # The reference images part gives predict what the pipeline's own encoding gives: encoded (with the VAE's mean) and normalised as the target.
-    (part,) = arch.conditions
+    (part,) = arch.record.conditions
     shift, scale = latent_scaling(folder, arch)
     item = torch.cat([p.squeeze(2) for p in pixels])  # one item's two references, (2, 3, H, W), as the part's load gives them
-    values = part.encode(Encoding(pipeline.vae, item[:1], [item], None, arch.codec, torch.device("cpu")))
-    given = part.inputs(values, Inputs(torch.device("cpu"), torch.float32, lambda x: normalize_latents(arch.codec.from_vae(x), shift, scale)))["reference_latents"]
+    values = part.encode(Encoding(pipeline.vae, item[:1], [item], None, arch.record.codec, torch.device("cpu")))
+    given = part.inputs(values, Inputs(torch.device("cpu"), torch.float32, lambda x: normalize_latents(arch.record.codec.from_vae(x), shift, scale)))["reference_latents"]
     torch.testing.assert_close(given, torch.stack(references, dim=1), rtol=1e-4, atol=1e-5)
     latents = torch.randn(references[0].shape, generator=generator)
     timestep = torch.tensor([600.0])
     context = PredictContext(torch.device("cpu"), torch.float32, vae_scale_factor(folder), 3.5)
 
     def mine(refs):
-        return arch.predict(pipeline.transformer, latents, timestep, {**condition, "reference_latents": torch.stack(refs, dim=1)}, context)
+        return arch.call.predict(pipeline.transformer, latents, timestep, {**condition, "reference_latents": torch.stack(refs, dim=1)}, context)
 
     with torch.no_grad():
         ours = mine(references)
-        if arch.name == "qwen-image-edit-plus":
+        if arch.record.name == "qwen-image-edit-plus":
             theirs = qwen_plus_reference(pipeline, latents, references, timestep, condition)
         else:
             theirs = flux2_reference(pipeline, latents, references, timestep, condition, torch.tensor([3.5]))
         changed = mine([references[0], torch.randn(references[1].shape, generator=generator)])
     assert ours.shape == latents.shape
-    torch.testing.assert_close(ours, theirs.reshape(ours.shape) if arch.name != "flux2" else theirs.permute(0, 2, 1).reshape(ours.shape), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours, theirs.reshape(ours.shape) if arch.record.name != "flux2" else theirs.permute(0, 2, 1).reshape(ours.shape), rtol=1e-5, atol=1e-6)
     assert (changed - ours).abs().max() > 1e-3  # the second reference conditions the prediction
 
 
@@ -216,9 +216,9 @@ def test_qwen_image_edit_plus_samples_as_its_pipeline_draws_from_prompts_and_two
     images = [drawing((200, 40, 40), size), drawing((40, 200, 40), size)]
     prompt = "Put the cup of Picture 1 on the table of Picture 2."
     with torch.no_grad():
-        condition, negative = (arch.encode_prompts_with_images(encoders, [text], [images], torch.device("cpu")) for text in (prompt, " "))
-        kwargs = {"height": size, "width": size, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sample_kwargs(condition, negative, 3.0, 1.0)}
-        ours = arch.call_pipeline(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": images})
+        condition, negative = (arch.prompts.encode_prompts_with_images(encoders, [text], [images], torch.device("cpu")) for text in (prompt, " "))
+        kwargs = {"height": size, "width": size, "num_inference_steps": 2, "output_type": "latent", "return_dict": False, **arch.sampling.sample_kwargs(condition, negative, 3.0, 1.0)}
+        ours = arch.sampling.draw(pipeline, {**kwargs, "generator": torch.Generator().manual_seed(5), "image": images})
         theirs = pipeline(image=images, prompt=prompt, negative_prompt=" ", true_cfg_scale=3.0, height=size, width=size, num_inference_steps=2,
                           output_type="latent", return_dict=False, generator=torch.Generator().manual_seed(5))[0]
     assert ours.shape == (1, (size // 8) ** 2, 64)
@@ -232,5 +232,5 @@ def test_the_qwen_image_edit_2509_catalog_entry_is_traced_with_two_references_ap
     from zeropipe.plan.model_spec import CATALOG_DIR, catalog_names
 
     assert "qwen-image-edit-2509" in catalog_names() and json.loads((CATALOG_DIR / "qwen-image-edit-2509.json").read_text())["architecture"] == "qwen-image-edit-plus"
-    inputs = architecture_named("qwen-image-edit-plus").trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 128, 1, 20, torch.float32)
+    inputs = architecture_named("qwen-image-edit-plus").call.trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 128, 1, 20, torch.float32)
     assert inputs["hidden_states"].shape == (1, 3 * 64 * 64, 64) and inputs["img_shapes"] == [[(1, 64, 64)] * 3]

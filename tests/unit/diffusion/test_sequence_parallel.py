@@ -26,11 +26,11 @@ def tiny_denoiser(name: str):
 
     arch = architecture_named(name)
     torch.manual_seed(0)
-    model = arch.model_class()(**arch.preset[arch.denoiser]).float()
-    arch.tiny_denoiser(model)
+    model = arch.model_class()(**arch.record.preset[arch.record.denoiser]).float()
+    arch.assembly.tiny_denoiser(model)
     torch.manual_seed(1)
     # 3 latent frames (video) of 4x4: 12 or 4 tokens, 8 text tokens: every split dimension divides by 2
-    inputs = arch.trace_inputs(model.config, 4, 3 if arch.video else 1, 8, torch.float32)
+    inputs = arch.call.trace_inputs(model.config, 4, 3 if arch.record.video else 1, 8, torch.float32)
     return model, inputs
 
 

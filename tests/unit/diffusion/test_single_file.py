@@ -39,7 +39,7 @@ def write_original_checkpoint(path, seed: int = 5):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    model = WanTransformer3DModel(**WAN.preset["transformer"])
+    model = WanTransformer3DModel(**WAN.record.preset["transformer"])
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
     save_file(original_layout(state), str(path))
     return state
@@ -54,7 +54,7 @@ def test_a_single_file_in_the_original_layout_loads_tensor_by_tensor_with_diffus
     rename = single_file_renamer("WanTransformer3DModel", tmp_path / "wan_t2v_tiny.safetensors")
     assert rename("model.diffusion_model.blocks.0.self_attn.q.weight") == "blocks.0.attn1.to_q.weight"
     assert rename("model.diffusion_model.blocks.1.norm3.weight") == "blocks.1.norm2.weight"  # the original's norm3 is diffusers' norm2
-    config = dict(WAN.preset["transformer"])
+    config = dict(WAN.record.preset["transformer"])
     model = load_pretrained(lambda: WanTransformer3DModel(**config), tmp_path / "wan_t2v_tiny.safetensors", dtype=torch.float32, zero_stage=0, device="cpu", rename=rename)
     loaded = model.state_dict()
     assert set(loaded) == set(state)

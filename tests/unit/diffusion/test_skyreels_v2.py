@@ -23,7 +23,7 @@ def test_text_to_video_predict_is_the_pipelines_call(tmp_path):
 
     t2v = architecture_named("skyreels-v2")
     build_tiny_pipeline({"pipeline": "tiny-skyreels-v2"}, tmp_path / "t2v", seed=1)
-    assert architecture_of(tmp_path / "t2v") is t2v and t2v.codec.frame_rate == 24.0
+    assert architecture_of(tmp_path / "t2v") is t2v and t2v.record.codec.frame_rate == 24.0
     pipeline = SkyReelsV2Pipeline.from_pretrained(str(tmp_path / "t2v"))
     assert isinstance(pipeline.transformer, SkyReelsV2Transformer3DModel)
     pipeline.set_progress_bar_config(disable=True)
@@ -34,10 +34,10 @@ def test_text_to_video_predict_is_the_pipelines_call(tmp_path):
         kwargs, expected = seen[0]
         # The prompt as the cache holds it: the pipeline's encode_prompt, zeros after the prompt's own tokens (512 of them for the
         # real tokenizer; the tiny one says 64, the pipeline's call pads to 512).
-        cached = t2v.encode_prompts(pipeline, ["a red circle moving left"], CPU)["prompt_embeds"]
+        cached = t2v.prompts.encode_prompts(pipeline, ["a red circle moving left"], CPU)["prompt_embeds"]
         assert torch.equal(cached, kwargs["encoder_hidden_states"][:, : cached.shape[1]]) and not kwargs["encoder_hidden_states"][:, cached.shape[1] :].any()
         condition = {"prompt_embeds": kwargs["encoder_hidden_states"]}
-        got = t2v.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
+        got = t2v.call.predict(pipeline.transformer, latents, kwargs["timestep"], condition, PredictContext(CPU, torch.float32, 8, 1.0))
     assert torch.equal(got, expected)
 
 
@@ -58,8 +58,8 @@ def test_image_to_video_conditions_are_the_pipelines_own_and_predict_is_its_call
     frames = moving_shape_frames("circle", "red", "blue", "left", (32, 32), 9, random.Random(0))
     clip = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]
 
-    first_frame_part, embeddings_part = i2v.conditions
-    encoding = Encoding(vae=pipeline.vae, pixels=clip, loaded=[None], encoder=embeddings_part.encoder(PipelineFolder(folder, i2v), torch.float32, CPU), codec=i2v.codec, device=CPU)
+    first_frame_part, embeddings_part = i2v.record.conditions
+    encoding = Encoding(vae=pipeline.vae, pixels=clip, loaded=[None], encoder=embeddings_part.encoder(PipelineFolder(folder, i2v), torch.float32, CPU), codec=i2v.record.codec, device=CPU)
     first_frame = normalize_latents(torch.stack(first_frame_part.encode(encoding)), *latent_scaling(folder, i2v))
     image_embeds = torch.stack(embeddings_part.encode(encoding))
 
@@ -70,6 +70,6 @@ def test_image_to_video_conditions_are_the_pipelines_own_and_predict_is_its_call
         kwargs, expected = seen[0]
         assert torch.allclose(kwargs["encoder_hidden_states_image"], image_embeds, atol=1e-6)
         condition = {"prompt_embeds": kwargs["encoder_hidden_states"], "first_frame_latents": first_frame, "image_embeds": image_embeds}
-        got = i2v.predict(pipeline.transformer, noisy, kwargs["timestep"], condition, None)
+        got = i2v.call.predict(pipeline.transformer, noisy, kwargs["timestep"], condition, None)
     assert kwargs["hidden_states"].shape[1] == 36
     assert torch.allclose(got, expected, atol=1e-5)

@@ -87,10 +87,10 @@ def test_an_image_is_a_one_frame_clip(tmp_path):
 
 
 def test_frame_buckets_are_the_lengths_the_vae_accepts():
-    assert check_frame_buckets([33, 1, 17], WAN.codec.accepts_frames, WAN.codec.frame_multiple) == [1, 17, 33]
+    assert check_frame_buckets([33, 1, 17], WAN.record.codec.accepts_frames, WAN.record.codec.frame_multiple) == [1, 17, 33]
     with pytest.raises(ValueError, match=r"\[16\].*4k\+1 frames \(e\.g\. 1, 5, 9, 13\)"):
-        check_frame_buckets([1, 16], WAN.codec.accepts_frames, WAN.codec.frame_multiple)
-    assert not architecture_named("sdxl").codec.accepts_frames(5) and architecture_named("sdxl").codec.accepts_frames(1)
+        check_frame_buckets([1, 16], WAN.record.codec.accepts_frames, WAN.record.codec.frame_multiple)
+    assert not architecture_named("sdxl").record.codec.accepts_frames(5) and architecture_named("sdxl").record.codec.accepts_frames(1)
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ def test_prompts_are_encoded_by_the_pipeline_and_the_denoiser_takes_video_latent
     transformer = WanTransformer3DModel.from_pretrained(str(tiny_wan / "transformer"))
     condition = {"prompt_embeds": torch.stack([row["prompt_embeds"] for row in rows])}
     latents = torch.randn(2, 16, 3, 4, 4)  # 9 frames of 32x32: 3 latent frames of 4x4
-    out = WAN.predict(transformer, latents, torch.tensor([100.0, 900.0]), condition, PredictContext(torch.device("cpu"), torch.float32, 8, 1.0))
+    out = WAN.call.predict(transformer, latents, torch.tensor([100.0, 900.0]), condition, PredictContext(torch.device("cpu"), torch.float32, 8, 1.0))
     assert out.shape == latents.shape
 
 
@@ -56,7 +56,7 @@ def test_latents_are_normalised_per_channel_as_the_pipeline_decodes_them(tiny_wa
     config = json.loads((tiny_wan / "vae" / "config.json").read_text())
     config["latents_mean"] = [float(i) for i in range(16)]
     config["latents_std"] = [2.0] * 16
-    shift, scale = WAN.codec.normalization(config)
+    shift, scale = WAN.record.codec.normalization(config)
     latents = torch.arange(16.0).view(1, 16, 1, 1, 1).expand(1, 16, 3, 4, 4)
     assert torch.allclose(normalize_latents(latents, shift, scale), torch.zeros(1)) and shift.shape == (16,)
     shift, scale = latent_scaling(tiny_wan, WAN)
@@ -78,8 +78,8 @@ def test_an_expert_trains_only_its_side_of_the_boundary_with_the_distribution_sl
 
 
 def test_the_scheduler_flow_shift_is_wans_shift():
-    assert FlowObjective(dict(WAN.preset["scheduler"]), DiffusionSection()).shift == 3.0
-    assert FlowObjective(dict(WAN.preset["scheduler"]), DiffusionSection(shift=5.0)).shift == 5.0
+    assert FlowObjective(dict(WAN.record.preset["scheduler"]), DiffusionSection()).shift == 3.0
+    assert FlowObjective(dict(WAN.record.preset["scheduler"]), DiffusionSection(shift=5.0)).shift == 5.0
 
 
 def test_lora_keys_in_the_original_layout_convert_back_with_diffusers_converter():
@@ -89,7 +89,7 @@ def test_lora_keys_in_the_original_layout_convert_back_with_diffusers_converter(
     for module in ("blocks.0.attn1.to_q", "blocks.0.attn1.to_out.0", "blocks.1.attn2.to_v", "blocks.1.ffn.net.0.proj", "blocks.1.ffn.net.2"):
         layers[f"{module}.lora_A.weight"] = torch.randn(4, 8)
         layers[f"{module}.lora_B.weight"] = torch.randn(8, 4)
-    original = WAN.original_lora_layout(layers, alpha=8.0)
+    original = WAN.layouts.original_lora_layout(layers, alpha=8.0)
     assert "diffusion_model.blocks.0.self_attn.q.lora_A.weight" in original
     assert "diffusion_model.blocks.0.self_attn.o.lora_B.weight" in original and "diffusion_model.blocks.1.ffn.2.alpha" in original
     # (clones: the converter scales some tensors in place)
@@ -126,7 +126,7 @@ def test_image_to_video_conditioning_is_what_wan_image_to_video_pipeline_feeds_i
         return (hidden_states[:, :16],)
 
     noisy = torch.randn(1, 16, 3, 4, 4)
-    i2v.predict(transformer, noisy, torch.tensor([500.0]), {"prompt_embeds": torch.zeros(1, 64, 32), "first_frame_latents": first_frame}, None)
+    i2v.call.predict(transformer, noisy, torch.tensor([500.0]), {"prompt_embeds": torch.zeros(1, 64, 32), "first_frame_latents": first_frame}, None)
     assert seen["input"].shape == (1, 36, 3, 4, 4)
     assert torch.equal(seen["input"][:, :16], noisy)
     assert torch.allclose(seen["input"][:, 16:], expected, atol=1e-5)
@@ -203,7 +203,7 @@ def test_wan21_image_to_video_embeds_the_first_frame_as_its_pipeline_does_and_th
 
     i2v = architecture_named("wan-i2v")
     folder = wan21_i2v_pipeline(tmp_path)
-    embeddings = i2v.conditions[1]
+    embeddings = i2v.record.conditions[1]
     assert architecture_of(folder) is i2v and embeddings.active(PipelineFolder(folder, i2v))
     assert not embeddings.active(PipelineFolder(tmp_path / "base", i2v))  # Wan 2.2 I2V's layout has no image encoder
     pipeline = WanImageToVideoPipeline.from_pretrained(str(folder))
@@ -220,7 +220,7 @@ def test_wan21_image_to_video_embeds_the_first_frame_as_its_pipeline_does_and_th
             hidden_states=torch.cat([noisy, mask, first_frame], dim=1), timestep=timestep, encoder_hidden_states=prompt,
             encoder_hidden_states_image=cached, return_dict=False,
         )[0]
-        got = i2v.predict(pipeline.transformer, noisy, timestep, {"prompt_embeds": prompt, "first_frame_latents": first_frame, "image_embeds": cached}, None)
+        got = i2v.call.predict(pipeline.transformer, noisy, timestep, {"prompt_embeds": prompt, "first_frame_latents": first_frame, "image_embeds": cached}, None)
     assert torch.equal(got, expected)
 
 

@@ -46,9 +46,9 @@ def _calls(transformer):
 
 def test_the_folder_says_which_wan_it_is_and_the_vae_compresses_16x(folders):
     assert architecture_of(folders / "t2v") is TI2V and architecture_of(folders / "i2v") is I2V
-    assert architecture_of(folders / "wan21").name == "wan"  # a WanPipeline saved without expand_timesteps
+    assert architecture_of(folders / "wan21").record.name == "wan"  # a WanPipeline saved without expand_timesteps
     assert (vae_scale_factor(folders / "t2v"), vae_temporal_factor(folders / "t2v")) == (16, 4)
-    assert TI2V.codec.frame_rate == 24.0 and TI2V.codec.normalization(json.loads((folders / "t2v" / "vae" / "config.json").read_text()))[0].shape == (48,)
+    assert TI2V.record.codec.frame_rate == 24.0 and TI2V.record.codec.normalization(json.loads((folders / "t2v" / "vae" / "config.json").read_text()))[0].shape == (48,)
 
 
 def test_text_to_video_predict_is_the_pipelines_call_with_a_timestep_per_token(folders):
@@ -63,7 +63,7 @@ def test_text_to_video_predict_is_the_pipelines_call_with_a_timestep_per_token(f
         kwargs, expected = seen[0]
         assert kwargs["timestep"].shape == (1, 3 * 2 * 2)  # one per token
         t = kwargs["timestep"][:, 0]
-        got = TI2V.predict(pipeline.transformer, latents, t, {"prompt_embeds": kwargs["encoder_hidden_states"]}, PredictContext(CPU, torch.float32, 16, 1.0))
+        got = TI2V.call.predict(pipeline.transformer, latents, t, {"prompt_embeds": kwargs["encoder_hidden_states"]}, PredictContext(CPU, torch.float32, 16, 1.0))
     assert torch.equal(got, expected)
 
 
@@ -79,8 +79,8 @@ def test_image_to_video_predict_is_the_pipelines_call_on_the_first_frame_latents
     frames = moving_shape_frames("circle", "red", "blue", "left", (64, 64), 9, random.Random(0))
     clip = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)[None]  # (1, 3, 9, 64, 64)
 
-    condition = I2V.conditions[0]
-    encoded = condition.encode(Encoding(vae=pipeline.vae, pixels=clip, loaded=[None], encoder=None, codec=I2V.codec, device=CPU))
+    condition = I2V.record.conditions[0]
+    encoded = condition.encode(Encoding(vae=pipeline.vae, pixels=clip, loaded=[None], encoder=None, codec=I2V.record.codec, device=CPU))
     shift, scale = latent_scaling(folders / "i2v", I2V)
     first_frame = normalize_latents(torch.stack(encoded), shift, scale)
     assert first_frame.shape == (1, 48, 1, 4, 4)
@@ -93,13 +93,13 @@ def test_image_to_video_predict_is_the_pipelines_call_on_the_first_frame_latents
         # The first frame's tokens are told timestep 0, the others the step's.
         assert float(kwargs["timestep"][0, :4].abs().sum()) == 0 and bool((kwargs["timestep"][0, 4:] > 0).all())
         t = kwargs["timestep"][:, -1]
-        got = I2V.predict(pipeline.transformer, noisy, t, {"prompt_embeds": kwargs["encoder_hidden_states"], "first_frame_latents": first_frame}, None)
+        got = I2V.call.predict(pipeline.transformer, noisy, t, {"prompt_embeds": kwargs["encoder_hidden_states"], "first_frame_latents": first_frame}, None)
     assert torch.allclose(got, expected, atol=1e-5)
     assert torch.allclose(kwargs["hidden_states"][:, :, :1], first_frame, atol=1e-5)
 
 
 def test_the_loss_leaves_out_the_given_first_frame_only_for_image_to_video():
     prediction, target = torch.randn(2, 48, 3, 2, 2), torch.randn(2, 48, 3, 2, 2)
-    compared = I2V.loss_region(prediction, target)
+    compared = I2V.call.loss_region(prediction, target)
     assert compared[0].shape == (2, 48, 2, 2, 2) and torch.equal(compared[1], target[:, :, 1:])
-    assert TI2V.loss_region(prediction, target)[0] is prediction
+    assert TI2V.call.loss_region(prediction, target)[0] is prediction

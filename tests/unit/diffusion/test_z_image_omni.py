@@ -27,7 +27,7 @@ def tiny(tmp_path_factory):
 
 def test_predict_is_the_omni_pipelines_denoiser_step_and_ignores_its_batchs_padding(tiny):
     arch, folder = tiny
-    assert architecture_of(folder) is arch and arch.name == "z-image-omni"
+    assert architecture_of(folder) is arch and arch.record.name == "z-image-omni"
     pipeline = arch.pipeline().from_pretrained(str(folder))
     pipeline.set_progress_bar_config(disable=True)
     assert pipeline.transformer.config.siglip_feat_dim  # the omni transformer: its SigLIP embedder is built
@@ -51,8 +51,8 @@ def test_predict_is_the_omni_pipelines_denoiser_step_and_ignores_its_batchs_padd
     alone = {key: value[None] for key, value in rows[0].items()}
     batch = {key: stack_padded([row[key] for row in rows]) for key in rows[0]}
     with torch.no_grad():
-        out = arch.predict(pipeline.transformer, latents, timestep.reshape(1).float(), alone, context)
-        both = arch.predict(pipeline.transformer, latents.repeat(2, 1, 1, 1), timestep.reshape(1).float().repeat(2), batch, context)
+        out = arch.call.predict(pipeline.transformer, latents, timestep.reshape(1).float(), alone, context)
+        both = arch.call.predict(pipeline.transformer, latents.repeat(2, 1, 1, 1), timestep.reshape(1).float().repeat(2), batch, context)
     assert out.shape == latents.shape and velocity.abs().mean() > 1e-3
     torch.testing.assert_close(out, velocity.float(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(both[:1], out, rtol=1e-4, atol=1e-5)

@@ -125,9 +125,9 @@ def wan_with_lora(seed_lora: int | None, alpha: float):
     arch = architecture_named("wan")
     cls = arch.model_class()
     torch.manual_seed(0)
-    model = cls.from_config(arch.preset["transformer"])
+    model = cls.from_config(arch.record.preset["transformer"])
     lora = lora_section(4, alpha)
-    model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(SimpleNamespace(target_modules="auto"), arch.lora_targets), gaussian_init=True))
+    model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(SimpleNamespace(target_modules="auto"), arch.record.lora_targets), gaussian_init=True))
     if seed_lora is not None:
         randomise_lora(model, seed_lora)
     return arch, model, lora
@@ -201,7 +201,7 @@ def test_a_diffusion_lora_continues_from_every_layout_at_the_same_output(tmp_pat
     sources = {"diffusers": export, "comfyui": export / ORIGINAL_LORA_FILE, **{name: tmp_path / name for name in peers}}
     for what, source in sources.items():
         _, continued, _ = wan_with_lora(seed_lora=None, alpha=2)  # the run's own alpha differs from the adapter's
-        noted = load_initial_adapter(continued, source, original_layout=arch.original_lora_layout)
+        noted = load_initial_adapter(continued, source, original_layout=arch.layouts.original_lora_layout)
         torch.testing.assert_close(wan_output(continued), expected, rtol=0, atol=1e-5, msg=f"{what}: first forward differs")
         assert noted["modules"] == len(layers) // 2, what
 

@@ -56,7 +56,7 @@ def test_e4m3_rounds_to_nearest_and_zero_rows_stay_zero():
 
 def denoiser_inputs(arch, model, seed):
     generator = torch.Generator().manual_seed(seed)
-    inputs = arch.trace_inputs(model.config, 8, 1 if not arch.video else 2, 6, torch.float32)
+    inputs = arch.call.trace_inputs(model.config, 8, 1 if not arch.record.video else 2, 6, torch.float32)
     return {key: (torch.randn(value.shape, generator=generator) if torch.is_tensor(value) and value.is_floating_point() else value) for key, value in inputs.items()}
 
 
@@ -74,7 +74,7 @@ def test_a_tiny_diffusion_transformer_loads_quantized_from_bf16_and_trains_lora(
     arch = architecture_named(name)
     cls = arch.model_class()
     torch.manual_seed(0)
-    reference = cls.from_config(arch.preset[arch.denoiser]).to(torch.bfloat16)
+    reference = cls.from_config(arch.record.preset[arch.record.denoiser]).to(torch.bfloat16)
     reference.save_pretrained(tmp_path)
     reference = reference.float().eval()
     model = load_pretrained(
@@ -92,7 +92,7 @@ def test_a_tiny_diffusion_transformer_loads_quantized_from_bf16_and_trains_lora(
 
     model.requires_grad_(False)
     lora = type("Lora", (), {"target_modules": "auto"})()
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, arch.lora_targets)))
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, arch.record.lora_targets)))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.dtype == torch.float32 for p in trainable)
@@ -114,7 +114,7 @@ def write_comfy_fp8_scaled(path, seed=5):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    model = WanTransformer3DModel(**architecture_named("wan").preset["transformer"])
+    model = WanTransformer3DModel(**architecture_named("wan").record.preset["transformer"])
     state = {key: value.detach().clone() for key, value in model.state_dict().items()}
     stored = {}
     for key, value in state.items():
@@ -137,7 +137,7 @@ def test_a_comfyui_fp8_scaled_file_loads_as_stored_and_trains(tmp_path):
     file = tmp_path / "wan2.1_t2v_tiny_fp8_scaled.safetensors"
     full, stored = write_comfy_fp8_scaled(file)
     rename = single_file_renamer("WanTransformer3DModel", file)
-    config = dict(architecture_named("wan").preset["transformer"])
+    config = dict(architecture_named("wan").record.preset["transformer"])
 
     with pytest.raises(CheckpointError, match="set model.quantization: fp8"):
         load_pretrained(lambda: WanTransformer3DModel(**config), file, dtype=torch.float32, zero_stage=0, device="cpu", rename=rename)
@@ -195,7 +195,7 @@ def test_flux1_lora_on_an_fp8_base_trains_under_a_zero2_engine(tmp_path, monkeyp
     arch = architecture_named("flux")
     cls = arch.model_class()
     torch.manual_seed(0)
-    cls.from_config(arch.preset[arch.denoiser]).to(torch.bfloat16).save_pretrained(tmp_path)
+    cls.from_config(arch.record.preset[arch.record.denoiser]).to(torch.bfloat16).save_pretrained(tmp_path)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 1, "zero_optimization": {"stage": 2},
                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-2}}}
     deepspeed.init_distributed(dist_backend="gloo")
@@ -205,7 +205,7 @@ def test_flux1_lora_on_an_fp8_base_trains_under_a_zero2_engine(tmp_path, monkeyp
     )
     model.requires_grad_(False)
     lora = type("Lora", (), {"target_modules": "auto"})()
-    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, arch.lora_targets)))
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=resolve_lora_targets(lora, arch.record.lora_targets)))
     model.train()
     quantized = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     stored = {id(m): m.weight.detach().clone() for m in quantized}

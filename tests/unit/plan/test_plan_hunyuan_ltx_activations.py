@@ -38,7 +38,7 @@ def run_config(preset: str, frames: int, checkpointing: bool) -> RunConfig:
 def measured_saved_bytes(name: str, frames: int, checkpointing: bool) -> int:
     arch = architecture_named(name)
     torch.manual_seed(0)
-    model = torch.nn.Module.to(arch.model_class()(**arch.preset["transformer"]), torch.bfloat16)
+    model = torch.nn.Module.to(arch.model_class()(**arch.record.preset["transformer"]), torch.bfloat16)
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
@@ -52,8 +52,8 @@ def measured_saved_bytes(name: str, frames: int, checkpointing: bool) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    latent_frames = (frames - 1) // arch.frame_multiple + 1
-    inputs = arch.trace_inputs(model.config, RESOLUTION // 8, latent_frames, arch.tokenizer_length(arch.tokenizers[0]), torch.bfloat16)
+    latent_frames = (frames - 1) // arch.record.frame_multiple + 1
+    inputs = arch.call.trace_inputs(model.config, RESOLUTION // 8, latent_frames, arch.record.tokenizer_length(arch.record.tokenizers[0]), torch.bfloat16)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(**inputs, return_dict=False)[0]
     assert out.requires_grad

@@ -36,5 +36,5 @@ def test_the_planner_plans_ideogram_4_with_its_own_lora_targets_and_says_it_cann
     arch = architecture_for_preset("tiny-ideogram4")
     data = {"synthetic": {"task": "shapes"}, "images": {"resolution": 64, "bucket_step": 16}}
     spec = diffusion_config_spec(RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-ideogram4"}, "lora": {"r": 4}}, "data": data}))
-    assert spec.lora is not None and spec.lora.target_modules == tuple(arch.lora_targets) and spec.trainable_params > 0
-    assert spec.activation_trace is None and arch.trace_inputs(None, 8, 1, 8, torch.bfloat16) is None
+    assert spec.lora is not None and spec.lora.target_modules == tuple(arch.record.lora_targets) and spec.trainable_params > 0
+    assert spec.activation_trace is None and arch.call.trace_inputs(None, 8, 1, 8, torch.bfloat16) is None

@@ -50,5 +50,5 @@ def test_qwen_image_edit_is_traced_with_the_control_images_tokens_appended():
     from zeropipe.plan.model_spec import CATALOG_DIR
 
     assert "qwen-image-edit" in catalog_names() and json.loads((CATALOG_DIR / "qwen-image-edit.json").read_text())["architecture"] == "qwen-image-edit"
-    inputs = architecture_named("qwen-image-edit").trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 128, 1, 20, torch.float32)
+    inputs = architecture_named("qwen-image-edit").call.trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 128, 1, 20, torch.float32)
     assert inputs["hidden_states"].shape == (1, 2 * 64 * 64, 64) and inputs["img_shapes"] == [[(1, 64, 64), (1, 64, 64)]]

@@ -65,10 +65,10 @@ def test_the_planner_traces_each_entry_and_counts_its_own_lora_targets(preset):
     arch = architecture_for_preset(preset)
     data = {"synthetic": {"task": "shapes"}, "images": {"resolution": 64, "bucket_step": 16}}
     spec = diffusion_config_spec(RunConfig.model_validate({"model": {"config": {"pipeline": preset}, "lora": {"r": 4}}, "data": data}))
-    targets = (arch.lora_targets,) if isinstance(arch.lora_targets, str) else tuple(arch.lora_targets)
+    targets = (arch.record.lora_targets,) if isinstance(arch.record.lora_targets, str) else tuple(arch.record.lora_targets)
     assert spec.lora is not None and spec.lora.target_modules == targets and spec.trainable_params > 0
     trace = spec.activation_trace
     if preset in UNTRACED:  # the entry says why (its trace_inputs)
-        assert trace is None and arch.trace_inputs(None, 8, 1, 8, torch.bfloat16) is None
+        assert trace is None and arch.call.trace_inputs(None, 8, 1, 8, torch.bfloat16) is None
         return
     assert trace is not None and trace.resolution == 64 and trace.forward_flops > 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import dataclass
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,37 +17,35 @@ import pytest
 import zeropipe.plan
 from zeropipe.families.diffusion.entries import architectures, register, unregister
 from zeropipe.families.diffusion.entries.sd15 import ARCHITECTURE as SD15
-from zeropipe.families.diffusion.bases.unet import unet_trace_inputs
+from zeropipe.families.diffusion.bases.unet import UNetCall
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.plan.model_spec import spec_from_path
 
 
 def test_the_planner_names_no_pipeline_or_denoiser_class():
-    names = {a.denoiser_class for a in architectures().values()} | {a.pipeline_class for a in architectures().values()} | {"Transformer"}
+    names = {a.record.denoiser_class for a in architectures().values()} | {a.record.pipeline_class for a in architectures().values()} | {"Transformer"}
     found = {}
     for module in sorted(Path(zeropipe.plan.__file__).parent.glob("*.py")):
         constants = {n.value for n in ast.walk(ast.parse(module.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         if constants & names:
             found[module.name] = sorted(constants & names)
-    assert found == {}, f"the planner branches on class names: {found}; ask the architecture entry (Architecture.trace_inputs) instead"
+    assert found == {}, f"the planner branches on class names: {found}; ask the architecture entry (DenoiserCall.trace_inputs) instead"
 
 
-@dataclass(frozen=True)
-class TracedUNet(type(SD15)):
-    """SD 1.x's layout under its own pipeline class, with a prompt length of its own and a spy on its trace inputs."""
-
-    def trace_text_tokens(self):
-        return 5
+class TracedUNetCall(UNetCall):
+    """SD 1.x's denoiser call with a spy on its trace inputs."""
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         self.calls.append((latent_side, latent_frames, text_tokens))
-        return None if self.untraced else unet_trace_inputs(config, latent_side, text_tokens, dtype)
+        return None if self.untraced else super().trace_inputs(config, latent_side, latent_frames, text_tokens, dtype)
 
 
 @pytest.fixture
 def entry():
-    arch = TracedUNet(**{**SD15.__dict__, "name": "traced-unet", "pipeline_class": "TracedUNetPipeline", "related_pipelines": (), "preset_name": None})
-    object.__setattr__(arch, "calls", [])
-    object.__setattr__(arch, "untraced", False)
+    # SD 1.x's layout under its own pipeline class, with a prompt length of its own.
+    record = dataclasses.replace(SD15.record, name="traced-unet", pipeline_class="TracedUNetPipeline", related_pipelines=(), preset_name=None, trace_tokens=5)
+    arch = Architecture(record=record, call=TracedUNetCall(), prompts=SD15.prompts)
+    arch.call.calls, arch.call.untraced = [], False
     register(arch)
     yield arch
     unregister("traced-unet")
@@ -58,19 +56,19 @@ def pipeline_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "traced"
     (folder / "unet").mkdir(parents=True)
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "TracedUNetPipeline", "unet": ["diffusers", "UNet2DConditionModel"]}))
-    (folder / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel", **SD15.preset["unet"]}))
+    (folder / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel", **SD15.record.preset["unet"]}))
     return folder
 
 
 def test_a_registered_entry_makes_the_inputs_the_planner_traces(tmp_path, entry):
     spec = spec_from_path(pipeline_folder(tmp_path))
     # 1024 px over the VAE's default 8 px per latent; one frame (not video); the entry's own prompt length.
-    assert entry.calls == [(128, 1, 5)]
+    assert entry.call.calls == [(128, 1, 5)]
     assert spec.activation_trace is not None and spec.activation_trace.frames == 1 and spec.activation_trace.saved_bytes > 0
 
 
 def test_an_entry_without_trace_inputs_gets_no_activation_term(tmp_path, entry):
-    object.__setattr__(entry, "untraced", True)
+    entry.call.untraced = True
     spec = spec_from_path(pipeline_folder(tmp_path))
-    assert entry.calls and spec.activation_trace is None
+    assert entry.call.calls and spec.activation_trace is None
     assert spec.total_params > 0  # the parameters are still counted

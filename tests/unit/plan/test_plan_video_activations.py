@@ -39,7 +39,7 @@ def measured_saved_bytes(frames: int, checkpointing: bool) -> int:
 
     torch.manual_seed(0)
     # torch's Module.to, as the planner casts: DeepSpeed's bf16 engine casts every parameter too.
-    model = torch.nn.Module.to(WanTransformer3DModel(**WAN.preset["transformer"]), torch.bfloat16)
+    model = torch.nn.Module.to(WanTransformer3DModel(**WAN.record.preset["transformer"]), torch.bfloat16)
     if checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
@@ -54,7 +54,7 @@ def measured_saved_bytes(frames: int, checkpointing: bool) -> int:
 
     latent = RESOLUTION // 8
     latents = torch.randn(1, 16, (frames - 1) // 4 + 1, latent, latent, dtype=torch.bfloat16)
-    text = torch.randn(1, WAN.tokenizer_length("tokenizer"), 32, dtype=torch.bfloat16)
+    text = torch.randn(1, WAN.record.tokenizer_length("tokenizer"), 32, dtype=torch.bfloat16)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text, return_dict=False)[0]
     assert out.requires_grad

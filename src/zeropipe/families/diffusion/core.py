@@ -1,36 +1,34 @@
-"""What a diffusion architecture is: the interface every architecture module fills in."""
+"""What a diffusion entry is: a declared record (``Record``) and the roles where its code differs (``roles.py``).
+
+``Architecture`` is the entry core: the record, the five roles and the two classes it names. It has at most
+15 members (``tests/unit/diffusion/test_architecture_contract.py`` counts them); everything an entry only
+states (its pipeline and denoiser classes, its components, codec, prompt part, conditions, objective, LoRA
+targets, tiny preset, prompt lengths, the pipeline's extra constructor arguments) is a field of its record.
+"""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from zeropipe.families.diffusion.parts import Condition, ImageLatents, Part, PromptText
-from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
+from zeropipe.families.diffusion.roles import (
+    DEFAULT_ROLES,
+    Assembly,
+    DenoiserCall,
+    ExportLayouts,
+    PredictContext,
+    PromptEncoding,
+    Sampling,
+)
 from zeropipe.models.common import DIFFUSERS_LORA_TARGETS  # LoRA's default targets in diffusers models: the attention projections
 
 
 @dataclass(frozen=True)
-class PredictContext:
-    """What a denoiser call needs besides its inputs: the rank's device and dtype, and the run's settings."""
-
-    device: torch.device
-    dtype: torch.dtype
-    vae_factor: int  # pixels per latent along each side
-    guidance: float  # model.diffusion.guidance, for guidance-distilled models
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One diffusion architecture: a small core plus its parts. Subclasses override the methods whose behaviour differs.
-
-    The core is the pipeline and its denoiser: how prompts are encoded (``encode_prompts``), how the
-    denoiser is called (``predict``), the sampler's arguments. What the latents are, what the
-    prompt's conditioning is cached as and what else the denoiser is conditioned on are parts
-    (``zeropipe.families.diffusion.parts``), which the shared code loops over (``parts``).
+class Record:
+    """What an entry declares, as data: read by the caches, buckets, training loop, samples, export, the planner and the converter.
 
     Attributes:
         name: the short name used in configs, caches and exports (``sdxl``).
@@ -46,14 +44,14 @@ class Architecture:
         preset_name, preset: a tiny pipeline of this layout, built from config for tests and demos.
         lora_targets: module names LoRA adapts by default (suffixes, as peft matches a list), or one regular
             expression that peft matches against whole module names (where a suffix would also hit a layer outside the blocks).
-        codec: the latent codec part: the VAE, the latents' layout and normalisation, what the data and samples are
-            (``ImageLatents``, ``VideoLatents`` or an entry's own).
-        text: the prompt part: the text cache's entries (``PromptText``; ``PromptWithControlImage`` where the text
-            encoder sees the control image).
-        conditions: the other condition parts, each cached with an item's latents and given to ``predict`` in
-            ``condition[...]`` (``FirstFrame``, ``FirstFrameEmbeddings``, ``ControlImage``, a plug-in's own).
-        trace_frames: the clip length (frames) the planner traces a ``video`` entry at when the model spec does not give one
-            (the pipeline's default clip: Wan's 81 frames).
+        codec: the latent codec part: the VAE, the latents' layout and normalisation, what the data and samples are.
+        text: the prompt part: the text cache's entries (``PromptText``; ``PromptWithControlImage``...).
+        conditions: the other condition parts, each cached with an item's latents and given to the denoiser call in ``condition[...]``.
+        trace_frames: the clip length (frames) the planner traces a video entry at when the model spec does not give one.
+        tokenizer_lengths: each tokenizer's ``model_max_length`` in a tiny preset (77 where not named).
+        trace_tokens: the prompt length the planner traces when the model spec does not give one (default: the first tokenizer's length).
+        pipeline_kwargs: constructor arguments the pipeline needs besides its components (safety checkers off...).
+        image_processor_patch: the pipeline's image processor rounds sizes to the VAE factor times this (2 where the denoiser patchifies 2x2).
     """
 
     name: str
@@ -73,6 +71,10 @@ class Architecture:
     text: PromptText = field(default_factory=PromptText)
     conditions: tuple[Condition, ...] = ()
     trace_frames: int = 1
+    tokenizer_lengths: Mapping[str, int] = field(default_factory=dict, compare=False, hash=False)
+    trace_tokens: int | None = None
+    pipeline_kwargs: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    image_processor_patch: int = 1
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -96,135 +98,60 @@ class Architecture:
     def vae_class(self) -> str:
         return self.codec.vae_class
 
-    def vae_factors(self, vae_config: dict[str, Any]) -> tuple[int, int]:
-        """The codec's (spatial, temporal) VAE factors; ``Architecture.vae_factors(None, config)`` reads a config generically."""
-        return (self.codec if self is not None else ImageLatents()).vae_factors(vae_config)
+    def tokenizer_length(self, tokenizer: str) -> int:
+        """model_max_length of a tiny preset's tokenizer."""
+        return self.tokenizer_lengths.get(tokenizer, 77)
 
-    # -------------------------------------------------------------- classes
+    def trace_text_tokens(self) -> int:
+        """The prompt length the planner traces when the model spec does not give one (a catalog entry's ``text_tokens``)."""
+        return self.trace_tokens if self.trace_tokens is not None else self.tokenizer_length(self.tokenizers[0])
+
+    def image_processor_factor(self, vae_factor: int) -> int:
+        """The factor the pipeline's image processor rounds sizes to."""
+        return vae_factor * self.image_processor_patch
+
+
+ROLES = ("call", "prompts", "sampling", "layouts", "assembly")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One diffusion entry: its declared record and its roles (the code where the model differs).
+
+    - ``call`` (``roles.DenoiserCall``): the denoiser's inputs for training and for the planner's trace, its call, the loss;
+    - ``prompts`` (``roles.PromptEncoding``): prompts to conditioning tensors, tiny tokenizers, prompt processors;
+    - ``sampling`` (``roles.Sampling``): the samples drawn during training, through the shared sampler (``sampler.py``);
+    - ``layouts`` (``roles.ExportLayouts``): the LoRA / LoKr in the model's original (ComfyUI) key layout;
+    - ``assembly`` (``roles.Assembly``): building the pipeline and a tiny preset's own components.
+
+    Each role is given as an instance of its class (the default where the entry adds nothing); the entry
+    binds a copy of it to itself, so a role's methods read ``self.record`` and reach the other roles
+    through ``self.entry``.
+    """
+
+    record: Record
+    call: DenoiserCall = None  # type: ignore[assignment]
+    prompts: PromptEncoding = None  # type: ignore[assignment]
+    sampling: Sampling = None  # type: ignore[assignment]
+    layouts: ExportLayouts = None  # type: ignore[assignment]
+    assembly: Assembly = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        for name in ROLES:
+            role = getattr(self, name)
+            role = copy.copy(role) if role is not None else DEFAULT_ROLES[name]()
+            object.__setattr__(role, "entry", self)
+            object.__setattr__(self, name, role)
+
     def pipeline(self):
         import diffusers
 
-        return getattr(diffusers, self.pipeline_class)
+        return getattr(diffusers, self.record.pipeline_class)
 
     def model_class(self):
         import diffusers
 
-        return getattr(diffusers, self.denoiser_class)
-
-    def pipeline_kwargs(self) -> dict[str, Any]:
-        """Constructor arguments the pipeline needs besides its components (safety checkers off...)."""
-        return {}
-
-    def construct_pipeline(self, cls, kwargs: dict[str, Any], folder: Any):
-        """The pipeline of these components (missing ones None: a text pipeline has no denoiser and no VAE); ``folder`` is its ``PipelineIndex``."""
-        return cls(**kwargs)
-
-    def tokenizer_length(self, tokenizer: str) -> int:
-        """model_max_length of a tiny preset's tokenizer."""
-        return 77
-
-    def image_processor_factor(self, vae_factor: int) -> int:
-        """The factor the pipeline's image processor rounds sizes to."""
-        return vae_factor
-
-    def tiny_tokenizer(self, tokenizer: str):
-        """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
-        return character_tokenizer(self.tokenizer_length(tokenizer))
-
-    def tiny_component(self, name: str, fields: dict[str, Any]):
-        """A tiny preset's component besides the scheduler, text encoders and VAE, from its preset fields: the denoiser (an image encoder, an entry's own)."""
-        return self.model_class()(**fields)
-
-    def tiny_denoiser(self, model) -> None:
-        """Give a tiny preset's freshly built denoiser the weights it needs to learn (default: as its class initialises them).
-
-        A class that zero-initialises its modulations (adaLN-zero: Kandinsky 5) builds blocks whose
-        every output is gated by zero, through which a LoRA gets no gradient; a checkpoint's are trained.
-        """
-
-    def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
-        """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder, built without a download."""
-        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot build a tiny one")
-
-    def load_prompt_processor(self, pipeline_dir: Path, processor: str, parts: dict[str, Any]):
-        """The prompt processor the text pipeline is given, from its folder and the other loaded parts (the tokenizers)."""
-        raise NotImplementedError(f"the {self.name} entry names prompt processors {self.text.processors} but cannot load one")
-
-    # -------------------------------------------------------------- planner
-    def trace_inputs(self, config: Any, latent_side: int, latent_frames: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any] | None:
-        """The denoiser's keyword arguments for one example (batch 1) of this size, made on the current (meta) device.
-
-        The planner runs the denoiser on them to count the activations it saves; None: the planner does not trace it.
-        ``latent_frames`` is 1 unless the entry is ``video``.
-        """
-        return None
-
-    def trace_text_tokens(self) -> int:
-        """The prompt length the planner traces when the model spec does not give one (a catalog entry's ``text_tokens``)."""
-        return self.tokenizer_length(self.tokenizers[0])
-
-    # -------------------------------------------------------------- export
-    def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:
-        """The LoRA in the original (ComfyUI) key layout, from its diffusers layout; None when the architecture has none."""
-        return None
-
-    def original_lokr_layout(self, layers: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor] | None:
-        """A LoKr adapter (peft's ``module.lokr_w1``, ``lokr_w2_a``...) in the original (ComfyUI) key layout; None when there is none.
-
-        ``scaling`` is peft's alpha / r, which the layout folds into the first factor (LyCORIS applies no
-        alpha to full factors, and a file without ``.alpha`` keys is read at scale 1 by ComfyUI and diffusers).
-        """
-        return None
-
-    # -------------------------------------------------------------- conditioning
-    def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
-        """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
-        raise NotImplementedError
-
-    def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
-        """The denoiser's output for a batch of latents, called as the pipeline calls it."""
-        raise NotImplementedError
-
-    def loss_region(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parts of the denoiser's prediction and of the target that the loss compares: all of them by default.
-
-        An entry whose input holds given (not noised) latents leaves them out, as its trainers do
-        (Wan 2.2 TI2V's image-to-video: the first latent frame is the image itself).
-        """
-        return prediction, target
-
-    def loss(self, model, noised: Any, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
-        """The training loss of a noised micro-batch (``objectives.NoisedBatch``): the denoiser's error on its latents.
-
-        An entry whose denoiser also denoises a target a condition carries (LTX-2's audio latents,
-        noised at the same level) adds that term here.
-        """
-        from zeropipe.families.diffusion.objectives import weighted_mse
-
-        prediction, target = self.loss_region(self.predict(model, noised.model_input, noised.timesteps, condition, context), noised.target)
-        return weighted_mse(prediction, target, noised.weights)
-
-    # -------------------------------------------------------------- sampling
-    def sample_kwargs(self, condition: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], guidance_scale: float, guidance: float) -> dict[str, Any]:
-        """The pipeline call's conditioning and guidance arguments (classifier-free guidance by default)."""
-        kwargs: dict[str, Any] = {"prompt_embeds": condition["prompt_embeds"], "guidance_scale": guidance_scale, "negative_prompt_embeds": negative["prompt_embeds"]}
-        if "pooled_prompt_embeds" in condition:
-            kwargs["pooled_prompt_embeds"] = condition["pooled_prompt_embeds"]
-        if "pooled_prompt_embeds" in negative:
-            kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
-        return kwargs
-
-    def call_pipeline(self, pipeline, kwargs: dict[str, Any]) -> torch.Tensor:
-        """Latents of the samples the pipeline draws with these arguments (the conditions' included: a control image as ``image``)."""
-        return pipeline(**kwargs)[0]
-
-    def sample_outputs(self, pipeline, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The samples' latents and what else the pipeline drew, by name (LTX-2's audio latents), which the parts' ``add_to_samples`` read."""
-        return self.call_pipeline(pipeline, kwargs), {}
-
-    def unpack_latents(self, pipeline, latents: torch.Tensor, size: int, vae_factor: int) -> torch.Tensor:
-        """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""
-        return latents
+        return getattr(diffusers, self.record.denoiser_class)
 
 
 def original_layout_name(
@@ -248,5 +175,7 @@ def original_layout_name(
         return top_level[module], None
     raise ValueError(f"{module} has no name in {model}'s original layout")
 
+
+__all__ = ["Architecture", "PredictContext", "Record", "ROLES", "DDPM_SCHEDULE", "original_layout_name"]
 
 DDPM_SCHEDULE = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000, "steps_offset": 1}

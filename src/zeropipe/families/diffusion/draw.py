@@ -4,7 +4,7 @@ The weights come from a run's checkpoint (consolidated in memory; a LoRA fused i
 denoiser, as ``export --merge`` would write it), from a full or merged export (a diffusers
 pipeline folder) or from a LoRA export (its base pipeline, named in ``zeropipe_export.json``,
 with the LoRA loaded). The pipeline is the architecture's own diffusers class, called with the
-prompt as its users call it; images are written as PNG, clips as mp4 with an animated WebP beside.
+prompt as its users call it, through the shared sampler (``sampler.pipeline_call``); images are written as PNG, clips as mp4 with an animated WebP beside.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def load_adapter_export(pipeline, folder: Path, info: dict[str, Any]) -> None:
     if info.get("kind", "lora") in ("lora", "dora") and hasattr(pipeline, "load_lora_weights"):
         pipeline.load_lora_weights(str(folder))
     else:  # the file's keys are under the architecture's denoiser name; a Wan 2.2 expert's go into its own transformer_2
-        getattr(pipeline, info.get("denoiser") or arch.denoiser).load_lora_adapter(str(folder), weight_name="pytorch_lora_weights.safetensors", prefix=arch.denoiser)
+        getattr(pipeline, info.get("denoiser") or arch.record.denoiser).load_lora_adapter(str(folder), weight_name="pytorch_lora_weights.safetensors", prefix=arch.record.denoiser)
 
 
 def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -149,8 +149,10 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
             return tensors
 
         kwargs["callback_on_step_end"] = step_end
-    with torch.no_grad():
-        result = pipeline(**kwargs)
+    from zeropipe.families.diffusion.sampler import pipeline_call
+
+    with torch.no_grad():  # the shared sampler's pipeline call: Draw gives the prompt string, which the pipeline encodes
+        result = pipeline_call(pipeline, kwargs)
     out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(result, "frames"):
         clip = to_uint8(np.asarray(result.frames[0]))

@@ -53,7 +53,7 @@ def base_denoiser(arch, folder: Path, single_file: str | None, storage: Quantize
     stored_fp8 = storage is not None and any(entry.dtype in FP8_FORMAT_OF_DTYPE for entry in CheckpointIndex(weights).entries.values())
     denoiser = load_pretrained(
         lambda: cls.from_config(cls.load_config(str(folder))), weights, dtype=torch.float32, zero_stage=0, device="cpu",
-        rename=single_file_renamer(arch.denoiser_class, weights), quantize=storage if stored_fp8 else None,
+        rename=single_file_renamer(arch.record.denoiser_class, weights), quantize=storage if stored_fp8 else None,
     )
     dequantize_model(denoiser)
     return denoiser
@@ -72,9 +72,9 @@ def write_original_lora(arch, denoiser, alpha: float, dtype: torch.dtype, folder
 
     layers = {key: value.to(dtype) for key, value in get_peft_model_state_dict(denoiser).items()}
     try:
-        original = arch.original_lora_layout(layers, alpha)
+        original = arch.layouts.original_lora_layout(layers, alpha)
     except ValueError as err:
-        raise CheckpointError(f"cannot write the {arch.name} LoRA in its original key layout: {err}; the diffusers LoRA is unaffected, export without it is not offered yet") from None
+        raise CheckpointError(f"cannot write the {arch.record.name} LoRA in its original key layout: {err}; the diffusers LoRA is unaffected, export without it is not offered yet") from None
     if original is not None:
         save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
 
@@ -83,7 +83,7 @@ def write_original_lokr(arch, layers: dict[str, torch.Tensor], scaling: float, f
     """A LoKr adapter again in the architecture's original key layout, where the entry has one; whether it was written."""
     from safetensors.torch import save_file
 
-    original = arch.original_lokr_layout(layers, scaling)
+    original = arch.layouts.original_lokr_layout(layers, scaling)
     if original is None:
         return False
     save_file(original, str(folder / ORIGINAL_LORA_FILE), metadata={"format": "pt"})
@@ -96,7 +96,7 @@ def write_diffusers_lora(arch, denoiser, lora, dtype: torch.dtype, folder: Path)
     from peft.utils import get_peft_model_state_dict
 
     layers = get_peft_model_state_dict(denoiser)
-    if arch.denoiser == "unet" and lora.kind == "lora":
+    if arch.record.denoiser == "unet" and lora.kind == "lora":
         # UNets: the attention-processor names their training scripts write. Transformers keep
         # peft's lora_A/lora_B names, which every transformer loader reads (Qwen-Image's reads no other).
         layers = convert_state_dict_to_diffusers(layers)
@@ -110,14 +110,14 @@ def write_diffusers_lora(arch, denoiser, lora, dtype: torch.dtype, folder: Path)
         metadata["lora_dropout"] = 0.0
     pipeline_cls = arch.pipeline()
     if hasattr(pipeline_cls, "save_lora_weights"):
-        pipeline_cls.save_lora_weights(str(folder), **{f"{arch.denoiser}_lora_layers": layers, f"{arch.denoiser}_lora_adapter_metadata": metadata})
+        pipeline_cls.save_lora_weights(str(folder), **{f"{arch.record.denoiser}_lora_layers": layers, f"{arch.record.denoiser}_lora_adapter_metadata": metadata})
     else:
         # A pipeline without a LoRA loader in diffusers 0.42 (HunyuanImage, HunyuanVideo 1.5): the same file, written by the
         # loaders' common base as every pipeline's save_lora_weights writes it, which the denoiser's
         # load_lora_adapter reads (draw.load_adapter_export).
         from diffusers.loaders.lora_base import LoraBaseMixin
 
-        LoraBaseMixin._save_lora_weights(str(folder), lora_layers={arch.denoiser: layers}, lora_metadata={arch.denoiser: metadata})
+        LoraBaseMixin._save_lora_weights(str(folder), lora_layers={arch.record.denoiser: layers}, lora_metadata={arch.record.denoiser: metadata})
     return layers
 
 
@@ -136,7 +136,7 @@ def trained_denoiser(run, config, info, state: dict[str, torch.Tensor]):
     denoiser = base_denoiser(arch, pipeline_dir / plan.denoiser, config.model.diffusion.denoiser_file, storage)
     lora = config.model.lora
     if lora is not None:
-        denoiser.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, arch.lora_targets)))
+        denoiser.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, arch.record.lora_targets)))
     if config.model.quantization is not None:
         # The checkpoint holds the frozen base as fp8 bytes and scales (or bitsandbytes' packed bytes and their
         # quantization state); the export's base is the pipeline's own full-precision weights (copied in below),
@@ -171,7 +171,7 @@ def export_diffusion(job: ExportJob) -> Path:
     if lora is not None and not merge and lora.kind == "loha":
         # diffusers 0.42 reads LoRA, DoRA and LoKr files, no LoHa (its loaders check for lora/lokr keys).
         raise CheckpointError(
-            f"diffusers has no loader for a LoHa adapter, so no {arch.name} LoHa file would load in it: export with --merge "
+            f"diffusers has no loader for a LoHa adapter, so no {arch.record.name} LoHa file would load in it: export with --merge "
             "(a full pipeline folder, the adapter merged into the denoiser), or train kind: lokr or dora, which diffusers loads"
         )
     if lora is not None and not merge:
@@ -180,11 +180,11 @@ def export_diffusion(job: ExportJob) -> Path:
         if lora.kind == "lora":
             write_original_lora(arch, denoiser, lora.alpha, dtype, tmp)
         elif lora.kind == "lokr" and write_original_lokr(arch, layers, lora.alpha / lora.r, tmp):
-            notes.append(f"LoKr: {ORIGINAL_LORA_FILE} holds it in {arch.name}'s original key layout (ComfyUI's)")
+            notes.append(f"LoKr: {ORIGINAL_LORA_FILE} holds it in {arch.record.name}'s original key layout (ComfyUI's)")
         else:
             # The entries' original (ComfyUI) layouts are LoRA's down/up pairs; a DoRA magnitude or
             # LoKr factors would be dropped or misread there: the diffusers file alone is written.
-            notes.append(f"{adapter_name(lora)}: no original (ComfyUI) key layout is written for a {arch.name} {adapter_name(lora)}; the diffusers file is pytorch_lora_weights.safetensors")
+            notes.append(f"{adapter_name(lora)}: no original (ComfyUI) key layout is written for a {arch.record.name} {adapter_name(lora)}; the diffusers file is pytorch_lora_weights.safetensors")
         kind = lora.kind
     else:
         if lora is not None:
@@ -196,7 +196,7 @@ def export_diffusion(job: ExportJob) -> Path:
         kind = "merged" if lora is not None else "full"
     (tmp / "zeropipe_export.json").write_text(
         json.dumps(
-            {"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "kind": kind, "architecture": arch.name,
+            {"run": str(run.path.resolve()), "checkpoint": info.tag, "step": info.step, "kind": kind, "architecture": arch.record.name,
              "base_pipeline": str(pipeline_dir), "dtype": str(dtype).replace("torch.", ""), "denoiser": plan.denoiser, **({"notes": notes} if notes else {}),
              **({"expert": config.model.diffusion.expert} if config.model.diffusion.expert else {})},
             indent=2,

@@ -105,7 +105,7 @@ class Diffusion:
     def objective(self, config: RunConfig) -> str | None:
         """The objective of the configured architecture (ddpm or flow), or None when it cannot be told yet."""
         arch = self.architecture(config)
-        return arch.objective if arch else None
+        return arch.record.objective if arch else None
 
     def curriculum_problems(self, config: RunConfig) -> list[tuple[str, str]]:
         return [("stages", "curricula are implemented for language and vision-language models; train a diffusion model's stages as separate runs")]
@@ -164,7 +164,7 @@ def before_first_step_problems(config: RunConfig, arch) -> list[tuple[str, str]]
     if not path.is_file():
         return [("model.diffusion.denoiser_file", f"{path} does not exist: point it at the .safetensors file of the transformer (or remove it to train model.path's own)")]
     try:
-        single_file_renamer(arch.denoiser_class, path)  # reads the names only, as the ranks do before loading
+        single_file_renamer(arch.record.denoiser_class, path)  # reads the names only, as the ranks do before loading
     except ConfigError as err:
         return list(err.problems)
     return []

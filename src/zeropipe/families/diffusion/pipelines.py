@@ -37,7 +37,7 @@ def preset_components(config: dict[str, Any]) -> tuple[Architecture, dict[str, d
     arch = architecture_for_preset(name)
     if arch is None:
         raise ConfigError([("model.config.pipeline", f"unknown pipeline {name!r}: use one of {', '.join(presets())} (or model.path for a real pipeline)")])
-    components = copy.deepcopy(arch.preset)
+    components = copy.deepcopy(arch.record.preset)
     for key, overrides in config.items():
         if key not in components:
             raise ConfigError([(f"model.config.{key}", f"{name} has no component {key!r}; its components are {', '.join(components)}")])
@@ -74,25 +74,25 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
             cls = getattr(transformers, fields.pop("class"))
             parts[name] = cls(cls.config_class(**fields))
         elif name == "vae":
-            parts[name] = getattr(diffusers, arch.codec.vae_class)(**fields)
+            parts[name] = getattr(diffusers, arch.record.codec.vae_class)(**fields)
             if config.get("vae_fit_steps"):
                 fit_tiny_vae(parts[name], int(config["vae_fit_steps"]), seed, arch, progress=progress)
         elif "class" in fields:  # another component of the pipeline (LTX-2's audio VAE, vocoder and text connectors)
             parts[name] = component_class("diffusers", fields.pop("class"))(**fields)
         else:
-            parts[name] = arch.tiny_component(name, fields)
-            if name == arch.denoiser:
-                arch.tiny_denoiser(parts[name])
-    for tokenizer_name in arch.tokenizers:
-        parts[tokenizer_name] = arch.tiny_tokenizer(tokenizer_name)
+            parts[name] = arch.assembly.tiny_component(name, fields)
+            if name == arch.record.denoiser:
+                arch.assembly.tiny_denoiser(parts[name])
+    for tokenizer_name in arch.record.tokenizers:
+        parts[tokenizer_name] = arch.prompts.tiny_tokenizer(tokenizer_name)
     cls = arch.pipeline()
     expected = set(cls._get_signature_keys(cls)[0]) if hasattr(cls, "_get_signature_keys") else set()
     optional = {name: None for name in expected if name not in parts and name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
-    kwargs = {**optional, **arch.pipeline_kwargs(), **parts}
+    kwargs = {**optional, **arch.record.pipeline_kwargs, **parts}
     pipeline = cls(**kwargs)
     pipeline.save_pretrained(str(tmp), safe_serialization=True)
-    for processor_name in arch.text.processors:
-        arch.tiny_prompt_processor(processor_name, parts, tmp / processor_name)
+    for processor_name in arch.record.text.processors:
+        arch.prompts.tiny_prompt_processor(processor_name, parts, tmp / processor_name)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -109,11 +109,11 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     per-channel means and deviations) is then set from the latents, as it was for the real
     VAEs, so that the denoiser sees unit variance.
     """
-    pixels = arch.codec.vae_pixels(arch.codec.fitting_pixels(vae, seed))
+    pixels = arch.record.codec.vae_pixels(arch.record.codec.fitting_pixels(vae, seed))
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
     vae.train()
-    batch = arch.codec.fitting_batch(batch)
+    batch = arch.record.codec.fitting_batch(batch)
     for step in range(steps):
         if progress is not None and step % 10 == 0:
             progress("fitting the tiny VAE: step", step, steps)
@@ -127,7 +127,7 @@ def fit_tiny_vae(vae, steps: int, seed: int, arch: Architecture, batch: int = 16
     vae.eval()
     with torch.no_grad():
         latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(32)])
-    arch.codec.store_statistics(vae, arch.codec.from_vae(latents))
+    arch.record.codec.store_statistics(vae, arch.record.codec.from_vae(latents))
 
 
 # ------------------------------------------------------------------------------ fingerprints
@@ -314,17 +314,17 @@ def vae_config(pipeline_dir: Path) -> dict[str, Any]:
 
 def vae_scale_factor(pipeline_dir: Path) -> int:
     """Pixels per latent along each side, as the pipeline's architecture reads its VAE config (its codec's vae_factors)."""
-    return architecture_of(pipeline_dir).codec.vae_factors(vae_config(pipeline_dir))[0]
+    return architecture_of(pipeline_dir).record.codec.vae_factors(vae_config(pipeline_dir))[0]
 
 
 def vae_temporal_factor(pipeline_dir: Path) -> int:
     """Frames per latent frame (after the first): 1 for image VAEs."""
-    return architecture_of(pipeline_dir).codec.vae_factors(vae_config(pipeline_dir))[1]
+    return architecture_of(pipeline_dir).record.codec.vae_factors(vae_config(pipeline_dir))[1]
 
 
 def latent_scaling(pipeline_dir: Path, arch: Architecture) -> tuple[torch.Tensor, torch.Tensor]:
     """(shift, scale): latents the denoiser sees are (VAE mean or sample - shift) * scale; scalars or per channel."""
-    return arch.codec.normalization(vae_config(pipeline_dir), Path(pipeline_dir) / "vae")
+    return arch.record.codec.normalization(vae_config(pipeline_dir), Path(pipeline_dir) / "vae")
 
 
 def normalize_latents(latents: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -348,7 +348,7 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
     ``spread``: see :func:`load_component` (the node's setup process only; a rank shares the node's GPUs).
     """
     cls = arch.pipeline()
-    parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device, spread) for name in arch.text_encoders}
+    parts: dict[str, Any] = {name: load_component(pipeline_dir, name, dtype, device, spread) for name in arch.record.text_encoders}
     parts.update(prompt_processors(pipeline_dir, arch))
     from diffusers import SchedulerMixin
 
@@ -357,8 +357,8 @@ def text_pipeline(pipeline_dir: Path, arch: Architecture, dtype: torch.dtype, de
 
 def prompt_processors(pipeline_dir: Path, arch: Architecture) -> dict[str, Any]:
     """The entry's tokenizers and prompt processors (the prompt part's ``processors``) as its text pipeline is given them, by component name."""
-    parts: dict[str, Any] = {name: load_tokenizer(pipeline_dir, name) for name in arch.tokenizers}
-    parts.update({name: arch.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.text.processors})
+    parts: dict[str, Any] = {name: load_tokenizer(pipeline_dir, name) for name in arch.record.tokenizers}
+    parts.update({name: arch.prompts.load_prompt_processor(Path(pipeline_dir), name, parts) for name in arch.record.text.processors})
     return parts
 
 
@@ -374,8 +374,8 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
     kwargs.update(folder.settings(settings))
     kwargs.update(parts)
     kwargs["scheduler"] = scheduler
-    kwargs.update(arch.pipeline_kwargs())
-    pipeline = arch.construct_pipeline(cls, kwargs, folder)
+    kwargs.update(arch.record.pipeline_kwargs)
+    pipeline = arch.assembly.construct_pipeline(cls, kwargs, folder)
     # The VAE is not loaded: the pipeline's default factor (8) would size latents wrongly.
     pipeline.vae_scale_factor = vae_scale_factor(pipeline_dir)
     if hasattr(pipeline, "vae_scale_factor_spatial"):  # video pipelines keep a spatial and a temporal factor
@@ -383,7 +383,7 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
 
         pipeline.vae_scale_factor_spatial = pipeline.vae_scale_factor
         pipeline.vae_scale_factor_temporal = vae_temporal_factor(pipeline_dir)
-        pipeline.video_processor = VideoProcessor(vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
+        pipeline.video_processor = VideoProcessor(vae_scale_factor=arch.record.image_processor_factor(pipeline.vae_scale_factor))
     if hasattr(pipeline, "vae_spatial_compression_ratio"):  # LTX-Video's pipelines name the factors so
         pipeline.vae_spatial_compression_ratio = pipeline.vae_scale_factor
         pipeline.vae_temporal_compression_ratio = vae_temporal_factor(pipeline_dir)
@@ -394,7 +394,7 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
         processor = pipeline.image_processor
         cls = type(processor) if isinstance(processor, VaeImageProcessor) else VaeImageProcessor
         config = processor.config if isinstance(processor, VaeImageProcessor) else {}
-        pipeline.image_processor = cls.from_config(config, vae_scale_factor=arch.image_processor_factor(pipeline.vae_scale_factor))
+        pipeline.image_processor = cls.from_config(config, vae_scale_factor=arch.record.image_processor_factor(pipeline.vae_scale_factor))
     return pipeline
 
 
@@ -433,7 +433,7 @@ def denoising_pipeline(pipeline_dir: Path, arch: Architecture, denoiser, **froze
     ``frozen`` adds the components a pipeline needs besides the denoiser to start sampling
     (image-to-video: the VAE, which encodes the first frame); without, it has no VAE.
     """
-    return _assemble(arch.pipeline(), arch, pipeline_dir, {arch.denoiser: denoiser, **frozen})
+    return _assemble(arch.pipeline(), arch, pipeline_dir, {arch.record.denoiser: denoiser, **frozen})
 
 
 def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -453,4 +453,4 @@ def stack_padded(rows: list[torch.Tensor]) -> torch.Tensor:
 @torch.no_grad()
 def encode_prompts(pipeline, arch: Architecture, prompts: list[str], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Per prompt, the tensors the denoiser is conditioned on, computed by the pipeline's own encode_prompt."""
-    return prompt_rows(arch.encode_prompts(pipeline, prompts, device), len(prompts))
+    return prompt_rows(arch.prompts.encode_prompts(pipeline, prompts, device), len(prompts))

@@ -40,7 +40,7 @@ def denoiser_config_spec(path: Path, config: dict[str, Any], lora: LoraSection |
     arch = architecture_for_denoiser(config["_class_name"])
     entry = {
         "name": path.name,
-        "architecture": arch.name if arch is not None else None,
+        "architecture": arch.record.name if arch is not None else None,
         "family": _denoiser_family(config["_class_name"], arch),
         "resolution": 1024,
         "trained": {"name": path.name, "library": "diffusers", "class": config["_class_name"], "config": config},
@@ -57,7 +57,7 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     if lora is not None:
         named = entry.get("architecture")
         arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
-        auto = arch.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
+        auto = arch.record.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
         lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion", auto)
         _inject_lora(model, lora, auto)
     resolution = int(entry.get("resolution", 1024))
@@ -99,7 +99,7 @@ def _inject_lora(model, lora: LoraSection, auto=None) -> None:
 
 
 def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | None:
-    """The denoiser's activations for one example, traced on inputs its architecture entry makes (``Architecture.trace_inputs``).
+    """The denoiser's activations for one example, traced on inputs its architecture entry makes (``DenoiserCall.trace_inputs``).
 
     The entry says what its denoiser takes, whether its latents have frames (``video``) and the
     prompt length and clip length to trace when the spec does not say (a catalog entry's
@@ -114,9 +114,9 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
         return None
     config, dtype = model.config, torch.bfloat16
     latent = resolution // int(entry.get("vae_factor", 8))
-    frames = int(entry.get("frames", arch.trace_frames)) if arch.video else 1
-    latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.frame_multiple)) + 1
-    text_tokens = int(entry.get("text_tokens", arch.trace_text_tokens()))
+    frames = int(entry.get("frames", arch.record.trace_frames)) if arch.record.video else 1
+    latent_frames = (frames - 1) // int(entry.get("vae_temporal_factor", arch.record.frame_multiple)) + 1
+    text_tokens = int(entry.get("text_tokens", arch.record.trace_text_tokens()))
     from zeropipe.plan import trace_store  # a catalog shape's trace is stored (seconds saved per plan)
 
     key = trace_store.trace_key(model, entry["trained"], resolution, frames, latent, latent_frames, text_tokens)
@@ -124,11 +124,11 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
     if stored is not None:
         return stored
     with torch.device("meta"):
-        inputs = arch.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
+        inputs = arch.call.trace_inputs(config, latent, latent_frames, text_tokens, dtype)
     if inputs is None:
         return None
     trace = trace_diffusion(model, lambda: inputs, resolution, frames=frames)
-    temporal = int(entry.get("vae_temporal_factor", arch.frame_multiple)) if arch.video else 1
+    temporal = int(entry.get("vae_temporal_factor", arch.record.frame_multiple)) if arch.record.video else 1
     trace = replace(trace, text_tokens=text_tokens, vae_factor=int(entry.get("vae_factor", 8)), temporal_factor=temporal)
     if trace_store.RECORDING:
         trace_store.record(key, str(entry.get("name")), trace)
@@ -146,7 +146,7 @@ def _vae_factors(folder: PipelineIndex, arch) -> tuple[int, int]:
 def _denoiser_family(class_name: str, arch) -> str:
     """diffusion_unet or diffusion_transformer: the component its architecture entry trains, else where diffusers keeps the class."""
     if arch is not None:
-        return "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet"
+        return "diffusion_transformer" if arch.record.denoiser == "transformer" else "diffusion_unet"
     module = getattr(_diffusers_class("diffusers", class_name), "__module__", "")
     return "diffusion_unet" if ".unets." in module else "diffusion_transformer"
 
@@ -165,11 +165,11 @@ def _architecture(folder: PipelineIndex):
 
 def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
     """(pixels per latent along a side, frames per latent frame) of a VAE config, read as its architecture reads it."""
-    from zeropipe.families.diffusion.core import Architecture
+    from zeropipe.families.diffusion.parts import ImageLatents
 
     if arch is not None:
-        return arch.vae_factors(config)
-    return Architecture.vae_factors(None, config)  # the generic reading: video VAEs say both, image VAEs halve per block
+        return arch.record.codec.vae_factors(config)
+    return ImageLatents().vae_factors(config)  # the generic reading: video VAEs say both, image VAEs halve per block
 
 
 def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
@@ -191,7 +191,7 @@ def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: 
     vae_factor, vae_temporal_factor = _vae_factors(folder, arch)
     entry = {
         "name": path.name,
-        "architecture": getattr(arch, "name", None),
+        "architecture": arch.record.name if arch is not None else None,
         "family": family,
         "resolution": resolution,
         "vae_factor": vae_factor,

@@ -63,7 +63,7 @@ class DiffusionPlan:
     missing_latents: list[int]  # items whose latents the node's setup process encodes before the ranks start (fill_caches)
     prompts: list[str]
     bad_images: list[str]
-    # The prompt part's (``arch.text``): caption -> cache key, and the captions the node's setup encodes.
+    # The prompt part's (``arch.record.text``): caption -> cache key, and the captions the node's setup encodes.
     text_keys: dict[str, str] = field(default_factory=dict)
     missing_texts: list[str] = field(default_factory=list)
     video: bool = False  # latents have a time axis; items are clips
@@ -82,7 +82,7 @@ class DiffusionPlan:
 
     def __post_init__(self):
         if not self.denoiser:  # a plan written before experts: the architecture's own
-            self.denoiser = architecture_named(self.architecture).denoiser
+            self.denoiser = architecture_named(self.architecture).record.denoiser
 
     def write(self, run: RunDir) -> None:
         run.data.mkdir(exist_ok=True)
@@ -95,7 +95,7 @@ def read_plan(run: RunDir) -> DiffusionPlan:
 
 def planned_conditions(arch: Any, folder: PipelineFolder, plan: DiffusionPlan) -> list[Any]:
     """The conditions the launcher's data step chose for the run (``DiffusionPlan.conditions``; for a plan from before it, those the folder has)."""
-    return [condition for condition in arch.conditions if condition.active(folder) and (plan.conditions is None or condition.entry in plan.conditions)]
+    return [condition for condition in arch.record.conditions if condition.active(folder) and (plan.conditions is None or condition.entry in plan.conditions)]
 
 
 def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> PreparedData:
@@ -106,7 +106,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed, progress=run.write_progress)
         notes.append(f"built the {config.model.config['pipeline']} pipeline with random weights in {pipeline_dir}")
     arch = architecture_of(pipeline_dir)
-    codec = arch.codec
+    codec = arch.record.codec
     problems = part_problems(config, arch)
     if problems:
         raise ConfigError(problems)
@@ -133,16 +133,16 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         notes.append(f"{len(scan.missing_captions)} image(s) have no caption file and train on the empty caption (e.g. {scan.missing_captions[0]})")
 
     # Bucket sides must give whole latents, and whole patches for the transformers.
-    factor = vae_scale_factor(pipeline_dir) * arch.patch_factor
+    factor = vae_scale_factor(pipeline_dir) * arch.record.patch_factor
     if images.bucket_step % factor or images.resolution % factor:
         raise ConfigError(
-            [("data.images.bucket_step", f"{images.bucket_step} (and the resolution {images.resolution}) must be multiples of {factor} for this {arch.name} pipeline")]
+            [("data.images.bucket_step", f"{images.bucket_step} (and the resolution {images.resolution}) must be multiples of {factor} for this {arch.record.name} pipeline")]
         )
     buckets = make_buckets(images.resolution, images.bucket_step, images.max_aspect) if images.bucketing else [(images.resolution, images.resolution)]
     items = [{**asdict(item), "path": str(item.path)} for item in scan.items]
     items, held_out = held_out_items(config, codec, items, notes)
     item_buckets = [assign_bucket(item["width"], item["height"], buckets) for item in items]
-    items, item_buckets, fps, sample_frames, clip_notes = codec.take_clips(config, arch.name, items, item_buckets)
+    items, item_buckets, fps, sample_frames, clip_notes = codec.take_clips(config, arch.record.name, items, item_buckets)
     notes += clip_notes
     # Held-out items are planned and cached as the others, and never trained on (no repeats).
     eval_items = [index for index, item in enumerate(items) if item["path"] in held_out]
@@ -181,11 +181,11 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
     if config.data.cache.latents:
         reused = len(items) - len(missing_latents)
         notes.append(f"latent cache {cache_dir}: {reused} of {len(items)} {codec.noun} cached already, {len(missing_latents)} to encode")
-    fields.update(arch.text.plan_fields(planning))
+    fields.update(arch.record.text.plan_fields(planning))
 
     plan = DiffusionPlan(
         pipeline_dir=str(pipeline_dir.resolve()),
-        architecture=arch.name,
+        architecture=arch.record.name,
         image_dir=str(image_dir),
         cache_dir=str(cache_dir),
         items=items,
@@ -204,7 +204,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         eval_items=eval_items,
         **fields,
     )
-    texts_missing = arch.text.missing(plan)
+    texts_missing = arch.record.text.missing(plan)
     if config.data.cache.latents and config.data.cache.text and not missing_latents and not texts_missing:
         notes.append("caches complete: the training ranks will not load the VAE or the text encoders")
     plan.write(run)
@@ -258,15 +258,15 @@ def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]
     """
     section = config.model.diffusion
     if section.expert is None:
-        return arch.denoiser
+        return arch.record.denoiser
     folder = read_pipeline_index(pipeline_dir)
-    second = f"{arch.denoiser}_2"
+    second = f"{arch.record.denoiser}_2"
     boundary = folder.setting("boundary_ratio")
     if boundary is None or not folder.component(second)[0] or not (pipeline_dir / second).is_dir():
         raise ConfigError([(
             "model.diffusion.expert",
             (
-                f"{pipeline_dir} has one {arch.denoiser} (no {second}/ folder and boundary_ratio in model_index.json, as Wan 2.2 A14B has): "
+                f"{pipeline_dir} has one {arch.record.denoiser} (no {second}/ folder and boundary_ratio in model_index.json, as Wan 2.2 A14B has): "
                 "remove expert to train it on every timestep, or point model.path at a Wan 2.2 A14B directory"
             ),
         )])
@@ -276,12 +276,12 @@ def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]
             section.min_t = boundary
         elif section.min_t < boundary:
             raise ConfigError([("model.diffusion.min_t", f"{section.min_t} reaches below the boundary {boundary}, where the low-noise expert ({second}) denoises: raise it to {boundary} or leave it out")])
-        folder = arch.denoiser
+        folder = arch.record.denoiser
     else:
         if section.max_t == 1:
             section.max_t = boundary
         elif section.max_t > boundary:
-            raise ConfigError([("model.diffusion.max_t", f"{section.max_t} reaches above the boundary {boundary}, where the high-noise expert ({arch.denoiser}) denoises: lower it to {boundary} or leave it out")])
+            raise ConfigError([("model.diffusion.max_t", f"{section.max_t} reaches above the boundary {boundary}, where the high-noise expert ({arch.record.denoiser}) denoises: lower it to {boundary} or leave it out")])
         folder = second
     notes.append(f"training the {section.expert.replace('_', '-')} expert ({folder}/) on noise levels {section.min_t:g} to {section.max_t:g} (the pipeline's boundary: {boundary:g})")
     return folder
@@ -289,7 +289,7 @@ def resolve_expert(config: RunConfig, arch, pipeline_dir: Path, notes: list[str]
 
 def load_item_pixels(plan: DiffusionPlan, index: int, bucket: tuple[int, ...], crop: str, flip: bool, rng=None) -> PreparedImage:
     """An item's pixels at its bucket: an image (3, H, W), or for video models a clip (3, T, H, W) (an image is one frame)."""
-    return architecture_named(plan.architecture).codec.load_pixels(plan, index, bucket, crop, flip, rng)
+    return architecture_named(plan.architecture).record.codec.load_pixels(plan, index, bucket, crop, flip, rng)
 
 
 def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -> None:
@@ -341,10 +341,10 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
                         log.warning("skipping %s: %s", plan.items[index]["path"], err)
                 if not prepared:
                     continue
-                pixels = arch.codec.vae_pixels(torch.stack([image.pixels for image in prepared]))
-                means, stds = arch.codec.encode(vae, pixels)
+                pixels = arch.record.codec.vae_pixels(torch.stack([image.pixels for image in prepared]))
+                means, stds = arch.record.codec.encode(vae, pixels)
                 values = [
-                    condition.encode(Encoding(vae, pixels, [row[number] for row in loaded], encoder, arch.codec, device))
+                    condition.encode(Encoding(vae, pixels, [row[number] for row in loaded], encoder, arch.record.codec, device))
                     for number, (condition, encoder) in enumerate(zip(conditions, encoders))
                 ]
                 for position, (key, image, mean, std) in enumerate(zip(keys, prepared, means, stds)):
@@ -356,10 +356,10 @@ def fill_caches(run: RunDir, device: torch.device, encoder_dtype: torch.dtype) -
         del vae, encoders
     run.write_progress("encoding the captions with the text encoders")
     # The ranks are not started yet: a text encoder larger than the first GPU may spread over all of them.
-    texts = arch.text.fill_cache(plan, arch, lambda: text_pipeline(pipeline_dir, arch, encoder_dtype, device, spread=True), device, cache_dir)
+    texts = arch.record.text.fill_cache(plan, arch, lambda: text_pipeline(pipeline_dir, arch, encoder_dtype, device, spread=True), device, cache_dir)
     log.info(
         "caches filled: %d %s and %d caption(s) encoded on %s (text encoders in %s)%s",
-        len(plan.missing_latents) - len(skipped), arch.codec.noun, texts, device, str(encoder_dtype).removeprefix("torch."),
+        len(plan.missing_latents) - len(skipped), arch.record.codec.noun, texts, device, str(encoder_dtype).removeprefix("torch."),
         f"; {len(skipped)} unreadable now and skipped" if skipped else "",
     )
 
@@ -387,4 +387,4 @@ def crop_name(conditions, flip: bool) -> str:
 
 def video_clips(config: RunConfig, arch, items: list[dict[str, Any]], item_buckets: list[tuple[int, int]]):
     """The clips a video model trains on (its codec's ``take_clips``): (clip items, their buckets, the frame rate, the sample length, notes)."""
-    return arch.codec.take_clips(config, arch.name, items, item_buckets)
+    return arch.record.codec.take_clips(config, arch.record.name, items, item_buckets)

@@ -82,9 +82,9 @@ def denoiser_heads(arch: Any, config: Any) -> int | None:
         if section.config is not None and "pipeline" in section.config:
             from zeropipe.families.diffusion.pipelines import preset_components
 
-            fields = preset_components(section.config)[1].get(arch.denoiser, {})
+            fields = preset_components(section.config)[1].get(arch.record.denoiser, {})
         elif section.path:
-            fields = read_pipeline_index(section.path).component_config(arch.denoiser)
+            fields = read_pipeline_index(section.path).component_config(arch.record.denoiser)
     except (OSError, ValueError, Exception):  # noqa: BLE001 - the family's own checks report an unreadable model
         return None
     if "num_attention_heads" in fields:
@@ -104,12 +104,12 @@ def run_problems(arch: Any, config: Any, size: int) -> list[tuple[str, str, str]
     name = cls.__name__
     accepted = ", ".join(entries_with_plan())
     if name in REFUSED:
-        return [(key, f"the {arch.name} entry's denoiser ({name}) does not train with sequence parallelism: {REFUSED[name]}; entries that do: {accepted}", off)]
+        return [(key, f"the {arch.record.name} entry's denoiser ({name}) does not train with sequence parallelism: {REFUSED[name]}; entries that do: {accepted}", off)]
     if not has_plan(cls):
-        return [(key, f"the {arch.name} entry's denoiser ({name}) has no context-parallel plan (_cp_plan) in diffusers {diffusers.__version__}, "
+        return [(key, f"the {arch.record.name} entry's denoiser ({name}) has no context-parallel plan (_cp_plan) in diffusers {diffusers.__version__}, "
                  f"which is how ZeRO-Pipe splits a diffusion model's tokens; entries whose denoiser has one: {accepted}", off)]
     if name not in VERIFIED:
-        return [(key, f"the {arch.name} entry's denoiser ({name}) has a context-parallel plan that ZeRO-Pipe has not verified against the unsplit "
+        return [(key, f"the {arch.record.name} entry's denoiser ({name}) has a context-parallel plan that ZeRO-Pipe has not verified against the unsplit "
                  f"model; entries verified: {accepted}", off)]
     heads = denoiser_heads(arch, config)
     if heads is not None and heads % size:

@@ -28,19 +28,19 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
         spec = _pipeline_spec(folder, section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
     else:
         arch, components = preset_components(section.config or {})
-        trained = {"name": arch.denoiser, "library": "diffusers", "class": arch.denoiser_class, "config": components[arch.denoiser]}
-        frozen = [{"name": "vae", "library": "diffusers", "class": arch.vae_class, "config": components["vae"]}]
-        for name in arch.text_encoders:
+        trained = {"name": arch.record.denoiser, "library": "diffusers", "class": arch.record.denoiser_class, "config": components[arch.record.denoiser]}
+        frozen = [{"name": "vae", "library": "diffusers", "class": arch.record.vae_class, "config": components["vae"]}]
+        for name in arch.record.text_encoders:
             fields = dict(components[name])
             cls = fields.pop("class")
             fields["model_type"] = _text_encoder_model_type(cls)
             frozen.append({"name": name, "library": "transformers", "class": cls, "config": fields})
         factor, temporal = vae_factors(components["vae"], arch)
         entry = {
-            **arch.codec.planned_shape(data.video.frame_buckets, arch.tokenizer_length(arch.tokenizers[0]) if arch.tokenizers else arch.trace_text_tokens()),
+            **arch.record.codec.planned_shape(data.video.frame_buckets, arch.record.tokenizer_length(arch.record.tokenizers[0]) if arch.record.tokenizers else arch.record.trace_text_tokens()),
             "vae_temporal_factor": temporal,
             "name": section.config["pipeline"],
-            "family": "diffusion_transformer" if arch.denoiser == "transformer" else "diffusion_unet",
+            "family": "diffusion_transformer" if arch.record.denoiser == "transformer" else "diffusion_unet",
             "resolution": data.images.resolution,
             "vae_factor": factor,
             "trained": trained,

@@ -119,13 +119,13 @@ class DiffusionTask(TaskDefaults):
         if not self.config.data.cache.text:
             self.text_encoders = text_pipeline(self.pipeline_dir, self.arch, self.encoder_dtype, self.device)
         scheduler_config = self.folder.files.scheduler_config()
-        objective = DDPMObjective if self.arch.objective == "ddpm" else FlowObjective
+        objective = DDPMObjective if self.arch.record.objective == "ddpm" else FlowObjective
         self.objective = objective(scheduler_config, self.config.model.diffusion)
 
     @property
     def original_lora_layout(self):
         """The entry's original (ComfyUI) LoRA layout: model.lora.init_from reads those names back (models.adapter_init)."""
-        return self.arch.original_lora_layout
+        return self.arch.layouts.original_lora_layout
 
     def build_model(self) -> tuple[torch.nn.Module, dict[str, Any]]:
 
@@ -139,7 +139,7 @@ class DiffusionTask(TaskDefaults):
         single_file = self.config.model.diffusion.denoiser_file
         if single_file:  # an original/ComfyUI-layout file: the directory gives the config, the file the weights
             weights = Path(single_file).expanduser()
-            rename = single_file_renamer(self.arch.denoiser_class, weights)
+            rename = single_file_renamer(self.arch.record.denoiser_class, weights)
         quant = self.config.model.quantization
         model = load_pretrained(
             construct, weights, dtype=self.compute_dtype, zero_stage=self.plan.zero_stage, ds_config=self.trainer.ds_config, stem="diffusion_pytorch_model", rename=rename,
@@ -154,7 +154,7 @@ class DiffusionTask(TaskDefaults):
             # peft gathers a ZeRO-3 partitioned base layer where an adapter's initialisation reads it (DoRA's
             # weight norms) only while transformers knows the run is ZeRO-3: its config kept alive around the call.
             zero3 = hf_zero3_config(self.trainer.ds_config, self.plan.zero_stage)
-            model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, self.arch.lora_targets), gaussian_init=True))
+            model.add_adapter(peft_adapter_config(lora, resolve_lora_targets(lora, self.arch.record.lora_targets), gaussian_init=True))
             del zero3
             for param in model.parameters():
                 if param.requires_grad:
@@ -165,7 +165,7 @@ class DiffusionTask(TaskDefaults):
 
             self.trainer.mpu = sequence_parallel.enable_for_run(model, self.trainer)
         trainable, total = count_parameters(model)
-        log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.name, self.data.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+        log.info("%s %s: %s parameters, %s trainable (%.2f%%)", self.arch.record.name, self.data.denoiser, f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         return model, {"trainable": trainable, "total": total}
 
     def after_initialize(self) -> None:
@@ -198,8 +198,8 @@ class DiffusionTask(TaskDefaults):
         if self.trainer.sequence_parallel > 1:  # the group's loss of its one micro-batch, counted once (sequence_parallel.py)
             from zeropipe.families.diffusion import sequence_parallel
 
-            return sequence_parallel.group_loss(self, lambda: self.arch.loss(self.engine, noised, condition, self.predict_context), noised.model_input, len(indices))
-        return self.arch.loss(self.engine, noised, condition, self.predict_context), 0.0, float(len(indices))
+            return sequence_parallel.group_loss(self, lambda: self.arch.call.loss(self.engine, noised, condition, self.predict_context), noised.model_input, len(indices))
+        return self.arch.call.loss(self.engine, noised, condition, self.predict_context), 0.0, float(len(indices))
 
     def assemble(self, indices: list[int], augment: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Latents and conditioning of a micro-batch: from the caches, or encoded now (one encoder call per micro-batch) when they are off."""
@@ -220,15 +220,15 @@ class DiffusionTask(TaskDefaults):
             chosen.append(index)
             dropped_flags.append(dropped)
         if not self.config.data.cache.latents:  # pixels of one bucket: one VAE call for the micro-batch
-            pixels = self.arch.codec.vae_pixels(torch.stack([source for source, _ in distributions]))
-            means, stds = self.arch.codec.encode(self.vae, pixels)
+            pixels = self.arch.record.codec.vae_pixels(torch.stack([source for source, _ in distributions]))
+            means, stds = self.arch.record.codec.encode(self.vae, pixels)
             values = [
-                condition.encode(Encoding(self.vae, pixels, [loaded[number] for _, loaded in distributions], None, self.arch.codec, self.device))
+                condition.encode(Encoding(self.vae, pixels, [loaded[number] for _, loaded in distributions], None, self.arch.record.codec, self.device))
                 for number, condition in enumerate(self.conditions)
             ]
             distributions = [(mean, std, [value[position] for value in values]) for position, (mean, std) in enumerate(zip(means, stds))]
         latents = [mean + std * torch.randn(mean.shape) for mean, std, _ in distributions]
-        condition = self.arch.text.batch(self, texts, chosen, dropped_flags)
+        condition = self.arch.record.text.batch(self, texts, chosen, dropped_flags)
         condition["time_ids"] = torch.stack(time_ids).to(self.device, self.compute_dtype)
         batch = Inputs(self.device, self.compute_dtype, self.normalize)
         for number, part in enumerate(self.conditions):  # each condition's cached values -> its denoiser inputs
@@ -237,7 +237,7 @@ class DiffusionTask(TaskDefaults):
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         """VAE latents -> what the denoiser sees: the codec's layout, normalised, in the compute dtype."""
-        return normalize_latents(self.arch.codec.from_vae(latents), self.latent_shift, self.latent_scale).to(self.compute_dtype)
+        return normalize_latents(self.arch.record.codec.from_vae(latents), self.latent_shift, self.latent_scale).to(self.compute_dtype)
 
     def image_source(self, index: int, flip: bool) -> tuple[Any, torch.Tensor]:
         """What one image contributes before its latents are drawn, and its SDXL size conditioning.
@@ -301,7 +301,7 @@ class DiffusionTask(TaskDefaults):
 
     def predict(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
         """The denoiser's output for a batch, called as the architecture's pipeline calls it."""
-        return self.arch.predict(self.engine, model_input, timesteps, condition, self.predict_context)
+        return self.arch.call.predict(self.engine, model_input, timesteps, condition, self.predict_context)
 
     @torch.no_grad()
     def fixed_batch_loss(self) -> float:
@@ -323,7 +323,7 @@ class DiffusionTask(TaskDefaults):
         noised = self.objective.noise(latents, generator=generator)
         was_training = self.engine.module.training
         self.engine.module.eval()
-        loss = self.arch.loss(self.engine, noised, condition, self.predict_context).float()
+        loss = self.arch.call.loss(self.engine, noised, condition, self.predict_context).float()
         if was_training:
             self.engine.module.train()
         torch.set_rng_state(state[0])
@@ -409,11 +409,11 @@ class DiffusionTask(TaskDefaults):
             return
         generate = self.config.generate
         size = self.images.resolution
-        condition, negative = self.arch.text.samples(self, prompts)
+        condition, negative = self.arch.record.text.samples(self, prompts)
         module = self.engine.module
         was_training = module.training
         module.eval()
-        codec = self.arch.codec
+        codec = self.arch.record.codec
         sampling = Sampling(prompts, size, codec.sample_bucket(size), self.data, self.folder, self.device, self.load_pixels, self.sampling_vae)
         parts = [codec, *self.conditions]
         frozen: dict[str, Any] = {}
@@ -423,7 +423,7 @@ class DiffusionTask(TaskDefaults):
         kwargs: dict[str, Any] = {
             "height": size, "width": size, "num_inference_steps": generate.sample_steps,
             "generator": torch.Generator().manual_seed(generate.sample_seed), "output_type": "latent", "return_dict": False,
-            **self.arch.sample_kwargs(condition, negative, generate.guidance_scale, self.config.model.diffusion.guidance),
+            **self.arch.sampling.sample_kwargs(condition, negative, generate.guidance_scale, self.config.model.diffusion.guidance),
             **codec.sample_kwargs(self.data),
         }
         per_prompt: list[dict[str, Any]] | None = None
@@ -441,11 +441,11 @@ class DiffusionTask(TaskDefaults):
             row["weights"] = "ema" if from_ema else "trained"
         with self.trainer.sampling_weights():
             if per_prompt is not None:  # a part gives each prompt its own arguments (a control image): one call per prompt
-                drawn = [self.arch.sample_outputs(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)]
+                drawn = [self.arch.sampling.sample_outputs(pipeline, {**one_prompt(kwargs, number, len(prompts)), **extra}) for number, extra in enumerate(per_prompt)]
                 latents = torch.cat([latent for latent, _ in drawn])
                 outputs = {name: torch.cat([other[name] for _, other in drawn]) for name in drawn[0][1]}
             else:
-                latents, outputs = self.arch.sample_outputs(pipeline, kwargs)
+                latents, outputs = self.arch.sampling.sample_outputs(pipeline, kwargs)
         if was_training:
             module.train()
         if self.rank != 0:
@@ -453,7 +453,7 @@ class DiffusionTask(TaskDefaults):
                 self.vae = None
                 release_memory()
             return
-        latents = self.arch.unpack_latents(pipeline, latents, size, self.vae_factor)
+        latents = self.arch.sampling.unpack_latents(pipeline, latents, size, self.vae_factor)
         decoded = codec.vae_images(codec.decode(self.sampling_vae(), denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)))
         pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"

@@ -59,7 +59,7 @@ def item_losses(task: Any, index: int, position: int) -> list[float]:
         losses = []
         for quantile in EVAL_QUANTILES:
             noised = task.objective.noise(latents, generator=generator, quantiles=torch.tensor([quantile], dtype=torch.float64))
-            losses.append(float(task.arch.loss(task.engine, noised, condition, task.predict_context).float()))
+            losses.append(float(task.arch.call.loss(task.engine, noised, condition, task.predict_context).float()))
     random.setstate(python_state)
     return losses
 

@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.sampler import denoise
 from zeropipe.families.diffusion.parts.latents import CosmosLatents
 from zeropipe.families.diffusion.tiny.components import tiny_t5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
@@ -129,7 +130,8 @@ def draw_latents(
         scheduler.sigmas[-1] = scheduler.sigmas[-2]
     latents = pipeline.prepare_latents(prompt_embeds.shape[0], transformer.config.in_channels, height, width, 1, torch.float32, device, generator)
     padding_mask = latents.new_zeros(1, 1, height, width, dtype=dtype)
-    for index, step in enumerate(timesteps):
+
+    def model_output(index, step, latents):
         sigma = scheduler.sigmas[index]
         t = sigma / (sigma + 1)
         timestep = t.expand(latents.shape[0]).to(dtype)
@@ -138,8 +140,9 @@ def draw_latents(
         if guided:
             unconditional = _denoised(transformer, model_input, timestep, negative_prompt_embeds, padding_mask, latents, t, dtype)
             prediction = prediction + guidance_scale * (prediction - unconditional)
-        latents = scheduler.step((latents - prediction) / sigma, step, latents, return_dict=False)[0]
-    return latents
+        return (latents - prediction) / sigma
+
+    return denoise(scheduler, latents, timesteps, model_output)
 
 
 def _denoised(transformer, model_input, timestep, embeds, padding_mask, latents, t, dtype) -> torch.Tensor:
@@ -149,7 +152,7 @@ def _denoised(transformer, model_input, timestep, embeds, padding_mask, latents,
 
 
 @dataclass(frozen=True)
-class CosmosPredict2(Architecture):
+class CosmosPredict2(LegacyEntry):
     def pipeline_kwargs(self):
         return {"safety_checker": GuardrailNotLoaded()}
 

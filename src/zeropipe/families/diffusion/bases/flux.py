@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import clip_text, tiny_t5, tiny_vae
 
 
-@dataclass(frozen=True)
-class Flux(Architecture):
-    def image_processor_factor(self, vae_factor):
-        return vae_factor * 2  # latents are packed 2x2 into tokens
-
+class FluxPrompts(PromptEncoding):
     def encode_prompts(self, pipeline, prompts, device):
         max_length = min(pipeline.tokenizer_2.model_max_length, 512)
         embeds, pooled, _ = pipeline.encode_prompt(prompt=prompts, prompt_2=None, device=device, max_sequence_length=max_length)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+class FluxCall(DenoiserCall):
+    """Flux.1's transformer on 2x2-packed latents; its ``predict`` reads the model's config (guidance-distilled or not), so it is written whole."""
 
     def predict(self, model, model_input, timesteps, condition, context):
         from diffusers import FluxPipeline
@@ -44,16 +43,6 @@ class Flux(Architecture):
             return None
         return torch.full((batch,), context.guidance, device=context.device, dtype=torch.float32)
 
-    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
-        # Flux.1 dev is guidance-distilled: the guidance goes into the model, no negative prompt.
-        return {"prompt_embeds": condition["prompt_embeds"], "pooled_prompt_embeds": condition["pooled_prompt_embeds"], "guidance_scale": guidance}
-
-    def unpack_latents(self, pipeline, latents, size, vae_factor):
-        return pipeline._unpack_latents(latents, size, size, vae_factor)
-
-    def trace_text_tokens(self):
-        return 512  # T5's full length, as Flux.1's pipeline pads prompts (a tiny tokenizer says fewer)
-
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         tokens = (latent_side // 2) ** 2  # 2x2 latent patches
         return {
@@ -67,26 +56,42 @@ class Flux(Architecture):
         }
 
 
-ARCHITECTURE = Flux(
-    name="flux",
-    pipeline_class="FluxPipeline",
-    related_pipelines=("FluxImg2ImgPipeline",),
-    denoiser="transformer",
-    denoiser_class="FluxTransformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder", "text_encoder_2"),
-    tokenizers=("tokenizer", "tokenizer_2"),
-    patch_factor=2,
-    codec=ImageLatents(shifted=True),
-    preset_name="tiny-flux",
-    preset={
-        "transformer": {
-            "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
-            "num_attention_heads": 2, "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "guidance_embeds": False,
+class FluxSampling(Sampling):
+    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
+        # Flux.1 dev is guidance-distilled: the guidance goes into the model, no negative prompt.
+        return {"prompt_embeds": condition["prompt_embeds"], "pooled_prompt_embeds": condition["pooled_prompt_embeds"], "guidance_scale": guidance}
+
+    def unpack_latents(self, pipeline, latents, size, vae_factor):
+        return pipeline._unpack_latents(latents, size, size, vae_factor)
+
+
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="flux",
+        pipeline_class="FluxPipeline",
+        related_pipelines=("FluxImg2ImgPipeline",),
+        denoiser="transformer",
+        denoiser_class="FluxTransformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        patch_factor=2,
+        codec=ImageLatents(shifted=True),
+        preset_name="tiny-flux",
+        preset={
+            "transformer": {
+                "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+                "num_attention_heads": 2, "joint_attention_dim": 64, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "guidance_embeds": False,
+            },
+            "vae": tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
+            "text_encoder": {"class": "CLIPTextModel", **clip_text()},
+            "text_encoder_2": tiny_t5(),
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
         },
-        "vae": tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
-        "text_encoder": {"class": "CLIPTextModel", **clip_text()},
-        "text_encoder_2": tiny_t5(),
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
-    },
+        image_processor_patch=2,  # latents are packed 2x2 into tokens
+        trace_tokens=512,  # T5's full length, as Flux.1's pipeline pads prompts (a tiny tokenizer says fewer)
+    ),
+    call=FluxCall(),
+    prompts=FluxPrompts(),
+    sampling=FluxSampling(),
 )

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import Architecture, original_layout_name
+from zeropipe.families.diffusion.core import original_layout_name
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import ReferenceImages
 from zeropipe.families.diffusion.parts.latents import Flux2Latents
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_transformer, tiny_flux2_vae, tiny_mistral3
@@ -130,7 +131,7 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Flux2(Architecture):
+class Flux2(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 512  # the pipelines' max_sequence_length: every prompt is padded to it
 

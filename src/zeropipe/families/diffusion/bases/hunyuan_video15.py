@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts.latents import HunyuanVideo15Latents
 from zeropipe.families.diffusion.tiny.components import tiny_byt5, tiny_qwen_text
 from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
@@ -50,7 +50,7 @@ def text_to_video_inputs(latents: torch.Tensor, semantic_dim: int) -> dict[str, 
 
 
 @dataclass(frozen=True)
-class HunyuanVideo15(Architecture):
+class HunyuanVideo15(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return GLYPH_TOKENS if tokenizer == "tokenizer_2" else PROMPT_TOKENS + TEMPLATE_START
 

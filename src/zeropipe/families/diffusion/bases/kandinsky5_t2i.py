@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts.latents import KandinskyLatents
 from zeropipe.families.diffusion.tiny.components import clip_text, tiny_qwen2_5_vl, tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, character_tokenizer
@@ -50,7 +50,7 @@ def prompt_lengths(mask: torch.Tensor) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Kandinsky5T2I(Architecture):
+class Kandinsky5T2I(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 77 if tokenizer == "tokenizer_2" else 512
 

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts.latents import LTXVideoLatents
 from zeropipe.families.diffusion.tiny.components import tiny_t5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
 
 @dataclass(frozen=True)
-class LTXVideo(Architecture):
+class LTXVideo(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 128  # LTXPipeline's max_sequence_length
 

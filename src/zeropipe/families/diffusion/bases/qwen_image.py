@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts.latents import QwenImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_qwen2_5_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
@@ -35,7 +35,7 @@ def prompt_mask(embeds: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 
 
 @dataclass(frozen=True)
-class QwenImage(Architecture):
+class QwenImage(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 256
 

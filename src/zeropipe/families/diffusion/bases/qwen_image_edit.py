@@ -31,6 +31,7 @@ import torch
 from zeropipe.families.diffusion.bases.qwen_image import ARCHITECTURE as QWEN_IMAGE
 from zeropipe.families.diffusion.bases.qwen_image import QwenImage, prompt_mask
 from zeropipe.families.diffusion.parts import ControlImage, PromptWithControlImage
+from zeropipe.families.diffusion.sampler import denoise
 from zeropipe.families.diffusion.tiny.tokenizers import CHARACTERS, CHAT_TOKENS, tiny_edit_tokenizer, VISION_TOKENS
 
 
@@ -116,7 +117,7 @@ class QwenImageEdit(QwenImage):
 
     @torch.no_grad()
     def call_pipeline(self, pipeline, kwargs):
-        """QwenImageEditPipeline's denoising loop with the control image at the sample size.
+        """QwenImageEditPipeline's denoising steps, in the shared loop (``sampler.denoise``), with the control image at the sample size.
 
         The pipeline's own call resizes the control image to about a megapixel whatever the
         output size (``calculate_dimensions(1024 * 1024, ...)``): that is training's size only
@@ -147,21 +148,22 @@ class QwenImageEdit(QwenImage):
         pipeline.scheduler.set_begin_index(0)
         scale = kwargs["true_cfg_scale"]
 
-        def predict(prompt, prompt_mask, t):
+        def predict(prompt, prompt_mask, t, latents):
             out = pipeline.transformer(
                 hidden_states=torch.cat([latents, control], dim=1), timestep=t.expand(1).to(dtype) / 1000, encoder_hidden_states=prompt,
                 encoder_hidden_states_mask=prompt_mask, img_shapes=[[grid, grid]], return_dict=False,
             )[0]
             return out[:, : latents.shape[1]]
 
-        for t in timesteps:
-            prediction = predict(embeds, mask, t)
+        def model_output(index, t, latents):
+            prediction = predict(embeds, mask, t, latents)
             if scale > 1:  # the pipeline's true classifier-free guidance, rescaled to the conditional prediction's norm
-                negative = predict(kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"], t)
+                negative = predict(kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"], t, latents)
                 combined = negative + scale * (prediction - negative)
                 prediction = combined * (prediction.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
-            latents = pipeline.scheduler.step(prediction, t, latents, return_dict=False)[0]
-        return latents
+            return prediction
+
+        return denoise(pipeline.scheduler, latents, timesteps, model_output)
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
         inputs = super().trace_inputs(config, latent, latent_frames, text_tokens, dtype)

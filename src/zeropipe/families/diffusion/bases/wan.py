@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import PerChannelVideoLatents
 from zeropipe.families.diffusion.tiny.components import tiny_umt5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
@@ -45,7 +45,7 @@ def original_module_name(module: str) -> str:
 
 
 @dataclass(frozen=True)
-class Wan(Architecture):
+class Wan(LegacyEntry):
     def pipeline_kwargs(self):
         # A pipeline built here holds one transformer, the one trained (an A14B expert too): with
         # model_index.json's boundary_ratio it would hand the low noise levels to a transformer_2

@@ -1,12 +1,11 @@
 """Diffusion architectures: one module each, and the registry that finds them.
 
-An architecture says everything that differs between, say, SDXL and Flux: which diffusers
-pipeline class it is, which component is trained (UNet or transformer) and how it is called,
-how prompts are encoded, which objective it trains with, how its latents are packed, which
-arguments its pipeline takes when sampling, and its tiny preset for tests and demos.
-Everything else (caches, buckets, training loop, export) is shared and asks the
-architecture. Adding one is a module here plus a line in :data:`BUILTIN`; see
-docs/architecture.md.
+An entry (``core.Architecture``) is a declared record (which diffusers pipeline class it is, which
+component is trained, its objective, parts, LoRA targets and tiny preset) and roles for the code that
+differs (how the denoiser is called, how prompts are encoded, how samples are drawn, the original LoRA
+layout). Everything else (caches, buckets, training loop, export) is shared and asks the entry.
+Adding one is a module here plus a line in :data:`BUILTIN`; see docs/architecture.md. An entry in the
+old shape (``legacy.LegacyEntry``) is converted when it registers.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any
 
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.errors import ConfigError
-from zeropipe.families.diffusion.core import Architecture, PredictContext
+from zeropipe.families.diffusion.core import Architecture, PredictContext, Record
 
 # The modules that hold the built-in architectures, each defining ARCHITECTURE.
 BUILTIN = (
@@ -45,8 +44,16 @@ def register(architecture: Architecture) -> Architecture:
     Architectures outside this package register from a plug-in module (see zeropipe.families).
     """
     _load_builtin()
-    _REGISTRY[architecture.name] = architecture
+    architecture = as_entry(architecture)
+    _REGISTRY[architecture.record.name] = architecture
     return architecture
+
+
+def as_entry(architecture) -> Architecture:
+    """An entry in today's shape; one written in the old shape (``legacy.LegacyEntry``, a plug-in's) is converted by its ``entry()``."""
+    from zeropipe.families.diffusion.legacy import LegacyEntry
+
+    return architecture.entry() if isinstance(architecture, LegacyEntry) else architecture
 
 
 def unregister(name: str) -> None:
@@ -58,8 +65,8 @@ def _load_builtin() -> None:
     if not _loaded:
         _loaded = True
         for module in BUILTIN:
-            arch = importlib.import_module(f"{__name__}.{module}").ARCHITECTURE
-            _REGISTRY.setdefault(arch.name, arch)
+            arch = as_entry(importlib.import_module(f"{__name__}.{module}").ARCHITECTURE)
+            _REGISTRY.setdefault(arch.record.name, arch)
 
 
 def architectures() -> dict[str, Architecture]:
@@ -84,8 +91,8 @@ def architecture_for_pipeline(class_name: str | None, index: Mapping[str, Any] |
     """
     _load_builtin()
     for arch in reversed(list(_REGISTRY.values())):
-        named = class_name == arch.pipeline_class or class_name in arch.related_pipelines
-        if named and all((index or {}).get(key) == value for key, value in arch.pipeline_settings):
+        named = class_name == arch.record.pipeline_class or class_name in arch.record.related_pipelines
+        if named and all((index or {}).get(key) == value for key, value in arch.record.pipeline_settings):
             return arch
     return None
 
@@ -99,17 +106,17 @@ def architecture_for_denoiser(class_name: str) -> Architecture | None:
     replaces a built-in under its name keeps the built-in's place.
     """
     _load_builtin()
-    return next((arch for arch in _REGISTRY.values() if arch.denoiser_class == class_name), None)
+    return next((arch for arch in _REGISTRY.values() if arch.record.denoiser_class == class_name), None)
 
 
 def architecture_for_preset(preset: str) -> Architecture | None:
     _load_builtin()
-    return next((arch for arch in _REGISTRY.values() if arch.preset_name == preset), None)
+    return next((arch for arch in _REGISTRY.values() if arch.record.preset_name == preset), None)
 
 
 def presets() -> dict[str, Architecture]:
     _load_builtin()
-    return {arch.preset_name: arch for arch in _REGISTRY.values() if arch.preset_name}
+    return {arch.record.preset_name: arch for arch in _REGISTRY.values() if arch.record.preset_name}
 
 
 def architecture_of(pipeline_dir: Path) -> Architecture:
@@ -118,10 +125,10 @@ def architecture_of(pipeline_dir: Path) -> Architecture:
     name = folder.class_name
     arch = architecture_for_pipeline(name, folder.index)
     if arch is None:
-        known = ", ".join(sorted(a.pipeline_class for a in architectures().values()))
+        known = ", ".join(sorted(a.record.pipeline_class for a in architectures().values()))
         raise ConfigError([("model.path", f"{folder.index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
-    if not (Path(pipeline_dir) / arch.denoiser).is_dir():
-        raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.denoiser}/ folder, which a {name} needs")])
+    if not (Path(pipeline_dir) / arch.record.denoiser).is_dir():
+        raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.record.denoiser}/ folder, which a {name} needs")])
     return arch
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.core import Architecture, original_layout_name
+from zeropipe.families.diffusion.core import original_layout_name
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
@@ -92,7 +93,7 @@ def fuse_lora(layers: dict[str, torch.Tensor], alpha: float, inner: int, mlp_hid
 
 
 @dataclass(frozen=True)
-class Chroma(Architecture):
+class Chroma(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 64
 

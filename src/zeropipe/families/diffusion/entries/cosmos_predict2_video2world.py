@@ -32,6 +32,7 @@ from zeropipe.families.diffusion.bases.cosmos_predict2 import ARCHITECTURE as TE
 from zeropipe.families.diffusion.bases.cosmos_predict2 import CosmosPredict2
 from zeropipe.families.diffusion.parts import FirstFrameAlone
 from zeropipe.families.diffusion.parts.latents import CosmosVideoLatents
+from zeropipe.families.diffusion.sampler import denoise
 
 FPS = 16  # Cosmos2VideoToWorldPipeline's fps, which its transformer's rotary embedding is told
 SIGMA_CONDITIONING = 0.0001  # the pipeline's sigma_conditioning: the given frame's noise level
@@ -76,14 +77,15 @@ def draw_video_latents(
     padding_mask = latents.new_zeros(1, 1, height, width, dtype=dtype)
     t_given = torch.tensor(SIGMA_CONDITIONING, dtype=torch.float32, device=device)
     t_given = t_given / (t_given + 1)
-    for index, step in enumerate(timesteps):
+
+    def model_output(index, step, latents):
         sigma = scheduler.sigmas[index]
         t = sigma / (sigma + 1)
         timestep = t.view(1, 1, 1, 1, 1).expand(latents.size(0), -1, latents.size(2), -1, -1)
         model_input = (indicator * given + (1 - indicator) * latents * (1 - t)).to(dtype)
         frame_timesteps = (indicator * t_given + (1 - indicator) * timestep).to(dtype)
 
-        def denoised(embeds: torch.Tensor, model_input=model_input, frame_timesteps=frame_timesteps, t=t, latents=latents) -> torch.Tensor:
+        def denoised(embeds: torch.Tensor) -> torch.Tensor:
             velocity = transformer(
                 hidden_states=model_input, timestep=frame_timesteps, encoder_hidden_states=embeds, fps=FPS, condition_mask=mask,
                 padding_mask=padding_mask, return_dict=False,
@@ -94,8 +96,9 @@ def draw_video_latents(
         prediction = denoised(prompt_embeds)
         if guided:
             prediction = prediction + guidance_scale * (prediction - denoised(negative_prompt_embeds))
-        latents = scheduler.step((latents - prediction) / sigma, step, latents, return_dict=False)[0]
-    return latents
+        return (latents - prediction) / sigma
+
+    return denoise(scheduler, latents, timesteps, model_output)
 
 
 @dataclass(frozen=True)

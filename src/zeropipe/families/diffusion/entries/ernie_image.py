@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts.latents import ErnieImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_mistral3_model
 from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
@@ -35,7 +35,7 @@ def prompt_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ErnieImage(Architecture):
+class ErnieImage(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 512
 

@@ -15,17 +15,18 @@ and ``max_area`` at the sample size.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from zeropipe.families.diffusion.bases.flux import ARCHITECTURE as FLUX
-from zeropipe.families.diffusion.bases.flux import Flux
+from zeropipe.families.diffusion.bases.flux import FluxCall, FluxSampling
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ControlImage
+from zeropipe.families.diffusion.sampler import pipeline_call
 
 
-@dataclass(frozen=True)
-class FluxKontext(Flux):
+class FluxKontextCall(FluxCall):
     def predict(self, model, model_input, timesteps, condition, context):
         from diffusers import FluxKontextPipeline
 
@@ -44,19 +45,24 @@ class FluxKontext(Flux):
         ).sample
         return FluxKontextPipeline._unpack_latents(out[:, : packed.shape[1]], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
 
-    def call_pipeline(self, pipeline, kwargs):
+
+class FluxKontextSampling(FluxSampling):
+    def draw(self, pipeline, kwargs):
         size = kwargs["height"] * kwargs["width"]
-        return pipeline(**kwargs, max_area=size, _auto_resize=False)[0]
+        return pipeline_call(pipeline, {**kwargs, "max_area": size, "_auto_resize": False})[0]
 
 
-ARCHITECTURE = FluxKontext(
-    **{
-        **{field: getattr(FLUX, field) for field in FLUX.__dataclass_fields__},
-        "name": "flux-kontext",
-        "pipeline_class": "FluxKontextPipeline",
-        "related_pipelines": ("FluxKontextInpaintPipeline",),
-        "preset_name": "tiny-flux-kontext",
-        "preset": copy.deepcopy(FLUX.preset),
-        "conditions": (ControlImage(),),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        FLUX.record,
+        name="flux-kontext",
+        pipeline_class="FluxKontextPipeline",
+        related_pipelines=("FluxKontextInpaintPipeline",),
+        preset_name="tiny-flux-kontext",
+        preset=copy.deepcopy(FLUX.record.preset),
+        conditions=(ControlImage(),),
+    ),
+    call=FluxKontextCall(),
+    prompts=FLUX.prompts,
+    sampling=FluxKontextSampling(),
 )

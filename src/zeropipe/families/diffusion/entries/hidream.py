@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import clip_text, tiny_llama_causal_lm as tiny_llama, tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer, character_t5_tokenizer, character_tokenizer
@@ -58,7 +58,7 @@ def image_from_patches(out: torch.Tensor, height: int, width: int) -> torch.Tens
 
 
 @dataclass(frozen=True)
-class HiDream(Architecture):
+class HiDream(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return TEXT_TOKENS
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_qwen_encoder
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
@@ -41,7 +41,7 @@ def mask(values: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class HunyuanImage(Architecture):
+class HunyuanImage(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return GLYPH_TOKENS if tokenizer == "tokenizer_2" else QWEN_TOKENS + 34
 

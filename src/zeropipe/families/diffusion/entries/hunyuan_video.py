@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import VideoLatents
 from zeropipe.families.diffusion.tiny.components import tiny_hunyuan_video_vae, clip_text, tiny_hunyuan_llama as tiny_llama
 from zeropipe.families.diffusion.tiny.tokenizers import template_tokenizer
@@ -98,7 +98,7 @@ def original_lora_layers(layers: dict[str, torch.Tensor], alpha: float) -> dict[
 
 
 @dataclass(frozen=True)
-class HunyuanVideo(Architecture):
+class HunyuanVideo(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 77 if tokenizer == "tokenizer_2" else 256
 

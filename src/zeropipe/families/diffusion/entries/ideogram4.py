@@ -46,7 +46,9 @@ import torch
 
 from zeropipe.errors import ConfigError
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import Architecture, PredictContext
+from zeropipe.families.diffusion.core import PredictContext
+from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.sampler import denoise
 from zeropipe.families.diffusion.parts.latents import Ideogram4Latents
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_ideogram4_transformer, tiny_qwen3_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
@@ -81,7 +83,7 @@ def from_tokens(tokens: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Ideogram4(Architecture):
+class Ideogram4(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return MAX_TEXT_TOKENS
 
@@ -161,7 +163,7 @@ class Ideogram4(Architecture):
 
     @torch.no_grad()
     def call_pipeline(self, pipeline, kwargs):
-        """Ideogram4Pipeline's denoising loop on the cached conditioning, unguided; with a prompt string, the pipeline's own call.
+        """Ideogram4Pipeline's denoising steps, in the shared loop (``sampler.denoise``), on the cached conditioning, unguided; with a prompt string, the pipeline's own call.
 
         The pipeline takes no precomputed prompt features (it always runs its 8B text encoder), so
         samples during training run its loop step for step: the same noise (``prepare_latents``), the
@@ -188,12 +190,14 @@ class Ideogram4(Architecture):
         scheduler.set_timesteps(sigmas=sigmas.tolist(), device=device)
         context = PredictContext(device, transformer.dtype, pipeline.vae_scale_factor, 1.0)
         condition = {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
-        for t in scheduler.timesteps:
+
+        def model_output(index, t, latents):
             # predict gives the flow (noise - data), the pipeline's -v; its time is t / num_train_timesteps as the pipeline's.
             times = (t.float() * 1000 / scheduler.config.num_train_timesteps).expand(latents.shape[0])
             flow = self.predict(transformer, from_tokens(latents, rows, columns), times, condition, context)
-            latents = scheduler.step(to_tokens(flow).float(), t, latents, return_dict=False)[0]
-        return latents
+            return to_tokens(flow).float()
+
+        return denoise(scheduler, latents, scheduler.timesteps, model_output)
 
     def unpack_latents(self, pipeline, latents, size, vae_factor):
         side = size // (vae_factor * PATCH)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts.latents import QwenImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
@@ -75,7 +75,7 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Krea2(Architecture):
+class Krea2(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         # A tiny preset's prompts are blocks of 256 tokens (its characters hold the template and a caption); a real tokenizer's limit is far above 512.
         return 256

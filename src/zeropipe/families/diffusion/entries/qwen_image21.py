@@ -41,7 +41,7 @@ import torch
 from zeropipe.config.pipeline_index import read_pipeline_index
 from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
 from zeropipe.families.diffusion.bases.qwen_image_edit import as_transformers_processor
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import PromptText
 from zeropipe.families.diffusion.parts.latents import QwenImage21Latents
 from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl_generation
@@ -160,7 +160,7 @@ def text_prompt_processor(tokenizer, chat_template: str | None = None):
 
 
 @dataclass(frozen=True)
-class QwenImage21(Architecture):
+class QwenImage21(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 1024
 

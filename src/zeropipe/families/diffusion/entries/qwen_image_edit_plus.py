@@ -31,6 +31,7 @@ from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
 from zeropipe.families.diffusion.bases.qwen_image_edit import ARCHITECTURE as QWEN_IMAGE_EDIT
 from zeropipe.families.diffusion.bases.qwen_image_edit import QwenImageEdit
 from zeropipe.families.diffusion.parts import PromptWithReferenceImages, ReferenceImages
+from zeropipe.families.diffusion.sampler import denoise
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -112,21 +113,22 @@ class QwenImageEditPlus(QwenImageEdit):
         pipeline.scheduler.set_begin_index(0)
         scale = kwargs["true_cfg_scale"]
 
-        def predict(prompt, prompt_mask, t):
+        def predict(prompt, prompt_mask, t, latents):
             out = pipeline.transformer(
                 hidden_states=torch.cat([latents, references], dim=1), timestep=t.expand(1).to(dtype) / 1000, guidance=None,
                 encoder_hidden_states_mask=prompt_mask, encoder_hidden_states=prompt, img_shapes=shapes, return_dict=False,
             )[0]
             return out[:, : latents.shape[1]]
 
-        for t in timesteps:
-            prediction = predict(embeds, mask, t)
+        def model_output(index, t, latents):
+            prediction = predict(embeds, mask, t, latents)
             if scale > 1:
-                negative = predict(kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"], t)
+                negative = predict(kwargs["negative_prompt_embeds"], kwargs["negative_prompt_embeds_mask"], t, latents)
                 combined = negative + scale * (prediction - negative)
                 prediction = combined * (prediction.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
-            latents = pipeline.scheduler.step(prediction, t, latents, return_dict=False)[0]
-        return latents
+            return prediction
+
+        return denoise(pipeline.scheduler, latents, timesteps, model_output)
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
         inputs = super().trace_inputs(config, latent, latent_frames, text_tokens, dtype)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.core import Architecture
+from zeropipe.families.diffusion.legacy import LegacyEntry
 from zeropipe.families.diffusion.parts import ImageLatents
 from zeropipe.families.diffusion.tiny.components import tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, character_qwen_tokenizer
@@ -37,7 +37,7 @@ def captions(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class ZImageOmni(Architecture):
+class ZImageOmni(LegacyEntry):
     def tokenizer_length(self, tokenizer):
         return 128
 

@@ -13,7 +13,7 @@ naming it: LTX-2's own trainer (ltx-trainer, ``with_audio``) drops such clips fr
 training the same way (its preprocessing writes no audio latents for them and its dataset keeps
 only samples with every source).
 
-Samples: the pipeline draws audio latents beside the video (``Architecture.sample_outputs``);
+Samples: the pipeline draws audio latents beside the video (``Sampling.sample_outputs``);
 rank 0 decodes them with the audio VAE and the vocoder and muxes the waveform into each mp4.
 """
 
@@ -64,7 +64,7 @@ class AudioTrack(Condition):
     # ------------------------------------------------------------------ the launcher
     def problems(self, config, arch):
         if not config.data.cache.latents:
-            return [("data.cache.latents", f"a {arch.name} model's audio latents are encoded once, with the video's, into the latent cache (the ranks hold no audio VAE): set data.cache.latents: true")]
+            return [("data.cache.latents", f"a {arch.record.name} model's audio latents are encoded once, with the video's, into the latent cache (the ranks hold no audio VAE): set data.cache.latents: true")]
         return []
 
     def attach(self, planning: Planning) -> None:
@@ -83,7 +83,7 @@ class AudioTrack(Condition):
         if len(silent) == len(heard):
             raise DataError(
                 f"none of the {len(heard)} file(s) of the data has an audio track ({', '.join(silent[:SHOWN])}{' ...' if len(silent) > SHOWN else ''}): "
-                f"{planning.arch.name} trains video with its sound: add clips with audio to data.path"
+                f"{planning.arch.record.name} trains video with its sound: add clips with audio to data.path"
             )
         if silent:
             kept = [(item, bucket) for item, bucket in zip(planning.items, planning.buckets) if heard[item["path"]]]

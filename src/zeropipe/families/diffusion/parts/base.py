@@ -111,7 +111,7 @@ class Part:
 
     def add_to_samples(self, sampling: Sampling, outputs: dict[str, torch.Tensor], written: list[dict[str, Any]], folder: Path) -> None:
         """On rank 0, after the codec wrote the samples (``written``: their index rows): add what this part makes of the
-        pipeline's other outputs (``Architecture.sample_outputs``), such as an audio track muxed into each video."""
+        pipeline's other outputs (``Sampling.sample_outputs``), such as an audio track muxed into each video."""
 
 
 class Condition(Part):

@@ -205,9 +205,9 @@ class VideoLatents(ImageLatents):
         try:
             buckets = check_frame_buckets(video.frame_buckets, self.accepts_frames, self.frame_multiple)
         except ValueError as err:
-            return [*super().problems(config, arch), ("data.video.frame_buckets", f"{err} for this {arch.name} pipeline")]
+            return [*super().problems(config, arch), ("data.video.frame_buckets", f"{err} for this {arch.record.name} pipeline")]
         if video.sample_frames and not self.accepts_frames(video.sample_frames):
-            return [*super().problems(config, arch), ("data.video.sample_frames", f"{video.sample_frames} frames cannot be decoded by this {arch.name} pipeline's VAE: "
+            return [*super().problems(config, arch), ("data.video.sample_frames", f"{video.sample_frames} frames cannot be decoded by this {arch.record.name} pipeline's VAE: "
                                                       f"use {self.frame_multiple}k+1 (e.g. {buckets[-1]})")]
         return super().problems(config, arch)
 

@@ -37,7 +37,7 @@ def attach_control_images(config: Any, arch: Any, image_dir: Path, items: list[d
     """
     control_path = config.data.control_path
     if control_path is None or config.data.synthetic is not None:
-        raise ConfigError([("data.control_path", f"a {arch.name} model learns to edit a control image into its target: set data.control_path to a folder with a control image per image of data.path (same file names)")])
+        raise ConfigError([("data.control_path", f"a {arch.record.name} model learns to edit a control image into its target: set data.control_path to a folder with a control image per image of data.path (same file names)")])
     controls, problems = match_control_images([Path(item["path"]) for item in items], image_dir, Path(control_path))
     if problems:
         shown = "; ".join(problems[:BAD_SHOWN])
@@ -64,7 +64,7 @@ class ControlImage(Condition):
         data = config.data
         problems = []
         if not data.control_path or data.synthetic is not None:
-            problems.append(("data.control_path", f"a {arch.name} model learns to edit a control image into its target: set data.path and data.control_path, a folder with a control image per target image (same file names)"))
+            problems.append(("data.control_path", f"a {arch.record.name} model learns to edit a control image into its target: set data.path and data.control_path, a folder with a control image per target image (same file names)"))
         elif not Path(data.control_path).expanduser().is_dir():
             problems.append(("data.control_path", f"{data.control_path} is not a folder: point it at the folder of control images (one per target image, same file name)"))
         if not (data.cache.latents and data.cache.text):

@@ -27,7 +27,7 @@ class PromptWithControlImage(PromptText):
 
     def problems(self, config, arch):
         if config.data.images.flip > 0:
-            return [("data.images.flip", f"the {arch.name} text encoder sees the control image unflipped, so a flipped pair would not match its instruction ('the left cup'): set flip: 0")]
+            return [("data.images.flip", f"the {arch.record.name} text encoder sees the control image unflipped, so a flipped pair would not match its instruction ('the left cup'): set flip: 0")]
         return []
 
     def plan_fields(self, planning: Planning) -> dict[str, Any]:
@@ -56,7 +56,7 @@ class PromptWithControlImage(PromptText):
 
     def encode(self, arch, pipeline, prompts, device, images=None):
         with torch.no_grad():
-            return prompt_rows(arch.encode_prompts_with_images(pipeline, prompts, images, device), len(prompts))
+            return prompt_rows(arch.prompts.encode_prompts_with_images(pipeline, prompts, images, device), len(prompts))
 
     def fill_cache(self, plan, arch, encoders, device, cache_dir):
         """Each caption encoded with its control image, at the bucket it trains (or samples) at."""

@@ -26,7 +26,7 @@ class FirstFrame(Condition):
     def problems(self, config, arch):
         buckets = sorted(set(config.data.video.frame_buckets))
         if buckets and buckets[0] == 1:
-            return [("data.video.frame_buckets", f"a {arch.name} model is conditioned on the first frame, which is all a one-frame clip holds: remove 1 from {buckets}")]
+            return [("data.video.frame_buckets", f"a {arch.record.name} model is conditioned on the first frame, which is all a one-frame clip holds: remove 1 from {buckets}")]
         return []
 
     @staticmethod

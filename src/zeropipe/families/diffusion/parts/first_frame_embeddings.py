@@ -32,7 +32,7 @@ class FirstFrameEmbeddings(Condition):
 
     def attach(self, planning: Planning) -> None:
         if not planning.config.data.cache.latents:
-            raise ConfigError([("data.cache.latents", f"this {planning.arch.name} pipeline's first-frame image embeddings ({self.components[0]}) come from the latent cache: set data.cache.latents: true")])
+            raise ConfigError([("data.cache.latents", f"this {planning.arch.record.name} pipeline's first-frame image embeddings ({self.components[0]}) come from the latent cache: set data.cache.latents: true")])
 
     def fingerprints(self, planning: Planning) -> tuple[str, ...]:
         return tuple(planning.folder.fingerprint(name) for name in self.components)

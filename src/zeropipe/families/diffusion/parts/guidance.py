@@ -73,9 +73,9 @@ def guided_loss(arch: Any, model: Any, noised: Any, condition: dict[str, torch.T
         return None
 
     def predict(given: dict[str, torch.Tensor]) -> torch.Tensor:
-        return arch.loss_region(arch.predict(model, noised.model_input, noised.timesteps, given, context), noised.target)[0]
+        return arch.call.loss_region(arch.call.predict(model, noised.model_input, noised.timesteps, given, context), noised.target)[0]
 
-    target = arch.loss_region(noised.target, noised.target)[1]
+    target = arch.call.loss_region(noised.target, noised.target)[1]
     return guidance_preserving_loss(predict, target, own, unconditional, scale, noised.weights)
 
 
@@ -93,8 +93,8 @@ class GuidedPrompt(PromptText):
         if scale is None:
             return []
         problems = []
-        if arch.objective != "flow":
-            problems.append((KEY, f"the guidance-preserving objective is flow matching's; {arch.name} trains with {arch.objective}: remove {KEY}"))
+        if arch.record.objective != "flow":
+            problems.append((KEY, f"the guidance-preserving objective is flow matching's; {arch.record.name} trains with {arch.record.objective}: remove {KEY}"))
         if scale <= 1.0:
             problems.append((KEY, f"{scale} bakes in no guidance (the raw and the guided velocity are the same at 1): set the scale the model was distilled at, e.g. 4, or remove {KEY}"))
         return problems

@@ -57,7 +57,7 @@ def torchvision_problems(config: Any, arch: Any) -> list[tuple[str, str]]:
     if importlib.util.find_spec("torchvision") is not None or not concatenates_padding_mask(config, arch):
         return []
     why = (
-        f"{arch.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, which every "
+        f"{arch.record.name}: diffusers' CosmosTransformer3DModel resizes its padding mask with torchvision (concat_padding_mask, which every "
         "Cosmos-Predict2 checkpoint sets), and torchvision is not installed: pip install torchvision (the release made for your torch)"
     )
     return [("model.path", why)]
@@ -70,11 +70,11 @@ def concatenates_padding_mask(config: Any, arch: Any) -> bool:
         from zeropipe.config.pipeline_index import read_pipeline_index
 
         try:
-            return bool(read_pipeline_index(Path(model.path).expanduser()).component_config(arch.denoiser).get("concat_padding_mask", True))
+            return bool(read_pipeline_index(Path(model.path).expanduser()).component_config(arch.record.denoiser).get("concat_padding_mask", True))
         except Exception:  # noqa: BLE001 - an unreadable folder is reported by the checks that read it, with its own fix
             return False
     inline = dict(model.config or {})
-    return bool({**arch.preset.get(arch.denoiser, {}), **(inline.get(arch.denoiser) or {})}.get("concat_padding_mask", True))
+    return bool({**arch.record.preset.get(arch.record.denoiser, {}), **(inline.get(arch.record.denoiser) or {})}.get("concat_padding_mask", True))
 
 
 @dataclass(frozen=True)

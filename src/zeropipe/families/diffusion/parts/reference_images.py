@@ -220,14 +220,14 @@ class ReferenceImages(Condition):
         if not named or data.synthetic is not None:
             problems.append((
                 "data.control_paths",
-                f"a {arch.name} model learns to edit reference images into a target: set data.path and data.control_paths (a folder per reference image, "
+                f"a {arch.record.name} model learns to edit reference images into a target: set data.path and data.control_paths (a folder per reference image, "
                 "same file names as the targets) or data.control_path (one folder: NAME_0.png, NAME_1.png, ... per target NAME.png)",
             ))
         for key, folder in [("data.control_path", data.control_path)] + [(f"data.control_paths[{number}]", path) for number, path in enumerate(data.control_paths or [])]:
             if folder and not Path(folder).expanduser().is_dir():
                 problems.append((key, f"{folder} is not a folder: point it at a folder of reference images (same file names as the targets)"))
         if data.images.resolution < self.min_size:
-            problems.append(("data.images.resolution", f"the {arch.name} pipeline takes reference images of {self.min_size} px or more (samples give it the references at data.images.resolution, {data.images.resolution}): set it to {self.min_size} or more"))
+            problems.append(("data.images.resolution", f"the {arch.record.name} pipeline takes reference images of {self.min_size} px or more (samples give it the references at data.images.resolution, {data.images.resolution}): set it to {self.min_size} or more"))
         if not (data.cache.latents and data.cache.text):
             problems.append(("data.cache", "multi-reference edit training reads the reference images' latents from the cache: set data.cache.latents and data.cache.text to true"))
         return problems

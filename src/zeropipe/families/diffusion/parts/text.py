@@ -38,8 +38,8 @@ class PromptText(Part):
     def fingerprint(self, planning: Planning) -> str:
         """The text cache's part of every key: the encoders', tokenizers' and processors' files, and the entry's name."""
         arch = planning.arch
-        names = (*arch.text_encoders, *arch.tokenizers, *self.processors)
-        return cache._digest("+".join(planning.folder.fingerprint(name) for name in names) + f"/{arch.name}")
+        names = (*arch.record.text_encoders, *arch.record.tokenizers, *self.processors)
+        return cache._digest("+".join(planning.folder.fingerprint(name) for name in names) + f"/{arch.record.name}")
 
     # ------------------------------------------------------------------ the launcher
     def plan_fields(self, planning: Planning) -> dict[str, Any]:
@@ -63,7 +63,7 @@ class PromptText(Part):
     def encode(self, arch: Any, pipeline, prompts: list[str], device: torch.device, images: list | None = None) -> list[dict[str, torch.Tensor]]:
         """Per prompt, the tensors the denoiser is conditioned on, by the pipeline's own encode_prompt."""
         with torch.no_grad():
-            return prompt_rows(arch.encode_prompts(pipeline, prompts, device), len(prompts))
+            return prompt_rows(arch.prompts.encode_prompts(pipeline, prompts, device), len(prompts))
 
     def fill_cache(self, plan: Any, arch: Any, encoders: Callable[[], Any], device: torch.device, cache_dir) -> int:
         """Encode the missing captions (``encoders()`` loads the text pipeline); how many were encoded."""

@@ -1,6 +1,6 @@
 """Tokenizers of tiny presets, built without a download: single characters plus each model's special tokens and chat template.
 
-Shared by the entries' tiny presets (``Architecture.tiny_tokenizer``) and their tests.
+Shared by the entries' tiny presets (``PromptEncoding.tiny_tokenizer``) and their tests.
 """
 
 from __future__ import annotations

@@ -1,0 +1,256 @@
+"""The roles of a diffusion entry: the code where a model differs, behind small interfaces (``core.Architecture`` holds one of each).
+
+Each role is bound to its entry (``self.entry``; its record is ``self.record``). An entry subclasses a role
+only where its model differs from the default:
+
+- ``DenoiserCall``: ``inputs`` builds the denoiser's keyword arguments from a batch of latents, timesteps and
+  conditions; ``predict`` calls the denoiser on them and reads its output as the objective's target; ``loss``
+  and ``loss_region`` make the training loss; ``trace_inputs`` gives the planner's activation trace its inputs
+  (``None``: not traced). Context parallelism wraps the call here (one place for training, samples and the trace).
+- ``PromptEncoding``: ``encode_prompts`` (the pipeline's own ``encode_prompt``), the tiny preset's tokenizers and the
+  prompt processors the text pipeline needs besides its tokenizers.
+- ``Sampling``: the samples drawn during training: ``sample_kwargs`` (conditioning and guidance), ``draw`` (the
+  latents: the pipeline's own ``__call__`` by default, or the shared loop of ``sampler.py`` driven by the entry's
+  steps), ``sample_outputs`` and ``unpack_latents``.
+- ``ExportLayouts``: the LoRA / LoKr in the model's original (ComfyUI) key layout.
+- ``Assembly``: building the pipeline from its components, a tiny preset's own components and their initial weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
+
+
+
+@dataclass(frozen=True)
+class PredictContext:
+    """What a denoiser call needs besides its inputs: the rank's device and dtype, and the run's settings."""
+
+    device: torch.device
+    dtype: torch.dtype
+    vae_factor: int  # pixels per latent along each side
+    guidance: float  # model.diffusion.guidance, for guidance-distilled models
+
+
+class Role:
+    """A role of one entry: ``entry`` is set when the entry is built (``core.Architecture`` binds a copy of the role to itself)."""
+
+    entry: Any  # the core.Architecture (roles import nothing from core: core imports them)
+
+    @property
+    def record(self) -> Any:
+        return self.entry.record
+
+
+class DenoiserCall(Role):
+    """How the denoiser is called, for training, samples drawn by the shared loop and the planner's trace.
+
+    ``inputs`` is the one builder of the denoiser's keyword arguments: ``predict`` calls the denoiser on them
+    and reads its output (``output``); ``trace_inputs`` gives them for a batch the entry makes at the traced
+    size (``trace_batch``). An entry overrides ``inputs``, ``output`` and ``trace_batch``; one whose call
+    is more than a call on built inputs overrides ``predict`` (and ``trace_inputs``) instead.
+    """
+
+    def inputs(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> dict[str, Any]:
+        """The denoiser's keyword arguments for a batch of latents, timesteps and conditions (in the planner's trace, on the meta device)."""
+        raise NotImplementedError(f"the {self.record.name} entry does not say how its denoiser is called")
+
+    def output(self, out: Any) -> torch.Tensor:
+        """The prediction in the denoiser's output, in the objective's layout (default: the first output)."""
+        return out[0]
+
+    def predict(self, model, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
+        """The denoiser's output for a batch of latents, called as the pipeline calls it."""
+        return self.output(model(**self.inputs(model_input, timesteps, condition, context)))
+
+    def trace_batch(self, config: Any, latent_side: int, latent_frames: int, text_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None:
+        """(latents, timesteps, condition) of one example of this size for the planner's trace, from the denoiser's config; None: not traced."""
+        return None
+
+    def trace_inputs(self, config: Any, latent_side: int, latent_frames: int, text_tokens: int, dtype: torch.dtype) -> dict[str, Any] | None:
+        """The denoiser's keyword arguments for one example (batch 1) of this size, made on the current (meta) device: ``inputs`` of ``trace_batch``.
+
+        The planner runs the denoiser on them to count the activations it saves; None: the planner does not trace it.
+        ``latent_frames`` is 1 unless the entry is ``video``.
+        """
+        batch = self.trace_batch(config, latent_side, latent_frames, text_tokens, dtype)
+        # The traced context: the trace's dtype, on the meta device, at the VAE factor the planner assumes (8).
+        return None if batch is None else self.inputs(*batch, PredictContext(torch.device("meta"), dtype, 8, 1.0))
+
+    def loss_region(self, prediction: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of the denoiser's prediction and of the target that the loss compares: all of them by default."""
+        return prediction, target
+
+    def loss(self, model, noised: Any, condition: dict[str, torch.Tensor], context: PredictContext) -> torch.Tensor:
+        """The training loss of a noised micro-batch (``objectives.NoisedBatch``): the denoiser's error on its latents."""
+        from zeropipe.families.diffusion.objectives import weighted_mse
+
+        prediction, target = self.loss_region(self.predict(model, noised.model_input, noised.timesteps, condition, context), noised.target)
+        return weighted_mse(prediction, target, noised.weights)
+
+
+class PromptEncoding(Role):
+    """Prompts to the conditioning tensors the text cache holds, and the tokenizers and processors that encoding needs."""
+
+    def encode_prompts(self, pipeline, prompts: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+        """The conditioning tensors of a batch of prompts, from the pipeline's own encode_prompt."""
+        raise NotImplementedError(f"the {self.record.name} entry does not say how its prompts are encoded")
+
+    def tiny_tokenizer(self, tokenizer: str):
+        """A tokenizer for a tiny preset, built without a download (single characters are enough for captions)."""
+        return character_tokenizer(self.record.tokenizer_length(tokenizer))
+
+    def tiny_prompt_processor(self, processor: str, parts: dict[str, Any], folder: Path) -> None:
+        """Write the files of a prompt processor (the prompt part's ``processors``) of a tiny preset into its folder."""
+        raise NotImplementedError(f"the {self.record.name} entry names prompt processors {self.record.text.processors} but cannot build a tiny one")
+
+    def load_prompt_processor(self, pipeline_dir: Path, processor: str, parts: dict[str, Any]):
+        """The prompt processor the text pipeline is given, from its folder and the other loaded parts (the tokenizers)."""
+        raise NotImplementedError(f"the {self.record.name} entry names prompt processors {self.record.text.processors} but cannot load one")
+
+
+@dataclass(eq=False)
+class EncodePrompt(PromptEncoding):
+    """Prompt encoding that is the pipeline's own ``encode_prompt``, declared: its keyword arguments besides the prompts and device,
+    and the name the text cache keeps each of its returned tensors under (None: not kept)."""
+
+    returns: tuple[str | None, ...] = ("prompt_embeds",)
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def encode_prompts(self, pipeline, prompts, device):
+        out = pipeline.encode_prompt(prompt=prompts, device=device, **self.arguments)
+        out = out if isinstance(out, tuple) else (out,)
+        return {name: value for name, value in zip(self.returns, out, strict=False) if name is not None}
+
+
+class Sampling(Role):
+    """The samples drawn during training: the pipeline's own call by default, else the shared loop (``sampler.py``)."""
+
+    def sample_kwargs(self, condition: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], guidance_scale: float, guidance: float) -> dict[str, Any]:
+        """The pipeline call's conditioning and guidance arguments (classifier-free guidance by default)."""
+        kwargs: dict[str, Any] = {"prompt_embeds": condition["prompt_embeds"], "guidance_scale": guidance_scale, "negative_prompt_embeds": negative["prompt_embeds"]}
+        if "pooled_prompt_embeds" in condition:
+            kwargs["pooled_prompt_embeds"] = condition["pooled_prompt_embeds"]
+        if "pooled_prompt_embeds" in negative:
+            kwargs["negative_pooled_prompt_embeds"] = negative["pooled_prompt_embeds"]
+        return kwargs
+
+    def draw(self, pipeline, kwargs: dict[str, Any]) -> torch.Tensor:
+        """Latents of the samples drawn with these arguments: the pipeline's own call (``sampler.pipeline_call``) unless the entry overrides it."""
+        from zeropipe.families.diffusion.sampler import pipeline_call
+
+        return pipeline_call(pipeline, kwargs)[0]
+
+    def sample_outputs(self, pipeline, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The samples' latents and what else the pipeline drew, by name (LTX-2's audio latents), which the parts' ``add_to_samples`` read."""
+        return self.draw(pipeline, kwargs), {}
+
+    def unpack_latents(self, pipeline, latents: torch.Tensor, size: int, vae_factor: int) -> torch.Tensor:
+        """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""
+        return latents
+
+
+class ExportLayouts(Role):
+    """The adapter in the model's original (ComfyUI) key layout; None where the model has none."""
+
+    def original_lora_layout(self, layers: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor] | None:
+        return None
+
+    def original_lokr_layout(self, layers: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor] | None:
+        """A LoKr adapter in the original layout; ``scaling`` (peft's alpha / r) is folded into the first factor."""
+        return None
+
+
+class Assembly(Role):
+    """Building the pipeline, and a tiny preset's own components."""
+
+    def construct_pipeline(self, cls, kwargs: dict[str, Any], folder: Any):
+        """The pipeline of these components (missing ones None: a text pipeline has no denoiser and no VAE); ``folder`` is its ``PipelineIndex``."""
+        return cls(**kwargs)
+
+    def tiny_component(self, name: str, fields: dict[str, Any]):
+        """A tiny preset's component besides the scheduler, text encoders and VAE, from its preset fields: the denoiser (an image encoder, an entry's own)."""
+        return self.entry.model_class()(**fields)
+
+    def tiny_denoiser(self, model) -> None:
+        """Give a tiny preset's freshly built denoiser the weights it needs to learn (default: as its class initialises them)."""
+
+
+DEFAULT_ROLES = {"call": DenoiserCall, "prompts": PromptEncoding, "sampling": Sampling, "layouts": ExportLayouts, "assembly": Assembly}
+
+
+# ------------------------------------------------------------------ entries in the old shape
+class _Legacy(Role):
+    def __init__(self, old) -> None:
+        self.old = old
+
+
+class LegacyCall(_Legacy, DenoiserCall):
+    def predict(self, model, model_input, timesteps, condition, context):
+        return self.old.predict(model, model_input, timesteps, condition, context)
+
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        return self.old.trace_inputs(config, latent_side, latent_frames, text_tokens, dtype)
+
+    def loss_region(self, prediction, target):
+        return self.old.loss_region(prediction, target)
+
+    def loss(self, model, noised, condition, context):
+        return self.old.loss(model, noised, condition, context)
+
+
+class LegacyPrompts(_Legacy, PromptEncoding):
+    def encode_prompts(self, pipeline, prompts, device):
+        return self.old.encode_prompts(pipeline, prompts, device)
+
+    def encode_prompts_with_images(self, pipeline, prompts, images, device):
+        """An edit entry's prompts encoded with their control or reference images (``PromptWithControlImage``, ``PromptWithReferenceImages``)."""
+        return self.old.encode_prompts_with_images(pipeline, prompts, images, device)
+
+    def tiny_tokenizer(self, tokenizer):
+        return self.old.tiny_tokenizer(tokenizer)
+
+    def tiny_prompt_processor(self, processor, parts, folder):
+        return self.old.tiny_prompt_processor(processor, parts, folder)
+
+    def load_prompt_processor(self, pipeline_dir, processor, parts):
+        return self.old.load_prompt_processor(pipeline_dir, processor, parts)
+
+
+class LegacySampling(_Legacy, Sampling):
+    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
+        return self.old.sample_kwargs(condition, negative, guidance_scale, guidance)
+
+    def draw(self, pipeline, kwargs):
+        return self.old.call_pipeline(pipeline, kwargs)
+
+    def sample_outputs(self, pipeline, kwargs):
+        return self.old.sample_outputs(pipeline, kwargs)
+
+    def unpack_latents(self, pipeline, latents, size, vae_factor):
+        return self.old.unpack_latents(pipeline, latents, size, vae_factor)
+
+
+class LegacyLayouts(_Legacy, ExportLayouts):
+    def original_lora_layout(self, layers, alpha):
+        return self.old.original_lora_layout(layers, alpha)
+
+    def original_lokr_layout(self, layers, scaling):
+        return self.old.original_lokr_layout(layers, scaling)
+
+
+class LegacyAssembly(_Legacy, Assembly):
+    def construct_pipeline(self, cls, kwargs, folder):
+        return self.old.construct_pipeline(cls, kwargs, folder)
+
+    def tiny_component(self, name, fields):
+        return self.old.tiny_component(name, fields)
+
+    def tiny_denoiser(self, model):
+        return self.old.tiny_denoiser(model)
