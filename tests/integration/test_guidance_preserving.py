@@ -9,7 +9,7 @@ The figure that the objective keeps the guided output is benchmarks/guidance_pre
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ import torch
 from tests.diffusion_contract import cached_run, train_one_rank
 from zeropipe.families.diffusion import entries
 from zeropipe.families.diffusion.bases.flux import ARCHITECTURE as FLUX
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import GuidedPrompt
 from zeropipe.families.diffusion.parts.guidance import guided_loss
 
@@ -26,10 +27,9 @@ pytestmark = pytest.mark.integration
 GUIDED_LOSSES: list[float] = []  # the objective's losses the rank computed (it runs in this process)
 
 
-@dataclass(frozen=True)
-class GuidedFlux(type(FLUX)):
+class GuidedFluxCall(type(FLUX.call)):
     def loss(self, model, noised, condition, context):
-        guided = guided_loss(self, model, noised, condition, context)
+        guided = guided_loss(self.entry, model, noised, condition, context)
         if guided is None:
             return super().loss(model, noised, condition, context)
         GUIDED_LOSSES.append(float(guided.detach()))
@@ -39,8 +39,9 @@ class GuidedFlux(type(FLUX)):
 @pytest.fixture
 def guided_flux(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    preset = {**FLUX.preset, "transformer": {**FLUX.preset["transformer"], "guidance_embeds": True}}
-    arch = GuidedFlux(**{**{f.name: getattr(FLUX, f.name) for f in fields(FLUX)}, "name": "flux-guided", "preset_name": "tiny-flux-guided", "preset": preset, "text": GuidedPrompt()})
+    preset = {**FLUX.record.preset, "transformer": {**FLUX.record.preset["transformer"], "guidance_embeds": True}}
+    record = replace(FLUX.record, name="flux-guided", preset_name="tiny-flux-guided", preset=preset, text=GuidedPrompt())
+    arch = Architecture(record=record, call=GuidedFluxCall(), prompts=FLUX.prompts, sampling=FLUX.sampling, layouts=FLUX.layouts, assembly=FLUX.assembly)
     entries.register(arch)
     yield arch
     entries.unregister(arch.record.name)

@@ -486,9 +486,9 @@ def map_sequence_parallel(conversion: Conversion, rest: dict[str, Any], keys: tu
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             conversion.skip(key, f"{value!r}: the number of ranks that share each sample, a whole number (parallel.sequence_parallel_size)")
             continue
-        if value > 1:
-            conversion.set("parallel.sequence_parallel_size", value, f"from {key}: {value} ({how}; ZeRO-Pipe splits with Ulysses' all-to-all over the "
-                           "attention heads: the same losses, other communication; `zeropipe check` says where it runs)")
+        # 1 (no split) is said too: every key of the file is converted, listed or refused.
+        conversion.set("parallel.sequence_parallel_size", value, f"from {key}: {value} ({how}; ZeRO-Pipe splits with Ulysses' all-to-all over the "
+                       "attention heads: the same losses, other communication; `zeropipe check` says where it runs)" if value > 1 else f"from {key}: 1, no split")
     for key in ignored:
         if key in rest:
             conversion.skip(key, f"{rest.pop(key)!r}: how {conversion.tool} splits a sequence; ZeRO-Pipe's Ulysses split has no such setting")

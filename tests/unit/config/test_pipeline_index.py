@@ -25,6 +25,7 @@ READER = SRC / "config" / "pipeline_index.py"
 DIFFUSION_MODULES = [
     *sorted((SRC / "families" / "diffusion").rglob("*.py")),
     SRC / "convert" / "diffusion_pipe.py",
+    SRC / "convert" / "diffusion_pipe_dataset.py",
 ]
 
 INDEX = {

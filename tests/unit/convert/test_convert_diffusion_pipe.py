@@ -401,4 +401,4 @@ def test_control_paths_become_data_control_paths_for_a_multi_reference_edit_mode
     assert values(conversion)["data.control_paths"] == [str(first), str(second)]
     assert "data.control_path" not in values(conversion)
     assert "control_path or control_paths, not both" in unmapped(conversion)["dataset.directory[0].control_path"]
-    assert architecture_of(Path(values(conversion)["model.path"])).name == "qwen-image-edit-plus"
+    assert architecture_of(Path(values(conversion)["model.path"])).record.name == "qwen-image-edit-plus"

@@ -35,11 +35,12 @@ def test_a_peers_degree_becomes_parallel_sequence_parallel_size(tmp_path, tool, 
     assert ignored in dict(conversion.unmapped)
 
 
-def test_a_degree_of_one_writes_nothing_and_a_bad_one_is_named(tmp_path):
+def test_a_degree_of_one_is_said_as_no_split_and_a_bad_one_is_named(tmp_path):
     model = model_dir(tmp_path)
     dataset_dir(tmp_path, {"demo": {"file_name": "demo.json"}}, {"demo.json": ALPACA})
     path = tmp_path / "llama3_lora_sft.yaml"
     path.write_text(f"model_name_or_path: {model}\nstage: sft\ndataset: demo\nsequence_parallel_size: 1\n")
-    assert "parallel.sequence_parallel_size" not in convert_file(path).entries
+    entry = convert_file(path).entries["parallel.sequence_parallel_size"]  # said, not silent: every key is converted, listed or refused
+    assert entry.value == 1 and "no split" in entry.comment
     path.write_text(f"model_name_or_path: {model}\nstage: sft\ndataset: demo\nsequence_parallel_size: two\n")
     assert "a whole number" in dict(convert_file(path).unmapped)["sequence_parallel_size"]

@@ -8,14 +8,14 @@ it cannot apply.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import replace
 
 import pytest
 import torch
 
 from zeropipe.config.schema import RunConfig
 from zeropipe.families.diffusion.bases.flux import ARCHITECTURE as FLUX
-from zeropipe.families.diffusion.core import PredictContext
+from zeropipe.families.diffusion.core import Architecture, PredictContext
 from zeropipe.families.diffusion.entries import architecture_for_preset
 from zeropipe.families.diffusion.objectives import FlowObjective, weighted_mse
 from zeropipe.families.diffusion.parts import GuidedPrompt, part_problems
@@ -24,16 +24,15 @@ from zeropipe.families.diffusion.parts.guidance import KEY, SCALE, UNCONDITIONAL
 CPU = torch.device("cpu")
 
 
-@dataclass(frozen=True)
-class GuidedFlux(type(FLUX)):
-    """FLUX.1 [dev] selecting the objective as a guidance-distilled entry does: its prompt part and its loss."""
+class GuidedFluxCall(type(FLUX.call)):
+    """FLUX.1 [dev]'s denoiser call selecting the objective as a guidance-distilled entry does (with the GuidedPrompt part)."""
 
     def loss(self, model, noised, condition, context):
-        guided = guided_loss(self, model, noised, condition, context)
+        guided = guided_loss(self.entry, model, noised, condition, context)
         return guided if guided is not None else super().loss(model, noised, condition, context)
 
 
-GUIDED = GuidedFlux(**{**{f.name: getattr(FLUX, f.name) for f in fields(FLUX)}, "text": GuidedPrompt()})
+GUIDED = Architecture(record=replace(FLUX.record, text=GuidedPrompt()), call=GuidedFluxCall(), prompts=FLUX.prompts, sampling=FLUX.sampling, layouts=FLUX.layouts, assembly=FLUX.assembly)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def tiny_dev():
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(2)
-    model = FluxTransformer2DModel(**{**FLUX.preset["transformer"], "guidance_embeds": True})
+    model = FluxTransformer2DModel(**{**FLUX.record.preset["transformer"], "guidance_embeds": True})
     prompt = {"prompt_embeds": torch.randn(2, 12, 64), "pooled_prompt_embeds": torch.randn(2, 32)}
     empty = {"prompt_embeds": torch.randn(1, 12, 64).expand(2, -1, -1), "pooled_prompt_embeds": torch.randn(1, 32).expand(2, -1)}
     return model, prompt, empty
@@ -68,17 +67,17 @@ def test_the_loss_fits_the_raw_velocity_and_only_the_conditional_pass_has_gradie
         loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
-    loss = GUIDED.loss(model, noised, micro_batch(prompt, empty, 4.0), context)
+    loss = GUIDED.call.loss(model, noised, micro_batch(prompt, empty, 4.0), context)
     got = grads(loss)
     # By hand: the guided call with gradient, the unconditional one as a constant, the CFG equation solved for the raw velocity.
-    guided = GUIDED.predict(model, noised.model_input, noised.timesteps, prompt, context)
+    guided = GUIDED.call.predict(model, noised.model_input, noised.timesteps, prompt, context)
     with torch.no_grad():
-        unguided = GUIDED.predict(model, noised.model_input, noised.timesteps, empty, context)
+        unguided = GUIDED.call.predict(model, noised.model_input, noised.timesteps, empty, context)
     expected = weighted_mse((guided + 3.0 * unguided) / 4.0, noised.target, None)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     assert torch.allclose(got, grads(expected), atol=1e-6)
     # Not plain flow matching (the setting off: the entry's own loss), and not the same step either.
-    plain = GUIDED.loss(model, noised, prompt, context)
+    plain = GUIDED.call.loss(model, noised, prompt, context)
     assert float(plain) == pytest.approx(float(weighted_mse(guided, noised.target, None)), rel=1e-5)
     assert abs(float(plain) - float(loss)) > 1e-3
     assert not torch.allclose(grads(plain), got, atol=1e-6)
@@ -103,6 +102,6 @@ def test_the_setting_is_refused_by_name_where_it_cannot_apply(tmp_path):
     [(key, message)] = problems(GUIDED, "tiny-flux", 1.0)
     assert key == KEY and "bakes in no guidance" in message
     sdxl = architecture_for_preset("tiny-sdxl")
-    guided_sdxl = type(sdxl)(**{**{f.name: getattr(sdxl, f.name) for f in fields(sdxl)}, "text": GuidedPrompt()})
+    guided_sdxl = Architecture(record=replace(sdxl.record, text=GuidedPrompt()), call=sdxl.call, prompts=sdxl.prompts, sampling=sdxl.sampling, layouts=sdxl.layouts, assembly=sdxl.assembly)
     [(key, message)] = problems(guided_sdxl, "tiny-sdxl", 4.0)
     assert key == KEY and "flow matching" in message and "ddpm" in message
