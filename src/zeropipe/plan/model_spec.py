@@ -156,6 +156,9 @@ class ModelSpec:
     # and whether each micro-batch also runs a gradient-free forward pass (DPO/KTO with LoRA: the reference, adapters off).
     sequences_per_example: int = 1
     reference_forward: bool = False
+    # Sequence parallelism: the attention heads a diffusion denoiser splits over a group, set by the family's spec builder
+    # only where it trains that denoiser split (families/diffusion/sequence_parallel.py); None: not offered.
+    sequence_parallel_heads: int | None = None
     ema: bool = False  # train.ema: an fp32 EMA of the trainable weights beside the master weights (engine/ema.py)
     block_linear_params: int = 0  # weights of the linear layers in the repeated blocks: what an fp8 base stores in 8 bits
     block_linear_channels: int = 0

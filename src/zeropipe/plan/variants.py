@@ -185,9 +185,6 @@ def shape_setting(spec: ModelSpec, shape: Shape) -> Setting:
 
 
 # ------------------------------------------------------------------ hooks for later issues
-# Denoiser classes ZeRO-Pipe trains with sequence parallelism: their diffusers context-parallel plan gives the
-# unsplit model's output and gradients (families/diffusion/sequence_parallel.py, which reads this list).
-SEQUENCE_PARALLEL_DENOISERS = ("WanTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel")
 SEQUENCE_PARALLEL_PRICE = "each attention layer's q, k, v and output cross the group's links in an all-to-all, priced in the step time"
 
 
@@ -199,11 +196,8 @@ def sequence_parallel_degrees(spec: ModelSpec, world_size: int) -> list[int]:
 
         def splits(d: int) -> bool:
             return heads % d == 0 and (kv % d == 0 or d % kv == 0)
-    elif spec.family == "diffusion_transformer":
-        trained = (catalog_entry(spec.name) or {}).get("trained") or {}
-        heads = int((trained.get("config") or {}).get("num_attention_heads") or 0)
-        if trained.get("class") not in SEQUENCE_PARALLEL_DENOISERS or not heads:
-            return []
+    elif spec.sequence_parallel_heads:  # a denoiser the diffusion family trains split (its spec builder says so)
+        heads = spec.sequence_parallel_heads
 
         def splits(d: int) -> bool:
             return heads % d == 0

@@ -64,7 +64,7 @@ def diffusion_raw(tmp_path: Path, **data) -> dict:
 
 
 def test_the_held_out_images_are_a_fraction_drawn_with_the_seed_or_the_eval_folder(tmp_path):
-    codec = architecture_named("sd3").codec
+    codec = architecture_named("sd3").record.codec
     images = generate_shapes_dataset(tmp_path / "images", 20, seed=1, resolution=32)
     held = generate_shapes_dataset(tmp_path / "held", 3, seed=2, resolution=32)
     scan = codec.scan(images, ".txt")

@@ -66,9 +66,13 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     hidden = (
         getattr(config, "num_attention_heads", 0) * getattr(config, "attention_head_dim", 0) if entry["family"] == "diffusion_transformer" else None
     )
+    from zeropipe.families.diffusion.sequence_parallel import VERIFIED
+
+    split_heads = getattr(config, "num_attention_heads", 0) if entry["trained"]["class"] in VERIFIED else 0
     return ModelSpec(
         name=entry["name"],
         family=entry["family"],
+        sequence_parallel_heads=int(split_heads) or None,
         total_params=counts["total"] + (trainable if lora is not None else 0),
         trainable_params=trainable,
         layers=0,

@@ -30,14 +30,12 @@ from typing import Any, Callable
 
 import torch
 
-from zeropipe.plan.variants import SEQUENCE_PARALLEL_DENOISERS
-
 DATA_AXIS = "data"
 
 # Denoiser classes whose plan gives the unsplit model's output and gradients on a 2-rank group
-# (tests/unit/diffusion/test_sequence_parallel.py); the entries of these classes are accepted. The
-# list lives with the planner, which offers the degree for them.
-VERIFIED = SEQUENCE_PARALLEL_DENOISERS
+# (tests/unit/diffusion/test_sequence_parallel.py); the entries of these classes are accepted, and the
+# family's spec builder (plan_specs.py) tells the planner their heads, so that it offers the degree for them.
+VERIFIED = ("WanTransformer3DModel", "FluxTransformer2DModel", "Flux2Transformer2DModel", "QwenImageTransformer2DModel")
 # Classes with a plan in diffusers 0.42 that do not train under it here, and why.
 REFUSED = {
     "LTXVideoTransformer3DModel": "diffusers 0.42's LTX attention processor repeats the text mask over all the heads before Ulysses hands each "

@@ -40,6 +40,7 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
             **arch.record.codec.planned_shape(data.video.frame_buckets, arch.record.tokenizer_length(arch.record.tokenizers[0]) if arch.record.tokenizers else arch.record.trace_text_tokens()),
             "vae_temporal_factor": temporal,
             "name": section.config["pipeline"],
+            "architecture": arch.record.name,  # entries share denoiser classes (SD 1.5 and SDXL's UNet): the trace is this entry's
             "family": "diffusion_transformer" if arch.record.denoiser == "transformer" else "diffusion_unet",
             "resolution": data.images.resolution,
             "vae_factor": factor,
