@@ -1,0 +1,86 @@
+"""The door for diffusers' modular pipelines (``ModularPipeline``: blocks and components, no ``DiffusionPipeline`` half).
+
+diffusers 0.42.1 ships MiniMax-H3, FLUX.3 (+ distilled) and LTX-2.5 only this way. An entry whose record names a
+modular pipeline class goes through the same three places as any other, each of which knows the modular layout:
+
+- the folder reader (``config/pipeline_index.py``) reads ``modular_model_index.json`` (each component
+  ``[library, class, loading spec]``, the spec's ``subfolder`` saying where its files are);
+- a tiny preset is written by the modular pipeline's own ``update_components`` + ``save_pretrained``
+  (``pipelines.build_tiny_pipeline``), which ``ModularPipeline.from_pretrained`` loads back;
+- the pipeline an entry is handed (``pipelines._assemble``) is the modular pipeline of the folder with the loaded
+  components put in by ``update_components``; samples go through the shared sampler (``sampler.denoise``) driven
+  by the entry's denoiser call, never through the pipeline's ``__call__``.
+
+``run_block`` and ``run_loop_block`` call one of the pipeline's blocks on given inputs, as the pipeline's own run
+calls it: the text-encoder block fills the text cache where an entry's prompts are the block's output, and the
+denoiser block (a loop sub-block) is the reference a unit test holds the entry's denoiser call to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+@torch.no_grad()
+def run_block(pipeline, block, outputs: Iterable[str], **inputs: Any) -> dict[str, Any]:
+    """Run one block of a modular pipeline (its text-encoder step...) on these inputs; its ``outputs`` by name.
+
+    The block reads the pipeline's components (``update_components`` put them there) and the inputs from a fresh
+    ``PipelineState``; an input not given takes the block's declared default, as in the pipeline's own run.
+    """
+    from diffusers.modular_pipelines.modular_pipeline import PipelineState
+
+    state = PipelineState()
+    for name, value in inputs.items():
+        state.set(name, value)
+    _, state = block(pipeline, state)
+    return {name: state.get(name) for name in outputs}
+
+
+@torch.no_grad()
+def run_loop_block(pipeline, blocks, step: int, timestep: torch.Tensor, **values: Any):
+    """Run sub-blocks of a denoising loop (its before-denoiser and denoiser steps...) once, at one step and timestep.
+
+    A loop's sub-blocks share a ``BlockState`` (the values the loop's wrapper gathered): given here as ``values``.
+    Returns that state after the blocks ran (the denoiser block sets ``noise_pred``...).
+    """
+    from diffusers.modular_pipelines.modular_pipeline import BlockState
+
+    state = BlockState(**values)
+    for block in blocks if isinstance(blocks, (list, tuple)) else [blocks]:
+        pipeline, state = block(pipeline, state, i=step, t=timestep)
+    return state
+
+
+
+
+
+from dataclasses import dataclass, field  # noqa: E402
+
+from zeropipe.families.diffusion.roles import PromptEncoding  # noqa: E402
+
+
+@dataclass(eq=False)
+class TextEncoderBlock(PromptEncoding):
+    """Prompt encoding that is a modular pipeline's own text-encoder block, declared: the block's name among the pipeline's
+    sub-blocks, its outputs and the name the text cache keeps each under, its inputs besides the prompts.
+
+    ``cached`` turns the block's outputs into the cache's tensors (default: as they are); an entry whose block returns
+    one tensor per prompt of its own length (Z-Image's list of captions) pads them with a mask there.
+    """
+
+    block: str = "text_encoder"
+    returns: dict[str, str] = field(default_factory=lambda: {"prompt_embeds": "prompt_embeds"})
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def encode_prompts(self, pipeline, prompts, device):
+        block = pipeline.blocks.sub_blocks[self.block]
+        out = run_block(pipeline, block, self.returns, prompt=list(prompts), **self.arguments)
+        return self.cached({self.returns[name]: value for name, value in out.items()})
+
+    def cached(self, out: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return out
+__all__ = ["TextEncoderBlock", "run_block", "run_loop_block"]
