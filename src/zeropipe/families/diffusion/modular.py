@@ -25,17 +25,22 @@ import torch
 
 
 @torch.no_grad()
-def run_block(pipeline, block, outputs: Iterable[str], **inputs: Any) -> dict[str, Any]:
+def run_block(pipeline, block, outputs: Iterable[str], groups: dict[str, dict[str, Any]] | None = None, **inputs: Any) -> dict[str, Any]:
     """Run one block of a modular pipeline (its text-encoder step...) on these inputs; its ``outputs`` by name.
 
     The block reads the pipeline's components (``update_components`` put them there) and the inputs from a fresh
     ``PipelineState``; an input not given takes the block's declared default, as in the pipeline's own run.
+    ``groups``: inputs a block reads as one keyword group (``{"denoiser_input_fields": {"token_tags": ...}}``), as the
+    blocks that made them put them in the state.
     """
     from diffusers.modular_pipelines.modular_pipeline import PipelineState
 
     state = PipelineState()
     for name, value in inputs.items():
         state.set(name, value)
+    for group, values in (groups or {}).items():
+        for name, value in values.items():
+            state.set(name, value, kwargs_type=group)
     _, state = block(pipeline, state)
     return {name: state.get(name) for name in outputs}
 

@@ -33,3 +33,15 @@ def denoise(scheduler, latents: torch.Tensor, timesteps: Iterable, model_output:
     for index, t in enumerate(timesteps):
         latents = scheduler.step(model_output(index, t, latents), t, latents, return_dict=False)[0]
     return latents
+
+
+@torch.no_grad()
+def denoise_streams(schedulers: tuple, latents: tuple[torch.Tensor, ...], timesteps: Iterable, model_output: Callable[[int, Any, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The shared loop for a model that denoises several streams in one call (MiniMax-H3: video and audio rows), each on its own
+    scheduler: at each step (``timesteps``: one timestep per stream) the entry's call gives every stream's output, and each
+    stream's scheduler steps it. Returns the final latents of every stream."""
+    latents = tuple(latents)
+    for index, step in enumerate(timesteps):
+        outputs = model_output(index, step, latents)
+        latents = tuple(scheduler.step(output, t, stream, return_dict=False)[0] for scheduler, output, t, stream in zip(schedulers, outputs, step, latents, strict=True))
+    return latents
