@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zeropipe.families.diffusion.core import PredictContext
-from zeropipe.families.diffusion.entries.flux3 import Flux3Call
+from zeropipe.families.diffusion.bases.flux3 import Flux3Call
 from zeropipe.families.diffusion.modular import run_block, run_loop_block
 
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zeropipe.families.diffusion.core import PredictContext
-from zeropipe.families.diffusion.entries.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Call, audio_sigma, draw, unpatchify_video_rows
+from zeropipe.families.diffusion.bases.minimax_h3 import AUDIO_SHIFT, VIDEO_SHIFT, MiniMaxH3Call, audio_sigma, draw, unpatchify_video_rows
 from zeropipe.families.diffusion.modular import run_block, run_loop_block
 
 CPU = torch.device("cpu")

@@ -19,8 +19,8 @@ trainer (``models/minimax_h3.py``: ``time_shift_sigma``) draws the audio level t
 row alike, video and audio (diffusion-pipe's ``loss_fn``); a clip without audio trains video rows only, with an
 empty audio block, as diffusion-pipe does.
 
-Status: the denoiser call and the two-stream sampling step are here and held to the modular pipeline's blocks;
-the entry is NOT registered yet (docs/video.md, "Not done yet"): its tiny preset needs tiny builds of the video
+Status: the denoiser call and the two-stream sampling step are here (``bases/``, for the entry module to come) and
+held to the modular pipeline's blocks; there is NO entry yet (docs/video.md, "Not done yet"): its tiny preset needs tiny builds of the video
 VAE, the waveform audio VAE and Qwen3-VL with its processor (the processor needs torchvision, which this machine
 does not have), and the ``AudioTrack`` part encodes LTX-2's mel-spectrogram audio, not H3's 32 kHz waveform.
 """
