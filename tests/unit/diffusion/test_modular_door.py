@@ -95,6 +95,13 @@ def test_prompts_through_the_text_encoder_block_and_predict_through_the_denoiser
     assert torch.equal(condition["prompt_embeds_mask"], expected["prompt_embeds_mask"])
     assert torch.allclose(condition["prompt_embeds"], expected["prompt_embeds"], atol=1e-6)
 
+    # Run once per prompt (the blocks that take one prompt string per call), the captions padded with a mask: the same cache.
+    per_prompt = TextEncoderBlock(returns={"prompt_embeds": "prompt_embeds"}, arguments={"max_sequence_length": 128}, per_prompt=True)
+    per_prompt.entry = arch
+    one_by_one = per_prompt.encode_prompts(modular, prompts, CPU)
+    assert torch.equal(one_by_one["prompt_embeds_mask"], expected["prompt_embeds_mask"])
+    assert torch.allclose(one_by_one["prompt_embeds"], expected["prompt_embeds"], atol=1e-6)
+
     transformer = load_component(folder, "transformer", torch.float32, CPU)
     pipeline = text_pipeline(folder, arch, torch.float32, CPU)
     pipeline.update_components(transformer=transformer)
@@ -107,3 +114,11 @@ def test_prompts_through_the_text_encoder_block_and_predict_through_the_denoiser
     ours = arch.call.predict(transformer, latents, t.expand(2), condition, PredictContext(CPU, torch.float32, 8, 1.0))
     assert ours.shape == state.noise_pred.shape
     assert torch.allclose(ours, state.noise_pred, atol=1e-5), (ours - state.noise_pred).abs().max()
+
+
+def test_a_modular_pipeline_is_not_drawn_through_its_call(folder):
+    from zeropipe.families.diffusion.sampler import pipeline_call
+
+    pipeline = text_pipeline(folder, architecture_of(folder), torch.float32, CPU)
+    with pytest.raises(TypeError, match="ZImageModularPipeline is a modular pipeline.*sampler.denoise"):
+        pipeline_call(pipeline, {"prompt": "a red circle"})

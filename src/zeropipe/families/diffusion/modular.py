@@ -73,19 +73,34 @@ class TextEncoderBlock(PromptEncoding):
     """Prompt encoding that is a modular pipeline's own text-encoder block, declared: the block's name among the pipeline's
     sub-blocks, its outputs and the name the text cache keeps each under, its inputs besides the prompts.
 
-    ``cached`` turns the block's outputs into the cache's tensors (default: as they are); an entry whose block returns
-    one tensor per prompt of its own length (Z-Image's list of captions) pads them with a mask there.
+    ``per_prompt``: the block takes one prompt string per call (MiniMax-H3's, FLUX.3's): it is run once per prompt and
+    each output's rows (1, L, D), of each prompt's own length, are padded into one batch with a mask
+    (``<name>_mask``, 1 on a prompt's own rows) that the entry's call cuts them back with. ``cached`` turns the
+    outputs into the cache's tensors (default: as they are); an entry whose block returns one tensor per prompt of its
+    own length (Z-Image's list of captions) pads them with a mask there.
     """
 
     block: str = "text_encoder"
     returns: dict[str, str] = field(default_factory=lambda: {"prompt_embeds": "prompt_embeds"})
     arguments: dict[str, Any] = field(default_factory=dict)
+    per_prompt: bool = False
 
     def encode_prompts(self, pipeline, prompts, device):
         block = pipeline.blocks.sub_blocks[self.block]
-        out = run_block(pipeline, block, self.returns, prompt=list(prompts), **self.arguments)
-        return self.cached({self.returns[name]: value for name, value in out.items()})
+        if not self.per_prompt:
+            out = run_block(pipeline, block, self.returns, prompt=list(prompts), **self.arguments)
+            return self.cached({self.returns[name]: value for name, value in out.items()})
+        runs = [run_block(pipeline, block, self.returns, prompt=prompt, **self.arguments) for prompt in prompts]
+        out: dict[str, torch.Tensor] = {}
+        for name, kept in self.returns.items():
+            rows = [run[name][0] for run in runs]
+            length = max(row.shape[0] for row in rows)
+            out[kept] = torch.stack([torch.nn.functional.pad(row, [0, 0] * (row.dim() - 1) + [0, length - row.shape[0]]) for row in rows])
+            out[f"{kept}_mask"] = torch.stack([torch.arange(length, device=row.device) < row.shape[0] for row in rows]).long()
+        return self.cached(out)
 
     def cached(self, out: dict[str, Any]) -> dict[str, torch.Tensor]:
         return out
+
+
 __all__ = ["TextEncoderBlock", "run_block", "run_loop_block"]

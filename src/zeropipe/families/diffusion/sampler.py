@@ -22,7 +22,16 @@ import torch
 
 
 def pipeline_call(pipeline, kwargs: dict[str, Any]):
-    """The pipeline's own ``__call__`` with these arguments: its output as the pipeline returns it."""
+    """The pipeline's own ``__call__`` with these arguments: its output as the pipeline returns it.
+
+    Raises:
+        TypeError: the pipeline is a modular one, whose run takes a state and returns one: its entry draws through
+            ``denoise`` / ``denoise_streams`` (docs/architecture.md, "The door for modular pipelines").
+    """
+    from diffusers.modular_pipelines import ModularPipeline
+
+    if isinstance(pipeline, ModularPipeline):
+        raise TypeError(f"{type(pipeline).__name__} is a modular pipeline: its entry's sampling draws through sampler.denoise, not the pipeline's call")
     return pipeline(**kwargs)
 
 
