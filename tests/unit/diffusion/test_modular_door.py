@@ -18,7 +18,7 @@ from zeropipe.errors import ConfigError
 from zeropipe.families.diffusion.core import Architecture, PredictContext
 from zeropipe.families.diffusion.entries import architecture_of, register, unregister
 from zeropipe.families.diffusion.entries.z_image import ARCHITECTURE as Z_IMAGE, ZImagePrompts
-from zeropipe.families.diffusion.modular import TextEncoderBlock, run_loop_block
+from zeropipe.families.diffusion.modular import DenoiserSampling, TextEncoderBlock, run_loop_block  # noqa: F401  (DenoiserSampling: MODULAR's samples)
 from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, load_component, stack_padded, text_pipeline
 
 CPU = torch.device("cpu")
@@ -36,7 +36,7 @@ class ZImageBlockPrompts(TextEncoderBlock, ZImagePrompts):
 
 MODULAR = Architecture(
     record=dataclasses.replace(Z_IMAGE.record, name="z-image-modular", pipeline_class="ZImageModularPipeline", related_pipelines=(), preset_name="tiny-z-image-modular"),
-    call=Z_IMAGE.call, prompts=ZImageBlockPrompts(arguments={"max_sequence_length": 128}), sampling=Z_IMAGE.sampling, layouts=Z_IMAGE.layouts,
+    call=Z_IMAGE.call, prompts=ZImageBlockPrompts(arguments={"max_sequence_length": 128}), sampling=DenoiserSampling(), layouts=Z_IMAGE.layouts,
 )
 
 
@@ -122,3 +122,4 @@ def test_a_modular_pipeline_is_not_drawn_through_its_call(folder):
     pipeline = text_pipeline(folder, architecture_of(folder), torch.float32, CPU)
     with pytest.raises(TypeError, match="ZImageModularPipeline is a modular pipeline.*sampler.denoise"):
         pipeline_call(pipeline, {"prompt": "a red circle"})
+

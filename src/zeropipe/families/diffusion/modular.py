@@ -65,7 +65,7 @@ def run_loop_block(pipeline, blocks, step: int, timestep: torch.Tensor, **values
 
 from dataclasses import dataclass, field  # noqa: E402
 
-from zeropipe.families.diffusion.roles import PromptEncoding  # noqa: E402
+from zeropipe.families.diffusion.roles import PromptEncoding, Sampling  # noqa: E402
 
 
 @dataclass(eq=False)
@@ -103,4 +103,49 @@ class TextEncoderBlock(PromptEncoding):
         return out
 
 
-__all__ = ["TextEncoderBlock", "run_block", "run_loop_block"]
+class DenoiserSampling(Sampling):
+    """Image samples of a modular pipeline's entry through the shared sampler (``sampler.denoise``): noise at the sample's
+    latent size, the scheduler's timesteps for the steps asked, and at each step the entry's denoiser call with
+    classifier-free guidance against the empty prompt (``generate.guidance_scale``; one call per step at 1 or below).
+
+    The pipeline is ``pipelines._assemble``'s (``zeropipe_vae_factor``: the folder's VAE factor, which a modular
+    pipeline without its VAE would not know). ``timesteps`` sets the scheduler's timesteps (an entry whose scheduler
+    shifts by the token count passes its ``mu`` there).
+    """
+
+    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
+        return {"condition": condition, "negative": negative, "guidance_scale": guidance_scale, "guidance": guidance}
+
+    def timesteps(self, scheduler, steps: int, tokens: int, device: torch.device):
+        scheduler.set_timesteps(steps, device=device)
+        return scheduler.timesteps
+
+    def draw(self, pipeline, kwargs):
+        from zeropipe.families.diffusion.core import PredictContext
+        from zeropipe.families.diffusion.sampler import denoise
+
+        model = getattr(pipeline, self.record.denoiser)
+        module = getattr(model, "module", model)
+        condition, negative = kwargs["condition"], kwargs["negative"]
+        factor = pipeline.zeropipe_vae_factor
+        device = next(module.parameters()).device
+        context = PredictContext(device, next(module.parameters()).dtype, factor, float(kwargs["guidance"]))
+        batch = next(iter(condition.values())).shape[0]
+        shape = (batch, module.config.in_channels, kwargs["height"] // factor, kwargs["width"] // factor)
+        latents = torch.randn(shape, generator=kwargs["generator"]).to(device)
+        scale = float(kwargs["guidance_scale"])
+        scheduler = pipeline.scheduler
+        steps = self.timesteps(scheduler, int(kwargs["num_inference_steps"]), shape[-1] * shape[-2], device)
+
+        def model_output(index, t, current):
+            times = t.expand(batch).to(device)
+            velocity = self.entry.call.predict(model, current.to(context.dtype), times, condition, context).float()
+            if scale > 1:
+                unconditional = self.entry.call.predict(model, current.to(context.dtype), times, negative, context).float()
+                velocity = unconditional + scale * (velocity - unconditional)
+            return velocity
+
+        return denoise(scheduler, latents, steps, model_output)
+
+
+__all__ = ["DenoiserSampling", "TextEncoderBlock", "run_block", "run_loop_block"]

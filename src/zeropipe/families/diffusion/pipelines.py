@@ -427,6 +427,8 @@ def _assemble_modular(cls, arch: Architecture, folder, parts: dict[str, Any], sc
             config = folder.component_config(name, SCHEDULER_CONFIG_FILE)
             schedulers[name] = getattr(diffusers, config["_class_name"]).from_config(config)
     pipeline.update_components(**{name: part for name, part in {**schedulers, **parts}.items() if part is not None})
+    # The VAE is not loaded: the sampler sizes latents by the folder's factor (a modular pipeline's own property would assume the released VAE's).
+    pipeline.zeropipe_vae_factor = vae_scale_factor(folder.path)
     return pipeline
 
 
