@@ -120,6 +120,10 @@ class DenoiserSampling(Sampling):
         scheduler.set_timesteps(steps, device=device)
         return scheduler.timesteps
 
+    def latent_shape(self, config, batch: int, height: int, width: int, factor: int) -> tuple[int, ...]:
+        """The latents' shape for samples of this size (default: the denoiser's input channels at 1/factor of the pixels)."""
+        return (batch, config.in_channels, height // factor, width // factor)
+
     def draw(self, pipeline, kwargs):
         from zeropipe.families.diffusion.core import PredictContext
         from zeropipe.families.diffusion.sampler import denoise
@@ -131,7 +135,7 @@ class DenoiserSampling(Sampling):
         device = next(module.parameters()).device
         context = PredictContext(device, next(module.parameters()).dtype, factor, float(kwargs["guidance"]))
         batch = next(iter(condition.values())).shape[0]
-        shape = (batch, module.config.in_channels, kwargs["height"] // factor, kwargs["width"] // factor)
+        shape = self.latent_shape(module.config, batch, kwargs["height"], kwargs["width"], factor)
         latents = torch.randn(shape, generator=kwargs["generator"]).to(device)
         scale = float(kwargs["guidance_scale"])
         scheduler = pipeline.scheduler

@@ -91,6 +91,9 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
         # (modular_model_index.json, each component in its subfolder), which ModularPipeline.from_pretrained loads.
         pipeline = cls(**arch.record.pipeline_kwargs)
         pipeline.update_components(**parts)
+        for name in parts:  # saved and indexed as a release's are, a component the blocks would create from config (FLUX.3's scheduler) too
+            if name in pipeline._component_specs:
+                pipeline._component_specs[name].default_creation_method = "from_pretrained"
         pipeline.save_pretrained(str(tmp), safe_serialization=True, overwrite_modular_index=True)
     else:
         expected = set(cls._get_signature_keys(cls)[0]) if hasattr(cls, "_get_signature_keys") else set()

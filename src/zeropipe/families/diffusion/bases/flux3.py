@@ -60,3 +60,13 @@ class Flux3Call(DenoiserCall):
             self.call_one(model, model_input[index : index + 1], timesteps[index : index + 1], condition["prompt_embeds"][index : index + 1, : int(lengths[index])], context)
             for index in range(model_input.shape[0])
         ])
+
+
+def trace_inputs(config, latent: int, text_tokens: int, dtype: torch.dtype) -> dict:
+    """The transformer's keyword arguments for one example of this size, made on the current (meta) device: 2x2-patched latents, one window of text."""
+    tokens = (latent // 2) ** 2
+    return {
+        "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype), "timestep": torch.tensor([0.5], dtype=dtype),
+        "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
+        "img_ids": torch.zeros(tokens, 4), "txt_ids": torch.zeros(text_tokens, 4),
+    }

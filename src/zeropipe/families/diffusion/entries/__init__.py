@@ -31,6 +31,7 @@ BUILTIN = (
     "ideogram4",
     "cosmos_predict2", "cosmos_predict2_video2world",
     "qwen_image21",
+    "flux3",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
