@@ -10,8 +10,7 @@ multiple of 80 tokens, and the transformer attends to that padding (``Flux3TextE
 called at its own window, so a batch of prompts of different windows is called one sample at a time.
 
 This module builds those inputs with the modular pipeline's own helpers, so the call is ``Flux3LoopDenoiser``'s
-(held to it in ``tests/unit/diffusion/test_flux3.py``). Here in ``bases/`` for the entry module to come: there is no
-FLUX.3 entry yet (docs/diffusion.md, "Not done yet").
+(held to it in ``tests/unit/diffusion/test_flux3.py``); the entry is ``entries/flux3.py``.
 FLUX.3 [distilled] (``Flux3DistilledModularPipeline``) is a flow-map model (``flow_map=True``: each call also takes
 the timestep the step jumps to), which the flow objective does not train.
 """
