@@ -69,6 +69,13 @@ class Flux3Trace(Flux3Call):
 
 
 class Flux3Sampling(DenoiserSampling):
+    def timesteps(self, scheduler, steps, tokens, device):
+        """``Flux3SetTimestepsStep``'s: sigmas ``linspace(1, 1/steps, steps)`` on the scheduler's own (constant) shift."""
+        import numpy as np
+
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), device=device)
+        return scheduler.timesteps
+
     def latent_shape(self, config, batch, height, width, factor):
         return (batch, config.in_channels, height // (factor * 2), width // (factor * 2))  # latents patched 2x2
 
