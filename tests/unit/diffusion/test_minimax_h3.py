@@ -94,3 +94,50 @@ def test_draw_through_the_shared_sampler_is_the_denoise_step(reference):
     frames, height, width = state["num_latent_frames"], state["latent_height"], state["latent_width"]
     assert torch.allclose(video, unpatchify_video_rows(expected["latents"], 24, frames, height, width, (1, 2, 2)), atol=1e-4)
     assert torch.allclose(audio[0], expected["audio_latents"], atol=1e-4)
+
+
+def test_prompts_through_the_text_encoder_block_drive_the_call_as_the_pipeline_does():
+    """Two prompts through the pipeline's own text-encoder block (a tiny 51-layer Qwen3-VL: it reads hidden state 50), cached
+    padded with a mask; the entry's call on each cached prompt equals the denoiser block given that prompt's block output."""
+    import transformers
+    from diffusers import MiniMaxH3ModularPipeline, MiniMaxH3Transformer3DModel
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+    from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3LoopDenoiser
+
+    from zeropipe.families.diffusion.bases.minimax_h3 import MiniMaxH3Prompts, packed_sequence, row_timesteps
+    from zeropipe.families.diffusion.bases.qwen3_vl_text import ProcessorTextPath
+    from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl_generation
+    from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
+
+    fields = tiny_qwen3_vl_generation()
+    fields.pop("class")
+    fields["text_config"] = {**fields["text_config"], "num_hidden_layers": 51, "hidden_size": 16, "intermediate_size": 32, "head_dim": 8,
+                             "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+    fields["vision_config"] = {**fields["vision_config"], "out_hidden_size": 16}
+    torch.manual_seed(2)
+    encoder = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(**fields)).eval()
+    tokenizer = character_qwen_tokenizer(256)
+    transformer = MiniMaxH3Transformer3DModel(**{**TINY, "text_dim": 16}).eval()
+    pipeline = MiniMaxH3ModularPipeline()
+    pipeline.update_components(text_encoder=encoder, tokenizer=tokenizer, processor=ProcessorTextPath(tokenizer), transformer=transformer)
+    prompts = ["a red circle", "two blue squares on grey"]
+    cached = MiniMaxH3Prompts().encode_prompts(pipeline, prompts, CPU)
+    assert cached["prompt_embeds_mask"].sum(dim=1).tolist() == [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+
+    torch.manual_seed(3)
+    latents, audio = torch.randn(2, 24, 2, 4, 4), torch.randn(2, 2 * 3, 32)
+    sigma, level = torch.tensor([0.7, 0.4]), torch.tensor([0.5, 0.2])
+    video_v, audio_v = MiniMaxH3Call().joint_predict(transformer, latents, audio, sigma, level, cached, PredictContext(CPU, torch.float32, 16, 1.0))
+    for index, prompt in enumerate(prompts):
+        block = run_block(pipeline, pipeline.blocks.sub_blocks["text_encoder"], ("prompt_embeds", "text_token_tags"), prompt=prompt)
+        assert torch.equal(block["text_token_tags"], torch.full_like(block["text_token_tags"], pipeline.text_tag))
+        length = block["prompt_embeds"].shape[1]
+        position_ids, tags, video_rows, audio_rows, text_rows = packed_sequence(transformer.config, length, 2, 4, 4, 3, CPU)
+        plan = [row_timesteps(video_rows, audio_rows, length, float(1 - sigma[index]), float(1 - level[index]))]
+        out = run_loop_block(
+            pipeline, MiniMaxH3LoopDenoiser(), 0, torch.tensor(0.0), latents=patchify_video_latents(latents[index : index + 1], (1, 2, 2)),
+            audio_latents=audio[index], prompt_embeds=block["prompt_embeds"], row_timestep_plan=plan, attention_kwargs=None,
+            denoiser_input_fields={"token_tags": tags, "position_ids": position_ids, "video_indices": video_rows, "audio_indices": audio_rows, "text_indices": text_rows},
+        )
+        assert torch.allclose(-video_v[index], unpatchify_video_rows(out.noise_pred[0], 24, 2, 4, 4, (1, 2, 2))[0], atol=1e-5)
+        assert torch.allclose(-audio_v[index], out.audio_noise_pred[0], atol=1e-5)

@@ -19,8 +19,8 @@ trainer (``models/minimax_h3.py``: ``time_shift_sigma``) draws the audio level t
 row alike, video and audio (diffusion-pipe's ``loss_fn``); a clip without audio trains video rows only, with an
 empty audio block, as diffusion-pipe does.
 
-Status: the denoiser call and the two-stream sampling step are here (``bases/``, for the entry module to come) and
-held to the modular pipeline's blocks; there is NO entry yet (docs/video.md, "Not done yet"): its tiny preset needs tiny builds of the video
+Status: the denoiser call, the prompts through the pipeline's text-encoder block and the two-stream sampling step are
+here (``bases/``, for the entry module to come) and held to the modular pipeline's blocks; there is NO entry yet (docs/video.md, "Not done yet"): its tiny preset needs tiny builds of the video
 VAE, the waveform audio VAE and Qwen3-VL with its processor (the processor needs torchvision, which this machine
 does not have), and the ``AudioTrack`` part encodes LTX-2's mel-spectrogram audio, not H3's 32 kHz waveform.
 """
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from zeropipe.families.diffusion.modular import TextEncoderBlock
 from zeropipe.families.diffusion.roles import DenoiserCall
 
 VIDEO_SHIFT = 12.0  # MiniMaxH3Scheduler's shift for the video rows (the pipeline's `scheduler`)
@@ -137,6 +138,22 @@ class MiniMaxH3Call(DenoiserCall):
         video_rows, audio_rows = noised.target[0].numel(), audio[0].numel()
         share = video_rows / (video_rows + audio_rows)
         return share * weighted_mse(video_velocity, noised.target, noised.weights) + (1 - share) * weighted_mse(audio_velocity, noise - audio, noised.weights)
+
+
+class MiniMaxH3Prompts(TextEncoderBlock):
+    """The pipeline's own text-encoder block (``MiniMaxH3TextEncoderStep``, the t2va branch of its auto step: Qwen3-VL's
+    hidden state 50 of the prompt as is, no chat template), run once per prompt as it takes one, each prompt's rows
+    cached at its own length with a mask. Its ``text_token_tags`` are all text for a prompt alone: the call makes them."""
+
+    def __init__(self):
+        super().__init__(per_prompt=True)
+
+    def load_prompt_processor(self, pipeline_dir, processor, parts):
+        from pathlib import Path
+
+        from zeropipe.families.diffusion.bases.qwen3_vl_text import load_processor
+
+        return load_processor(Path(pipeline_dir) / processor)
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ text-encoder block (``Flux3TextEncoderStep``: Qwen3-VL's hidden states 4, 8, ...
 chat template right-padded to a multiple of 80 tokens), run once per prompt as it takes one, the window cached
 with a mask. The block reads the processor (the ``tokenizer`` component, an ``AutoProcessor``: Qwen3VLProcessor)
 for its chat template and its tokenizer only: where torchvision is missing (transformers builds Qwen3VLProcessor
-only with it) the entry gives the block :class:`ProcessorTextPath`, those two from the same folder. The latents are
+only with it) the entry gives the block ``bases/qwen3_vl_text.ProcessorTextPath``, those from the same folder. The latents are
 FLUX.2's (``Flux2Latents``: ``AutoencoderKLFlux2``, patched 2x2, batch-norm statistics). Samples are drawn through
 the shared sampler (``modular.DenoiserSampling``) with classifier-free guidance against the empty prompt, as the
 pipeline's guider does (its default scale 3.5 is ``generate.guidance_scale``'s to give).
@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zeropipe.families.diffusion.bases.flux3 import Flux3Call, trace_inputs
+from zeropipe.families.diffusion.bases.qwen3_vl_text import load_processor
 from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.modular import DenoiserSampling, TextEncoderBlock
 from zeropipe.families.diffusion.parts import PromptText
@@ -31,19 +32,6 @@ PROCESSOR = "tokenizer"  # the pipeline's component: an AutoProcessor (Qwen3VLPr
 TINY_TEXT_LAYERS = 33  # the block taps hidden states 4, 8, ..., 32: a tiny Qwen3-VL needs 33 layers
 
 
-class ProcessorTextPath:
-    """What ``Flux3TextEncoderStep`` uses of Qwen3VLProcessor: its chat template (``apply_chat_template``, not tokenized) and
-    its tokenizer (``.tokenizer``), from the same folder; for machines without torchvision."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def apply_chat_template(self, conversation, add_generation_prompt: bool = False, tokenize: bool = False, **kwargs):
-        if tokenize:
-            raise ValueError("FLUX.3's prompts are tokenized by the block itself; this stand-in renders the chat template only")
-        return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
-
-
 class Flux3Prompts(TextEncoderBlock):
     def tiny_prompt_processor(self, processor, parts, folder):
         tokenizer = character_qwen_tokenizer(256)
@@ -51,16 +39,7 @@ class Flux3Prompts(TextEncoderBlock):
         tokenizer.save_pretrained(str(folder))
 
     def load_prompt_processor(self, pipeline_dir, processor, parts):
-        from transformers import AutoTokenizer
-
-        folder = Path(pipeline_dir) / processor
-        try:
-            import torchvision  # noqa: F401
-        except ImportError:
-            return ProcessorTextPath(AutoTokenizer.from_pretrained(str(folder)))
-        from transformers import AutoProcessor
-
-        return AutoProcessor.from_pretrained(str(folder))
+        return load_processor(Path(pipeline_dir) / processor)
 
 
 class Flux3Trace(Flux3Call):
