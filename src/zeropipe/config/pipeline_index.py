@@ -1,4 +1,4 @@
-"""A diffusers pipeline folder, read one way: ``model_index.json`` and its components' config files.
+"""A diffusers pipeline folder, read one way: ``model_index.json`` (or a modular pipeline's ``modular_model_index.json``) and its components' config files.
 
 Every part of ZeRO-Pipe that needs to know what a pipeline folder holds (which pipeline class,
 which components and their classes, the pipeline's own settings such as Wan 2.2's
@@ -24,12 +24,17 @@ from typing import Any
 from zeropipe.errors import ConfigError
 
 INDEX_FILE = "model_index.json"
+# A modular pipeline's index (diffusers' ModularPipeline.save_pretrained): each component is [library, class, loading spec]
+# ({"subfolder", "pretrained_model_name_or_path", "type_hint", ...}); a component the pipeline expects but was not saved
+# with is [null, null, spec]; the blocks' config values (canvas_short_edge...) are plain values; _blocks_class_name names the blocks.
+MODULAR_INDEX_FILE = "modular_model_index.json"
 SCHEDULER_CONFIG_FILE = "scheduler_config.json"  # what diffusers saves a scheduler's config as (SchedulerMixin.config_name)
 
 
 def is_pipeline_folder(path: str | Path) -> bool:
-    """Whether a folder is a diffusers pipeline (it has a model_index.json); nothing is read."""
-    return (Path(path).expanduser() / INDEX_FILE).is_file()
+    """Whether a folder is a diffusers pipeline (it has a model_index.json, or a modular pipeline's modular_model_index.json); nothing is read."""
+    folder = Path(path).expanduser()
+    return (folder / INDEX_FILE).is_file() or (folder / MODULAR_INDEX_FILE).is_file()
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,11 @@ class PipelineIndex:
     path: Path
     index: Mapping[str, Any]
     key: str | None = "model.path"
+    modular: bool = False  # read from modular_model_index.json (a ModularPipeline's folder)
 
     @property
     def index_file(self) -> Path:
-        return self.path / INDEX_FILE
+        return self.path / (MODULAR_INDEX_FILE if self.modular else INDEX_FILE)
 
     @property
     def class_name(self) -> str | None:
@@ -61,7 +67,25 @@ class PipelineIndex:
         value = self.index.get(name)
         if isinstance(value, list) and len(value) == 2:
             return value[0], value[1]
+        if self.modular and isinstance(value, list) and len(value) == 3:
+            return value[0], value[1]  # [null, null, spec]: expected by the blocks, not saved with the folder
         return None, None
+
+    def component_folder(self, name: str) -> Path:
+        """Where a component's files are: its own subfolder (a modular index's loading spec names it; a modular folder copied
+        from the Hub names the repo it came from, whose files diffusers also reads from the local copy when they are there).
+
+        Raises:
+            ConfigError: a modular index points the component at files outside the folder that are not in it.
+        """
+        value = self.index.get(name)
+        if not (self.modular and isinstance(value, list) and len(value) == 3 and isinstance(value[2], dict)):
+            return self.path / name
+        folder = self.path / (value[2].get("subfolder") or "")
+        if folder == self.path or not folder.is_dir():
+            raise ConfigError([(self.key, f"{self.index_file} loads {name} from {value[2].get('pretrained_model_name_or_path')!r} "
+                                          f"(subfolder {value[2].get('subfolder')!r}), which is not inside {self.path}: download the whole repository into the folder")])
+        return folder
 
     def required_component(self, name: str) -> tuple[str, str]:
         """(library, class) of a component the caller needs.
@@ -82,6 +106,12 @@ class PipelineIndex:
         """Every component the index names, {name: (library, class)}, in the file's order."""
         return {name: self.component(name) for name in self.index if not name.startswith("_") and self.has_component(name)}  # type: ignore[misc]
 
+    @property
+    def blocks_class_name(self) -> str | None:
+        """A modular pipeline's blocks class (``_blocks_class_name``: ``MiniMaxH3Blocks``); None for a DiffusionPipeline's folder."""
+        name = self.index.get("_blocks_class_name") if self.modular else None
+        return name if isinstance(name, str) else None
+
     def setting(self, name: str, default: Any = None) -> Any:
         """One of the pipeline's own settings saved in the index (``boundary_ratio``, ``is_distilled``): values that are not components."""
         value = self.index.get(name, default)
@@ -97,11 +127,14 @@ class PipelineIndex:
         Raises:
             ConfigError: the file is missing or is not a JSON object; the message names it and the fix.
         """
-        return _read_json_object(self.path / name / file, self.key, what=f"the pipeline's {name} config")
+        return _read_json_object(self.component_folder(name) / file, self.key, what=f"the pipeline's {name} config")
 
     def has_component_config(self, name: str, file: str = "config.json") -> bool:
         """Whether a component's folder holds its config file (tokenizers and schedulers have none by that name)."""
-        return (self.path / name / file).is_file()
+        try:
+            return (self.component_folder(name) / file).is_file()
+        except ConfigError:
+            return False
 
     def scheduler_config(self) -> dict[str, Any]:
         """``scheduler/scheduler_config.json``."""
@@ -115,13 +148,18 @@ def read_pipeline_index(path: str | Path, key: str | None = "model.path") -> Pip
         path: the pipeline folder (``~`` is expanded).
         key: the config key that named the folder, for the error (None where it came from elsewhere: ``--model PATH``).
 
+    A folder without ``model_index.json`` that holds a ``modular_model_index.json`` is a modular pipeline's
+    (MiniMax-H3, FLUX.3: diffusers ships them only as ``ModularPipeline``): its index is read the same way and
+    the returned ``PipelineIndex`` says ``modular``.
+
     Raises:
         ConfigError: the folder has no model_index.json, or it is not a JSON object; the message names the file and the fix.
     """
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ConfigError([(key, f"{folder} is not a folder: point it at a diffusers pipeline folder (one with a {INDEX_FILE})")])
-    file = folder / INDEX_FILE
+    modular = not (folder / INDEX_FILE).is_file() and (folder / MODULAR_INDEX_FILE).is_file()
+    file = folder / (MODULAR_INDEX_FILE if modular else INDEX_FILE)
     try:
         stat = file.stat()
         seen = (str(file.resolve()), stat.st_mtime_ns, stat.st_size, stat.st_ino)
@@ -129,10 +167,10 @@ def read_pipeline_index(path: str | Path, key: str | None = "model.path") -> Pip
         seen = None  # missing or unreadable: _read_json_object names it
     index = _PARSED.get(seen) if seen is not None else None
     if index is None:
-        index = MappingProxyType(_read_json_object(file, key, what="a diffusers pipeline's index"))
+        index = MappingProxyType(_read_json_object(file, key, what="a diffusers modular pipeline's index" if modular else "a diffusers pipeline's index"))
         if seen is not None:
             _PARSED[seen] = index
-    return PipelineIndex(folder, index, key)
+    return PipelineIndex(folder, index, key, modular)
 
 
 # Each model_index.json parsed once per process (a command, the node's setup, a rank), by its path and what
@@ -160,4 +198,4 @@ def _read_json_object(file: Path, key: str | None, what: str) -> dict[str, Any]:
     return value
 
 
-__all__ = ["INDEX_FILE", "PipelineIndex", "is_pipeline_folder", "read_pipeline_index"]
+__all__ = ["INDEX_FILE", "MODULAR_INDEX_FILE", "PipelineIndex", "is_pipeline_folder", "read_pipeline_index"]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from zeropipe.config.pipeline_index import read_pipeline_index
+from zeropipe.config.pipeline_index import SCHEDULER_CONFIG_FILE, read_pipeline_index
 from zeropipe.confine import OutsideRoots, require_usable
 from zeropipe.families.diffusion.entries import Architecture, architecture_for_preset, architecture_of, presets
 from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
@@ -86,11 +86,21 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
     for tokenizer_name in arch.record.tokenizers:
         parts[tokenizer_name] = arch.prompts.tiny_tokenizer(tokenizer_name)
     cls = arch.pipeline()
-    expected = set(cls._get_signature_keys(cls)[0]) if hasattr(cls, "_get_signature_keys") else set()
-    optional = {name: None for name in expected if name not in parts and name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
-    kwargs = {**optional, **arch.record.pipeline_kwargs, **parts}
-    pipeline = cls(**kwargs)
-    pipeline.save_pretrained(str(tmp), safe_serialization=True)
+    if is_modular(cls):
+        # A modular pipeline (no constructor of components): its blocks' components, saved in the modular layout
+        # (modular_model_index.json, each component in its subfolder), which ModularPipeline.from_pretrained loads.
+        pipeline = cls(**arch.record.pipeline_kwargs)
+        pipeline.update_components(**parts)
+        for name in parts:  # saved and indexed as a release's are, a component the blocks would create from config (FLUX.3's scheduler) too
+            if name in pipeline._component_specs:
+                pipeline._component_specs[name].default_creation_method = "from_pretrained"
+        pipeline.save_pretrained(str(tmp), safe_serialization=True, overwrite_modular_index=True)
+    else:
+        expected = set(cls._get_signature_keys(cls)[0]) if hasattr(cls, "_get_signature_keys") else set()
+        optional = {name: None for name in expected if name not in parts and name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
+        kwargs = {**optional, **arch.record.pipeline_kwargs, **parts}
+        pipeline = cls(**kwargs)
+        pipeline.save_pretrained(str(tmp), safe_serialization=True)
     for processor_name in arch.record.text.processors:
         arch.prompts.tiny_prompt_processor(processor_name, parts, tmp / processor_name)
     if out.exists():
@@ -265,21 +275,20 @@ def load_component(pipeline_dir: Path, name: str, dtype: torch.dtype, device: to
     import diffusers
     import transformers
 
-    library, class_name = read_pipeline_index(pipeline_dir).required_component(name)
+    index = read_pipeline_index(pipeline_dir)
+    library, class_name = index.required_component(name)
     cls = component_class(library, class_name)
+    folder = index.component_folder(name)  # the component's subfolder (a modular index names it)
     if spread and library == "transformers" and device.type == "cuda" and torch.cuda.device_count() > 1:
         import psutil
 
-        folder = Path(pipeline_dir) / name
         free = [torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count())]
         placement = spread_placement(component_bytes(folder, dtype), free, psutil.virtual_memory().available)
         if placement is not None:
             model = cls.from_pretrained(str(folder), dtype=dtype, device_map="auto", max_memory=placement)
             model.requires_grad_(False)
             return model.eval()
-    model = cls.from_pretrained(str(Path(pipeline_dir) / name), dtype=dtype) if library == "transformers" else cls.from_pretrained(
-        str(Path(pipeline_dir) / name), torch_dtype=dtype
-    )
+    model = cls.from_pretrained(str(folder), dtype=dtype) if library == "transformers" else cls.from_pretrained(str(folder), torch_dtype=dtype)
     model.requires_grad_(False)
     return model.to(device).eval()
 
@@ -296,8 +305,9 @@ def load_tokenizer(pipeline_dir: Path, name: str):
     """
     from transformers import AutoProcessor, AutoTokenizer
 
-    folder = Path(pipeline_dir) / name
-    class_name = read_pipeline_index(pipeline_dir).component(name)[1]
+    index = read_pipeline_index(pipeline_dir)
+    folder = index.component_folder(name)
+    class_name = index.component(name)[1]
     if not (class_name or "").endswith("Processor"):
         return AutoTokenizer.from_pretrained(str(folder))
     try:
@@ -362,12 +372,21 @@ def prompt_processors(pipeline_dir: Path, arch: Architecture) -> dict[str, Any]:
     return parts
 
 
+def is_modular(cls) -> bool:
+    """Whether a pipeline class is a diffusers ``ModularPipeline`` (blocks and components, no ``__call__`` of its own arguments)."""
+    from diffusers.modular_pipelines import ModularPipeline
+
+    return isinstance(cls, type) and issubclass(cls, ModularPipeline)
+
+
 def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]):
     import diffusers
 
     folder = read_pipeline_index(pipeline_dir)
     scheduler_config = folder.scheduler_config()
     scheduler = getattr(diffusers, scheduler_config["_class_name"]).from_config(scheduler_config)
+    if is_modular(cls):
+        return _assemble_modular(cls, arch, folder, parts, scheduler)
     expected, settings = cls._get_signature_keys(cls)
     kwargs = {name: None for name in expected if name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
     # The pipeline's own settings saved in model_index.json (Flux2KleinPipeline's is_distilled), as from_pretrained passes them.
@@ -395,6 +414,24 @@ def _assemble(cls, arch: Architecture, pipeline_dir: Path, parts: dict[str, Any]
         cls = type(processor) if isinstance(processor, VaeImageProcessor) else VaeImageProcessor
         config = processor.config if isinstance(processor, VaeImageProcessor) else {}
         pipeline.image_processor = cls.from_config(config, vae_scale_factor=arch.record.image_processor_factor(pipeline.vae_scale_factor))
+    return pipeline
+
+
+def _assemble_modular(cls, arch: Architecture, folder, parts: dict[str, Any], scheduler):
+    """A modular pipeline holding these components: its blocks and config from the folder's modular_model_index.json
+    (as ``ModularPipeline.from_pretrained`` reads them, nothing else loaded), the components given, and every scheduler
+    the index names (MiniMax-H3 steps its video and audio rows with two)."""
+    import diffusers
+
+    pipeline = cls(pretrained_model_name_or_path=str(folder.path), **arch.record.pipeline_kwargs)
+    schedulers = {"scheduler": scheduler}
+    for name, (_, class_name) in folder.components().items():
+        if name != "scheduler" and class_name is not None and class_name.endswith("Scheduler"):
+            config = folder.component_config(name, SCHEDULER_CONFIG_FILE)
+            schedulers[name] = getattr(diffusers, config["_class_name"]).from_config(config)
+    pipeline.update_components(**{name: part for name, part in {**schedulers, **parts}.items() if part is not None})
+    # The VAE is not loaded: the sampler sizes latents by the folder's factor (a modular pipeline's own property would assume the released VAE's).
+    pipeline.zeropipe_vae_factor = vae_scale_factor(folder.path)
     return pipeline
 
 

@@ -22,7 +22,16 @@ import torch
 
 
 def pipeline_call(pipeline, kwargs: dict[str, Any]):
-    """The pipeline's own ``__call__`` with these arguments: its output as the pipeline returns it."""
+    """The pipeline's own ``__call__`` with these arguments: its output as the pipeline returns it.
+
+    Raises:
+        TypeError: the pipeline is a modular one, whose run takes a state and returns one: its entry draws through
+            ``denoise`` / ``denoise_streams`` (docs/architecture.md, "The door for modular pipelines").
+    """
+    from diffusers.modular_pipelines import ModularPipeline
+
+    if isinstance(pipeline, ModularPipeline):
+        raise TypeError(f"{type(pipeline).__name__} is a modular pipeline: its entry's sampling draws through sampler.denoise, not the pipeline's call")
     return pipeline(**kwargs)
 
 
@@ -32,4 +41,16 @@ def denoise(scheduler, latents: torch.Tensor, timesteps: Iterable, model_output:
     its denoiser call with guidance) and the scheduler's ``step``, as every diffusers pipeline's loop does. Returns the final latents."""
     for index, t in enumerate(timesteps):
         latents = scheduler.step(model_output(index, t, latents), t, latents, return_dict=False)[0]
+    return latents
+
+
+@torch.no_grad()
+def denoise_streams(schedulers: tuple, latents: tuple[torch.Tensor, ...], timesteps: Iterable, model_output: Callable[[int, Any, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """The shared loop for a model that denoises several streams in one call (MiniMax-H3: video and audio rows), each on its own
+    scheduler: at each step (``timesteps``: one timestep per stream) the entry's call gives every stream's output, and each
+    stream's scheduler steps it. Returns the final latents of every stream."""
+    latents = tuple(latents)
+    for index, step in enumerate(timesteps):
+        outputs = model_output(index, step, latents)
+        latents = tuple(scheduler.step(output, t, stream, return_dict=False)[0] for scheduler, output, t, stream in zip(schedulers, outputs, step, latents, strict=True))
     return latents

@@ -32,6 +32,7 @@ BUILTIN = (
     "cosmos_predict2", "cosmos_predict2_video2world",
     "qwen_image21",
     "z_image_omni",
+    "flux3",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

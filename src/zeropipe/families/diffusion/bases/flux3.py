@@ -1,0 +1,71 @@
+"""FLUX.3: a rectified-flow MMDiT on FLUX.2's patched latents, conditioned on eight stacked hidden layers of Qwen3-VL (diffusers: modular only).
+
+``Flux3Transformer2DModel`` takes the image tokens (FLUX.2's VAE latents, patched 2x2 into 128 channels and
+normalised by the VAE's batch-norm statistics: the ``Flux2Latents`` codec), one token per latent pixel with 4-axis
+position ids ``(t, h, w, l)`` whose spatial axes are scaled by 0.5 (``Flux3PrepareLatentsStep``), the text context
+(Qwen3-VL's hidden states 4, 8, ..., 32 stacked along the features) with its own ids along ``l``
+(``Flux3TextRoPEInputsStep``), and the flow timestep ``t / 1000``. Its output is the noise-ward velocity the
+scheduler steps on, the objective's target as it is. The text window is the chat-templated prompt right-padded to a
+multiple of 80 tokens, and the transformer attends to that padding (``Flux3TextEncoderStep``): each prompt is
+called at its own window, so a batch of prompts of different windows is called one sample at a time.
+
+This module builds those inputs with the modular pipeline's own helpers, so the call is ``Flux3LoopDenoiser``'s
+(held to it in ``tests/unit/diffusion/test_flux3.py``); the entry is ``entries/flux3.py``.
+FLUX.3 [distilled] (``Flux3DistilledModularPipeline``) is a flow-map model (``flow_map=True``: each call also takes
+the timestep the step jumps to), which the flow objective does not train.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeropipe.families.diffusion.roles import DenoiserCall
+
+IMAGE_ROPE_SCALE = 0.5  # Flux3PrepareLatentsStep's default: the image ids' h and w axes are scaled by it
+
+
+def image_ids(height: int, width: int) -> torch.Tensor:
+    """The image tokens' position ids, by the modular pipeline's own helper."""
+    from diffusers.modular_pipelines.flux3.before_denoise import _prepare_image_ids
+
+    return _prepare_image_ids(height, width, IMAGE_ROPE_SCALE)
+
+
+def text_ids(embeds: torch.Tensor) -> torch.Tensor:
+    """The text tokens' position ids (one per token along ``l``), by the modular pipeline's own helper."""
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep
+
+    return Flux3TextRoPEInputsStep._prepare_text_ids(embeds)
+
+
+class Flux3Call(DenoiserCall):
+    """``Flux3LoopDenoiser``'s call: packed image tokens, each prompt at its own window (``prompt_embeds_mask``), ``t / 1000``."""
+
+    def call_one(self, model, latents: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, context) -> torch.Tensor:
+        batch, channels, height, width = latents.shape
+        out = model(
+            hidden_states=latents.flatten(2).transpose(1, 2).to(context.dtype), encoder_hidden_states=embeds.to(context.dtype),
+            timestep=(timesteps.float() / 1000).to(context.dtype), img_ids=image_ids(height, width).to(latents.device),
+            txt_ids=text_ids(embeds).to(latents.device), return_dict=False,
+        )[0]
+        return out.transpose(1, 2).reshape(batch, channels, height, width)
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        mask = condition["prompt_embeds_mask"].bool()
+        lengths = mask.sum(dim=1)
+        if bool((lengths == lengths[0]).all()):
+            return self.call_one(model, model_input, timesteps, condition["prompt_embeds"][:, : int(lengths[0])], context)
+        return torch.cat([
+            self.call_one(model, model_input[index : index + 1], timesteps[index : index + 1], condition["prompt_embeds"][index : index + 1, : int(lengths[index])], context)
+            for index in range(model_input.shape[0])
+        ])
+
+
+def trace_inputs(config, latent: int, text_tokens: int, dtype: torch.dtype) -> dict:
+    """The transformer's keyword arguments for one example of this size, made on the current (meta) device: 2x2-patched latents, one window of text."""
+    tokens = (latent // 2) ** 2
+    return {
+        "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype), "timestep": torch.tensor([0.5], dtype=dtype),
+        "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
+        "img_ids": torch.zeros(tokens, 4), "txt_ids": torch.zeros(text_tokens, 4),
+    }
