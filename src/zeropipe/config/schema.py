@@ -590,6 +590,15 @@ class ParallelSection(Section):
         "1/N of them and 1/N of the attention heads; data parallelism is ranks / N. Also read from a DeepSpeed JSON's "
         "sequence_parallel_size. docs/parallel.md.",
     )
+    tiled_loss: bool | Literal["auto"] = Field(
+        "auto",
+        description="Causal LMs: compute the LM head and cross-entropy loss_tile_tokens tokens at a time, recomputed in backward, so the "
+        "logits of the whole (local) sequence never exist: what lets one sample of 100k+ tokens train. 'auto': on when one rank's "
+        "micro-batch logits (tokens x vocabulary, fp32) would exceed 1 GiB; the run log says what was chosen. Works with and without "
+        "sequence parallelism and with packing. Not for models that post-process their logits (soft-capping, logit scale) or a "
+        "mixture of experts (router loss): auto leaves those off, true refuses. docs/parallel.md.",
+    )
+    loss_tile_tokens: int = Field(4096, ge=16, description="Tokens per tile of the tiled loss (parallel.tiled_loss): the peak holds tile x vocabulary logits.")
 
 
 class HardwareSection(Section):

@@ -96,7 +96,8 @@ def plan_run(run_config: RunConfig, hardware: Hardware, spec: ModelSpec, margin:
     micro, accumulation = fixed.get("micro_batch_size"), fixed.get("gradient_accumulation_steps")
     global_batch = micro * accumulation * (hardware.world_size // (sp if held_sp else 1)) if micro is not None and accumulation is not None else None
     notes = []
-    limits = zero3_limits(run_config, user_ds_config)
+    # parallel.tiled_loss and its tile travel with the ZeRO-3 limits: Choice fields every candidate carries.
+    limits = {**zero3_limits(run_config, user_ds_config), "tiled_loss": run_config.parallel.tiled_loss, "loss_tile_tokens": run_config.parallel.loss_tile_tokens}
     if run_config.deepspeed.config_file:
         notes.append(f"deepspeed.config_file is set: the plan follows the deepspeed.* fields, not {run_config.deepspeed.config_file}")
     if all_set:

@@ -82,15 +82,40 @@ def checkpointed_layer_bytes(block: BlockShape, tokens: int, precision: str) -> 
     return tokens * block.hidden * value_bytes(precision)
 
 
-def loss_activation_bytes(block: BlockShape, vocab: int, tokens: int, precision: str, frozen: bool) -> tuple[int, int]:
+# parallel.tiled_loss: auto tiles the loss when one micro-batch's fp32 logits on one rank would exceed this.
+AUTO_TILED_LOSS_BYTES = 1 << 30
+
+
+def loss_tile_tokens(setting: bool | str, tokens: int, vocab: int, tile: int) -> int:
+    """Tokens per tile of the LM loss for ``parallel.tiled_loss`` (true, false or "auto"), or 0 for the untiled loss.
+
+    ``tokens``: the micro-batch's tokens on one rank (after the sequence-parallel split). The runtime
+    (families/causal_lm/tiled_loss.py) and the planner decide with this same rule.
+    """
+    if setting is False or setting == "off" or not vocab or tile <= 0:
+        return 0
+    if setting is True or setting == "on" or tokens * vocab * 4 > AUTO_TILED_LOSS_BYTES:
+        return min(tile, tokens)
+    return 0
+
+
+def loss_activation_bytes(block: BlockShape, vocab: int, tokens: int, precision: str, frozen: bool, tile: int = 0) -> tuple[int, int]:
     """(saved for backward, transient) bytes of the final norm, LM head, logits and loss.
 
-    transformers' loss upcasts the logits to fp32 and log-softmax saves its fp32 output:
-    4·s·b·V saved; at the peak the 16-bit logits and their fp32 copy exist too.
+    Untiled (``tile`` 0): transformers' loss upcasts the logits to fp32 and log-softmax saves its
+    fp32 output: 4·s·b·V saved; at the peak the 16-bit logits and their fp32 copy exist too.
+    Tiled (``parallel.tiled_loss``): nothing of the logits is saved; one tile's logits exist at a
+    time, in forward and again when backward recomputes them (16-bit logits, their fp32 copy, the
+    fp32 log-softmax and its gradient), and backward holds the fp32-free input gradient of the
+    hidden states (s·b·h, in the training precision).
     """
     v = value_bytes(precision)
     norm = v if block.layernorm else 4 + (0 if frozen else (4 if block.norm_upcasts_weight else v))
     saved = tokens * block.hidden * norm
+    if tile:
+        saved += tokens * block.hidden * v  # the hidden states the tiled loss keeps (the LM head's input)
+        transient = min(tile, tokens) * vocab * (v + 4 + 4 + (4 if v != 4 else 0)) + tokens * block.hidden * v
+        return saved, transient
     if not frozen:
         saved += tokens * block.hidden * v  # input of the LM head
     saved += tokens * vocab * 4
@@ -106,13 +131,17 @@ def saved_activation_bytes(spec: ModelSpec, choice: Choice) -> int:
             layers = spec.layers * checkpointed_layer_bytes(spec.block, tokens, choice.precision)
         else:
             layers = spec.layers * layer_activation_bytes(spec.block, tokens, choice.seq_len, choice.precision, choice.attention, spec.lora)
-        saved, _ = loss_activation_bytes(spec.block, spec.vocab_size or 0, tokens, choice.precision, spec.lora is not None)
+        saved, _ = loss_activation_bytes(spec.block, spec.vocab_size or 0, tokens, choice.precision, spec.lora is not None, _tile(spec, choice, tokens))
         return layers + saved
     if spec.activation_trace is not None:
         trace = spec.activation_trace
         per_sample = trace.checkpointed_bytes if choice.gradient_checkpointing else trace.saved_bytes
         return per_sample * choice.micro_batch_size * spec.sequences_per_example * _trace_scale(trace, choice) // choice.sequence_parallel
     return 0
+
+
+def _tile(spec: ModelSpec, choice: Choice, tokens: int) -> int:
+    return loss_tile_tokens(choice.tiled_loss, tokens, spec.vocab_size or 0, choice.loss_tile_tokens)
 
 
 def _trace_scale(trace, choice: Choice) -> int:
@@ -159,13 +188,19 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
                     FORWARD_BACKWARD,
                 )
             )
-        saved, transient = loss_activation_bytes(block, spec.vocab_size or 0, tokens, choice.precision, spec.lora is not None)
+        tile = _tile(spec, choice, tokens)
+        saved, transient = loss_activation_bytes(block, spec.vocab_size or 0, tokens, choice.precision, spec.lora is not None, tile)
         terms.append(
             Term(
                 "logits and loss",
                 saved + transient,
-                f"s·b·V = {tokens:,} x {spec.vocab_size:,}: 16-bit logits, their fp32 copy in the loss and the fp32 log-softmax "
-                "saved for backward, plus the final norm",
+                (
+                    f"tiled (parallel.tiled_loss): one tile of {tile:,} tokens x {spec.vocab_size:,} logits at a time, recomputed in "
+                    f"backward, instead of s·b·V = {tokens:,} x {spec.vocab_size:,}; plus the kept hidden states and the final norm"
+                    if tile
+                    else f"s·b·V = {tokens:,} x {spec.vocab_size:,}: 16-bit logits, their fp32 copy in the loss and the fp32 log-softmax "
+                    "saved for backward, plus the final norm"
+                ),
                 FORWARD_BACKWARD,
             )
         )

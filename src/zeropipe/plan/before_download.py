@@ -77,7 +77,8 @@ def plan_from_catalog(
     result = plan_run(config, hardware.with_gpus(hardware.gpus_per_node), spec, margin)
     result.notes[:0] = notes
     some = result.configured or result.best or (result.candidates[0] if result.candidates else None)
-    limits = {} if some is None else {"zero3_max_live_parameters": some.choice.zero3_max_live_parameters, "zero3_reuse_distance": some.choice.zero3_reuse_distance}
+    limits = {} if some is None else {"zero3_max_live_parameters": some.choice.zero3_max_live_parameters, "zero3_reuse_distance": some.choice.zero3_reuse_distance,
+                                        "tiled_loss": some.choice.tiled_loss, "loss_tile_tokens": some.choice.loss_tile_tokens}
     kwargs = dict(global_batch=global_batch or result.global_batch, seq_len=config.data.max_seq_len, margin=margin, fixed=None,
                   attention=config.model.attn_implementation, zero3_limits=limits)
     return complete(result, kwargs)

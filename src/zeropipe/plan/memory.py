@@ -101,6 +101,9 @@ class Choice:
     activation_offload: bool = False
     # Ulysses sequence parallelism (parallel.sequence_parallel_size): each rank holds 1/N of a sample's tokens.
     sequence_parallel: int = 1
+    # parallel.tiled_loss ("auto", True or False) and parallel.loss_tile_tokens: the LM loss tile by tile (plan.activations.loss_tile_tokens).
+    tiled_loss: bool | str = "auto"
+    loss_tile_tokens: int = 4096
 
     def describe(self) -> str:
         offload = []

@@ -68,13 +68,23 @@ def shard_batch(batch: dict[str, torch.Tensor], size: int, rank: int, pad_token_
     return {"input_ids": input_ids[:, part].contiguous(), "position_ids": position_ids[:, part].contiguous(), "shift_labels": shift_labels[:, part].contiguous()}
 
 
-def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch.device, zero_stage: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backpropagate on this rank, the group's mean loss for the metrics) of one sharded micro-batch."""
+def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch.device, zero_stage: int, tiled: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backpropagate on this rank, the group's mean loss for the metrics) of one sharded micro-batch.
+
+    ``tiled``: (LM head, tile tokens, ZeRO-3 gather group) for ``parallel.tiled_loss`` (the shard's logits never whole), else None.
+    """
     import deepspeed.comm as dist
 
     shift_labels = shard["shift_labels"].to(device)
-    logits = engine(input_ids=shard["input_ids"].to(device), position_ids=shard["position_ids"].to(device), use_cache=False).logits
-    token_sum = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
+    inputs = {"input_ids": shard["input_ids"].to(device), "position_ids": shard["position_ids"].to(device)}
+    if tiled is not None:
+        from zeropipe.families.causal_lm.tiled_loss import tiled_sum_of_shifted
+
+        head, tile, gather = tiled
+        token_sum = tiled_sum_of_shifted(engine, head, tile, gather, shift_labels=shift_labels, **inputs)
+    else:
+        logits = engine(**inputs, use_cache=False).logits
+        token_sum = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum")
     figures = torch.stack([token_sum.detach().double(), (shift_labels != -100).sum().double()])
     dist.all_reduce(figures, group=group)
     labelled = figures[1].clamp(min=1)

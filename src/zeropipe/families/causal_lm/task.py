@@ -72,6 +72,7 @@ class CausalLMTask(TaskDefaults):
             # DeepSpeed's Ulysses attention in place of the model's, and the groups: the mpu deepspeed.initialize takes.
             trainer.mpu = sequence_parallel.register(model, section.attn_implementation, trainer.sequence_parallel, trainer.micro_batch_size)
             log.info("sequence parallelism: groups of %d ranks share each sample's tokens; %d data-parallel ranks", trainer.sequence_parallel, trainer.data_world)
+        self.choose_loss(model)
         if trainer.plan.zero_stage == 3:
             log_partitioning(model)
         if trainer.plan.zero_stage == 3 and section.zero3_leaf_blocks:
@@ -82,6 +83,42 @@ class CausalLMTask(TaskDefaults):
         trainable, total = count_parameters(model)
         log.info("model: %s parameters, %s trainable (%.2f%%)", f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
         return model, {"trainable": trainable, "total": total}
+
+    def choose_loss(self, model: torch.nn.Module) -> None:
+        """parallel.tiled_loss: the LM loss tile by tile (families/causal_lm/tiled_loss.py) or the model's own; said in the run log."""
+        from zeropipe.errors import ConfigError
+        from zeropipe.families.causal_lm import tiled_loss
+
+        trainer = self.trainer
+        parallel, data = trainer.config.parallel, trainer.config.data
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        # The longest micro-batch one rank holds: micro_batch_size sequences of max_seq_len tokens, 1/N of them under sequence parallelism.
+        local_tokens = trainer.micro_batch_size * -(-data.max_seq_len // trainer.sequence_parallel)
+        self.loss_tile, self.lm_head, self.loss_gather = 0, None, None
+        if type(self).forward_loss is not CausalLMTask.forward_loss:
+            # Preference tuning and GRPO take per-sequence log-probabilities from the logits: their own loss, untiled.
+            if parallel.tiled_loss is True:
+                raise ConfigError("parallel.tiled_loss: true tiles the causal-LM loss only; preference tuning and GRPO compute their own. Set parallel.tiled_loss: auto or false.")
+            return
+        try:
+            self.loss_tile, sentence = tiled_loss.choose(parallel.tiled_loss, parallel.loss_tile_tokens, local_tokens, int(getattr(config, "vocab_size", 0) or 0), model)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        self.lm_head = model.get_output_embeddings() if self.loss_tile else None
+        if self.loss_tile:
+            tiled_loss.mark_tied(model)
+        # Under ZeRO-3 each head call gathers its weight over all ranks: every rank must make the same number of calls.
+        self.loss_gather = True if trainer.plan.zero_stage == 3 else None
+        log.info("%s", sentence)
+
+    def tiled_model_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's mean token loss, as the model's own loss computes it (sum over labelled tokens / their count), tiled."""
+        from zeropipe.families.causal_lm import tiled_loss
+
+        device = self.trainer.device
+        inputs = {key: value.to(device) for key, value in batch.items()}
+        total, labelled = tiled_loss.token_loss_sum(self.trainer.engine, self.lm_head, self.loss_tile, self.loss_gather, **inputs)
+        return total / labelled.clamp(min=1).to(total.dtype)
 
     def batches(self, start_step: int):
         trainer = self.trainer
@@ -100,6 +137,8 @@ class CausalLMTask(TaskDefaults):
         # back from the device would make the step wait for it.
         if "num_tokens" not in batch:
             tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
+            if getattr(self, "loss_tile", 0):
+                return self.tiled_model_loss(batch), tokens, examples
             output = engine(**{key: value.to(device) for key, value in batch.items()})
             return self.keep_router_figures(output), tokens, examples
         # Packed batches: no attention mask to count real tokens from, and several examples
@@ -107,6 +146,8 @@ class CausalLMTask(TaskDefaults):
         # examples from position_ids only when there is no KV cache.
         batch = dict(batch)
         tokens, examples = float(batch.pop("num_tokens")), float(batch.pop("num_examples"))
+        if getattr(self, "loss_tile", 0):
+            return self.tiled_model_loss(batch), tokens, examples
         output = engine(**{key: value.to(device) for key, value in batch.items()}, use_cache=False)
         return self.keep_router_figures(output), tokens, examples
 
@@ -156,7 +197,8 @@ class CausalLMTask(TaskDefaults):
         else:
             tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
         shard = sequence_parallel.shard_batch(batch, trainer.sequence_parallel, trainer.sp_rank, self.pad_id)
-        loss, group_mean = sequence_parallel.group_loss(trainer.engine, shard, trainer.mpu.get_sequence_parallel_group(), trainer.device, trainer.plan.zero_stage)
+        tiled = (self.lm_head, self.loss_tile, self.loss_gather) if getattr(self, "loss_tile", 0) else None
+        loss, group_mean = sequence_parallel.group_loss(trainer.engine, shard, trainer.mpu.get_sequence_parallel_group(), trainer.device, trainer.plan.zero_stage, tiled)
         self.reported_loss = group_mean
         counted = trainer.sp_rank == 0
         return loss, tokens if counted else 0.0, examples if counted else 0.0

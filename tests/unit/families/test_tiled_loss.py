@@ -1,0 +1,110 @@
+"""The sequence-tiled LM loss (parallel.tiled_loss, issue 40): the model's own loss and gradients, without the whole logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zeropipe.families.causal_lm import tiled_loss
+
+VOCAB = 1000
+
+
+def tiny_llama(tied: bool = False, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=tied, attn_implementation="sdpa", **extra,
+    )
+    return LlamaForCausalLM(config).float().train()
+
+
+def batch(packed: bool):
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 40))
+    labels = ids.clone()
+    if packed:
+        # Two rows of packed examples: positions restart at each example, the boundary token carries no label (collate_packed).
+        positions = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)
+        labels[:, 0] = labels[:, 15] = -100
+        labels[1, 30:] = -100  # right padding of the second row
+        return {"input_ids": ids, "position_ids": positions}, labels
+    mask = torch.ones_like(ids)
+    mask[1, 31:] = 0
+    labels[1, 31:] = -100
+    labels[0, :9] = -100  # a prompt
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiled_loss_and_gradients_equal_the_models_own(packed, tied):
+    plain = tiny_llama(tied)
+    tiled = copy.deepcopy(plain)
+    inputs, labels = batch(packed)
+    # A factor after the loss (1/accumulation, fp16's scale...) must reach the LM head's weight too.
+    scale = 0.37
+    expected = plain(**inputs, labels=labels, use_cache=False).loss
+    (expected * scale).backward()
+    head = tiled.get_output_embeddings()
+    tiled_loss.mark_tied(tiled)
+    total, labelled = tiled_loss.token_loss_sum(tiled, head, 7, labels=labels, **inputs)  # 80 tokens: 12 tiles, the last one short
+    loss = total / labelled
+    (loss * scale).backward()
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=0)
+    for (name, a), (_, b) in zip(plain.named_parameters(), tiled.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-8), f"{name}: {(a.grad - b.grad).abs().max()}"
+    assert all(getattr(p, "ds_grad_is_ready", True) for p in head.parameters())
+
+
+class LogitsRows(TorchDispatchMode):
+    """The most rows of any tensor with the vocabulary as its last dimension that an operation creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == VOCAB:
+                self.rows = max(self.rows, tensor.numel() // VOCAB)
+        return out
+
+
+def test_the_whole_logits_never_exist():
+    model = tiny_llama()
+    tokens, tile = 2048, 256
+    ids = torch.randint(0, VOCAB, (1, tokens))
+    untiled = LogitsRows()
+    with untiled:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    tiled = LogitsRows()
+    with tiled:
+        total, labelled = tiled_loss.token_loss_sum(model, model.get_output_embeddings(), tile, labels=ids, input_ids=ids)
+        (total / labelled).backward()
+    assert untiled.rows >= tokens
+    assert tiled.rows == tile, f"the tiled loss created logits of {tiled.rows} tokens"
+
+
+def test_choice_auto_on_above_a_gib_and_refused_where_the_model_changes_its_logits():
+    model = tiny_llama()
+    tile, sentence = tiled_loss.choose("auto", 4096, 2048, VOCAB, model)
+    assert tile == 0 and "tiled loss: off" in sentence and "auto" in sentence
+    tile, sentence = tiled_loss.choose("auto", 4096, 131_072, 128_256, model)
+    assert tile == 4096 and "tiled loss: on, 4,096 tokens per tile" in sentence and "62.62 GiB" in sentence
+    assert tiled_loss.choose(True, 512, 100, VOCAB, model)[0] == 100  # never a tile longer than the micro-batch
+    assert tiled_loss.choose(False, 512, 131_072, 128_256, model)[0] == 0
+
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma = Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=VOCAB))
+    tile, sentence = tiled_loss.choose("auto", 4096, 131_072, 128_256, gemma)
+    assert tile == 0 and "final_logit_softcapping" in sentence
+    with pytest.raises(ValueError, match="parallel.tiled_loss: true cannot be used with this model.*final_logit_softcapping"):
+        tiled_loss.choose(True, 4096, 131_072, 128_256, gemma)
