@@ -58,7 +58,8 @@ def test_tiled_loss_and_gradients_equal_the_models_own(packed, tied):
     (loss * scale).backward()
     assert torch.allclose(loss, expected, rtol=1e-6, atol=0)
     for (name, a), (_, b) in zip(plain.named_parameters(), tiled.named_parameters()):
-        assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-8), f"{name}: {(a.grad - b.grad).abs().max()}"
+        # fp32, summed in another order: each gradient within 1e-6 of its own norm.
+        assert (a.grad - b.grad).norm() <= 1e-6 * a.grad.norm(), f"{name}: {(a.grad - b.grad).norm() / a.grad.norm():.2e}"
     assert all(getattr(p, "ds_grad_is_ready", True) for p in head.parameters())
 
 
