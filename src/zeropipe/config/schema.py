@@ -598,7 +598,7 @@ class ParallelSection(Section):
         "sequence parallelism and with packing. Not for models that post-process their logits (soft-capping, logit scale) or a "
         "mixture of experts (router loss): auto leaves those off, true refuses. docs/parallel.md.",
     )
-    loss_tile_tokens: int = Field(4096, ge=16, description="Tokens per tile of the tiled loss (parallel.tiled_loss): the peak holds tile x vocabulary logits.")
+    loss_tile_tokens: int = Field(1024, ge=16, description="Tokens per tile of the tiled loss (parallel.tiled_loss): the peak holds tile x vocabulary logits (1024 x a 128k vocabulary: about 1.8 GB in bf16 with the fp32 copies).")
 
 
 class HardwareSection(Section):

@@ -103,7 +103,7 @@ class Choice:
     sequence_parallel: int = 1
     # parallel.tiled_loss ("auto", True or False) and parallel.loss_tile_tokens: the LM loss tile by tile (plan.activations.loss_tile_tokens).
     tiled_loss: bool | str = "auto"
-    loss_tile_tokens: int = 4096
+    loss_tile_tokens: int = 1024
 
     def describe(self) -> str:
         offload = []
