@@ -109,3 +109,66 @@ def test_choice_auto_on_above_a_gib_and_refused_where_the_model_changes_its_logi
     assert tile == 0 and "final_logit_softcapping" in sentence
     with pytest.raises(ValueError, match="parallel.tiled_loss: true cannot be used with this model.*final_logit_softcapping"):
         tiled_loss.choose(True, 4096, 131_072, 128_256, gemma)
+
+
+@pytest.fixture(scope="module")
+def distributed():
+    import os
+    import socket
+
+    import deepspeed
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"})
+    deepspeed.init_distributed(dist_backend="gloo")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def deepspeed_run(model, stage: int, tile: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two optimizer steps of two accumulated micro-batches (lengths 40 and 23) through DeepSpeed; the losses and final weights."""
+    import deepspeed
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
+          "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
+                                      optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=ds)
+    head = engine.module.get_output_embeddings()
+    tiled_loss.mark_tied(engine.module)
+    inputs, labels = batch(packed=False)
+    micro_batches = [(inputs, labels), ({key: value[:, :23] for key, value in inputs.items()}, labels[:, :23])]
+    losses = []
+    for _step in range(2):
+        for inputs, labels in micro_batches:
+            if tile:
+                total, labelled = tiled_loss.token_loss_sum(engine, head, tile, True if stage == 3 else None, labels=labels, **inputs)
+                loss = total / labelled
+            else:
+                loss = engine(**inputs, labels=labels, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    return losses, weights
+
+
+@pytest.mark.parametrize("stage,tied", [(2, False), (2, True), (3, True)], ids=["zero2", "zero2-tied", "zero3-tied"])
+def test_deepspeed_steps_the_same_weights(distributed, stage, tied):
+    """ZeRO's gradient hooks see each head parameter once (ds_grad_is_ready), scaled by 1/accumulation like every other gradient."""
+    model = tiny_llama(tied)
+    expected_losses, expected = deepspeed_run(copy.deepcopy(model), stage, 0)
+    losses, weights = deepspeed_run(model, stage, 7)
+    assert losses == pytest.approx(expected_losses, rel=1e-6)
+    assert losses[2] < losses[0]  # the steps moved the weights
+    for name, value in expected.items():
+        assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
