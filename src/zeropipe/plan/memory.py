@@ -102,7 +102,8 @@ class Choice:
     # Ulysses sequence parallelism (parallel.sequence_parallel_size): each rank holds 1/N of a sample's tokens.
     sequence_parallel: int = 1
     # parallel.tiled_loss ("auto", True or False) and parallel.loss_tile_tokens: the LM loss tile by tile (plan.activations.loss_tile_tokens).
-    tiled_loss: bool | str = "auto"
+    # plan_run passes the config's value (default "auto", as the run decides); a Choice made without a config counts the untiled loss.
+    tiled_loss: bool | str = False
     loss_tile_tokens: int = 1024
 
     def describe(self) -> str:

@@ -172,3 +172,20 @@ def test_deepspeed_steps_the_same_weights(distributed, stage, tied):
     assert losses[2] < losses[0]  # the steps moved the weights
     for name, value in expected.items():
         assert (weights[name] - value).norm() <= 1e-6 * value.norm(), name
+
+
+def test_a_sequence_parallel_shard_takes_the_same_loss_and_gradients_tiled(distributed):
+    """group_loss on the second of two shards (its labels shifted across the boundary before the split), tiled and untiled."""
+    from zeropipe.families.causal_lm.sequence_parallel import group_loss, shard_batch
+
+    plain = tiny_llama()
+    tiled = copy.deepcopy(plain)
+    inputs, labels = batch(packed=False)
+    shard = shard_batch({"input_ids": inputs["input_ids"], "labels": labels}, 2, 1, pad_token_id=0)
+    expected, expected_mean = group_loss(plain, shard, None, torch.device("cpu"), 2)
+    expected.backward()
+    loss, mean = group_loss(tiled, shard, None, torch.device("cpu"), 2, (tiled.get_output_embeddings(), 6, None))
+    loss.backward()
+    assert torch.allclose(loss, expected, rtol=1e-6, atol=0) and torch.allclose(mean, expected_mean, rtol=1e-6, atol=0)
+    for (name, a), (_, b) in zip(plain.named_parameters(), tiled.named_parameters()):
+        assert (a.grad - b.grad).norm() <= 1e-6 * a.grad.norm(), name
