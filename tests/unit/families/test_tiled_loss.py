@@ -150,7 +150,7 @@ def deepspeed_run(model, stage: int, tile: int) -> tuple[list[float], dict[str, 
     for _step in range(2):
         for inputs, labels in micro_batches:
             if tile:
-                total, labelled = tiled_loss.token_loss_sum(engine, head, tile, True if stage == 3 else None, labels=labels, **inputs)
+                total, labelled = tiled_loss.token_loss_sum(engine, head, tile, stage == 3, labels=labels, **inputs)
                 loss = total / labelled
             else:
                 loss = engine(**inputs, labels=labels, use_cache=False).loss
@@ -184,7 +184,7 @@ def test_a_sequence_parallel_shard_takes_the_same_loss_and_gradients_tiled(distr
     shard = shard_batch({"input_ids": inputs["input_ids"], "labels": labels}, 2, 1, pad_token_id=0)
     expected, expected_mean = group_loss(plain, shard, None, torch.device("cpu"), 2)
     expected.backward()
-    loss, mean = group_loss(tiled, shard, None, torch.device("cpu"), 2, (tiled.get_output_embeddings(), 6, None))
+    loss, mean = group_loss(tiled, shard, None, torch.device("cpu"), 2, (tiled.get_output_embeddings(), 6, False))
     loss.backward()
     assert torch.allclose(loss, expected, rtol=1e-6, atol=0) and torch.allclose(mean, expected_mean, rtol=1e-6, atol=0)
     for (name, a), (_, b) in zip(plain.named_parameters(), tiled.named_parameters()):

@@ -71,7 +71,7 @@ def shard_batch(batch: dict[str, torch.Tensor], size: int, rank: int, pad_token_
 def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch.device, zero_stage: int, tiled: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss to backpropagate on this rank, the group's mean loss for the metrics) of one sharded micro-batch.
 
-    ``tiled``: (LM head, tile tokens, ZeRO-3 gather group) for ``parallel.tiled_loss`` (the shard's logits never whole), else None.
+    ``tiled``: (LM head, tile tokens, ZeRO-3 or not) for ``parallel.tiled_loss`` (the shard's logits never whole), else None.
     """
     import deepspeed.comm as dist
 
@@ -80,8 +80,8 @@ def group_loss(engine: Any, shard: dict[str, torch.Tensor], group, device: torch
     if tiled is not None:
         from zeropipe.families.causal_lm.tiled_loss import tiled_sum_of_shifted
 
-        head, tile, gather = tiled
-        token_sum = tiled_sum_of_shifted(engine, head, tile, gather, shift_labels=shift_labels, **inputs)
+        head, tile, zero3 = tiled
+        token_sum = tiled_sum_of_shifted(engine, head, tile, zero3, shift_labels=shift_labels, **inputs)
     else:
         logits = engine(**inputs, use_cache=False).logits
         token_sum = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="sum")

@@ -94,7 +94,7 @@ class CausalLMTask(TaskDefaults):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         # The longest micro-batch one rank holds: micro_batch_size sequences of max_seq_len tokens, 1/N of them under sequence parallelism.
         local_tokens = trainer.micro_batch_size * -(-data.max_seq_len // trainer.sequence_parallel)
-        self.loss_tile, self.lm_head, self.loss_gather = 0, None, None
+        self.loss_tile, self.lm_head, self.loss_zero3 = 0, None, False
         if type(self).forward_loss is not CausalLMTask.forward_loss:
             # Preference tuning and GRPO take per-sequence log-probabilities from the logits: their own loss, untiled.
             if parallel.tiled_loss is True:
@@ -108,7 +108,7 @@ class CausalLMTask(TaskDefaults):
         if self.loss_tile:
             tiled_loss.mark_tied(model)
         # Under ZeRO-3 each head call gathers its weight over all ranks: every rank must make the same number of calls.
-        self.loss_gather = True if trainer.plan.zero_stage == 3 else None
+        self.loss_zero3 = trainer.plan.zero_stage == 3
         log.info("%s", sentence)
 
     def tiled_model_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -117,7 +117,7 @@ class CausalLMTask(TaskDefaults):
 
         device = self.trainer.device
         inputs = {key: value.to(device) for key, value in batch.items()}
-        total, labelled = tiled_loss.token_loss_sum(self.trainer.engine, self.lm_head, self.loss_tile, self.loss_gather, **inputs)
+        total, labelled = tiled_loss.token_loss_sum(self.trainer.engine, self.lm_head, self.loss_tile, self.loss_zero3, **inputs)
         return total / labelled.clamp(min=1).to(total.dtype)
 
     def batches(self, start_step: int):
@@ -197,7 +197,7 @@ class CausalLMTask(TaskDefaults):
         else:
             tokens, examples = float(batch["attention_mask"].sum()), float(batch["input_ids"].shape[0])
         shard = sequence_parallel.shard_batch(batch, trainer.sequence_parallel, trainer.sp_rank, self.pad_id)
-        tiled = (self.lm_head, self.loss_tile, self.loss_gather) if getattr(self, "loss_tile", 0) else None
+        tiled = (self.lm_head, self.loss_tile, self.loss_zero3) if getattr(self, "loss_tile", 0) else None
         loss, group_mean = sequence_parallel.group_loss(trainer.engine, shard, trainer.mpu.get_sequence_parallel_group(), trainer.device, trainer.plan.zero_stage, tiled)
         self.reported_loss = group_mean
         counted = trainer.sp_rank == 0

@@ -106,14 +106,14 @@ def _tile_sum(head: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
     return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
 
 
-def _tile_count(tokens: int, tile: int, group) -> int:
-    """Tiles of this rank; under ZeRO-3 the most of any rank (each head call gathers its weight, a collective)."""
+def _tile_count(tokens: int, tile: int, zero3: bool, device: torch.device) -> int:
+    """Tiles of this rank; under ZeRO-3 the most of any rank (each head call gathers its weight over all ranks, a collective)."""
     count = max(1, -(-tokens // tile))
-    if group is not None:
+    if zero3:
         import deepspeed.comm as dist
 
-        figure = torch.tensor([count], dtype=torch.long)
-        dist.all_reduce(figure, op=dist.ReduceOp.MAX, group=group if group is not True else None)
+        figure = torch.tensor([count], dtype=torch.long, device=device)
+        dist.all_reduce(figure, op=dist.ReduceOp.MAX)
         count = int(figure.item())
     return count
 
@@ -121,14 +121,14 @@ def _tile_count(tokens: int, tile: int, group) -> int:
 class TiledLMLoss(torch.autograd.Function):
     """Sum of the token cross-entropies of ``head(hidden)`` against ``labels`` (already shifted), ``tile`` tokens at a time.
 
-    ``gather_group``: under ZeRO-3 every rank must call the head equally often; pass True (all ranks) and
-    the tile count is agreed (zero-token tiles pad the shorter ranks).
+    ``zero3``: every rank must call the head equally often (each call gathers its weight): the ranks
+    agree on the tile count first, and zero-token tiles pad the shorter ranks.
     """
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, tile: int, gather_group=None) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, tile: int, zero3: bool = False) -> torch.Tensor:
         x, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        count = _tile_count(x.shape[0], tile, gather_group)
+        count = _tile_count(x.shape[0], tile, zero3, hidden.device)
         ctx.head, ctx.tile, ctx.count = head, tile, count
         ctx.save_for_backward(hidden, labels)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -173,14 +173,14 @@ def mark_tied(model: torch.nn.Module) -> None:
     head._zeropipe_tied = embeddings is not None and getattr(head, "weight", None) is getattr(embeddings, "weight", 0)
 
 
-def token_loss_sum(model: Any, head: torch.nn.Module, tile: int, gather_group=None, *, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss_sum(model: Any, head: torch.nn.Module, tile: int, zero3: bool = False, *, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the token losses, labelled-token count) of one micro-batch, tiled; ``labels`` unshifted as the model takes them."""
     hidden = model_hidden_states(model, head, **inputs)
     targets = shift_labels(labels.to(hidden.device))
-    return TiledLMLoss.apply(hidden, targets, head, tile, gather_group), (targets != -100).sum()
+    return TiledLMLoss.apply(hidden, targets, head, tile, zero3), (targets != -100).sum()
 
 
-def tiled_sum_of_shifted(model: Any, head: torch.nn.Module, tile: int, gather_group=None, *, shift_labels: torch.Tensor, **inputs) -> torch.Tensor:
+def tiled_sum_of_shifted(model: Any, head: torch.nn.Module, tile: int, zero3: bool = False, *, shift_labels: torch.Tensor, **inputs) -> torch.Tensor:
     """The sum of the token losses against labels already shifted (sequence parallelism shifts before it splits)."""
     hidden = model_hidden_states(model, head, **inputs)
-    return TiledLMLoss.apply(hidden, shift_labels.to(hidden.device), head, tile, gather_group)
+    return TiledLMLoss.apply(hidden, shift_labels.to(hidden.device), head, tile, zero3)
