@@ -58,13 +58,14 @@ def choose(setting: bool | str, tile: int, local_tokens: int, vocab: int, model:
         ValueError: ``tiled_loss: true`` on a model it cannot tile (the message names the key and the reason).
     """
     reason = unsupported_reason(model)
-    gib = local_tokens * vocab * 4 / 2**30
+    logits = local_tokens * vocab * 4
     if reason is not None:
         if setting is True:
             raise ValueError(f"parallel.tiled_loss: true cannot be used with this model: {reason}. Set parallel.tiled_loss: false (or auto).")
         return 0, f"tiled loss: off ({reason})"
     chosen = loss_tile_tokens(setting, local_tokens, vocab, tile)
-    size = f"{local_tokens:,} local tokens x {vocab:,} vocabulary = {gib:.2f} GiB of fp32 logits per micro-batch"
+    amount = f"{logits / 2**30:.2f} GiB" if logits >= 2**27 else f"{logits / 2**20:.1f} MiB"
+    size = f"{local_tokens:,} local tokens x {vocab:,} vocabulary = {amount} of fp32 logits per micro-batch"
     if chosen:
         why = "parallel.tiled_loss: true" if setting is True else f"parallel.tiled_loss: auto, above {AUTO_TILED_LOSS_BYTES / 2**30:.0f} GiB"
         return chosen, f"tiled loss: on, {chosen:,} tokens per tile ({size}; {why})"
