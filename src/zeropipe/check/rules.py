@@ -546,3 +546,23 @@ def run_rules(ctx: CheckContext, rules: list[Rule] | None = None) -> list[Findin
     return findings
 
 
+
+
+@rule("ZP048", "error", "a tiled loss where the run computes no causal-LM next-token loss", "docs/parallel.md#the-sequence-tiled-loss-paralleltiled_loss")
+def tiled_loss_unused(ctx: CheckContext):
+    # parallel.tiled_loss: true tiles the causal LM's supervised next-token loss only; elsewhere it would be silently ignored.
+    if ctx.config.parallel.tiled_loss is not True:
+        return []
+    from zeropipe.families import family_of
+
+    try:
+        family = family_of(ctx.config.model)
+    except Exception:  # noqa: BLE001 - ZP000 reports a model the families cannot read
+        return []
+    fix = "set parallel.tiled_loss: auto (or false)"
+    if family.name != "causal_lm":
+        return [("parallel.tiled_loss", f"the tiled loss is the causal LM's next-token loss; this model ({family.name}) computes another", fix)]
+    if ctx.config.preference is not None or ctx.config.grpo is not None:
+        return [("parallel.tiled_loss", "preference tuning and GRPO compute their own losses from per-sequence log-probabilities; the tiled "
+                 "loss replaces supervised fine-tuning's next-token loss only", fix)]
+    return []

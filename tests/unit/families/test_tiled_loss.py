@@ -189,3 +189,21 @@ def test_a_sequence_parallel_shard_takes_the_same_loss_and_gradients_tiled(distr
     assert torch.allclose(loss, expected, rtol=1e-6, atol=0) and torch.allclose(mean, expected_mean, rtol=1e-6, atol=0)
     for (name, a), (_, b) in zip(plain.named_parameters(), tiled.named_parameters()):
         assert (a.grad - b.grad).norm() <= 1e-6 * a.grad.norm(), name
+
+
+def test_check_refuses_a_tiled_loss_nothing_would_use(tmp_path):
+    from zeropipe.check.run import check_config
+    from zeropipe.config.load import validate_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"instruction": "hi", "output": "yo"}\n')
+
+    def findings(**sections):
+        raw = {"model": {"config": {"model_type": "llama", "hidden_size": 32}}, "data": {"path": str(data)}, **sections}
+        return [f for f in check_config(validate_config(raw)) if f.rule == "ZP048"]
+
+    assert findings(parallel={"tiled_loss": True}) == []
+    refused = findings(parallel={"tiled_loss": True}, preference={"method": "dpo"})
+    assert len(refused) == 1 and refused[0].key == "parallel.tiled_loss" and "preference tuning" in refused[0].message
+    assert "parallel.tiled_loss: auto" in refused[0].fix
+    assert findings(parallel={"tiled_loss": "auto"}, preference={"method": "dpo"}) == []
