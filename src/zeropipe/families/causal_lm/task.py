@@ -217,7 +217,12 @@ class CausalLMTask(TaskDefaults):
         started = time.perf_counter()
         batches = eval_batch_indices(self.eval_dataset.lengths(), trainer.rank, trainer.world_size, trainer.micro_batch_size)
         trainer.engine.eval()
-        sums = eval_sums(lambda batch: trainer.engine(**batch, use_cache=False, **self.eval_kwargs()).loss, self.eval_dataset, batches, self.eval_collate, trainer.device)
+        # parallel.tiled_loss holds for held-out batches too (whole sequences on each rank, even under sequence parallelism).
+        if getattr(self, "loss_tile", 0):
+            loss_of = self.tiled_model_loss
+        else:
+            loss_of = lambda batch: trainer.engine(**batch, use_cache=False, **self.eval_kwargs()).loss  # noqa: E731
+        sums = eval_sums(loss_of, self.eval_dataset, batches, self.eval_collate, trainer.device)
         trainer.engine.train()
         total = torch.tensor(sums, dtype=torch.float64, device=trainer.device)
         dist.all_reduce(total)
