@@ -207,3 +207,16 @@ def test_check_refuses_a_tiled_loss_nothing_would_use(tmp_path):
     assert len(refused) == 1 and refused[0].key == "parallel.tiled_loss" and "preference tuning" in refused[0].message
     assert "parallel.tiled_loss: auto" in refused[0].fix
     assert findings(parallel={"tiled_loss": "auto"}, preference={"method": "dpo"}) == []
+
+
+def test_two_zero3_ranks_with_other_tile_counts_step_as_untiled():
+    """Under ZeRO-3 every head call gathers its weight over all ranks: ranks with 12 and 7 tiles must agree, or they hang."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("tiled_loss_ranks.py")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("worst relative weight difference") == 2
