@@ -560,7 +560,7 @@ def tiled_loss_unused(ctx: CheckContext):
     except Exception:  # noqa: BLE001 - ZP000 reports a model the families cannot read
         return []
     fix = "set parallel.tiled_loss: auto (or false)"
-    if family.name != "causal_lm":
+    if not getattr(family, "tiles_its_loss", False):
         return [("parallel.tiled_loss", f"the tiled loss is the causal LM's next-token loss; this model ({family.name}) computes another", fix)]
     if ctx.config.preference is not None or ctx.config.grpo is not None:
         return [("parallel.tiled_loss", "preference tuning and GRPO compute their own losses from per-sequence log-probabilities; the tiled "

@@ -44,6 +44,9 @@ class Family(Protocol):
     # Optional (read with getattr, default: refused): why parallel.sequence_parallel_size > 1 cannot train this
     # family, or None where its rank task splits sequences over a group (the causal LM; docs/parallel.md).
     sequence_parallel_refusal: str | None
+    # Optional (read with getattr, default False): the family's rank task takes parallel.tiled_loss (the causal LM's
+    # next-token loss, families/causal_lm/tiled_loss.py); check ZP048 refuses tiled_loss: true elsewhere.
+    tiles_its_loss: bool
     # Optional (read with getattr): ``evaluate_held_out(run, info, dtype)``, the family's own `zeropipe eval` of a checkpoint on
     # the held-out data it kept (the diffusion family's validation loss); without it `zeropipe eval` is the language models'.
 

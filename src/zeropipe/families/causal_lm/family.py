@@ -39,6 +39,7 @@ class CausalLM:
     takes_images = False
     streams_answers = True
     sequence_parallel_refusal = None  # its task splits each micro-batch over the group (sequence_parallel.py)
+    tiles_its_loss = True  # parallel.tiled_loss: supervised fine-tuning's next-token loss (tiled_loss.py)
 
     def detect(self, section: ModelSection) -> bool:
         return True  # what no other family claims
