@@ -10,6 +10,7 @@ that crashes on a broken torch install is no help with a broken torch install.
 
 from __future__ import annotations
 
+import contextlib
 import ast
 import importlib.metadata
 import importlib.util
@@ -324,14 +325,52 @@ def torch_extensions_build_dir(op_name: str, torch_cuda_version: str | None) -> 
     Computed rather than asked from torch because that function creates the folder, and
     because after a timeout the child that knew it is gone.
     """
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        base = Path(root)
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
     cuda = "cpu" if torch_cuda_version is None else "cu" + torch_cuda_version.replace(".", "")
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return base / f"{python}_{cuda}" / op_name
+    return torch_extensions_root() / f"{python}_{cuda}" / op_name
+
+
+def torch_extensions_root() -> Path:
+    """The folder torch's JIT builder puts every op's build folder in (``TORCH_EXTENSIONS_DIR``, else the user's cache)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+
+
+def stale_build_locks(min_age_seconds: float = 60.0) -> list[Path]:
+    """Lock files in op build folders that no build holds any more: left by a build that was stopped.
+
+    torch's JIT builder (``FileBaton``) creates ``<op folder>/lock`` before it compiles and removes
+    it after; a process that waits for an op waits, without a time limit and without a word, for
+    as long as that file stands. A build killed half-way (a Ctrl-C in a run's first minutes, a
+    timed-out job) leaves it behind, and every later run that needs the op hangs in its first
+    step. A lock is taken as left behind when it is older than ``min_age_seconds`` and no process
+    works in its folder (the compiler and ninja run there, with that folder as their working
+    directory). Processes whose working directory cannot be read (another user's) are not counted.
+    """
+    root = torch_extensions_root()
+    try:
+        locks = sorted(root.glob("*/*/lock"))
+    except OSError:
+        return []
+    if not locks:
+        return []
+    import psutil
+
+    in_use: set[Path] = set()
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            in_use.add(Path(process.cwd()).resolve())
+    now = time.time()
+    stale = []
+    for lock in locks:
+        with contextlib.suppress(OSError):
+            folder = lock.parent.resolve()
+            busy = any(path == folder or folder in path.parents for path in in_use)
+            if not busy and now - lock.stat().st_mtime >= min_age_seconds:
+                stale.append(lock)
+    return stale
 
 
 RESULT_MARKER = "ZEROPIPE_DOCTOR_CPU_ADAM "

@@ -32,6 +32,7 @@ from typing import Callable
 
 import psutil
 
+from zeropipe.doctor.facts import stale_build_locks
 from zeropipe.engine.noise import KNOWN_NOISE
 from zeropipe.errors import LaunchError, ZeroPipeError
 from zeropipe.launch import oom
@@ -294,9 +295,11 @@ class Supervisor:
 
     def spawn_ranks(self, extra_env: dict[str, str] | None = None) -> None:
         """One process per rank of this node, each in its own session (process group), logging to logs/rank{N}.log."""
+        cleared = clear_stale_build_locks()
         for local_rank, rank in enumerate(self.ranks):
             log = open(self.run.rank_log(rank), "a")
             log.write(f"==== zeropipe rank {rank}/{self.world_size} started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
+            log.writelines(f"zeropipe: {line}\n" for line in cleared)
             log.flush()
             env = rank_environment(
                 rank, self.world_size, self.port, self.accelerator, local_rank, self.local_ranks, self.master_addr, self.node_rank, self.zero_stage
@@ -497,6 +500,26 @@ class Supervisor:
             return
         self.interrupted = True
         raise KeyboardInterrupt
+
+
+def clear_stale_build_locks() -> list[str]:
+    """Remove the lock files that stopped DeepSpeed op builds left behind (``stale_build_locks``), one line said per lock.
+
+    Without this a rank that needs the op (the CPU ranks' collective, CPU Adam, FusedAdam) would
+    wait for the dead build forever, silently. The line goes to the launcher's output and to
+    every rank's log.
+    """
+    said = []
+    for lock in stale_build_locks():
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
+            line = (
+                f"removed {lock}: a DeepSpeed op build that was stopped left it, and every rank needing "
+                f"the {lock.parent.name} op would have waited for that build forever; the op is built again"
+            )
+            print(f"zeropipe: {line}", file=sys.stderr, flush=True)
+            said.append(line)
+    return said
 
 
 def run_settings(run: RunDir) -> RunSettings:
