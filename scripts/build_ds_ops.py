@@ -7,8 +7,8 @@ moment would build the same op side by side, one waiting on the other's lock.
 
 torch's builder waits, without a time limit, while a ``lock`` file stands in the op's folder. A
 build that was killed (a Ctrl-C, a timed-out test) leaves that file behind, and every later run
-that needs the op then hangs. This script runs before any test, alone, so a lock found here is
-such a leftover: it is removed, and said.
+that needs the op then hangs. Such leftovers (every op's, not only these three: a lock older than a
+minute that no compiler works beside, ``stale_build_locks``) are removed here, and said.
 A failure here is not fatal: the op is then built (or reported) by the first test that needs it.
 """
 
@@ -23,10 +23,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import torch  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from zeropipe.doctor.facts import torch_extensions_build_dir  # noqa: E402
+from zeropipe.doctor.facts import stale_build_locks  # noqa: E402
+
+for lock in stale_build_locks():
+    lock.unlink(missing_ok=True)
+    print(f"DeepSpeed op build folder {lock.parent.name}: removed {lock}, left by a build that was stopped")
 
 for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"):
     started = time.monotonic()
@@ -35,10 +38,6 @@ for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"):
         if builder is None or not builder.is_compatible(verbose=False):
             print(f"DeepSpeed op {name}: not available on this accelerator")
             continue
-        lock = torch_extensions_build_dir(builder.name, torch.version.cuda) / "lock"
-        if lock.exists():
-            lock.unlink()
-            print(f"DeepSpeed op {name}: removed {lock}, left by a build that was stopped")
         builder.load(verbose=False)
         print(f"DeepSpeed op {name}: ready ({time.monotonic() - started:.0f} s)")
     except Exception as err:  # noqa: BLE001 - reported, the tests build or report it themselves
