@@ -6,8 +6,10 @@ Memory per GPU and per node, and the fastest ZeRO settings that fit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
 
 
 def register(commands) -> None:
@@ -101,6 +103,17 @@ def run(args: argparse.Namespace) -> int:
             overrides.append(f"model.lora.r={args.lora_r}")
         if args.quantization:
             overrides.append(f"model.quantization.format={args.quantization}")
+        gpus_note = None
+        if args.gpus and hardware.accelerator == "cuda":
+            # --gpus is the box planned for: its count per node replaces the config's hardware.gpus (else the
+            # plan would deal shares and the batch over the config's count), and the note says so.
+            from zeropipe.config.load import read_yaml
+
+            with contextlib.suppress(Exception):  # an unreadable file is load_config's to report
+                written = (read_yaml(Path(args.config)).get("hardware") or {}).get("gpus")
+                if isinstance(written, int) and written != hardware.gpus_per_node:
+                    gpus_note = f"hardware.gpus: {written} in the config; planned for the {hardware.gpus_per_node} GPUs per node given (--gpus {args.gpus})"
+            overrides.append(f"hardware.gpus={hardware.gpus_per_node}")
         try:
             loaded = load_config(args.config, overrides)
         except ConfigError as err:
@@ -111,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
             families()  # the diffusion family registers its planner builders (a diffusion catalog model)
             result = plan_from_catalog(args.config, overrides, err, hardware, args.margin, args.global_batch, model_spec)
+            result.notes[:0] = [gpus_note] if gpus_note else []
             return _finish(args, result)
         # Resolved for the machine planned for: its accelerator and CPU decide precision "auto".
         resolved = resolve_run(loaded, accelerator=hardware.accelerator, fill_auto_knobs=False, hardware=hardware)
@@ -136,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 result.spec, result.hardware, args.global_batch, config.data.max_seq_len, args.margin, attention=config.model.attn_implementation
             )
         result = complete(result, _search_args(result, args.global_batch, config.data.max_seq_len, config.model.attn_implementation))
+        result.notes[:0] = [gpus_note] if gpus_note else []
     else:
         if not (args.model or args.params):
             raise ZeroPipeError("nothing to plan: give a run config, --model NAME|PATH, or --params N (see zeropipe plan --list-models)")

@@ -72,9 +72,7 @@ def plan_from_catalog(
     missing_data = [p[0] for p in err.problems if p[0] != "model.path"]
     if missing_data:
         notes.append(f"{', '.join(missing_data)} not on disk: the plan does not read the data")
-    if isinstance(config.hardware.gpus, int) and hardware.accelerator == "cuda" and hardware.gpus_per_node != config.hardware.gpus:
-        notes.append(f"hardware.gpus: {config.hardware.gpus} in the config; planned for the {hardware.gpus_per_node} GPUs given")
-    result = plan_run(config, hardware.with_gpus(hardware.gpus_per_node), spec, margin)
+    result = plan_run(config, hardware, spec, margin)
     result.notes[:0] = notes
     some = result.configured or result.best or (result.candidates[0] if result.candidates else None)
     limits = {} if some is None else {"zero3_max_live_parameters": some.choice.zero3_max_live_parameters, "zero3_reuse_distance": some.choice.zero3_reuse_distance,

@@ -95,3 +95,22 @@ def test_cpu_ranks_count_every_rank_term_in_host_ram(capsys):
 def test_cpu_ranks_and_gpus_are_two_different_machines():
     with pytest.raises(ZeroPipeError, match="--cpu-ranks and --gpus"):
         run_plan("--model", "llama-3.2-1b", "--cpu-ranks", "4", "--gpus", "4x24GB")
+
+
+@pytest.mark.parametrize("source", ["inline model", "catalog model (not on disk)"])
+def test_the_gpus_given_replace_the_configs_count_and_the_note_says_so(tmp_path, capsys, source):
+    """`--gpus 1x24GB` on a config written for 5 GPUs plans one GPU: whole shares, the batch over one rank (it planned 1/5 shares)."""
+    model = (
+        {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}}
+        if source == "inline model"
+        else {"family": "diffusion", "path": str(tmp_path / "AuraFlow-v0.3"), "lora": {"r": 32}}
+    )
+    data = {"synthetic": {"task": "arithmetic"}, "max_seq_len": 64} if source == "inline model" else {"path": str(tmp_path / "images")}
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"model": model, "data": data, "train": {"micro_batch_size": 1, "gradient_accumulation_steps": 4},
+                                      "hardware": {"gpus": 5}, "deepspeed": {"zero_stage": 3}}))
+    run_plan(str(config), "--gpus", "1x24GB", "--ram", "64GB", "--json")
+    result = json.loads(capsys.readouterr().out)
+    assert result["hardware"]["gpus_per_node"] == 1 and result["global_batch"] == 4
+    assert "hardware.gpus: 5 in the config; planned for the 1 GPUs per node given (--gpus 1x24GB)" in result["notes"]
+    assert "1/5 share" not in json.dumps(result)  # the config's 5 dealt nothing
