@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 import pytest
 import torch
 from PIL import Image, ImageDraw
@@ -36,7 +38,7 @@ def tiny(tmp_path_factory):
     return arch, folder, pipeline
 
 
-def test_samples_are_the_pipelines_own_decomposition_and_predict_is_its_transformer_call(tiny, monkeypatch):
+def test_samples_are_the_pipelines_own_decomposition_and_predict_is_its_transformer_call(tiny, monkeypatch, tmp_path):
     """The entry's sampling loop gives the latents QwenImageLayeredPipeline's call ends with (two layers, true CFG), where the call
     takes the image at the sample size: its calculate_dimensions (640 or 1024 px whatever the size) is set to the sample size here."""
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered
@@ -63,6 +65,23 @@ def test_samples_are_the_pipelines_own_decomposition_and_predict_is_its_transfor
     config = pipeline.vae.config
     mean, std = (torch.tensor(values).view(1, -1, 1, 1, 1) for values in (config.latents_mean, config.latents_std))
     torch.testing.assert_close(outputs["layer_latents"], theirs[:, :, 1:] * std + mean)
+
+    # The drawn layers written beside the sample as RGBA PNGs: the pipeline's own decoding of its last two frames, alpha kept.
+    from zeropipe.families.diffusion.parts import Sampling
+
+    folder = tmp_path / "samples" / "step_00000002"
+    folder.mkdir(parents=True)
+    rows = [{"file": "step_00000002/00.png"}]
+    (part,) = arch.record.conditions
+    part.add_to_samples(Sampling(["p"], SIZE, (SIZE, SIZE), None, None, cpu, None, lambda: pipeline.vae), outputs, rows, folder)
+    assert rows[0]["layers"] == ["step_00000002/00_layer0.png", "step_00000002/00_layer1.png"]
+    with torch.no_grad():
+        decoded = pipeline.vae.decode((theirs[:, :, 1:] * std + mean).permute(0, 2, 1, 3, 4).reshape(2, 16, 1, latent, latent), return_dict=False)[0][:, :, 0]
+    for number, name in enumerate(rows[0]["layers"]):
+        with Image.open(tmp_path / "samples" / name) as written:
+            assert written.mode == "RGBA" and written.size == (SIZE, SIZE)
+            expected = ((decoded[number] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0)
+            assert (torch.from_numpy(np.asarray(written)).int() - expected.int()).abs().max() <= 1
 
     # predict: the transformer as the loop calls it on a stack (the image's condition frame appended, is_rgb 0), one output frame per input frame.
     generator = torch.Generator().manual_seed(0)
