@@ -141,3 +141,34 @@ def test_the_catalog_entry_counts_qwen_image_layereds_published_size_and_is_trac
     assert sum(p.numel() for p in model.parameters()) == entry["published_params"]
     inputs = architecture_named("qwen-image-layered").call.trace_inputs(SimpleNamespace(in_channels=64, joint_attention_dim=3584), 80, 1, 20, torch.float32)
     assert inputs["hidden_states"].shape == (1, 6 * 40 * 40, 64) and inputs["img_shapes"] == [[(1, 40, 40)] * 6]
+
+
+def test_images_with_other_numbers_of_layers_are_refused_naming_each_and_the_fix(tmp_path):
+    """Every image needs as many layers as the others (they are denoised as one stack): the data step names each that differs."""
+    from types import SimpleNamespace
+
+    from zeropipe.errors import DataError
+    from zeropipe.families.diffusion.parts import Planning
+
+    images, layers = tmp_path / "images", [tmp_path / f"layer{number}" for number in range(2)]
+    for folder in (images, *layers):
+        folder.mkdir()
+    for name in ("a", "b", "c"):
+        composite().save(images / f"{name}.png")
+        for folder in layers[: 1 if name == "c" else 2]:  # c has one layer, a and b two
+            composite().save(folder / f"{name}.png")
+    (part,) = architecture_named("qwen-image-layered").record.conditions
+    data = SimpleNamespace(control_path=None, control_paths=[str(folder) for folder in layers])
+    items = [{"path": str(images / f"{name}.png"), "caption": name} for name in ("a", "b", "c")]
+    planning = Planning(SimpleNamespace(data=data), None, None, images, tmp_path, items, [], [], None)
+    with pytest.raises(DataError) as refused:
+        part.attach(planning)
+    message = str(refused.value)
+    assert message.startswith("1 problem(s) with the layers of 3 image(s)") and f"layer 1: {images / 'c.png'}: no layer file {layers[1] / 'c'}.*" in message
+    assert "a.png" not in message and message.endswith("give every image the same number of readable layer files, or remove those images from data.path")
+
+    items = items[:2]
+    planning = Planning(SimpleNamespace(data=data), None, None, images, tmp_path, items, [], [], None)
+    part.attach(planning)
+    assert [Path(path).parent.name for path in items[0]["layers"]] == ["layer0", "layer1"]
+    assert planning.notes == [f"layer decomposition training: 2 image(s), each split into 2 RGBA layer(s) from {layers[0]}, {layers[1]}"]

@@ -22,6 +22,7 @@ RGBA PNG beside the sample (``NN_layerK.png``, listed in the sample's index row 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,11 @@ class ImageLayers(ReferenceImages):
         config, items = planning.config, planning.items
         data = config.data
         found, problems = find_reference_images([Path(item["path"]) for item in items], planning.image_dir, data.control_path, data.control_paths)
+        # Told in the layers' words: "reference 2: ... no control image" is layer 1's file missing.
+        problems = [
+            re.sub(r"^reference (\d+): ", lambda match: f"layer {int(match.group(1)) - 1}: ", problem).replace("no control image", "no layer file").replace("reference image", "layer")
+            for problem in problems
+        ]
         counts = sorted({len(layers) for layers in found})
         if not problems and counts and counts[0] == 0:
             problems = [f"{item['path']}: no layer image" for item, layers in zip(items, found) if not layers]
@@ -109,13 +115,17 @@ class ImageLayers(ReferenceImages):
                 "give every image the same number of readable layer files, or remove those images from data.path"
             )
         for item, layers in zip(items, found):
-            item["references"] = [str(layer) for layer in layers]
+            item["layers"] = [str(layer) for layer in layers]
         planning.notes.append(f"layer decomposition training: {len(items)} image(s), each split into {len(found[0]) if found else 0} RGBA layer(s) from {where}")
+
+    def key_files(self, item):
+        # Every layer is part of the image's key: a changed layer re-encodes this image only.
+        return tuple((f"layer{number}", Path(path)) for number, path in enumerate(item["layers"]))
 
     def load(self, plan, index, bucket, flip):
         item = plan.items[index]
         composite = opaque(load_image_for_bucket(Path(item["path"]), tuple(bucket), crop="center", flip=flip).pixels)
-        return torch.stack([composite, *(load_rgba_for_bucket(Path(path), tuple(bucket), flip).pixels for path in item["references"])])
+        return torch.stack([composite, *(load_rgba_for_bucket(Path(path), tuple(bucket), flip).pixels for path in item["layers"])])
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
         # Every image of the chunk alone (one frame each: the pipeline encodes the composite alone and decodes each layer alone).
@@ -139,7 +149,7 @@ class ImageLayers(ReferenceImages):
         for index in sampling.plan.sample_controls:
             item = sampling.plan.items[index]
             composite = opaque(load_image_for_bucket(Path(item["path"]), (sampling.size, sampling.size), crop="center", flip=False).pixels)
-            per_prompt.append({"image": first_frame_image(composite), "layers": len(item["references"])})
+            per_prompt.append({"image": first_frame_image(composite), "layers": len(item["layers"])})
             rows.append({"decomposed": item["path"]})
         # One call per prompt: each prompt decomposes its own item's image into as many layers as the data has.
         return SampleInputs(per_prompt=per_prompt, rows=rows)
