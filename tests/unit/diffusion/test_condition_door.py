@@ -80,6 +80,7 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
         "qwen-image-edit-plus": ["references"], "flux2": ["references"], "flux2-klein": ["references"],
         "wan-ti2v-i2v": ["condition"], "hunyuan-video-1.5-i2v": ["condition", "image_embeds"], "skyreels-v2-i2v": ["condition", "image_embeds"], "kandinsky5-i2v": ["condition"],
         "ltx2": ["audio"], "cosmos-predict2-video2world": ["condition"],
+        "qwen-image-layered": ["layers"],
     }
     assert [name for name, arch in entries.items() if arch.record.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus", "ltx2", "qwen-image-2.1", "flux3"]  # FLUX.3: Qwen3-VL through its text-encoder block
 

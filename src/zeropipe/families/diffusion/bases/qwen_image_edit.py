@@ -23,13 +23,14 @@ given to the VL model at about 384x384) are their own entry, ``qwen_image_edit_p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from zeropipe.families.diffusion.bases.qwen_image import ARCHITECTURE as QWEN_IMAGE
-from zeropipe.families.diffusion.bases.qwen_image import QwenImage, prompt_mask
+from zeropipe.families.diffusion.bases.qwen_image import QwenImageCall, QwenImagePrompts, QwenImageSampling, prompt_mask
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import ControlImage, PromptWithControlImage
 from zeropipe.families.diffusion.sampler import denoise
 from zeropipe.families.diffusion.tiny.tokenizers import CHARACTERS, CHAT_TOKENS, tiny_edit_tokenizer, VISION_TOKENS
@@ -75,13 +76,11 @@ def as_transformers_processor(cls: type) -> type:
     return type(cls.__name__, (cls, ProcessorMixin), {"__repr__": object.__repr__, "__module__": cls.__module__})
 
 
-@dataclass(frozen=True)
-class QwenImageEdit(QwenImage):
-    def tokenizer_length(self, tokenizer):
-        return 1024  # the edit template alone is about 400 characters, one token each in the tiny tokenizer
+class QwenImageEditPrompts(QwenImagePrompts):
+    """The prompt with its control image, through the pipeline's edit template; the tiny preset's processor folder."""
 
     def tiny_tokenizer(self, tokenizer):
-        return tiny_edit_tokenizer(self.tokenizer_length(tokenizer))
+        return tiny_edit_tokenizer(self.record.tokenizer_length(tokenizer))
 
     def tiny_prompt_processor(self, processor, parts, folder):
         """The processor folder's image processor, making few patches of a small image (56x56 to 112x112 pixels: 4 to 16 image tokens)."""
@@ -98,25 +97,25 @@ class QwenImageEdit(QwenImage):
         raise NotImplementedError("Qwen-Image-Edit encodes every prompt with its control image (encode_prompts_with_images)")
 
     def encode_prompts_with_images(self, pipeline, prompts, images, device):
+        """Each prompt encoded with its control image (``PromptWithControlImage``)."""
         embeds, mask = pipeline.encode_prompt(prompt=prompts, image=images, device=device)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": prompt_mask(embeds, mask)}
 
-    def predict(self, model, model_input, timesteps, condition, context):
-        from diffusers import QwenImageEditPipeline
 
-        batch, channels, _, height, width = model_input.shape  # one latent frame; the control latents have the same grid
-        packed = QwenImageEditPipeline._pack_latents(model_input, batch, channels, height, width)
-        control = QwenImageEditPipeline._pack_latents(condition["control_latents"].to(model_input.dtype), batch, channels, height, width)
-        grid = (1, height // 2, width // 2)
-        out = model(
-            hidden_states=torch.cat([packed, control], dim=1), timestep=(timesteps / 1000).to(context.dtype),
-            encoder_hidden_states=condition["prompt_embeds"], encoder_hidden_states_mask=condition["prompt_embeds_mask"],
-            img_shapes=[[grid, grid]] * batch, return_dict=False,
-        )[0]
-        return QwenImageEditPipeline._unpack_latents(out[:, : packed.shape[1]], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
+class QwenImageEditCall(QwenImageCall):
+    """The control image's latents (the same grid as the target's) appended after the target's tokens."""
 
+    def images(self, condition, dtype):
+        return [condition["control_latents"].to(dtype)]
+
+    def trace_images(self, config, latent, dtype):
+        # The control image's tokens double the image sequence (at the target's size).
+        return {"control_latents": torch.randn(1, config.in_channels // 4, 1, latent, latent, dtype=dtype)}
+
+
+class QwenImageEditSampling(QwenImageSampling):
     @torch.no_grad()
-    def call_pipeline(self, pipeline, kwargs):
+    def draw(self, pipeline, kwargs):
         """QwenImageEditPipeline's denoising steps, in the shared loop (``sampler.denoise``), with the control image at the sample size.
 
         The pipeline's own call resizes the control image to about a megapixel whatever the
@@ -165,17 +164,10 @@ class QwenImageEdit(QwenImage):
 
         return denoise(pipeline.scheduler, latents, timesteps, model_output)
 
-    def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
-        inputs = super().trace_inputs(config, latent, latent_frames, text_tokens, dtype)
-        tokens = inputs["hidden_states"].shape[1]
-        grid = (1, latent // 2, latent // 2)
-        # The control image's tokens double the image sequence (at the target's size).
-        return {**inputs, "hidden_states": torch.randn(1, 2 * tokens, config.in_channels, dtype=dtype), "img_shapes": [[grid, grid]]}
-
 
 def _preset() -> dict:
     """tiny-qwen-image with the vision tokens' ids in the text encoder's config and room for the edit template."""
-    preset = copy.deepcopy(QWEN_IMAGE.preset)
+    preset = copy.deepcopy(QWEN_IMAGE.record.preset)
     encoder = preset["text_encoder"]
     first = len(CHAT_TOKENS) + 1 + len(CHARACTERS)  # where tiny_edit_tokenizer puts the vision tokens
     ids = {token: first + number for number, token in enumerate(VISION_TOKENS)}
@@ -184,18 +176,23 @@ def _preset() -> dict:
     return preset
 
 
-ARCHITECTURE = QwenImageEdit(
-    **{
-        **{field: getattr(QWEN_IMAGE, field) for field in QWEN_IMAGE.__dataclass_fields__},
-        "name": "qwen-image-edit",
-        "pipeline_class": "QwenImageEditPipeline",
-        "related_pipelines": ("QwenImageEditInpaintPipeline",),
-        "preset_name": "tiny-qwen-image-edit",
-        "preset": _preset(),
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        QWEN_IMAGE.record,
+        name="qwen-image-edit",
+        pipeline_class="QwenImageEditPipeline",
+        related_pipelines=("QwenImageEditInpaintPipeline",),
+        preset_name="tiny-qwen-image-edit",
+        preset=_preset(),
         # The text encoder sees the control image too; its latents are appended to the target's tokens.
-        "text": PromptWithControlImage(processors=("processor",)),
-        "conditions": (ControlImage(),),
-    }
+        text=PromptWithControlImage(processors=("processor",)),
+        conditions=(ControlImage(),),
+        tokenizer_lengths={"tokenizer": 1024},  # the edit template alone is about 400 characters, one token each in the tiny tokenizer
+    ),
+    call=QwenImageEditCall(),
+    prompts=QwenImageEditPrompts(),
+    sampling=QwenImageEditSampling(),
+    layouts=QWEN_IMAGE.layouts,
 )
 
-__all__ = ["ARCHITECTURE", "CHAT_TOKENS", "QwenImageEdit"]
+__all__ = ["ARCHITECTURE", "CHAT_TOKENS", "QwenImageEditCall", "QwenImageEditPrompts", "QwenImageEditSampling"]

@@ -33,6 +33,7 @@ BUILTIN = (
     "qwen_image21",
     "z_image_omni",
     "flux3",
+    "qwen_image_layered",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

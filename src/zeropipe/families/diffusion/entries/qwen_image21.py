@@ -33,17 +33,18 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zeropipe.config.pipeline_index import read_pipeline_index
-from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
+from zeropipe.families.diffusion.bases.qwen_image import QwenImageSampling, prompt_mask
 from zeropipe.families.diffusion.bases.qwen_image_edit import as_transformers_processor
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import PromptText
 from zeropipe.families.diffusion.parts.latents import QwenImage21Latents
+from zeropipe.families.diffusion.roles import Assembly, DenoiserCall, PromptEncoding
+from zeropipe.families.diffusion.sampler import pipeline_call
 from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl_generation
 from zeropipe.families.diffusion.tiny.tokenizers import tiny_edit_tokenizer
 
@@ -159,24 +160,12 @@ def text_prompt_processor(tokenizer, chat_template: str | None = None):
     return as_transformers_processor(TextPromptProcessor)(tokenizer, chat_template)
 
 
-@dataclass(frozen=True)
-class QwenImage21(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return 1024
+class QwenImage21Prompts(PromptEncoding):
+    """Prompts through the pipeline's own encode_prompt; the processor (the tokenizer's folder) loaded or, for a tiny preset, written."""
 
-    def trace_text_tokens(self):
-        return 256  # a long caption (its tokenizer is the processor's, not one of the entry's tokenizers)
-
-    def image_processor_factor(self, vae_factor):
-        return vae_factor * 2  # the pipeline rounds sizes to twice its VAE factor (2x2 latent tokens per image slot)
-
-    # ---------------------------------------------------------------- the processor
-    def tiny_component(self, name, fields):
-        if name == PROCESSOR:  # the text-only processor over a tiny Qwen tokenizer; its folder is written by tiny_prompt_processor
-            tokenizer = tiny_edit_tokenizer(self.tokenizer_length(name))
-            tokenizer.chat_template = CHAT_TEMPLATE
-            return text_prompt_processor(tokenizer, CHAT_TEMPLATE)
-        return super().tiny_component(name, fields)
+    def encode_prompts(self, pipeline, prompts, device):
+        embeds, mask, _ = pipeline.encode_prompt(prompt=list(prompts), device=device)
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": prompt_mask(embeds, mask)}
 
     def tiny_prompt_processor(self, processor, parts, folder):
         """The processor folder as Qwen-Image-2.1's is laid out: its tokenizer, chat template and image processor; model_index.json names Qwen3VLProcessor.
@@ -194,17 +183,23 @@ class QwenImage21(LegacyEntry):
     def load_prompt_processor(self, pipeline_dir, processor, parts):
         return load_processor(Path(pipeline_dir) / processor)
 
+
+class QwenImage21Assembly(Assembly):
+    def tiny_component(self, name, fields):
+        if name == PROCESSOR:  # the text-only processor over a tiny Qwen tokenizer; its folder is written by tiny_prompt_processor
+            tokenizer = tiny_edit_tokenizer(self.record.tokenizer_length(name))
+            tokenizer.chat_template = CHAT_TEMPLATE
+            return text_prompt_processor(tokenizer, CHAT_TEMPLATE)
+        return super().tiny_component(name, fields)
+
     def construct_pipeline(self, cls, kwargs, folder):
         # The pipeline reads its processor in its constructor (the system turn's length): a pipeline without text encoders still needs it.
         if kwargs.get(PROCESSOR) is None:
             kwargs = {**kwargs, PROCESSOR: load_processor(folder.path / PROCESSOR)}
         return cls(**kwargs)
 
-    # ---------------------------------------------------------------- conditioning
-    def encode_prompts(self, pipeline, prompts, device):
-        embeds, mask, _ = pipeline.encode_prompt(prompt=list(prompts), device=device)
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": prompt_mask(embeds, mask)}
 
+class QwenImage21Call(DenoiserCall):
     def predict(self, model, model_input, timesteps, condition, context):
         """The transformer on each prompt length's rows, as ``QwenImage21Pipeline`` calls it for one prompt (text, then the target's slots)."""
         from diffusers import QwenImage21Pipeline
@@ -229,57 +224,59 @@ class QwenImage21(LegacyEntry):
         # embedding, nonzero() in build_token_metadata), which tensors on the meta device the planner traces on do not have.
         return None
 
-    # ---------------------------------------------------------------- sampling
-    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
-        return {
-            "prompt_embeds": condition["prompt_embeds"], "prompt_embeds_mask": condition["prompt_embeds_mask"],
-            "negative_prompt_embeds": negative["prompt_embeds"], "negative_prompt_embeds_mask": negative["prompt_embeds_mask"],
-            "true_cfg_scale": guidance_scale,
-        }
 
-    def call_pipeline(self, pipeline, kwargs):
+class QwenImage21Sampling(QwenImageSampling):
+    """Qwen-Image's sampling arguments (true classifier-free guidance), through the pipeline's own call."""
+
+    def draw(self, pipeline, kwargs):
         configured = pipeline.config.get("sample_sigmas")
         if configured and "sigmas" not in kwargs and len(configured) != kwargs.get("num_inference_steps", len(configured)):
             log.info(
                 "Qwen-Image 2.1 samples use the %d steps of the pipeline's sample_sigmas (model_index.json), not generate.sample_steps %s",
                 len(configured), kwargs.get("num_inference_steps"),
             )
-        return pipeline(**kwargs)[0]
-
-    def unpack_latents(self, pipeline, latents, size, vae_factor):
-        return pipeline._unpack_latents(latents, size, size, vae_factor)
+        return pipeline_call(pipeline, kwargs)[0]
 
 
-ARCHITECTURE = QwenImage21(
-    name="qwen-image-2.1",
-    pipeline_class="QwenImage21Pipeline",
-    denoiser="transformer",
-    denoiser_class="QwenImage21Transformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=(),  # the tokenizer is the processor's (processor/), loaded with it
-    patch_factor=2,  # latent sides even: each image slot of the prompt stands for 2x2 latent tokens
-    codec=QwenImage21Latents(vae_class="AutoencoderKLQwenImage21"),
-    text=PromptText(processors=(PROCESSOR,)),
-    preset_name="tiny-qwen-image-2.1",
-    preset={
-        "transformer": {
-            "patch_size": 1, "in_channels": 16, "out_channels": 16, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
-            "context_in_dim": 32, "mlp_ratio": 2, "axes_dims_rope": [4, 6, 6],
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="qwen-image-2.1",
+        pipeline_class="QwenImage21Pipeline",
+        denoiser="transformer",
+        denoiser_class="QwenImage21Transformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=(),  # the tokenizer is the processor's (processor/), loaded with it
+        patch_factor=2,  # latent sides even: each image slot of the prompt stands for 2x2 latent tokens
+        codec=QwenImage21Latents(vae_class="AutoencoderKLQwenImage21"),
+        text=PromptText(processors=(PROCESSOR,)),
+        preset_name="tiny-qwen-image-2.1",
+        preset={
+            "transformer": {
+                "patch_size": 1, "in_channels": 16, "out_channels": 16, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+                "context_in_dim": 32, "mlp_ratio": 2, "axes_dims_rope": [4, 6, 6],
+            },
+            # The release's four spatial halvings (the pipeline fixes its VAE factor at 16), at 16 channels: 64-pixel images are 4x4 latents
+            # of 16 channels (the release: 64); RGBA in and out.
+            "vae": {
+                "base_dim": 16, "decoder_base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True, True],
+                "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+            },
+            "text_encoder": tiny_qwen3_vl_generation(),
+            "processor": {},
+            # The release shifts with the resolution (use_dynamic_shifting); the tiny one samples with a fixed shift.
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
         },
-        # The release's four spatial halvings (the pipeline fixes its VAE factor at 16), at 16 channels: 64-pixel images are 4x4 latents
-        # of 16 channels (the release: 64); RGBA in and out.
-        "vae": {
-            "base_dim": 16, "decoder_base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True, True],
-            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
-        },
-        "text_encoder": tiny_qwen3_vl_generation(),
-        "processor": {},
-        # The release shifts with the resolution (use_dynamic_shifting); the tiny one samples with a fixed shift.
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
-    },
-    # Every linear layer of the blocks, their attention and SwiGLU (diffusion-pipe's qwen_image21 adapts the whole QwenImage21TransformerBlock).
-    lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"),
+        # Every linear layer of the blocks, their attention and SwiGLU (diffusion-pipe's qwen_image21 adapts the whole QwenImage21TransformerBlock).
+        lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out"),
+        tokenizer_lengths={PROCESSOR: 1024},  # the processor's tokenizer in a tiny preset
+        trace_tokens=256,  # a long caption (its tokenizer is the processor's, not one of the entry's tokenizers)
+        image_processor_patch=2,  # the pipeline rounds sizes to twice its VAE factor (2x2 latent tokens per image slot)
+    ),
+    call=QwenImage21Call(),
+    prompts=QwenImage21Prompts(),
+    sampling=QwenImage21Sampling(),
+    assembly=QwenImage21Assembly(),
 )
 
-__all__ = ["ARCHITECTURE", "QwenImage21", "TextPromptProcessor"]
+__all__ = ["ARCHITECTURE", "TextPromptProcessor"]

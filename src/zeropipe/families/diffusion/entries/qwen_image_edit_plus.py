@@ -17,36 +17,28 @@ Training takes each reference at its target's bucket and crop (``data.control_pa
 ``data.control_path``, see ``parts/reference_images.py``), so every grid is the target's; the
 pipeline itself resizes each reference to about a megapixel at inference (``VAE_IMAGE_SIZE``),
 which matches training at ``resolution: 1024`` with references of the target's aspect ratio.
-Samples run the pipeline's loop with the references at the sample size (``call_pipeline``).
+Samples run the pipeline's loop with the references at the sample size (``QwenImageEditPlusSampling.draw``).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from zeropipe.families.diffusion.bases.qwen_image import prompt_mask
 from zeropipe.families.diffusion.bases.qwen_image_edit import ARCHITECTURE as QWEN_IMAGE_EDIT
-from zeropipe.families.diffusion.bases.qwen_image_edit import QwenImageEdit
+from zeropipe.families.diffusion.bases.qwen_image_edit import QwenImageEditCall, QwenImageEditPrompts, QwenImageEditSampling
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import PromptWithReferenceImages, ReferenceImages
 from zeropipe.families.diffusion.sampler import denoise
 
-
-def pack(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, 1, H, W) latents -> (B, H/2 x W/2, 4C) tokens, as QwenImageEditPlusPipeline._pack_latents."""
-    from diffusers import QwenImageEditPlusPipeline
-
-    batch, channels, _, height, width = latents.shape
-    return QwenImageEditPlusPipeline._pack_latents(latents, batch, channels, height, width)
+# The planner traces two references (the pipeline takes up to three; the official examples use two).
+TRACE_REFERENCES = 2
 
 
-@dataclass(frozen=True)
-class QwenImageEditPlus(QwenImageEdit):
-    # The planner traces two references (the pipeline takes up to three; the official examples use two).
-    trace_references: int = 2
-
+class QwenImageEditPlusPrompts(QwenImageEditPrompts):
     def encode_prompts_with_images(self, pipeline, prompts, images, device):
         """Per prompt its list of reference images, encoded as the pipeline's ``__call__`` does (its condition images), one prompt per call."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
@@ -65,23 +57,21 @@ class QwenImageEditPlus(QwenImageEdit):
         mask = torch.stack([torch.cat([m, m.new_zeros(length - m.shape[0])]) for _, m in rows])
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
-    def predict(self, model, model_input, timesteps, condition, context):
-        from diffusers import QwenImageEditPlusPipeline
 
-        batch, _, _, height, width = model_input.shape  # one latent frame; every reference has the same grid (the target's bucket)
-        references = condition["reference_latents"].to(model_input.dtype)  # (B, N, C, 1, H, W)
-        packed = pack(model_input)
-        tokens = torch.cat([packed, *(pack(references[:, number]) for number in range(references.shape[1]))], dim=1)
-        grid = (1, height // 2, width // 2)
-        out = model(
-            hidden_states=tokens, timestep=(timesteps / 1000).to(context.dtype),
-            encoder_hidden_states=condition["prompt_embeds"], encoder_hidden_states_mask=condition["prompt_embeds_mask"],
-            img_shapes=[[grid] * (1 + references.shape[1])] * batch, return_dict=False,
-        )[0]
-        return QwenImageEditPlusPipeline._unpack_latents(out[:, : packed.shape[1]], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
+class QwenImageEditPlusCall(QwenImageEditCall):
+    """Every reference's latents (B, N, C, 1, H, W; each the target's grid) appended, in order, after the target's tokens."""
 
+    def images(self, condition, dtype):
+        references = condition["reference_latents"].to(dtype)
+        return [references[:, number] for number in range(references.shape[1])]
+
+    def trace_images(self, config, latent, dtype):
+        return {"reference_latents": torch.randn(1, TRACE_REFERENCES, config.in_channels // 4, 1, latent, latent, dtype=dtype)}
+
+
+class QwenImageEditPlusSampling(QwenImageEditSampling):
     @torch.no_grad()
-    def call_pipeline(self, pipeline, kwargs):
+    def draw(self, pipeline, kwargs):
         """QwenImageEditPlusPipeline's denoising loop with the reference images at the sample size.
 
         The pipeline's own call resizes every reference to about a megapixel whatever the output
@@ -130,26 +120,23 @@ class QwenImageEditPlus(QwenImageEdit):
 
         return denoise(pipeline.scheduler, latents, timesteps, model_output)
 
-    def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
-        inputs = super().trace_inputs(config, latent, latent_frames, text_tokens, dtype)
-        tokens = inputs["hidden_states"].shape[1] // 2  # the plain edit entry traces the target and one control image
-        grid = (1, latent // 2, latent // 2)
-        images = 1 + self.trace_references
-        return {**inputs, "hidden_states": torch.randn(1, images * tokens, config.in_channels, dtype=dtype), "img_shapes": [[grid] * images]}
 
-
-ARCHITECTURE = QwenImageEditPlus(
-    **{
-        **{field: getattr(QWEN_IMAGE_EDIT, field) for field in QWEN_IMAGE_EDIT.__dataclass_fields__},
-        "name": "qwen-image-edit-plus",
-        "pipeline_class": "QwenImageEditPlusPipeline",
-        "related_pipelines": (),
-        "preset_name": "tiny-qwen-image-edit-plus",
-        "preset": copy.deepcopy(QWEN_IMAGE_EDIT.preset),
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        QWEN_IMAGE_EDIT.record,
+        name="qwen-image-edit-plus",
+        pipeline_class="QwenImageEditPlusPipeline",
+        related_pipelines=(),
+        preset_name="tiny-qwen-image-edit-plus",
+        preset=copy.deepcopy(QWEN_IMAGE_EDIT.record.preset),
         # The text encoder sees every reference image; their latents are appended to the target's tokens, in order.
-        "text": PromptWithReferenceImages(processors=("processor",)),
-        "conditions": (ReferenceImages(),),
-    }
+        text=PromptWithReferenceImages(processors=("processor",)),
+        conditions=(ReferenceImages(),),
+    ),
+    call=QwenImageEditPlusCall(),
+    prompts=QwenImageEditPlusPrompts(),
+    sampling=QwenImageEditPlusSampling(),
+    layouts=QWEN_IMAGE_EDIT.layouts,
 )
 
-__all__ = ["ARCHITECTURE", "QwenImageEditPlus"]
+__all__ = ["ARCHITECTURE"]

@@ -12,6 +12,7 @@ from zeropipe.families.diffusion.parts.control_prompt import PromptWithControlIm
 from zeropipe.families.diffusion.parts.first_frame import FirstFrame, FirstFrameAlone
 from zeropipe.families.diffusion.parts.first_frame_embeddings import FirstFrameEmbeddings
 from zeropipe.families.diffusion.parts.guidance import GuidedPrompt
+from zeropipe.families.diffusion.parts.image_layers import ImageLayers
 from zeropipe.families.diffusion.parts.reference_images import ReferenceImages
 from zeropipe.families.diffusion.parts.reference_prompt import PromptWithReferenceImages
 from zeropipe.families.diffusion.parts.text import PromptText
@@ -52,7 +53,7 @@ def _setting(config: Any, key: str) -> Any:
 
 
 __all__ = [
-    "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "GuidedPrompt", "ImageLatents", "Inputs", "Part",
+    "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "GuidedPrompt", "ImageLatents", "ImageLayers", "Inputs", "Part",
     "PerChannelVideoLatents", "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
     "Sampling", "VideoLatents", "active_conditions", "part_problems",
 ]
