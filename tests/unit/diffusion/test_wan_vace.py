@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from zeropipe.families.diffusion.bases.wan import ARCHITECTURE as WAN
-from zeropipe.families.diffusion.bases.wan_vace import WanVaceCall, control_hidden_states
+from zeropipe.families.diffusion.bases.wan_vace import WanVaceCall
 from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.modular import run_block, run_loop_block
+from zeropipe.families.diffusion.parts.vace_context import control_hidden_states
 from zeropipe.families.diffusion.roles import PredictContext
 
 CPU = torch.device("cpu")
@@ -93,3 +94,18 @@ def test_predict_is_the_wan22_vace_denoiser_blocks_output(tiny, t):
     assert torch.equal(unscaled, ours)
     blank = entry.call.predict(transformer, latents, timestep.expand(1), {**condition, "vace_context": torch.zeros_like(condition["vace_context"])}, PredictContext(CPU, torch.float32, 8, 1.0))
     assert not torch.allclose(blank, ours)
+
+
+def test_the_catalog_counts_wan22_vace_fun_from_its_published_configs():
+    """17.34B per expert: the 34.7 GB of bf16 weights in linoyts/Wan2.2-VACE-Fun-14B-diffusers' transformer/ (Wan 2.2 A14B's 14.29B
+    expert and 8 control blocks); UMT5-XXL and the Wan VAE frozen; the trace (stored) at 81 frames of 640 px through the control branch."""
+    import zeropipe.families.diffusion  # noqa: F401 - registers the diffusion family's spec builders with the planner
+    from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
+
+    assert "wan2.2-vace-fun-a14b" in catalog_names()
+    spec = spec_from_catalog("wan2.2-vace-fun-a14b", None)
+    assert spec.total_params == pytest.approx(17.34e9, rel=0.005) and spec.family == "diffusion_transformer"
+    frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
+    assert frozen["text_encoder"] == pytest.approx(5.68e9, rel=0.01) and frozen["vae"] == pytest.approx(126.9e6, rel=0.01)
+    trace = spec.activation_trace
+    assert trace is not None and trace.frames == 81 and trace.resolution == 640
