@@ -12,35 +12,35 @@ with a flow shift of 8 (5 for image-to-video), which the tiny preset's scheduler
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
 
 from zeropipe.families.diffusion.bases.wan import ARCHITECTURE as WAN_T2V
-from zeropipe.families.diffusion.bases.wan import WAN_SCHEDULER, Wan
+from zeropipe.families.diffusion.bases.wan import WAN_SCHEDULER
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import PerChannelVideoLatents
 
 
-@dataclass(frozen=True)
-class SkyReelsV2(Wan):
-    def pipeline_kwargs(self):
-        return {}  # one transformer; no boundary_ratio to turn off
-
-
 def tiny_preset(flow_shift: float) -> dict:
-    preset = copy.deepcopy(WAN_T2V.preset)
+    preset = copy.deepcopy(WAN_T2V.record.preset)
     preset["scheduler"] = {**WAN_SCHEDULER, "flow_shift": flow_shift}
     return preset
 
 
-ARCHITECTURE = SkyReelsV2(
-    **{
-        **{field: getattr(WAN_T2V, field) for field in WAN_T2V.__dataclass_fields__},
-        "name": "skyreels-v2",
-        "trace_frames": 97,  # SkyReelsV2Pipeline's default clip: 4 s at 24 fps
-        "pipeline_class": "SkyReelsV2Pipeline",
-        "related_pipelines": (),
-        "denoiser_class": "SkyReelsV2Transformer3DModel",
-        "codec": PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=24.0),
-        "preset_name": "tiny-skyreels-v2",
-        "preset": tiny_preset(8.0),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        WAN_T2V.record,
+        name="skyreels-v2",
+        trace_frames=97,  # SkyReelsV2Pipeline's default clip: 4 s at 24 fps
+        pipeline_class="SkyReelsV2Pipeline",
+        related_pipelines=(),
+        denoiser_class="SkyReelsV2Transformer3DModel",
+        codec=PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=24.0),
+        preset_name="tiny-skyreels-v2",
+        preset=tiny_preset(8.0),
+        pipeline_kwargs={},  # one transformer; no boundary_ratio to turn off
+    ),
+    call=WAN_T2V.call,
+    prompts=WAN_T2V.prompts,
+    sampling=WAN_T2V.sampling,
+    layouts=WAN_T2V.layouts,
 )

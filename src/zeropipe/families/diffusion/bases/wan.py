@@ -13,13 +13,12 @@ name against diffusers' own converter of original Wan checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import PerChannelVideoLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_umt5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
@@ -44,19 +43,8 @@ def original_module_name(module: str) -> str:
     raise ValueError(f"{module} has no name in the original Wan layout")
 
 
-@dataclass(frozen=True)
-class Wan(LegacyEntry):
-    def pipeline_kwargs(self):
-        # A pipeline built here holds one transformer, the one trained (an A14B expert too): with
-        # model_index.json's boundary_ratio it would hand the low noise levels to a transformer_2
-        # it does not have. Samples of an expert run use that expert at every noise level.
-        return {"boundary_ratio": None}
-
-    def tokenizer_length(self, tokenizer):
-        return 64
-
-    def tiny_tokenizer(self, tokenizer):
-        return character_t5_tokenizer(self.tokenizer_length(tokenizer))
+class WanPrompts(PromptEncoding):
+    """UMT5 prompts through the pipeline's own ``encode_prompt``, at Wan's 512 tokens; a tiny preset's T5-style character tokenizer."""
 
     def encode_prompts(self, pipeline, prompts, device):
         # Wan trains and samples with 512 tokens (zeros after the prompt's own); a tiny tokenizer says fewer.
@@ -64,27 +52,36 @@ class Wan(LegacyEntry):
         embeds, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=max_length, device=device)
         return {"prompt_embeds": embeds}
 
-    def trace_text_tokens(self):
-        return 512  # Wan trains and samples with 512 tokens (see encode_prompts); a tiny tokenizer says fewer
+    def tiny_tokenizer(self, tokenizer):
+        return character_t5_tokenizer(self.record.tokenizer_length(tokenizer))
 
-    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+
+class WanCall(DenoiserCall):
+    """The Wan transformer called as ``WanPipeline`` calls it: one timestep per clip, the prompt's UMT5 embeddings
+    (and Wan 2.1 I2V's CLIP embeddings of the first frame, None for the others)."""
+
+    def inputs(self, model_input, timesteps, condition, context):
+        # Timesteps stay float32 as WanPipeline passes them: bf16 cannot tell 998 from 1000.
         return {
-            "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
-            "timestep": torch.tensor([500.0]),
-            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_dim, dtype=dtype),
+            "hidden_states": model_input, "timestep": timesteps.float(), "encoder_hidden_states": condition["prompt_embeds"],
+            "encoder_hidden_states_image": condition.get("image_embeds"),
         }
 
     def predict(self, model, model_input, timesteps, condition, context):
-        # Timesteps stay float32 as WanPipeline passes them: bf16 cannot tell 998 from 1000.
-        # Wan 2.1 I2V also attends to the first frame's CLIP embeddings (None for the others).
-        return model(
-            hidden_states=model_input, timestep=timesteps.float(), encoder_hidden_states=condition["prompt_embeds"],
-            encoder_hidden_states_image=condition.get("image_embeds"), return_dict=False,
-        )[0]
+        # As the pipelines call it: its output as a tuple (the planner's trace takes the inputs alone).
+        return self.output(model(**self.inputs(model_input, timesteps, condition, context), return_dict=False))
 
+    def trace_batch(self, config, latent_side, latent_frames, text_tokens, dtype):
+        latents = torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype)
+        return latents, torch.tensor([500.0]), {"prompt_embeds": torch.randn(1, text_tokens, config.text_dim, dtype=dtype)}
+
+
+class WanSampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {"prompt_embeds": condition["prompt_embeds"], "negative_prompt_embeds": negative["prompt_embeds"], "guidance_scale": guidance_scale}
 
+
+class WanLayouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.<original module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: what ComfyUI loads for Wan.
 
@@ -112,31 +109,43 @@ WAN_SCHEDULER = {
 }
 
 
-ARCHITECTURE = Wan(
-    name="wan",
-    trace_frames=81,  # WanPipeline's default clip: 5 s at 16 fps
-    pipeline_class="WanPipeline",
-    related_pipelines=("WanVideoToVideoPipeline",),
-    denoiser="transformer",
-    denoiser_class="WanTransformer3DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=2,
-    codec=PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=16.0),
-    preset_name="tiny-wan",
-    preset={
-        "transformer": {
-            "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16, "out_channels": 16,
-            "text_dim": 32, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2, "rope_max_seq_len": 32,
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="wan",
+        trace_frames=81,  # WanPipeline's default clip: 5 s at 16 fps
+        pipeline_class="WanPipeline",
+        related_pipelines=("WanVideoToVideoPipeline",),
+        denoiser="transformer",
+        denoiser_class="WanTransformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        patch_factor=2,
+        codec=PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=16.0),
+        preset_name="tiny-wan",
+        preset={
+            "transformer": {
+                "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16, "out_channels": 16,
+                "text_dim": 32, "freq_dim": 32, "ffn_dim": 64, "num_layers": 2, "rope_max_seq_len": 32,
+            },
+            "vae": {
+                "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True],
+                "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
+            },
+            "text_encoder": tiny_umt5(),
+            "scheduler": WAN_SCHEDULER,
         },
-        "vae": {
-            "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True],
-            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16, "scale_factor_spatial": 8, "scale_factor_temporal": 4,
-        },
-        "text_encoder": tiny_umt5(),
-        "scheduler": WAN_SCHEDULER,
-    },
-    # Every linear layer of the blocks, as diffusion-pipe trains Wan LoRAs (attention and feed-forward).
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+        # Every linear layer of the blocks, as diffusion-pipe trains Wan LoRAs (attention and feed-forward).
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+        # A pipeline built here holds one transformer, the one trained (an A14B expert too): with
+        # model_index.json's boundary_ratio it would hand the low noise levels to a transformer_2
+        # it does not have. Samples of an expert run use that expert at every noise level.
+        pipeline_kwargs={"boundary_ratio": None},
+        tokenizer_lengths={"tokenizer": 64},
+        trace_tokens=512,  # Wan trains and samples with 512 tokens (see WanPrompts); a tiny tokenizer says fewer
+    ),
+    call=WanCall(),
+    prompts=WanPrompts(),
+    sampling=WanSampling(),
+    layouts=WanLayouts(),
 )

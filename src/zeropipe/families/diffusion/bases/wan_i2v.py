@@ -12,41 +12,54 @@ with the clip's latents.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from zeropipe.families.diffusion.bases.wan import ARCHITECTURE as WAN_T2V
-from zeropipe.families.diffusion.bases.wan import Wan
+from zeropipe.families.diffusion.bases.wan import WanCall
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import FirstFrame, FirstFrameEmbeddings
 
 
-@dataclass(frozen=True)
-class WanI2V(Wan):
-    def predict(self, model, model_input, timesteps, condition, context):
+class WanI2VCall(WanCall):
+    """Wan's call on the noisy latents, the first-frame mask and the first frame's latents, concatenated on the channel axis."""
+
+    def inputs(self, model_input, timesteps, condition, context):
         # The mask WanImageToVideoPipeline.prepare_latents builds: 1 on the first latent frame (all 4 channels), 0 after.
         batch, _, frames, height, width = model_input.shape
-        mask = torch.zeros(batch, self.codec.frame_multiple, frames, height, width, device=model_input.device, dtype=model_input.dtype)
+        mask = torch.zeros(batch, self.record.codec.frame_multiple, frames, height, width, device=model_input.device, dtype=model_input.dtype)
         mask[:, :, 0] = 1
         hidden = torch.cat([model_input, mask, condition["first_frame_latents"].to(model_input.dtype)], dim=1)
-        return super().predict(model, hidden, timesteps, condition, context)
+        return super().inputs(hidden, timesteps, condition, context)
+
+    def trace_batch(self, config, latent_side, latent_frames, text_tokens, dtype):
+        # The transformer's input channels are the latents', the mask's and the first frame's latents' (16 + 4 + 16).
+        latent = (config.in_channels - self.record.codec.frame_multiple) // 2
+        latents, timesteps, condition = super().trace_batch(config, latent_side, latent_frames, text_tokens, dtype)
+        first_frame = torch.randn(1, latent, latent_frames, latent_side, latent_side, dtype=dtype)
+        return latents[:, :latent], timesteps, {**condition, "first_frame_latents": first_frame}
 
 
 def _preset() -> dict:
-    preset = copy.deepcopy(WAN_T2V.preset)
-    preset["transformer"]["in_channels"] = 16 + WAN_T2V.codec.frame_multiple + 16
+    preset = copy.deepcopy(WAN_T2V.record.preset)
+    preset["transformer"]["in_channels"] = 16 + WAN_T2V.record.codec.frame_multiple + 16
     return preset
 
 
-ARCHITECTURE = WanI2V(
-    **{
-        **{field: getattr(WAN_T2V, field) for field in WAN_T2V.__dataclass_fields__},
-        "name": "wan-i2v",
-        "pipeline_class": "WanImageToVideoPipeline",
-        "related_pipelines": (),
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        WAN_T2V.record,
+        name="wan-i2v",
+        pipeline_class="WanImageToVideoPipeline",
+        related_pipelines=(),
         # The first frame's latents; Wan 2.1 I2V's CLIP embeddings of it where the pipeline folder has the image encoder.
-        "conditions": (FirstFrame(), FirstFrameEmbeddings(("image_encoder", "image_processor"))),
-        "preset_name": "tiny-wan-i2v",
-        "preset": _preset(),
-    }
+        conditions=(FirstFrame(), FirstFrameEmbeddings(("image_encoder", "image_processor"))),
+        preset_name="tiny-wan-i2v",
+        preset=_preset(),
+    ),
+    call=WanI2VCall(),
+    prompts=WAN_T2V.prompts,
+    sampling=WAN_T2V.sampling,
+    layouts=WAN_T2V.layouts,
 )

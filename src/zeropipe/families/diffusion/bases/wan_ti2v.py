@@ -19,12 +19,13 @@ The LoRA's ComfyUI layout is Wan's (see ``wan.py``).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from zeropipe.families.diffusion.bases.wan import ARCHITECTURE as WAN_T2V
-from zeropipe.families.diffusion.bases.wan import WAN_SCHEDULER, Wan
+from zeropipe.families.diffusion.bases.wan import WAN_SCHEDULER, WanCall
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import PerChannelVideoLatents
 
 LATENT_CHANNELS = 48  # the Wan 2.2 VAE's z_dim
@@ -40,11 +41,11 @@ def token_timesteps(timesteps: torch.Tensor, first_frame_mask: torch.Tensor, pat
     return per_token[None, :] * timesteps.float()[:, None]
 
 
-@dataclass(frozen=True)
-class WanTI2V(Wan):
-    def pipeline_kwargs(self):
-        # As model_index.json of Wan2.2-TI2V-5B-Diffusers says: a timestep per token (and one transformer).
-        return {**super().pipeline_kwargs(), "expand_timesteps": True}
+class WanTI2VCall(WanCall):
+    """TI2V-5B's transformer called as the ``expand_timesteps`` pipelines call it: Wan's inputs with one timestep per token.
+
+    The per-token timesteps need the transformer's patch size, read from the model, so ``predict`` sets them.
+    """
 
     def first_frame_mask(self, latents: torch.Tensor) -> torch.Tensor:
         """1 where the latents are noised (every frame for text-to-video)."""
@@ -52,8 +53,9 @@ class WanTI2V(Wan):
 
     def predict(self, model, model_input, timesteps, condition, context):
         module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
-        timestep = token_timesteps(timesteps, self.first_frame_mask(model_input), tuple(module.config.patch_size))
-        return model(hidden_states=model_input, timestep=timestep, encoder_hidden_states=condition["prompt_embeds"], return_dict=False)[0]
+        inputs = self.inputs(model_input, timesteps, condition, context)
+        inputs["timestep"] = token_timesteps(timesteps, self.first_frame_mask(model_input), tuple(module.config.patch_size))
+        return self.output(model(**inputs, return_dict=False))
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         inputs = super().trace_inputs(config, latent_side, latent_frames, text_tokens, dtype)
@@ -61,8 +63,9 @@ class WanTI2V(Wan):
         return {**inputs, "timestep": torch.full((1, tokens), 500.0)}
 
 
-@dataclass(frozen=True)
-class WanTI2VImageToVideo(WanTI2V):
+class WanTI2VImageToVideoCall(WanTI2VCall):
+    """Image-to-video on the same weights: the first latent frame is the image's latents, at timestep 0, left out of the loss."""
+
     def first_frame_mask(self, latents):
         mask = super().first_frame_mask(latents)
         mask[0] = 0
@@ -80,7 +83,7 @@ class WanTI2VImageToVideo(WanTI2V):
 
 
 def tiny_preset() -> dict:
-    preset = copy.deepcopy(WAN_T2V.preset)
+    preset = copy.deepcopy(WAN_T2V.record.preset)
     preset["transformer"].update({"in_channels": LATENT_CHANNELS, "out_channels": LATENT_CHANNELS})
     # The Wan 2.2 VAE's layout (2x2 pixel patches into 12 channels, residual down blocks, a wider decoder), tiny.
     preset["vae"] = {
@@ -94,17 +97,21 @@ def tiny_preset() -> dict:
     return preset
 
 
-_WAN_FIELDS = {field: getattr(WAN_T2V, field) for field in WAN_T2V.__dataclass_fields__}
-
-ARCHITECTURE = WanTI2V(
-    **{
-        **_WAN_FIELDS,
-        "name": "wan-ti2v",
-        "trace_frames": 121,  # WanPipeline's clip for TI2V-5B in its model card: 5 s at 24 fps
-        "pipeline_settings": (("expand_timesteps", True),),
-        "related_pipelines": (),
-        "codec": PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=24.0),
-        "preset_name": "tiny-wan-ti2v",
-        "preset": tiny_preset(),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        WAN_T2V.record,
+        name="wan-ti2v",
+        trace_frames=121,  # WanPipeline's clip for TI2V-5B in its model card: 5 s at 24 fps
+        pipeline_settings=(("expand_timesteps", True),),
+        related_pipelines=(),
+        codec=PerChannelVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=24.0),
+        preset_name="tiny-wan-ti2v",
+        preset=tiny_preset(),
+        # As model_index.json of Wan2.2-TI2V-5B-Diffusers says: a timestep per token (and one transformer).
+        pipeline_kwargs={**WAN_T2V.record.pipeline_kwargs, "expand_timesteps": True},
+    ),
+    call=WanTI2VCall(),
+    prompts=WAN_T2V.prompts,
+    sampling=WAN_T2V.sampling,
+    layouts=WAN_T2V.layouts,
 )

@@ -34,6 +34,7 @@ BUILTIN = (
     "z_image_omni",
     "flux3",
     "qwen_image_layered",
+    "wan_vace",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
