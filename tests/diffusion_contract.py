@@ -42,7 +42,7 @@ def data_section(arch, tmp_path: Path) -> dict:
     """
     data = {"images": {"resolution": RESOLUTION, "bucket_step": RESOLUTION, "bucketing": False, "flip": 0}, "cache": {"dir": str(tmp_path / "cache")}}
     if arch.record.codec.video:
-        data["video"] = {"frame_buckets": [1 + arch.record.codec.frame_multiple]}
+        data["video"] = {"frame_buckets": [arch.record.codec.clip_length(1)]}
     keys = sorted({key for part in arch.record.parts for key in part.config_keys()})
     unknown = [key for key in keys if key not in PROVIDERS]
     assert not unknown, f"{arch.record.name}: its parts read {unknown}, which the contract test does not provide yet: add them to PROVIDERS"
@@ -51,7 +51,7 @@ def data_section(arch, tmp_path: Path) -> dict:
     from types import SimpleNamespace
 
     targets = tmp_path / "targets"
-    frames = [1 + arch.record.codec.frame_multiple] if arch.record.codec.video else [1]
+    frames = [arch.record.codec.clip_length(1)] if arch.record.codec.video else [1]
     synthetic = SimpleNamespace(data=SimpleNamespace(synthetic=SimpleNamespace(examples=EXAMPLES, seed=5), images=SimpleNamespace(resolution=RESOLUTION), video=SimpleNamespace(frame_buckets=frames)))
     _, write = arch.record.codec.synthetic_folder(tmp_path, synthetic)
     write(targets)

@@ -33,6 +33,7 @@ BUILTIN = (
     "qwen_image21",
     "z_image_omni",
     "flux3",
+    "minimax_h3",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
