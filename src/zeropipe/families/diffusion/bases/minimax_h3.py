@@ -104,6 +104,36 @@ class MiniMaxH3Call(DenoiserCall):
             audios.append(-audio_out[0])
         return torch.cat(videos), torch.stack(audios)
 
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        """One clip's packed sequence for the planner's trace: the video rows, its soundtrack's audio rows and the prompt's rows.
+
+        The planner counts latent frames as a ``4k+1`` VAE does; the clip those are (``4 (n - 1) + 1`` frames) is aligned to
+        ``17k+5`` as the pipeline aligns a request (``align_num_frames``) and counted in H3's latent frames (``5k+2``) and audio
+        latents (40 a second at 24 fps). The layout is integer bookkeeping, built on the CPU by the pipeline's own builders.
+        """
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import align_num_frames, audio_latent_num_frames, video_latent_num_frames
+
+        frames = 4 * (latent_frames - 1) + 1
+        if frames > 1:
+            frames = align_num_frames(frames, 17, 5)
+            latent_frames = video_latent_num_frames(frames, 17, 5)
+        audio = audio_latent_num_frames(frames)
+        here, cpu = torch.empty(0).device, torch.device("cpu")  # the trace's device (meta)
+        with cpu:
+            layout = packed_sequence(config, text_tokens, latent_frames, latent_side, latent_side, audio, cpu)
+            timesteps = row_timesteps(layout[2], layout[3], text_tokens, 0.5, float(1 - audio_sigma(torch.tensor(0.5))))
+        position_ids, tags, video_rows, audio_rows, text_rows = (tensor.to(here) for tensor in layout)
+        timestep, timestep_indices = (tensor.to(here) for tensor in timesteps)
+        pt, ph, pw = tuple(config.patch_size)
+        video_tokens = (latent_frames // pt) * (latent_side // ph) * (latent_side // pw)
+        return {
+            "hidden_states": torch.randn(1, video_tokens, config.in_channels * pt * ph * pw, dtype=dtype),
+            "audio_hidden_states": torch.randn(1, AUDIO_CHANNELS * audio, config.audio_in_channels, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_dim, dtype=dtype),
+            "timestep": timestep, "timestep_indices": timestep_indices, "token_tags": tags, "position_ids": position_ids,
+            "video_indices": video_rows, "audio_indices": audio_rows, "text_indices": text_rows,
+        }
+
     def audio_rows(self, condition: dict[str, torch.Tensor], video: torch.Tensor) -> torch.Tensor:
         """The batch's cached audio rows (B, 2*N, C_audio), or an empty audio block where it has none (images, silent clips)."""
         if "audio_latents" in condition:
