@@ -271,3 +271,17 @@ def test_the_guidance_preserving_objective_fits_the_raw_velocity_of_both_streams
     expected = share * weighted_mse((video_g + 3 * video_u) / 4, noised.target, None) + (1 - share) * weighted_mse((audio_g + 3 * audio_u) / 4, audio_noise - audio, None)
     assert torch.allclose(loss, expected, rtol=1e-5), (loss, expected)
     assert not torch.allclose(loss, plain)
+
+
+def test_a_run_of_images_alone_is_told_its_samples_need_a_clip():
+    """The VAE encodes one frame but cannot decode one latent frame: a run whose samples would be one frame is refused by check."""
+    from zeropipe.config.schema import RunConfig
+    from zeropipe.families.diffusion.entries.minimax_h3 import ARCHITECTURE
+
+    def problems(video):
+        config = RunConfig.model_validate({"model": {"config": {"pipeline": "tiny-minimax-h3"}, "lora": {"r": 4}}, "data": {"synthetic": {"task": "shapes"}, "video": video}})
+        return ARCHITECTURE.record.codec.problems(config, ARCHITECTURE)
+
+    assert [key for key, _ in problems({"frame_buckets": [1]})] == ["data.video.sample_frames"]
+    assert "22" in problems({"frame_buckets": [1]})[0][1]
+    assert problems({"frame_buckets": [1], "sample_frames": 22}) == [] and problems({"frame_buckets": [1, 22]}) == []

@@ -275,6 +275,16 @@ class MiniMaxH3Latents(PerChannelVideoLatents):
     The sound is the ``WaveformAudioTrack`` condition's; ``data.synthetic`` writes moving shapes with a tone at the audio VAE's 32 kHz.
     """
 
+    def problems(self, config, arch):
+        """Samples of one frame, which the VAE's decoder cannot decode (it encodes a single frame, but ``_decode`` of one latent frame
+        yields nothing in diffusers 0.42.1): refused up front, naming the setting."""
+        video = config.data.video
+        sample_frames = video.sample_frames or max(video.frame_buckets or [1])
+        if sample_frames == 1:
+            return [*super().problems(config, arch), ("data.video.sample_frames", f"{arch.record.name}'s VAE cannot decode a one-frame sample (its decoder "
+                                                      f"needs a chunk of latent frames): set data.video.sample_frames: {self.clip_length(1)} or longer (17k+5 frames)")]
+        return super().problems(config, arch)
+
     def vae_factors(self, vae_config):
         import math
 
