@@ -42,7 +42,7 @@ def data_section(arch, tmp_path: Path) -> dict:
     """
     data = {"images": {"resolution": RESOLUTION, "bucket_step": RESOLUTION, "bucketing": False, "flip": 0}, "cache": {"dir": str(tmp_path / "cache")}}
     if arch.record.codec.video:
-        data["video"] = {"frame_buckets": [1 + arch.record.codec.frame_multiple]}
+        data["video"] = {"frame_buckets": [arch.record.codec.clip_length(1)]}
     keys = sorted({key for part in arch.record.parts for key in part.config_keys()})
     unknown = [key for key in keys if key not in PROVIDERS]
     assert not unknown, f"{arch.record.name}: its parts read {unknown}, which the contract test does not provide yet: add them to PROVIDERS"
@@ -51,7 +51,7 @@ def data_section(arch, tmp_path: Path) -> dict:
     from types import SimpleNamespace
 
     targets = tmp_path / "targets"
-    frames = [1 + arch.record.codec.frame_multiple] if arch.record.codec.video else [1]
+    frames = [arch.record.codec.clip_length(1)] if arch.record.codec.video else [1]
     synthetic = SimpleNamespace(data=SimpleNamespace(synthetic=SimpleNamespace(examples=EXAMPLES, seed=5), images=SimpleNamespace(resolution=RESOLUTION), video=SimpleNamespace(frame_buckets=frames)))
     _, write = arch.record.codec.synthetic_folder(tmp_path, synthetic)
     write(targets)
@@ -168,6 +168,17 @@ def train_one_rank(name: str, arch, run, monkeypatch, zero_stage: int = 3):
     return batch
 
 
+def load_pipeline(arch, pipeline_cls, folder: Path, own: dict):
+    """The entry's pipeline from a folder as diffusers loads it; a modular pipeline (MiniMax-H3) loads no component until asked: its denoiser."""
+    from zeropipe.families.diffusion.pipelines import is_modular
+
+    if not is_modular(pipeline_cls):
+        return pipeline_cls.from_pretrained(str(folder), **own)
+    pipeline = pipeline_cls.from_pretrained(str(folder))
+    pipeline.load_components(names=[arch.record.denoiser], torch_dtype=torch.float32)
+    return pipeline
+
+
 def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path: Path) -> None:
     """The adapter export read by diffusers' loader changes the denoiser; the merged export, a pipeline folder, gives base + adapter."""
     from zeropipe.families import export_run
@@ -181,7 +192,7 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
     from zeropipe.families.diffusion.pipelines import prompt_processors
 
     own = {**arch.record.pipeline_kwargs, **{name: part for name, part in prompt_processors(run.pipeline, arch).items() if name in arch.record.text.processors}}
-    base = pipeline_cls.from_pretrained(str(run.pipeline), **own)
+    base = load_pipeline(arch, pipeline_cls, run.pipeline, own)
     before = denoiser_output(arch, getattr(base, arch.record.denoiser), batch)
     # The loader Draw uses: the pipeline's load_lora_weights, or the denoiser's load_lora_adapter where the pipeline
     # has none (diffusers 0.42: HunyuanVideo 1.5, Cosmos 2, HunyuanImage) or does not read the kind (LoKr).
@@ -189,7 +200,7 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
     with_adapter = denoiser_output(arch, getattr(base, arch.record.denoiser), batch)
     assert (with_adapter - before).abs().max() > 1e-5, f"{name}: the adapter loaded by diffusers does not change the denoiser's output"
 
-    full = pipeline_cls.from_pretrained(str(merged_dir), **own)
+    full = load_pipeline(arch, pipeline_cls, merged_dir, own)
     merged = denoiser_output(arch, getattr(full, arch.record.denoiser), batch)
     torch.testing.assert_close(merged, with_adapter, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: the merged export's denoiser differs from base + adapter: {m}")
 

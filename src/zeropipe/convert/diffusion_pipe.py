@@ -49,7 +49,7 @@ DIFFUSION_PIPE_TYPES: dict[str, str | None] = {
     "ltx2": "ltx2",
     "ideogram4": "ideogram4",
     "krea2": "krea2",
-    "minimax_h3": None,
+    "minimax_h3": "minimax-h3",
     "kandinsky5": "kandinsky5-t2i",
     "longcat_video": None,
     "hy_framepack": None,
@@ -143,6 +143,8 @@ NOT_MAPPED = {
     "huggingface_repo": "nothing is uploaded; export with `zeropipe export RUN --out DIR`",
 }
 MODEL_NOT_MAPPED = {
+    "audio_vae": "the audio VAE comes from the diffusers pipeline folder (MiniMax-H3: audio_vae/)",
+    "image_shift": "ZeRO-Pipe has one timestep shift for every bucket (model.diffusion.shift); diffusion-pipe's own shift for one-frame items is not kept",
     "debiased_estimation_loss": "not implemented; model.diffusion.min_snr_gamma is the loss weighting ZeRO-Pipe has",
     "text_encoder_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
     "text_encoder_1_lr": "ZeRO-Pipe trains the denoiser only; the text encoders stay frozen (and cached)",
@@ -209,12 +211,35 @@ def convert(path: Path, raw: dict[str, Any], links_dir: Path | None = None) -> C
             f"{path}: dataset = {dataset!r} not found (looked relative to {Path.cwd()} and {path.parent}): fix the path"
         )
     convert_dataset(conversion, dataset_path, links_dir or dataset_path.with_name(dataset_path.stem + ".zeropipe-images"), video)
+    _same_latent_frames(conversion, str(model["type"]))
 
     _eval(conversion, rest, path, video)
 
     for key, value in rest.items():
         conversion.skip(key, NOT_MAPPED.get(key, f"not a diffusion-pipe key ZeRO-Pipe knows ({value!r}): left out"))
     return conversion
+
+
+# Types whose clip lengths diffusion-pipe counts otherwise than the diffusers pipeline ZeRO-Pipe's entry follows, and the length
+# with the same latent frames. MiniMax-H3: diffusion-pipe rounds a clip down to whole 17-frame VAE chunks (models/minimax_h3.py,
+# PreprocessMediaFileMinimax.align_frames: 17k frames, the VAE's 3 dropped latent frames leaving 5k-3, under 17 frames one frame);
+# diffusers' pipeline takes 17k+5 frames (5k+2 latent frames): 17(k-1)+5 = 17k-12 frames give diffusion-pipe's 5k-3.
+SAME_LATENT_FRAMES = {"minimax_h3": lambda frames: 1 if frames < 17 else 17 * (frames // 17) - 12}
+
+
+def _same_latent_frames(conversion: Conversion, kind: str) -> None:
+    """data.video.frame_buckets in the entry's own clip lengths, where diffusion-pipe counts them otherwise (SAME_LATENT_FRAMES)."""
+    entry = conversion.entries.get("data.video.frame_buckets")
+    if kind not in SAME_LATENT_FRAMES or entry is None:
+        return
+    theirs = list(entry.value)
+    ours = sorted({SAME_LATENT_FRAMES[kind](frames) for frames in theirs})
+    if ours != theirs:
+        conversion.set(
+            "data.video.frame_buckets", ours,
+            f"{entry.comment}; diffusion-pipe's {theirs} frames, rounded down to whole 17-frame chunks (17k: 5k-3 latent frames), are "
+            f"{ours} in the 17k+5 frames diffusers' MiniMax-H3 pipeline takes (the same latent frames)",
+        )
 
 
 def _eval(conversion: Conversion, rest: dict[str, Any], path: Path, video: bool) -> None:
@@ -290,7 +315,7 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
     if not named and kind in COMFY_RELEASES and "diffusion_model" in model:
         # diffusion-pipe's ComfyUI-backed types name single files (diffusion_model, vae, text_encoders), not a folder.
         release = COMFY_RELEASES[kind]
-        for key in ("diffusion_model", "vae", "text_encoders", "text_encoder"):
+        for key in ("diffusion_model", "vae", "audio_vae", "text_encoders", "text_encoder"):
             if key in model:
                 conversion.skip(f"model.{key}", f"{model.pop(key)!r} is a ComfyUI file; ZeRO-Pipe reads the diffusers release of the same model ({release}): set model.path to it")
     elif not named:
@@ -354,6 +379,7 @@ def _model(conversion: Conversion, model: dict[str, Any], base: Path, lora: bool
             conversion.set(f"model.diffusion.{bound}", to_float(model.pop(bound), f"model.{bound}"), f"from [model] {bound} (the training timestep range, 0 no noise, 1 pure noise)")
 
     _shift(conversion, model, arch)
+    _cfg(conversion, model, arch)
     scale = model.pop("sigmoid_scale", None)
     if scale is not None:
         # utils/common.py:142-144 (get_t_distribution): t = sigmoid(sigmoid_scale x N(0, 1)), a logit-normal of that std.
@@ -411,6 +437,23 @@ def _shift(conversion: Conversion, model: dict[str, Any], arch: str | None) -> N
         )
         return
     conversion.default(PEER_DEFAULTS["shift"])
+
+
+def _cfg(conversion: Conversion, model: dict[str, Any], arch: str | None) -> None:
+    """[model] cfg (diffusion-pipe's CFG-augmented training of MiniMax-H3, models/minimax_h3.py) as model.diffusion.guidance_preserving."""
+    from zeropipe.families.diffusion.parts.guidance import KEY
+
+    cfg = model.pop("cfg", None)
+    if cfg is None:
+        return
+    scale = to_float(cfg, "model.cfg")
+    entry = architectures().get(arch or "")
+    if scale <= 1.0:
+        conversion.skip("model.cfg", f"{cfg!r}: diffusion-pipe trains plain flow matching at 1 or below (no unconditional branch), as ZeRO-Pipe does without {KEY}")
+    elif entry is None or KEY not in entry.record.text.config_keys():
+        conversion.skip("model.cfg", f"{cfg!r}: the {arch} entry does not offer the guidance-preserving objective")
+    else:
+        conversion.set(KEY, scale, "from [model] cfg: diffusion-pipe's CFG-augmented training (the raw velocity recovered with the model's own unconditional one is fitted)")
 
 
 # diffusion-pipe's storage dtypes of the frozen denoiser -> model.quantization.format.
@@ -475,6 +518,7 @@ COMFY_RELEASES = {
     "hunyuan_video_15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v, or -480p_i2v for image-to-video",
     # diffusion-pipe's docs/supported_models.md (at 8f83dbf) configures these types with ComfyUI files only (diffusion_model, vae, text_encoders).
     "ltx2": "Lightricks/LTX-2 (its ComfyUI file holds the transformer, both VAEs and the vocoder)",
+    "minimax_h3": "MiniMaxAI/MiniMax-H3 (diffusers' modular release: modular_model_index.json with transformer/, vae/, audio_vae/, text_encoder/)",
     "z_image": "Tongyi-MAI/Z-Image-Turbo, or the Z-Image base release the file was made from (a ZImagePipeline folder)",
     "flux2": "black-forest-labs/FLUX.2-dev, or for a klein file the FLUX.2 [klein] release of the same size (a Flux2KleinPipeline folder)",
     "krea2": "the diffusers release of Krea 2 (a folder with model_index.json)",

@@ -83,12 +83,12 @@ def source_index(frame: int, fps: float, target_fps: float | None) -> int:
     return int(frame * fps / target_fps + 1e-6)
 
 
-def check_frame_buckets(frame_buckets: list[int], accepts, frame_multiple: int) -> list[int]:
-    """The frame buckets sorted, or ValueError naming the lengths the VAE does not accept."""
+def check_frame_buckets(frame_buckets: list[int], accepts, frame_multiple: int, remainder: int = 1) -> list[int]:
+    """The frame buckets sorted, or ValueError naming the lengths the VAE does not accept (``frame_multiple * k + remainder``)."""
     wrong = [count for count in frame_buckets if not accepts(count)]
     if wrong or not frame_buckets:
-        examples = ", ".join(str(frame_multiple * k + 1) for k in range(4))
-        raise ValueError(f"{wrong or 'an empty list'}: clip lengths must be {frame_multiple}k+1 frames (e.g. {examples})")
+        examples = ", ".join(str(frame_multiple * k + remainder) for k in range(4))
+        raise ValueError(f"{wrong or 'an empty list'}: clip lengths must be {frame_multiple}k+{remainder} frames (e.g. {examples})")
     return sorted(set(frame_buckets))
 
 

@@ -19,10 +19,9 @@ trainer (``models/minimax_h3.py``: ``time_shift_sigma``) draws the audio level t
 row alike, video and audio (diffusion-pipe's ``loss_fn``); a clip without audio trains video rows only, with an
 empty audio block, as diffusion-pipe does.
 
-Status: the denoiser call, the prompts through the pipeline's text-encoder block and the two-stream sampling step are
-here (``bases/``, for the entry module to come) and held to the modular pipeline's blocks; there is NO entry yet (docs/video.md, "Not done yet"): its tiny preset needs tiny builds of the video
-VAE, the waveform audio VAE and Qwen3-VL with its processor (the processor needs torchvision, which this machine
-does not have), and the ``AudioTrack`` part encodes LTX-2's mel-spectrogram audio, not H3's 32 kHz waveform.
+The entry is ``entries/minimax_h3.py``: its latents are the ``MiniMaxH3Latents`` codec's, its sound the
+``WaveformAudioTrack`` condition's (32 kHz stereo through the waveform audio VAE), its prompts ``MiniMaxH3Prompts`` with the
+processor's text path where torchvision is missing (``bases/qwen3_vl_text.py``), its samples ``MiniMaxH3Sampling``'s.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from zeropipe.families.diffusion.modular import TextEncoderBlock
-from zeropipe.families.diffusion.roles import DenoiserCall
+from zeropipe.families.diffusion.roles import DenoiserCall, Sampling
 
 VIDEO_SHIFT = 12.0  # MiniMaxH3Scheduler's shift for the video rows (the pipeline's `scheduler`)
 AUDIO_SHIFT = 3.0  # and for the audio rows (`audio_scheduler`)
@@ -105,6 +104,36 @@ class MiniMaxH3Call(DenoiserCall):
             audios.append(-audio_out[0])
         return torch.cat(videos), torch.stack(audios)
 
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        """One clip's packed sequence for the planner's trace: the video rows, its soundtrack's audio rows and the prompt's rows.
+
+        The planner counts latent frames as a ``4k+1`` VAE does; the clip those are (``4 (n - 1) + 1`` frames) is aligned to
+        ``17k+5`` as the pipeline aligns a request (``align_num_frames``) and counted in H3's latent frames (``5k+2``) and audio
+        latents (40 a second at 24 fps). The layout is integer bookkeeping, built on the CPU by the pipeline's own builders.
+        """
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import align_num_frames, audio_latent_num_frames, video_latent_num_frames
+
+        frames = 4 * (latent_frames - 1) + 1
+        if frames > 1:
+            frames = align_num_frames(frames, 17, 5)
+            latent_frames = video_latent_num_frames(frames, 17, 5)
+        audio = audio_latent_num_frames(frames)
+        here, cpu = torch.empty(0).device, torch.device("cpu")  # the trace's device (meta)
+        with cpu:
+            layout = packed_sequence(config, text_tokens, latent_frames, latent_side, latent_side, audio, cpu)
+            timesteps = row_timesteps(layout[2], layout[3], text_tokens, 0.5, float(1 - audio_sigma(torch.tensor(0.5))))
+        position_ids, tags, video_rows, audio_rows, text_rows = (tensor.to(here) for tensor in layout)
+        timestep, timestep_indices = (tensor.to(here) for tensor in timesteps)
+        pt, ph, pw = tuple(config.patch_size)
+        video_tokens = (latent_frames // pt) * (latent_side // ph) * (latent_side // pw)
+        return {
+            "hidden_states": torch.randn(1, video_tokens, config.in_channels * pt * ph * pw, dtype=dtype),
+            "audio_hidden_states": torch.randn(1, AUDIO_CHANNELS * audio, config.audio_in_channels, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_dim, dtype=dtype),
+            "timestep": timestep, "timestep_indices": timestep_indices, "token_tags": tags, "position_ids": position_ids,
+            "video_indices": video_rows, "audio_indices": audio_rows, "text_indices": text_rows,
+        }
+
     def audio_rows(self, condition: dict[str, torch.Tensor], video: torch.Tensor) -> torch.Tensor:
         """The batch's cached audio rows (B, 2*N, C_audio), or an empty audio block where it has none (images, silent clips)."""
         if "audio_latents" in condition:
@@ -124,17 +153,32 @@ class MiniMaxH3Call(DenoiserCall):
         return self.joint_predict(model, model_input, audio, sigma, audio_sigma(sigma), condition, context)[0]
 
     def loss(self, model, noised, condition, context):
-        """Every row's velocity error weighed alike, video and audio (diffusion-pipe's loss for MiniMax-H3)."""
-        from zeropipe.families.diffusion.objectives import weighted_mse
+        """Every row's velocity error weighed alike, video and audio (diffusion-pipe's loss for MiniMax-H3).
 
+        With ``model.diffusion.guidance_preserving`` (``parts/guidance.py``: diffusion-pipe's CFG-augmented training, its
+        ``cfg`` setting) both streams' guided velocities are read as ``w`` times guided against the model's own
+        unconditional velocity (the empty prompt's, taken without gradient), and the raw conditional velocity recovered from
+        them is what is fitted: ``raw = (v_g + (w - 1) u) / w``, the same equation as ``guidance_preserving_loss``, per stream.
+        """
+        from zeropipe.families.diffusion.objectives import weighted_mse
+        from zeropipe.families.diffusion.parts.guidance import split_unconditional
+
+        own, unconditional, scale = split_unconditional(condition)
         sigma = noised.timesteps.float() / 1000.0
-        audio = self.audio_rows(condition, noised.model_input)
+        audio = self.audio_rows(own, noised.model_input)
         if not audio.shape[1]:
-            return weighted_mse(self.predict(model, noised.model_input, noised.timesteps, condition, context), noised.target, noised.weights)
+            audio = audio.new_zeros(audio.shape[0], 0, getattr(model, "module", model).config.audio_in_channels)
         level = audio_sigma(sigma)
         noise = torch.randn(audio.shape, dtype=torch.float32).to(audio)  # this rank's stream, saved with checkpoints
         noisy = (1 - level.view(-1, 1, 1).to(audio)) * audio + level.view(-1, 1, 1).to(audio) * noise
-        video_velocity, audio_velocity = self.joint_predict(model, noised.model_input, noisy, sigma, level, condition, context)
+        video_velocity, audio_velocity = self.joint_predict(model, noised.model_input, noisy, sigma, level, own, context)
+        if unconditional is not None:
+            with torch.no_grad():  # the model's own unconditional prediction is a fixed reference, as diffusion-pipe takes it
+                video_u, audio_u = self.joint_predict(model, noised.model_input, noisy, sigma, level, unconditional, context)
+            video_velocity = (video_velocity.float() + (scale - 1.0) * video_u.float()) / scale
+            audio_velocity = (audio_velocity.float() + (scale - 1.0) * audio_u.float()) / scale
+        if not audio.shape[1]:
+            return weighted_mse(video_velocity, noised.target, noised.weights)
         video_rows, audio_rows = noised.target[0].numel(), audio[0].numel()
         share = video_rows / (video_rows + audio_rows)
         return share * weighted_mse(video_velocity, noised.target, noised.weights) + (1 - share) * weighted_mse(audio_velocity, noise - audio, noised.weights)
@@ -147,6 +191,32 @@ class MiniMaxH3Prompts(TextEncoderBlock):
 
     def __init__(self):
         super().__init__(per_prompt=True)
+
+    def encode_prompts(self, pipeline, prompts, device):
+        """The block's rows of each prompt; the empty prompt (the unconditional conditioning of the guidance-preserving objective
+        and of dropped captions) is no text rows at all: the block cannot encode it (Qwen3-VL takes no empty input), and the
+        transformer takes a packed sequence without text (the pipeline has no negative prompt to say otherwise)."""
+        spoken = [index for index, prompt in enumerate(prompts) if prompt]
+        if len(spoken) == len(prompts):
+            return super().encode_prompts(pipeline, prompts, device)
+        encoder = pipeline.text_encoder
+        out = super().encode_prompts(pipeline, [prompts[index] for index in spoken], device) if spoken else {
+            "prompt_embeds": torch.zeros(0, 0, encoder.config.text_config.hidden_size, dtype=encoder.dtype, device=device),
+            "prompt_embeds_mask": torch.zeros(0, 0, dtype=torch.long, device=device),
+        }
+        full = {name: value.new_zeros((len(prompts), *value.shape[1:])) for name, value in out.items()}
+        for name, value in out.items():
+            full[name][spoken] = value
+        return full
+
+    def tiny_tokenizer(self, tokenizer):
+        from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
+
+        return character_qwen_tokenizer(256)
+
+    def tiny_prompt_processor(self, processor, parts, folder):
+        """The processor's folder of a tiny preset: its tokenizer (what the block reads of it without torchvision, ``ProcessorTextPath``)."""
+        parts["tokenizer"].save_pretrained(str(folder))
 
     def load_prompt_processor(self, pipeline_dir, processor, parts):
         from pathlib import Path
@@ -172,3 +242,34 @@ def draw(call: MiniMaxH3Call, model, scheduler, audio_scheduler, video: torch.Te
         return -video_v, -audio_v
 
     return denoise_streams((scheduler, audio_scheduler), (video, audio), list(zip(scheduler.timesteps, audio_scheduler.timesteps)), velocities)
+
+
+class MiniMaxH3Sampling(Sampling):
+    """Samples with their sound: noise for the video latents and the audio rows at the sample's length (video first, then audio,
+    from the one generator, as ``MiniMaxH3PrepareLatentsStep`` draws them), denoised together by ``draw`` over the pipeline's two
+    schedules. The checkpoint is guidance-distilled: one transformer pass per step, no guider and no negative prompt (the
+    pipeline has neither), so ``generate.guidance_scale`` does not apply."""
+
+    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
+        return {"condition": condition}
+
+    def sample_outputs(self, pipeline, kwargs):
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS, audio_latent_num_frames, video_latent_num_frames
+
+        from zeropipe.families.diffusion.core import PredictContext
+
+        model = pipeline.transformer
+        module = getattr(model, "module", model)
+        device, dtype = next(module.parameters()).device, next(module.parameters()).dtype
+        codec = self.record.codec
+        frames = int(kwargs.get("num_frames") or codec.clip_length(1))
+        latent_frames = 1 if frames == 1 else video_latent_num_frames(frames, codec.frame_multiple, codec.frame_remainder)
+        factor = pipeline.zeropipe_vae_factor
+        condition = kwargs["condition"]
+        batch = condition["prompt_embeds"].shape[0]
+        generator = kwargs["generator"]
+        video = torch.randn((batch, module.config.in_channels, latent_frames, kwargs["height"] // factor, kwargs["width"] // factor), generator=generator)
+        audio = torch.randn((batch, AUDIO_CHANNELS * audio_latent_num_frames(frames, MINIMAX_H3_FPS), module.config.audio_in_channels), generator=generator)
+        context = PredictContext(device, dtype, factor, 1.0)
+        video, audio = draw(self.entry.call, model, pipeline.scheduler, pipeline.audio_scheduler, video.to(device), audio.to(device), int(kwargs["num_inference_steps"]), condition, context)
+        return video, {"audio_latents": audio}

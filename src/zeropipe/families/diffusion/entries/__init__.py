@@ -35,6 +35,7 @@ BUILTIN = (
     "flux3",
     "qwen_image_layered",
     "wan_vace",
+    "minimax_h3",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

@@ -16,6 +16,7 @@ from zeropipe.families.diffusion.parts.image_layers import ImageLayers
 from zeropipe.families.diffusion.parts.reference_images import ReferenceImages
 from zeropipe.families.diffusion.parts.reference_prompt import PromptWithReferenceImages
 from zeropipe.families.diffusion.parts.text import PromptText
+from zeropipe.families.diffusion.parts.waveform_audio import WaveformAudioTrack
 
 # Settings only some parts read, and what to tell a user who sets one for an entry without such a part.
 PART_SETTINGS = {
@@ -55,5 +56,5 @@ def _setting(config: Any, key: str) -> Any:
 __all__ = [
     "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "GuidedPrompt", "ImageLatents", "ImageLayers", "Inputs", "Part",
     "PerChannelVideoLatents", "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
-    "Sampling", "VideoLatents", "active_conditions", "part_problems",
+    "Sampling", "VideoLatents", "WaveformAudioTrack", "active_conditions", "part_problems",
 ]

@@ -60,6 +60,7 @@ class AudioTrack(Condition):
 
     entry = "audio"
     key_suffix = "-audio"
+    silent_reason = "LTX-2's own trainer leaves such clips out of audio-video training too"  # said in the note on files left out
 
     # ------------------------------------------------------------------ the launcher
     def problems(self, config, arch):
@@ -91,7 +92,7 @@ class AudioTrack(Condition):
             planning.buckets[:] = [bucket for _, bucket in kept]
             planning.notes.append(
                 f"{len(silent)} file(s) have no audio track and do not train ({', '.join(silent[:SHOWN])}{' ...' if len(silent) > SHOWN else ''}): "
-                "LTX-2's own trainer leaves such clips out of audio-video training too; give them a sound track to train them"
+                f"{self.silent_reason}; give them a sound track to train them"
             )
 
     def fingerprints(self, planning: Planning) -> tuple[str, ...]:

@@ -29,7 +29,8 @@ class ImageLatents(Part):
         shifted: the VAE has a shift factor (latents are (z - shift) * scale).
         vae_while_sampling: the pipeline uses its VAE even when asked for latents (FLUX.2 [klein]
             returns them denormalised and unpatched): every rank holds the VAE while drawing samples.
-        frame_multiple: the clip lengths the VAE accepts are ``frame_multiple * k + 1`` (1: images only).
+        frame_multiple: the clip lengths the VAE accepts are ``frame_multiple * k + frame_remainder`` (1: images only).
+        frame_remainder: see ``frame_multiple``: 1 for most video VAEs (``4k+1``), 5 for MiniMax-H3's (``17k+5``).
         frame_rate: frames per second the model was trained at (video codecs).
     """
 
@@ -38,6 +39,7 @@ class ImageLatents(Part):
     vae_while_sampling: bool = False
     frame_multiple: int = 1
     frame_rate: float | None = None
+    frame_remainder: int = 1
 
     video = False  # latents have no time axis (the planner and the config converter read it)
     noun = "image(s)"  # what an item is, in notes
@@ -105,7 +107,15 @@ class ImageLatents(Part):
 
     def accepts_frames(self, frames: int) -> bool:
         """Whether the VAE encodes a clip of this many frames (an image is one frame)."""
-        return frames == 1 or (self.video and frames > 1 and (frames - 1) % self.frame_multiple == 0)
+        return frames == 1 or (self.video and frames > 1 and frames % self.frame_multiple == self.frame_remainder % self.frame_multiple)
+
+    def clip_length(self, k: int) -> int:
+        """The k-th clip length the VAE accepts (``frame_multiple * k + frame_remainder``)."""
+        return self.frame_multiple * k + self.frame_remainder
+
+    @property
+    def frame_rule(self) -> str:
+        return f"{self.frame_multiple}k+{self.frame_remainder}"
 
     def vae_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
         """What the VAE encodes for a batch of pixels: as they are, or with a time axis for a video VAE used on images (Qwen-Image)."""
@@ -203,12 +213,12 @@ class VideoLatents(ImageLatents):
 
         video = config.data.video
         try:
-            buckets = check_frame_buckets(video.frame_buckets, self.accepts_frames, self.frame_multiple)
+            buckets = check_frame_buckets(video.frame_buckets, self.accepts_frames, self.frame_multiple, self.frame_remainder)
         except ValueError as err:
             return [*super().problems(config, arch), ("data.video.frame_buckets", f"{err} for this {arch.record.name} pipeline")]
         if video.sample_frames and not self.accepts_frames(video.sample_frames):
             return [*super().problems(config, arch), ("data.video.sample_frames", f"{video.sample_frames} frames cannot be decoded by this {arch.record.name} pipeline's VAE: "
-                                                      f"use {self.frame_multiple}k+1 (e.g. {buckets[-1]})")]
+                                                      f"use {self.frame_rule} (e.g. {buckets[-1]})")]
         return super().problems(config, arch)
 
     def planned_shape(self, frame_buckets, prompt_tokens):
@@ -233,13 +243,13 @@ class VideoLatents(ImageLatents):
 
         video = config.data.video
         try:
-            frame_buckets = check_frame_buckets(video.frame_buckets, self.accepts_frames, self.frame_multiple)
+            frame_buckets = check_frame_buckets(video.frame_buckets, self.accepts_frames, self.frame_multiple, self.frame_remainder)
         except ValueError as err:
             raise ConfigError([("data.video.frame_buckets", f"{err} for this {name} pipeline")]) from None
         fps = self.frame_rate if video.fps == "auto" else float(video.fps)
         sample_frames = video.sample_frames or frame_buckets[-1]
         if not self.accepts_frames(sample_frames):
-            raise ConfigError([("data.video.sample_frames", f"{sample_frames} frames cannot be decoded by this {name} pipeline's VAE: use {self.frame_multiple}k+1 (e.g. {frame_buckets[-1]})")])
+            raise ConfigError([("data.video.sample_frames", f"{sample_frames} frames cannot be decoded by this {name} pipeline's VAE: use {self.frame_rule} (e.g. {frame_buckets[-1]})")])
         clips, clip_buckets, too_short = [], [], []
         for item, (width, height) in zip(items, buckets):
             available = resampled_frames(item["frames"], item["fps"], fps)
@@ -300,7 +310,7 @@ class VideoLatents(ImageLatents):
         from zeropipe.data.videos import moving_example, moving_shape_frames
 
         rng = random.Random(seed + 7)
-        size, frames = 32, 1 + 2 * self.frame_multiple
+        size, frames = 32, self.clip_length(2)
         clips = [moving_shape_frames(*moving_example(rng)[:3], direction, (size, size), frames, rng) for direction in ("left", "right", "up", "down", None) * 24]
         return torch.from_numpy(np.stack(clips)).float().div(127.5).sub(1.0).permute(0, 4, 1, 2, 3).contiguous()
 

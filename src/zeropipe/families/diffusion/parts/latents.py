@@ -253,3 +253,58 @@ class LTX2Latents(LTXVideoLatents):
         return root / f"sounding-shapes-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}", lambda folder: generate_sounding_shapes_dataset(
             folder, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames, fps=self.frame_rate
         )
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # MiniMaxH3ModularPipeline.pixel_mean / pixel_std: the video VAE's pixel convention
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def imagenet_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels in [-1, 1] (B, 3, ...) as MiniMax-H3's video VAE takes them: ImageNet-normalised RGB over [0, 1] (``encode_vae_condition``)."""
+    shape = (1, 3) + (1,) * (pixels.dim() - 2)
+    mean, std = torch.tensor(IMAGENET_MEAN, device=pixels.device).view(shape), torch.tensor(IMAGENET_STD, device=pixels.device).view(shape)
+    return ((pixels.float() + 1) / 2 - mean) / std
+
+
+@dataclass(frozen=True)
+class MiniMaxH3Latents(PerChannelVideoLatents):
+    """MiniMax-H3's video VAE (``AutoencoderKLMiniMaxH3``): ``17k+5`` frames to ``5k+2`` latent frames (17-frame chunks, the last
+    3 latent frames dropped; one frame alone is one latent frame), 16x space, per-channel ``latents_mean`` / ``latents_std``, and
+    ImageNet-normalised pixels in and out (``MiniMaxH3VideoDecodeStep``), which this codec converts from and to [-1, 1].
+
+    The sound is the ``WaveformAudioTrack`` condition's; ``data.synthetic`` writes moving shapes with a tone at the audio VAE's 32 kHz.
+    """
+
+    def problems(self, config, arch):
+        """Samples of one frame, which the VAE's decoder cannot decode (it encodes a single frame, but ``_decode`` of one latent frame
+        yields nothing in diffusers 0.42.1): refused up front, naming the setting."""
+        video = config.data.video
+        sample_frames = video.sample_frames or max(video.frame_buckets or [1])
+        if sample_frames == 1:
+            return [*super().problems(config, arch), ("data.video.sample_frames", f"{arch.record.name}'s VAE cannot decode a one-frame sample (its decoder "
+                                                      f"needs a chunk of latent frames): set data.video.sample_frames: {self.clip_length(1)} or longer (17k+5 frames)")]
+        return super().problems(config, arch)
+
+    def vae_factors(self, vae_config):
+        import math
+
+        return math.prod(vae_config.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1))), math.prod(vae_config.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
+
+    def encode(self, vae, pixels):
+        return super().encode(vae, imagenet_pixels(pixels))
+
+    def decode(self, vae, latents):
+        decoded = vae.decode(latents).sample.float()
+        shape = (1, 3) + (1,) * (decoded.dim() - 2)
+        mean, std = torch.tensor(IMAGENET_MEAN, device=decoded.device).view(shape), torch.tensor(IMAGENET_STD, device=decoded.device).view(shape)
+        return (decoded * std + mean).clamp(0, 1) * 2 - 1
+
+    def synthetic_folder(self, root, config):
+        """``data.synthetic``: moving shapes with a tone per shape as their sound, at the audio VAE's 32 kHz and the model's 24 fps."""
+        from zeropipe.data.audio import generate_sounding_shapes_dataset
+
+        synthetic, resolution = config.data.synthetic, config.data.images.resolution
+        frames = max(config.data.video.frame_buckets)
+        return root / f"sounding-shapes-32k-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}", lambda folder: generate_sounding_shapes_dataset(
+            folder, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames, fps=self.frame_rate, sample_rate=32000
+        )

@@ -176,3 +176,23 @@ def tiny_hunyuan_video_vae() -> dict:
         "latent_channels": 16, "block_out_channels": [16, 16, 16, 16], "layers_per_block": 1, "norm_num_groups": 4,
         "spatial_compression_ratio": 8, "temporal_compression_ratio": 4, "mid_block_add_attention": False,
     }
+
+
+def tiny_minimax_h3_vae() -> dict:
+    """MiniMax-H3's video VAE (AutoencoderKLMiniMaxH3) at 8 channels a block and a one-layer ViT decoder, its geometry kept:
+    16x space, 17-frame chunks (``17k+5`` frames to ``5k+2`` latent frames), 24 latent channels, per-channel statistics."""
+    return {
+        "block_out_channels": [8, 8, 8, 8, 8, 8], "layers_per_block": 1, "norm_num_groups": 4, "decoder_num_layers": 1,
+        "decoder_num_attention_heads": 2, "decoder_attention_head_dim": 8, "decoder_num_register_tokens": 1,
+        "latents_mean": [0.0] * 24, "latents_std": [1.0] * 24,
+    }
+
+
+def tiny_minimax_h3_audio_vae() -> dict:
+    """MiniMax-H3's waveform audio VAE (AutoencoderKLMiniMaxH3Audio) at 32 kHz and its 800-sample hop (40 latents a second), 32
+    latent channels, a 64-wide trunk and a three-stage BigVGAN decoder (8 x 10 x 10 = 800), per-channel statistics."""
+    return {
+        "class": "AutoencoderKLMiniMaxH3Audio", "encoder_dim": 4, "latent_dim": 64, "latent_channels": 32, "num_attention_heads": 2,
+        "decoder_dim": 32, "decoder_rates": [8, 10, 10], "decoder_kernel_sizes": [16, 20, 20], "resblock_kernel_sizes": [3],
+        "resblock_dilation_sizes": [[1]], "latents_mean": [0.0] * 32, "latents_std": [1.0] * 32,
+    }
