@@ -33,6 +33,7 @@ BUILTIN = (
     "qwen_image21",
     "z_image_omni",
     "flux3",
+    "ltx25",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
