@@ -182,3 +182,16 @@ def test_the_ltx2_3_layout_is_called_and_prepared_as_its_pipeline_does(tmp_path)
     folder = tmp_path / "ltx2.3"
     build_tiny_pipeline({"pipeline": "tiny-ltx2", **LTX2_3_OVERRIDES}, folder, seed=1)
     test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_does(folder)
+
+
+def test_the_ltx2_5_layout_saved_as_ltx2pipeline_is_called_and_prepared_as_its_pipeline_does(tmp_path):
+    """LTX-2.5 as published (Lightricks/LTX-2.5-Diffusers: an LTX2Pipeline folder) is a config of this entry: Gemma 4 and 2.5's transformer deltas."""
+    preset = architecture_named("ltx-2.5").record.preset
+    overrides = {
+        "transformer": {**LTX2_3_OVERRIDES["transformer"], "perturbed_attn": True, "ff_bias": False, "use_keyframes_abs_pos_embedding": True},
+        "connectors": dict(preset["connectors"]),
+        "text_encoder": {**preset["text_encoder"], "vision_config": None, "mm_tokens_per_image": None},
+    }
+    folder = tmp_path / "ltx2.5"
+    build_tiny_pipeline({"pipeline": "tiny-ltx2", **overrides}, folder, seed=1)
+    test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_does(folder)
