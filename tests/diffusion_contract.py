@@ -168,6 +168,18 @@ def train_one_rank(name: str, arch, run, monkeypatch, zero_stage: int = 3):
     return batch
 
 
+def load_pipeline(pipeline_cls, folder: Path, own: dict):
+    """A pipeline folder loaded by its class; a modular pipeline's components loaded too (its from_pretrained reads the index only)."""
+    from zeropipe.families.diffusion.pipelines import is_modular
+
+    if not is_modular(pipeline_cls):
+        return pipeline_cls.from_pretrained(str(folder), **own)
+    pipeline = pipeline_cls.from_pretrained(str(folder))
+    pipeline.load_components(dtype=torch.float32)
+    pipeline.update_components(**own)
+    return pipeline
+
+
 def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path: Path) -> None:
     """The adapter export read by diffusers' loader changes the denoiser; the merged export, a pipeline folder, gives base + adapter."""
     from zeropipe.families import export_run
@@ -181,7 +193,7 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
     from zeropipe.families.diffusion.pipelines import prompt_processors
 
     own = {**arch.record.pipeline_kwargs, **{name: part for name, part in prompt_processors(run.pipeline, arch).items() if name in arch.record.text.processors}}
-    base = pipeline_cls.from_pretrained(str(run.pipeline), **own)
+    base = load_pipeline(pipeline_cls, run.pipeline, own)
     before = denoiser_output(arch, getattr(base, arch.record.denoiser), batch)
     # The loader Draw uses: the pipeline's load_lora_weights, or the denoiser's load_lora_adapter where the pipeline
     # has none (diffusers 0.42: HunyuanVideo 1.5, Cosmos 2, HunyuanImage) or does not read the kind (LoKr).
@@ -189,7 +201,7 @@ def assert_exports_load(name: str, arch, run, batch, adapter_dir: Path, tmp_path
     with_adapter = denoiser_output(arch, getattr(base, arch.record.denoiser), batch)
     assert (with_adapter - before).abs().max() > 1e-5, f"{name}: the adapter loaded by diffusers does not change the denoiser's output"
 
-    full = pipeline_cls.from_pretrained(str(merged_dir), **own)
+    full = load_pipeline(pipeline_cls, merged_dir, own)
     merged = denoiser_output(arch, getattr(full, arch.record.denoiser), batch)
     torch.testing.assert_close(merged, with_adapter, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name}: the merged export's denoiser differs from base + adapter: {m}")
 

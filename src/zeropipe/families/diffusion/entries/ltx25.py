@@ -25,7 +25,7 @@ What differs from LTX-2 (``bases/ltx2.py``), read from diffusers' blocks and its
   shared two-stream loop (``sampler.denoise_streams``) steps the video and audio latents on the pipeline's
   scheduler and its copy, their timesteps set by the pipeline's own ``LTX2SetTimestepsStep`` (sigmas
   ``linspace(1, 1/steps)``, shifted by the video's token count), each step LTX-2's joint call with
-  classifier-free guidance against the empty prompt for both streams (the pipeline's guiders add
+  classifier-free guidance against the empty prompt for both streams (the two prompts in one batch, as LTX2Pipeline batches them) (the pipeline's guiders add
   spatio-temporal and modality guidance, each one more transformer pass per step; LTX-2's samples leave them out too).
 """
 
@@ -94,13 +94,18 @@ class LTX25Sampling(Sampling):
         )
         scale = float(kwargs["guidance_scale"])
 
+        guided = scale > 1
+        # With guidance, the conditional and the empty prompt in one batch (as LTX2Pipeline batches them): one transformer pass per step.
+        prompts = {name: torch.cat([negative[name], value]) for name, value in condition.items()} if guided else condition
+
         def model_output(index, step, streams):
-            current_video, current_audio = (stream.to(dtype) for stream in streams)
-            times = step[0].expand(batch).to(device)
-            velocity = [out.float() for out in call.joint_predict(model, current_video, current_audio, times, condition, context)]
-            if scale > 1:
-                unconditional = [out.float() for out in call.joint_predict(model, current_video, current_audio, times, negative, context)]
-                velocity = [u + scale * (c - u) for c, u in zip(velocity, unconditional, strict=True)]
+            current = [stream.to(dtype) for stream in streams]
+            if guided:
+                current = [torch.cat([stream, stream]) for stream in current]
+            times = step[0].expand(current[0].shape[0]).to(device)
+            velocity = [out.float() for out in call.joint_predict(model, *current, times, prompts, context)]
+            if guided:
+                velocity = [unconditional + scale * (conditional - unconditional) for unconditional, conditional in (out.chunk(2) for out in velocity)]
             return tuple(velocity)
 
         timesteps = [(t, t) for t in steps["timesteps"]]
