@@ -49,11 +49,11 @@ def test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_d
     assert torch.allclose(condition["audio_prompt_embeds"], called["audio_encoder_hidden_states"], atol=1e-5)
     video = pipeline._unpack_latents(called["hidden_states"], 2, 4, 4)
     with torch.no_grad():
-        video_out, audio_out = LTX2.call.old.joint_predict(pipeline.transformer, video, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
+        video_out, audio_out = LTX2.call.joint_predict(pipeline.transformer, video, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
     assert torch.allclose(video_out, pipeline._unpack_latents(seen["output"][0], 2, 4, 4), atol=1e-4)
     assert torch.allclose(audio_out, seen["output"][1], atol=1e-4)
     # The clip's audio latents are as many as the pipeline draws for its duration.
-    assert LTX2.call.old.audio_tokens(pipeline.transformer, video) == called["audio_hidden_states"].shape[1] == 9
+    assert LTX2.call.audio_tokens(pipeline.transformer, video) == called["audio_hidden_states"].shape[1] == 9
 
 
 def test_only_the_audio_loss_term_reaches_the_last_blocks_audio_feed_forward(tiny_ltx2):
@@ -181,4 +181,17 @@ def test_the_ltx2_3_layout_is_called_and_prepared_as_its_pipeline_does(tmp_path)
     """LTX-2.3 is a config of the same classes: the one entry's prompt encoding and joint call match LTX2Pipeline's on it."""
     folder = tmp_path / "ltx2.3"
     build_tiny_pipeline({"pipeline": "tiny-ltx2", **LTX2_3_OVERRIDES}, folder, seed=1)
+    test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_does(folder)
+
+
+def test_the_ltx2_5_layout_saved_as_ltx2pipeline_is_called_and_prepared_as_its_pipeline_does(tmp_path):
+    """LTX-2.5 as published (Lightricks/LTX-2.5-Diffusers: an LTX2Pipeline folder) is a config of this entry: Gemma 4 and 2.5's transformer deltas."""
+    preset = architecture_named("ltx-2.5").record.preset
+    overrides = {
+        "transformer": {**LTX2_3_OVERRIDES["transformer"], "perturbed_attn": True, "ff_bias": False, "use_keyframes_abs_pos_embedding": True},
+        "connectors": dict(preset["connectors"]),
+        "text_encoder": {**preset["text_encoder"], "vision_config": None, "mm_tokens_per_image": None},
+    }
+    folder = tmp_path / "ltx2.5"
+    build_tiny_pipeline({"pipeline": "tiny-ltx2", **overrides}, folder, seed=1)
     test_the_denoiser_and_the_prompts_are_called_and_prepared_as_ltx2_pipeline_does(folder)

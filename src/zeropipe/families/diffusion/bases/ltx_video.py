@@ -17,28 +17,31 @@ converter of such LoRAs (``load_lora_weights``) reads it back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts.latents import LTXVideoLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_t5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
+PROMPT_TOKENS = 128  # LTXPipeline's max_sequence_length
 
-@dataclass(frozen=True)
-class LTXVideo(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return 128  # LTXPipeline's max_sequence_length
 
+class LTXPrompts(PromptEncoding):
     def tiny_tokenizer(self, tokenizer):
-        return character_t5_tokenizer(self.tokenizer_length(tokenizer))
+        return character_t5_tokenizer(self.record.tokenizer_length(tokenizer))
 
     def encode_prompts(self, pipeline, prompts, device):
-        embeds, mask, _, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.tokenizer_length("tokenizer"), device=device)
+        embeds, mask, _, _ = pipeline.encode_prompt(
+            prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=self.record.tokenizer_length("tokenizer"), device=device
+        )
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask.float()}
+
+
+class LTXCall(DenoiserCall):
+    """LTX-Video's transformer on packed latent tokens; its ``predict`` reads the patch sizes from the model's config, so it is written whole."""
 
     def predict(self, model, model_input, timesteps, condition, context):
         from diffusers import LTXPipeline
@@ -47,15 +50,28 @@ class LTXVideo(LegacyEntry):
         patch, patch_t = module.config.patch_size, module.config.patch_size_t
         batch, _, frames, height, width = model_input.shape
         packed = LTXPipeline._pack_latents(model_input, patch, patch_t)
-        temporal = self.codec.frame_multiple
+        temporal = self.record.codec.frame_multiple
         out = model(
             hidden_states=packed, encoder_hidden_states=condition["prompt_embeds"], timestep=timesteps.to(context.dtype),
             encoder_attention_mask=condition["prompt_attention_mask"], num_frames=frames // patch_t, height=height // patch, width=width // patch,
             # As LTXPipeline passes it at its default frame rate (which is the one clips are taken at).
-            rope_interpolation_scale=(temporal / self.codec.frame_rate, context.vae_factor, context.vae_factor), return_dict=False,
+            rope_interpolation_scale=(temporal / self.record.codec.frame_rate, context.vae_factor, context.vae_factor), return_dict=False,
         )[0]
         return LTXPipeline._unpack_latents(out, frames // patch_t, height // patch, width // patch, patch, patch_t)
 
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        frames, side = latent_frames // config.patch_size_t, latent_side // config.patch_size
+        codec = self.record.codec
+        return {
+            "hidden_states": torch.randn(1, frames * side * side, config.in_channels * config.patch_size_t * config.patch_size**2, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.caption_channels, dtype=dtype),
+            "timestep": torch.tensor([500.0], dtype=dtype),
+            "encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype),
+            "num_frames": frames, "height": side, "width": side, "rope_interpolation_scale": (codec.frame_multiple / codec.frame_rate, 32, 32),
+        }
+
+
+class LTXSampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {
             "prompt_embeds": condition["prompt_embeds"], "prompt_attention_mask": condition["prompt_attention_mask"],
@@ -70,16 +86,8 @@ class LTXVideo(LegacyEntry):
         frames = latents.shape[1] * patch * patch // (side * side)
         return pipeline._unpack_latents(latents, frames, side // patch, side // patch, patch, patch_t)
 
-    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
-        frames, side = latent_frames // config.patch_size_t, latent_side // config.patch_size
-        return {
-            "hidden_states": torch.randn(1, frames * side * side, config.in_channels * config.patch_size_t * config.patch_size**2, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, text_tokens, config.caption_channels, dtype=dtype),
-            "timestep": torch.tensor([500.0], dtype=dtype),
-            "encoder_attention_mask": torch.ones(1, text_tokens, dtype=dtype),
-            "num_frames": frames, "height": side, "width": side, "rope_interpolation_scale": (self.codec.frame_multiple / self.codec.frame_rate, 32, 32),
-        }
 
+class LTXLayouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight`` ...: LTX-Video's original names are diffusers' own.
 
@@ -90,34 +98,41 @@ class LTXVideo(LegacyEntry):
         return comfy_lora_layout(layers, alpha, fold_alpha=True)
 
 
-ARCHITECTURE = LTXVideo(
-    name="ltx-video",
-    pipeline_class="LTXPipeline",
-    denoiser="transformer",
-    denoiser_class="LTXVideoTransformer3DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=1,
-    codec=LTXVideoLatents(vae_class="AutoencoderKLLTXVideo", frame_multiple=8, frame_rate=25.0),
-    preset_name="tiny-ltx-video",
-    preset={
-        "transformer": {
-            "in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32, "num_layers": 2,
-            "caption_channels": 64,
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="ltx-video",
+        pipeline_class="LTXPipeline",
+        denoiser="transformer",
+        denoiser_class="LTXVideoTransformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        tokenizer_lengths={"tokenizer": PROMPT_TOKENS},
+        patch_factor=1,
+        codec=LTXVideoLatents(vae_class="AutoencoderKLLTXVideo", frame_multiple=8, frame_rate=25.0),
+        preset_name="tiny-ltx-video",
+        preset={
+            "transformer": {
+                "in_channels": 8, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 16, "cross_attention_dim": 32, "num_layers": 2,
+                "caption_channels": 64,
+            },
+            # patch_size 1 (LTX-Video's is 4): 8x spatial compression, so a 32-pixel tiny clip still has 4x4 latents; 8x in time as the real one.
+            "vae": {
+                "latent_channels": 8, "block_out_channels": [16, 16, 16, 16], "decoder_block_out_channels": [16, 16, 16, 16],
+                "layers_per_block": [1, 1, 1, 1, 1], "decoder_layers_per_block": [1, 1, 1, 1, 1], "patch_size": 1, "patch_size_t": 1,
+            },
+            "text_encoder": tiny_t5(),
+            # LTX-Video's sampler: Euler with a shift that grows with the number of tokens.
+            "scheduler": {
+                "class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,
+                "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024, "max_image_seq_len": 4096,
+            },
         },
-        # patch_size 1 (LTX-Video's is 4): 8x spatial compression, so a 32-pixel tiny clip still has 4x4 latents; 8x in time as the real one.
-        "vae": {
-            "latent_channels": 8, "block_out_channels": [16, 16, 16, 16], "decoder_block_out_channels": [16, 16, 16, 16],
-            "layers_per_block": [1, 1, 1, 1, 1], "decoder_layers_per_block": [1, 1, 1, 1, 1], "patch_size": 1, "patch_size_t": 1,
-        },
-        "text_encoder": tiny_t5(),
-        # LTX-Video's sampler: Euler with a shift that grows with the number of tokens.
-        "scheduler": {
-            "class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True,
-            "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024, "max_image_seq_len": 4096,
-        },
-    },
-    # Every linear layer of the blocks' attention and feed-forward, as diffusion-pipe trains LTX-Video LoRAs.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+        # Every linear layer of the blocks' attention and feed-forward, as diffusion-pipe trains LTX-Video LoRAs.
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+    ),
+    call=LTXCall(),
+    prompts=LTXPrompts(),
+    sampling=LTXSampling(),
+    layouts=LTXLayouts(),
 )

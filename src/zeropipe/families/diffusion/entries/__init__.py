@@ -36,6 +36,7 @@ BUILTIN = (
     "qwen_image_layered",
     "wan_vace",
     "minimax_h3",
+    "ltx25",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
