@@ -63,9 +63,9 @@ _PYTHONPATH_AT_START = os.environ.get("PYTHONPATH")
 def zeropipe(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
     """`zeropipe ARGS`; a `train` is launched by this interpreter (zeropipe_train_here), any other command in a new one.
 
-    The launcher of a `train` imports torch, transformers and DeepSpeed before it starts a rank:
-    4-5 s of CI per run on 2 idle cores (about 20 s under load), paid by every 2-rank run of the
-    lane. This process holds them already. The ranks are new processes either way; the launcher's
+    The launcher of a `train` imports torch, transformers and DeepSpeed before it starts a rank,
+    paid by every 2-rank run of the lane (measured on 2 shared cores under load: 12-14 s from the
+    command to its first rank in a new process, 0.3-8.6 s here). This process holds them already. The ranks are new processes either way; the launcher's
     own process start-up is what ``zeropipe_process`` and the tests that start it (start_zeropipe:
     signals, kills, a second launcher) still cover. ZEROPIPE_TEST_TRAIN_PROCESS=1 starts every
     `train` in a new process, as before.
