@@ -55,10 +55,77 @@ def write_config(tmp_path: Path, config: dict, filename: str = "run.yaml") -> Pa
     return path
 
 
+# What `python -m zeropipe train` would find on its sys.path and in its environment when the session began:
+# a `train` run by this interpreter (see zeropipe()) must not see a test's changes to them.
+_PYTHONPATH_AT_START = os.environ.get("PYTHONPATH")
+
+
 def zeropipe(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """`zeropipe ARGS`; a `train` is launched by this interpreter (zeropipe_train_here), any other command in a new one.
+
+    The launcher of a `train` imports torch, transformers and DeepSpeed before it starts a rank,
+    paid by every 2-rank run of the lane (measured on 2 shared cores under load: 12-14 s from the
+    command to its first rank in a new process, 0.3-8.6 s here). This process holds them already. The ranks are new processes either way; the launcher's
+    own process start-up is what ``zeropipe_process`` and the tests that start it (start_zeropipe:
+    signals, kills, a second launcher) still cover. ZEROPIPE_TEST_TRAIN_PROCESS=1 starts every
+    `train` in a new process, as before.
+    """
+    if args and args[0] == "train" and train_here_fits():
+        return zeropipe_train_here(*args, cwd=cwd)
+    return zeropipe_process(*args, cwd=cwd, timeout=timeout)
+
+
+def zeropipe_process(*args: str, cwd: Path | None = None, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
+    """`python -m zeropipe ARGS` in a new interpreter: what a user's shell runs."""
     env = dict(os.environ)
     env.pop("DS_ACCELERATOR", None)
     return subprocess.run([sys.executable, "-m", "zeropipe", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def train_here_fits() -> bool:
+    """Whether a `train` launched by this interpreter sees what a new `python -m zeropipe` would.
+
+    Not when a test names plug-ins (ZEROPIPE_PLUGINS is read once per process) or changes PYTHONPATH
+    (a new process's sys.path): those start a new process.
+    """
+    if os.environ.get("ZEROPIPE_TEST_TRAIN_PROCESS") == "1":
+        return False
+    return "ZEROPIPE_PLUGINS" not in os.environ and os.environ.get("PYTHONPATH") == _PYTHONPATH_AT_START
+
+
+def zeropipe_train_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`zeropipe train ...` with this interpreter as its launcher; afterwards, what the launcher's exit would undo.
+
+    A launcher owns its run directory until it exits (an flock the kernel drops then): here the
+    ownership is given up when the command returns, so that a later command on the run finds it
+    ended, as it would after a real launcher. Plug-ins a resumed run imported (from its run.json)
+    are forgotten again, and `python -m`'s first sys.path entry (the folder it runs in) is there
+    for the command only.
+    """
+    import zeropipe.families as families
+    import zeropipe.rundir as rundir
+
+    families.families()  # the built-in families (and the environment's plug-ins) load once per process, as in a new one
+    held, plugins, registered, path = set(rundir._held), dict(rundir._PLUGINS), set(families._REGISTRY), list(sys.path)
+    modules = set(sys.modules)
+    sys.path.insert(0, str(Path(cwd).resolve()) if cwd is not None else os.getcwd())
+    try:
+        return zeropipe_here(*args, cwd=cwd)
+    finally:
+        for key in set(rundir._held) - held:
+            rundir.RunDir(key).release()
+        sys.path[:] = path
+        for name in set(rundir._PLUGINS) - set(plugins):
+            sys.modules.pop(name, None)
+        rundir._PLUGINS.clear()
+        rundir._PLUGINS.update(plugins)
+        for name in set(families._REGISTRY) - registered:
+            families.unregister(name)
+        # Modules imported from the run's folder (a recipe's rewards.py) are that run's, not the session's.
+        for name in set(sys.modules) - modules:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if cwd is not None and file.startswith(str(Path(cwd).resolve())):
+                sys.modules.pop(name, None)
 
 
 def zeropipe_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -79,7 +146,15 @@ def zeropipe_here(*args: str, cwd: Path | None = None) -> subprocess.CompletedPr
         if cwd is not None:
             os.chdir(cwd)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(arg) for arg in args])
+            try:
+                code = main([str(arg) for arg in args])
+            except SystemExit as exit:  # argparse's errors, as the shell's command exits with them
+                code = exit.code if isinstance(exit.code, int) else 1
+            except Exception:  # noqa: BLE001 - what the shell's command would print and exit 1 with
+                import traceback
+
+                traceback.print_exc()
+                code = 1
     finally:
         os.chdir(here)
         # main() names the CPU accelerator for DeepSpeed in the environment; the runs started later must not inherit it.

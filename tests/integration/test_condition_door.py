@@ -10,7 +10,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe
+from tests.integration.conftest import assert_ok, metrics, zeropipe_process as zeropipe  # plug-ins: each command in a new process, as the user runs it
 from zeropipe.data.images import generate_shapes_dataset
 
 pytestmark = pytest.mark.integration

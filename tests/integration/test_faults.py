@@ -145,22 +145,36 @@ def test_a_failing_supervisor_stops_its_ranks_and_marks_the_run_failed(tmp_path)
     prepared.run.release()
 
 
-def test_a_run_directory_has_one_owner(tmp_path):
-    config, run_dir, first = start_long_run(tmp_path, "shared", save_every=2)
+def test_a_run_directory_has_one_owner_and_a_double_ctrl_c_stops_it_cleanly(tmp_path):
+    """One live run, two faults in turn: a second launcher on its directory, then a double Ctrl-C.
+
+    (Two tests before, each starting its own long run: the refusals need a live owner, the
+    double Ctrl-C a live run past its first checkpoint; this run is both.)
+    """
+    config = write_config(tmp_path, tiny_run_config(tmp_path, name="base", train={"max_steps": 100000, "save_every": 2}, **FAST))
+    # The run's name comes from the command line: a hint without it would resume another run.
+    first = start_zeropipe("train", config, "run.name=renamed")
+    run_dir = tmp_path / "runs" / "renamed"
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000002" / "zeropipe_complete.json").exists() and len(metrics(run_dir)) >= 4, 300, "the first checkpoint")
     # Same name while the first runs, and --resume of the live run (which used to truncate its
     # metrics.jsonl): both refused before anything is written, naming the live launcher.
-    second, resumer = start_zeropipe("train", config), start_zeropipe("train", config, "--resume")
+    second, resumer = start_zeropipe("train", config, "run.name=renamed"), start_zeropipe("train", config, "run.name=renamed", "--resume")
     for proc in (second, resumer):
         output, _ = proc.communicate(timeout=120)
         assert proc.returncode == 2, output
         assert f"is in use by a live run (launcher pid {first.pid})" in output
         assert "Traceback" not in output
+    ranks = json.loads((run_dir / "status.json").read_text())["pids"]
+    first.send_signal(signal.SIGINT)
+    time.sleep(0.01)
     first.send_signal(signal.SIGINT)
     output, _ = first.communicate(timeout=60)
     assert first.returncode == 130, output
     steps = [row["step"] for row in metrics(run_dir)]
     assert steps == list(range(1, len(steps) + 1)), "metrics.jsonl holds one run's steps, in order"
     assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+    assert alive(ranks) == []
+    assert f"continue with: zeropipe train {config} run.name=renamed --resume" in output
 
 
 # ------------------------------------------------------------------ full disks
@@ -258,20 +272,3 @@ def test_a_kill_9_on_a_roomy_zero3_run_is_diagnosed_not_called_an_oom_kill_and_l
     # Torch's per-collective deprecation notices neither fill the rank logs nor the tail shown.
     assert "is deprecated" not in output
     assert not [line for rank in (0, 1) for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines() if "is deprecated" in line]
-
-
-def test_a_double_ctrl_c_stops_cleanly_and_the_hint_resumes_the_same_run(tmp_path):
-    config = write_config(tmp_path, tiny_run_config(tmp_path, name="base", train={"max_steps": 100000, "save_every": 2}, **FAST))
-    # The run's name comes from the command line: a hint without it would resume another run.
-    launcher = start_zeropipe("train", config, "run.name=renamed")
-    run_dir = tmp_path / "runs" / "renamed"
-    wait_for(lambda: (run_dir / "checkpoints" / "step_00000002" / "zeropipe_complete.json").exists(), 300, "the first checkpoint")
-    ranks = json.loads((run_dir / "status.json").read_text())["pids"]
-    launcher.send_signal(signal.SIGINT)
-    time.sleep(0.01)
-    launcher.send_signal(signal.SIGINT)
-    output, _ = launcher.communicate(timeout=60)
-    assert launcher.returncode == 130, output
-    assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
-    assert alive(ranks) == []
-    assert f"continue with: zeropipe train {config} run.name=renamed --resume" in output

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe
+from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe_process as zeropipe  # plug-ins: each command in a new process, as the user runs it
 
 pytestmark = pytest.mark.integration
 

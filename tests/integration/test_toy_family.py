@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.conftest import assert_ok, metrics, write_config, zeropipe
+from tests.integration.conftest import assert_ok, metrics, write_config, zeropipe_process as zeropipe  # plug-ins: each command in a new process, as the user runs it
 
 pytestmark = pytest.mark.integration
 
