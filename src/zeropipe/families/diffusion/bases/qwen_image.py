@@ -69,14 +69,14 @@ class QwenImageCall(DenoiserCall):
         return {
             "hidden_states": torch.cat(tokens, dim=1) if len(tokens) > 1 else tokens[0], "timestep": (timesteps / 1000).to(context.dtype),
             "encoder_hidden_states": condition["prompt_embeds"], "encoder_hidden_states_mask": condition.get("prompt_embeds_mask"),
-            "img_shapes": [[grid] * len(tokens)] * batch, "return_dict": False,
+            "img_shapes": [[grid] * len(tokens)] * batch,
         }
 
     def predict(self, model, model_input, timesteps, condition, context):
         from diffusers import QwenImagePipeline
 
         _, _, _, height, width = model_input.shape
-        out = model(**self.inputs(model_input, timesteps, condition, context))[0]
+        out = model(**self.inputs(model_input, timesteps, condition, context), return_dict=False)[0]
         target = (height // 2) * (width // 2)  # the target's tokens come first
         return QwenImagePipeline._unpack_latents(out[:, :target], height * context.vae_factor, width * context.vae_factor, context.vae_factor)
 

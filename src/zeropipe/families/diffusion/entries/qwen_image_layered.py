@@ -66,14 +66,14 @@ class QwenImageLayeredCall(DenoiserCall):
             "hidden_states": torch.cat([pack(model_input), pack(image)], dim=1), "timestep": (timesteps / 1000).to(context.dtype),
             "encoder_hidden_states": condition["prompt_embeds"], "encoder_hidden_states_mask": condition.get("prompt_embeds_mask"),
             "img_shapes": [[grid] * frames + [grid]] * batch,
-            "additional_t_cond": torch.full((batch,), IS_RGB, dtype=torch.long, device=model_input.device), "return_dict": False,
+            "additional_t_cond": torch.full((batch,), IS_RGB, dtype=torch.long, device=model_input.device),
         }
 
     def predict(self, model, model_input, timesteps, condition, context):
         from diffusers import QwenImageLayeredPipeline
 
         _, _, frames, height, width = model_input.shape
-        out = model(**self.inputs(model_input, timesteps, condition, context))[0][:, : frames * (height // 2) * (width // 2)]
+        out = model(**self.inputs(model_input, timesteps, condition, context), return_dict=False)[0][:, : frames * (height // 2) * (width // 2)]
         factor = context.vae_factor
         return QwenImageLayeredPipeline._unpack_latents(out, height * factor, width * factor, frames - 1, factor)
 
