@@ -494,17 +494,28 @@ def load_image_for_bucket(
         raise ValueError(f"crop '{crop}' is not one of {', '.join(CROPS)}")
     if crop == "random" and rng is None:
         raise ValueError("crop='random' needs rng (a random.Random) so the crops can be reproduced")
-    if not usable(path):  # swapped for a symlink since the folder was scanned: tested again when it is read
+    image = decode_image(path, _to_rgb, "remove or replace the file, then scan the folder again")
+    return fit_to_bucket(image, bucket, crop=crop, flip=flip, rng=rng, path=path)
+
+
+def decode_image(path: Path, convert: Callable[[Image.Image], Image.Image], fix: str) -> Image.Image:
+    """``path`` decoded, turned upright by its EXIF orientation and converted by ``convert`` (to RGB, RGBA...).
+
+    Raises:
+        DataError: the file lies outside what the run may read (``usable`` is asked again when it is
+            read: it may have been swapped for a link since the folder was scanned), has more than
+            MAX_IMAGE_PIXELS pixels, or cannot be decoded; the message ends with ``fix``.
+    """
+    if not usable(path):
         raise DataError(f"{path} {OUTSIDE_REASON}")
     try:
         with Image.open(path) as opened:
             if opened.size[0] * opened.size[1] > MAX_IMAGE_PIXELS:
                 raise DataError(f"{opened.size[0]}x{opened.size[1]} pixels, more than {MAX_IMAGE_PIXELS:,}")
             opened.load()
-            image = _to_rgb(ImageOps.exif_transpose(opened))
+            return convert(ImageOps.exif_transpose(opened))
     except Exception as error:  # same reasoning as in _decoded_size: every failure means "skip this file"
-        raise DataError(f"{path} cannot be decoded ({error}): remove or replace the file, then scan the folder again") from error
-    return fit_to_bucket(image, bucket, crop=crop, flip=flip, rng=rng, path=path)
+        raise DataError(f"{path} cannot be decoded ({error}): {fix}") from error
 
 
 def fit_to_bucket(

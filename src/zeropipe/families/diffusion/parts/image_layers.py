@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from zeropipe.confine import OUTSIDE_REASON, usable
-from zeropipe.data.images import MAX_IMAGE_PIXELS, PreparedImage, first_frame_image, fit_to_bucket, load_image_for_bucket
+from zeropipe.data.images import PreparedImage, decode_image, first_frame_image, fit_to_bucket, load_image_for_bucket
 from zeropipe.errors import DataError
 from zeropipe.families.diffusion import cache
 from zeropipe.families.diffusion.parts.base import Encoding, Inputs, Planning, SampleInputs, Sampling
@@ -46,18 +45,7 @@ def load_rgba_for_bucket(path: Path, bucket: tuple[int, int], flip: bool) -> Pre
     Raises:
         DataError: the file cannot be decoded, or lies outside what the run may read.
     """
-    from PIL import Image, ImageOps
-
-    if not usable(path):
-        raise DataError(f"{path} {OUTSIDE_REASON}")
-    try:
-        with Image.open(path) as opened:
-            if opened.size[0] * opened.size[1] > MAX_IMAGE_PIXELS:
-                raise DataError(f"{opened.size[0]}x{opened.size[1]} pixels, more than {MAX_IMAGE_PIXELS:,}")
-            opened.load()
-            image = ImageOps.exif_transpose(opened).convert("RGBA")
-    except Exception as error:  # every failure means the same: this layer cannot be used
-        raise DataError(f"{path} cannot be decoded ({error}): remove or replace the layer file") from error
+    image = decode_image(path, lambda opened: opened.convert("RGBA"), "remove or replace the layer file")
     return fit_to_bucket(image, tuple(bucket), crop="center", flip=flip, path=path)
 
 
