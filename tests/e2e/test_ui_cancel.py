@@ -174,6 +174,10 @@ def test_the_draw_page_starts_from_the_run_shows_progress_and_cancels(browser, s
     assert page.locator("#draw-run option").all_inner_texts() and all("lm" not in t for t in page.locator("#draw-run option").all_inner_texts())
     page.select_option("#draw-source", "export:pipe")
     page.fill("#draw-prompt", "a green triangle")
+    # 144x144 in 150 steps (near the CPU cap): about 12 s here, so the drawing is still busy on a faster CI machine when the
+    # chat request below asks for the model; 32x32 in 150 steps finished in between there.
+    page.fill("#draw-width", "144")
+    page.fill("#draw-height", "144")
     page.fill("#draw-steps", "150")
     page.click("#draw-go")
     expect(page.locator("#draw-status")).to_contain_text(" of 150", timeout=60_000)
