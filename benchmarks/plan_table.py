@@ -112,6 +112,8 @@ def describe(choice: dict) -> str:
         parts.append("offload " + "+".join(offload))
     if choice.get("gradient_checkpointing"):
         parts.append("checkpointing" + (" + activation offload" if choice.get("activation_offload") else ""))
+    if (choice.get("sequence_parallel") or 1) > 1:
+        parts.append(f"sequence parallel {choice['sequence_parallel']}")
     parts.append(f"mb {choice['micro_batch_size']}x{choice['gradient_accumulation_steps']}")
     parts.append(choice["precision"])
     for key in ("base_storage", "resolution", "frames", "cache_text", "cache_latents"):  # knobs a newer search may add
