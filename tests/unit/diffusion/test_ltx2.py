@@ -164,6 +164,29 @@ def test_the_draw_pages_clip_carries_the_sound_the_pipeline_drew(tiny_ltx2, tmp_
         assert audio.rate == pipeline.vocoder.config.output_sampling_rate
         samples = [frame.to_ndarray() for frame in clip.decode(audio)]
     assert samples and max(abs(s).max() for s in samples) > 0 and row["audio_dbfs"] is not None
+    # What the pipeline refuses (a size not divisible by 32 here; an input image an edit or image-to-video pipeline needs) is one
+    # message naming the pipeline and its reason, the Draw page's 400, not an internal error (a 500 before).
+    from zeropipe.errors import ZeroPipeError
+
+    with pytest.raises(ZeroPipeError, match=r"LTX2Pipeline could not draw from a prompt alone at 40x40 in 1 steps: ValueError: .*divisible by 32"):
+        draw(loaded, tmp_path / "refused", "a red ball", "", 40, 40, steps=1, guidance=1.0, seed=0, frames=9)
+    assert not (tmp_path / "refused").exists(), "a refused drawing leaves no folder behind"
+
+
+@pytest.mark.parametrize("architecture", ["ltx-2.5", "minimax-h3"])
+def test_draw_refuses_a_modular_pipelines_export_before_loading_it_and_says_where_its_samples_are(tmp_path, architecture):
+    """LTX-2.5's and MiniMax-H3's modular pipelines have no prompt-taking call: Draw answered 500 (TypeError from the sampler)."""
+    import json
+
+    from zeropipe.errors import ZeroPipeError
+    from zeropipe.export.generate import ModelSource
+    from zeropipe.families.diffusion.draw import load_for_drawing
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "zeropipe_export.json").write_text(json.dumps({"architecture": architecture}))  # no weights: refused before any load
+    with pytest.raises(ZeroPipeError, match=rf"{architecture} runs through diffusers' modular pipeline \w+ModularPipeline, which Draw does not drive yet.*generate.prompts.*Sample now"):
+        load_for_drawing(ModelSource("hf", folder, family="diffusion"), CPU, torch.float32)
 
 
 # LTX-2.3's layout in diffusers 0.42, tiny: the connectors project per modality (no caption projection in the transformer),

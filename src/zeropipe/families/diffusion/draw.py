@@ -83,12 +83,36 @@ def load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dty
         raise ZeroPipeError(f"the pipeline of {source.path} cannot be built here: {err}") from None
 
 
+def refuse_modular(architecture: str | None) -> None:
+    """A modular pipeline's entry (MiniMax-H3, LTX-2.5...) is refused before its weights load: the pipeline has no ``__call__``
+    that takes a prompt, and Draw drives only those; the run's samples draw through the entry's own sampling."""
+    if not architecture:
+        return
+    from diffusers.modular_pipelines import ModularPipeline
+
+    from zeropipe.families.diffusion.entries import architecture_named
+
+    try:
+        cls = architecture_named(architecture).pipeline()
+    except Exception:  # noqa: BLE001 - an unknown name: the folder's model_index.json decides, as pipeline_class says
+        return
+    if isinstance(cls, type) and issubclass(cls, ModularPipeline):
+        raise ZeroPipeError(
+            f"{architecture} runs through diffusers' modular pipeline {cls.__name__}, which Draw does not drive yet: its samples are drawn during "
+            "training through the entry's own sampler; list prompts in generate.prompts (drawn every generate.sample_every steps) "
+            "or press Sample now on the running run's page"
+        )
+
+
 def _load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     if source.kind == "run":
         from zeropipe.checkpoint.consolidate import consolidated_state_dict
         from zeropipe.families.diffusion.export import trained_denoiser
+        from zeropipe.families.diffusion.prepare import read_plan
         from zeropipe.rundir import RunDir
 
+        with contextlib.suppress(OSError, ValueError, TypeError):  # an unreadable plan: trained_denoiser says what is wrong below
+            refuse_modular(read_plan(RunDir(source.path)).architecture)  # before the checkpoint is consolidated
         config = read_run_config(source.path)
         # zero_to_fp32 reports its progress on stdout.
         with contextlib.redirect_stdout(sys.stderr):
@@ -104,10 +128,13 @@ def _load_for_drawing(source: ModelSource, device: torch.device, dtype: torch.dt
         base = Path(info.get("base_pipeline") or "")
         if not is_pipeline_folder(base):
             raise ZeroPipeError(f"the LoRA {source.path} was trained on {base}, which is no longer a pipeline folder: restore it, or draw from the run's checkpoint")
+        refuse_modular(info.get("architecture"))
         pipeline = pipeline_class(info.get("architecture")).from_pretrained(str(base), torch_dtype=torch.float32)
         load_adapter_export(pipeline, source.path, info)
     else:
-        pipeline = pipeline_class(export_info(source.path).get("architecture")).from_pretrained(str(source.path), torch_dtype=torch.float32)
+        architecture = export_info(source.path).get("architecture")
+        refuse_modular(architecture)
+        pipeline = pipeline_class(architecture).from_pretrained(str(source.path), torch_dtype=torch.float32)
     pipeline = pipeline.to(device)
     if dtype != torch.float32:  # bf16 on a GPU (export.generate.pick_dtype); the CPU draws in fp32
         pipeline = pipeline.to(dtype=dtype)
@@ -142,17 +169,33 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
         kwargs["num_frames"] = frames
     if "output_type" in accepted:
         kwargs["output_type"] = "np"
+    stopped: list[BaseException] = []  # what on_step raised (Cancel): passed on as it is
     if on_step is not None and "callback_on_step_end" in accepted:
 
         def step_end(pipe, index, timestep, tensors):
-            on_step(index + 1, int(getattr(pipe, "num_timesteps", 0) or steps))
+            try:
+                on_step(index + 1, int(getattr(pipe, "num_timesteps", 0) or steps))
+            except BaseException as err:
+                stopped.append(err)
+                raise
             return tensors
 
         kwargs["callback_on_step_end"] = step_end
     from zeropipe.families.diffusion.sampler import pipeline_call
 
-    with torch.no_grad():  # the shared sampler's pipeline call: Draw gives the prompt string, which the pipeline encodes
-        result = pipeline_call(pipeline, kwargs)
+    try:
+        with torch.no_grad():  # the shared sampler's pipeline call: Draw gives the prompt string, which the pipeline encodes
+            result = pipeline_call(pipeline, kwargs)
+    except Exception as err:
+        if stopped and err is stopped[0]:
+            raise
+        # The pipeline's own refusal (an edit, image-to-video or layered pipeline needs an input image; a size it does not take): one
+        # message that names the pipeline and what it said, a 400 on the Draw page, not an internal error.
+        raise ZeroPipeError(
+            f"{type(pipeline).__name__} could not draw from a prompt alone at {width}x{height} in {steps} steps: {type(err).__name__}: {str(err)[:400]}. "
+            "Draw gives a prompt, a size, steps and guidance; a model that edits or animates an input image draws in the run's samples "
+            "(generate.prompts with the data's images)"
+        ) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     if hasattr(result, "frames"):
         clip = to_uint8(np.asarray(result.frames[0]))
