@@ -46,15 +46,15 @@ diffusers' single-file converter of original Cosmos checkpoints.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zeropipe.families.diffusion.comfy import comfy_lora_layout
-from zeropipe.families.diffusion.legacy import LegacyEntry
-from zeropipe.families.diffusion.sampler import denoise
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts.latents import CosmosLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
+from zeropipe.families.diffusion.sampler import denoise
 from zeropipe.families.diffusion.tiny.components import tiny_t5
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
@@ -151,51 +151,51 @@ def _denoised(transformer, model_input, timestep, embeds, padding_mask, latents,
     return ((1 - t) * latents - t * velocity.float()).to(dtype)
 
 
-@dataclass(frozen=True)
-class CosmosPredict2(LegacyEntry):
-    def pipeline_kwargs(self):
-        return {"safety_checker": GuardrailNotLoaded()}
+def traceable(config) -> bool:
+    """Whether the planner can trace this transformer: its forward resizes a concatenated padding mask with torchvision."""
+    return not (config.concat_padding_mask and importlib.util.find_spec("torchvision") is None)
 
-    def tokenizer_length(self, tokenizer):
-        return PROMPT_TOKENS  # T5-11B's tokenizer's, and what the pipeline pads every prompt to
 
-    def tiny_tokenizer(self, tokenizer):
-        return character_t5_tokenizer(self.tokenizer_length(tokenizer))
-
+class CosmosPrompts(PromptEncoding):
     def encode_prompts(self, pipeline, prompts, device):
         # 512 tokens, zeros after the prompt's own: the transformer attends to all of them (no text mask), as when sampling.
         embeds, _ = pipeline.encode_prompt(prompt=prompts, do_classifier_free_guidance=False, max_sequence_length=PROMPT_TOKENS, device=device)
         return {"prompt_embeds": embeds}
 
-    def predict(self, model, model_input, timesteps, condition, context):
+    def tiny_tokenizer(self, tokenizer):
+        return character_t5_tokenizer(self.record.tokenizer_length(tokenizer))
+
+
+class CosmosCall(DenoiserCall):
+    def inputs(self, model_input, timesteps, condition, context):
         height, width = model_input.shape[-2:]
         # The padding mask is at the pixel size, one for the batch, zeros for a whole image (as the pipeline passes it).
         padding_mask = model_input.new_zeros(1, 1, height * context.vae_factor, width * context.vae_factor, dtype=context.dtype)
-        return model(
-            hidden_states=model_input, timestep=(timesteps / 1000).to(context.dtype), encoder_hidden_states=condition["prompt_embeds"],
-            padding_mask=padding_mask, return_dict=False,
-        )[0]
+        return {
+            "hidden_states": model_input, "timestep": (timesteps / 1000).to(context.dtype), "encoder_hidden_states": condition["prompt_embeds"],
+            "padding_mask": padding_mask,
+        }
 
+    def predict(self, model, model_input, timesteps, condition, context):
+        # As the pipelines call it: its output as a tuple (the planner's trace takes the inputs alone).
+        return self.output(model(**self.inputs(model_input, timesteps, condition, context), return_dict=False))
+
+    def trace_batch(self, config, latent_side, latent_frames, text_tokens, dtype):
+        if not traceable(config):
+            return None  # not traced where torchvision is missing (a run is refused then)
+        latents = torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype)
+        return latents, torch.tensor([500.0]), {"prompt_embeds": torch.randn(1, text_tokens, config.text_embed_dim, dtype=dtype)}
+
+
+class CosmosSampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {"prompt_embeds": condition["prompt_embeds"], "negative_prompt_embeds": negative["prompt_embeds"], "guidance_scale": guidance_scale}
 
-    def call_pipeline(self, pipeline, kwargs):
+    def draw(self, pipeline, kwargs):
         return draw_latents(pipeline, **kwargs)
 
-    def trace_text_tokens(self):
-        return PROMPT_TOKENS
 
-    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
-        if config.concat_padding_mask and importlib.util.find_spec("torchvision") is None:
-            return None  # its forward resizes the padding mask with torchvision: not traced where that is missing (a run is refused then)
-        factor = 8  # the Wan 2.1 VAE's: the padding mask is at the pixel size
-        return {
-            "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
-            "timestep": torch.tensor([0.5], dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_embed_dim, dtype=dtype),
-            "padding_mask": torch.zeros(1, 1, latent_side * factor, latent_side * factor, dtype=dtype),
-        }
-
+class CosmosLayouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.blocks.0.self_attn.q_proj.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``: diffusion-pipe's and ComfyUI's Cosmos-Predict2 LoRA.
 
@@ -217,32 +217,41 @@ class CosmosPredict2(LegacyEntry):
 # pipeline's constructor registers the EDM range on it (sigma_max 80, sigma_min 0.002, sigma_data 1, the last step at sigma_min).
 COSMOS_SCHEDULER = {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_karras_sigmas": True}
 
-ARCHITECTURE = CosmosPredict2(
-    name="cosmos-predict2",
-    pipeline_class="Cosmos2TextToImagePipeline",
-    denoiser="transformer",
-    denoiser_class="CosmosTransformer3DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=2,
-    codec=CosmosLatents(vae_class="AutoencoderKLWan"),
-    preset_name="tiny-cosmos-predict2",
-    preset={
-        "transformer": {
-            "in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 2, "mlp_ratio": 2.0,
-            "text_embed_dim": 64, "adaln_lora_dim": 8, "max_size": [4, 32, 32], "patch_size": [1, 2, 2], "rope_scale": [1.0, 4.0, 4.0],
-            # The published checkpoints concatenate a (zero) padding-mask channel, which diffusers resizes with torchvision; the
-            # tiny preset does not, so that the tests run without torchvision (CosmosLatents.problems refuses the other without it).
-            "concat_padding_mask": False, "extra_pos_embed_type": None,
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="cosmos-predict2",
+        pipeline_class="Cosmos2TextToImagePipeline",
+        denoiser="transformer",
+        denoiser_class="CosmosTransformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        patch_factor=2,
+        codec=CosmosLatents(vae_class="AutoencoderKLWan"),
+        preset_name="tiny-cosmos-predict2",
+        preset={
+            "transformer": {
+                "in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 2, "mlp_ratio": 2.0,
+                "text_embed_dim": 64, "adaln_lora_dim": 8, "max_size": [4, 32, 32], "patch_size": [1, 2, 2], "rope_scale": [1.0, 4.0, 4.0],
+                # The published checkpoints concatenate a (zero) padding-mask channel, which diffusers resizes with torchvision; the
+                # tiny preset does not, so that the tests run without torchvision (CosmosLatents.problems refuses the other without it).
+                "concat_padding_mask": False, "extra_pos_embed_type": None,
+            },
+            "vae": {
+                "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True],
+                "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+            },
+            "text_encoder": tiny_t5(),
+            "scheduler": COSMOS_SCHEDULER,
         },
-        "vae": {
-            "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True],
-            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
-        },
-        "text_encoder": tiny_t5(),
-        "scheduler": COSMOS_SCHEDULER,
-    },
-    # The blocks' attention (self and cross) and MLP linears; diffusion-pipe adapts every linear layer of the blocks.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+        # The blocks' attention (self and cross) and MLP linears; diffusion-pipe adapts every linear layer of the blocks.
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+        # T5-11B's tokenizer's length, and what the pipeline pads every prompt to (and so the planner's traced prompt length).
+        tokenizer_lengths={"tokenizer": PROMPT_TOKENS},
+        pipeline_kwargs={"safety_checker": GuardrailNotLoaded()},  # not NVIDIA's guardrail: such a pipeline does not generate (above)
+    ),
+    call=CosmosCall(),
+    prompts=CosmosPrompts(),
+    sampling=CosmosSampling(),
+    layouts=CosmosLayouts(),
 )

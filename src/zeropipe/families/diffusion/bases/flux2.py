@@ -41,15 +41,13 @@ settings the entry trains text-to-image, its caches keyed as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import original_layout_name
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record, original_layout_name
 from zeropipe.families.diffusion.parts import ReferenceImages
 from zeropipe.families.diffusion.parts.latents import Flux2Latents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_transformer, tiny_flux2_vae, tiny_mistral3
 from zeropipe.families.diffusion.tiny.tokenizers import character_mistral_tokenizer
 
@@ -130,27 +128,23 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return tokens.permute(0, 2, 1).reshape(tokens.shape[0], tokens.shape[2], height, width)
 
 
-@dataclass(frozen=True)
-class Flux2(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return 512  # the pipelines' max_sequence_length: every prompt is padded to it
+class Flux2Prompts(PromptEncoding):
+    def encode_prompts(self, pipeline, prompts, device):
+        # The pipelines pad every prompt to 512 tokens (a tiny preset's tokenizer says fewer).
+        tokenizer = getattr(pipeline.tokenizer, "tokenizer", pipeline.tokenizer)  # [dev]'s is a processor holding the tokenizer
+        max_length = min(int(getattr(tokenizer, "model_max_length", 512)), self.record.tokenizer_length("tokenizer"))
+        embeds, _ = pipeline.encode_prompt(
+            prompt=list(prompts), device=device, max_sequence_length=max_length, text_encoder_out_layers=text_encoder_layers(pipeline.text_encoder)
+        )
+        return {"prompt_embeds": embeds}
 
     def tiny_tokenizer(self, tokenizer):
         # 256 tokens hold the system message and a caption of single characters; a real tokenizer pads to 512 (encode_prompts).
         return character_mistral_tokenizer(256)
 
-    def image_processor_factor(self, vae_factor):
-        return vae_factor * 2  # latents are patched 2x2
 
-    # ---------------------------------------------------------------- conditioning
-    def encode_prompts(self, pipeline, prompts, device):
-        # The pipelines pad every prompt to 512 tokens (a tiny preset's tokenizer says fewer).
-        tokenizer = getattr(pipeline.tokenizer, "tokenizer", pipeline.tokenizer)  # [dev]'s is a processor holding the tokenizer
-        max_length = min(int(getattr(tokenizer, "model_max_length", 512)), self.tokenizer_length("tokenizer"))
-        embeds, _ = pipeline.encode_prompt(
-            prompt=list(prompts), device=device, max_sequence_length=max_length, text_encoder_out_layers=text_encoder_layers(pipeline.text_encoder)
-        )
-        return {"prompt_embeds": embeds}
+class Flux2Call(DenoiserCall):
+    """FLUX.2's transformer on patched latent tokens; its ``predict`` reads the model's config (guidance-distilled or not), so it is written whole."""
 
     def predict(self, model, model_input, timesteps, condition, context):
         from diffusers import Flux2Pipeline
@@ -173,8 +167,8 @@ class Flux2(LegacyEntry):
         )[0]
         return unpack(out[:, : height * width], height, width)
 
-    def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
-        tokens = (latent // 2) ** 2  # 2x2 patches of the VAE's latents
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        tokens = (latent_side // 2) ** 2  # 2x2 patches of the VAE's latents
         return {
             "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype), "timestep": torch.tensor([0.5], dtype=dtype),
             "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
@@ -182,7 +176,8 @@ class Flux2(LegacyEntry):
             "guidance": torch.tensor([4.0], dtype=dtype) if config.guidance_embeds else None,
         }
 
-    # ---------------------------------------------------------------- sampling
+
+class Flux2Sampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         # [dev] is guidance-distilled: the pipeline's guidance_scale is the value embedded in the transformer; no negative prompt.
         return {"prompt_embeds": condition["prompt_embeds"], "guidance_scale": guidance_scale}
@@ -191,7 +186,8 @@ class Flux2(LegacyEntry):
         side = size // (vae_factor * 2)
         return unpack(latents, side, side)
 
-    # ---------------------------------------------------------------- export
+
+class Flux2Layouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`` ...: BFL's names, as ai-toolkit writes FLUX.2 LoRAs and ComfyUI loads them."""
         return fuse_lora(layers, alpha)
@@ -204,25 +200,33 @@ FLUX2_LORA_TARGETS = (
     r"|.*single_transformer_blocks\.\d+\.attn\.(to_qkv_mlp_proj|to_out)$"
 )
 
-ARCHITECTURE = Flux2(
-    name="flux2",
-    pipeline_class="Flux2Pipeline",
-    denoiser="transformer",
-    denoiser_class="Flux2Transformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=2,
-    codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
-    preset_name="tiny-flux2",
-    preset={
-        "transformer": tiny_flux2_transformer(joint_attention_dim=3 * 16, guidance_embeds=True),
-        "vae": tiny_flux2_vae(),
-        "text_encoder": tiny_mistral3(),
-        # FLUX.2's sampler shifts with the resolution (the pipeline computes mu); the tiny one samples with a fixed shift.
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
-    },
-    lora_targets=FLUX2_LORA_TARGETS,
-    # Reference images where the settings name them (data.control_paths / data.control_path); text-to-image otherwise.
-    conditions=(ReferenceImages(required=False, min_size=64),),  # Flux2ImageProcessor.check_image_input: 64 px or more
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="flux2",
+        pipeline_class="Flux2Pipeline",
+        denoiser="transformer",
+        denoiser_class="Flux2Transformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        patch_factor=2,
+        codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
+        preset_name="tiny-flux2",
+        preset={
+            "transformer": tiny_flux2_transformer(joint_attention_dim=3 * 16, guidance_embeds=True),
+            "vae": tiny_flux2_vae(),
+            "text_encoder": tiny_mistral3(),
+            # FLUX.2's sampler shifts with the resolution (the pipeline computes mu); the tiny one samples with a fixed shift.
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
+        },
+        lora_targets=FLUX2_LORA_TARGETS,
+        # Reference images where the settings name them (data.control_paths / data.control_path); text-to-image otherwise.
+        conditions=(ReferenceImages(required=False, min_size=64),),  # Flux2ImageProcessor.check_image_input: 64 px or more
+        tokenizer_lengths={"tokenizer": 512},  # the pipelines' max_sequence_length: every prompt is padded to it
+        image_processor_patch=2,  # latents are patched 2x2
+    ),
+    call=Flux2Call(),
+    prompts=Flux2Prompts(),
+    sampling=Flux2Sampling(),
+    layouts=Flux2Layouts(),
 )

@@ -9,7 +9,7 @@ mask and ``fps=16``; the denoised frame is replaced by the given one after every
 does the same with the first frame's latents (``FirstFrameAlone``: the first frame encoded alone,
 cached with the clip's), and the loss leaves that frame out (``loss_region``), as the pipeline never
 denoises it. Everything else (the flow objective under the EDM-style sampler, T5-11B's 512 tokens,
-the per-channel latents) is the text-to-image entry's (``cosmos_predict2.py``).
+the per-channel latents) is the text-to-image entry's (``bases/cosmos_predict2.py``: its record and roles).
 
 NVIDIA's guardrail: as for text-to-image (``cosmos_predict2.py``'s docstring and docs/video.md).
 The pipelines ZeRO-Pipe assembles hold ``GuardrailNotLoaded`` and cannot generate; samples during
@@ -22,14 +22,14 @@ diffusion-pipe trains only Cosmos-Predict2's text-to-image variants.
 from __future__ import annotations
 
 import copy
-import importlib.util
-from dataclasses import dataclass
+import dataclasses
 from typing import Any
 
 import torch
 
 from zeropipe.families.diffusion.bases.cosmos_predict2 import ARCHITECTURE as TEXT_TO_IMAGE
-from zeropipe.families.diffusion.bases.cosmos_predict2 import CosmosPredict2
+from zeropipe.families.diffusion.bases.cosmos_predict2 import CosmosCall, CosmosSampling, traceable
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import FirstFrameAlone
 from zeropipe.families.diffusion.parts.latents import CosmosVideoLatents
 from zeropipe.families.diffusion.sampler import denoise
@@ -101,9 +101,8 @@ def draw_video_latents(
     return denoise(scheduler, latents, timesteps, model_output)
 
 
-@dataclass(frozen=True)
-class CosmosPredict2Video2World(CosmosPredict2):
-    def predict(self, model, model_input, timesteps, condition, context):
+class CosmosVideo2WorldCall(CosmosCall):
+    def inputs(self, model_input, timesteps, condition, context):
         batch, _, frames, height, width = model_input.shape
         indicator = given_frame(model_input)
         first = condition["first_frame_latents"].to(model_input.dtype)
@@ -112,47 +111,51 @@ class CosmosPredict2Video2World(CosmosPredict2):
         frame_timesteps = indicator * T_CONDITIONING + (1 - indicator) * t.expand(batch, 1, frames, 1, 1)
         mask = (indicator * model_input.new_ones(batch, 1, frames, height, width)).to(context.dtype)
         padding_mask = model_input.new_zeros(1, 1, height * context.vae_factor, width * context.vae_factor, dtype=context.dtype)
-        return model(
-            hidden_states=hidden, timestep=frame_timesteps.to(context.dtype), encoder_hidden_states=condition["prompt_embeds"], fps=FPS,
-            condition_mask=mask, padding_mask=padding_mask, return_dict=False,
-        )[0]
+        return {
+            "hidden_states": hidden, "timestep": frame_timesteps.to(context.dtype), "encoder_hidden_states": condition["prompt_embeds"], "fps": FPS,
+            "condition_mask": mask, "padding_mask": padding_mask,
+        }
+
+    def trace_batch(self, config, latent_side, latent_frames, text_tokens, dtype):
+        if not traceable(config):
+            return None  # not traced where torchvision is missing (a run is refused then)
+        channels = config.in_channels - 1  # the latents; the condition mask is the last input channel
+        latents = torch.randn(1, channels, latent_frames, latent_side, latent_side, dtype=dtype)
+        condition = {
+            "prompt_embeds": torch.randn(1, text_tokens, config.text_embed_dim, dtype=dtype),
+            "first_frame_latents": torch.randn(1, channels, 1, latent_side, latent_side, dtype=dtype),
+        }
+        return latents, torch.tensor([500.0]), condition
 
     def loss_region(self, prediction, target):
         return prediction[:, :, 1:], target[:, :, 1:]  # the first latent frame is the given image, never denoised
 
-    def call_pipeline(self, pipeline, kwargs):
-        return draw_video_latents(pipeline, **kwargs)
 
-    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
-        if config.concat_padding_mask and importlib.util.find_spec("torchvision") is None:
-            return None  # its forward resizes the padding mask with torchvision: not traced where that is missing (a run is refused then)
-        factor = 8  # the Wan 2.1 VAE's: the padding mask is at the pixel size
-        return {
-            "hidden_states": torch.randn(1, config.in_channels - 1, latent_frames, latent_side, latent_side, dtype=dtype),
-            "timestep": torch.full((1, 1, latent_frames, 1, 1), 0.5, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, text_tokens, config.text_embed_dim, dtype=dtype),
-            "fps": FPS,
-            "condition_mask": torch.zeros(1, 1, latent_frames, latent_side, latent_side, dtype=dtype),
-            "padding_mask": torch.zeros(1, 1, latent_side * factor, latent_side * factor, dtype=dtype),
-        }
+class CosmosVideo2WorldSampling(CosmosSampling):
+    def draw(self, pipeline, kwargs):
+        return draw_video_latents(pipeline, **kwargs)
 
 
 def tiny_preset() -> dict[str, Any]:
-    preset = copy.deepcopy(TEXT_TO_IMAGE.preset)
+    preset = copy.deepcopy(TEXT_TO_IMAGE.record.preset)
     # 16 latent channels and the condition mask; the 2B's rotary scale (diffusers' converter: (1, 3, 3)).
     preset["transformer"].update({"in_channels": 17, "rope_scale": [1.0, 3.0, 3.0]})
     return preset
 
 
-ARCHITECTURE = CosmosPredict2Video2World(
-    **{
-        **{field: getattr(TEXT_TO_IMAGE, field) for field in TEXT_TO_IMAGE.__dataclass_fields__},
-        "name": "cosmos-predict2-video2world",
-        "trace_frames": 93,  # Cosmos2VideoToWorldPipeline's default clip: about 6 s at 16 fps
-        "pipeline_class": "Cosmos2VideoToWorldPipeline",
-        "codec": CosmosVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=float(FPS)),
-        "conditions": (FirstFrameAlone(),),
-        "preset_name": "tiny-cosmos-predict2-video2world",
-        "preset": tiny_preset(),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        TEXT_TO_IMAGE.record,
+        name="cosmos-predict2-video2world",
+        trace_frames=93,  # Cosmos2VideoToWorldPipeline's default clip: about 6 s at 16 fps
+        pipeline_class="Cosmos2VideoToWorldPipeline",
+        codec=CosmosVideoLatents(vae_class="AutoencoderKLWan", frame_multiple=4, frame_rate=float(FPS)),
+        conditions=(FirstFrameAlone(),),
+        preset_name="tiny-cosmos-predict2-video2world",
+        preset=tiny_preset(),
+    ),
+    call=CosmosVideo2WorldCall(),
+    prompts=TEXT_TO_IMAGE.prompts,
+    sampling=CosmosVideo2WorldSampling(),
+    layouts=TEXT_TO_IMAGE.layouts,
 )
