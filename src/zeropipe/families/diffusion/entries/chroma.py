@@ -16,13 +16,11 @@ diagonal, which changes the fused weight exactly as the parts change theirs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from zeropipe.families.diffusion.core import original_layout_name
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record, original_layout_name
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_vae
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
@@ -92,23 +90,20 @@ def fuse_lora(layers: dict[str, torch.Tensor], alpha: float, inner: int, mlp_hid
     return out
 
 
-@dataclass(frozen=True)
-class Chroma(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return 64
-
+class ChromaPrompts(PromptEncoding):
     def tiny_tokenizer(self, tokenizer):
-        return character_t5_tokenizer(self.tokenizer_length(tokenizer))
-
-    def image_processor_factor(self, vae_factor):
-        return vae_factor * 2  # latents are packed 2x2 into tokens
+        return character_t5_tokenizer(self.record.tokenizer_length(tokenizer))
 
     def encode_prompts(self, pipeline, prompts, device):
         max_length = min(pipeline.tokenizer.model_max_length, 512)
         embeds, _, mask, *_ = pipeline.encode_prompt(prompt=prompts, device=device, do_classifier_free_guidance=False, max_sequence_length=max_length)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
-    def predict(self, model, model_input, timesteps, condition, context):
+
+class ChromaCall(DenoiserCall):
+    """The transformer on 2x2-packed latent tokens; ``predict`` unpacks its output back to latents."""
+
+    def inputs(self, model_input, timesteps, condition, context):
         from diffusers import ChromaPipeline
 
         batch, channels, height, width = model_input.shape
@@ -118,10 +113,16 @@ class Chroma(LegacyEntry):
         text_ids = torch.zeros(embeds.shape[1], 3, device=context.device, dtype=context.dtype)
         # The text mask extended by the image tokens (always attended), as ChromaPipeline._prepare_attention_mask builds it.
         mask = torch.cat([condition["prompt_attention_mask"], torch.ones(batch, packed.shape[1], device=context.device, dtype=embeds.dtype)], dim=1)
-        out = model(
-            hidden_states=packed, timestep=(timesteps / 1000).to(context.dtype), encoder_hidden_states=embeds,
-            txt_ids=text_ids, img_ids=image_ids, attention_mask=mask, return_dict=False,
-        )[0]
+        return {
+            "hidden_states": packed, "timestep": (timesteps / 1000).to(context.dtype), "encoder_hidden_states": embeds,
+            "txt_ids": text_ids, "img_ids": image_ids, "attention_mask": mask,
+        }
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        from diffusers import ChromaPipeline
+
+        _, _, height, width = model_input.shape
+        out = model(**self.inputs(model_input, timesteps, condition, context), return_dict=False)[0]
         return ChromaPipeline._unpack_latents(out, height * context.vae_factor, width * context.vae_factor, context.vae_factor)
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
@@ -133,6 +134,8 @@ class Chroma(LegacyEntry):
             "attention_mask": torch.ones(1, text_tokens + tokens, dtype=dtype),
         }
 
+
+class ChromaSampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {
             "prompt_embeds": condition["prompt_embeds"], "prompt_attention_mask": condition["prompt_attention_mask"],
@@ -143,44 +146,54 @@ class Chroma(LegacyEntry):
     def unpack_latents(self, pipeline, latents, size, vae_factor):
         return pipeline._unpack_latents(latents, size, size, vae_factor)
 
+
+class ChromaLayouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``lora_unet_<original module>.lora_down.weight`` / ``lora_up.weight`` / ``.alpha``: the kohya names ComfyUI loads for Chroma (and Flux)."""
-        inner, mlp_hidden = self._widths(layers)
+        inner, mlp_hidden = adapter_widths(layers)
         return fuse_lora(layers, alpha, inner, mlp_hidden)
 
-    @staticmethod
-    def _widths(layers: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """The transformer's inner width and MLP width, read off the adapters (B of to_q: inner rows; of proj_mlp: MLP rows)."""
-        inner = next((t.shape[0] for k, t in layers.items() if k.endswith(("attn.to_q.lora_B.weight", "attn.to_k.lora_B.weight", "attn.to_v.lora_B.weight"))), None)
-        if inner is None:
-            inner = next((t.shape[1] for k, t in layers.items() if k.endswith("lora_A.weight")), 0)
-        mlp = next((t.shape[0] for k, t in layers.items() if k.endswith("proj_mlp.lora_B.weight")), 4 * inner)
-        return int(inner), int(mlp)
+
+def adapter_widths(layers: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """The transformer's inner width and MLP width, read off the adapters (B of to_q: inner rows; of proj_mlp: MLP rows)."""
+    inner = next((t.shape[0] for k, t in layers.items() if k.endswith(("attn.to_q.lora_B.weight", "attn.to_k.lora_B.weight", "attn.to_v.lora_B.weight"))), None)
+    if inner is None:
+        inner = next((t.shape[1] for k, t in layers.items() if k.endswith("lora_A.weight")), 0)
+    mlp = next((t.shape[0] for k, t in layers.items() if k.endswith("proj_mlp.lora_B.weight")), 4 * inner)
+    return int(inner), int(mlp)
 
 
-ARCHITECTURE = Chroma(
-    name="chroma",
-    pipeline_class="ChromaPipeline",
-    related_pipelines=("ChromaImg2ImgPipeline",),
-    denoiser="transformer",
-    denoiser_class="ChromaTransformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=2,
-    codec=ImageLatents(shifted=True),
-    preset_name="tiny-chroma",
-    preset={
-        "transformer": {
-            "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
-            "joint_attention_dim": 64, "axes_dims_rope": [4, 4, 8], "approximator_num_channels": 16, "approximator_hidden_dim": 32, "approximator_layers": 1,
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="chroma",
+        pipeline_class="ChromaPipeline",
+        related_pipelines=("ChromaImg2ImgPipeline",),
+        denoiser="transformer",
+        denoiser_class="ChromaTransformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        patch_factor=2,
+        codec=ImageLatents(shifted=True),
+        preset_name="tiny-chroma",
+        preset={
+            "transformer": {
+                "patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+                "joint_attention_dim": 64, "axes_dims_rope": [4, 4, 8], "approximator_num_channels": 16, "approximator_hidden_dim": 32, "approximator_layers": 1,
+            },
+            "vae": tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
+            "text_encoder": {"class": "T5EncoderModel", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
+                             "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
+            # Chroma1-HD's scheduler is Flux's; the tiny one samples without the resolution-dependent shift.
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
         },
-        "vae": tiny_vae(latent_channels=4, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False),
-        "text_encoder": {"class": "T5EncoderModel", "vocab_size": 128, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
-                         "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
-        # Chroma1-HD's scheduler is Flux's; the tiny one samples without the resolution-dependent shift.
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
-    },
-    # The attention projections of both streams (image and text), as diffusers' Flux LoRA scripts train.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        # The attention projections of both streams (image and text), as diffusers' Flux LoRA scripts train.
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        tokenizer_lengths={"tokenizer": 64},
+        image_processor_patch=2,  # latents are packed 2x2 into tokens
+    ),
+    call=ChromaCall(),
+    prompts=ChromaPrompts(),
+    sampling=ChromaSampling(),
+    layouts=ChromaLayouts(),
 )

@@ -22,12 +22,11 @@ own ``load_lora_adapter``. ComfyUI's HunyuanImage LoRA names differ from the ori
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import ImageLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_qwen_encoder
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
@@ -40,21 +39,22 @@ def mask(values: torch.Tensor) -> torch.Tensor:
     return values.round().long()
 
 
-@dataclass(frozen=True)
-class HunyuanImage(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return GLYPH_TOKENS if tokenizer == "tokenizer_2" else QWEN_TOKENS + 34
-
+class HunyuanImagePrompts(PromptEncoding):
     def tiny_tokenizer(self, tokenizer):
         if tokenizer == "tokenizer_2":
             from transformers import ByT5Tokenizer
 
             return ByT5Tokenizer(extra_ids=0)
-        return character_qwen_tokenizer(self.tokenizer_length(tokenizer))
+        return character_qwen_tokenizer(self.record.tokenizer_length(tokenizer))
 
     def encode_prompts(self, pipeline, prompts, device):
         embeds, embeds_mask, glyphs, glyphs_mask = pipeline.encode_prompt(prompt=list(prompts), device=device, batch_size=len(prompts))
         return {"prompt_embeds": embeds, "prompt_embeds_mask": embeds_mask, "prompt_embeds_2": glyphs, "prompt_embeds_mask_2": glyphs_mask}
+
+
+class HunyuanImageCall(DenoiserCall):
+    """The transformer on the latents and both prompt encodings; its ``predict`` reads the model's config (guidance-distilled,
+    MeanFlow or neither), so it is written whole, and its trace leaves out the glyph tokens."""
 
     def predict(self, model, model_input, timesteps, condition, context):
         module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
@@ -68,9 +68,6 @@ class HunyuanImage(LegacyEntry):
             encoder_hidden_states_2=condition["prompt_embeds_2"], encoder_attention_mask_2=mask(condition["prompt_embeds_mask_2"]), return_dict=False,
         )[0]
 
-    def trace_text_tokens(self):
-        return QWEN_TOKENS
-
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
         # Without the glyph tokens: the transformer sorts them by their mask's values, which the meta device cannot do
         # (128 of 1128 text tokens left out of the trace).
@@ -82,6 +79,8 @@ class HunyuanImage(LegacyEntry):
             "timestep_r": torch.tensor([400.0], dtype=dtype) if config.use_meanflow else None,
         }
 
+
+class HunyuanImageSampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {
             "prompt_embeds": condition["prompt_embeds"], "prompt_embeds_mask": mask(condition["prompt_embeds_mask"]),
@@ -92,30 +91,37 @@ class HunyuanImage(LegacyEntry):
         }
 
 
-ARCHITECTURE = HunyuanImage(
-    name="hunyuan-image",
-    pipeline_class="HunyuanImagePipeline",
-    denoiser="transformer",
-    denoiser_class="HunyuanImageTransformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder", "text_encoder_2"),
-    tokenizers=("tokenizer", "tokenizer_2"),
-    patch_factor=1,
-    codec=ImageLatents(vae_class="AutoencoderKLHunyuanImage"),
-    preset_name="tiny-hunyuan-image",
-    preset={
-        "transformer": {
-            "in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1, "num_single_layers": 1,
-            "num_refiner_layers": 1, "patch_size": [1, 1], "text_embed_dim": 32, "text_embed_2_dim": 64, "rope_axes_dim": [8, 8],
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="hunyuan-image",
+        pipeline_class="HunyuanImagePipeline",
+        denoiser="transformer",
+        denoiser_class="HunyuanImageTransformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        patch_factor=1,
+        codec=ImageLatents(vae_class="AutoencoderKLHunyuanImage"),
+        preset_name="tiny-hunyuan-image",
+        preset={
+            "transformer": {
+                "in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1, "num_single_layers": 1,
+                "num_refiner_layers": 1, "patch_size": [1, 1], "text_embed_dim": 32, "text_embed_2_dim": 64, "rope_axes_dim": [8, 8],
+            },
+            # Two halvings (the real VAE: five, 32x): 32-pixel images are 8x8 latents.
+            "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [32, 32, 32], "layers_per_block": 1,
+                    "spatial_compression_ratio": 4, "sample_size": 32, "scaling_factor": 0.75289},
+            "text_encoder": tiny_qwen_encoder(),
+            "text_encoder_2": {"class": "T5EncoderModel", "vocab_size": 384, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
+                               "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 4.0, "use_dynamic_shifting": False},
         },
-        # Two halvings (the real VAE: five, 32x): 32-pixel images are 8x8 latents.
-        "vae": {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [32, 32, 32], "layers_per_block": 1,
-                "spatial_compression_ratio": 4, "sample_size": 32, "scaling_factor": 0.75289},
-        "text_encoder": tiny_qwen_encoder(),
-        "text_encoder_2": {"class": "T5EncoderModel", "vocab_size": 384, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4,
-                           "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0},
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 4.0, "use_dynamic_shifting": False},
-    },
-    # The attention projections of both streams, as diffusers' HunyuanImage LoRAs train.
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        # The attention projections of both streams, as diffusers' HunyuanImage LoRAs train.
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        tokenizer_lengths={"tokenizer": QWEN_TOKENS + 34, "tokenizer_2": GLYPH_TOKENS},
+        trace_tokens=QWEN_TOKENS,
+    ),
+    call=HunyuanImageCall(),
+    prompts=HunyuanImagePrompts(),
+    sampling=HunyuanImageSampling(),
 )

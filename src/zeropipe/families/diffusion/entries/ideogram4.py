@@ -27,7 +27,7 @@ What ``Ideogram4Pipeline`` does, and what the entry takes from it:
   **Samples during training are drawn unguided** (g = 1: the conditional transformer alone, the
   pipeline's formula with the unconditional term's weight 0): holding the second 9.3B transformer
   on every rank for previews would cost its whole size per GPU, and running the trained transformer
-  on the text-free sequence would give a velocity it was never trained to give. ``call_pipeline`` is
+  on the text-free sequence would give a velocity it was never trained to give. ``Ideogram4Sampling.draw`` is
   the pipeline's loop with its own pieces (``_resolution_aware_mu``, ``_logit_normal_sigmas``,
   ``prepare_latents``, the scheduler), fed the cached conditioning; called with a prompt string it
   is the pipeline's own ``__call__``.
@@ -40,16 +40,15 @@ The LoRA's original layout is ai-toolkit's, which ``Ideogram4Pipeline.load_lora_
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from zeropipe.errors import ConfigError
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.core import PredictContext
-from zeropipe.families.diffusion.legacy import LegacyEntry
-from zeropipe.families.diffusion.sampler import denoise
+from zeropipe.families.diffusion.core import Architecture, PredictContext, Record
 from zeropipe.families.diffusion.parts.latents import Ideogram4Latents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
+from zeropipe.families.diffusion.sampler import denoise
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_ideogram4_transformer, tiny_qwen3_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
@@ -82,23 +81,12 @@ def from_tokens(tokens: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], rows, columns)
 
 
-@dataclass(frozen=True)
-class Ideogram4(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return MAX_TEXT_TOKENS
-
+class Ideogram4Prompts(PromptEncoding):
     def tiny_tokenizer(self, tokenizer):
-        made = character_qwen_tokenizer(self.tokenizer_length(tokenizer))
+        made = character_qwen_tokenizer(self.record.tokenizer_length(tokenizer))
         made.chat_template = CHAT_TEMPLATE
         return made
 
-    def image_processor_factor(self, vae_factor):
-        return vae_factor * PATCH
-
-    def trace_text_tokens(self):
-        return 256  # a long caption; each prompt keeps its own length
-
-    # ---------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts, device):
         """The pipeline's ``encode_prompt``, its text rows moved to the front of each caption's row (the cache pads at the end, with a mask).
 
@@ -128,6 +116,15 @@ class Ideogram4(LegacyEntry):
             mask[row, :count] = 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask}
 
+
+class Ideogram4Call(DenoiserCall):
+    """The transformer on one packed ``[left padding][text][image]`` sequence per example; ``predict`` reads the image tokens back as the flow.
+
+    Not traced (no ``trace_batch``): Ideogram4MRoPE opens torch.autocast(enabled=False) on its inputs' device (its image
+    positions start at 65536, which bf16 cannot count), and torch refuses autocast on the meta device the planner traces on
+    ("unsupported scalarType").
+    """
+
     def packed_inputs(self, tokens: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor, rows: int, columns: int) -> dict[str, torch.Tensor]:
         """The transformer's packed ``[left padding][text][image]`` inputs, laid out by the pipeline's own ``_prepare_ids``."""
         from diffusers import Ideogram4Pipeline
@@ -142,27 +139,27 @@ class Ideogram4(LegacyEntry):
         hidden = torch.cat([tokens.new_zeros(batch, longest, tokens.shape[-1]), tokens], dim=1)
         return {"hidden_states": hidden, "encoder_hidden_states": text, "position_ids": position_ids, "segment_ids": segment_ids, "indicator": indicator}
 
-    def predict(self, model, model_input, timesteps, condition, context):
+    def inputs(self, model_input, timesteps, condition, context):
         _, _, rows, columns = model_input.shape
-        tokens = to_tokens(model_input)
-        inputs = self.packed_inputs(tokens, condition["prompt_embeds"].to(context.dtype), condition["prompt_embeds_mask"], rows, columns)
+        inputs = self.packed_inputs(to_tokens(model_input), condition["prompt_embeds"].to(context.dtype), condition["prompt_embeds_mask"], rows, columns)
         inputs["hidden_states"] = inputs["hidden_states"].to(context.dtype)
         # The transformer's time is 1 - sigma (1 = clean data) and it predicts data - noise: the flow's target negated.
-        out = model(**inputs, timestep=(1.0 - timesteps / 1000).to(context.dtype), return_dict=False)[0]
-        return -from_tokens(out[:, -tokens.shape[1] :], rows, columns)
+        inputs["timestep"] = (1.0 - timesteps / 1000).to(context.dtype)
+        return inputs
 
-    def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
-        # Not traced: Ideogram4MRoPE opens torch.autocast(enabled=False) on its inputs' device (its image positions start at 65536,
-        # which bf16 cannot count), and torch refuses autocast on the meta device the planner traces on ("unsupported scalarType").
-        return None
+    def predict(self, model, model_input, timesteps, condition, context):
+        _, _, rows, columns = model_input.shape
+        out = model(**self.inputs(model_input, timesteps, condition, context), return_dict=False)[0]
+        return -from_tokens(out[:, -rows * columns :], rows, columns)
 
-    # ---------------------------------------------------------------- sampling
+
+class Ideogram4Sampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         # No negative: the pipeline's guidance is a second transformer, not a negative prompt (see the module's docstring).
         return {"prompt_embeds": condition["prompt_embeds"], "prompt_embeds_mask": condition["prompt_embeds_mask"], "guidance_scale": guidance_scale}
 
     @torch.no_grad()
-    def call_pipeline(self, pipeline, kwargs):
+    def draw(self, pipeline, kwargs):
         """Ideogram4Pipeline's denoising steps, in the shared loop (``sampler.denoise``), on the cached conditioning, unguided; with a prompt string, the pipeline's own call.
 
         The pipeline takes no precomputed prompt features (it always runs its 8B text encoder), so
@@ -194,7 +191,7 @@ class Ideogram4(LegacyEntry):
         def model_output(index, t, latents):
             # predict gives the flow (noise - data), the pipeline's -v; its time is t / num_train_timesteps as the pipeline's.
             times = (t.float() * 1000 / scheduler.config.num_train_timesteps).expand(latents.shape[0])
-            flow = self.predict(transformer, from_tokens(latents, rows, columns), times, condition, context)
+            flow = self.entry.call.predict(transformer, from_tokens(latents, rows, columns), times, condition, context)
             return to_tokens(flow).float()
 
         return denoise(scheduler, latents, scheduler.timesteps, model_output)
@@ -203,7 +200,8 @@ class Ideogram4(LegacyEntry):
         side = size // (vae_factor * PATCH)
         return from_tokens(latents, side, side)
 
-    # ---------------------------------------------------------------- export
+
+class Ideogram4Layouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """ai-toolkit's names under ``diffusion_model.`` (q/k/v fused into a rank-3r ``attention.qkv``), alpha / r folded into ``lora_B``."""
         groups: dict[str, dict[int | None, str]] = {}
@@ -234,29 +232,39 @@ class Ideogram4(LegacyEntry):
         return out
 
 
-ARCHITECTURE = Ideogram4(
-    name="ideogram4",
-    pipeline_class="Ideogram4Pipeline",
-    denoiser="transformer",
-    denoiser_class="Ideogram4Transformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=PATCH,
-    codec=Ideogram4Latents(vae_class="AutoencoderKLFlux2"),
-    preset_name="tiny-ideogram4",
-    preset={
-        "transformer": tiny_ideogram4_transformer(),
-        # The second transformer of the pipeline's guidance: frozen, never trained, kept in the folder and its exports.
-        "unconditional_transformer": tiny_ideogram4_transformer(),
-        "vae": tiny_flux2_vae(),
-        # Qwen3-VL at 36 layers of 16: the pipeline taps layers 0, 3, ... 33 and 35.
-        "text_encoder": tiny_qwen3_vl(),
-        # The pipeline sets its own logit-normal sigmas; the scheduler only steps them.
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
-    },
-    # The attention and the SwiGLU of every block, as ai-toolkit's Ideogram 4 LoRAs (and diffusers' converter of them) have them.
-    lora_targets=("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="ideogram4",
+        pipeline_class="Ideogram4Pipeline",
+        denoiser="transformer",
+        denoiser_class="Ideogram4Transformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        patch_factor=PATCH,
+        codec=Ideogram4Latents(vae_class="AutoencoderKLFlux2"),
+        preset_name="tiny-ideogram4",
+        preset={
+            "transformer": tiny_ideogram4_transformer(),
+            # The second transformer of the pipeline's guidance: frozen, never trained, kept in the folder and its exports.
+            "unconditional_transformer": tiny_ideogram4_transformer(),
+            "vae": tiny_flux2_vae(),
+            # Qwen3-VL at 36 layers of 16: the pipeline taps layers 0, 3, ... 33 and 35.
+            "text_encoder": tiny_qwen3_vl(),
+            # The pipeline sets its own logit-normal sigmas; the scheduler only steps them.
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
+        },
+        # The attention and the SwiGLU of every block, as ai-toolkit's Ideogram 4 LoRAs (and diffusers' converter of them) have them.
+        lora_targets=("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"),
+        tokenizer_lengths={"tokenizer": MAX_TEXT_TOKENS},
+        trace_tokens=256,  # a long caption; each prompt keeps its own length
+        image_processor_patch=PATCH,
+    ),
+    call=Ideogram4Call(),
+    prompts=Ideogram4Prompts(),
+    sampling=Ideogram4Sampling(),
+    layouts=Ideogram4Layouts(),
 )
 
-__all__ = ["ARCHITECTURE", "Ideogram4"]
+__all__ = ["ARCHITECTURE"]

@@ -22,13 +22,13 @@ reads back; the strength is folded into ``lora_B`` (that converter takes no alph
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts.latents import QwenImageLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_qwen3_vl
 from zeropipe.families.diffusion.tiny.tokenizers import character_qwen_tokenizer
 
@@ -74,37 +74,33 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     return tokens.reshape(batch, channels // PATCH**2, 1, height, width)
 
 
-@dataclass(frozen=True)
-class Krea2(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        # A tiny preset's prompts are blocks of 256 tokens (its characters hold the template and a caption); a real tokenizer's limit is far above 512.
-        return 256
-
+class Krea2Prompts(PromptEncoding):
     def tiny_tokenizer(self, tokenizer):
-        return character_qwen_tokenizer(self.tokenizer_length(tokenizer))
+        return character_qwen_tokenizer(self.record.tokenizer_length(tokenizer))
 
-    def image_processor_factor(self, vae_factor):
-        return vae_factor * PATCH
-
-    def trace_text_tokens(self):
-        return 512  # every prompt is a block of 512 tokens
-
-    # ---------------------------------------------------------------- conditioning
     def encode_prompts(self, pipeline, prompts, device):
         length = min(512, int(pipeline.tokenizer.model_max_length))  # the pipeline's block of 512 tokens
         embeds, mask = pipeline.encode_prompt(prompt=list(prompts), device=device, max_sequence_length=length)
         return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.long()}
 
-    def predict(self, model, model_input, timesteps, condition, context):
+
+class Krea2Call(DenoiserCall):
+    """The transformer on the 2x2-packed latent tokens after the prompt's block; ``predict`` unpacks its output to latents."""
+
+    def inputs(self, model_input, timesteps, condition, context):
         from diffusers import Krea2Pipeline
 
-        batch, _, _, height, width = model_input.shape  # one latent frame
+        _, _, _, height, width = model_input.shape  # one latent frame
         embeds = condition["prompt_embeds"].to(context.dtype)
         position_ids = Krea2Pipeline.prepare_position_ids(embeds.shape[1], height // PATCH, width // PATCH, context.device)
-        out = model(
-            hidden_states=pack(model_input[:, :, 0]).to(context.dtype), encoder_hidden_states=embeds, timestep=(timesteps / 1000).to(context.dtype),
-            position_ids=position_ids, encoder_attention_mask=condition["prompt_embeds_mask"].bool(), return_dict=False,
-        )[0]
+        return {
+            "hidden_states": pack(model_input[:, :, 0]).to(context.dtype), "encoder_hidden_states": embeds, "timestep": (timesteps / 1000).to(context.dtype),
+            "position_ids": position_ids, "encoder_attention_mask": condition["prompt_embeds_mask"].bool(),
+        }
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        _, _, _, height, width = model_input.shape
+        out = model(**self.inputs(model_input, timesteps, condition, context), return_dict=False)[0]
         return unpack(out, height, width)
 
     def trace_inputs(self, config, latent, latent_frames, text_tokens, dtype):
@@ -115,7 +111,8 @@ class Krea2(LegacyEntry):
             "position_ids": torch.zeros(text_tokens + tokens, 3),
         }
 
-    # ---------------------------------------------------------------- sampling
+
+class Krea2Sampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {
             "prompt_embeds": condition["prompt_embeds"], "prompt_embeds_mask": condition["prompt_embeds_mask"].bool(),
@@ -127,7 +124,8 @@ class Krea2(LegacyEntry):
         side = size // vae_factor
         return unpack(latents, side, side)
 
-    # ---------------------------------------------------------------- export
+
+class Krea2Layouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.blocks.0.attn.wq.lora_A.weight`` / ``lora_B.weight`` (times alpha / r): Krea's names, as its reference trainer and ComfyUI write them."""
         out: dict[str, torch.Tensor] = {}
@@ -143,31 +141,41 @@ class Krea2(LegacyEntry):
 # not the text-fusion blocks. A regular expression: "gate" alone would hit the attention's to_gate and the feed-forward's gate alike.
 KREA2_LORA_TARGETS = r".*transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_gate|to_out\.0)|ff\.(gate|up|down))"
 
-ARCHITECTURE = Krea2(
-    name="krea2",
-    pipeline_class="Krea2Pipeline",
-    denoiser="transformer",
-    denoiser_class="Krea2Transformer2DModel",
-    objective="flow",
-    text_encoders=("text_encoder",),
-    tokenizers=("tokenizer",),
-    patch_factor=PATCH,
-    codec=QwenImageLatents(vae_class="AutoencoderKLQwenImage"),
-    preset_name="tiny-krea2",
-    preset={
-        "transformer": {
-            "in_channels": 64, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
-            "timestep_embed_dim": 32, "text_hidden_dim": 16, "num_text_layers": 12, "text_num_attention_heads": 2, "text_num_key_value_heads": 2,
-            "text_intermediate_size": 32, "num_layerwise_text_blocks": 1, "num_refiner_text_blocks": 1, "axes_dims_rope": [4, 6, 6],
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="krea2",
+        pipeline_class="Krea2Pipeline",
+        denoiser="transformer",
+        denoiser_class="Krea2Transformer2DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        patch_factor=PATCH,
+        codec=QwenImageLatents(vae_class="AutoencoderKLQwenImage"),
+        preset_name="tiny-krea2",
+        preset={
+            "transformer": {
+                "in_channels": 64, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64,
+                "timestep_embed_dim": 32, "text_hidden_dim": 16, "num_text_layers": 12, "text_num_attention_heads": 2, "text_num_key_value_heads": 2,
+                "text_intermediate_size": 32, "num_layerwise_text_blocks": 1, "num_refiner_text_blocks": 1, "axes_dims_rope": [4, 6, 6],
+            },
+            # Qwen-Image's VAE at two spatial halvings (the real one has three): 32-pixel images are 8x8 latents, 16 tokens.
+            "vae": {
+                "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True],
+                "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
+            },
+            "text_encoder": tiny_qwen3_vl(),
+            # Krea 2 shifts with the resolution (mu from the image's tokens); the pipeline computes it from this scheduler's settings.
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True},
         },
-        # Qwen-Image's VAE at two spatial halvings (the real one has three): 32-pixel images are 8x8 latents, 16 tokens.
-        "vae": {
-            "base_dim": 16, "z_dim": 16, "dim_mult": [1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True],
-            "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16,
-        },
-        "text_encoder": tiny_qwen3_vl(),
-        # Krea 2 shifts with the resolution (mu from the image's tokens); the pipeline computes it from this scheduler's settings.
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True},
-    },
-    lora_targets=KREA2_LORA_TARGETS,
+        lora_targets=KREA2_LORA_TARGETS,
+        # A tiny preset's prompts are blocks of 256 tokens (its characters hold the template and a caption); a real tokenizer's limit is far above 512.
+        tokenizer_lengths={"tokenizer": 256},
+        trace_tokens=512,  # every prompt is a block of 512 tokens
+        image_processor_patch=PATCH,
+    ),
+    call=Krea2Call(),
+    prompts=Krea2Prompts(),
+    sampling=Krea2Sampling(),
+    layouts=Krea2Layouts(),
 )
