@@ -20,13 +20,14 @@ not written: no converter for it exists in diffusers to check it against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts.latents import HunyuanVideo15Latents
+from zeropipe.families.diffusion.roles import Assembly, DenoiserCall, PromptEncoding, Sampling
+from zeropipe.families.diffusion.sampler import pipeline_call
 from zeropipe.families.diffusion.tiny.components import tiny_byt5, tiny_qwen_text
 from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
 
@@ -49,10 +50,12 @@ def text_to_video_inputs(latents: torch.Tensor, semantic_dim: int) -> dict[str, 
     return {"channels": zeros, "image_embeds": latents.new_zeros(batch, SEMANTIC_TOKENS, semantic_dim)}
 
 
-@dataclass(frozen=True)
-class HunyuanVideo15(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return GLYPH_TOKENS if tokenizer == "tokenizer_2" else PROMPT_TOKENS + TEMPLATE_START
+class HunyuanVideo15Prompts(PromptEncoding):
+    """Qwen2.5-VL and ByT5 prompts through ``HunyuanVideo15Pipeline.encode_prompt``; a tiny preset's character and byte tokenizers."""
+
+    def encode_prompts(self, pipeline, prompts, device):
+        embeds, mask, glyph, glyph_mask = pipeline.encode_prompt(prompt=prompts, device=device, dtype=torch.float32, batch_size=len(prompts))
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": glyph, "prompt_embeds_mask_2": glyph_mask}
 
     def tiny_tokenizer(self, tokenizer):
         if tokenizer == "tokenizer_2":
@@ -60,33 +63,18 @@ class HunyuanVideo15(LegacyEntry):
 
             return ByT5Tokenizer()  # bytes: it needs no vocabulary file
         # Characters: the system prompt alone is longer than the 108 tokens the pipeline cuts off, so the prompt stays whole.
-        tokenizer = character_tokenizer(self.tokenizer_length(tokenizer))
+        tokenizer = character_tokenizer(self.record.tokenizer_length(tokenizer))
         tokenizer.chat_template = QWEN_CHAT_TEMPLATE
         return tokenizer
 
-    def pipeline_kwargs(self):
-        from diffusers import ClassifierFreeGuidance
 
-        # The guider is a component of the pipeline folder; samples set its scale (call_pipeline).
-        return {"guider": ClassifierFreeGuidance(guidance_scale=6.0)}
+class HunyuanVideo15Call(DenoiserCall):
+    """The transformer called as ``HunyuanVideo15Pipeline`` calls it: the latents with the condition channels, the image embeddings, both prompts.
 
-    def construct_pipeline(self, cls, kwargs, folder):
-        if kwargs.get("vae") is not None:
-            return cls(**kwargs)
-        import diffusers
-
-        # HunyuanVideo15Pipeline.__init__ reads vae.config.latent_channels even when the VAE is None (a text
-        # pipeline, or one that samples latents): it is built with the VAE's config on the meta device (no
-        # weights), then the VAE is taken out again, so that nothing runs on it and the device is the others'.
-        with torch.device("meta"):
-            vae = getattr(diffusers, self.codec.vae_class).from_config(folder.component_config("vae"))
-        pipeline = cls(**{**kwargs, "vae": vae})
-        pipeline.register_modules(vae=None)
-        return pipeline
-
-    def encode_prompts(self, pipeline, prompts, device):
-        embeds, mask, glyph, glyph_mask = pipeline.encode_prompt(prompt=prompts, device=device, dtype=torch.float32, batch_size=len(prompts))
-        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": glyph, "prompt_embeds_mask_2": glyph_mask}
+    Not traced for the planner (``trace_batch`` stays None): the transformer's forward branches on its inputs'
+    values (whether the image embeddings are all zero) and gathers the valid text tokens by boolean masks,
+    which the meta device cannot run.
+    """
 
     def image_conditioning(self, model_input: torch.Tensor, condition: dict[str, torch.Tensor], image_embed_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the condition latents and mask channels, the image embeddings): zeros for text-to-video."""
@@ -105,6 +93,10 @@ class HunyuanVideo15(LegacyEntry):
             return_dict=False,
         )[0]
 
+
+class HunyuanVideo15Sampling(Sampling):
+    """The pipeline's own call, its classifier-free guidance set on its guider component."""
+
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         kwargs: dict[str, Any] = {"guidance_scale": guidance_scale}
         for name in ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2"):
@@ -112,50 +104,74 @@ class HunyuanVideo15(LegacyEntry):
             kwargs[f"negative_{name}"] = negative[name]
         return kwargs
 
-    def call_pipeline(self, pipeline, kwargs):
+    def draw(self, pipeline, kwargs):
         from diffusers import ClassifierFreeGuidance
 
         kwargs = dict(kwargs)
         # The pipeline's guidance lives in its guider component, not in a call argument.
         pipeline.guider = ClassifierFreeGuidance(guidance_scale=float(kwargs.pop("guidance_scale")))
-        return pipeline(**kwargs)[0]
-
-    def trace_text_tokens(self):
-        return PROMPT_TOKENS
-
-    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
-        # Not traced: the transformer's forward branches on its inputs' values (whether the image embeddings
-        # are all zero) and gathers the valid text tokens by boolean masks, which the meta device cannot run.
-        return None
+        return pipeline_call(pipeline, kwargs)[0]
 
 
-ARCHITECTURE = HunyuanVideo15(
-    name="hunyuan-video-1.5",
-    trace_frames=121,  # HunyuanVideo15Pipeline's default clip: 5 s at 24 fps
-    pipeline_class="HunyuanVideo15Pipeline",
-    denoiser="transformer",
-    denoiser_class="HunyuanVideo15Transformer3DModel",
-    objective="flow",
-    text_encoders=("text_encoder", "text_encoder_2"),
-    tokenizers=("tokenizer", "tokenizer_2"),
-    patch_factor=1,
-    codec=HunyuanVideo15Latents(vae_class="AutoencoderKLHunyuanVideo15", frame_multiple=4, frame_rate=24.0),
-    preset_name="tiny-hunyuan-video-1.5",
-    preset={
-        "transformer": {
-            "in_channels": 8 + 8 + 1, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 2, "num_refiner_layers": 1,
-            "mlp_ratio": 2.0, "text_embed_dim": 32, "text_embed_2_dim": 32, "image_embed_dim": 16, "rope_axes_dim": [4, 6, 6], "target_size": 64,
-            "task_type": "t2v",
+class HunyuanVideo15Assembly(Assembly):
+    def construct_pipeline(self, cls, kwargs, folder):
+        if kwargs.get("vae") is not None:
+            return cls(**kwargs)
+        import diffusers
+
+        # HunyuanVideo15Pipeline.__init__ reads vae.config.latent_channels even when the VAE is None (a text
+        # pipeline, or one that samples latents): it is built with the VAE's config on the meta device (no
+        # weights), then the VAE is taken out again, so that nothing runs on it and the device is the others'.
+        with torch.device("meta"):
+            vae = getattr(diffusers, self.record.codec.vae_class).from_config(folder.component_config("vae"))
+        pipeline = cls(**{**kwargs, "vae": vae})
+        pipeline.register_modules(vae=None)
+        return pipeline
+
+
+def guider() -> Any:
+    """The pipeline's guider component, which a pipeline built here is given (samples set its scale: ``HunyuanVideo15Sampling.draw``)."""
+    from diffusers import ClassifierFreeGuidance
+
+    return ClassifierFreeGuidance(guidance_scale=6.0)
+
+
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="hunyuan-video-1.5",
+        trace_frames=121,  # HunyuanVideo15Pipeline's default clip: 5 s at 24 fps
+        pipeline_class="HunyuanVideo15Pipeline",
+        denoiser="transformer",
+        denoiser_class="HunyuanVideo15Transformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        patch_factor=1,
+        codec=HunyuanVideo15Latents(vae_class="AutoencoderKLHunyuanVideo15", frame_multiple=4, frame_rate=24.0),
+        preset_name="tiny-hunyuan-video-1.5",
+        preset={
+            "transformer": {
+                "in_channels": 8 + 8 + 1, "out_channels": 8, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 2, "num_refiner_layers": 1,
+                "mlp_ratio": 2.0, "text_embed_dim": 32, "text_embed_2_dim": 32, "image_embed_dim": 16, "rope_axes_dim": [4, 6, 6], "target_size": 64,
+                "task_type": "t2v",
+            },
+            "vae": {
+                "latent_channels": 8, "block_out_channels": [16, 16, 16, 16, 16], "layers_per_block": 1, "spatial_compression_ratio": 16,
+                "temporal_compression_ratio": 4, "scaling_factor": 1.0,
+            },
+            "text_encoder": tiny_qwen_text(),
+            "text_encoder_2": tiny_byt5(),
+            # HunyuanVideo 1.5 480p text-to-video's sampler: Euler on flow sigmas with a shift of 5 (diffusers' converter).
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 5.0},
         },
-        "vae": {
-            "latent_channels": 8, "block_out_channels": [16, 16, 16, 16, 16], "layers_per_block": 1, "spatial_compression_ratio": 16,
-            "temporal_compression_ratio": 4, "scaling_factor": 1.0,
-        },
-        "text_encoder": tiny_qwen_text(),
-        "text_encoder_2": tiny_byt5(),
-        # HunyuanVideo 1.5 480p text-to-video's sampler: Euler on flow sigmas with a shift of 5 (diffusers' converter).
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 5.0},
-    },
-    # Every linear layer of the blocks' attention and MLPs (diffusion-pipe's hunyuan_video_15 adapts the blocks' linear layers).
-    lora_targets=r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))",
+        # Every linear layer of the blocks' attention and MLPs (diffusion-pipe's hunyuan_video_15 adapts the blocks' linear layers).
+        lora_targets=r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))",
+        tokenizer_lengths={"tokenizer": PROMPT_TOKENS + TEMPLATE_START, "tokenizer_2": GLYPH_TOKENS},
+        trace_tokens=PROMPT_TOKENS,
+        pipeline_kwargs={"guider": guider()},
+    ),
+    call=HunyuanVideo15Call(),
+    prompts=HunyuanVideo15Prompts(),
+    sampling=HunyuanVideo15Sampling(),
+    assembly=HunyuanVideo15Assembly(),
 )

@@ -24,13 +24,15 @@ The LoRA's original layout is the image entry's: diffusers keeps Kandinsky's mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
-from zeropipe.families.diffusion.bases.kandinsky5_t2i import KANDINSKY_LORA_TARGETS, Kandinsky5T2I, one_call_per_prompt, prompt_lengths
+from zeropipe.families.diffusion.bases.kandinsky5_t2i import ARCHITECTURE as T2I
+from zeropipe.families.diffusion.bases.kandinsky5_t2i import KANDINSKY_LORA_TARGETS, Kandinsky5Prompts, Kandinsky5Sampling, one_call_per_prompt, prompt_lengths
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import VideoLatents
+from zeropipe.families.diffusion.roles import DenoiserCall
 from zeropipe.families.diffusion.tiny.components import tiny_hunyuan_video_vae, clip_text, tiny_qwen2_5_vl
 from zeropipe.families.diffusion.tiny.tokenizers import template_qwen_tokenizer
 
@@ -63,12 +65,15 @@ def rope_scale(height: int, width: int) -> tuple:
     return Kandinsky5T2VPipeline._get_scale_factor(None, height, width)
 
 
-@dataclass(frozen=True)
-class Kandinsky5T2V(Kandinsky5T2I):
+class Kandinsky5T2VPrompts(Kandinsky5Prompts):
     def tiny_tokenizer(self, tokenizer):
         if tokenizer == "tokenizer_2":
             return super().tiny_tokenizer(tokenizer)
-        return template_qwen_tokenizer(self.pipeline_class, 128 + self.tokenizer_length(tokenizer))
+        return template_qwen_tokenizer(self.record.pipeline_class, 128 + self.record.tokenizer_length(tokenizer))
+
+
+class Kandinsky5T2VCall(DenoiserCall):
+    """The transformer called once per prompt length on channels-last latents, with the pipeline's RoPE scale and sparse attention."""
 
     def visual_condition(self, latents: torch.Tensor, condition: dict[str, torch.Tensor]) -> torch.Tensor:
         """The channels-last input with the visual condition and its mask appended (zeros: nothing is given in text-to-video)."""
@@ -107,7 +112,9 @@ class Kandinsky5T2V(Kandinsky5T2I):
             "scale_factor": (1, 2, 2),
         }
 
-    def call_pipeline(self, pipeline, kwargs):
+
+class Kandinsky5T2VSampling(Kandinsky5Sampling):
+    def draw(self, pipeline, kwargs):
         return one_call_per_prompt(pipeline, kwargs)
 
     def unpack_latents(self, pipeline, latents, size, vae_factor):
@@ -131,18 +138,28 @@ def tiny_preset() -> dict:
     }
 
 
-ARCHITECTURE = Kandinsky5T2V(
-    name="kandinsky5-t2v",
-    trace_frames=121,  # the pipelines' example: 5 s at 24 fps, 512 x 768
-    pipeline_class="Kandinsky5T2VPipeline",
-    denoiser="transformer",
-    denoiser_class="Kandinsky5Transformer3DModel",
-    objective="flow",
-    text_encoders=("text_encoder", "text_encoder_2"),
-    tokenizers=("tokenizer", "tokenizer_2"),
-    patch_factor=2,
-    codec=VideoLatents(vae_class="AutoencoderKLHunyuanVideo", frame_multiple=4, frame_rate=24.0),
-    preset_name="tiny-kandinsky5-t2v",
-    preset=tiny_preset(),
-    lora_targets=KANDINSKY_LORA_TARGETS,
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="kandinsky5-t2v",
+        trace_frames=121,  # the pipelines' example: 5 s at 24 fps, 512 x 768
+        pipeline_class="Kandinsky5T2VPipeline",
+        denoiser="transformer",
+        denoiser_class="Kandinsky5Transformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        patch_factor=2,
+        codec=VideoLatents(vae_class="AutoencoderKLHunyuanVideo", frame_multiple=4, frame_rate=24.0),
+        preset_name="tiny-kandinsky5-t2v",
+        preset=tiny_preset(),
+        lora_targets=KANDINSKY_LORA_TARGETS,
+        tokenizer_lengths=T2I.record.tokenizer_lengths,
+        trace_tokens=T2I.record.trace_tokens,
+        image_processor_patch=T2I.record.image_processor_patch,
+    ),
+    call=Kandinsky5T2VCall(),
+    prompts=Kandinsky5T2VPrompts(),
+    sampling=Kandinsky5T2VSampling(),
+    layouts=T2I.layouts,
+    assembly=T2I.assembly,
 )

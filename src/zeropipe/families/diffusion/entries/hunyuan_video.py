@@ -22,13 +22,12 @@ back (checked in tests at the real model's width, 3072).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from zeropipe.families.diffusion.comfy import COMFY_PREFIX
-from zeropipe.families.diffusion.legacy import LegacyEntry
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import VideoLatents
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_hunyuan_video_vae, clip_text, tiny_hunyuan_llama as tiny_llama
 from zeropipe.families.diffusion.tiny.tokenizers import template_tokenizer
 
@@ -97,20 +96,26 @@ def original_lora_layers(layers: dict[str, torch.Tensor], alpha: float) -> dict[
     return out
 
 
-@dataclass(frozen=True)
-class HunyuanVideo(LegacyEntry):
-    def tokenizer_length(self, tokenizer):
-        return 77 if tokenizer == "tokenizer_2" else 256
-
-    def tiny_tokenizer(self, tokenizer):
-        if tokenizer == "tokenizer_2":
-            return super().tiny_tokenizer(tokenizer)
-        return template_tokenizer(self.tokenizer_length(tokenizer))
+class HunyuanVideoPrompts(PromptEncoding):
+    """Llama and CLIP prompts through ``HunyuanVideoPipeline.encode_prompt``; a tiny preset's template-aware Llama tokenizer."""
 
     def encode_prompts(self, pipeline, prompts, device):
         # The pipeline's defaults: the prompt template, 256 Llama tokens kept, CLIP's pooled output.
         embeds, pooled, mask = pipeline.encode_prompt(prompt=prompts, device=device, dtype=torch.float32)
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask.float()}
+
+    def tiny_tokenizer(self, tokenizer):
+        if tokenizer == "tokenizer_2":
+            return super().tiny_tokenizer(tokenizer)
+        return template_tokenizer(self.record.tokenizer_length(tokenizer))
+
+
+class HunyuanVideoCall(DenoiserCall):
+    """The transformer called as ``HunyuanVideoPipeline`` calls it, told the guidance where it embeds one.
+
+    ``predict`` rather than ``inputs``: whether the guidance is given depends on the transformer's config
+    (``guidance_embeds``), which only the call sees.
+    """
 
     def predict(self, model, model_input, timesteps, condition, context):
         module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
@@ -124,13 +129,6 @@ class HunyuanVideo(LegacyEntry):
             guidance=guidance, return_dict=False,
         )[0]
 
-    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
-        # guidance_scale is HunyuanVideoPipeline's embedded guidance; no negative prompt (true_cfg_scale stays 1).
-        return {
-            "prompt_embeds": condition["prompt_embeds"], "pooled_prompt_embeds": condition["pooled_prompt_embeds"],
-            "prompt_attention_mask": condition["prompt_attention_mask"], "guidance_scale": guidance_scale,
-        }
-
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         return {
             "hidden_states": torch.randn(1, config.in_channels, latent_frames, latent_side, latent_side, dtype=dtype),
@@ -141,38 +139,56 @@ class HunyuanVideo(LegacyEntry):
             "guidance": torch.tensor([1000.0], dtype=dtype) if config.guidance_embeds else None,
         }
 
+
+class HunyuanVideoSampling(Sampling):
+    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
+        # guidance_scale is HunyuanVideoPipeline's embedded guidance; no negative prompt (true_cfg_scale stays 1).
+        return {
+            "prompt_embeds": condition["prompt_embeds"], "pooled_prompt_embeds": condition["pooled_prompt_embeds"],
+            "prompt_attention_mask": condition["prompt_attention_mask"], "guidance_scale": guidance_scale,
+        }
+
+
+class HunyuanVideoLayouts(ExportLayouts):
     def original_lora_layout(self, layers, alpha):
         """``diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight`` ...: what ComfyUI and diffusion-pipe load for HunyuanVideo."""
         return original_lora_layers(layers, alpha)
 
 
-ARCHITECTURE = HunyuanVideo(
-    name="hunyuan-video",
-    pipeline_class="HunyuanVideoPipeline",
-    denoiser="transformer",
-    denoiser_class="HunyuanVideoTransformer3DModel",
-    objective="flow",
-    text_encoders=("text_encoder", "text_encoder_2"),
-    tokenizers=("tokenizer", "tokenizer_2"),
-    patch_factor=2,
-    codec=VideoLatents(vae_class="AutoencoderKLHunyuanVideo", frame_multiple=4, frame_rate=24.0),
-    preset_name="tiny-hunyuan-video",
-    preset={
-        "transformer": {
-            "in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1, "num_single_layers": 1,
-            "num_refiner_layers": 1, "mlp_ratio": 2.0, "patch_size": 2, "patch_size_t": 1, "guidance_embeds": True, "text_embed_dim": 32,
-            "pooled_projection_dim": 32, "rope_axes_dim": [4, 6, 6],
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="hunyuan-video",
+        pipeline_class="HunyuanVideoPipeline",
+        denoiser="transformer",
+        denoiser_class="HunyuanVideoTransformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        patch_factor=2,
+        codec=VideoLatents(vae_class="AutoencoderKLHunyuanVideo", frame_multiple=4, frame_rate=24.0),
+        preset_name="tiny-hunyuan-video",
+        preset={
+            "transformer": {
+                "in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16, "num_layers": 1, "num_single_layers": 1,
+                "num_refiner_layers": 1, "mlp_ratio": 2.0, "patch_size": 2, "patch_size_t": 1, "guidance_embeds": True, "text_embed_dim": 32,
+                "pooled_projection_dim": 32, "rope_axes_dim": [4, 6, 6],
+            },
+            "vae": tiny_hunyuan_video_vae(),
+            "text_encoder": tiny_llama(),
+            "text_encoder_2": {"class": "CLIPTextModel", **clip_text()},
+            # HunyuanVideo's own sampler: Euler on flow sigmas with a shift of 7.
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 7.0},
         },
-        "vae": tiny_hunyuan_video_vae(),
-        "text_encoder": tiny_llama(),
-        "text_encoder_2": {"class": "CLIPTextModel", **clip_text()},
-        # HunyuanVideo's own sampler: Euler on flow sigmas with a shift of 7.
-        "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 7.0},
-    },
-    # Every linear layer of the double- and single-stream blocks' attention and MLPs, as diffusion-pipe trains HunyuanVideo LoRAs.
-    # A regular expression: the bare name proj_out would also match the final projection outside the blocks.
-    lora_targets=(
-        r"(transformer_blocks|single_transformer_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-        r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2)|proj_mlp|proj_out)"
+        # Every linear layer of the double- and single-stream blocks' attention and MLPs, as diffusion-pipe trains HunyuanVideo LoRAs.
+        # A regular expression: the bare name proj_out would also match the final projection outside the blocks.
+        lora_targets=(
+            r"(transformer_blocks|single_transformer_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+            r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2)|proj_mlp|proj_out)"
+        ),
+        tokenizer_lengths={"tokenizer": 256},  # the Llama tokens HunyuanVideoPipeline keeps after the template's cut
     ),
+    call=HunyuanVideoCall(),
+    prompts=HunyuanVideoPrompts(),
+    sampling=HunyuanVideoSampling(),
+    layouts=HunyuanVideoLayouts(),
 )

@@ -11,18 +11,19 @@ Both are cached with the clip's latents (the SigLIP embeddings by the pipeline's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from zeropipe.families.diffusion.bases.hunyuan_video15 import ARCHITECTURE as T2V
-from zeropipe.families.diffusion.bases.hunyuan_video15 import HunyuanVideo15
+from zeropipe.families.diffusion.bases.hunyuan_video15 import HunyuanVideo15Assembly, HunyuanVideo15Call, HunyuanVideo15Sampling, guider
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import FirstFrameAlone, FirstFrameEmbeddings
 
 IMAGE_COMPONENTS = ("image_encoder", "feature_extractor")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class SiglipFirstFrameEmbeddings(FirstFrameEmbeddings):
     """The first frame's SigLIP embeddings, by ``HunyuanVideo15ImageToVideoPipeline.encode_image``."""
 
@@ -30,8 +31,7 @@ class SiglipFirstFrameEmbeddings(FirstFrameEmbeddings):
         return pipeline.encode_image(images, batch_size=1, device=device, dtype=torch.float32)
 
 
-@dataclass(frozen=True)
-class HunyuanVideo15ImageToVideo(HunyuanVideo15):
+class HunyuanVideo15ImageToVideoCall(HunyuanVideo15Call):
     def image_conditioning(self, model_input, condition, image_embed_dim):
         batch, _, frames, height, width = model_input.shape
         first = condition["first_frame_latents"].to(model_input.dtype)  # (batch, channels, 1, h, w)
@@ -40,15 +40,19 @@ class HunyuanVideo15ImageToVideo(HunyuanVideo15):
         mask[:, :, 0] = 1.0
         return torch.cat([latents, mask], dim=1), condition["image_embeds"]
 
-    def call_pipeline(self, pipeline, kwargs):
+
+class HunyuanVideo15ImageToVideoSampling(HunyuanVideo15Sampling):
+    def draw(self, pipeline, kwargs):
         from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
         # The pipeline sizes the video from the image (its bucket nearest the transformer's target_size) and crops the
         # image with its own processor, which the shared assembly replaced by a plain VideoProcessor: made again as
         # HunyuanVideo15ImageToVideoPipeline.__init__ makes it.
         pipeline.video_processor = HunyuanVideo15ImageProcessor(vae_scale_factor=pipeline.vae_scale_factor_spatial, do_resize=False, do_convert_rgb=True)
-        return super().call_pipeline(pipeline, {key: value for key, value in kwargs.items() if key not in ("height", "width")})
+        return super().draw(pipeline, {key: value for key, value in kwargs.items() if key not in ("height", "width")})
 
+
+class HunyuanVideo15ImageToVideoAssembly(HunyuanVideo15Assembly):
     def tiny_component(self, name, fields):
         if name == "image_encoder":
             from transformers import SiglipVisionConfig, SiglipVisionModel
@@ -62,7 +66,7 @@ class HunyuanVideo15ImageToVideo(HunyuanVideo15):
 
 
 def _preset() -> dict:
-    preset = {name: dict(fields) for name, fields in T2V.preset.items()}
+    preset = {name: dict(fields) for name, fields in T2V.record.preset.items()}
     preset["transformer"]["task_type"] = "i2v"
     image_dim = preset["transformer"]["image_embed_dim"]
     # SigLIP's layout, tiny: 32-pixel images in 8-pixel patches (16 tokens; the real one has 27 x 27).
@@ -71,13 +75,19 @@ def _preset() -> dict:
     return preset
 
 
-ARCHITECTURE = HunyuanVideo15ImageToVideo(
-    **{
-        **{field: getattr(T2V, field) for field in T2V.__dataclass_fields__},
-        "name": "hunyuan-video-1.5-i2v",
-        "pipeline_class": "HunyuanVideo15ImageToVideoPipeline",
-        "conditions": (FirstFrameAlone(), SiglipFirstFrameEmbeddings(IMAGE_COMPONENTS)),
-        "preset_name": "tiny-hunyuan-video-1.5-i2v",
-        "preset": _preset(),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        T2V.record,
+        name="hunyuan-video-1.5-i2v",
+        pipeline_class="HunyuanVideo15ImageToVideoPipeline",
+        conditions=(FirstFrameAlone(), SiglipFirstFrameEmbeddings(IMAGE_COMPONENTS)),
+        preset_name="tiny-hunyuan-video-1.5-i2v",
+        preset=_preset(),
+        pipeline_kwargs={"guider": guider()},  # its own guider component, not the text-to-video entry's
+    ),
+    call=HunyuanVideo15ImageToVideoCall(),
+    prompts=T2V.prompts,
+    sampling=HunyuanVideo15ImageToVideoSampling(),
+    layouts=T2V.layouts,
+    assembly=HunyuanVideo15ImageToVideoAssembly(),
 )

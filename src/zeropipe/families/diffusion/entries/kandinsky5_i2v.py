@@ -15,17 +15,17 @@ returning latents, renormalises its first four latent frames against the next on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
 from zeropipe.families.diffusion.bases.kandinsky5_t2v import ARCHITECTURE as T2V
-from zeropipe.families.diffusion.bases.kandinsky5_t2v import Kandinsky5T2V, channels_last, tiny_preset
+from zeropipe.families.diffusion.bases.kandinsky5_t2v import Kandinsky5T2VCall, channels_last, tiny_preset
+from zeropipe.families.diffusion.core import Architecture
 from zeropipe.families.diffusion.parts import FirstFrameAlone
 
 
-@dataclass(frozen=True)
-class Kandinsky5I2V(Kandinsky5T2V):
+class Kandinsky5I2VCall(Kandinsky5T2VCall):
     def visual_condition(self, latents, condition):
         given = channels_last(condition["first_frame_latents"][:, :, :1]).to(latents.dtype)
         latents = torch.cat([given, latents[:, 1:]], dim=1)
@@ -37,13 +37,18 @@ class Kandinsky5I2V(Kandinsky5T2V):
         return prediction[:, :, 1:], target[:, :, 1:]  # the first latent frame is the given image, not denoised
 
 
-ARCHITECTURE = Kandinsky5I2V(
-    **{
-        **{field: getattr(T2V, field) for field in T2V.__dataclass_fields__},
-        "name": "kandinsky5-i2v",
-        "pipeline_class": "Kandinsky5I2VPipeline",
-        "conditions": (FirstFrameAlone(),),
-        "preset_name": "tiny-kandinsky5-i2v",
-        "preset": tiny_preset(),
-    }
+ARCHITECTURE = Architecture(
+    record=dataclasses.replace(
+        T2V.record,
+        name="kandinsky5-i2v",
+        pipeline_class="Kandinsky5I2VPipeline",
+        conditions=(FirstFrameAlone(),),
+        preset_name="tiny-kandinsky5-i2v",
+        preset=tiny_preset(),
+    ),
+    call=Kandinsky5I2VCall(),
+    prompts=T2V.prompts,
+    sampling=T2V.sampling,
+    layouts=T2V.layouts,
+    assembly=T2V.assembly,
 )
