@@ -63,10 +63,25 @@ def core_members(cls) -> list[str]:
 def test_the_entry_core_has_at_most_15_members():
     members = core_members(Architecture)
     assert len(members) <= MOST_MEMBERS, f"Architecture has {len(members)} members ({', '.join(members)}): a constant belongs in the Record, code in a role"
-    # The counter counts: the class it replaced had 46.
-    from zeropipe.families.diffusion.legacy import LegacyEntry
+    # The counter counts fields, properties and methods (the retired old-shape class had 46).
+    import dataclasses
 
-    assert len(core_members(LegacyEntry)) > MOST_MEMBERS
+    wide = dataclasses.make_dataclass("Wide", [(f"field_{n}", int) for n in range(MOST_MEMBERS)], namespace={"method": lambda self: 0, "prop": property(lambda self: 0)})
+    assert len(core_members(wide)) == MOST_MEMBERS + 2
+
+
+def test_a_plugin_entry_that_is_not_an_architecture_is_refused_with_the_way_to_write_one():
+    from zeropipe.errors import ConfigError
+    from zeropipe.families.diffusion.entries import register
+
+    class OldShape:  # one class with constant methods: the retired shape
+        name = "old"
+
+        def tokenizer_length(self):
+            return 77
+
+    with pytest.raises(ConfigError, match=r"OldShape is not a diffusion entry: register Architecture\(record=Record"):
+        register(OldShape())
 
 
 ROLE_CLASSES = {"call": roles.DenoiserCall, "prompts": roles.PromptEncoding, "sampling": roles.Sampling, "layouts": roles.ExportLayouts, "assembly": roles.Assembly}

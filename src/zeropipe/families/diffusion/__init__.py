@@ -10,7 +10,7 @@
 - ``entries/``: the architecture entries (one module each, a registry in ``entries/__init__.py``), no
   entry importing another; ``core.py``: the entry core (``Architecture``: a declared ``Record`` and its roles),
   ``roles.py``: the roles (denoiser call, prompt encoding, sampling, export layouts, assembly), ``sampler.py``:
-  the one sampler (training's samples and the UI's Draw), ``legacy.py``: entries still in the old shape; ``bases/``: what entries of
+  the one sampler (training's samples and the UI's Draw); ``bases/``: what entries of
   one model line share; ``parts/``: the parts entries are built from (latent codecs, prompt text,
   conditions); ``tiny/``: the tiny presets' tokenizers and components;
 - ``pipelines.py`` (loading diffusers pipelines and components, tiny presets), ``cache.py`` (the

@@ -4,8 +4,8 @@ An entry (``core.Architecture``) is a declared record (which diffusers pipeline 
 component is trained, its objective, parts, LoRA targets and tiny preset) and roles for the code that
 differs (how the denoiser is called, how prompts are encoded, how samples are drawn, the original LoRA
 layout). Everything else (caches, buckets, training loop, export) is shared and asks the entry.
-Adding one is a module here plus a line in :data:`BUILTIN`; see docs/architecture.md. An entry in the
-old shape (``legacy.LegacyEntry``) is converted when it registers.
+Adding one is a module here plus a line in :data:`BUILTIN`; see docs/architecture.md. A plug-in registers
+an ``Architecture`` too; anything else is refused with the way to write one.
 """
 
 from __future__ import annotations
@@ -55,10 +55,19 @@ def register(architecture: Architecture) -> Architecture:
 
 
 def as_entry(architecture) -> Architecture:
-    """An entry in today's shape; one written in the old shape (``legacy.LegacyEntry``, a plug-in's) is converted by its ``entry()``."""
-    from zeropipe.families.diffusion.legacy import LegacyEntry
+    """The entry as it is registered: an ``Architecture`` (a record and its roles); anything else is refused with the way to write one.
 
-    return architecture.entry() if isinstance(architecture, LegacyEntry) else architecture
+    Raises:
+        ConfigError: a plug-in's object is not an ``Architecture`` (an entry in the retired old shape, a class with constant methods).
+    """
+    if isinstance(architecture, Architecture):
+        return architecture
+    raise ConfigError([(
+        "plugins",
+        f"{type(architecture).__name__} is not a diffusion entry: register Architecture(record=Record(...), call=..., prompts=...) "
+        "(docs/architecture.md, \"A diffusion architecture\"; the old shape, one class with constant methods, was retired when every "
+        "built-in entry moved to the record: its recipe there converts a plug-in written that way)",
+    )])
 
 
 def unregister(name: str) -> None:
