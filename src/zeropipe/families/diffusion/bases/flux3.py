@@ -11,8 +11,10 @@ called at its own window, so a batch of prompts of different windows is called o
 
 This module builds those inputs with the modular pipeline's own helpers, so the call is ``Flux3LoopDenoiser``'s
 (held to it in ``tests/unit/diffusion/test_flux3.py``); the entry is ``entries/flux3.py``.
-FLUX.3 [distilled] (``Flux3DistilledModularPipeline``) is a flow-map model (``flow_map=True``: each call also takes
-the timestep the step jumps to), which the flow objective does not train.
+FLUX.3 [distilled] (``Flux3DistilledModularPipeline``, ``entries/flux3_distilled.py``) is a flow map
+(``flow_map=True``): each call also takes the timestep the step jumps to, ``target_timestep`` (a condition entry,
+``TARGET``: in scheduler units, as ``timesteps``), and ``Flux3DistilledLoopDenoiser`` calls it so, without guidance
+(held to it in ``tests/unit/diffusion/test_flux3_distilled.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from zeropipe.families.diffusion.roles import DenoiserCall
 
+TARGET = "target_timestep"  # a flow map's condition entry: the timestep each call jumps to (scheduler units), FLUX.3 [distilled]'s
 IMAGE_ROPE_SCALE = 0.5  # Flux3PrepareLatentsStep's default: the image ids' h and w axes are scaled by it
 
 
@@ -41,22 +44,26 @@ def text_ids(embeds: torch.Tensor) -> torch.Tensor:
 class Flux3Call(DenoiserCall):
     """``Flux3LoopDenoiser``'s call: packed image tokens, each prompt at its own window (``prompt_embeds_mask``), ``t / 1000``."""
 
-    def call_one(self, model, latents: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, context) -> torch.Tensor:
+    def call_one(self, model, latents: torch.Tensor, timesteps: torch.Tensor, embeds: torch.Tensor, context, target: torch.Tensor | None = None) -> torch.Tensor:
+        """One window's call; ``target``: a flow map's jump-to timesteps (``Flux3DistilledLoopDenoiser``: ``target_timestep``, also over 1000)."""
         batch, channels, height, width = latents.shape
+        jump = {} if target is None else {"target_timestep": (target.float() / 1000).to(context.dtype)}
         out = model(
             hidden_states=latents.flatten(2).transpose(1, 2).to(context.dtype), encoder_hidden_states=embeds.to(context.dtype),
             timestep=(timesteps.float() / 1000).to(context.dtype), img_ids=image_ids(height, width).to(latents.device),
-            txt_ids=text_ids(embeds).to(latents.device), return_dict=False,
+            txt_ids=text_ids(embeds).to(latents.device), return_dict=False, **jump,
         )[0]
         return out.transpose(1, 2).reshape(batch, channels, height, width)
 
     def predict(self, model, model_input, timesteps, condition, context):
         mask = condition["prompt_embeds_mask"].bool()
         lengths = mask.sum(dim=1)
+        target = condition.get(TARGET)
         if bool((lengths == lengths[0]).all()):
-            return self.call_one(model, model_input, timesteps, condition["prompt_embeds"][:, : int(lengths[0])], context)
+            return self.call_one(model, model_input, timesteps, condition["prompt_embeds"][:, : int(lengths[0])], context, target)
         return torch.cat([
-            self.call_one(model, model_input[index : index + 1], timesteps[index : index + 1], condition["prompt_embeds"][index : index + 1, : int(lengths[index])], context)
+            self.call_one(model, model_input[index : index + 1], timesteps[index : index + 1], condition["prompt_embeds"][index : index + 1, : int(lengths[index])], context,
+                          None if target is None else target[index : index + 1])
             for index in range(model_input.shape[0])
         ])
 
@@ -64,8 +71,30 @@ class Flux3Call(DenoiserCall):
 def trace_inputs(config, latent: int, text_tokens: int, dtype: torch.dtype) -> dict:
     """The transformer's keyword arguments for one example of this size, made on the current (meta) device: 2x2-patched latents, one window of text."""
     tokens = (latent // 2) ** 2
-    return {
+    inputs = {
         "hidden_states": torch.randn(1, tokens, config.in_channels, dtype=dtype), "timestep": torch.tensor([0.5], dtype=dtype),
         "encoder_hidden_states": torch.randn(1, text_tokens, config.joint_attention_dim, dtype=dtype),
         "img_ids": torch.zeros(tokens, 4), "txt_ids": torch.zeros(text_tokens, 4),
     }
+    if getattr(config, "flow_map", False):  # FLUX.3 [distilled]: the transformer requires the timestep it jumps to
+        inputs["target_timestep"] = torch.tensor([0.25], dtype=dtype)
+    return inputs
+
+
+class Flux3DistilledCall(Flux3Call):
+    """FLUX.3 [distilled]'s call (``Flux3DistilledLoopDenoiser``: one pass, no guidance, ``target_timestep`` the step's next
+    timestep), trained with the flow-map objective (``parts/flow_map.py``). Without a ``TARGET`` in the condition the call
+    is the map's diagonal (``target_timestep = timestep``): the instantaneous velocity, the flow objective's target."""
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        if TARGET not in condition:
+            condition = {**condition, TARGET: timesteps}
+        return super().predict(model, model_input, timesteps, condition, context)
+
+    def loss(self, model, noised, condition, context):
+        from zeropipe.families.diffusion.parts.flow_map import flow_map_loss
+
+        def jump(latents, t, s, given):
+            return self.predict(model, latents, t, {**given, TARGET: s}, context)
+
+        return flow_map_loss(jump, noised, condition)
