@@ -123,3 +123,18 @@ def test_the_flow_map_objective_holds_the_jumps_of_a_map_that_composes():
     jump_to = torch.tensor([0.0, 0.3, 0.6])
     assert flow_map_loss(exact, noised, {}, jump_to).item() < 1e-10  # the diagonal is the velocity, the jumps compose
     assert flow_map_loss(euler, noised, {}, jump_to).item() > 1e-3  # right diagonal, jumps that do not compose
+
+
+def test_the_catalog_entry_is_flux3s_transformer_built_as_a_flow_map():
+    """No size is published: the count is FLUX.3's catalog transformer plus the target-timestep embedder, nothing else differs."""
+    import json
+
+    from zeropipe.plan.model_spec import CATALOG_DIR, _build_component, catalog_names
+
+    assert "flux3-distilled" in catalog_names()
+    distilled, base = (json.loads((CATALOG_DIR / f"{name}.json").read_text()) for name in ("flux3-distilled", "flux3"))
+    assert distilled["architecture"] == "flux3-distilled" and distilled["source"] and distilled["trained"]["config"]["flow_map"] is True
+    assert {**distilled["trained"]["config"], "flow_map": False} == base["trained"]["config"] and distilled["frozen"] == base["frozen"]
+    built = _build_component(distilled["trained"])
+    embedder = sum(p.numel() for p in built.target_timestep_embedder.parameters())
+    assert sum(p.numel() for p in built.parameters()) == sum(p.numel() for p in _build_component(base["trained"]).parameters()) + embedder == 5_548_681_984

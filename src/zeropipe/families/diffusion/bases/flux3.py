@@ -19,9 +19,15 @@ FLUX.3 [distilled] (``Flux3DistilledModularPipeline``, ``entries/flux3_distilled
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from zeropipe.families.diffusion.bases.qwen3_vl_text import load_processor
+from zeropipe.families.diffusion.modular import DenoiserSampling, TextEncoderBlock
 from zeropipe.families.diffusion.roles import DenoiserCall
+from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_qwen3_vl_generation
+from zeropipe.families.diffusion.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, character_qwen_tokenizer
 
 TARGET = "target_timestep"  # a flow map's condition entry: the timestep each call jumps to (scheduler units), FLUX.3 [distilled]'s
 IMAGE_ROPE_SCALE = 0.5  # Flux3PrepareLatentsStep's default: the image ids' h and w axes are scaled by it
@@ -98,3 +104,45 @@ class Flux3DistilledCall(Flux3Call):
             return self.predict(model, latents, t, {**given, TARGET: s}, context)
 
         return flow_map_loss(jump, noised, condition)
+
+
+PROCESSOR = "tokenizer"  # the pipeline's component: an AutoProcessor (Qwen3VLProcessor), under the name `tokenizer`
+TINY_TEXT_LAYERS = 33  # the block taps hidden states 4, 8, ..., 32: a tiny Qwen3-VL needs 33 layers
+
+
+class Flux3Prompts(TextEncoderBlock):
+    def tiny_prompt_processor(self, processor, parts, folder):
+        tokenizer = character_qwen_tokenizer(256)
+        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+        tokenizer.save_pretrained(str(folder))
+
+    def load_prompt_processor(self, pipeline_dir, processor, parts):
+        return load_processor(Path(pipeline_dir) / processor)
+
+
+class Flux3Trace(Flux3Call):
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        return trace_inputs(config, latent_side, text_tokens, dtype)
+
+
+class Flux3Sampling(DenoiserSampling):
+    def timesteps(self, scheduler, steps, tokens, device):
+        """``Flux3SetTimestepsStep``'s: sigmas ``linspace(1, 1/steps, steps)`` on the scheduler's own (constant) shift."""
+        import numpy as np
+
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), device=device)
+        return scheduler.timesteps
+
+    def latent_shape(self, config, batch, height, width, factor):
+        return (batch, config.in_channels, height // (factor * 2), width // (factor * 2))  # latents patched 2x2
+
+
+TINY_PRESET = {  # the tiny-flux3 preset; FLUX.3 [distilled]'s is this with the transformer a flow map
+    "transformer": {
+        "in_channels": 16, "cond_in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+        "joint_attention_dim": 8 * 32, "timestep_channels": 32, "axes_dims_rope": [4, 4, 4, 4],
+    },
+    "vae": tiny_flux2_vae(),
+    "text_encoder": {**tiny_qwen3_vl_generation(), "text_config": {**tiny_qwen3_vl_generation()["text_config"], "num_hidden_layers": TINY_TEXT_LAYERS}},
+    "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
+}

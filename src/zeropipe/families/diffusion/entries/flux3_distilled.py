@@ -25,10 +25,10 @@ import logging
 
 import torch
 
-from zeropipe.families.diffusion.bases.flux3 import TARGET, Flux3DistilledCall, trace_inputs
+from zeropipe.families.diffusion.bases.flux3 import PROCESSOR, TARGET, TINY_PRESET, Flux3DistilledCall, Flux3Prompts, Flux3Sampling, trace_inputs
 from zeropipe.families.diffusion.core import Architecture, Record
-from zeropipe.families.diffusion.entries.flux3 import ARCHITECTURE as FLUX3
-from zeropipe.families.diffusion.entries.flux3 import Flux3Prompts, Flux3Sampling
+from zeropipe.families.diffusion.parts import PromptText
+from zeropipe.families.diffusion.parts.latents import Flux2Latents
 
 SAMPLE_STEPS = 16  # Flux3DistilledCoreDenoiseStep's Flux3SetTimestepsStep(num_inference_steps=16)
 logger = logging.getLogger(__name__)
@@ -74,14 +74,14 @@ ARCHITECTURE = Architecture(
         denoiser="transformer",
         denoiser_class="Flux3Transformer2DModel",
         objective="flow",
-        text_encoders=FLUX3.record.text_encoders,
-        tokenizers=(),
-        text=FLUX3.record.text,
+        text_encoders=("text_encoder",),
+        tokenizers=(),  # the tokenizer is the processor's (the `tokenizer` component), loaded with it
+        text=PromptText(processors=(PROCESSOR,)),
         patch_factor=2,
-        codec=FLUX3.record.codec,
+        codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
         preset_name="tiny-flux3-distilled",
-        preset={**FLUX3.record.preset, "transformer": {**FLUX3.record.preset["transformer"], "flow_map": True}},
-        trace_tokens=FLUX3.record.trace_tokens,
+        preset={**TINY_PRESET, "transformer": {**TINY_PRESET["transformer"], "flow_map": True}},
+        trace_tokens=160,  # two of the block's 80-token windows
         image_processor_patch=2,
     ),
     call=Flux3DistilledTrace(),
