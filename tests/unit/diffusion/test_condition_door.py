@@ -86,7 +86,7 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
         "minimax-h3": ["audio"],
         "ltx-2.5": ["audio"],
     }
-    assert [name for name, arch in entries.items() if arch.record.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus", "ltx2", "qwen-image-2.1", "flux3",
+    assert [name for name, arch in entries.items() if arch.record.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus", "ltx2", "qwen-image-2.1", "flux3", "flux3-distilled",
                                                                                            "minimax-h3", "ltx-2.5"]  # FLUX.3, MiniMax-H3: Qwen3-VL through its text-encoder block
 
 

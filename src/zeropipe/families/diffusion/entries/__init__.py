@@ -33,6 +33,7 @@ BUILTIN = (
     "qwen_image21",
     "z_image_omni",
     "flux3",
+    "flux3_distilled",
     "qwen_image_layered",
     "wan_vace",
     "minimax_h3",

@@ -11,52 +11,16 @@ the shared sampler (``modular.DenoiserSampling``) with classifier-free guidance 
 pipeline's guider does (its default scale 3.5 is ``generate.guidance_scale``'s to give).
 
 The LoRA exports in diffusers' layout; FLUX.3's original (ComfyUI) key layout is not published with diffusers 0.42.1
-(no converter of non-diffusers FLUX.3 LoRAs), so there is no second layout. FLUX.3 [distilled] is a flow-map model
-and not an entry (docs/diffusion.md, "Not done yet").
+(no converter of non-diffusers FLUX.3 LoRAs), so there is no second layout. FLUX.3 [distilled], a flow map on these
+parts, is ``entries/flux3_distilled.py``.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from zeropipe.families.diffusion.bases.flux3 import Flux3Call, trace_inputs
-from zeropipe.families.diffusion.bases.qwen3_vl_text import load_processor
+from zeropipe.families.diffusion.bases.flux3 import PROCESSOR, TINY_PRESET, Flux3Prompts, Flux3Sampling, Flux3Trace
 from zeropipe.families.diffusion.core import Architecture, Record
-from zeropipe.families.diffusion.modular import DenoiserSampling, TextEncoderBlock
 from zeropipe.families.diffusion.parts import PromptText
 from zeropipe.families.diffusion.parts.latents import Flux2Latents
-from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_qwen3_vl_generation
-from zeropipe.families.diffusion.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, character_qwen_tokenizer
-
-PROCESSOR = "tokenizer"  # the pipeline's component: an AutoProcessor (Qwen3VLProcessor), under the name `tokenizer`
-TINY_TEXT_LAYERS = 33  # the block taps hidden states 4, 8, ..., 32: a tiny Qwen3-VL needs 33 layers
-
-
-class Flux3Prompts(TextEncoderBlock):
-    def tiny_prompt_processor(self, processor, parts, folder):
-        tokenizer = character_qwen_tokenizer(256)
-        tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
-        tokenizer.save_pretrained(str(folder))
-
-    def load_prompt_processor(self, pipeline_dir, processor, parts):
-        return load_processor(Path(pipeline_dir) / processor)
-
-
-class Flux3Trace(Flux3Call):
-    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
-        return trace_inputs(config, latent_side, text_tokens, dtype)
-
-
-class Flux3Sampling(DenoiserSampling):
-    def timesteps(self, scheduler, steps, tokens, device):
-        """``Flux3SetTimestepsStep``'s: sigmas ``linspace(1, 1/steps, steps)`` on the scheduler's own (constant) shift."""
-        import numpy as np
-
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps).tolist(), device=device)
-        return scheduler.timesteps
-
-    def latent_shape(self, config, batch, height, width, factor):
-        return (batch, config.in_channels, height // (factor * 2), width // (factor * 2))  # latents patched 2x2
 
 
 ARCHITECTURE = Architecture(
@@ -72,15 +36,7 @@ ARCHITECTURE = Architecture(
         patch_factor=2,
         codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
         preset_name="tiny-flux3",
-        preset={
-            "transformer": {
-                "in_channels": 16, "cond_in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
-                "joint_attention_dim": 8 * 32, "timestep_channels": 32, "axes_dims_rope": [4, 4, 4, 4],
-            },
-            "vae": tiny_flux2_vae(),
-            "text_encoder": {**tiny_qwen3_vl_generation(), "text_config": {**tiny_qwen3_vl_generation()["text_config"], "num_hidden_layers": TINY_TEXT_LAYERS}},
-            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
-        },
+        preset=TINY_PRESET,
         trace_tokens=160,  # two of the block's 80-token windows
         image_processor_patch=2,
     ),

@@ -1,6 +1,6 @@
 """The guidance-preserving objective: LoRA training that keeps a guidance-distilled model's built-in guidance.
 
-A guidance-distilled model (MiniMax-H3, FLUX.1/FLUX.2 [dev], FLUX.3 [distilled]) predicts in one
+A guidance-distilled model (MiniMax-H3, FLUX.1/FLUX.2 [dev]) predicts in one
 call what classifier-free guidance at some scale ``w`` gave its teacher: ``v_g = u + w (c - u)``
 (``c`` conditional, ``u`` unconditional). Plain flow matching fits ``v_g`` itself to the data's
 velocity, so every step pulls the model toward the *unguided* conditional velocity: the

@@ -1,0 +1,78 @@
+"""Cosmos 3 Omni's denoiser call (``bases/cosmos3.py``) held to Cosmos3OmniModularPipeline's own blocks on a tiny transformer.
+
+The blocks are run as the pipeline runs them for text-to-video: ``Cosmos3PrepareTextSegmentsStep`` (the prompt's token ids),
+``Cosmos3VisionPackSequenceStep`` and ``Cosmos3VisionDenoiseInputStep`` (the packed sequence and its mRoPE ids), then one
+iteration of the loop's ``Cosmos3VisionLoopPrepareStep`` and ``Cosmos3LoopDenoiser`` with guidance off (its conditional pass);
+the call, given the latents and the padded prompt ids with their mask, must return the same velocity, for prompts of
+different lengths in one batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeropipe.families.diffusion.bases.cosmos3 import Cosmos3Call
+from zeropipe.families.diffusion.core import PredictContext
+from zeropipe.families.diffusion.modular import run_block, run_loop_block
+
+CONTEXT = PredictContext(torch.device("cpu"), torch.float32, 16, 1.0)
+TINY = {
+    "head_dim": 16, "hidden_size": 32, "intermediate_size": 64, "latent_channel": 4, "patch_latent_dim": 16, "num_attention_heads": 2,
+    "num_hidden_layers": 2, "num_key_value_heads": 1, "vocab_size": 300, "rope_axes_dim": [4, 2, 2], "dtype": "float32",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from diffusers import Cosmos3OmniModularPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+    torch.manual_seed(0)
+    transformer = Cosmos3OmniTransformer(**TINY).eval()
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    scheduler.set_timesteps(4)
+    pipeline = Cosmos3OmniModularPipeline()
+    pipeline.update_components(transformer=transformer, scheduler=scheduler)
+    return pipeline, transformer
+
+
+def block_velocity(pipeline, latents, t, ids, fps):
+    from diffusers.modular_pipelines.cosmos.before_denoise import (
+        Cosmos3PrepareTextSegmentsStep,
+        Cosmos3VisionDenoiseInputStep,
+        Cosmos3VisionPackSequenceStep,
+    )
+    from diffusers.modular_pipelines.cosmos.denoise import Cosmos3LoopDenoiser, Cosmos3VisionLoopPrepareStep
+
+    text = run_block(pipeline, Cosmos3PrepareTextSegmentsStep(), ("cond_text_segment", "uncond_text_segment"), cond_input_ids=ids, uncond_input_ids=ids)
+    vision = run_block(pipeline, Cosmos3VisionPackSequenceStep(), ("cond_vision_segment", "uncond_vision_segment"), **text, latents=latents, fps_vision=fps,
+                       vision_condition_indexes_for_pack=[])
+    sequence = run_block(pipeline, Cosmos3VisionDenoiseInputStep(), ("cond_position_ids", "uncond_position_ids", "cond_sequence_length", "uncond_sequence_length"),
+                         **text, **vision)
+    fields = {**text, **vision, **sequence}
+    state = run_loop_block(pipeline, [Cosmos3VisionLoopPrepareStep(), Cosmos3LoopDenoiser()], 0, t, latents=latents, cond_vision_segment=vision["cond_vision_segment"],
+                           denoiser_input_fields=fields, guidance_scale=1.0, vision_condition_mask=torch.zeros(latents.shape[2], 1, 1))
+    return state.velocity_vision
+
+
+def test_predict_is_the_loop_denoisers_conditional_pass(tiny):
+    pipeline, transformer = tiny
+    torch.manual_seed(1)
+    latents = torch.randn(2, 4, 3, 4, 6)
+    t = pipeline.scheduler.timesteps[1]
+    prompts = [[5, 17, 40, 41, 42, 99, 7], [8, 9, 10, 11]]
+    longest = max(len(p) for p in prompts)
+    condition = {
+        "input_ids": torch.tensor([p + [0] * (longest - len(p)) for p in prompts]),
+        "input_ids_mask": torch.tensor([[1] * len(p) + [0] * (longest - len(p)) for p in prompts]),
+        "fps": torch.tensor([24.0, 16.0]),
+    }
+    ours = Cosmos3Call().predict(transformer, latents, t.expand(2), condition, CONTEXT)
+    expected = torch.cat([block_velocity(pipeline, latents[i : i + 1], t, prompts[i], float(condition["fps"][i])) for i in range(2)])
+    assert ours.shape == latents.shape
+    assert torch.allclose(ours, expected, atol=1e-5), (ours - expected).abs().max()
+    # The frame rate and the prompt are inputs the call reads (fps modulation of the mRoPE ids; the text pathway).
+    swapped = Cosmos3Call().predict(transformer, latents, t.expand(2), {**condition, "fps": torch.tensor([12.0, 16.0])}, CONTEXT)
+    assert not torch.allclose(swapped[0], ours[0], atol=1e-5) and torch.allclose(swapped[1], ours[1], atol=1e-6)
+    other = Cosmos3Call().predict(transformer, latents[:1], t.expand(1), {"input_ids": condition["input_ids"][1:], "input_ids_mask": condition["input_ids_mask"][1:]}, CONTEXT)
+    assert not torch.allclose(other, ours[:1], atol=1e-5)
