@@ -21,6 +21,7 @@ ships with diffusers 0.42.1, as for FLUX.3).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -39,6 +40,12 @@ class Flux3DistilledTrace(Flux3DistilledCall):
         return trace_inputs(config, latent_side, text_tokens, dtype)  # with target_timestep: the config is a flow map's
 
 
+@functools.lru_cache(maxsize=None)
+def unguided_once(scale: float) -> None:
+    """Said once per process and scale, not at every sample (generate.guidance_scale defaults to 5.0)."""
+    logger.warning("generate.guidance_scale %s is not applied: FLUX.3 [distilled] samples without classifier-free guidance (Flux3DistilledLoopDenoiser)", scale)
+
+
 class Flux3DistilledSampling(Flux3Sampling):
     """``Flux3DistilledDenoiseStep``'s loop on the shared sampler: each step's call jumps to the next timestep (0 after the last)."""
 
@@ -50,7 +57,7 @@ class Flux3DistilledSampling(Flux3Sampling):
         module = getattr(model, "module", model)
         condition = kwargs["condition"]
         if float(kwargs["guidance_scale"]) > 1:
-            logger.warning("generate.guidance_scale %s is not applied: FLUX.3 [distilled] samples without classifier-free guidance (Flux3DistilledLoopDenoiser)", kwargs["guidance_scale"])
+            unguided_once(float(kwargs["guidance_scale"]))
         factor = pipeline.zeropipe_vae_factor
         device = next(module.parameters()).device
         context = PredictContext(device, next(module.parameters()).dtype, factor, float(kwargs["guidance"]))
