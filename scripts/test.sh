@@ -38,6 +38,10 @@ for lane in unit integration e2e gpu; do
     # on 2 cores (test_optimizers, test_ema, test_adapter_kinds: 6 tests, 9 two-rank runs), one worker
     # took 176 s and two workers 204 s, so it runs on one. ZEROPIPE_INTEGRATION_WORKERS=2 runs it on two
     # (rendezvous ports cannot collide: the launcher holds the port it picks). 0 or 1: one process.
+    # The ceiling, measured as demand (not wall time, which the shared machine's load distorts): run alone,
+    # test_train.py + test_image_edit.py (7 tests, 8 two-rank runs) had 2 or more threads runnable in 68% of
+    # 0.1 s samples and one in 30%, i.e. 0.84 of 2 cores busy. Two workers could save at most 16% of the
+    # lane, before the cost of 4 ranks sharing 2 cores, which made the subset above 16% slower.
     workers=()
     case "$lane" in
         unit) count="${ZEROPIPE_UNIT_WORKERS:-2}" ;;

@@ -70,7 +70,7 @@ def setup(tmp_path_factory):
 
 # mode: (steps, save_every, model section's extra keys, train's, grpo's)
 MODES = {
-    "lora": (40, 20, {"lora": LORA}, {"lr": 5e-3}, {"loss_type": "dapo"}),
+    "lora": (40, 30, {"lora": LORA}, {"lr": 5e-3}, {"loss_type": "dapo"}),
     "full": (40, 30, {}, {"lr": 3e-3}, {"loss_type": "dapo"}),
 }
 
@@ -117,7 +117,8 @@ def test_grpo_raises_the_reward_under_zero3_resumes_exactly_and_exports(setup, t
         log = (run_dir / "logs" / "rank0.log").read_text()
         assert "KL reference: a frozen copy of" in log and "17,904 of its parameters on each rank" in log  # 35,808 in all
 
-    # Exact resume from the middle checkpoint: the same samples (seeded per rank and micro-step), losses and rewards.
+    # Exact resume from the checkpoint at step 30 of 40: the same samples (seeded per rank and micro-step), losses and rewards
+    # over the ten steps after it, as the full fine-tune's (LoRA resumed from step 20 before: ten more steps trained for no other check).
     cut = tmp_path / "cut"
     shutil.copytree(run_dir, cut)
     assert_ok(zeropipe("train", config, "--resume", cut / "checkpoints" / f"step_{save_every:08d}"))

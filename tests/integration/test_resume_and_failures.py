@@ -97,12 +97,28 @@ def test_too_many_malformed_lines_refuse_to_start(tmp_run):
 
 
 def test_few_malformed_lines_are_skipped_and_reported(tmp_run):
+    """Skipping and reporting malformed lines is the launcher's data step: run here, in-process, as `train` runs it.
+
+    The ranks read the token cache that step writes (the good records only), whatever was skipped; that
+    they train on it is every run's, and that the launcher prints its data step's notes is checked by
+    real runs (test_diffusion.py's "skipped 2 unusable image(s)"). A 3-step run of its own cost a launch.
+    """
+    from zeropipe.config.load import load_config
+    from zeropipe.families import family_of
+    from zeropipe.rundir import RunDir
+
     tmp_path, make = tmp_run
     data = tmp_path / "mostly_good.jsonl"
     lines = [json.dumps({"instruction": f"What is {i % 9} + 1?", "output": str(i % 9 + 1)}) for i in range(60)]
     lines.insert(10, "{broken")
     data.write_text("\n".join(lines) + "\n")
     config = make("skips", data={"synthetic": None, "path": str(data), "max_bad_fraction": 0.05}, train={"max_steps": 3})
-    result = zeropipe("train", config)
-    assert_ok(result)
-    assert "skipped 1 malformed record(s)" in result.stderr and "line 11" in result.stderr
+    run = RunDir(tmp_path / "prepared")
+    run.path.mkdir(parents=True)
+    loaded = load_config(config)
+    prepared = family_of(loaded.model).prepare_data(loaded, run, reuse=False)
+    notes = " ".join(prepared.notes)
+    assert "skipped 1 malformed record(s)" in notes and "line 11" in notes, prepared.notes
+    # The 60 good records, and only they, are in the cache the ranks read.
+    cache = json.loads((run.cache / "cache.json").read_text())
+    assert prepared.examples == cache["examples"] == 60, (prepared.examples, cache)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
+from tests.integration.conftest import RESUME_STEPS, SAVE_EVERY, assert_ok, metrics, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -51,18 +51,22 @@ def test_zero3_with_cpu_offload_trains_and_exports(tmp_run):
     export_and_check_logits(run_dir, tmp_path / "export", tmp_path)
 
 
-def test_zero2_export_matches_training_weights(tmp_run):
-    """The exported model computes the same loss as the last logged step's weights would."""
-    tmp_path, make = tmp_run
-    config = make("z2", train={"max_steps": 10, "save_every": 5}, deepspeed={"zero_stage": 2, "precision": "fp32"})
-    assert_ok(zeropipe("train", config))
-    run_dir = tmp_path / "runs" / "z2"
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000005", "step_00000010"]
+def test_zero2_export_matches_training_weights(uninterrupted, tmp_path):
+    """The exported model computes the same loss as the last logged step's weights would.
+
+    The run is the session's uninterrupted ZeRO-2 fp32 reference (conftest.py: RESUME_STEPS steps, a
+    checkpoint every SAVE_EVERY, read-only here), which the exact-resume tests continue: a run of its own
+    trained the same tiny model for 10 steps again.
+    """
+    _, run_dir = uninterrupted(2)
+    final = f"step_{RESUME_STEPS:08d}"
+    # A checkpoint every save_every steps, and the last step's.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == [f"step_{s:08d}" for s in range(SAVE_EVERY, RESUME_STEPS, SAVE_EVERY)] + [final]
     model, _ = export_and_check_logits(run_dir, tmp_path / "export", tmp_path)
     # Compare every exported tensor with the consolidated fp32 checkpoint.
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    reference = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag="step_00000010")
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(run_dir / "checkpoints"), tag=final)
     exported = model.state_dict()
     assert set(reference) == set(exported)
     for name, tensor in reference.items():
@@ -76,7 +80,9 @@ def test_stage0_and_stage1_train(tmp_run):
         assert_ok(zeropipe("train", config))
         rows = metrics(tmp_path / "runs" / f"s{stage}")
         assert len(rows) == 8 and loss_fell(rows, 0.9), [r["loss"] for r in rows]
-    assert_ok(zeropipe("export", tmp_path / "runs" / "s0", "--out", tmp_path / "export0"))
+    # In this process: `python -m zeropipe export` in a new interpreter is test_toy_family.py's and test_condition_door.py's.
+    assert_ok(zeropipe_here("export", tmp_path / "runs" / "s0", "--out", tmp_path / "export0"))
+    assert (tmp_path / "export0" / "config.json").is_file()
 
 
 def test_epochs_accumulation_checkpointing_and_linear_schedule(tmp_run):
