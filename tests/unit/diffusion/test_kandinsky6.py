@@ -112,3 +112,18 @@ def test_the_audio_track_encodes_a_clips_sound_as_the_transformers_rows_and_deco
     with av.open(str(tmp_path / "samples" / "clip.mp4")) as container:
         assert container.streams.audio and container.streams.audio[0].rate == 16000 and container.streams.audio[0].channels == 1
     assert np.isfinite(written[0]["audio_dbfs"])
+
+
+def test_the_comfyui_layout_names_the_modules_as_comfyuis_native_kandinsky6_model_does():
+    """Keys as ComfyUI's native model (comfy.ldm.kandinsky6) holds them: its detection's diffusers-to-native table, pair by pair."""
+    layers = {f"{module}.lora_{side}.weight": torch.ones(2, 2) for module in (
+        "video_text_transformer_blocks.0.attn.to_key", "visual_transformer_blocks.3.video_dec_block.self_attention.to_query",
+        "visual_transformer_blocks.3.audio_dec_block.feed_forward.net.2", "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj",
+        "visual_transformer_blocks.1.va_cross_attention.out_layer") for side in "AB"}
+    original = K6.layouts.original_lora_layout(layers, 4.0)
+    assert sorted(key.removesuffix(".lora_A.weight") for key in original if key.endswith(".lora_A.weight")) == [
+        "diffusion_model.video_text_transformer_blocks.0.self_attention.to_key", "diffusion_model.visual_blocks.0.videoT.feed_forward.in_layer",
+        "diffusion_model.visual_blocks.1.va_cross_attention.out_layer", "diffusion_model.visual_blocks.3.audioT.feed_forward.out_layer",
+        "diffusion_model.visual_blocks.3.videoT.self_attention.to_query",
+    ]
+    assert float(original["diffusion_model.visual_blocks.1.va_cross_attention.out_layer.alpha"]) == 4.0

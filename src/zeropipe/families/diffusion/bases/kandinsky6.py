@@ -20,7 +20,7 @@ clip's noise level, as ltx-trainer trains LTX-2's two streams. The audio is the 
 (``parts/mmaudio_track.py``): each clip's mono sound through the pipeline's ``audio_vae``, scaled by its
 ``scaling_factor``. Samples are the pipeline's own call, one prompt per call with its embeddings cut to the prompt's
 length (the call takes no padding mask: cut, a prompt is what the pipeline's own encoding gives with its mask), and
-come back with their sound muxed in (``audio_vae`` then ``vocoder``).
+come back with their sound muxed in (``audio_vae`` then ``vocoder``). The LoRA's ComfyUI layout is ``Kandinsky6Layouts``'s.
 
 Text-to-video with audio is what trains here. The pipeline's image-to-video (its reference frame appended as a tail
 frame with token type 1 and a mask) is not trained: the entry has no first-frame condition for it yet.
@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from zeropipe.families.diffusion.roles import DenoiserCall, PromptEncoding, Sampling
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
 
 PROMPT_TOKENS = 1024  # the pipeline's max_sequence_length: every prompt padded to it, with a mask
 TEMPLATE_TOKENS = 129  # _QWEN_CROP_START: the chat template's tokens before the prompt, cut off the encoder's output
@@ -218,3 +218,31 @@ class Kandinsky6Sampling(Sampling):
 
     def draw(self, pipeline, kwargs):
         return self.sample_outputs(pipeline, kwargs)[0]
+
+
+# diffusers' module names -> the native Kandinsky 6 names ComfyUI's model (comfy.ldm.kandinsky6) holds: the table its detection
+# applies to a diffusers checkpoint (to_native_state_dict; ComfyUI's test of it spells the pairs out). ComfyUI's LoRA loader maps
+# `diffusion_model.<native module>` onto every weight of that model.
+NATIVE_NAMES = (
+    ("visual_transformer_blocks.", "visual_blocks."), ("audio_out_layer.", "audio_outLayer."),
+    (".timestep_embedder.linear_1.", ".in_layer."), (".timestep_embedder.linear_2.", ".out_layer."),
+    (".video_dec_block.", ".videoT."), (".audio_dec_block.", ".audioT."),
+    (".feed_forward.net.0.proj.", ".feed_forward.in_layer."), (".feed_forward.net.2.", ".feed_forward.out_layer."), (".attn.", ".self_attention."),
+)
+
+
+def native_name(module: str) -> str:
+    """A diffusers module name of the transformer as ComfyUI's native Kandinsky 6 model names it."""
+    name = f"{module}."
+    for diffusers_name, native in NATIVE_NAMES:
+        name = name.replace(diffusers_name, native)
+    return name[:-1]
+
+
+class Kandinsky6Layouts(ExportLayouts):
+    """The LoRA in ComfyUI's layout: ``diffusion_model.<native module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``."""
+
+    def original_lora_layout(self, layers, alpha):
+        from zeropipe.families.diffusion.comfy import comfy_lora_layout
+
+        return comfy_lora_layout(layers, alpha, rename=native_name)

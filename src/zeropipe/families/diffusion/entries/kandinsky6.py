@@ -9,14 +9,15 @@ transformer's heads predict 10 velocity grids for ``PiflowScheduler``; train the
 
 The LoRA targets the attention projections of the text blocks, of both streams' self- and cross-attention and of the
 two cross-modal attentions, and every feed-forward (diffusers' module names, which keep Kandinsky's ``to_query``...
-``out_layer``). It exports in diffusers' layout (``PeftAdapterMixin``: ``transformer.<module>.lora_A.weight``); the
-published ComfyUI nodes (kandinskylab/kandinsky-6's ``comfyui/``) load the native checkpoint with their own model class and
-name no LoRA key layout, so there is no second layout.
+``out_layer``). It exports in diffusers' layout (``transformer.<module>.lora_A.weight``, what peft's ``set_peft_model_state_dict``
+and the transformer's ``PeftAdapterMixin.load_lora_adapter`` read: the pipeline has no ``load_lora_weights``) and in ComfyUI's
+(``Kandinsky6Layouts``: ComfyUI's native Kandinsky 6 model's module names, ``visual_blocks.N.videoT.self_attention.to_query``...,
+under ``diffusion_model.``).
 """
 
 from __future__ import annotations
 
-from zeropipe.families.diffusion.bases.kandinsky6 import CLIP_TOKENS, PROMPT_TOKENS, Kandinsky6Call, Kandinsky6Prompts, Kandinsky6Sampling
+from zeropipe.families.diffusion.bases.kandinsky6 import CLIP_TOKENS, PROMPT_TOKENS, Kandinsky6Call, Kandinsky6Layouts, Kandinsky6Prompts, Kandinsky6Sampling
 from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import PromptText
 from zeropipe.families.diffusion.parts.latents import SoundingVideoLatents
@@ -84,4 +85,5 @@ ARCHITECTURE = Architecture(
     call=Kandinsky6Call(),
     prompts=Kandinsky6Prompts(),
     sampling=Kandinsky6Sampling(),
+    layouts=Kandinsky6Layouts(),
 )
