@@ -38,6 +38,10 @@ PROMPT_TOKENS = 1024  # the pipeline's max_sequence_length: every prompt padded 
 TEMPLATE_TOKENS = 129  # _QWEN_CROP_START: the chat template's tokens before the prompt, cut off the encoder's output
 TINY_PROMPT_TOKENS = 128
 CLIP_TOKENS = 77
+# The released audio VAE's rate and latent hop (MMAudioVAE: sample_rate 44100, hop_length 512, one 2x downsampling): what the
+# planner's trace and a batch without cached audio assume; a run's cached audio is sized by its own audio VAE's config.
+AUDIO_SAMPLE_RATE = 44_100
+AUDIO_LATENT_HOP = 1024
 
 
 def channels_last(latents: torch.Tensor) -> torch.Tensor:
@@ -128,17 +132,14 @@ class Kandinsky6Call(DenoiserCall):
         }
 
 
-# The released audio VAE's rate and latent hop (MMAudioVAE: sample_rate 44100, hop_length 512, one 2x downsampling): what the
-# planner's trace and a batch without cached audio assume; a run's cached audio is sized by its own audio VAE's config.
-AUDIO_SAMPLE_RATE = 44_100
-AUDIO_LATENT_HOP = 1024
-
 
 class Kandinsky6Prompts(PromptEncoding):
     """The pipeline's own ``encode_prompt``: Qwen2.5-VL's tokens after the template, padded with a mask, and CLIP's pooled output."""
 
     def encode_prompts(self, pipeline, prompts, device):
-        length = min(self.record.tokenizer_length("tokenizer"), int(pipeline.tokenizer.model_max_length) - TEMPLATE_TOKENS)
+        # The release's tokenizer is a Qwen2_5_VLProcessor (its tokenizer inside); a tiny preset's, a tokenizer of 129 + 128 tokens.
+        tokenizer = getattr(pipeline.tokenizer, "tokenizer", pipeline.tokenizer)
+        length = min(self.record.tokenizer_length("tokenizer"), int(tokenizer.model_max_length) - TEMPLATE_TOKENS)
         embeds, pooled, mask, *_ = pipeline.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False, max_sequence_length=length, device=device)
         if mask is None:  # the pipeline drops a mask without padding
             mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
