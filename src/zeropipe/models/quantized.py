@@ -61,7 +61,7 @@ DEFAULT_WEIGHT_BLOCK = (128, 128)
 # The linear layers stored quantized: those inside the repeated blocks, which hold nearly all the
 # weights. Embedders, heads and norms stay in the training precision (as musubi-tuner and
 # diffusion-pipe keep them), which also keeps code that reads an embedder's weight dtype right.
-BLOCK_LINEAR = re.compile(r"(^|\.)(blocks|transformer_blocks|single_transformer_blocks|layers|h|block)\.\d+\.")
+BLOCK_LINEAR = re.compile(r"(^|\.)(blocks|transformer_blocks|single_transformer_blocks|layers|h|block|visual_transformer_blocks|video_text_transformer_blocks|audio_text_transformer_blocks)\.\d+\.")
 
 
 @dataclass(frozen=True)

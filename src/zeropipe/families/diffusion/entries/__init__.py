@@ -38,6 +38,7 @@ BUILTIN = (
     "wan_vace",
     "minimax_h3",
     "ltx25",
+    "kandinsky6",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

@@ -308,3 +308,18 @@ class MiniMaxH3Latents(PerChannelVideoLatents):
         return root / f"sounding-shapes-32k-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}", lambda folder: generate_sounding_shapes_dataset(
             folder, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames, fps=self.frame_rate, sample_rate=32000
         )
+
+
+@dataclass(frozen=True)
+class SoundingVideoLatents(VideoLatents):
+    """A video VAE scaled by its ``scaling_factor`` (``VideoLatents``) for a model that trains video with its sound (Kandinsky 6):
+    ``data.synthetic`` writes moving shapes with a tone per shape as their sound, so that the audio condition has clips to encode."""
+
+    def synthetic_folder(self, root, config):
+        from zeropipe.data.audio import generate_sounding_shapes_dataset
+
+        synthetic, resolution = config.data.synthetic, config.data.images.resolution
+        frames = max(config.data.video.frame_buckets)
+        return root / f"sounding-shapes-n{synthetic.examples}-seed{synthetic.seed}-res{resolution}-f{frames}", lambda folder: generate_sounding_shapes_dataset(
+            folder, synthetic.examples, synthetic.seed, resolution=resolution, frames=frames, fps=self.frame_rate
+        )

@@ -1,0 +1,249 @@
+"""Kandinsky 6.0 Video (``Kandinsky6TI2VAPipeline``, diffusers 0.42.1): video and its 44.1 kHz sound from one fused transformer.
+
+``Kandinsky6Transformer3DModel`` runs, in each of its fused blocks, a video stream (HunyuanVideo's VAE: 16 channels,
+4x in time, 8x in space, channels-last latents patchified 1x2x2 by the transformer) and an audio stream (``MMAudioVAE``
+latents of a log-mel spectrogram, one per 1024 samples at 44.1 kHz, (length, channels)), each with its own text
+branch over the same Qwen2.5-VL tokens and CLIP pooled embedding, and cross-attention between the two streams. The
+pipeline calls it once per step for both streams, at one timestep (``Kandinsky6Call.joint_predict`` calls it the same
+way; held to the pipeline's call in ``tests/unit/diffusion/test_kandinsky6.py``):
+
+- the video input is ``[latents | zeros | mask]`` (``visual_cond``: 33 channels, the condition channels zero and the
+  mask zero in text-to-video);
+- the prompt is Qwen2.5-VL's last hidden state of the pipeline's chat template, the first 129 tokens (the template)
+  cut off, padded to ``max_sequence_length`` (1024) with a padding mask, and CLIP-L's pooled output;
+- the timestep is the flow scheduler's (``sigma * 1000``); the model predicts ``noise - x0`` for both streams (the
+  pipeline steps video and audio with copies of one ``FlowMatchEulerDiscreteScheduler``), so the objective is the
+  shared rectified flow and the audio is noised at the video's level.
+
+Training (no Kandinsky 6 trainer is published): the video and the audio velocity errors added, both streams at the
+clip's noise level, as ltx-trainer trains LTX-2's two streams. The audio is the ``MMAudioTrack`` condition's
+(``parts/mmaudio_track.py``): each clip's mono sound through the pipeline's ``audio_vae``, scaled by its
+``scaling_factor``. Samples are the pipeline's own call, one prompt per call with its embeddings cut to the prompt's
+length (the call takes no padding mask: cut, a prompt is what the pipeline's own encoding gives with its mask), and
+come back with their sound muxed in (``audio_vae`` then ``vocoder``). The LoRA's ComfyUI layout is ``Kandinsky6Layouts``'s.
+
+Text-to-video with audio is what trains here. The pipeline's image-to-video (its reference frame appended as a tail
+frame with token type 1 and a mask) is not trained: the entry has no first-frame condition for it yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
+
+PROMPT_TOKENS = 1024  # the pipeline's max_sequence_length: every prompt padded to it, with a mask
+TEMPLATE_TOKENS = 129  # _QWEN_CROP_START: the chat template's tokens before the prompt, cut off the encoder's output
+TINY_PROMPT_TOKENS = 128
+CLIP_TOKENS = 77
+# The released audio VAE's rate and latent hop (MMAudioVAE: sample_rate 44100, hop_length 512, one 2x downsampling): what the
+# planner's trace and a batch without cached audio assume; a run's cached audio is sized by its own audio VAE's config.
+AUDIO_SAMPLE_RATE = 44_100
+AUDIO_LATENT_HOP = 1024
+
+
+def channels_last(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, F, H, W) -> (B, F, H, W, C), the layout the pipeline denoises."""
+    return latents.permute(0, 2, 3, 4, 1)
+
+
+def channels_first(latents: torch.Tensor) -> torch.Tensor:
+    return latents.permute(0, 4, 1, 2, 3)
+
+
+def audio_latent_count(frames: int, frame_rate: float, sample_rate: int, latent_hop: int) -> int:
+    """The audio latents the pipeline draws for a clip of ``frames`` (4k+1) frames: ``ceil(frames / fps * rate / hop)``."""
+    return math.ceil(frames / frame_rate * sample_rate / latent_hop)
+
+
+def padding_mask(condition: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The prompts' boolean padding mask as the pipeline passes it: None where no prompt of the batch is padded."""
+    mask = condition.get("prompt_attention_mask")
+    if mask is None:
+        return None
+    mask = mask.bool()
+    return None if bool(mask.all()) else mask
+
+
+class Kandinsky6Call(DenoiserCall):
+    """The fused video and audio call: ``predict`` gives the video velocity, ``loss`` adds the audio's."""
+
+    def joint_predict(self, model, video: torch.Tensor, audio: torch.Tensor, timesteps: torch.Tensor, condition, context) -> tuple[torch.Tensor, torch.Tensor]:
+        """The velocities of video latents (B, C, F, H, W) and audio latents (B, L, C_audio), called as the pipeline's loop calls the transformer."""
+        module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
+        hidden = channels_last(video).to(context.dtype)
+        if module.config.visual_cond:
+            # [latent | conditioning latent | mask]: nothing given in text-to-video, both zero (the pipeline's loop).
+            zeros = torch.zeros_like(hidden)
+            hidden = torch.cat([hidden, zeros, zeros[..., :1]], dim=-1)
+        video_out, audio_out = model(
+            hidden_states=hidden, audio_hidden_states=audio.to(context.dtype),
+            encoder_hidden_states=condition["prompt_embeds"].to(context.dtype), pooled_projections=condition["pooled_prompt_embeds"].to(context.dtype),
+            timestep=timesteps.float(), encoder_attention_mask=padding_mask(condition), return_dict=False,
+        )
+        return channels_first(video_out), audio_out
+
+    def audio_length(self, module, video: torch.Tensor) -> int:
+        """The audio latents of a clip of these video latents at the codec's frame rate, as the pipeline sizes them."""
+        frames = (video.shape[2] - 1) * self.record.codec.frame_multiple + 1
+        return audio_latent_count(frames, self.record.codec.frame_rate, AUDIO_SAMPLE_RATE, AUDIO_LATENT_HOP)
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        """The video velocity, the audio noised at the same level (pure noise where the batch has no audio latents).
+
+        The audio noise comes from a fixed seed, so that the same inputs give the same output (training draws its own in ``loss``).
+        """
+        module = getattr(model, "module", model)
+        sigma = (timesteps.float() / 1000.0).view(-1, 1, 1)
+        generator = torch.Generator().manual_seed(0)
+        if "audio_latents" in condition:
+            audio = condition["audio_latents"].float()
+            noise = torch.randn(audio.shape, generator=generator).to(audio)
+            audio = (1 - sigma.to(audio)) * audio + sigma.to(audio) * noise
+        else:
+            shape = (model_input.shape[0], self.audio_length(module, model_input), module.config.in_audio_dim)
+            audio = torch.randn(shape, generator=generator).to(model_input.device)
+        return self.joint_predict(model, model_input, audio, timesteps, condition, context)[0]
+
+    def loss(self, model, noised, condition, context):
+        """Video and audio velocity errors added, both streams at the clip's noise level (sigma = timestep / 1000)."""
+        from zeropipe.families.diffusion.objectives import weighted_mse
+
+        audio = condition["audio_latents"].float()
+        sigma = (noised.timesteps.float() / 1000.0).view(-1, 1, 1).to(audio)
+        noise = torch.randn(audio.shape, dtype=torch.float32).to(audio)  # this rank's stream, saved with checkpoints
+        noisy = (1 - sigma) * audio + sigma * noise
+        video_velocity, audio_velocity = self.joint_predict(model, noised.model_input, noisy, noised.timesteps, condition, context)
+        return weighted_mse(video_velocity, noised.target, noised.weights) + weighted_mse(audio_velocity, noise - audio, noised.weights)
+
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        """One clip with its soundtrack (44.1 kHz, a latent per 1024 samples, at 24 fps) and a prompt padded to ``text_tokens``."""
+        frames = (latent_frames - 1) * self.record.codec.frame_multiple + 1
+        audio = audio_latent_count(frames, self.record.codec.frame_rate, AUDIO_SAMPLE_RATE, AUDIO_LATENT_HOP)
+        channels = 2 * config.in_visual_dim + 1 if config.visual_cond else config.in_visual_dim
+        return {
+            "hidden_states": torch.randn(1, latent_frames, latent_side, latent_side, channels, dtype=dtype),
+            "audio_hidden_states": torch.randn(1, audio, config.in_audio_dim, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config.in_text_dim, dtype=dtype),
+            "pooled_projections": torch.randn(1, config.in_text_dim2, dtype=dtype),
+            "timestep": torch.tensor([500.0]),
+        }
+
+
+
+class Kandinsky6Prompts(PromptEncoding):
+    """The pipeline's own ``encode_prompt``: Qwen2.5-VL's tokens after the template, padded with a mask, and CLIP's pooled output."""
+
+    def encode_prompts(self, pipeline, prompts, device):
+        # The release's tokenizer is a Qwen2_5_VLProcessor (its tokenizer inside); a tiny preset's, a tokenizer of 129 + 128 tokens.
+        tokenizer = getattr(pipeline.tokenizer, "tokenizer", pipeline.tokenizer)
+        length = min(self.record.tokenizer_length("tokenizer"), int(tokenizer.model_max_length) - TEMPLATE_TOKENS)
+        embeds, pooled, mask, *_ = pipeline.encode_prompt(prompt=list(prompts), do_classifier_free_guidance=False, max_sequence_length=length, device=device)
+        if mask is None:  # the pipeline drops a mask without padding
+            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "prompt_attention_mask": mask.long()}
+
+    def tiny_tokenizer(self, tokenizer):
+        from zeropipe.families.diffusion.tiny.tokenizers import character_tokenizer
+
+        if tokenizer == "tokenizer_2":
+            return character_tokenizer(CLIP_TOKENS)
+        return template_tokenizer(TEMPLATE_TOKENS + TINY_PROMPT_TOKENS)
+
+
+def template_tokenizer(max_length: int):
+    """A Qwen-style tokenizer for the tiny preset, built without a download, under which the pipeline's chat template before the
+    prompt is 129 tokens, as under Qwen2.5's tokenizer: so the pipeline's cut (``_QWEN_CROP_START``) leaves the prompt itself.
+
+    The template's words are single tokens (a word with its leading space one token, as sentencepiece makes them), the chat
+    roles with their line break too (``system\\n``, ``user\\n``), the rest characters: 129 tokens before the prompt
+    (``tests/unit/diffusion/test_kandinsky6.py`` counts them).
+    """
+    import re
+
+    import transformers
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import _PROMPT_TEMPLATE
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from zeropipe.families.diffusion.tiny.tokenizers import CHAT_TOKENS, TOKENIZER_CHARACTERS
+
+    plain = _PROMPT_TEMPLATE
+    for token in CHAT_TOKENS:
+        plain = plain.replace(token, " ")
+    words = sorted({word for word in re.findall(r"[A-Za-z]+", plain) if len(word) > 1})
+    characters = sorted(set(TOKENIZER_CHARACTERS) | set(plain.replace("{}", "")) - {" "})
+    word_start = "\u2581"
+    vocab = [(token, 0.0) for token in (*CHAT_TOKENS, "<unk>")] + [(word_start, -1.0)]
+    vocab += [(char, -2.0) for char in characters] + [(word_start + char, -2.5) for char in characters]
+    vocab += [(word_start + word, -1.5) for word in words] + [(word, -1.5) for word in words]
+    vocab += [("system\n", -1.0), ("user\n", -1.0)]  # the roles with their line break, one token each: 129 before the prompt
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=len(CHAT_TOKENS)))
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in CHAT_TOKENS])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="never")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>", model_max_length=max_length,
+    )
+
+
+class Kandinsky6Sampling(Sampling):
+    """The pipeline's own call, one prompt per call at its own length (the call takes no padding mask); it returns the audio latents too."""
+
+    def sample_kwargs(self, condition, negative, guidance_scale, guidance):
+        return {
+            "prompt_embeds": condition["prompt_embeds"], "pooled_prompt_embeds": condition["pooled_prompt_embeds"],
+            "prompt_attention_mask": condition["prompt_attention_mask"],
+            "negative_prompt_embeds": negative["prompt_embeds"], "negative_pooled_prompt_embeds": negative["pooled_prompt_embeds"],
+            "negative_prompt_attention_mask": negative["prompt_attention_mask"], "guidance_scale": guidance_scale,
+        }
+
+    def sample_outputs(self, pipeline, kwargs):
+        """Video latents (B, C, F, H, W) and ``audio_latents`` (B, L, C_audio), in the layout the audio part caches and decodes."""
+        from zeropipe.families.diffusion.sampler import pipeline_call
+
+        kwargs = dict(kwargs)
+        masks = {"": kwargs.pop("prompt_attention_mask"), "negative_": kwargs.pop("negative_prompt_attention_mask")}
+        videos, audios = [], []
+        for row in range(kwargs["prompt_embeds"].shape[0]):
+            one = dict(kwargs)
+            for prefix, mask in masks.items():
+                length = int(mask[row].sum())  # the pipeline pads on the right (the tokenizer's side): the prompt is the first `length` rows
+                one[f"{prefix}prompt_embeds"] = kwargs[f"{prefix}prompt_embeds"][row : row + 1, :length]
+                one[f"{prefix}pooled_prompt_embeds"] = kwargs[f"{prefix}pooled_prompt_embeds"][row : row + 1]
+            video, audio = pipeline_call(pipeline, {**one, "output_type": "latent", "return_dict": False})
+            videos.append(video)
+            audios.append(audio)
+        return torch.cat(videos), {"audio_latents": torch.cat(audios).transpose(1, 2)}
+
+    def draw(self, pipeline, kwargs):
+        return self.sample_outputs(pipeline, kwargs)[0]
+
+
+# diffusers' module names -> the native Kandinsky 6 names ComfyUI's model (comfy.ldm.kandinsky6) holds: the table its detection
+# applies to a diffusers checkpoint (to_native_state_dict; ComfyUI's test of it spells the pairs out). ComfyUI's LoRA loader maps
+# `diffusion_model.<native module>` onto every weight of that model.
+NATIVE_NAMES = (
+    ("visual_transformer_blocks.", "visual_blocks."), ("audio_out_layer.", "audio_outLayer."),
+    (".timestep_embedder.linear_1.", ".in_layer."), (".timestep_embedder.linear_2.", ".out_layer."),
+    (".video_dec_block.", ".videoT."), (".audio_dec_block.", ".audioT."),
+    (".feed_forward.net.0.proj.", ".feed_forward.in_layer."), (".feed_forward.net.2.", ".feed_forward.out_layer."), (".attn.", ".self_attention."),
+)
+
+
+def native_name(module: str) -> str:
+    """A diffusers module name of the transformer as ComfyUI's native Kandinsky 6 model names it."""
+    name = f"{module}."
+    for diffusers_name, native in NATIVE_NAMES:
+        name = name.replace(diffusers_name, native)
+    return name[:-1]
+
+
+class Kandinsky6Layouts(ExportLayouts):
+    """The LoRA in ComfyUI's layout: ``diffusion_model.<native module>.lora_A.weight`` / ``lora_B.weight`` / ``.alpha``."""
+
+    def original_lora_layout(self, layers, alpha):
+        from zeropipe.families.diffusion.comfy import comfy_lora_layout
+
+        return comfy_lora_layout(layers, alpha, rename=native_name)

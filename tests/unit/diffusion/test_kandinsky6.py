@@ -1,0 +1,129 @@
+"""Kandinsky 6: the fused video and audio call held to Kandinsky6TI2VAPipeline's transformer call, the prompts to its own encoding,
+the samples (one prompt per call, cut to its length) to its own call with a prompt string, and the audio track's latents and sound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeropipe.families.diffusion.bases.kandinsky6 import TEMPLATE_TOKENS, audio_latent_count, channels_first, template_tokenizer
+from zeropipe.families.diffusion.entries import PredictContext, architecture_named, architecture_of
+from zeropipe.families.diffusion.pipelines import build_tiny_pipeline, encode_prompts, text_pipeline
+
+K6 = architecture_named("kandinsky6")
+CPU = torch.device("cpu")
+CONTEXT = PredictContext(CPU, torch.float32, 8, 1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_kandinsky6(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kandinsky6") / "pipeline"
+    build_tiny_pipeline({"pipeline": "tiny-kandinsky6"}, folder, seed=1)
+    return folder
+
+
+def one_step(pipeline, seed: int = 0, **kwargs):
+    """A one-step latent draw of a 9-frame 32x32 clip (with its sound), the transformer's call and output remembered."""
+    seen = {}
+    hook = pipeline.transformer.register_forward_hook(lambda module, args, called, output: seen.update(kwargs=called, output=output), with_kwargs=True)
+    try:
+        drawn = pipeline(num_frames=9, height=32, width=32, num_inference_steps=1, output_type="latent", return_dict=False,
+                         generator=torch.Generator().manual_seed(seed), **kwargs)
+    finally:
+        hook.remove()
+    return drawn, seen
+
+
+def test_the_call_the_prompts_and_the_samples_are_the_pipelines_own(tiny_kandinsky6):
+    from diffusers import Kandinsky6TI2VAPipeline
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import _PROMPT_TEMPLATE
+
+    assert architecture_of(tiny_kandinsky6) is K6
+    # The tiny tokenizer cuts where the real one does: the template before the prompt is 129 tokens, so the prompt reaches the model.
+    assert len(template_tokenizer(300)(_PROMPT_TEMPLATE.split("{}")[0])["input_ids"]) == TEMPLATE_TOKENS
+    pipeline = Kandinsky6TI2VAPipeline.from_pretrained(str(tiny_kandinsky6))
+    pipeline.set_progress_bar_config(disable=True)
+    (video, audio), seen = one_step(pipeline, prompt=["a red ball"], guidance_scale=1.0, max_sequence_length=128)
+    called = seen["kwargs"]
+
+    # The text cache's entry is what the pipeline conditions its transformer on: the padded prompt and its mask, CLIP's pooled output.
+    condition = {name: value[None] for name, value in encode_prompts(text_pipeline(tiny_kandinsky6, K6, torch.float32, CPU), K6, ["a red ball"], CPU)[0].items()}
+    assert torch.allclose(condition["prompt_embeds"], called["encoder_hidden_states"], atol=1e-5)
+    assert torch.allclose(condition["pooled_prompt_embeds"], called["pooled_projections"], atol=1e-5)
+    assert torch.equal(condition["prompt_attention_mask"].bool(), called["encoder_attention_mask"])
+    length = int(condition["prompt_attention_mask"].sum())
+    assert 0 < length < 128  # "a red ball<|im_end|>": the prompt itself, then padding
+
+    # The entry's call on the same latents gives the transformer's output of the pipeline's loop, video and audio.
+    hidden = called["hidden_states"]
+    assert hidden.shape[-1] == 33 and not hidden[..., 16:].any()  # [latents | zero condition | zero mask]
+    latents = channels_first(hidden[..., :16])
+    with torch.no_grad():
+        video_out, audio_out = K6.call.joint_predict(pipeline.transformer, latents, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
+    torch.testing.assert_close(video_out, channels_first(seen["output"][0]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(audio_out, seen["output"][1], atol=1e-5, rtol=1e-5)
+    # One Euler step from sigma 1 to 0 is latents - velocity: the pipeline steps on what the call gives, both streams.
+    torch.testing.assert_close(video, latents - video_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(audio.transpose(1, 2), called["audio_hidden_states"] - audio_out, atol=1e-5, rtol=1e-5)
+    # The audio track caches as many latents as the pipeline draws for the clip: 9 frames at 24 fps, 16 kHz, 128 samples a latent.
+    config = pipeline.audio_vae.config
+    assert called["audio_hidden_states"].shape[1] == audio_latent_count(9, 24.0, int(config.sample_rate), pipeline.audio_vae.latent_hop_length) == 47
+
+    # Samples: the cached (padded) conditioning, one prompt per call cut to its length, is the pipeline's own draw of the prompt string.
+    negative = {name: value[None] for name, value in encode_prompts(text_pipeline(tiny_kandinsky6, K6, torch.float32, CPU), K6, [""], CPU)[0].items()}
+    kwargs = K6.sampling.sample_kwargs(condition, negative, 1.0, 1.0)
+    drawn, outputs = K6.sampling.sample_outputs(pipeline, {**kwargs, "num_frames": 9, "height": 32, "width": 32, "num_inference_steps": 1,
+                                                           "generator": torch.Generator().manual_seed(0)})
+    torch.testing.assert_close(drawn, video, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs["audio_latents"], audio.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_the_audio_track_encodes_a_clips_sound_as_the_transformers_rows_and_decodes_it_into_the_sample(tiny_kandinsky6, tmp_path):
+    """A tone through the audio part: (count, channels) rows scaled by the VAE's factor; decoded rows become a mono waveform in the mp4."""
+    import av
+    import numpy as np
+
+    from diffusers import MMAudioVAE
+
+    from zeropipe.families.diffusion.parts.base import Encoding
+
+    part = K6.record.conditions[0]
+    vae = MMAudioVAE.from_pretrained(str(tiny_kandinsky6 / "audio_vae"))
+    t = torch.arange(6000) / 16000
+    tone = 0.4 * torch.sin(2 * torch.pi * 440 * t)
+    rows = part.encode(Encoding(None, torch.zeros(0), [{"waveform": tone, "latents": 47}], vae, None, CPU))[0]
+    with torch.no_grad():
+        mean = vae.encode(tone[None]).latent_dist.mean
+    assert rows.shape == (47, 8)
+    torch.testing.assert_close(rows[: mean.shape[2]], mean[0].T * 0.5302)  # 46 whole latents; the 47th, past the sound, is zero
+    assert not rows[mean.shape[2] :].any()
+
+    from types import SimpleNamespace
+
+    from zeropipe.data.videos import write_video
+    from zeropipe.families.diffusion.pipelines import PipelineFolder
+
+    write_video(tmp_path / "clip.mp4", np.zeros((9, 32, 32, 3), np.uint8), 24.0)
+    sampling = SimpleNamespace(folder=PipelineFolder(tiny_kandinsky6, K6), device=CPU)
+    written = [{"video": "samples/clip.mp4"}]
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "clip.mp4").rename(tmp_path / "samples" / "clip.mp4")
+    part.add_to_samples(sampling, {"audio_latents": rows[None]}, written, tmp_path / "samples")
+    with av.open(str(tmp_path / "samples" / "clip.mp4")) as container:
+        assert container.streams.audio and container.streams.audio[0].rate == 16000 and container.streams.audio[0].channels == 1
+    assert np.isfinite(written[0]["audio_dbfs"])
+
+
+def test_the_comfyui_layout_names_the_modules_as_comfyuis_native_kandinsky6_model_does():
+    """Keys as ComfyUI's native model (comfy.ldm.kandinsky6) holds them: its detection's diffusers-to-native table, pair by pair."""
+    layers = {f"{module}.lora_{side}.weight": torch.ones(2, 2) for module in (
+        "video_text_transformer_blocks.0.attn.to_key", "visual_transformer_blocks.3.video_dec_block.self_attention.to_query",
+        "visual_transformer_blocks.3.audio_dec_block.feed_forward.net.2", "visual_transformer_blocks.0.video_dec_block.feed_forward.net.0.proj",
+        "visual_transformer_blocks.1.va_cross_attention.out_layer") for side in "AB"}
+    original = K6.layouts.original_lora_layout(layers, 4.0)
+    assert sorted(key.removesuffix(".lora_A.weight") for key in original if key.endswith(".lora_A.weight")) == [
+        "diffusion_model.video_text_transformer_blocks.0.self_attention.to_key", "diffusion_model.visual_blocks.0.videoT.feed_forward.in_layer",
+        "diffusion_model.visual_blocks.1.va_cross_attention.out_layer", "diffusion_model.visual_blocks.3.audioT.feed_forward.out_layer",
+        "diffusion_model.visual_blocks.3.videoT.self_attention.to_query",
+    ]
+    assert float(original["diffusion_model.visual_blocks.1.va_cross_attention.out_layer.alpha"]) == 4.0
