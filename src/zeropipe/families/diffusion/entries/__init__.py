@@ -37,6 +37,7 @@ BUILTIN = (
     "wan_vace",
     "minimax_h3",
     "ltx25",
+    "wan_animate2", "wan_animate2_distilled",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
