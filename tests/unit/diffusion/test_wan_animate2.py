@@ -81,12 +81,12 @@ def test_the_call_is_the_blocks_reference_pass_and_denoiser(tiny):
     )
     expected = (latents - state.latents) / sigma  # one Euler step from sigma to 0
     with torch.no_grad():
-        got = ARCHITECTURE.call.predict(transformer, latents[None], timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))[0]
+        got = ARCHITECTURE.call.velocity(transformer, latents[None], timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))[0]
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # Trained through it: the frame-aligned attention has a backward on the CPU, where FlexAttention has none.
     noisy = latents[None].clone().requires_grad_(True)
-    ARCHITECTURE.call.predict(transformer, noisy, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0)).square().mean().backward()
+    ARCHITECTURE.call.velocity(transformer, noisy, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0)).square().mean().backward()
     assert noisy.grad.abs().sum() > 0 and transformer.blocks[0].self_attn.to_q.weight.grad.abs().sum() > 0
     transformer.zero_grad()
 

@@ -146,24 +146,26 @@ class WanAnimate2Call(DenoiserCall):
             "origin_area": [height * factor, width * factor], "is_uncondtion": unconditional,
         }
 
-    def predict(self, model, model_input, timesteps, condition, context, unconditional=False):
+    def velocity(self, model, latents, timesteps, condition, context, unconditional=False):
         """The velocity of latents (batch, 16, 1 + clip frames, h, w) whose first frame is the reference image's slot, for every frame."""
         module = getattr(model, "module", model)
         use_frame_aligned_attention(module)
         # The reference pass reads the reference prompt and the driving frame's CLIP features, also for the unconditional branch.
-        cache, grid = self.reference_pass(model, module, condition, timesteps, model_input.dtype)
-        out = model(**self.generation_inputs(model_input, timesteps, condition, cache, grid, context, unconditional), return_dict=False)[0]
-        return torch.stack(out).to(model_input.dtype)
+        cache, grid = self.reference_pass(model, module, condition, timesteps, latents.dtype)
+        inputs = self.generation_inputs(latents, timesteps, condition, cache, grid, context, unconditional)
+        # The frame-aligned attention reads no block mask: the transformer is told it has this segment's, so that it does not
+        # compile one (torch.compile of create_block_mask, seconds per segment size) for nothing.
+        module.block_masks.setdefault((inputs["origin_len"] // 4 + 1, inputs["origin_area"][0] * inputs["origin_area"][1] // 256), None)
+        out = model(**inputs, return_dict=False)[0]
+        return torch.stack(out).to(latents.dtype)
 
-    def loss(self, model, noised, condition, context):
-        from zeropipe.families.diffusion.objectives import weighted_mse
-
-        # The reference image's slot, noised at each clip's noise level (flow: (1 - s) x0 + s noise), before the clip's frames.
-        sigma = (noised.timesteps.float() / 1000).view(-1, 1, 1, 1, 1).to(noised.model_input.dtype)
-        reference = condition["reference_latents"].to(noised.model_input.dtype)
+    def predict(self, model, model_input, timesteps, condition, context):
+        """The velocity of the clip's frames: the reference image's slot put before them, noised at each clip's noise level
+        (flow: (1 - s) x0 + s noise; the pipeline draws it with the rest and drops it after decoding), and left out of the output."""
+        sigma = (timesteps.float() / 1000).view(-1, 1, 1, 1, 1).to(model_input.dtype)
+        reference = condition["reference_latents"].to(model_input.dtype)
         slot = (1 - sigma) * reference + sigma * torch.randn_like(reference)
-        prediction = self.predict(model, torch.cat([slot, noised.model_input], dim=2), noised.timesteps, condition, context)
-        return weighted_mse(prediction[:, :, 1:], noised.target, noised.weights)
+        return self.velocity(model, torch.cat([slot, model_input], dim=2), timesteps, condition, context)[:, :, 1:]
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         # Two passes over a KV cache the trace cannot build on the meta device: the planner counts this entry's activations from its
@@ -220,9 +222,9 @@ class WanAnimate2Sampling(Sampling):
 
         def model_output(index, t, current):
             times = t.expand(batch).to(device)
-            velocity = self.entry.call.predict(model, current.to(dtype), times, conditional, context).float()
+            velocity = self.entry.call.velocity(model, current.to(dtype), times, conditional, context).float()
             if scale > 1:
-                other = self.entry.call.predict(model, current.to(dtype), times, unconditional, context, unconditional=True).float()
+                other = self.entry.call.velocity(model, current.to(dtype), times, unconditional, context, unconditional=True).float()
                 velocity = other + scale * (velocity - other)
             return velocity
 

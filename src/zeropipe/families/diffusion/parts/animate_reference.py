@@ -154,10 +154,9 @@ class AnimateReference(Condition):
         config = planning.config
         if not config.data.control_path or config.data.synthetic is not None:
             raise ConfigError([("data.control_path", f"a {planning.arch.record.name} model animates a reference image with a driving clip: set data.control_path (NAME.png and NAME.mp4 per target clip NAME.mp4)")])
-        fps = planning.items[0].get("fps") if planning.items else None
         for item, bucket in zip(planning.items, planning.buckets):
             item["clip_frames"] = bucket[2] if len(bucket) > 2 else 1
-        problems = find_animate_pairs(planning.items, planning.image_dir, Path(config.data.control_path), _plan_fps(config, planning.arch, fps))
+        problems = find_animate_pairs(planning.items, planning.image_dir, Path(config.data.control_path), _plan_fps(config, planning.arch))
         if problems:
             shown = "; ".join(problems[:BAD_SHOWN])
             raise DataError(
@@ -253,7 +252,7 @@ class AnimateClipFeatures(Condition):
         return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), "reference_clip": features[:1], "driving_clip": features[1:]}})
 
 
-def _plan_fps(config: Any, arch: Any, item_fps: float | None) -> float | None:
+def _plan_fps(config: Any, arch: Any) -> float | None:
     """The frame rate clips are taken at (``data.video.fps``, or the codec's own)."""
     fps = config.data.video.fps
     return arch.record.codec.frame_rate if fps == "auto" else float(fps)
