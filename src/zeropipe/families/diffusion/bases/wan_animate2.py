@@ -51,6 +51,7 @@ from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
 MASK_CHANNELS = 4  # the i2v mask's channels: the VAE's temporal factor (get_i2v_mask)
 CLIP_HIDDEN = 1280  # MLPProj(1280, dim): the transformer reads CLIP ViT-H's width
+CLIP_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 16 x 16 patches and the class token
 
 
 def frame_aligned_attention_processor():
@@ -168,9 +169,22 @@ class WanAnimate2Call(DenoiserCall):
         return self.velocity(model, torch.cat([slot, model_input], dim=2), timesteps, condition, context)[:, :, 1:]
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
-        # Two passes over a KV cache the trace cannot build on the meta device: the planner counts this entry's activations from its
-        # denoiser's size, as for the other untraced entries (docs/video.md gives the verdicts).
-        return None
+        """The planner's trace: one reference-pass call over the tokens of both passes (the driving clip's frames, the slot and the
+        clip's frames: 2 x frames + 1 latent frames). Training keeps both passes' activations for the backward, the same per-token
+        layers over the same token count; the trace cannot run the generation pass itself, whose attention reads a key/value
+        cache and a block mask that a model on the meta device cannot build."""
+        from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
+
+        frames = 2 * latent_frames + 1
+        channels = config.out_dim
+        grid = torch.tensor([[frames, latent_side // 2, latent_side // 2]], device="cpu")
+        return {
+            "hidden_states": [torch.randn(channels, frames, latent_side, latent_side, dtype=dtype)], "timestep": torch.tensor([500.0]),
+            "encoder_hidden_states": [torch.randn(text_tokens, config.text_dim, dtype=dtype)],
+            "encoder_hidden_states_image": torch.randn(1, CLIP_TOKENS, CLIP_HIDDEN, dtype=dtype) if config.use_img_emb else None,
+            "condition_latents": [torch.randn(config.in_dim - channels, frames, latent_side, latent_side, dtype=dtype)],
+            "kv_cache": WanAnimate2KVCache(config.num_layers), "kv_cache_mode": "extract", "seq_len": int(grid.prod()), "offset_grid_sizes": grid,
+        }
 
 
 class WanAnimate2Prompts(TextEncoderBlock):
