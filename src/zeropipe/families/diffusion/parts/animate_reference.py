@@ -164,6 +164,11 @@ class AnimateReference(Condition):
                 f"({shown}{' ...' if len(problems) > BAD_SHOWN else ''}): give each target clip NAME.mp4 a reference image NAME.png and a driving clip NAME.mp4 at least as long, "
                 "or remove those targets from data.path"
             )
+        same = [item["path"] for item in planning.items if _same_file(Path(item["path"]), Path(item["driving"]))]
+        if same:
+            # NeMo AutoModel's Wan Animate 2 guide: a clip that drives itself can be copied to zero loss, ignoring the reference image.
+            planning.notes.append(f"{len(same)} target clip(s) are their own driving clip (e.g. {same[0]}): the model can learn to copy the driving clip "
+                                  "and ignore the reference image; give each target a driving clip of the same motion in another appearance")
         planning.notes.append(f"Wan Animate 2: {len(planning.items)} target clip(s), each with its reference image and driving clip from {Path(config.data.control_path).expanduser()}")
 
     def key_files(self, item):
@@ -250,6 +255,16 @@ class AnimateClipFeatures(Condition):
         with torch.no_grad():
             features = clip_features(encoder, torch.stack([reference, driving[:, 0]]).to(sampling.device)).float()
         return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), "reference_clip": features[:1], "driving_clip": features[1:]}})
+
+
+def _same_file(target: Path, driving: Path) -> bool:
+    """Whether the driving clip is the target clip (the same file, or the same bytes)."""
+    import filecmp
+
+    try:
+        return target.resolve() == driving.resolve() or (target.stat().st_size == driving.stat().st_size and filecmp.cmp(target, driving, shallow=False))
+    except OSError:
+        return False
 
 
 def _plan_fps(config: Any, arch: Any) -> float | None:
