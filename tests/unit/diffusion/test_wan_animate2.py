@@ -163,3 +163,16 @@ def test_a_target_without_its_reference_image_or_driving_clip_gets_one_message(t
     assert any("b.mp4: no driving clip" in problem and str(controls / "b") in problem for problem in problems)
     assert any("c.mp4: no reference image" in problem for problem in problems)
     assert len(problems) == 2
+
+
+def test_the_catalog_counts_the_release_and_traces_both_passes():
+    from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
+
+    assert "wan2.2-animate-2-14b" in catalog_names()
+    spec = spec_from_catalog("wan2.2-animate-2-14b", None)
+    # Wan 2.1 14B's 14.29B plus the image cross-attention's key/value projections (2 x 5120^2 x 40) and the CLIP projection.
+    assert spec.total_params == pytest.approx(16.39e9, rel=0.005)
+    frozen = {model.name.split(" ")[0]: model.params for model in spec.frozen_models}
+    assert frozen["text_encoder"] == pytest.approx(5.68e9, rel=0.01) and frozen["image_encoder"] == pytest.approx(632e6, rel=0.01)
+    trace = spec.activation_trace
+    assert trace is not None and trace.frames == 81 and trace.resolution == 640 and 0 < trace.checkpointed_bytes < trace.saved_bytes
