@@ -84,6 +84,12 @@ def test_the_call_is_the_blocks_reference_pass_and_denoiser(tiny):
         got = ARCHITECTURE.call.velocity(transformer, latents[None], timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0))[0]
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # A micro-batch of two (the pipeline calls one sample at a time): each sample's velocity is its own.
+    pair = {name: torch.cat([value, value.flip(-1) if name.endswith("latents") else value]) for name, value in condition.items()}
+    with torch.no_grad():
+        both = ARCHITECTURE.call.velocity(transformer, torch.stack([latents, latents]), timesteps.expand(2), pair, PredictContext(CPU, torch.float32, 8, 1.0))
+    torch.testing.assert_close(both[0], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(both[1], both[0], atol=1e-4)  # the second sample's flipped conditions count
     # Trained through it: the frame-aligned attention has a backward on the CPU, where FlexAttention has none.
     noisy = latents[None].clone().requires_grad_(True)
     ARCHITECTURE.call.velocity(transformer, noisy, timesteps, condition, PredictContext(CPU, torch.float32, 8, 1.0)).square().mean().backward()

@@ -118,13 +118,14 @@ class WanAnimate2Call(DenoiserCall):
         driving = condition["driving_latents"].to(dtype)
         batch, _, frames, height, width = driving.shape
         patch = module.config.patch_size
-        grid = torch.tensor([[frames // patch[0], height // patch[1], width // patch[2]]])
+        # One row per sample: the transformer applies the reference's rotary embedding to as many samples as this grid has rows.
+        grid = torch.tensor([[frames // patch[0], height // patch[1], width // patch[2]]]).repeat(batch, 1)
         cache = WanAnimate2KVCache(module.config.num_layers)
         driving_condition = torch.cat([i2v_mask(frames, height, width, True, driving), driving], dim=1)
         model(
             hidden_states=list(driving), timestep=timesteps.float(), encoder_hidden_states=list(condition["prompt_ref_embeds"].to(dtype)),
             encoder_hidden_states_image=condition["driving_clip"].to(dtype), condition_latents=list(driving_condition), kv_cache=cache,
-            kv_cache_mode="extract", seq_len=int(grid.prod()), offset_grid_sizes=grid,
+            kv_cache_mode="extract", seq_len=int(grid[0].prod()), offset_grid_sizes=grid,
         )
         return cache, grid
 
