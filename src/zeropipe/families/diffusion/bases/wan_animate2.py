@@ -164,9 +164,15 @@ class WanAnimate2Call(DenoiserCall):
     def predict(self, model, model_input, timesteps, condition, context):
         """The velocity of the clip's frames: the reference image's slot put before them, noised at each clip's noise level
         (flow: (1 - s) x0 + s noise; the pipeline draws it with the rest and drops it after decoding), and left out of the output."""
+        import hashlib
+
         sigma = (timesteps.float() / 1000).view(-1, 1, 1, 1, 1).to(model_input.dtype)
         reference = condition["reference_latents"].to(model_input.dtype)
-        slot = (1 - sigma) * reference + sigma * torch.randn_like(reference)
+        # The slot's noise is a function of the batch's noise levels: the same batch gets the same prediction (the fixed-batch
+        # loss, a resumed run, an export compared with the run), different batches different noise.
+        seed = int.from_bytes(hashlib.sha256(timesteps.detach().float().cpu().numpy().tobytes()).digest()[:8], "little")
+        noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(seed)).to(reference.device, reference.dtype)
+        slot = (1 - sigma) * reference + sigma * noise
         return self.velocity(model, torch.cat([slot, model_input], dim=2), timesteps, condition, context)[:, :, 1:]
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
