@@ -61,8 +61,24 @@ def data_section(arch, tmp_path: Path) -> dict:
     return data
 
 
+def animate_pairs(targets: Path, controls: Path) -> None:
+    """Per target clip, a reference image (its first frame) and a driving clip (the clip itself): Wan Animate 2's pair of files."""
+    import shutil
+
+    from zeropipe.data.images import first_frame_image
+    from zeropipe.data.videos import load_clip_for_bucket, probe_video
+
+    for clip in sorted(targets.rglob("*.mp4")):
+        out = controls / clip.relative_to(targets)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(clip, out)
+        width, height, _, fps = probe_video(clip)
+        first_frame_image(load_clip_for_bucket(clip, (width, height, 1), 0, fps, fps).pixels).save(out.with_suffix(".png"))
+
+
 def control_images(data: dict, targets: Path, tmp_path: Path) -> None:
     grey_controls(targets, tmp_path / "controls")
+    animate_pairs(targets, tmp_path / "controls")
     data["control_path"] = str(tmp_path / "controls")
 
 

@@ -53,6 +53,16 @@ def pipeline_class(architecture: str | None):
     return DiffusionPipeline
 
 
+def _pipeline_loader_reads(pipeline, arch) -> bool:
+    """Whether the pipeline's own ``load_lora_weights`` can load into its denoiser. diffusers 0.42's Wan loader
+    (``WanLoraLoaderMixin``, which ``WanAnimate2ModularPipeline`` inherits) reads ``transformer.config.image_dim``, a field
+    ``WanAnimate2Transformer3DModel`` does not have: it raises AttributeError on every LoRA, and the denoiser's own loader reads it."""
+    from diffusers.loaders import WanLoraLoaderMixin
+
+    denoiser = getattr(pipeline, arch.record.denoiser, None)
+    return not (isinstance(pipeline, WanLoraLoaderMixin) and denoiser is not None and not hasattr(denoiser.config, "image_dim"))
+
+
 def load_adapter_export(pipeline, folder: Path, info: dict[str, Any]) -> None:
     """An adapter export into its base pipeline, by diffusers' loader of that file.
 
@@ -63,7 +73,7 @@ def load_adapter_export(pipeline, folder: Path, info: dict[str, Any]) -> None:
     from zeropipe.families.diffusion.entries import architecture_named
 
     arch = architecture_named(info["architecture"])
-    if info.get("kind", "lora") in ("lora", "dora") and hasattr(pipeline, "load_lora_weights"):
+    if info.get("kind", "lora") in ("lora", "dora") and hasattr(pipeline, "load_lora_weights") and _pipeline_loader_reads(pipeline, arch):
         pipeline.load_lora_weights(str(folder))
     else:  # the file's keys are under the architecture's denoiser name; a Wan 2.2 expert's go into its own transformer_2
         getattr(pipeline, info.get("denoiser") or arch.record.denoiser).load_lora_adapter(str(folder), weight_name="pytorch_lora_weights.safetensors", prefix=arch.record.denoiser)

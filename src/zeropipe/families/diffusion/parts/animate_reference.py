@@ -1,0 +1,273 @@
+"""Wan Animate 2's conditions: a reference image of the character and a driving clip of the motion, per target clip.
+
+diffusers' ``WanAnimate2Blocks`` (0.42) animate a reference character image (``image``) with the motion of a driving
+video (``driving_video``). What the transformer sees of them, read from the blocks:
+
+- the reference image's VAE latents (``WanAnimate2ImageVaeEncoderStep``: the mode, normalised per channel), one latent
+  frame put before the clip's, under a 4-channel mask of ones; after it, for a clip's first segment, the latents of a
+  black clip of the segment's length under a zero mask (``WanAnimate2SegmentPrevFramesStep`` with no previous segment);
+- the reference image's CLIP features (``WanAnimate2ImageClipEncoderStep``: the penultimate hidden states at 224 px);
+- the driving clip's VAE latents (``WanAnimate2SegmentVaeEncoderStep``), the tokens of the reference pass whose keys and
+  values every generation frame attends to (the driving frame at its own index), and the CLIP features of its first
+  frame (``WanAnimate2VideoClipEncoderStep``).
+
+**The dataset** (``data.control_path``, one folder): per target clip ``data.path/NAME.mp4`` (or ``SUB/NAME.mp4``), the
+character's reference image ``NAME.<image type>`` and the driving clip ``NAME.<video type>``, at the same relative path
+or at the folder's top (as control images are matched). The driving clip is taken at the target's start, frame rate,
+size, crop and flip, and must be at least as long as the target's clip; the reference image at the target's size
+(centre-cropped: the pipeline letterboxes it into the frame and crops the letterbox off the video; training takes the
+target's own crop). A target without a usable pair is named in one error with the fix.
+
+``AnimateReference`` caches the latents (reference frame, driving frames, black frames, on the frame axis);
+``AnimateClipFeatures`` the two CLIP features (it reads the files ``AnimateReference`` attached). Both run with the
+caches on: the CLIP encoder is loaded by the node's cache filling only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropipe.confine import OUTSIDE_REASON, require_usable, usable
+from zeropipe.data.images import IMAGE_SUFFIXES, load_image_for_bucket
+from zeropipe.errors import ConfigError, DataError
+from zeropipe.families.diffusion.parts.base import Condition, Encoding, Inputs, Planning, SampleInputs, Sampling
+
+BAD_SHOWN = 3
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def find_animate_pairs(items: list[dict[str, Any]], data_root: Path, control_root: Path, fps: float | None) -> list[str]:
+    """Give each item its reference image and driving clip (``item["reference"]``, ``item["driving"]``, ``item["driving_fps"]``);
+    one line per item that has no usable pair, naming the file looked for and why.
+
+    Raises:
+        DataError: ``control_root`` is not a folder.
+    """
+    from zeropipe.data.videos import VIDEO_SUFFIXES, probe_video, resampled_frames
+
+    require_usable(control_root, "data.control_path")
+    control_root = Path(control_root).expanduser().resolve()
+    if not control_root.is_dir():
+        raise DataError(f"data.control_path {control_root} is not a folder: point it at the folder of reference images and driving clips (NAME.png and NAME.mp4 per target clip NAME.mp4)")
+    images: dict[Path, list[Path]] = {}
+    videos: dict[Path, list[Path]] = {}
+    for path in sorted(control_root.rglob("*")):
+        if not path.is_file() or any(part.startswith(".") for part in path.relative_to(control_root).parts):
+            continue
+        suffix = path.suffix.lower()
+        table = videos if suffix in VIDEO_SUFFIXES else images if suffix in IMAGE_SUFFIXES else None
+        if table is not None:
+            table.setdefault(path.relative_to(control_root).with_suffix(""), []).append(path)
+    problems = []
+    probed: dict[Path, Any] = {}
+    for item in items:
+        target = Path(item["path"])
+        relative = target.resolve().relative_to(Path(data_root).resolve()).with_suffix("")
+        found = {}
+        for noun, table in (("reference image", images), ("driving clip", videos)):
+            candidates = table.get(relative) or table.get(Path(relative.name)) or []
+            if not candidates:
+                problems.append(f"{target}: no {noun} {control_root / relative}.* (or {control_root / relative.name}.*)")
+            elif len(candidates) > 1:
+                problems.append(f"{target}: several {noun}s have its name ({', '.join(p.name for p in candidates)}): keep one")
+            elif not usable(candidates[0]):
+                problems.append(f"{target}: its {noun} {candidates[0]} {OUTSIDE_REASON}")
+            else:
+                found[noun] = candidates[0]
+        if len(found) < 2:
+            continue
+        reference, driving = found["reference image"], found["driving clip"]
+        from zeropipe.data.images import _decoded_size
+
+        size = _decoded_size(reference)
+        if isinstance(size, str):
+            problems.append(f"{target}: its reference image {reference} cannot be used ({size})")
+            continue
+        if driving not in probed:
+            probed[driving] = probe_video(driving)
+        probe = probed[driving]
+        if isinstance(probe, str):
+            problems.append(f"{target}: its driving clip {driving} cannot be used ({probe})")
+            continue
+        _, _, frames, driving_fps = probe
+        length = item.get("clip_frames", 1)
+        available = resampled_frames(frames, driving_fps, fps)
+        if available < item.get("start", 0) + length:
+            problems.append(f"{target}: its driving clip {driving} has {available} frame(s) at {fps:g} fps, the target's clip needs {item.get('start', 0) + length}")
+            continue
+        item.update(reference=str(reference), driving=str(driving), driving_fps=float(driving_fps))
+    return problems
+
+
+def clip_features(image_encoder, pixels: torch.Tensor) -> torch.Tensor:
+    """CLIP features of images (N, 3, H, W) in [-1, 1], as the blocks' ``clip_visual_encode``: bicubic to 224 px, CLIP's
+    normalisation, the penultimate hidden states (N, tokens, 1280)."""
+    images = torch.nn.functional.interpolate(pixels.float(), size=(224, 224), mode="bicubic", align_corners=False).mul(0.5).add(0.5)
+    mean = torch.tensor(CLIP_MEAN, device=images.device).view(1, 3, 1, 1)
+    std = torch.tensor(CLIP_STD, device=images.device).view(1, 3, 1, 1)
+    out = image_encoder(pixel_values=((images - mean) / std).to(image_encoder.dtype), output_hidden_states=True)
+    return out.hidden_states[-2]
+
+
+def load_pair(item: dict[str, Any], bucket: tuple[int, ...], fps: float | None, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An item's reference image (3, H, W) and driving clip (3, T, H, W) in [-1, 1] at its bucket, crop and flip.
+
+    Raises:
+        DataError: a file cannot be decoded (the item is skipped).
+    """
+    from zeropipe.data.videos import load_clip_for_bucket
+
+    width, height, frames = bucket
+    reference = load_image_for_bucket(Path(item["reference"]), (width, height), crop="center", flip=flip).pixels
+    driving = load_clip_for_bucket(Path(item["driving"]), (width, height, frames), item.get("start", 0), item["driving_fps"], fps, crop="center", flip=flip).pixels
+    return reference, driving
+
+
+@dataclass(frozen=True)
+class AnimateReference(Condition):
+    """The VAE latents of the reference image, the driving clip and a black clip, cached per target clip (see the module)."""
+
+    entry = "animate"
+    key_suffix = "-animate-reference"
+
+    def config_keys(self):
+        return ("data.control_path",)
+
+    def problems(self, config, arch):
+        data = config.data
+        problems = []
+        if not data.control_path or data.synthetic is not None:
+            problems.append(("data.control_path", f"a {arch.record.name} model animates a reference image with a driving clip: set data.path (the target clips) and "
+                                                  "data.control_path, a folder with NAME.png (the character) and NAME.mp4 (the motion) per target clip NAME.mp4"))
+        elif not Path(data.control_path).expanduser().is_dir():
+            problems.append(("data.control_path", f"{data.control_path} is not a folder: point it at the folder of reference images and driving clips (NAME.png and NAME.mp4 per target clip)"))
+        if not (data.cache.latents and data.cache.text):
+            problems.append(("data.cache", f"{arch.record.name} reads the reference image's and driving clip's latents and CLIP features from the caches: set data.cache.latents and data.cache.text to true"))
+        return problems
+
+    def attach(self, planning: Planning) -> None:
+        config = planning.config
+        if not config.data.control_path or config.data.synthetic is not None:
+            raise ConfigError([("data.control_path", f"a {planning.arch.record.name} model animates a reference image with a driving clip: set data.control_path (NAME.png and NAME.mp4 per target clip NAME.mp4)")])
+        for item, bucket in zip(planning.items, planning.buckets):
+            item["clip_frames"] = bucket[2] if len(bucket) > 2 else 1
+        problems = find_animate_pairs(planning.items, planning.image_dir, Path(config.data.control_path), _plan_fps(config, planning.arch))
+        if problems:
+            shown = "; ".join(problems[:BAD_SHOWN])
+            raise DataError(
+                f"{len(problems)} problem(s) with the reference images and driving clips of {len(planning.items)} target clip(s) in {Path(config.data.control_path).expanduser()} "
+                f"({shown}{' ...' if len(problems) > BAD_SHOWN else ''}): give each target clip NAME.mp4 a reference image NAME.png and a driving clip NAME.mp4 at least as long, "
+                "or remove those targets from data.path"
+            )
+        same = [item["path"] for item in planning.items if _same_file(Path(item["path"]), Path(item["driving"]))]
+        if same:
+            # NeMo AutoModel's Wan Animate 2 guide: a clip that drives itself can be copied to zero loss, ignoring the reference image.
+            planning.notes.append(f"{len(same)} target clip(s) are their own driving clip (e.g. {same[0]}): the model can learn to copy the driving clip "
+                                  "and ignore the reference image; give each target a driving clip of the same motion in another appearance")
+        planning.notes.append(f"Wan Animate 2: {len(planning.items)} target clip(s), each with its reference image and driving clip from {Path(config.data.control_path).expanduser()}")
+
+    def key_files(self, item):
+        return (("reference", Path(item["reference"])), ("driving", Path(item["driving"])))
+
+    def load(self, plan, index, bucket, flip):
+        return load_pair(plan.items[index], tuple(bucket), plan.fps, flip)
+
+    def encode(self, encoding: Encoding) -> list[torch.Tensor]:
+        codec, vae = encoding.codec, encoding.vae
+        dtype = encoding.pixels.dtype
+        references = torch.stack([reference for reference, _ in encoding.loaded]).to(encoding.device, dtype)
+        driving = torch.stack([clip for _, clip in encoding.loaded]).to(encoding.device, dtype)
+        reference_latents = codec.encode(vae, references[:, :, None])[0]
+        driving_latents = codec.encode(vae, driving)[0]
+        black_latents = codec.encode(vae, torch.zeros_like(driving))[0]
+        return list(torch.cat([reference_latents, driving_latents, black_latents], dim=2).float().cpu())
+
+    def inputs(self, values: list[torch.Tensor], batch: Inputs) -> dict[str, torch.Tensor]:
+        latents = batch.normalize(torch.stack(values).to(batch.device))
+        frames = (latents.shape[2] - 1) // 2
+        return {"reference_latents": latents[:, :, :1], "driving_latents": latents[:, :, 1 : 1 + frames], "segment_latents": latents[:, :, 1 + frames :]}
+
+    def sample_components(self, sampling: Sampling) -> dict[str, Any]:
+        return {"vae": sampling.vae()}
+
+    def sample_inputs(self, sampling: Sampling, kwargs: dict[str, Any]) -> SampleInputs:
+        """The first data item's reference image and driving clip at the sample's size and length, encoded as training encodes them."""
+        from zeropipe.families.diffusion.parts.codec import per_channel_normalization
+
+        item = sampling.plan.items[0]
+        frames = int(kwargs.get("num_frames") or sampling.plan.sample_frames)
+        reference, driving = load_pair(item, (sampling.size, sampling.size, frames), sampling.plan.fps, False)
+        vae = sampling.vae()
+        device, dtype = next(vae.parameters()).device, next(vae.parameters()).dtype
+        shift, scale = per_channel_normalization(dict(vae.config))
+        view = (1, -1, 1, 1, 1)
+
+        def encoded(pixels):
+            latents = vae.encode(pixels[None].to(device, dtype)).latent_dist.mode().float()
+            return (latents - shift.view(view).to(device)) * scale.view(view).to(device)
+
+        latents = {"reference_latents": encoded(reference[:, None]), "driving_latents": encoded(driving), "segment_latents": encoded(torch.zeros_like(driving))}
+        rows = [{"reference": item["reference"], "driving": item["driving"]}] * len(sampling.prompts)
+        return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), **latents}}, rows=rows)
+
+
+@dataclass(frozen=True)
+class AnimateClipFeatures(Condition):
+    """The CLIP features of the reference image and of the driving clip's first frame (``image_encoder``), cached per target clip."""
+
+    component: str = "image_encoder"
+
+    entry = "animate_clip"
+    key_suffix = "-animate-clip"
+
+    def fingerprints(self, planning: Planning) -> tuple[str, ...]:
+        return (planning.folder.fingerprint(self.component),)
+
+    def encoder(self, folder, dtype, device):
+        return folder.component(self.component, dtype, device)
+
+    def load(self, plan, index, bucket, flip):
+        # The first driving frame only: CLIP sees nothing else of the clip.
+        reference, driving = load_pair(plan.items[index], (*tuple(bucket)[:2], 1), plan.fps, flip)
+        return reference, driving[:, 0]
+
+    def encode(self, encoding: Encoding) -> list[torch.Tensor]:
+        if encoding.encoder is None:
+            raise DataError("Wan Animate 2's CLIP features are computed while the caches are filled: set data.cache.latents: true")
+        images = torch.stack([image for pair in encoding.loaded for image in pair]).to(encoding.device)
+        with torch.no_grad():
+            features = clip_features(encoding.encoder, images).float().cpu()
+        return list(features.view(len(encoding.loaded), 2, *features.shape[1:]))
+
+    def inputs(self, values: list[torch.Tensor], batch: Inputs) -> dict[str, torch.Tensor]:
+        features = torch.stack(values).to(batch.device, batch.dtype)
+        return {"reference_clip": features[:, 0], "driving_clip": features[:, 1]}
+
+    def sample_inputs(self, sampling: Sampling, kwargs: dict[str, Any]) -> SampleInputs:
+        item = sampling.plan.items[0]
+        reference, driving = load_pair(item, (sampling.size, sampling.size, 1), sampling.plan.fps, False)
+        encoder = sampling.folder.component(self.component, torch.float32, sampling.device)
+        with torch.no_grad():
+            features = clip_features(encoder, torch.stack([reference, driving[:, 0]]).to(sampling.device)).float()
+        return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), "reference_clip": features[:1], "driving_clip": features[1:]}})
+
+
+def _same_file(target: Path, driving: Path) -> bool:
+    """Whether the driving clip is the target clip (the same file, or the same bytes)."""
+    import filecmp
+
+    try:
+        return target.resolve() == driving.resolve() or (target.stat().st_size == driving.stat().st_size and filecmp.cmp(target, driving, shallow=False))
+    except OSError:
+        return False
+
+
+def _plan_fps(config: Any, arch: Any) -> float | None:
+    """The frame rate clips are taken at (``data.video.fps``, or the codec's own)."""
+    fps = config.data.video.fps
+    return arch.record.codec.frame_rate if fps == "auto" else float(fps)
