@@ -95,6 +95,48 @@ class DenoiserCall(Role):
         return weighted_mse(prediction, target, noised.weights)
 
 
+
+class SoundingCall(DenoiserCall):
+    """A denoiser that denoises a clip and its soundtrack in one call (LTX-2, Kandinsky 6): ``joint_predict`` gives both streams'
+    velocities, ``predict`` the video's, ``loss`` adds the audio's.
+
+    Both streams sit at the clip's noise level (sigma = timestep / 1000: the flow objective's timesteps over the schedulers' 1000
+    training steps). ``predict`` noises the batch's audio latents with a fixed seed, so that the same inputs give the same output
+    (training draws its own noise in ``loss``), and calls a batch without audio latents (the planner's trace, a contract batch)
+    with pure noise of ``silent_audio_shape``.
+    """
+
+    def joint_predict(self, model, video: torch.Tensor, audio: torch.Tensor, timesteps: torch.Tensor, condition, context) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def silent_audio_shape(self, module, video: torch.Tensor) -> tuple[int, ...]:
+        """The audio latents' shape for a clip of these video latents (batch, length, channels), as the pipeline sizes them."""
+        raise NotImplementedError
+
+    def predict(self, model, model_input, timesteps, condition, context):
+        module = getattr(model, "module", model)
+        sigma = (timesteps.float() / 1000.0).view(-1, 1, 1)
+        generator = torch.Generator().manual_seed(0)
+        if "audio_latents" in condition:
+            audio = condition["audio_latents"].float()
+            noise = torch.randn(audio.shape, generator=generator).to(audio)
+            audio = (1 - sigma.to(audio)) * audio + sigma.to(audio) * noise
+        else:
+            audio = torch.randn(self.silent_audio_shape(module, model_input), generator=generator).to(model_input.device)
+        return self.joint_predict(model, model_input, audio, timesteps, condition, context)[0]
+
+    def loss(self, model, noised, condition, context):
+        """Video and audio velocity errors added (ltx-trainer's ``compute_loss``), both streams at the clip's noise level."""
+        from zeropipe.families.diffusion.objectives import weighted_mse
+
+        audio = condition["audio_latents"].float()
+        sigma = (noised.timesteps.float() / 1000.0).view(-1, 1, 1).to(audio)
+        noise = torch.randn(audio.shape, dtype=torch.float32).to(audio)  # this rank's stream, saved with checkpoints
+        noisy = (1 - sigma) * audio + sigma * noise
+        video_velocity, audio_velocity = self.joint_predict(model, noised.model_input, noisy, noised.timesteps, condition, context)
+        return weighted_mse(video_velocity, noised.target, noised.weights) + weighted_mse(audio_velocity, noise - audio, noised.weights)
+
+
 class PromptEncoding(Role):
     """Prompts to the conditioning tensors the text cache holds, and the tokenizers and processors that encoding needs."""
 

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from zeropipe.families.diffusion.roles import DenoiserCall, ExportLayouts, PromptEncoding, Sampling
+from zeropipe.families.diffusion.roles import SoundingCall, ExportLayouts, PromptEncoding, Sampling
 
 PROMPT_TOKENS = 1024  # the pipeline's max_sequence_length: every prompt padded to it, with a mask
 TEMPLATE_TOKENS = 129  # _QWEN_CROP_START: the chat template's tokens before the prompt, cut off the encoder's output
@@ -67,7 +67,7 @@ def padding_mask(condition: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return None if bool(mask.all()) else mask
 
 
-class Kandinsky6Call(DenoiserCall):
+class Kandinsky6Call(SoundingCall):
     """The fused video and audio call: ``predict`` gives the video velocity, ``loss`` adds the audio's."""
 
     def joint_predict(self, model, video: torch.Tensor, audio: torch.Tensor, timesteps: torch.Tensor, condition, context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,33 +90,8 @@ class Kandinsky6Call(DenoiserCall):
         frames = (video.shape[2] - 1) * self.record.codec.frame_multiple + 1
         return audio_latent_count(frames, self.record.codec.frame_rate, AUDIO_SAMPLE_RATE, AUDIO_LATENT_HOP)
 
-    def predict(self, model, model_input, timesteps, condition, context):
-        """The video velocity, the audio noised at the same level (pure noise where the batch has no audio latents).
-
-        The audio noise comes from a fixed seed, so that the same inputs give the same output (training draws its own in ``loss``).
-        """
-        module = getattr(model, "module", model)
-        sigma = (timesteps.float() / 1000.0).view(-1, 1, 1)
-        generator = torch.Generator().manual_seed(0)
-        if "audio_latents" in condition:
-            audio = condition["audio_latents"].float()
-            noise = torch.randn(audio.shape, generator=generator).to(audio)
-            audio = (1 - sigma.to(audio)) * audio + sigma.to(audio) * noise
-        else:
-            shape = (model_input.shape[0], self.audio_length(module, model_input), module.config.in_audio_dim)
-            audio = torch.randn(shape, generator=generator).to(model_input.device)
-        return self.joint_predict(model, model_input, audio, timesteps, condition, context)[0]
-
-    def loss(self, model, noised, condition, context):
-        """Video and audio velocity errors added, both streams at the clip's noise level (sigma = timestep / 1000)."""
-        from zeropipe.families.diffusion.objectives import weighted_mse
-
-        audio = condition["audio_latents"].float()
-        sigma = (noised.timesteps.float() / 1000.0).view(-1, 1, 1).to(audio)
-        noise = torch.randn(audio.shape, dtype=torch.float32).to(audio)  # this rank's stream, saved with checkpoints
-        noisy = (1 - sigma) * audio + sigma * noise
-        video_velocity, audio_velocity = self.joint_predict(model, noised.model_input, noisy, noised.timesteps, condition, context)
-        return weighted_mse(video_velocity, noised.target, noised.weights) + weighted_mse(audio_velocity, noise - audio, noised.weights)
+    def silent_audio_shape(self, module, video):
+        return (video.shape[0], self.audio_length(module, video), module.config.in_audio_dim)
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         """One clip with its soundtrack (44.1 kHz, a latent per 1024 samples, at 24 fps) and a prompt padded to ``text_tokens``."""

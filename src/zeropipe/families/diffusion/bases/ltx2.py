@@ -29,7 +29,7 @@ from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.parts import PromptText
 from zeropipe.families.diffusion.parts.audio_track import AudioTrack
 from zeropipe.families.diffusion.parts.latents import LTX2Latents
-from zeropipe.families.diffusion.roles import DenoiserCall, PromptEncoding, Sampling
+from zeropipe.families.diffusion.roles import SoundingCall, PromptEncoding, Sampling
 from zeropipe.families.diffusion.tiny.components import tiny_gemma3
 from zeropipe.families.diffusion.tiny.tokenizers import character_t5_tokenizer
 
@@ -94,7 +94,7 @@ class LTX2Prompts(PromptEncoding):
         return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": mask.float()}
 
 
-class LTX2Call(DenoiserCall):
+class LTX2Call(SoundingCall):
     """The joint video and audio call of LTX2VideoTransformer3DModel: ``predict`` gives the video velocity, ``loss`` adds the audio's."""
 
     def joint_predict(self, model, video: torch.Tensor, audio: torch.Tensor, timesteps: torch.Tensor, condition, context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,35 +124,8 @@ class LTX2Call(DenoiserCall):
         pixel_frames = (video.shape[2] - 1) * self.record.codec.frame_multiple + 1
         return audio_latent_frames(pixel_frames / self.record.codec.frame_rate, int(config.audio_sampling_rate), int(config.audio_hop_length), int(config.audio_scale_factor))
 
-    def predict(self, model, model_input, timesteps, condition, context):
-        """The video velocity, the audio noised at the same level (pure noise where the batch carries no audio latents).
-
-        The audio noise comes from a fixed seed, so that the same inputs give the same output (training draws
-        its own in ``loss``).
-        """
-        module = getattr(model, "module", model)
-        sigma = (timesteps.float() / 1000.0).view(-1, 1, 1)
-        generator = torch.Generator().manual_seed(0)
-        if "audio_latents" in condition:
-            audio = condition["audio_latents"].float()
-            noise = torch.randn(audio.shape, generator=generator).to(audio)
-            audio = (1 - sigma.to(audio)) * audio + sigma.to(audio) * noise
-        else:
-            shape = (model_input.shape[0], self.audio_tokens(module, model_input), module.config.audio_in_channels)
-            audio = torch.randn(shape, generator=generator).to(model_input.device)
-        return self.joint_predict(model, model_input, audio, timesteps, condition, context)[0]
-
-    def loss(self, model, noised, condition, context):
-        """Video and audio velocity errors added (ltx-trainer's ``compute_loss``), both streams at the clip's noise level."""
-        from zeropipe.families.diffusion.objectives import weighted_mse
-
-        audio = condition["audio_latents"].float()
-        # FlowObjective's timesteps are sigma * num_train_timesteps (1000 in LTX-2's scheduler).
-        sigma = (noised.timesteps.float() / 1000.0).view(-1, 1, 1).to(audio)
-        noise = torch.randn(audio.shape, dtype=torch.float32).to(audio)  # this rank's stream, saved with checkpoints
-        noisy = (1 - sigma) * audio + sigma * noise
-        video_velocity, audio_velocity = self.joint_predict(model, noised.model_input, noisy, noised.timesteps, condition, context)
-        return weighted_mse(video_velocity, noised.target, noised.weights) + weighted_mse(audio_velocity, noise - audio, noised.weights)
+    def silent_audio_shape(self, module, video):
+        return (video.shape[0], self.audio_tokens(module, video), module.config.audio_in_channels)
 
     def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
         from zeropipe.data.audio import audio_latent_frames
