@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 from zeropipe.families.diffusion.bases.qwen3_vl_text import load_processor
+from zeropipe.families.diffusion.core import Record
 from zeropipe.families.diffusion.modular import DenoiserSampling, TextEncoderBlock
+from zeropipe.families.diffusion.parts import PromptText
+from zeropipe.families.diffusion.parts.latents import Flux2Latents
 from zeropipe.families.diffusion.roles import DenoiserCall
 from zeropipe.families.diffusion.tiny.components import tiny_flux2_vae, tiny_qwen3_vl_generation
 from zeropipe.families.diffusion.tiny.tokenizers import QWEN3_CHAT_TEMPLATE, character_qwen_tokenizer
@@ -146,3 +149,22 @@ TINY_PRESET = {  # the tiny-flux3 preset; FLUX.3 [distilled]'s is this with the 
     "text_encoder": {**tiny_qwen3_vl_generation(), "text_config": {**tiny_qwen3_vl_generation()["text_config"], "num_hidden_layers": TINY_TEXT_LAYERS}},
     "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False},
 }
+
+
+# FLUX.3's record: the entries `flux3` and `flux3-distilled` (its step-distilled flow map, dataclasses.replace of it) take it.
+FLUX3 = Record(
+    name="flux3",
+    pipeline_class="Flux3ModularPipeline",
+    denoiser="transformer",
+    denoiser_class="Flux3Transformer2DModel",
+    objective="flow",
+    text_encoders=("text_encoder",),
+    tokenizers=(),  # the tokenizer is the processor's (the `tokenizer` component), loaded with it
+    text=PromptText(processors=(PROCESSOR,)),
+    patch_factor=2,
+    codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
+    preset_name="tiny-flux3",
+    preset=TINY_PRESET,
+    trace_tokens=160,  # two of the block's 80-token windows
+    image_processor_patch=2,
+)

@@ -17,29 +17,12 @@ parts, is ``entries/flux3_distilled.py``.
 
 from __future__ import annotations
 
-from zeropipe.families.diffusion.bases.flux3 import PROCESSOR, TINY_PRESET, Flux3Prompts, Flux3Sampling, Flux3Trace
-from zeropipe.families.diffusion.core import Architecture, Record
-from zeropipe.families.diffusion.parts import PromptText
-from zeropipe.families.diffusion.parts.latents import Flux2Latents
+from zeropipe.families.diffusion.bases.flux3 import FLUX3, Flux3Prompts, Flux3Sampling, Flux3Trace
+from zeropipe.families.diffusion.core import Architecture
 
 
 ARCHITECTURE = Architecture(
-    record=Record(
-        name="flux3",
-        pipeline_class="Flux3ModularPipeline",
-        denoiser="transformer",
-        denoiser_class="Flux3Transformer2DModel",
-        objective="flow",
-        text_encoders=("text_encoder",),
-        tokenizers=(),  # the tokenizer is the processor's (the `tokenizer` component), loaded with it
-        text=PromptText(processors=(PROCESSOR,)),
-        patch_factor=2,
-        codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
-        preset_name="tiny-flux3",
-        preset=TINY_PRESET,
-        trace_tokens=160,  # two of the block's 80-token windows
-        image_processor_patch=2,
-    ),
+    record=FLUX3,
     call=Flux3Trace(),
     prompts=Flux3Prompts(per_prompt=True, arguments={"max_sequence_length": 512}),
     sampling=Flux3Sampling(),

@@ -21,15 +21,14 @@ ships with diffusers 0.42.1, as for FLUX.3).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
 import torch
 
-from zeropipe.families.diffusion.bases.flux3 import PROCESSOR, TARGET, TINY_PRESET, Flux3DistilledCall, Flux3Prompts, Flux3Sampling, trace_inputs
-from zeropipe.families.diffusion.core import Architecture, Record
-from zeropipe.families.diffusion.parts import PromptText
-from zeropipe.families.diffusion.parts.latents import Flux2Latents
+from zeropipe.families.diffusion.bases.flux3 import FLUX3, TARGET, TINY_PRESET, Flux3DistilledCall, Flux3Prompts, Flux3Sampling, trace_inputs
+from zeropipe.families.diffusion.core import Architecture
 
 SAMPLE_STEPS = 16  # Flux3DistilledCoreDenoiseStep's Flux3SetTimestepsStep(num_inference_steps=16)
 logger = logging.getLogger(__name__)
@@ -75,21 +74,12 @@ class Flux3DistilledSampling(Flux3Sampling):
 
 
 ARCHITECTURE = Architecture(
-    record=Record(
+    record=dataclasses.replace(
+        FLUX3,
         name="flux3-distilled",
         pipeline_class="Flux3DistilledModularPipeline",
-        denoiser="transformer",
-        denoiser_class="Flux3Transformer2DModel",
-        objective="flow",
-        text_encoders=("text_encoder",),
-        tokenizers=(),  # the tokenizer is the processor's (the `tokenizer` component), loaded with it
-        text=PromptText(processors=(PROCESSOR,)),
-        patch_factor=2,
-        codec=Flux2Latents(vae_class="AutoencoderKLFlux2"),
         preset_name="tiny-flux3-distilled",
         preset={**TINY_PRESET, "transformer": {**TINY_PRESET["transformer"], "flow_map": True}},
-        trace_tokens=160,  # two of the block's 80-token windows
-        image_processor_patch=2,
     ),
     call=Flux3DistilledTrace(),
     prompts=Flux3Prompts(per_prompt=True, arguments={"max_sequence_length": 512}),
