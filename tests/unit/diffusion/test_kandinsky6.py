@@ -147,7 +147,8 @@ def test_image_to_video_is_the_pipelines_own_call_with_the_reference_frame_appen
     pipeline = Kandinsky6TI2VAPipeline.from_pretrained(str(folder))
     pipeline.set_progress_bar_config(disable=True)
     frames = moving_shape_frames("circle", "red", "blue", "left", (32, 32), 9, random.Random(0))
-    image = first_frame_image(torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2))
+    clip = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)
+    image = first_frame_image(clip)
     (video, audio), seen = one_step(pipeline, prompt=["a red ball"], image=image, guidance_scale=1.0, max_sequence_length=128)
     called = seen["kwargs"]
 
@@ -164,6 +165,19 @@ def test_image_to_video_is_the_pipelines_own_call_with_the_reference_frame_appen
     torch.testing.assert_close(audio_out, seen["output"][1], atol=1e-5, rtol=1e-5)
     assert (video_out - plain).abs().max() > 1e-3  # the reference frame conditions the clip: the text-to-video call differs
     torch.testing.assert_close(video, latents - video_out, atol=1e-5, rtol=1e-5)  # one Euler step on what the call gives, tail dropped
+
+    # The cache's first frame (FirstFrameAlone through the codec, normalised as the clip's) is the pipeline's encoding of the image,
+    # the distribution's mode where the pipeline draws from it with its generator.
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import retrieve_latents
+
+    from zeropipe.families.diffusion.parts.base import Encoding
+    from zeropipe.families.diffusion.pipelines import latent_scaling, normalize_latents
+
+    with torch.no_grad():
+        cached = i2v.record.conditions[1].encode(Encoding(pipeline.vae, clip[None], [None], None, i2v.record.codec, CPU))[0]
+        pixels = pipeline.video_processor.preprocess(image, height=32, width=32, resize_mode="crop").unsqueeze(2)
+        theirs = retrieve_latents(pipeline.vae.encode(pixels), sample_mode="argmax") * pipeline.vae.config.scaling_factor
+    torch.testing.assert_close(normalize_latents(cached[None], *latent_scaling(folder, i2v)), theirs, atol=1e-4, rtol=1e-4)
 
     # Samples: the data's first frame as the pipeline's image (FirstFrameAlone's sample input), drawn as the pipeline draws the prompt string.
     negative = {name: value[None] for name, value in encode_prompts(text_pipeline(folder, i2v, torch.float32, CPU), i2v, [""], CPU)[0].items()}
