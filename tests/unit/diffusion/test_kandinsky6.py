@@ -127,3 +127,62 @@ def test_the_comfyui_layout_names_the_modules_as_comfyuis_native_kandinsky6_mode
         "diffusion_model.visual_blocks.3.videoT.self_attention.to_query",
     ]
     assert float(original["diffusion_model.visual_blocks.1.va_cross_attention.out_layer.alpha"]) == 4.0
+
+
+def test_image_to_video_is_the_pipelines_own_call_with_the_reference_frame_appended_and_its_samples_the_pipelines_draw(tmp_path):
+    """kandinsky6-i2v: a folder saying zeropipe_task image-to-video is the i2v entry; its call, on the latents and reference frame the
+    pipeline's loop gave the transformer, is that call's output (video and audio); its samples with the data's first frame are the
+    pipeline's own draw of the prompt string and the image."""
+    import random
+
+    from diffusers import Kandinsky6TI2VAPipeline
+
+    from zeropipe.data.images import first_frame_image
+    from zeropipe.data.videos import moving_shape_frames
+
+    i2v = architecture_named("kandinsky6-i2v")
+    folder = tmp_path / "pipeline"
+    build_tiny_pipeline({"pipeline": "tiny-kandinsky6-i2v"}, folder, seed=1)
+    assert architecture_of(folder) is i2v and [part.entry for part in i2v.record.conditions] == ["audio", "condition"]
+    pipeline = Kandinsky6TI2VAPipeline.from_pretrained(str(folder))
+    pipeline.set_progress_bar_config(disable=True)
+    frames = moving_shape_frames("circle", "red", "blue", "left", (32, 32), 9, random.Random(0))
+    clip = torch.from_numpy(frames).float().div(127.5).sub(1.0).permute(3, 0, 1, 2)
+    image = first_frame_image(clip)
+    (video, audio), seen = one_step(pipeline, prompt=["a red ball"], image=image, guidance_scale=1.0, max_sequence_length=128)
+    called = seen["kwargs"]
+
+    # The pipeline's input: the 3 latent frames and the image's latents as a 4th, the mask 1 on it only, the condition channels zero.
+    hidden = called["hidden_states"]
+    assert hidden.shape[1] == 4 and hidden[..., 32].eq(torch.tensor([0.0, 0.0, 0.0, 1.0])[None, :, None, None]).all() and not hidden[..., 16:32].any()
+    latents, given = channels_first(hidden[:, :-1, ..., :16]), channels_first(hidden[:, -1:, ..., :16])
+    condition = {name: value[None] for name, value in encode_prompts(text_pipeline(folder, i2v, torch.float32, CPU), i2v, ["a red ball"], CPU)[0].items()}
+    condition["first_frame_latents"] = given
+    with torch.no_grad():
+        video_out, audio_out = i2v.call.joint_predict(pipeline.transformer, latents, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
+        plain, _ = K6.call.joint_predict(pipeline.transformer, latents, called["audio_hidden_states"], called["timestep"], condition, CONTEXT)
+    torch.testing.assert_close(video_out, channels_first(seen["output"][0][:, :-1]), atol=1e-5, rtol=1e-5)  # the reference frame's output dropped
+    torch.testing.assert_close(audio_out, seen["output"][1], atol=1e-5, rtol=1e-5)
+    assert (video_out - plain).abs().max() > 1e-3  # the reference frame conditions the clip: the text-to-video call differs
+    torch.testing.assert_close(video, latents - video_out, atol=1e-5, rtol=1e-5)  # one Euler step on what the call gives, tail dropped
+
+    # The cache's first frame (FirstFrameAlone through the codec, normalised as the clip's) is the pipeline's encoding of the image,
+    # the distribution's mode where the pipeline draws from it with its generator.
+    from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import retrieve_latents
+
+    from zeropipe.families.diffusion.parts.base import Encoding
+    from zeropipe.families.diffusion.pipelines import latent_scaling, normalize_latents
+
+    with torch.no_grad():
+        cached = i2v.record.conditions[1].encode(Encoding(pipeline.vae, clip[None], [None], None, i2v.record.codec, CPU))[0]
+        pixels = pipeline.video_processor.preprocess(image, height=32, width=32, resize_mode="crop").unsqueeze(2)
+        theirs = retrieve_latents(pipeline.vae.encode(pixels), sample_mode="argmax") * pipeline.vae.config.scaling_factor
+    torch.testing.assert_close(normalize_latents(cached[None], *latent_scaling(folder, i2v)), theirs, atol=1e-4, rtol=1e-4)
+
+    # Samples: the data's first frame as the pipeline's image (FirstFrameAlone's sample input), drawn as the pipeline draws the prompt string.
+    negative = {name: value[None] for name, value in encode_prompts(text_pipeline(folder, i2v, torch.float32, CPU), i2v, [""], CPU)[0].items()}
+    kwargs = {**i2v.sampling.sample_kwargs(condition, negative, 1.0, 1.0), "image": image}
+    drawn, outputs = i2v.sampling.sample_outputs(pipeline, {**kwargs, "num_frames": 9, "height": 32, "width": 32, "num_inference_steps": 1,
+                                                            "generator": torch.Generator().manual_seed(0)})
+    torch.testing.assert_close(drawn, video, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs["audio_latents"], audio.transpose(1, 2), atol=1e-5, rtol=1e-5)

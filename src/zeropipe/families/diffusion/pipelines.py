@@ -100,6 +100,8 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
         optional = {name: None for name in expected if name not in parts and name not in ("force_zeros_for_empty_prompt", "add_watermarker", "requires_safety_checker")}
         kwargs = {**optional, **arch.record.pipeline_kwargs, **parts}
         pipeline = cls(**kwargs)
+        # The settings that tell this entry's folder from another entry's of the same pipeline class (kandinsky6-i2v's zeropipe_task).
+        pipeline.register_to_config(**dict(arch.record.pipeline_settings))
         pipeline.save_pretrained(str(tmp), safe_serialization=True)
     for processor_name in arch.record.text.processors:
         arch.prompts.tiny_prompt_processor(processor_name, parts, tmp / processor_name)

@@ -22,8 +22,9 @@ clip's noise level, as ltx-trainer trains LTX-2's two streams. The audio is the 
 length (the call takes no padding mask: cut, a prompt is what the pipeline's own encoding gives with its mask), and
 come back with their sound muxed in (``audio_vae`` then ``vocoder``). The LoRA's ComfyUI layout is ``Kandinsky6Layouts``'s.
 
-Text-to-video with audio is what trains here. The pipeline's image-to-video (its reference frame appended as a tail
-frame with token type 1 and a mask) is not trained: the entry has no first-frame condition for it yet.
+Image-to-video (``Kandinsky6I2VCall``, the ``kandinsky6-i2v`` entry): the pipeline appends the image's latents as an extra,
+clean tail frame, marked by the mask channel and token type 1 and placed at the first frame's rotary position; every
+frame of the clip is denoised (the tail frame is reference, not output), so the loss is over the clip's frames.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ import math
 
 import torch
 
-from zeropipe.families.diffusion.roles import SoundingCall, ExportLayouts, PromptEncoding, Sampling
+from zeropipe.families.diffusion.core import Architecture, Record
+from zeropipe.families.diffusion.parts import PromptText
+from zeropipe.families.diffusion.parts.latents import SoundingVideoLatents
+from zeropipe.families.diffusion.parts.mmaudio_track import MMAudioTrack
+from zeropipe.families.diffusion.tiny.components import clip_text, tiny_hunyuan_video_vae, tiny_qwen2_5_vl
+from zeropipe.families.diffusion.roles import ExportLayouts, PromptEncoding, Sampling, SoundingCall
 
 PROMPT_TOKENS = 1024  # the pipeline's max_sequence_length: every prompt padded to it, with a mask
 TEMPLATE_TOKENS = 129  # _QWEN_CROP_START: the chat template's tokens before the prompt, cut off the encoder's output
@@ -73,17 +79,21 @@ class Kandinsky6Call(SoundingCall):
     def joint_predict(self, model, video: torch.Tensor, audio: torch.Tensor, timesteps: torch.Tensor, condition, context) -> tuple[torch.Tensor, torch.Tensor]:
         """The velocities of video latents (B, C, F, H, W) and audio latents (B, L, C_audio), called as the pipeline's loop calls the transformer."""
         module = getattr(model, "module", model)  # the DeepSpeed engine wraps the transformer
-        hidden = channels_last(video).to(context.dtype)
+        hidden, visual = self.visual_input(module, channels_last(video).to(context.dtype), condition)
+        video_out, audio_out = model(
+            hidden_states=hidden, audio_hidden_states=audio.to(context.dtype),
+            encoder_hidden_states=condition["prompt_embeds"].to(context.dtype), pooled_projections=condition["pooled_prompt_embeds"].to(context.dtype),
+            timestep=timesteps.float(), encoder_attention_mask=padding_mask(condition), return_dict=False, **visual,
+        )
+        return channels_first(video_out[:, : video.shape[2]]), audio_out  # the clip's frames (image-to-video appends a reference frame)
+
+    def visual_input(self, module, hidden: torch.Tensor, condition) -> tuple[torch.Tensor, dict]:
+        """The transformer's video input from channels-last latents, and its other visual arguments (none in text-to-video)."""
         if module.config.visual_cond:
             # [latent | conditioning latent | mask]: nothing given in text-to-video, both zero (the pipeline's loop).
             zeros = torch.zeros_like(hidden)
             hidden = torch.cat([hidden, zeros, zeros[..., :1]], dim=-1)
-        video_out, audio_out = model(
-            hidden_states=hidden, audio_hidden_states=audio.to(context.dtype),
-            encoder_hidden_states=condition["prompt_embeds"].to(context.dtype), pooled_projections=condition["pooled_prompt_embeds"].to(context.dtype),
-            timestep=timesteps.float(), encoder_attention_mask=padding_mask(condition), return_dict=False,
-        )
-        return channels_first(video_out), audio_out
+        return hidden, {}
 
     def audio_length(self, module, video: torch.Tensor) -> int:
         """The audio latents of a clip of these video latents at the codec's frame rate, as the pipeline sizes them."""
@@ -105,6 +115,43 @@ class Kandinsky6Call(SoundingCall):
             "pooled_projections": torch.randn(1, config.in_text_dim2, dtype=dtype),
             "timestep": torch.tensor([500.0]),
         }
+
+
+class Kandinsky6I2VCall(Kandinsky6Call):
+    """Image-to-video as ``Kandinsky6TI2VAPipeline`` conditions on ``image``: the image's latents (``first_frame_latents``, the
+    first frame encoded alone and scaled by the VAE's ``scaling_factor``) appended as a clean tail frame, the mask channel 1 on
+    it, token type 1 on it and 0 on the clip, and its rotary position the first frame's (0); the conditioning-latent channels
+    stay zero, as in the pipeline's loop. The transformer's output on the tail frame is dropped."""
+
+    def visual_input(self, module, hidden, condition):
+        if not module.config.visual_cond or module.config.visual_token_type_num_embeddings < 2:
+            from zeropipe.errors import ConfigError
+
+            raise ConfigError([("model.path", "image-to-video needs a Kandinsky 6 transformer with visual_cond true and visual_token_type_num_embeddings >= 2 "
+                                              "(its config.json; the released Pro and Lite transformers have both): train this folder as kandinsky6 (text to video)")])
+        given = channels_last(condition["first_frame_latents"][:, :, :1]).to(hidden)
+        batch, frames, height, width, _ = hidden.shape
+        hidden = torch.cat([hidden, given], dim=1)
+        zeros = torch.zeros_like(hidden)
+        mask = torch.zeros_like(hidden[..., :1])
+        mask[:, -1] = 1
+        types = torch.zeros(batch, frames + 1, dtype=torch.long, device=hidden.device)
+        types[:, -1] = 1
+        patch_t, patch_h, patch_w = module.config.patch_size
+        device = hidden.device
+        rope = (
+            torch.cat([torch.arange(frames // patch_t, device=device), torch.zeros(1, dtype=torch.long, device=device)]),
+            torch.arange(height // patch_h, device=device), torch.arange(width // patch_w, device=device),
+        )
+        return torch.cat([hidden, zeros, mask], dim=-1), {"visual_token_type_ids": types, "visual_rope_pos": rope}
+
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        """The text-to-video trace with the reference frame appended: one more latent frame, its token type 1."""
+        inputs = super().trace_inputs(config, latent_side, latent_frames, text_tokens, dtype)
+        hidden = inputs["hidden_states"]
+        types = torch.zeros(1, latent_frames + 1, dtype=torch.long)
+        types[:, -1] = 1
+        return {**inputs, "hidden_states": torch.cat([hidden, hidden[:, :1]], dim=1), "visual_token_type_ids": types}
 
 
 
@@ -222,3 +269,69 @@ class Kandinsky6Layouts(ExportLayouts):
         from zeropipe.families.diffusion.comfy import comfy_lora_layout
 
         return comfy_lora_layout(layers, alpha, rename=native_name)
+
+
+# The text-to-video entry (``entries/kandinsky6.py``); ``entries/kandinsky6_i2v.py`` replaces its name, conditions and call.
+ATTENTION = r"(to_query|to_key|to_value|out_layer)"
+LORA_TARGETS = (
+    rf".*(_text_transformer_blocks\.\d+\.attn|visual_transformer_blocks\.\d+\.((video|audio)_dec_block\.(self_attention|cross_attention)|va_cross_attention|av_cross_attention))\.{ATTENTION}"
+    r"|.*transformer_blocks\.\d+\.((video|audio)_dec_block\.)?feed_forward\.net\.(0\.proj|2)"
+)
+
+
+def tiny_text_encoder() -> dict:
+    """Qwen2.5-VL at 2 layers of 32, its positions long enough for the template (129 tokens) and the padded prompt."""
+    qwen = tiny_qwen2_5_vl()
+    return {**qwen, "text_config": {**qwen["text_config"], "vocab_size": 256, "max_position_embeddings": 512}}
+
+
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="kandinsky6",
+        pipeline_class="Kandinsky6TI2VAPipeline",
+        denoiser="transformer",
+        denoiser_class="Kandinsky6Transformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder", "text_encoder_2"),
+        tokenizers=("tokenizer", "tokenizer_2"),
+        tokenizer_lengths={"tokenizer": PROMPT_TOKENS, "tokenizer_2": CLIP_TOKENS},
+        text=PromptText(),
+        patch_factor=2,
+        codec=SoundingVideoLatents(vae_class="AutoencoderKLHunyuanVideo", frame_multiple=4, frame_rate=24.0),
+        conditions=(MMAudioTrack(),),
+        lora_targets=LORA_TARGETS,
+        preset_name="tiny-kandinsky6",
+        preset={
+            # Pro's switches (ca_rope, cross_gates, fix_modulation, two visual token types) at 2 fused blocks; the two streams'
+            # heads the same width (16), as the cross-modal rotary embedding needs (Pro: 128 each).
+            "transformer": {
+                "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 32, "in_text_dim2": 32, "time_dim": 32, "patch_size": [1, 2, 2],
+                "model_dim": 32, "ff_dim": 64, "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": [4, 6, 6], "visual_cond": True,
+                "in_audio_dim": 8, "out_audio_dim": 8, "model_dim_a": 16, "time_dim_a": 32, "ff_dim_a": 32, "axes_dims_a": [4, 6, 6],
+                "audio_freqs_scaling": 0.144, "text_token_padding": True, "ca_rope": True, "cross_gates": True, "fix_modulation": True,
+                "visual_token_type_num_embeddings": 2,
+            },
+            "vae": tiny_hunyuan_video_vae(),
+            "text_encoder": tiny_text_encoder(),
+            "text_encoder_2": {"class": "CLIPTextModel", **clip_text(hidden=32)},
+            # 16 kHz, 16 mel bins, a 64-sample hop (128 samples a latent; the release: 44.1 kHz, 128 bins, 512), 8 latent channels (40).
+            "audio_vae": {
+                "class": "MMAudioVAE", "mel_bins": 16, "latent_channels": 8, "hidden_channels": 16, "channel_multipliers": [1, 2], "layers_per_block": 1,
+                "sample_rate": 16000, "n_fft": 256, "hop_length": 64, "scaling_factor": 0.5302,
+            },
+            # Upsamples the mel frames by the hop (4 x 4 x 4 = 64) back to 16 kHz.
+            "vocoder": {
+                "class": "MMAudioVocoder", "num_mels": 16, "upsample_initial_channel": 32, "upsample_rates": [4, 4, 4], "upsample_kernel_sizes": [8, 8, 8],
+                "resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]],
+            },
+            # Euler on flow sigmas with a fixed shift (kandinsky-6's scheduler_scale).
+            "scheduler": {"class": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 10.0, "use_dynamic_shifting": False},
+        },
+        trace_frames=121,  # the pipeline's default length: 5 s at 24 fps
+        trace_tokens=PROMPT_TOKENS,  # every prompt is padded to 1024 tokens
+    ),
+    call=Kandinsky6Call(),
+    prompts=Kandinsky6Prompts(),
+    sampling=Kandinsky6Sampling(),
+    layouts=Kandinsky6Layouts(),
+)

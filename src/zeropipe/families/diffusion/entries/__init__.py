@@ -39,6 +39,7 @@ BUILTIN = (
     "minimax_h3",
     "ltx25",
     "kandinsky6",
+    "kandinsky6_i2v",
     "wan_animate2", "wan_animate2_distilled",
 )
 
