@@ -40,6 +40,7 @@ BUILTIN = (
     "ltx25",
     "kandinsky6",
     "wan_animate2", "wan_animate2_distilled",
+    "cosmos3",
 )
 
 _REGISTRY: dict[str, Architecture] = {}
