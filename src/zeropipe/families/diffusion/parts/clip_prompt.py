@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from zeropipe.families.diffusion import cache
 from zeropipe.families.diffusion.parts.base import Planning
@@ -100,10 +101,8 @@ class PromptPerClip(PromptText):
     # ------------------------------------------------------------------ a rank
     def entries(self, task: Any, keys: list[str], fps: float) -> dict[str, torch.Tensor]:
         """The token ids of these entries padded to the longest (mask 0 after each), as int64 on the rank's device, and each clip's fps."""
-        from zeropipe.families.diffusion.pipelines import stack_padded
-
         rows = [cache.load_entry(task.cache_dir, "text", key) for key in keys]
-        out = {name: stack_padded([row[name] for row in rows]).to(task.device, torch.long) for name in ("input_ids", "input_ids_mask")}
+        out = {name: pad_sequence([row[name] for row in rows], batch_first=True).to(task.device, torch.long) for name in ("input_ids", "input_ids_mask")}
         out["fps"] = torch.full((len(keys),), float(fps), device=task.device)
         return out
 
