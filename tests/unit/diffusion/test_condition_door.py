@@ -76,7 +76,8 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
     assert {name for name, arch in entries.items() if arch.record.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video", "wan-ti2v", "wan-ti2v-i2v", "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "skyreels-v2", "skyreels-v2-i2v", "ltx2", "kandinsky5-t2v", "kandinsky5-i2v", "cosmos-predict2-video2world",
         "wan-vace", "minimax-h3", "ltx-2.5",
         "kandinsky6",
-        "wan-animate-2", "wan-animate-2-distilled"}
+        "wan-animate-2", "wan-animate-2-distilled",
+        "cosmos3"}
     conditions = {name: [part.entry for part in arch.record.conditions] for name, arch in entries.items() if arch.record.conditions}
     assert conditions == {
         "wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"],

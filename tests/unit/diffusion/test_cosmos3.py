@@ -141,3 +141,14 @@ def test_samples_are_the_pipelines_own_call_on_the_cached_ids(tiny_pipeline):
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
     unguided = ARCHITECTURE.sampling.draw(tiny_pipeline, {**kwargs, "guidance_scale": 1.0, "generator": torch.Generator().manual_seed(3)})
     assert not torch.allclose(unguided, ours, atol=1e-4)  # the guidance's unconditional pass is taken
+
+
+def test_the_draw_page_writes_the_clip_the_pipeline_draws(tiny_pipeline, tmp_path):
+    """The UI's Draw page (families.diffusion.draw) gives the prompt string; Cosmos3OmniPipeline returns its clip as ``video``."""
+    from zeropipe.export.generate import LoadedModel, ModelSource
+    from zeropipe.families.diffusion.draw import draw
+
+    loaded = LoadedModel(tiny_pipeline, None, ModelSource("hf", tmp_path, family="diffusion"), torch.device("cpu"))
+    row = draw(loaded, tmp_path / "draw", "a red ball", "", 32, 32, steps=1, guidance=1.0, seed=0, frames=5)[0]
+    assert row["kind"] == "video" and row["frames"] == 5 and (row["width"], row["height"]) == (32, 32), row
+    assert (tmp_path / "draw" / row["file"]).stat().st_size > 0
