@@ -66,19 +66,26 @@ class Cosmos3Call(DenoiserCall):
     24 where absent, the pipeline's default).
     """
 
-    def call_one(self, model, latents: torch.Tensor, timestep: torch.Tensor, input_ids: list[int], fps: float, context) -> torch.Tensor:
-        config = getattr(model, "module", model).config
-        text, vision = segments(config, input_ids, latents, fps, latents.device)
-        out = model(
+    def inputs_one(self, config, latents: torch.Tensor, timestep, input_ids: list[int], fps: float, dtype: torch.dtype, device) -> dict:
+        """The transformer's keyword arguments for one item (``latents``: (1, C, T, H, W)), packed by the pipeline's segment helpers."""
+        text, vision = segments(config, input_ids, latents, fps, device)
+        return dict(
             input_ids=text["input_ids"], text_indexes=text["text_indexes"],
             position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
             und_len=text["und_len"], sequence_length=text["und_len"] + vision["num_vision_tokens"],
-            vision_tokens=[latents.to(context.dtype)], vision_token_shapes=vision["vision_token_shapes"],
+            vision_tokens=[latents.to(dtype)], vision_token_shapes=vision["vision_token_shapes"],
             vision_sequence_indexes=vision["vision_sequence_indexes"], vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
-            vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), float(timestep), device=latents.device),
+            vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), float(timestep), device=device),
             vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"], return_dict=False,
         )
+
+    def call_one(self, model, latents: torch.Tensor, timestep: torch.Tensor, input_ids: list[int], fps: float, context) -> torch.Tensor:
+        config = getattr(model, "module", model).config
+        out = model(**self.inputs_one(config, latents, timestep, input_ids, fps, context.dtype, latents.device))
         return out[0][0]  # the item's (1, C, T, H, W) velocity: every frame noisy, nothing masked
+
+    # No trace_inputs: the planner traces on the meta device, and the transformer's mRoPE switches autocast off for its position ids'
+    # device type (``torch.autocast(device_type=...)``), which torch refuses for "meta"; the planner counts its weights only.
 
     def predict(self, model, model_input, timesteps, condition, context):
         ids, mask = condition["input_ids"], condition["input_ids_mask"].bool()
