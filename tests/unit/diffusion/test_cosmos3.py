@@ -11,6 +11,7 @@ different lengths in one batch.
 The prompt part (``PromptPerClip``) and the samples are held to ``Cosmos3OmniPipeline.__call__`` on the entry's tiny preset:
 the token ids cached per (caption, clip shape) and the negative prompt's, drawn through ``sampler.denoise`` with guidance, give
 the latents the pipeline's own call draws from the prompt strings; the ids carry the clip's shape (other shape, other ids and key).
+The codec's normalised latents are the pipeline's ``_encode_video``; the Draw page writes the clip the pipeline returns.
 """
 
 from __future__ import annotations
@@ -152,3 +153,25 @@ def test_the_draw_page_writes_the_clip_the_pipeline_draws(tiny_pipeline, tmp_pat
     row = draw(loaded, tmp_path / "draw", "a red ball", "", 32, 32, steps=1, guidance=1.0, seed=0, frames=5)[0]
     assert row["kind"] == "video" and row["frames"] == 5 and (row["width"], row["height"]) == (32, 32), row
     assert (tmp_path / "draw" / row["file"]).stat().st_size > 0
+
+
+def test_the_codec_normalises_latents_as_the_pipelines_own_encoder(tiny_pipeline):
+    """The cached distribution's mean, normalised by the codec, is ``Cosmos3OmniPipeline._encode_video`` (per-channel stats not 0/1)."""
+    from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline
+
+    from zeropipe.families.diffusion.pipelines import normalize_latents
+
+    generator = torch.Generator().manual_seed(0)
+    channels = ARCHITECTURE.record.preset["transformer"]["latent_channel"]
+    stats = {"latents_mean": torch.randn(channels, generator=generator).tolist(), "latents_std": (torch.rand(channels, generator=generator) + 0.5).tolist()}
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**{**ARCHITECTURE.record.preset["vae"], **stats}).eval()
+    pipeline = Cosmos3OmniPipeline(transformer=tiny_pipeline.transformer, text_tokenizer=tiny_pipeline.text_tokenizer, vae=vae, scheduler=tiny_pipeline.scheduler,
+                                   enable_safety_checker=False)
+    pixels = torch.rand(1, 3, 5, 32, 32, generator=generator) * 2 - 1
+    codec = ARCHITECTURE.record.codec
+    with torch.no_grad():
+        mean, _ = codec.encode(vae, codec.vae_pixels(pixels))
+        expected = pipeline._encode_video(pixels)
+    shift, scale = codec.normalization(dict(vae.config))
+    torch.testing.assert_close(normalize_latents(codec.from_vae(mean), shift, scale), expected, rtol=1e-5, atol=1e-5)
