@@ -77,7 +77,8 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
         "wan-vace", "minimax-h3", "ltx-2.5",
         "kandinsky6",
         "kandinsky6-i2v",
-        "wan-animate-2", "wan-animate-2-distilled"}
+        "wan-animate-2", "wan-animate-2-distilled",
+        "cosmos3"}
     conditions = {name: [part.entry for part in arch.record.conditions] for name, arch in entries.items() if arch.record.conditions}
     assert conditions == {
         "wan-i2v": ["condition", "image_embeds"], "qwen-image-edit": ["control"], "flux-kontext": ["control"],

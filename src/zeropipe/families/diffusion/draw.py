@@ -207,8 +207,9 @@ def draw(loaded: LoadedModel, out_dir: Path, prompt: str, negative_prompt: str, 
             "(generate.prompts with the data's images)"
         ) from None
     out_dir.mkdir(parents=True, exist_ok=True)
-    if hasattr(result, "frames"):
-        clip = to_uint8(np.asarray(result.frames[0]))
+    if hasattr(result, "frames") or hasattr(result, "video"):
+        # Cosmos3OmniPipeline returns its one clip as ``video`` (frames, height, width, 3), the others a batch of clips as ``frames``.
+        clip = to_uint8(np.asarray(result.video if hasattr(result, "video") else result.frames[0]))
         from zeropipe.data.videos import write_preview, write_video
 
         fps = clip_frame_rate(pipeline, accepted)

@@ -41,6 +41,7 @@ BUILTIN = (
     "kandinsky6",
     "kandinsky6_i2v",
     "wan_animate2", "wan_animate2_distilled",
+    "cosmos3",
 )
 
 _REGISTRY: dict[str, Architecture] = {}

@@ -6,6 +6,7 @@ from typing import Any
 
 from zeropipe.families.diffusion.parts.audio_track import AudioTrack
 from zeropipe.families.diffusion.parts.base import Condition, Encoding, Inputs, Part, Planning, SampleInputs, Sampling
+from zeropipe.families.diffusion.parts.clip_prompt import PromptPerClip
 from zeropipe.families.diffusion.parts.codec import ImageLatents, PerChannelVideoLatents, VideoLatents
 from zeropipe.families.diffusion.parts.control_image import ControlImage
 from zeropipe.families.diffusion.parts.control_prompt import PromptWithControlImage
@@ -55,6 +56,6 @@ def _setting(config: Any, key: str) -> Any:
 
 __all__ = [
     "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "GuidedPrompt", "ImageLatents", "ImageLayers", "Inputs", "Part",
-    "PerChannelVideoLatents", "Planning", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
+    "PerChannelVideoLatents", "Planning", "PromptPerClip", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
     "Sampling", "VideoLatents", "WaveformAudioTrack", "active_conditions", "part_problems",
 ]
