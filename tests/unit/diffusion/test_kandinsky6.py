@@ -144,6 +144,27 @@ def test_image_to_video_is_the_pipelines_own_call_with_the_reference_frame_appen
     folder = tmp_path / "pipeline"
     build_tiny_pipeline({"pipeline": "tiny-kandinsky6-i2v"}, folder, seed=1)
     assert architecture_of(folder) is i2v and [part.entry for part in i2v.record.conditions] == ["audio", "condition"]
+    # The release's folder does not say its task (one checkpoint draws both ways): model.diffusion.task chooses, and a task the
+    # folder's pipeline has no entry for is refused naming the key.
+    import json
+    import shutil
+
+    from zeropipe.errors import ConfigError
+    from zeropipe.families.diffusion.entries import task_problem
+
+    release = tmp_path / "release"
+    shutil.copytree(folder, release)
+    index = json.loads((release / "model_index.json").read_text())
+    del index["zeropipe_task"]
+    (release / "model_index.json").write_text(json.dumps(index))
+    assert architecture_of(release).record.name == "kandinsky6" and architecture_of(release, "image-to-video") is i2v
+    assert task_problem(architecture_named("kandinsky6"), "Kandinsky6TI2VAPipeline", "auto") is None
+    wan = task_problem(architecture_named("wan"), "WanPipeline", "image-to-video")
+    assert wan.startswith("image-to-video: a WanPipeline has no image-to-video entry") and "Kandinsky6TI2VAPipeline" in wan and "remove the key" in wan
+    with pytest.raises(ConfigError, match="model.diffusion.task"):
+        index["_class_name"] = "Kandinsky5T2VPipeline"  # a pipeline whose image-to-video model has its own folder
+        (release / "model_index.json").write_text(json.dumps(index))
+        architecture_of(release, "image-to-video")
     pipeline = Kandinsky6TI2VAPipeline.from_pretrained(str(folder))
     pipeline.set_progress_bar_config(disable=True)
     frames = moving_shape_frames("circle", "red", "blue", "left", (32, 32), 9, random.Random(0))

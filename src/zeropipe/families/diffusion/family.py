@@ -14,7 +14,7 @@ from pathlib import Path
 
 from zeropipe.config.pipeline_index import is_pipeline_folder, read_pipeline_index
 from zeropipe.config.schema import ModelSection, RunConfig
-from zeropipe.families.diffusion.entries import architecture_for_pipeline
+from zeropipe.families.diffusion.entries import architecture_for_pipeline, task_problem
 from zeropipe.families.diffusion.parts import part_problems
 from zeropipe.families.diffusion.pipelines import preset_components
 from zeropipe.errors import ConfigError, ZeroPipeError
@@ -84,6 +84,8 @@ class Diffusion:
         elif objective == "ddpm" and (section.min_t > 0 or section.max_t < 1):
             problems.append(("model.diffusion.min_t", "a timestep range (min_t/max_t) applies to flow-matching transformers (Wan, SD3, Flux), not to a UNet on a DDPM schedule: remove min_t and max_t"))
         arch = self.architecture(config)
+        if arch is not None and task_problem(arch, arch.record.pipeline_class, section.task):
+            problems.append(("model.diffusion.task", task_problem(arch, arch.record.pipeline_class, section.task)))
         return problems + part_settings_problems(config, arch) + before_first_step_problems(config, arch)
 
     def architecture(self, config: RunConfig):
@@ -99,7 +101,7 @@ class Diffusion:
                 folder = read_pipeline_index(section.path)
             except ConfigError:
                 return None
-            return architecture_for_pipeline(folder.class_name, folder.index)
+            return architecture_for_pipeline(folder.class_name, folder.index, section.diffusion.task)
         return None
 
     def objective(self, config: RunConfig) -> str | None:

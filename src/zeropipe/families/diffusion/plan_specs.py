@@ -162,9 +162,9 @@ def _text_encoder_model_type(class_name: str) -> str:
     return getattr(transformers, class_name).config_class.model_type
 
 
-def _architecture(folder: PipelineIndex):
-    """The diffusion architecture of a pipeline folder, or None when its pipeline class is none ZeRO-Pipe knows."""
-    return architecture_for_pipeline(folder.class_name, folder.index)
+def _architecture(folder: PipelineIndex, task: str = "auto"):
+    """The diffusion architecture of a pipeline folder (for ``model.diffusion.task``), or None when its pipeline class is none ZeRO-Pipe knows."""
+    return architecture_for_pipeline(folder.class_name, folder.index, task)
 
 
 def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
@@ -176,7 +176,7 @@ def vae_factors(config: dict[str, Any], arch=None) -> tuple[int, int]:
     return ImageLatents().vae_factors(config)  # the generic reading: video VAEs say both, image VAEs halve per block
 
 
-def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: int = 1024, frames: int = 81) -> ModelSpec:
+def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: int = 1024, frames: int = 81, task: str = "auto") -> ModelSpec:
     """A diffusers pipeline folder: train the UNet or transformer, keep text encoders and VAE frozen."""
     path, index = folder.path, folder.index
     trained_name = "transformer" if "transformer" in index else "unet"
@@ -191,7 +191,7 @@ def _pipeline_spec(folder: PipelineIndex, lora: LoraSection | None, resolution: 
     if trained is None:
         raise ZeroPipeError(f"{path}/{trained_name}/config.json is missing")
     family = "diffusion_transformer" if trained_name == "transformer" else "diffusion_unet"
-    arch = _architecture(folder)
+    arch = _architecture(folder, task)
     vae_factor, vae_temporal_factor = _vae_factors(folder, arch)
     entry = {
         "name": path.name,

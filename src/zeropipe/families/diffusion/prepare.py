@@ -105,7 +105,7 @@ def prepare_diffusion_data(config: RunConfig, run: RunDir, reuse: bool) -> Prepa
         run.write_progress(f"building the {config.model.config.get('pipeline', 'inline')} pipeline")
         build_tiny_pipeline(config.model.config or {}, pipeline_dir, seed=config.run.seed, progress=run.write_progress)
         notes.append(f"built the {config.model.config['pipeline']} pipeline with random weights in {pipeline_dir}")
-    arch = architecture_of(pipeline_dir)
+    arch = architecture_of(pipeline_dir, config.model.diffusion.task)
     codec = arch.record.codec
     problems = part_problems(config, arch)
     if problems:

@@ -25,7 +25,7 @@ def diffusion_config_spec(run_config: RunConfig) -> ModelSpec:
     section, data = run_config.model, run_config.data
     if section.path:
         folder = read_pipeline_index(section.path)
-        spec = _pipeline_spec(folder, section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets))
+        spec = _pipeline_spec(folder, section.lora, resolution=data.images.resolution, frames=max(data.video.frame_buckets), task=section.diffusion.task)
     else:
         arch, components = preset_components(section.config or {})
         trained = {"name": arch.record.denoiser, "library": "diffusers", "class": arch.record.denoiser_class, "config": components[arch.record.denoiser]}

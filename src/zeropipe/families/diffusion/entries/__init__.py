@@ -100,20 +100,34 @@ def architecture_named(name: str) -> Architecture:
     return _REGISTRY[name]
 
 
-def architecture_for_pipeline(class_name: str | None, index: Mapping[str, Any] | None = None) -> Architecture | None:
+def architecture_for_pipeline(class_name: str | None, index: Mapping[str, Any] | None = None, task: str = "auto") -> Architecture | None:
     """The architecture a diffusers pipeline class name (``model_index.json``'s ``_class_name``) belongs to.
 
     The latest registered entry wins, so a plug-in can replace a built-in for its pipeline class.
     ``index`` (``model_index.json`` as read) is matched against an entry's ``pipeline_settings``:
     Wan 2.2 TI2V-5B is a ``WanPipeline`` saved with ``expand_timesteps: true``; without it, an
-    entry that names settings is passed over.
+    entry that names settings is passed over. ``task`` (``model.diffusion.task``) other than auto is the setting
+    ``zeropipe_task`` the folder did not write: Kandinsky 6's one checkpoint trains as text- or image-to-video.
     """
     _load_builtin()
+    settings = {**(index or {}), **({TASK_SETTING: task} if task != "auto" else {})}
     for arch in reversed(list(_REGISTRY.values())):
         named = class_name == arch.record.pipeline_class or class_name in arch.record.related_pipelines
-        if named and all((index or {}).get(key) == value for key, value in arch.record.pipeline_settings):
+        if named and all(settings.get(key) == value for key, value in arch.record.pipeline_settings):
             return arch
     return None
+
+
+TASK_SETTING = "zeropipe_task"  # the pipeline setting an entry that shares its folder with another names its task by
+
+
+def task_problem(arch: Architecture, class_name: str | None, task: str) -> str | None:
+    """Why ``model.diffusion.task`` does not apply to the folder's entry (None: it does, or it is auto)."""
+    if task == "auto" or dict(arch.record.pipeline_settings).get(TASK_SETTING) == task:
+        return None
+    offered = sorted({entry.record.pipeline_class for entry in architectures().values() if dict(entry.record.pipeline_settings).get(TASK_SETTING) == task})
+    return (f"{task}: a {class_name} has no {task} entry that trains from the same folder (the pipelines that have one: {', '.join(offered) or 'none'}); "
+            "an image-to-video model with its own checkpoint (Wan 2.1 I2V, HunyuanVideo 1.5 I2V) is told by its folder: remove the key")
 
 
 def architecture_for_denoiser(class_name: str) -> Architecture | None:
@@ -138,14 +152,22 @@ def presets() -> dict[str, Architecture]:
     return {arch.record.preset_name: arch for arch in _REGISTRY.values() if arch.record.preset_name}
 
 
-def architecture_of(pipeline_dir: Path) -> Architecture:
-    """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_index``)."""
+def architecture_of(pipeline_dir: Path, task: str = "auto") -> Architecture:
+    """The architecture of a diffusers pipeline directory, from its model_index.json (read by ``read_pipeline_index``),
+    and the run's ``model.diffusion.task`` where its one checkpoint has two entries.
+
+    Raises:
+        ConfigError: the folder is no pipeline ZeRO-Pipe trains, lacks its denoiser, or has no entry for the task asked.
+    """
     folder = read_pipeline_index(pipeline_dir)
     name = folder.class_name
-    arch = architecture_for_pipeline(name, folder.index)
+    arch = architecture_for_pipeline(name, folder.index, task)
     if arch is None:
         known = ", ".join(sorted(a.record.pipeline_class for a in architectures().values()))
         raise ConfigError([("model.path", f"{folder.index_file} holds a {name}, which ZeRO-Pipe does not train yet (it trains {known})")])
+    problem = task_problem(arch, name, task)
+    if problem:
+        raise ConfigError([("model.diffusion.task", problem)])
     if not (Path(pipeline_dir) / arch.record.denoiser).is_dir():
         raise ConfigError([("model.path", f"{pipeline_dir} has no {arch.record.denoiser}/ folder, which a {name} needs")])
     return arch

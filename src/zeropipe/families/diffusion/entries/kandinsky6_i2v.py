@@ -9,9 +9,9 @@ frame's rotary position, as the pipeline's loop builds them; held to the pipelin
 ``tests/unit/diffusion/test_kandinsky6.py``). Every frame of the clip is denoised and in the loss, the tail frame being
 reference only. Samples take a data clip's first frame as the pipeline's ``image``.
 
-The pipeline class is the text-to-video one, so a folder is trained as image-to-video when its ``model_index.json`` says
-``"zeropipe_task": "image-to-video"`` (a copy of the release's folder with that line, its weights symlinked; diffusers ignores
-the key); without it, the folder is ``kandinsky6``.
+The pipeline class is the text-to-video one and the release's one checkpoint draws both ways: a run trains this entry with
+``model.diffusion.task: image-to-video`` (or a folder whose ``model_index.json`` says ``"zeropipe_task": "image-to-video"``, as the
+tiny preset's does); otherwise the folder is ``kandinsky6``.
 """
 
 from __future__ import annotations
