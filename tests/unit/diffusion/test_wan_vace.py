@@ -4,6 +4,9 @@ entry's call is ``Wan22LoopDenoiser``'s (``transformer_cls=WanVACETransformer3DM
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -146,21 +149,13 @@ def _write_case(root, files):
     return data, controls
 
 
-def _frames(pixels):
-    from zeropipe.data.images import first_frame_image
-
-    return [first_frame_image(pixels[:, frame]) for frame in range(pixels.shape[1])]
-
-
 @pytest.mark.parametrize("files", [("control", "mask", "reference"), ("mask",), ("reference",), ("control",)])
 def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny, vace_pipeline, files):
     """Per case of the module's table, the cached control input equals WanVACEPipeline's ``preprocess_conditions``,
-    ``prepare_video_latents`` and ``prepare_masks`` (concatenated, as its call does) given what the samples give it."""
-    from PIL import Image
-
+    ``prepare_video_latents`` and ``prepare_masks`` (concatenated, as its call does) given the arguments the part's samples give it."""
     from zeropipe.data.videos import load_clip_for_bucket
     from zeropipe.families.diffusion.bases.wan_vace import ARCHITECTURE
-    from zeropipe.families.diffusion.parts.base import Encoding
+    from zeropipe.families.diffusion.parts.base import Encoding, Sampling
     from zeropipe.families.diffusion.parts.vace_control import VaceControl, find_vace_controls, load_controls
 
     _, vae, _ = tiny
@@ -173,11 +168,13 @@ def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny,
     assert isinstance(part, VaceControl)
     ours = part.encode(Encoding(vae, clip[None], [loaded], None, ARCHITECTURE.record.codec, CPU))[0][None]
 
-    # The pipeline's arguments as the samples give them: the control clip's frames (the target's own under a mask alone), the mask's, the reference file.
-    video = _frames(loaded["control"]) if "control" in files else _frames(clip) if "mask" in files else None
-    mask = _frames(loaded["mask"] * 2 - 1) if "mask" in files else None
-    references = [Image.open(controls / "a.png").convert("RGB")] if "reference" in files else None
-    pixels, masks, prepared = vace_pipeline.preprocess_conditions(video, mask, references, 1, 32, 32, 5, torch.float32, CPU)
+    plan = SimpleNamespace(items=items, sample_frames=5, fps=FPS)
+    load_pixels = lambda index, bucket, crop, flip: load_clip_for_bucket(Path(items[index]["path"]), bucket, 0, FPS, FPS, crop=crop, flip=flip)  # noqa: E731
+    sample = part.sample_inputs(Sampling(["a prompt"], 32, (32, 32, 1), plan, None, CPU, load_pixels, lambda: vae), {})
+    call = sample.kwargs
+    assert ("video" in call) == ("control" in files or "mask" in files) and ("mask" in call) == ("mask" in files) and ("reference_images" in call) == ("reference" in files)
+    assert sample.rows[0]["target"] == items[0]["path"]
+    pixels, masks, prepared = vace_pipeline.preprocess_conditions(call.get("video"), call.get("mask"), call.get("reference_images"), 1, 32, 32, 5, torch.float32, CPU)
     with torch.no_grad():
         expected = torch.cat([vace_pipeline.prepare_video_latents(pixels, masks, prepared, None, CPU), vace_pipeline.prepare_masks(masks, prepared, None)], dim=1)
     assert ours.shape == expected.shape == (1, 96, 2 + ("reference" in files), 4, 4)
@@ -202,8 +199,6 @@ def test_a_clip_without_control_files_keeps_the_first_frame_task(tmp_path, tiny)
 
 
 def test_bad_or_missing_control_files_get_one_message_naming_every_target(tmp_path):
-    from types import SimpleNamespace
-
     from PIL import Image
 
     from zeropipe.data.videos import write_video

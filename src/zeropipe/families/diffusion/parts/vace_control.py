@@ -218,6 +218,13 @@ class VaceControl(VaceFirstFrame):
     def config_keys(self):
         return ("data.control_path",)
 
+    def problems(self, config, arch):
+        problems = super().problems(config, arch)
+        control_path = config.data.control_path
+        if control_path and config.data.synthetic is None and not Path(control_path).expanduser().is_dir():
+            problems.append(("data.control_path", f"{control_path} is not a folder: point it at the folder of VACE's control files ({LAYOUT}), or remove it to train the first-frame task"))
+        return problems
+
     def attach(self, planning: Planning) -> None:
         config = planning.config
         if not config.data.control_path or config.data.synthetic is not None:
