@@ -140,19 +140,27 @@ def _write_case(root, files):
     write_video(data / "a.mp4", rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8), FPS)
     if "control" in files:
         write_video(controls / "a.mp4", rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8), FPS)
-    if "mask" in files:
+    if "mask" in files or "mask clip" in files:
         mask = np.zeros((32, 32, 3), dtype=np.uint8)
         mask[:, 16:] = 255  # white: generate; black: keep
+        mask[:, 12:16] = 100  # a soft edge: the pipeline binarises what the VAE sees, not the mask it folds
         Image.fromarray(mask).save(controls / "a_mask.png")
+    if "mask clip" in files:  # a mask per frame: the kept part grows
+        (controls / "a_mask.png").unlink()
+        masks = np.zeros((5, 32, 32, 3), dtype=np.uint8)
+        for frame in range(5):
+            masks[frame, :, 8 + 4 * frame :] = 255
+        write_video(controls / "a_mask.mp4", masks, FPS)
     if "reference" in files:
         Image.fromarray(rng.integers(0, 256, (24, 16, 3), dtype=np.uint8)).save(controls / "a.png")
     return data, controls
 
 
-@pytest.mark.parametrize("files", [("control", "mask", "reference"), ("mask",), ("reference",), ("control",)])
+@pytest.mark.parametrize("files", [("control", "mask", "reference"), ("mask clip",), ("reference",), ("control",)])
 def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny, vace_pipeline, files):
     """Per case of the module's table, the cached control input equals WanVACEPipeline's ``preprocess_conditions``,
-    ``prepare_video_latents`` and ``prepare_masks`` (concatenated, as its call does) given the arguments the part's samples give it."""
+    ``prepare_video_latents`` and ``prepare_masks`` (concatenated, as its call does) given the files as a user passes them, which
+    are what the part's samples pass."""
     from zeropipe.data.videos import load_clip_for_bucket
     from zeropipe.families.diffusion.bases.wan_vace import ARCHITECTURE
     from zeropipe.families.diffusion.parts.base import Encoding, Sampling
@@ -168,13 +176,30 @@ def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny,
     assert isinstance(part, VaceControl)
     ours = part.encode(Encoding(vae, clip[None], [loaded], None, ARCHITECTURE.record.codec, CPU))[0][None]
 
+    # The pipeline's arguments as a user gives them: the files themselves (diffusers' load_image; its load_video needs imageio,
+    # which is not installed: the frames as PyAV decodes them).
+    from diffusers.utils import load_image
+
+    def load_video(path):
+        import av
+
+        with av.open(path) as container:
+            return [frame.to_image().convert("RGB") for frame in container.decode(video=0)]
+
+    masked = "mask" in files or "mask clip" in files
+    video = load_video(str(controls / "a.mp4")) if "control" in files else load_video(str(data / "a.mp4")) if masked else None
+    mask = load_video(str(controls / "a_mask.mp4")) if "mask clip" in files else [load_image(str(controls / "a_mask.png"))] * 5 if masked else None
+    references = [load_image(str(controls / "a.png"))] if "reference" in files else None
+    # The part's samples give the pipeline the same.
     plan = SimpleNamespace(items=items, sample_frames=5, fps=FPS)
     load_pixels = lambda index, bucket, crop, flip: load_clip_for_bucket(Path(items[index]["path"]), bucket, 0, FPS, FPS, crop=crop, flip=flip)  # noqa: E731
     sample = part.sample_inputs(Sampling(["a prompt"], 32, (32, 32, 1), plan, None, CPU, load_pixels, lambda: vae), {})
-    call = sample.kwargs
-    assert ("video" in call) == ("control" in files or "mask" in files) and ("mask" in call) == ("mask" in files) and ("reference_images" in call) == ("reference" in files)
+    given = {"video": video, "mask": mask, "reference_images": references}
+    assert sorted(sample.kwargs) == sorted(key for key, value in given.items() if value is not None), sample.kwargs
+    for key, images in sample.kwargs.items():
+        assert [np.asarray(image).tolist() for image in images] == [np.asarray(image.convert("RGB")).tolist() for image in given[key]], key
     assert sample.rows[0]["target"] == items[0]["path"]
-    pixels, masks, prepared = vace_pipeline.preprocess_conditions(call.get("video"), call.get("mask"), call.get("reference_images"), 1, 32, 32, 5, torch.float32, CPU)
+    pixels, masks, prepared = vace_pipeline.preprocess_conditions(video, mask, references, 1, 32, 32, 5, torch.float32, CPU)
     with torch.no_grad():
         expected = torch.cat([vace_pipeline.prepare_video_latents(pixels, masks, prepared, None, CPU), vace_pipeline.prepare_masks(masks, prepared, None)], dim=1)
     assert ours.shape == expected.shape == (1, 96, 2 + ("reference" in files), 4, 4)
