@@ -3,7 +3,9 @@
 ``WanVACEPipeline`` folders (the published diffusers checkpoints of both: ``model_index.json`` names it, Wan 2.2's
 with two experts, ``transformer`` and ``transformer_2``, split at ``boundary_ratio`` 0.875 as Wan 2.2 A14B's) hold
 a UMT5 text encoder, Wan's VAE and the VACE transformer: Wan 2.1's blocks plus control blocks at ``vace_layers``
-that read ``control_hidden_states`` (``parts/vace_context.py`` builds it as diffusers' ``WanVaceEncoderStep`` does).
+that read ``control_hidden_states`` (``parts/vace_context.py`` builds it as diffusers' ``WanVaceEncoderStep`` does, from
+each clip's control clip, mask and reference image in ``data.control_path``, else VACE's first-frame task:
+``parts/vace_control.py``).
 The prompts, latents, sampler and ComfyUI layout are Wan's; each expert trains alone, as Wan 2.2 A14B's
 (``model.diffusion.min_t`` / ``max_t``, docs/video.md).
 
@@ -22,9 +24,9 @@ import dataclasses
 import torch
 
 from zeropipe.families.diffusion.bases.wan import ARCHITECTURE as WAN_T2V
-from zeropipe.families.diffusion.bases.wan import WanCall
+from zeropipe.families.diffusion.bases.wan import WanCall, WanSampling
 from zeropipe.families.diffusion.core import Architecture
-from zeropipe.families.diffusion.parts.vace_context import VaceFirstFrame
+from zeropipe.families.diffusion.parts.vace_control import VaceControl
 
 
 class WanVaceCall(WanCall):
@@ -38,10 +40,38 @@ class WanVaceCall(WanCall):
             "control_hidden_states_scale": condition.get("vace_scale"),
         }
 
+    def predict(self, model, model_input, timesteps, condition, context):
+        """The velocity of the clip's frames. A control input with reference frames (``parts/vace_control.py``) has more latent
+        frames than the clip, first: the pipeline draws noise for those too and drops them after denoising. Training gives each
+        slot the reference image's latents (the control input's first 16 channels there: the VAE's normalised mode, as the
+        clip's latents) noised at the clip's noise level (flow: (1 - s) x0 + s noise), and leaves them out of the output
+        (and so the loss), as Wan Animate 2's reference slot."""
+        import hashlib
+
+        references = condition["vace_context"].shape[2] - model_input.shape[2]
+        if references <= 0:
+            return super().predict(model, model_input, timesteps, condition, context)
+        sigma = (timesteps.float() / 1000).view(-1, 1, 1, 1, 1).to(model_input.dtype)
+        reference = condition["vace_context"][:, : model_input.shape[1], :references].to(model_input.dtype)
+        # The slots' noise is a function of the batch's noise levels: the same batch gets the same prediction (the fixed-batch
+        # loss, a resumed run, an export compared with the run), different batches different noise.
+        seed = int.from_bytes(hashlib.sha256(timesteps.detach().float().cpu().numpy().tobytes()).digest()[:8], "little")
+        noise = torch.randn(reference.shape, generator=torch.Generator().manual_seed(seed)).to(reference.device, reference.dtype)
+        slots = (1 - sigma) * reference + sigma * noise
+        return super().predict(model, torch.cat([slots, model_input], dim=2), timesteps, condition, context)[:, :, references:]
+
     def trace_batch(self, config, latent_side, latent_frames, text_tokens, dtype):
         latents, timesteps, condition = super().trace_batch(config, latent_side, latent_frames, text_tokens, dtype)
         context = torch.randn(1, config.vace_in_channels, latent_frames, latent_side, latent_side, dtype=dtype)
         return latents, timesteps, {**condition, "vace_context": context}
+
+
+class WanVaceSampling(WanSampling):
+    """Wan's sampling; with ``reference_images`` the pipeline returns (``output_type="latent"``) the reference images' latent
+    frames first, which its own decoding drops: so do the samples."""
+
+    def draw(self, pipeline, kwargs):
+        return super().draw(pipeline, kwargs)[:, :, len(kwargs.get("reference_images") or []) :]
 
 
 def _preset() -> dict:
@@ -58,12 +88,12 @@ ARCHITECTURE = Architecture(
         pipeline_class="WanVACEPipeline",
         related_pipelines=(),
         denoiser_class="WanVACETransformer3DModel",
-        conditions=(VaceFirstFrame(),),
+        conditions=(VaceControl(),),
         preset_name="tiny-wan-vace",
         preset=_preset(),
     ),
     call=WanVaceCall(),
     prompts=WAN_T2V.prompts,
-    sampling=WAN_T2V.sampling,
+    sampling=WanVaceSampling(),
     layouts=WAN_T2V.layouts,
 )
