@@ -507,13 +507,25 @@ def _build_component(component: dict[str, Any]):
     import torch
 
     cls = _diffusers_class(component.get("library", "diffusers"), component["class"])
-    with torch.device("meta"):
+
+    def build():
         if component.get("library") == "transformers":
-            config = _hf_config(component["config"])
-            return cls._from_config(config, dtype=torch.bfloat16)
+            return cls._from_config(_hf_config(component["config"]), dtype=torch.bfloat16)
         fields = {k: v for k, v in component["config"].items() if not k.startswith("_")}
         # torch's Module.to, not diffusers' override: its warning about fp32-kept modules is moot on meta.
         return torch.nn.Module.to(cls.from_config(fields), torch.bfloat16)
+
+    try:
+        with torch.device("meta"):
+            return build()
+    except RuntimeError as err:
+        if "meta" not in str(err):
+            raise
+        # A constructor that computes a buffer from tensors (diffusers 0.42's MMAudio mel filterbank) met one the meta device
+        # context had not made: seen in a test process after a Kandinsky 6 pipeline ran (accelerate's empty-weights context fails
+        # the same way), never in a fresh `zeropipe plan`. Built on the CPU instead, which only the small audio models reach.
+        with torch.device("cpu"):
+            return build()
 
 
 def video_tokens(config: Any, frames: int, resolution: int, vae_factor: int = 8, vae_temporal_factor: int = 4) -> int:

@@ -79,9 +79,17 @@ def test_nothing_fits_names_the_nearest_box(capsys):
     assert "Nearest box that fits: --gpus 5x24GB --ram 256GB --nodes 1: " in out and "offload optimizer" in out.split("Nearest box that fits:")[1].splitlines()[0]
 
 
+# Examples whose model the catalog cannot count yet, each with why: planned from its folder once downloaded, refused before.
+NO_CATALOG = {"examples/models/cosmos3.yaml": "no published Cosmos 3 config can be cited without the network (docs/video.md, Cosmos 3 Omni)"}
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)
 def test_every_example_plans_without_weights(capsys, monkeypatch, example):
     monkeypatch.chdir(ROOT)
+    if str(example) in NO_CATALOG:
+        rc = main(["plan", str(example), "--gpus", "5x24GB", "--ram", "64GB", "--json"])
+        assert rc == 2 and "names no catalog model either" in capsys.readouterr().err, NO_CATALOG[str(example)]
+        return
     rc, out = plan(capsys, str(example), "--gpus", "5x24GB", "--ram", "64GB", "--json")
     result = json.loads(out)
     assert rc == (0 if result["runnable"] else 1)
