@@ -171,6 +171,32 @@ def test_a_target_without_its_reference_image_or_driving_clip_gets_one_message(t
     assert len(problems) == 2
 
 
+def test_a_reference_image_linked_out_of_a_ui_runs_folders_is_named_and_not_read(tmp_path):
+    """A UI-submitted run's control folder may hold a symlink to a file elsewhere (a key, a photo): it is skipped and named, never read."""
+    import numpy as np
+    from PIL import Image
+
+    from zeropipe.confine import OUTSIDE_REASON, Confinement, confining
+    from zeropipe.data.videos import write_video
+    from zeropipe.families.diffusion.parts.animate_reference import find_animate_pairs
+
+    root, elsewhere = tmp_path / "ui-data", tmp_path / "elsewhere"
+    data, controls = root / "clips", root / "controls"
+    for folder in (data, controls, elsewhere):
+        folder.mkdir(parents=True)
+    clip = np.zeros((9, 32, 32, 3), dtype=np.uint8)
+    write_video(data / "a.mp4", clip, 24.0)
+    write_video(controls / "a.mp4", clip, 24.0)
+    Image.new("RGB", (32, 32)).save(elsewhere / "secret.png")
+    (controls / "a.png").symlink_to(elsewhere / "secret.png")
+    items = [{"path": str(data / "a.mp4"), "start": 0, "clip_frames": 9}]
+    with confining(Confinement((root,), base=root)):
+        problems = find_animate_pairs(items, data, controls, 24.0)
+    assert problems == [f"{data / 'a.mp4'}: its reference image {controls / 'a.png'} {OUTSIDE_REASON}"] and "reference" not in items[0]
+    # Without confinement (a command-line run), the same folder is the user's own: the link is followed.
+    assert find_animate_pairs(items, data, controls, 24.0) == [] and items[0]["reference"].endswith("a.png")
+
+
 def test_the_catalog_counts_the_release_and_traces_both_passes():
     from zeropipe.plan.model_spec import catalog_names, spec_from_catalog
 

@@ -223,6 +223,27 @@ def test_a_clip_without_control_files_keeps_the_first_frame_task(tmp_path, tiny)
     assert ARCHITECTURE.record.conditions[0].key_suffix == VaceFirstFrame.key_suffix  # the same cache entries as before
 
 
+def test_a_mask_linked_out_of_a_ui_runs_folders_is_named_and_not_read(tmp_path):
+    """A UI-submitted run's control folder may hold a symlink to a file elsewhere: it is skipped and named, never read."""
+    from PIL import Image
+
+    from zeropipe.confine import OUTSIDE_REASON, Confinement, confining
+    from zeropipe.data.videos import write_video
+    from zeropipe.families.diffusion.parts.vace_control import find_vace_controls
+
+    root, elsewhere = tmp_path / "ui-data", tmp_path / "elsewhere"
+    data, controls = root / "clips", root / "controls"
+    for folder in (data, controls, elsewhere):
+        folder.mkdir(parents=True)
+    write_video(data / "a.mp4", np.zeros((9, 32, 32, 3), dtype=np.uint8), FPS)
+    Image.new("RGB", (32, 32)).save(elsewhere / "secret.png")
+    (controls / "a_mask.png").symlink_to(elsewhere / "secret.png")
+    items = [{"path": str(data / "a.mp4"), "start": 0, "clip_frames": 9}]
+    with confining(Confinement((root,), base=root)):
+        problems = find_vace_controls(items, data, controls, FPS)
+    assert len(problems) == 1 and problems[0].endswith(f"{controls / 'a_mask.png'} {OUTSIDE_REASON}"), problems
+
+
 def test_bad_or_missing_control_files_get_one_message_naming_every_target(tmp_path):
     from PIL import Image
 
