@@ -86,6 +86,11 @@ class Diffusion:
         arch = self.architecture(config)
         if arch is not None and task_problem(arch, arch.record.pipeline_class, section.task):
             problems.append(("model.diffusion.task", task_problem(arch, arch.record.pipeline_class, section.task)))
+        if arch is not None and config.model.path and is_pipeline_folder(config.model.path):
+            try:  # a checkpoint of the entry's pipeline class that the entry cannot train (Kandinsky 6's pi-Flow distilled heads)
+                problems += arch.call.checkpoint_problems(read_pipeline_index(config.model.path))
+            except ConfigError as err:  # a component config it reads is unreadable: named as the ranks would name it
+                problems += list(err.problems)
         return problems + part_settings_problems(config, arch) + before_first_step_problems(config, arch)
 
     def architecture(self, config: RunConfig):

@@ -6,7 +6,8 @@ only where its model differs from the default:
 - ``DenoiserCall``: ``inputs`` builds the denoiser's keyword arguments from a batch of latents, timesteps and
   conditions; ``predict`` calls the denoiser on them and reads its output as the objective's target; ``loss``
   and ``loss_region`` make the training loss; ``trace_inputs`` gives the planner's activation trace its inputs
-  (``None``: not traced). Context parallelism wraps the call here (one place for training, samples and the trace).
+  (``None``: not traced); ``checkpoint_problems`` refuses a checkpoint of the entry's pipeline class it cannot train.
+  Context parallelism wraps the call here (one place for training, samples and the trace).
 - ``PromptEncoding``: ``encode_prompts`` (the pipeline's own ``encode_prompt``), the tiny preset's tokenizers and the
   prompt processors the text pipeline needs besides its tokenizers.
 - ``Sampling``: the samples drawn during training: ``sample_kwargs`` (conditioning and guidance), ``draw`` (the
@@ -93,6 +94,11 @@ class DenoiserCall(Role):
 
         prediction, target = self.loss_region(self.predict(model, noised.model_input, noised.timesteps, condition, context), noised.target)
         return weighted_mse(prediction, target, noised.weights)
+
+    def checkpoint_problems(self, folder: Any) -> list[tuple[str, str]]:
+        """Why this entry cannot train the checkpoint in ``folder`` (``config.pipeline_index.PipelineIndex``) though its pipeline class is
+        the entry's, each (key, why and what to train instead); checked before anything runs (Kandinsky 6's pi-Flow distilled heads)."""
+        return []
 
 
 

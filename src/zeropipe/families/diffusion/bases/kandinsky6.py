@@ -25,6 +25,10 @@ come back with their sound muxed in (``audio_vae`` then ``vocoder``). The LoRA's
 Image-to-video (``Kandinsky6I2VCall``, the ``kandinsky6-i2v`` entry): the pipeline appends the image's latents as an extra,
 clean tail frame, marked by the mask channel and token type 1 and placed at the first frame's rotary position; every
 frame of the clip is denoised (the tail frame is reference, not output), so the loss is over the clip's frames.
+
+Not trained: the pi-Flow distilled checkpoints (``-distill-``: the transformer's output widened to ``PiflowScheduler``'s grids,
+``policy_head``), refused naming ``model.path`` with why and what to train instead (``Kandinsky6Call.checkpoint_problems``;
+``tests/unit/diffusion/test_kandinsky6_distilled.py``).
 """
 
 from __future__ import annotations
@@ -95,6 +99,18 @@ class Kandinsky6Call(SoundingCall):
             hidden = torch.cat([hidden, zeros, zeros[..., :1]], dim=-1)
         return hidden, {}
 
+    def checkpoint_problems(self, folder) -> list[tuple[str, str]]:
+        """A pi-Flow distilled checkpoint is refused: its transformer's heads give a policy, not the velocity this entry trains (``policy_head``)."""
+        head = policy_head(folder)
+        if head is None:
+            return []
+        return [("model.path", f"{folder.path} is a pi-Flow distilled Kandinsky 6 checkpoint ({head}), which ZeRO-Pipe does not fine-tune: "
+                               "pi-Flow trains those heads by imitation distillation, matching the policy's velocity to the non-distilled teacher's "
+                               "along the policy's own trajectory (the teacher runs in every step), while flow matching on data drives every grid to "
+                               "the same mean and trains the few-step distillation away; no published trainer fine-tunes a pi-Flow student. "
+                               "Train the non-distilled release with the same pipeline (kandinskylab/Kandinsky-6.0-Pro-5s-Diffusers or "
+                               "Kandinsky-6.0-Lite-5s-Diffusers) as kandinsky6 (docs/video.md, Kandinsky 6)")]
+
     def audio_length(self, module, video: torch.Tensor) -> int:
         """The audio latents of a clip of these video latents at the codec's frame rate, as the pipeline sizes them."""
         frames = (video.shape[2] - 1) * self.record.codec.frame_multiple + 1
@@ -115,6 +131,25 @@ class Kandinsky6Call(SoundingCall):
             "pooled_projections": torch.randn(1, config.in_text_dim2, dtype=dtype),
             "timestep": torch.tensor([500.0]),
         }
+
+
+def policy_head(folder) -> str | None:
+    """What says a Kandinsky 6 folder is a pi-Flow distilled checkpoint, or None: its transformer's output widened to ``n_grid``
+    predictions per latent channel (``out_visual_dim`` = n x ``in_visual_dim``, the audio's too: ``PiflowScheduler._to_grid``
+    splits the last axis into them), or a ``PiflowScheduler`` as its scheduler. The sft/pretrain checkpoints' outputs are as wide
+    as their inputs and their scheduler is ``FlowMatchEulerDiscreteScheduler``."""
+    said = []
+    if folder.has_component_config("transformer"):
+        config = folder.component_config("transformer")
+        for stream in ("visual", "audio"):
+            given, out = config.get(f"in_{stream}_dim"), config.get(f"out_{stream}_dim")
+            if isinstance(given, int) and isinstance(out, int) and out != given:
+                said.append(f"its transformer's out_{stream}_dim {out} is {out / given:g} x in_{stream}_dim {given}")
+    if folder.has_component_config("scheduler", "scheduler_config.json"):
+        scheduler = folder.scheduler_config()
+        if scheduler.get("_class_name") == "PiflowScheduler":
+            said.append(f"its scheduler is PiflowScheduler with n_grid {scheduler.get('n_grid', 10)}")
+    return "; ".join(said) or None
 
 
 class Kandinsky6I2VCall(Kandinsky6Call):
