@@ -4,8 +4,9 @@ the keyframe as image tokens ahead of the prompt).
 The conditioning then depends on the clip: the text cache holds one entry per (caption, clip, bucket), the clip's first
 frame at the bucket it trains at (centre-cropped, as the latent cache crops it), and the empty caption's with that frame
 (a dropped caption, and the unconditional side of the guidance-preserving objective: the image kept, the text gone, as
-classifier-free guidance of an image-to-video model drops the text only). Each sample prompt has its entries with the
-first frame the samples start from (the ``FirstFrame`` condition's: the data's first video clip, at the sample size).
+classifier-free guidance of an image-to-video model drops the text only; encoded only where the run has either). Each
+sample prompt has its entries with the first frame the samples start from (the ``FirstFrame`` condition's: the data's
+first video clip, at the sample size).
 Encoding goes through the entry's ``encode_prompts_with_images``, as ``PromptWithControlImage``'s.
 """
 
@@ -53,9 +54,12 @@ class PromptWithFirstFrame(GuidedPrompt, PromptWithControlImage):
         config, items = planning.config, planning.items
         text_fp = self.fingerprint(planning)
         item_text_keys, sample_text_keys, texts = [], [], []
+        # A clip's empty-caption entry is read only by a dropped caption or the guidance-preserving objective: each is a full
+        # pass of the text encoder (Qwen3-VL-32B for H3), so it is encoded only where the run can read it.
+        empties = config.data.images.caption_dropout > 0 or _scale(config) is not None
         for index, (item, bucket) in enumerate(zip(items, planning.buckets)):
             item_text_keys.append([cache.control_text_key(text, text_fp, Path(item["path"]), bucket) for text in (item["caption"], "")])
-            texts += [[key, text, index, list(bucket)] for key, text in zip(item_text_keys[-1], (item["caption"], ""))]
+            texts += [[key, text, index, list(bucket)] for key, text in zip(item_text_keys[-1], (item["caption"], ""))][: 2 if empties else 1]
         start = sample_item(items) if items else 0
         sample_bucket = planning.arch.record.codec.sample_bucket(config.data.images.resolution)
         for prompt in planning.prompts:
