@@ -238,3 +238,10 @@ def test_the_first_frame_prompt_part_keeps_the_frame_for_a_dropped_caption_and_t
     assert batch["prompt_embeds"] == ["cap1", "empty0"] and batch[UNCONDITIONAL + "prompt_embeds"] == ["empty1", "empty0"] and float(batch[SCALE]) == 4.0
     assert part_problems(config(), arch) == []
     assert {key for key, _ in part_problems(config(flip=0.5, crop="random"), arch)} == {"data.images.flip", "data.images.crop"}
+    # Two clips of one video (clip_mode: multiple) start at other frames: their captions' entries are not the same.
+    from zeropipe.families.diffusion.parts.first_frame_prompt import first_frame_text_key
+
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(b"0")
+    keys = [first_frame_text_key("a", "fp", {"path": str(video), "start": start}, (32, 32, 22)) for start in (0, 22, 0)]
+    assert keys[0] != keys[1] and keys[0] == keys[2] != first_frame_text_key("a", "fp", {"path": str(video), "start": 0}, (64, 32, 22))

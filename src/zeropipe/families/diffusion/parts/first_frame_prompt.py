@@ -26,16 +26,20 @@ from zeropipe.families.diffusion.parts.guidance import GuidedPrompt, SCALE, UNCO
 from zeropipe.families.diffusion.parts.text import TEXT_BATCH
 
 
+def first_frame_text_key(text: str, text_fingerprint: str, item: dict[str, Any], bucket) -> str:
+    """The key of a caption's conditioning with this clip's first frame at a bucket: the video file, where the clip starts in it
+    (``data.video.clip_mode: multiple`` takes several clips of one file) and the bucket."""
+    return cache._digest("text", text, text_fingerprint, "first-frame", *cache.file_identity(Path(item["path"])), item.get("start", 0), list(bucket))
+
+
 def sample_item(items: list[dict[str, Any]]) -> int:
     """The item the samples start from: the first video clip, else the first item (``FirstFrame.sample_inputs``' choice)."""
     return next((index for index, item in enumerate(items) if item.get("frames", 1) > 1), 0)
 
 
-def first_frame_at(plan: Any, index: int, bucket: tuple[int, ...]):
+def first_frame_at(arch: Any, plan: Any, index: int, bucket: tuple[int, ...]):
     """An item's first frame at a bucket, centre-cropped and unflipped (a PIL image), as the latent cache and the samples crop it."""
-    from zeropipe.families.diffusion.prepare import load_item_pixels
-
-    return first_frame_image(load_item_pixels(plan, index, tuple(bucket), crop="center", flip=False).pixels)
+    return first_frame_image(arch.record.codec.load_pixels(plan, index, tuple(bucket), "center", False, None).pixels)
 
 
 @dataclass(frozen=True)
@@ -58,12 +62,12 @@ class PromptWithFirstFrame(GuidedPrompt, PromptWithControlImage):
         # pass of the text encoder (Qwen3-VL-32B for H3), so it is encoded only where the run can read it.
         empties = config.data.images.caption_dropout > 0 or _scale(config) is not None
         for index, (item, bucket) in enumerate(zip(items, planning.buckets)):
-            item_text_keys.append([cache.control_text_key(text, text_fp, Path(item["path"]), bucket) for text in (item["caption"], "")])
+            item_text_keys.append([first_frame_text_key(text, text_fp, item, bucket) for text in (item["caption"], "")])
             texts += [[key, text, index, list(bucket)] for key, text in zip(item_text_keys[-1], (item["caption"], ""))][: 2 if empties else 1]
         start = sample_item(items) if items else 0
         sample_bucket = planning.arch.record.codec.sample_bucket(config.data.images.resolution)
         for prompt in planning.prompts:
-            sample_text_keys.append([cache.control_text_key(text, text_fp, Path(items[start]["path"]), sample_bucket) for text in (prompt, "")])
+            sample_text_keys.append([first_frame_text_key(text, text_fp, items[start], sample_bucket) for text in (prompt, "")])
             texts += [[key, text, start, list(sample_bucket)] for key, text in zip(sample_text_keys[-1], (prompt, ""))]
         texts = list({entry[0]: entry for entry in texts}.values())
         missing = [entry for entry in texts if not cache.has_entry(planning.cache_dir, "text", entry[0])]
@@ -78,7 +82,7 @@ class PromptWithFirstFrame(GuidedPrompt, PromptWithControlImage):
         pipeline = encoders()
         for begin in range(0, len(plan.missing_control_texts), TEXT_BATCH):
             entries = plan.missing_control_texts[begin : begin + TEXT_BATCH]
-            frames = [first_frame_at(plan, index, tuple(bucket)) for _, _, index, bucket in entries]
+            frames = [first_frame_at(arch, plan, index, tuple(bucket)) for _, _, index, bucket in entries]
             for (key, _, _, _), tensors in zip(entries, self.encode(arch, pipeline, [text for _, text, _, _ in entries], device, images=frames)):
                 cache.save_entry(cache_dir, "text", key, tensors)
         return len(plan.missing_control_texts)
