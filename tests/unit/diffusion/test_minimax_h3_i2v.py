@@ -245,3 +245,42 @@ def test_the_first_frame_prompt_part_keeps_the_frame_for_a_dropped_caption_and_t
     video.write_bytes(b"0")
     keys = [first_frame_text_key("a", "fp", {"path": str(video), "start": start}, (32, 32, 22)) for start in (0, 22, 0)]
     assert keys[0] != keys[1] and keys[0] == keys[2] != first_frame_text_key("a", "fp", {"path": str(video), "start": 0}, (64, 32, 22))
+
+
+def test_the_guidance_preserving_loss_uses_the_frames_empty_caption_and_one_keyframe_noise_for_both_passes():
+    """With ``model.diffusion.guidance_preserving`` the i2v loss is the t2v one's equation (``(v_g + (w-1) u) / w`` per stream) where the
+    unconditional pass is the empty caption's entry with the same first frame (its own rows and tags) and the same keyframe noise."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from zeropipe.families.diffusion.bases.minimax_h3 import audio_sigma
+    from zeropipe.families.diffusion.objectives import NoisedBatch, weighted_mse
+    from zeropipe.families.diffusion.parts.guidance import SCALE, UNCONDITIONAL
+
+    arch = architecture_named("minimax-h3-i2v")
+    torch.manual_seed(9)
+    model = MiniMaxH3Transformer3DModel(**arch.record.preset["transformer"])
+    latents, noise, keyframe = torch.randn(1, 24, 2, 2, 2), torch.randn(1, 24, 2, 2, 2), torch.randn(1, 24, 1, 2, 2)
+    sigma, audio = torch.tensor([0.6]), torch.randn(1, 2 * 3, 32)
+
+    def entry(text: int, vision: int) -> dict:  # a cached prompt: a label, a vision block (tagged video, 0), the caption; padded by 2
+        tags = torch.tensor([[1.0] * 3 + [0.0] * vision + [1.0] * text + [0.0, 0.0]])
+        return {"prompt_embeds": torch.randn(1, tags.shape[1], 16), "prompt_embeds_mask": torch.tensor([[1] * (3 + vision + text) + [0, 0]]), "text_token_tags": tags}
+
+    own = {**entry(5, 3), "audio_latents": audio, "first_frame_latents": keyframe}
+    empty = entry(0, 3)
+    guided = {**own, **{UNCONDITIONAL + key: value for key, value in empty.items()}, SCALE: torch.tensor(4.0)}
+    noised = NoisedBatch(model_input=(1 - sigma) * latents + sigma * noise, timesteps=sigma * 1000, target=noise - latents, weights=None)
+    context = PredictContext(CPU, torch.float32, 16, 1.0)
+    torch.manual_seed(10)
+    loss = arch.call.loss(model, noised, guided, context)
+    torch.manual_seed(10)
+    keyframe_noise, audio_noise = torch.randn(keyframe.shape), torch.randn(audio.shape)  # the loss's draws, in its order
+    level = audio_sigma(sigma)
+    noisy = (1 - level.view(-1, 1, 1)) * audio + level.view(-1, 1, 1) * audio_noise
+    with torch.no_grad():
+        video_g, audio_g = arch.call.joint_predict(model, noised.model_input, noisy, sigma, level, {**own, "keyframe_noise": keyframe_noise}, context)
+        video_u, audio_u = arch.call.joint_predict(model, noised.model_input, noisy, sigma, level, {**own, **empty, "keyframe_noise": keyframe_noise}, context)
+    share = latents[0].numel() / (latents[0].numel() + audio[0].numel())
+    expected = share * weighted_mse((video_g + 3 * video_u) / 4, noised.target, None) + (1 - share) * weighted_mse((audio_g + 3 * audio_u) / 4, audio_noise - audio, None)
+    assert torch.allclose(loss, expected, rtol=1e-5), (loss, expected)
+    assert not torch.allclose(video_g, video_u)
