@@ -47,7 +47,10 @@ class PromptWithFirstFrame(GuidedPrompt, PromptWithControlImage):
     """A prompt encoded with its clip's first frame, cached per (caption, clip, bucket); guidance-preserving where asked."""
 
     def problems(self, config, arch):
-        problems = GuidedPrompt.problems(self, config, arch) + PromptWithControlImage.problems(self, config, arch)
+        problems = GuidedPrompt.problems(self, config, arch)
+        if config.data.images.flip > 0:
+            problems.append(("data.images.flip", f"the {arch.record.name} text encoder sees each clip's first frame unflipped (its entry is cached once per "
+                                                 "caption and clip), so a flipped clip would not match its image tokens: set flip: 0"))
         if config.data.images.crop != "center":
             problems.append(("data.images.crop", f"the {arch.record.name} text encoder sees each clip's first frame as the latent cache crops it (from the centre), "
                                                  "so a random crop would not match its image tokens: set crop: center"))
