@@ -219,7 +219,7 @@ class DiffusionSection(Section):
         "high_noise trains transformer/ on t >= the boundary (0.875 T2V, 0.9 I2V), low_noise trains transformer_2/ on t <= it; "
         "min_t/max_t left at 0/1 are set to that side, and the export writes the expert's own folder.",
     )
-    task: Literal["auto", "image-to-video"] = Field("auto", description="Kandinsky 6 (one checkpoint draws from a prompt, or a prompt and an image): image-to-video trains its image-to-video entry, each clip's first frame the reference; 'auto': the folder's own (text-to-video). A model whose image-to-video checkpoint is its own folder (Wan 2.1 I2V) needs none.")  # fmt: skip
+    task: Literal["auto", "image-to-video"] = Field("auto", description="Kandinsky 6, MiniMax-H3 (one checkpoint draws from a prompt, or a prompt and an image): image-to-video trains its image-to-video entry, each clip's first frame the reference; 'auto': the folder's own (text-to-video). A model whose image-to-video checkpoint is its own folder (Wan 2.1 I2V) needs none.")  # fmt: skip
     denoiser_file: str | None = Field(
         None,
         description="A single-file checkpoint (.safetensors) of the transformer or UNet in its original or ComfyUI layout (e.g. wan2.1_t2v_14B_bf16.safetensors), "

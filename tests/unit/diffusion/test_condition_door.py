@@ -75,6 +75,7 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
     entries = architectures.architectures()
     assert {name for name, arch in entries.items() if arch.record.codec.video} == {"wan", "wan-i2v", "hunyuan-video", "ltx-video", "wan-ti2v", "wan-ti2v-i2v", "hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "skyreels-v2", "skyreels-v2-i2v", "ltx2", "kandinsky5-t2v", "kandinsky5-i2v", "cosmos-predict2-video2world",
         "wan-vace", "minimax-h3", "ltx-2.5",
+        "minimax-h3-i2v",
         "kandinsky6",
         "kandinsky6-i2v",
         "wan-animate-2", "wan-animate-2-distilled",
@@ -88,13 +89,14 @@ def test_every_builtin_entry_declares_a_codec_a_prompt_part_and_its_conditions()
         "qwen-image-layered": ["layers"],
         "wan-vace": ["vace"],
         "minimax-h3": ["audio"],
+        "minimax-h3-i2v": ["audio", "condition"],
         "ltx-2.5": ["audio"],
         "kandinsky6": ["audio"],
         "kandinsky6-i2v": ["audio", "condition"],
         "wan-animate-2": ["animate", "animate_clip"], "wan-animate-2-distilled": ["animate", "animate_clip"],
     }
     assert [name for name, arch in entries.items() if arch.record.text.processors] == ["qwen-image-edit", "qwen-image-edit-plus", "ltx2", "qwen-image-2.1", "flux3", "flux3-distilled",
-                                                                                           "minimax-h3", "ltx-2.5"]  # FLUX.3, MiniMax-H3: Qwen3-VL through its text-encoder block
+                                                                                           "minimax-h3", "minimax-h3-i2v", "ltx-2.5"]  # FLUX.3, MiniMax-H3: Qwen3-VL through its text-encoder block
 
 
 @pytest.fixture

@@ -91,6 +91,7 @@ def build_tiny_pipeline(config: dict[str, Any], out: Path, seed: int, progress: 
         # (modular_model_index.json, each component in its subfolder), which ModularPipeline.from_pretrained loads.
         pipeline = cls(**arch.record.pipeline_kwargs)
         pipeline.update_components(**parts)
+        pipeline.register_to_config(**dict(arch.record.pipeline_settings))  # minimax-h3-i2v's zeropipe_task, in modular_model_index.json
         for name in parts:  # saved and indexed as a release's are, a component the blocks would create from config (FLUX.3's scheduler) too
             if name in pipeline._component_specs:
                 pipeline._component_specs[name].default_creation_method = "from_pretrained"

@@ -30,8 +30,12 @@ from typing import Any
 
 import torch
 
+from zeropipe.families.diffusion.core import Architecture, Record
 from zeropipe.families.diffusion.modular import TextEncoderBlock
+from zeropipe.families.diffusion.parts import GuidedPrompt, WaveformAudioTrack
+from zeropipe.families.diffusion.parts.latents import MiniMaxH3Latents
 from zeropipe.families.diffusion.roles import DenoiserCall, Sampling
+from zeropipe.families.diffusion.tiny.components import tiny_minimax_h3_audio_vae, tiny_minimax_h3_vae, tiny_qwen3_vl_generation
 
 VIDEO_SHIFT = 12.0  # MiniMaxH3Scheduler's shift for the video rows (the pipeline's `scheduler`)
 AUDIO_SHIFT = 3.0  # and for the audio rows (`audio_scheduler`)
@@ -253,6 +257,10 @@ class MiniMaxH3Sampling(Sampling):
     def sample_kwargs(self, condition, negative, guidance_scale, guidance):
         return {"condition": condition}
 
+    def sample_condition(self, pipeline, kwargs, batch: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """The conditioning the draw is given (text-to-video: the prompts' as cached)."""
+        return kwargs["condition"]
+
     def sample_outputs(self, pipeline, kwargs):
         from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS, audio_latent_num_frames, video_latent_num_frames
 
@@ -265,11 +273,60 @@ class MiniMaxH3Sampling(Sampling):
         frames = int(kwargs.get("num_frames") or codec.clip_length(1))
         latent_frames = 1 if frames == 1 else video_latent_num_frames(frames, codec.frame_multiple, codec.frame_remainder)
         factor = pipeline.zeropipe_vae_factor
-        condition = kwargs["condition"]
-        batch = condition["prompt_embeds"].shape[0]
+        batch = kwargs["condition"]["prompt_embeds"].shape[0]
         generator = kwargs["generator"]
+        condition = self.sample_condition(pipeline, kwargs, batch, generator)  # its draws (a keyframe's noise) come first, as the pipeline's
         video = torch.randn((batch, module.config.in_channels, latent_frames, kwargs["height"] // factor, kwargs["width"] // factor), generator=generator)
         audio = torch.randn((batch, AUDIO_CHANNELS * audio_latent_num_frames(frames, MINIMAX_H3_FPS), module.config.audio_in_channels), generator=generator)
         context = PredictContext(device, dtype, factor, 1.0)
         video, audio = draw(self.entry.call, model, pipeline.scheduler, pipeline.audio_scheduler, video.to(device), audio.to(device), int(kwargs["num_inference_steps"]), condition, context)
         return video, {"audio_latents": audio}
+
+
+# ------------------------------------------------------------------ the text-to-video record (entries/minimax_h3.py), which minimax-h3-i2v extends
+TEXT_LAYER = 50  # the block reads Qwen3-VL's hidden state 50: a tiny text encoder needs 51 layers
+
+
+def tiny_text_encoder() -> dict:
+    fields = tiny_qwen3_vl_generation()
+    fields["text_config"] = {**fields["text_config"], "num_hidden_layers": TEXT_LAYER + 1, "hidden_size": 16, "intermediate_size": 32, "head_dim": 8,
+                             "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
+    fields["vision_config"] = {**fields["vision_config"], "out_hidden_size": 16}
+    return fields
+
+
+ARCHITECTURE = Architecture(
+    record=Record(
+        name="minimax-h3",
+        pipeline_class="MiniMaxH3ModularPipeline",
+        denoiser="transformer",
+        denoiser_class="MiniMaxH3Transformer3DModel",
+        objective="flow",
+        text_encoders=("text_encoder",),
+        tokenizers=("tokenizer",),
+        text=GuidedPrompt(processors=("processor",)),
+        conditions=(WaveformAudioTrack(),),
+        patch_factor=2,
+        codec=MiniMaxH3Latents(vae_class="AutoencoderKLMiniMaxH3", frame_multiple=17, frame_remainder=5, frame_rate=24.0),
+        lora_targets=r".*(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
+        preset_name="tiny-minimax-h3",
+        preset={
+            "transformer": {
+                "num_attention_heads": 2, "attention_head_dim": 32, "hidden_size": 64, "num_layers": 2, "num_refiner_layers": 1, "ffn_dim": 96,
+                "in_channels": 24, "audio_in_channels": 32, "text_dim": 16, "freq_dim": 32, "time_embed_hidden_dim": 64, "time_embed_dim": 32, "rope_freq_dim": 4,
+            },
+            "vae": tiny_minimax_h3_vae(),
+            "audio_vae": tiny_minimax_h3_audio_vae(),
+            "text_encoder": tiny_text_encoder(),
+            "scheduler": {"class": "MiniMaxH3Scheduler", "shift": VIDEO_SHIFT},
+            "audio_scheduler": {"class": "MiniMaxH3Scheduler", "shift": AUDIO_SHIFT},
+        },
+        trace_frames=124,  # a 5-second request (120 frames at 24 fps) aligned up to 17k+5
+        tokenizer_lengths={"tokenizer": 256},
+        trace_tokens=256,
+        image_processor_patch=2,
+    ),
+    call=MiniMaxH3Call(),
+    prompts=MiniMaxH3Prompts(),
+    sampling=MiniMaxH3Sampling(),
+)

@@ -6,6 +6,13 @@ prompt: its chat template (``apply_chat_template``, not tokenized), its tokenize
 type of each token (``create_mm_token_type_ids``: 0 for text; transformers' ``ProcessorMixin.create_mm_token_type_ids``
 marks the image and video pad tokens 1 and 2). :class:`ProcessorTextPath` is those three over the tokenizer in the
 processor's folder; a prompt holding a vision pad token is refused (it would need the real processor's images).
+
+MiniMax-H3's image-to-video block (``MiniMaxH3FL2VATextEncoderStep``) reads two more: the image processor
+(``processor.image_processor(images=...)`` and its ``merge_size``) and the image pads' modality type (1).
+:class:`ProcessorImagePath` adds them: the image processor is transformers' own PIL backend of Qwen3-VL's
+(``Qwen2VLImageProcessorPil``: the same smart_resize grid, normalisation and patchify as the torchvision one, which
+resizes with torchvision's bicubic rather than PIL's), loaded from the processor's folder, and the modality types are
+``ProcessorMixin.create_mm_token_type_ids`` itself, run on the ids Qwen3VLProcessor would hold.
 """
 
 from __future__ import annotations
@@ -34,14 +41,49 @@ class ProcessorTextPath:
         return [[0] * len(row) for row in rows]
 
 
-def load_processor(folder: Path):
-    """The processor in a pipeline's folder: Qwen3VLProcessor where torchvision is installed, else :class:`ProcessorTextPath`."""
+class ProcessorImagePath(ProcessorTextPath):
+    """Qwen3VLProcessor's text path plus its image processor (transformers' PIL backend), for prompts that hold images."""
+
+    def __init__(self, tokenizer, image_processor):
+        super().__init__(tokenizer)
+        self.image_processor = image_processor
+        # The ids Qwen3VLProcessor.__init__ takes from its tokenizer (``image_token_id``...), read by ProcessorMixin's token types.
+        self.image_token_id, self.video_token_id = (tokenizer.convert_tokens_to_ids(token) for token in VISION_PADS)
+        self.audio_token_ids = []
+
+    @property
+    def image_token_ids(self) -> list[int]:
+        return [self.image_token_id]
+
+    @property
+    def video_token_ids(self) -> list[int]:
+        return [self.video_token_id]
+
+    def create_mm_token_type_ids(self, input_ids) -> list[list[int]]:
+        """transformers' own ``ProcessorMixin.create_mm_token_type_ids``: 0 text, 1 an image pad, 2 a video pad."""
+        from transformers import ProcessorMixin
+
+        return ProcessorMixin.create_mm_token_type_ids(self, input_ids)
+
+
+def load_image_processor(folder: Path):
+    """Qwen3-VL's image processor from a processor folder, in transformers' PIL backend (it needs no torchvision)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil.from_pretrained(str(folder))
+
+
+def load_processor(folder: Path, images: bool = False):
+    """The processor in a pipeline's folder: Qwen3VLProcessor where torchvision is installed, else :class:`ProcessorTextPath`
+    (:class:`ProcessorImagePath` where its prompts hold images: ``images``)."""
     from transformers import AutoTokenizer
 
     try:
         import torchvision  # noqa: F401
     except ImportError:
-        return ProcessorTextPath(AutoTokenizer.from_pretrained(str(folder)))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        return ProcessorImagePath(tokenizer, load_image_processor(folder)) if images else ProcessorTextPath(tokenizer)
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(folder))
+

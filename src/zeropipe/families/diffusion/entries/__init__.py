@@ -37,6 +37,7 @@ BUILTIN = (
     "qwen_image_layered",
     "wan_vace",
     "minimax_h3",
+    "minimax_h3_i2v",
     "ltx25",
     "kandinsky6",
     "kandinsky6_i2v",

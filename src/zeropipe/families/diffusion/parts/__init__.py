@@ -10,8 +10,9 @@ from zeropipe.families.diffusion.parts.clip_prompt import PromptPerClip
 from zeropipe.families.diffusion.parts.codec import ImageLatents, PerChannelVideoLatents, VideoLatents
 from zeropipe.families.diffusion.parts.control_image import ControlImage
 from zeropipe.families.diffusion.parts.control_prompt import PromptWithControlImage
-from zeropipe.families.diffusion.parts.first_frame import FirstFrame, FirstFrameAlone
+from zeropipe.families.diffusion.parts.first_frame import FirstFrame, FirstFrameAlone, SeededFirstFrame
 from zeropipe.families.diffusion.parts.first_frame_embeddings import FirstFrameEmbeddings
+from zeropipe.families.diffusion.parts.first_frame_prompt import PromptWithFirstFrame
 from zeropipe.families.diffusion.parts.guidance import GuidedPrompt
 from zeropipe.families.diffusion.parts.image_layers import ImageLayers
 from zeropipe.families.diffusion.parts.reference_images import ReferenceImages
@@ -56,6 +57,7 @@ def _setting(config: Any, key: str) -> Any:
 
 __all__ = [
     "AudioTrack", "Condition", "ControlImage", "Encoding", "FirstFrame", "FirstFrameAlone", "FirstFrameEmbeddings", "GuidedPrompt", "ImageLatents", "ImageLayers", "Inputs", "Part",
-    "PerChannelVideoLatents", "Planning", "PromptPerClip", "PromptText", "PromptWithControlImage", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
+    "PerChannelVideoLatents", "Planning", "PromptPerClip", "PromptText", "PromptWithControlImage", "PromptWithFirstFrame", "PromptWithReferenceImages", "ReferenceImages", "SampleInputs",
+    "SeededFirstFrame",
     "Sampling", "VideoLatents", "WaveformAudioTrack", "active_conditions", "part_problems",
 ]

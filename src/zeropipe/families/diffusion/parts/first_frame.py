@@ -67,3 +67,21 @@ class FirstFrameAlone(FirstFrame):
 
     def encode(self, encoding: Encoding) -> list[torch.Tensor]:
         return list(encoding.codec.encode(encoding.vae, encoding.pixels[:, :, :1])[0])
+
+
+@dataclass(frozen=True)
+class SeededFirstFrame(FirstFrameAlone):
+    """The first frame encoded alone, its posterior sampled under a fixed seed and rounded to float16, as MiniMax-H3 encodes a
+    keyframe (``encode_vae_condition``: ``posterior.sample`` under a fresh generator seeded ``keyframe_encode_seed``, 42, then
+    ``.to(torch.float16)``): the same frame always gives the same anchor, ~11 bits of every latent, as the released model saw."""
+
+    seed: int = 42
+    key_suffix = "-first-frame-seeded"
+
+    def encode(self, encoding: Encoding) -> list[torch.Tensor]:
+        means, stds = encoding.codec.encode(encoding.vae, encoding.pixels[:, :, :1])
+        drawn = []
+        for mean, std in zip(means, stds):  # one keyframe per fresh generator, as the pipeline encodes one keyframe a call
+            noise = torch.randn((1, *mean.shape), generator=torch.Generator().manual_seed(self.seed))[0].to(mean)
+            drawn.append((mean + std * noise).half().float())
+        return drawn
