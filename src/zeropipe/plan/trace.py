@@ -13,6 +13,7 @@ which torch refuses, is a no-op inside the trace (``_MetaAutocast``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,26 +88,20 @@ class _MetaAutocast:
     real = torch.autocast
 
     def __new__(cls, device_type, *args, **kwargs):
-        import contextlib
-
         if device_type == "meta":
             return contextlib.nullcontext()
         return cls.real(device_type, *args, **kwargs)
 
 
+@contextlib.contextmanager
 def _autocast_on_meta():
-    """While the trace runs: ``torch.autocast`` is :class:`_MetaAutocast` (restored after, also when the forward raises)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def patched():
-        torch.autocast = _MetaAutocast
-        try:
-            yield
-        finally:
-            torch.autocast = _MetaAutocast.real
-
-    return patched()
+    """While the trace runs, ``torch.autocast`` is :class:`_MetaAutocast`; what it was is put back after, also when the forward raises."""
+    before = torch.autocast
+    torch.autocast = _MetaAutocast
+    try:
+        yield
+    finally:
+        torch.autocast = before
 
 
 def _innermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -126,8 +121,6 @@ def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool 
     Parameters are not activations and are left out; tensors are counted once per storage.
     ``count_flops=False`` skips torch's FLOP counter (most of a trace's time) and reports 0 FLOPs.
     """
-    import contextlib
-
     from torch.utils.flop_counter import FlopCounterMode
 
     parameters = {id(p) for p in model.parameters()}

@@ -58,10 +58,11 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
     task = entry.get("task", "auto")  # model.diffusion.task of a run config planned from a catalog entry (before_download)
     if arch is not None and task != "auto":
-        problem = task_problem(architecture_for_pipeline(arch.record.pipeline_class, {}, task) or arch, arch.record.pipeline_class, task)
+        chosen = architecture_for_pipeline(arch.record.pipeline_class, {}, task) or arch
+        problem = task_problem(chosen, arch.record.pipeline_class, task)
         if problem:
             raise ConfigError([("model.diffusion.task", problem)])
-        arch = architecture_for_pipeline(arch.record.pipeline_class, {}, task)
+        arch = chosen
         entry = {**entry, "architecture": arch.record.name}  # the trace is the task's entry's (Kandinsky 6's image-to-video: its reference frame)
     if lora is not None:
         auto = arch.record.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
