@@ -17,11 +17,13 @@ def test_the_flow_map_objective_counts_its_doubled_gradient_call(spec_of):
     twice one call's, and the cost model adds the gradient-free passes; FLUX.3's plain flow matching is one call."""
     from dataclasses import replace
 
+    from zeropipe.families.diffusion.entries import architecture_named
     from zeropipe.families.diffusion.parts import flow_map
 
-    distilled, plain = spec_of("flux3-distilled", 32), spec_of("flux3", 32)
+    distilled = spec_of("flux3-distilled", 32)
     assert (distilled.sequences_per_example, distilled.reference_forward) == (flow_map.GRADIENT_BATCH, True) == (2, True)
-    assert (plain.sequences_per_example, plain.reference_forward) == (1, False)
+    plain = architecture_named("flux3").call  # FLUX.3's plain flow matching: the default loss, one call on the micro-batch
+    assert (plain.gradient_batch, plain.gradient_free_batch) == (1, 0)
     for checkpointing in (True, False):
         choice = Choice(zero_stage=3, micro_batch_size=3, gradient_checkpointing=checkpointing)
         one_call = saved_activation_bytes(replace(distilled, sequences_per_example=1), choice)
