@@ -209,7 +209,9 @@ def activation_terms(spec: ModelSpec, choice: Choice) -> list[Term]:
         # Sequence parallelism: each rank of a group holds 1/N of the latent tokens (the text, whole on every rank, is a small share).
         scale = b * _trace_scale(trace, choice) / choice.sequence_parallel
         clip = f" x {trace.frames} frames" if trace.frames > 1 else ""
-        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px{clip}, x {b} samples{split}"
+        # An objective that calls the denoiser on each example more than once with gradient (the flow map: twice) says so.
+        calls = f" ({choice.micro_batch_size} x {spec.sequences_per_example}: the loss's call with gradient takes each example {spec.sequences_per_example} times)" if spec.sequences_per_example > 1 else ""
+        where = f"traced on the meta device at {trace.resolution}x{trace.resolution} px{clip}, x {b} samples{calls}{split}"
         if choice.gradient_checkpointing and choice.activation_offload:
             terms.append(offloaded_activation_gpu_term(spec, choice))
         if choice.gradient_checkpointing and not choice.activation_offload:

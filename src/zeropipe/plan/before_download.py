@@ -100,7 +100,7 @@ def catalog_config_spec(name: str, config: RunConfig) -> ModelSpec:
         if config.preference is not None:
             spec = replace(spec, sequences_per_example=2)
         return replace(spec, source=f"catalog (model.path not on disk): {entry['source']}")
-    entry = dict(entry, resolution=data.images.resolution)
+    entry = dict(entry, resolution=data.images.resolution, task=section.diffusion.task)  # the task's entry (Kandinsky 6 image-to-video)
     if "frames" in entry and "video" in config.data.model_fields_set:  # the entry's clip length unless the config sets its own
         entry["frames"] = max(data.video.frame_buckets)
     spec = diffusion_specs().catalog_entry(entry, section.lora)  # the diffusion family's builder

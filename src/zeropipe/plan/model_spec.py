@@ -154,6 +154,8 @@ class ModelSpec:
     quantized: QuantizedBase | None = None  # QLoRA (model.quantization): how the frozen base is held
     # Preference tuning: sequences one example is (a pair's chosen and rejected rows; a KTO example and its KL row),
     # and whether each micro-batch also runs a gradient-free forward pass (DPO/KTO with LoRA: the reference, adapters off).
+    # Diffusion: the examples the entry's loss calls the denoiser on with gradient per example (the flow-map objective: 2),
+    # and whether as many go through it without gradient (its two half jumps).
     sequences_per_example: int = 1
     reference_forward: bool = False
     # Sequence parallelism: the attention heads a diffusion denoiser splits over a group, set by the family's spec builder

@@ -7,11 +7,13 @@ autograd saves for backward is counted once, however many ops share it.
 On the meta device PyTorch's scaled_dot_product_attention falls back to the math path, which
 materialises the a·s² attention matrix that the fused CUDA kernels never store. Inside the
 trace, a torch-function mode stands in for it with what flash/memory-efficient attention
-actually saves: q, k, v, the output and an fp32 log-sum-exp.
+actually saves: q, k, v, the output and an fp32 log-sum-exp. ``torch.autocast`` on the meta device,
+which torch refuses, is a no-op inside the trace (``_MetaAutocast``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +76,34 @@ class _FusedAttentionMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _MetaAutocast:
+    """``torch.autocast`` for the trace: a no-op for ``device_type="meta"``, torch's own for any other device.
+
+    The trace runs on the meta device, where torch refuses autocast; a denoiser that switches autocast on or off for its
+    tensors' device (Cosmos 3's transformer turns it off around its rotary position ids, ``torch.autocast(device_type=
+    position_ids.device.type, enabled=False)``) would stop the trace there. Nothing in the trace runs under an autocast, so
+    turning it off is already what the trace does: the no-op changes no shape or dtype that is counted.
+    """
+
+    real = torch.autocast
+
+    def __new__(cls, device_type, *args, **kwargs):
+        if device_type == "meta":
+            return contextlib.nullcontext()
+        return cls.real(device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _autocast_on_meta():
+    """While the trace runs, ``torch.autocast`` is :class:`_MetaAutocast`; what it was is put back after, also when the forward raises."""
+    before = torch.autocast
+    torch.autocast = _MetaAutocast
+    try:
+        yield
+    finally:
+        torch.autocast = before
+
+
 def _innermost_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Members of ModuleLists that hold no ModuleList themselves: the units checkpointing wraps."""
     blocks = []
@@ -91,8 +121,6 @@ def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool 
     Parameters are not activations and are left out; tensors are counted once per storage.
     ``count_flops=False`` skips torch's FLOP counter (most of a trace's time) and reports 0 FLOPs.
     """
-    import contextlib
-
     from torch.utils.flop_counter import FlopCounterMode
 
     parameters = {id(p) for p in model.parameters()}
@@ -121,7 +149,7 @@ def count_saved(model: torch.nn.Module, run: Callable[[], Any], per_block: bool 
     attention = _FusedAttentionMode()
     flops = FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, attention:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), flops, attention, _autocast_on_meta():
             run()
     finally:
         for handle in handles:

@@ -30,14 +30,20 @@ def _diffusers_version() -> str:
     return ".".join(version("diffusers").split(".")[:2])
 
 
-def trace_key(model, trained: dict[str, Any], resolution: int, frames: int, latent: int, latent_frames: int, text_tokens: int) -> str:
-    """What a trace depends on: the denoiser's class and config, its trainable weights (the adapters), dropout, the input shape, diffusers' version, and what a trace holds (its fields)."""
+def trace_key(model, trained: dict[str, Any], resolution: int, frames: int, latent: int, latent_frames: int, text_tokens: int, entry: str | None = None) -> str:
+    """What a trace depends on: the denoiser's class and config, its trainable weights (the adapters), dropout, the input shape, diffusers' version, and what a trace holds (its fields).
+
+    ``entry``: the entry's name, where it traces the same denoiser config at the same shape differently from another entry
+    (one that shares its folder); None keeps the keys of the traces stored before (the name is not in them).
+    """
     import torch
 
     trainable = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
     dropout = sorted({round(m.p, 4) for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0})
+    named = {} if entry is None else {"entry": entry}
     blob = json.dumps(
         {
+            **named,
             "class": trained.get("class"),
             "config": trained.get("config"),
             "trainable": trainable if len(trainable) < len(list(model.parameters())) else "all",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from zeropipe.config.pipeline_index import PipelineIndex
 from zeropipe.errors import ConfigError, ZeroPipeError
-from zeropipe.families.diffusion.entries import architecture_for_denoiser, architecture_for_pipeline, architecture_named
+from zeropipe.families.diffusion.entries import TASK_SETTING, architecture_for_denoiser, architecture_for_pipeline, architecture_named, task_problem
 from zeropipe.plan.model_spec import (  # the planner's meta-device counters
     DiffusionSpecs,
     FrozenModel,
@@ -54,9 +54,17 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
     counts = _count(model)
     linears = _block_linear_counts(model)
     trainable, sizes, lora_shape = counts["total"], counts["sizes"], None
+    named = entry.get("architecture")
+    arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
+    task = entry.get("task", "auto")  # model.diffusion.task of a run config planned from a catalog entry (before_download)
+    if arch is not None and task != "auto":
+        chosen = architecture_for_pipeline(arch.record.pipeline_class, {}, task) or arch
+        problem = task_problem(chosen, arch.record.pipeline_class, task)
+        if problem:
+            raise ConfigError([("model.diffusion.task", problem)])
+        arch = chosen
+        entry = {**entry, "architecture": arch.record.name}  # the trace is the task's entry's (Kandinsky 6's image-to-video: its reference frame)
     if lora is not None:
-        named = entry.get("architecture")
-        arch = architecture_named(named) if named else architecture_for_denoiser(entry["trained"]["class"])
         auto = arch.record.lora_targets if arch is not None else None  # what training adapts when target_modules is auto
         lora_shape, trainable, sizes = _lora_counts(model, lora, None, "diffusion", auto)
         _inject_lora(model, lora, auto)
@@ -84,6 +92,11 @@ def _diffusion_spec(entry: dict[str, Any], lora: LoraSection | None) -> ModelSpe
         lora=lora_shape,
         frozen_models=frozen,
         activation_trace=trace,
+        # The entry's loss may call the denoiser on more than the micro-batch (the flow-map objective: twice with gradient, twice
+        # without): the trace is one call of one example, scaled by what the loss asks (its call's gradient_batch /
+        # gradient_free_batch; a gradient-free pass as large as the gradient one is the spec's reference_forward).
+        sequences_per_example=arch.call.gradient_batch if arch is not None else 1,
+        reference_forward=arch is not None and arch.call.gradient_free_batch > 0,
         **linears,
     )
 
@@ -123,7 +136,10 @@ def _trace(model, entry: dict[str, Any], resolution: int) -> ActivationTrace | N
     text_tokens = int(entry.get("text_tokens", arch.record.trace_text_tokens()))
     from zeropipe.plan import trace_store  # a catalog shape's trace is stored (seconds saved per plan)
 
-    key = trace_store.trace_key(model, entry["trained"], resolution, frames, latent, latent_frames, text_tokens)
+    # Entries chosen by model.diffusion.task share their folder, so their denoiser's config, with another entry: their traces differ
+    # (Kandinsky 6's image-to-video has one more latent frame) under the same config and shape, so their key names the entry.
+    shares_folder = dict(arch.record.pipeline_settings).get(TASK_SETTING) is not None
+    key = trace_store.trace_key(model, entry["trained"], resolution, frames, latent, latent_frames, text_tokens, entry=arch.record.name if shares_folder else None)
     stored = trace_store.lookup(key)
     if stored is not None:
         return stored

@@ -58,6 +58,12 @@ class DenoiserCall(Role):
     is more than a call on built inputs overrides ``predict`` (and ``trace_inputs``) instead.
     """
 
+    # What ``loss`` asks of the denoiser per example of a micro-batch, for the planner (``plan_specs``): the examples its call with
+    # gradient takes (the activations it saves), and those it takes in calls without gradient (compute only). The default loss:
+    # one call on the micro-batch. An objective that calls it otherwise states its own (``parts/flow_map.py``).
+    gradient_batch: int = 1
+    gradient_free_batch: int = 0
+
     def inputs(self, model_input: torch.Tensor, timesteps: torch.Tensor, condition: dict[str, torch.Tensor], context: PredictContext) -> dict[str, Any]:
         """The denoiser's keyword arguments for a batch of latents, timesteps and conditions (in the planner's trace, on the meta device)."""
         raise NotImplementedError(f"the {self.record.name} entry does not say how its denoiser is called")

@@ -84,8 +84,24 @@ class Cosmos3Call(DenoiserCall):
         out = model(**self.inputs_one(config, latents, timestep, input_ids, fps, context.dtype, latents.device))
         return out[0][0]  # the item's (1, C, T, H, W) velocity: every frame noisy, nothing masked
 
-    # No trace_inputs: the planner traces on the meta device, and the transformer's mRoPE switches autocast off for its position ids'
-    # device type (``torch.autocast(device_type=...)``), which torch refuses for "meta"; the planner counts its weights only.
+    def trace_inputs(self, config, latent_side, latent_frames, text_tokens, dtype):
+        """One item's keyword arguments at the traced size, on the meta device: a prompt of ``text_tokens`` ids, a clip of
+        ``latent_frames`` x ``latent_side``² latents, packed by the pipeline's segment helpers as ``inputs_one`` packs them.
+
+        The helpers read index tensors back into Python (``.tolist()``), which a meta tensor cannot give: they run on the CPU on
+        an empty latent of the clip's shape (the indexes and positions are a few integers per token), and every tensor is then
+        moved to the meta device. The transformer switches autocast off for its position ids' device (``torch.autocast("meta")``,
+        which torch refuses): the planner's trace makes that a no-op on the meta device (``plan.trace``)."""
+        with torch.device("cpu"):  # inside the planner's meta device context: the helpers' own tensors too
+            latents = torch.empty(1, config.latent_channel, latent_frames, latent_side, latent_side, dtype=dtype)
+            made = self.inputs_one(config, latents, 500.0, [0] * text_tokens, 24.0, dtype, torch.device("cpu"))
+
+        def to_meta(value):
+            if isinstance(value, torch.Tensor):
+                return value.to("meta")
+            return [to_meta(item) for item in value] if isinstance(value, list) else value
+
+        return {key: to_meta(value) for key, value in made.items()}
 
     def predict(self, model, model_input, timesteps, condition, context):
         ids, mask = condition["input_ids"], condition["input_ids_mask"].bool()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from zeropipe.families.diffusion.bases.qwen3_vl_text import load_processor
+from zeropipe.families.diffusion.parts.flow_map import GRADIENT_BATCH, GRADIENT_FREE_BATCH
 from zeropipe.families.diffusion.core import Record
 from zeropipe.families.diffusion.modular import DenoiserSampling, TextEncoderBlock
 from zeropipe.families.diffusion.parts import PromptText
@@ -94,6 +95,8 @@ class Flux3DistilledCall(Flux3Call):
     """FLUX.3 [distilled]'s call (``Flux3DistilledLoopDenoiser``: one pass, no guidance, ``target_timestep`` the step's next
     timestep), trained with the flow-map objective (``parts/flow_map.py``). Without a ``TARGET`` in the condition the call
     is the map's diagonal (``target_timestep = timestep``): the instantaneous velocity, the flow objective's target."""
+
+    gradient_batch, gradient_free_batch = GRADIENT_BATCH, GRADIENT_FREE_BATCH  # the flow-map objective's calls, for the planner
 
     def predict(self, model, model_input, timesteps, condition, context):
         if TARGET not in condition:

@@ -61,9 +61,16 @@ class WanVaceCall(WanCall):
         return super().predict(model, torch.cat([slots, model_input], dim=2), timesteps, condition, context)[:, :, references:]
 
     def trace_batch(self, config, latent_side, latent_frames, text_tokens, dtype):
-        latents, timesteps, condition = super().trace_batch(config, latent_side, latent_frames, text_tokens, dtype)
-        context = torch.randn(1, config.vace_in_channels, latent_frames, latent_side, latent_side, dtype=dtype)
+        """The clip with one reference image's slot before it, always: a clip whose control files hold a reference image is called
+        on one more latent frame (``predict``), and the planner does not read the data, so it counts that frame for every clip
+        (an overcount of 1/(latent frames + 1) of the tokens for clips without one; a clip with several references has more)."""
+        frames = latent_frames + TRACED_REFERENCE_SLOTS
+        latents, timesteps, condition = super().trace_batch(config, latent_side, frames, text_tokens, dtype)
+        context = torch.randn(1, config.vace_in_channels, frames, latent_side, latent_side, dtype=dtype)
         return latents, timesteps, {**condition, "vace_context": context}
+
+
+TRACED_REFERENCE_SLOTS = 1  # the reference image's latent frames the planner's trace counts before each clip (WanVaceCall.trace_batch)
 
 
 class WanVaceSampling(WanSampling):

@@ -31,6 +31,13 @@ import torch
 Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 
+# What the loss calls the denoiser on, per example of the micro-batch (the planner reads them from the entry's call,
+# ``DenoiserCall.gradient_batch`` / ``gradient_free_batch``): the diagonal and the jump in one call with gradient on the
+# micro-batch twice, and the two half jumps, each a call on the micro-batch without gradient.
+GRADIENT_BATCH = 2
+GRADIENT_FREE_BATCH = 2
+
+
 def doubled(condition: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tensor]:
     """The conditioning of a micro-batch given twice along the batch (each tensor of ``batch`` rows repeated; others as they are)."""
     return {key: torch.cat([value, value]) if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == batch else value for key, value in condition.items()}
@@ -63,4 +70,4 @@ def flow_map_loss(predict: Predict, noised, condition: dict[str, torch.Tensor], 
     return weighted_mse(diagonal, noised.target, noised.weights) + weighted_mse(jump, jump_target.to(jump.dtype), noised.weights)
 
 
-__all__ = ["doubled", "flow_map_loss"]
+__all__ = ["GRADIENT_BATCH", "GRADIENT_FREE_BATCH", "doubled", "flow_map_loss"]
