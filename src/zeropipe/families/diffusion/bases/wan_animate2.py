@@ -21,8 +21,10 @@ original Wan layout's, and an in-context reference mechanism):
   processor's output.
 - *Training.* The clip's latents are the target of the frames after the reference slot; the slot is given the reference
   image's latents noised at the batch's noise level (the pipeline draws it with the rest and drops it after decoding) and
-  is left out of the loss. Only a first segment is trained (a black previous segment: the pipeline's continuation
-  segments condition on the previous one's decoded tail frames, which a training clip does not have).
+  is left out of the loss. A clip from its video's first frame trains as a first segment (a black previous segment); one
+  starting later as a continuation segment, its own first frame carried clean under a ones mask where the pipeline
+  carries the previous segment's decoded last frame (``parts/animate_reference.py``; held to
+  ``WanAnimate2SegmentPrevFramesStep`` at k=1 by the unit test).
 - *Prompts.* The pipeline's text block (``WanAnimate2TextEncoderStep``), one prompt per call as it takes them; its
   ``prompt_embeds`` and the reference prompt's ``prompt_ref_embeds`` are cached per caption.
 - *Samples.* The modular pipeline's run is not called (``sampler.pipeline_call`` refuses a modular pipeline): one segment
@@ -135,9 +137,11 @@ class WanAnimate2Call(DenoiserCall):
         batch, _, frames, height, width = model_input.shape
         reference = condition["reference_latents"].to(dtype)
         segment = condition["segment_latents"].to(dtype)
+        # The previous segment's mask: ones over its carried frames for a later segment; all zeros (a first segment) without one.
+        segment_mask = condition["segment_mask"].to(dtype) if condition.get("segment_mask") is not None else i2v_mask(segment.shape[2], height, width, False, segment)
         conditioning = torch.cat([
             torch.cat([i2v_mask(1, height, width, True, reference), reference], dim=1),
-            torch.cat([i2v_mask(segment.shape[2], height, width, False, segment), segment], dim=1),
+            torch.cat([segment_mask, segment], dim=1),
         ], dim=2)
         pixel_frames = (frames - 2) * self.record.codec.frame_multiple + 1  # the segment: frames after the slot, in pixels
         factor = context.vae_factor
