@@ -254,3 +254,60 @@ def test_the_catalog_counts_the_release_and_traces_both_passes():
     assert frozen["text_encoder"] == pytest.approx(5.68e9, rel=0.01) and frozen["image_encoder"] == pytest.approx(632e6, rel=0.01)
     trace = spec.activation_trace
     assert trace is not None and trace.frames == 81 and trace.resolution == 640 and 0 < trace.checkpointed_bytes < trace.saved_bytes
+
+
+def test_a_sample_longer_than_a_segment_is_the_pipelines_segment_loop(tiny):
+    """An 8-frame sample in 5-frame segments carrying 1 frame (2 segments, the driving clip zigzag-padded by 1): the entry's
+    sampling (draw, then decoded) is the blocks' video preprocessing, segment geometry and segment loop
+    (``WanAnimate2DenoiseStep``: per segment the driving slice, the previous segment's decoded last frame, fresh noise,
+    the denoiser, the decode), the segments joined and trimmed as ``WanAnimate2DecodeStep`` does."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines.wan_animate_2.before_denoise import WanAnimate2PrepareSegmentsStep
+    from diffusers.modular_pipelines.wan_animate_2.denoise import WanAnimate2DenoiseStep
+    from diffusers.modular_pipelines.wan_animate_2.encoders import WanAnimate2ImageVaeEncoderStep, WanAnimate2ProcessVideosInputStep
+    from PIL import Image
+
+    from zeropipe.families.diffusion.modular import run_block
+    from zeropipe.families.diffusion.parts.animate_reference import vae_latents, vae_pixels
+
+    pipeline, vae, transformer, _ = tiny
+    frames, steps = 8, 1
+    rng = np.random.default_rng(5)
+    driving_frames = [Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)) for _ in range(frames)]
+    generator = torch.Generator().manual_seed(6)
+    image = torch.rand(1, 3, SIDE, SIDE, generator=generator) * 2 - 1
+    embeds = {name: torch.randn(1, 64, 32, generator=generator) for name in ("prompt_embeds", "prompt_ref_embeds")}
+    clips = {name: torch.randn(1, 50, 1280, generator=generator) for name in ("reference_clip", "driving_clip")}
+
+    geometry = dict(segment_frame_length=SEGMENT, prev_segment_conditioning_frames=1, height=SIDE, width=SIDE)
+    video = run_block(pipeline, WanAnimate2ProcessVideosInputStep(), ("driving_video_pixels", "real_frame_len", "num_segments", "effective_segment"),
+                      driving_video=driving_frames, **geometry)
+    assert video["num_segments"] == 2 and video["driving_video_pixels"].shape[2] == 9
+    reference_half = run_block(pipeline, WanAnimate2ImageVaeEncoderStep(), ("reference_image_latents",), image_pixels=image)["reference_image_latents"]
+    sizes = run_block(pipeline, WanAnimate2PrepareSegmentsStep(), ("grid_sizes_ref", "max_seq_len", "max_seq_len_ref"), reference_image_latents=reference_half,
+                      driving_video_pixels=video["driving_video_pixels"], segment_frame_length=SEGMENT)
+    pipeline.update_components(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
+    expected = run_block(
+        pipeline, WanAnimate2DenoiseStep(), ("segment_frames",), groups={"denoiser_input_fields": {"encoder_hidden_states_image": clips["reference_clip"]}},
+        **geometry, **video, **sizes, reference_image_latents=reference_half, condition_clip_context=clips["driving_clip"], num_inference_steps=steps,
+        generator=torch.Generator().manual_seed(7), negative_prompt_embeds=None, **embeds,
+    )["segment_frames"]
+    expected = torch.cat(expected, dim=2)[:, :, :frames]
+
+    # The entry's sampling, given what the part's sample_inputs gives it: the driving clip's pixels (as the blocks preprocess them) and the reference latents.
+    drawing = SimpleNamespace(transformer=transformer, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), zeropipe_vae_factor=8)
+    kwargs = {
+        "condition": embeds, "negative": {"prompt_embeds": torch.zeros(1, 64, 32)}, "guidance_scale": 1.0, "generator": torch.Generator().manual_seed(7),
+        "num_inference_steps": steps, "height": SIDE, "width": SIDE, "num_frames": frames,
+        "animate": {"reference_latents": vae_latents(vae, image[:, :, None]), "driving_pixels": video["driving_video_pixels"][:, :, :frames], "segment_frames": SEGMENT,
+                    "carried_frames": 1, **clips},
+    }
+    sampling = ARCHITECTURE.sampling
+    with torch.no_grad():
+        latents = sampling.draw(drawing, kwargs)
+        got = sampling.decoded(drawing, latents, kwargs, lambda part: vae_pixels(vae, part))
+    assert latents.shape[2] == 2 * 2 and got.shape == expected.shape == (1, 3, frames, SIDE, SIDE)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)

@@ -147,6 +147,44 @@ def segment_masks(latent_frames: int, height: int, width: int, carried: int, dev
     ], dim=1)
 
 
+def vae_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels (B, 3, T, H, W) in [-1, 1] as the blocks' ``encode_vae`` makes them latents: the mode, normalised per channel (float32)."""
+    from zeropipe.families.diffusion.parts.codec import per_channel_normalization
+
+    device, dtype = next(vae.parameters()).device, next(vae.parameters()).dtype
+    shift, scale = per_channel_normalization(dict(vae.config))
+    view = (1, -1, 1, 1, 1)
+    latents = vae.encode(pixels.to(device, dtype)).latent_dist.mode().float()
+    return (latents - shift.view(view).to(device)) * scale.view(view).to(device)
+
+
+def vae_pixels(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents decoded to pixels in [-1, 1] (the blocks' ``decode_vae``)."""
+    from zeropipe.families.diffusion.parts.codec import per_channel_normalization
+
+    device, dtype = next(vae.parameters()).device, next(vae.parameters()).dtype
+    shift, scale = per_channel_normalization(dict(vae.config))
+    view = (1, -1, 1, 1, 1)
+    return vae.decode((latents.float().to(device) / scale.view(view).to(device) + shift.view(view).to(device)).to(dtype)).sample.float()
+
+
+def segment_geometry(frames: int, segment: int, carried: int) -> tuple[int, int]:
+    """The pipeline's segments of a ``frames``-long clip (``WanAnimate2VideoPreprocessStep``): (padding frames, segments); each
+    segment advances by ``segment - carried`` frames, and the driving clip is padded (zigzag) to a whole number of them."""
+    if frames <= segment or segment <= carried:  # one segment: the clip's own length
+        return 0, 1
+    step = segment - carried
+    leftover = (frames - carried) % step if frames > carried else 0
+    padding = step - leftover if leftover else 0
+    return padding, (frames + padding - carried + step - 1) // step
+
+
+def zigzag_padded(clip: torch.Tensor, padding: int) -> torch.Tensor:
+    """A clip (B, 3, T, H, W) with its last ``padding`` frames appended backwards (the pipeline's zigzag padding)."""
+    frames = clip.shape[2]
+    return torch.cat([clip, clip[:, :, frames - padding : frames].flip(2)], dim=2) if padding else clip
+
+
 def load_pair(item: dict[str, Any], bucket: tuple[int, ...], fps: float | None, flip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """An item's reference image (3, H, W) and driving clip (3, T, H, W) in [-1, 1] at its bucket, crop and flip.
 
@@ -247,24 +285,18 @@ class AnimateReference(Condition):
         return {"vae": sampling.vae()}
 
     def sample_inputs(self, sampling: Sampling, kwargs: dict[str, Any]) -> SampleInputs:
-        """The first data item's reference image and driving clip at the sample's size and length, encoded as training encodes them."""
-        from zeropipe.families.diffusion.parts.codec import per_channel_normalization
-
+        """The first data item's reference image (encoded as training encodes it) and its driving clip's pixels at the sample's size
+        and length, which the entry's sampling draws segment by segment: segments as long as the longest training clip
+        (``segment_frames``), each carrying ``carried_frames`` of the one before, as the pipeline's segment loop does."""
         item = sampling.plan.items[0]
         frames = int(kwargs.get("num_frames") or sampling.plan.sample_frames)
         reference, driving = load_pair(item, (sampling.size, sampling.size, frames), sampling.plan.fps, False)
         vae = sampling.vae()
-        device, dtype = next(vae.parameters()).device, next(vae.parameters()).dtype
-        shift, scale = per_channel_normalization(dict(vae.config))
-        view = (1, -1, 1, 1, 1)
-
-        def encoded(pixels):
-            latents = vae.encode(pixels[None].to(device, dtype)).latent_dist.mode().float()
-            return (latents - shift.view(view).to(device)) * scale.view(view).to(device)
-
-        latents = {"reference_latents": encoded(reference[:, None]), "driving_latents": encoded(driving), "segment_latents": encoded(torch.zeros_like(driving))}
-        rows = [{"reference": item["reference"], "driving": item["driving"]}] * len(sampling.prompts)
-        return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), **latents}}, rows=rows)
+        segment = max((bucket[2] for bucket in getattr(sampling.plan, "buckets", None) or () if len(bucket) > 2), default=frames)
+        animate = {"reference_latents": vae_latents(vae, reference[None, :, None]), "driving_pixels": driving[None], "segment_frames": min(segment, frames),
+                   "carried_frames": self.carried_frames}
+        rows = [{"reference": item["reference"], "driving": item["driving"], "segment_frames": min(segment, frames)}] * len(sampling.prompts)
+        return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), **animate}}, rows=rows)
 
 
 @dataclass(frozen=True)
