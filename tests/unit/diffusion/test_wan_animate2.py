@@ -215,6 +215,14 @@ def test_a_clip_after_its_videos_first_frame_trains_as_a_later_segment(tmp_path)
     assert any("2 of 3 clip(s) start after their video's first frame and train as later segments" in note for note in planning.notes), planning.notes
     plan = SimpleNamespace(items=planning.items, fps=24.0)
     assert part.load(plan, 1, (32, 32, 5), False)[2] == 1 and part.load(plan, 0, (32, 32, 5), False)[2] == 0
+    # Samples longer than the clips are drawn segment by segment along the first target's driving clip: it must be as long.
+    from zeropipe.errors import DataError
+
+    config.data.video.sample_frames = 13
+    part.attach(Planning(config, ARCHITECTURE, None, data, tmp_path / "cache", [dict(item) for item in items], [(32, 32, 5)] * 3, [], tmp_path / "fingerprints"))
+    config.data.video.sample_frames = 17
+    with pytest.raises(DataError, match=r"data.video.sample_frames is 17: the samples follow the first target's driving clip .*a.mp4, which has 13 frame\(s\) .*at most 13"):
+        part.attach(Planning(config, ARCHITECTURE, None, data, tmp_path / "cache", [dict(item) for item in items], [(32, 32, 5)] * 3, [], tmp_path / "fingerprints"))
 
 
 def test_a_reference_image_linked_out_of_a_ui_runs_folders_is_named_and_not_read(tmp_path):

@@ -240,6 +240,7 @@ class AnimateReference(Condition):
                 f"({shown}{' ...' if len(problems) > BAD_SHOWN else ''}): give each target clip NAME.mp4 a reference image NAME.png and a driving clip NAME.mp4 at least as long, "
                 "or remove those targets from data.path"
             )
+        _check_sample_length(config, planning.items[0], _plan_fps(config, planning.arch))
         same = [item["path"] for item in planning.items if _same_file(Path(item["path"]), Path(item["driving"]))]
         if same:
             # NeMo AutoModel's Wan Animate 2 guide: a clip that drives itself can be copied to zero loss, ignoring the reference image.
@@ -338,6 +339,24 @@ class AnimateClipFeatures(Condition):
         with torch.no_grad():
             features = clip_features(encoder, torch.stack([reference, driving[:, 0]]).to(sampling.device)).float()
         return SampleInputs(kwargs={"animate": {**kwargs.get("animate", {}), "reference_clip": features[:1], "driving_clip": features[1:]}})
+
+
+def _check_sample_length(config: Any, first: dict[str, Any], fps: float | None) -> None:
+    """Samples are drawn with the first target's driving clip, as long as ``data.video.sample_frames``: refuse one too short before training.
+
+    Raises:
+        DataError: the driving clip has fewer frames from the target's start than the samples need.
+    """
+    from zeropipe.data.videos import probe_video, resampled_frames
+
+    wanted = getattr(config.data.video, "sample_frames", None)
+    if not wanted or wanted <= first.get("clip_frames", 1):
+        return
+    probe = probe_video(Path(first["driving"]))
+    available = (resampled_frames(probe[2], probe[3], fps) - first.get("start", 0)) if not isinstance(probe, str) else 0
+    if available < wanted:
+        raise DataError(f"data.video.sample_frames is {wanted}: the samples follow the first target's driving clip {first['driving']}, which has {available} frame(s) "
+                        f"from the target's start: set data.video.sample_frames to at most {available}, or give that target a longer driving clip")
 
 
 def _same_file(target: Path, driving: Path) -> bool:
