@@ -153,10 +153,17 @@ def _write_case(root, files):
         write_video(controls / "a_mask.mp4", masks, FPS)
     if "reference" in files:
         Image.fromarray(rng.integers(0, 256, (24, 16, 3), dtype=np.uint8)).save(controls / "a.png")
+    if "two references" in files:  # numbered: the pipeline's reference_images in this order, of different shapes
+        Image.fromarray(rng.integers(0, 256, (24, 16, 3), dtype=np.uint8)).save(controls / "a.ref0.png")
+        Image.fromarray(rng.integers(0, 256, (16, 40, 3), dtype=np.uint8)).save(controls / "a.ref1.jpg")
     return data, controls
 
 
-@pytest.mark.parametrize("files", [("control", "mask", "reference"), ("mask clip",), ("reference",), ("control",)])
+def _reference_files(controls, files):
+    return [controls / "a.png"] if "reference" in files else [controls / "a.ref0.png", controls / "a.ref1.jpg"] if "two references" in files else []
+
+
+@pytest.mark.parametrize("files", [("control", "mask", "reference"), ("mask clip",), ("reference",), ("control",), ("control", "mask", "two references"), ("two references",)])
 def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny, vace_pipeline, files):
     """Per case of the module's table, the cached control input equals WanVACEPipeline's ``preprocess_conditions``,
     ``prepare_video_latents`` and ``prepare_masks`` (concatenated, as its call does) given the files as a user passes them, which
@@ -189,7 +196,7 @@ def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny,
     masked = "mask" in files or "mask clip" in files
     video = load_video(str(controls / "a.mp4")) if "control" in files else load_video(str(data / "a.mp4")) if masked else None
     mask = load_video(str(controls / "a_mask.mp4")) if "mask clip" in files else [load_image(str(controls / "a_mask.png"))] * 5 if masked else None
-    references = [load_image(str(controls / "a.png"))] if "reference" in files else None
+    references = [load_image(str(path)) for path in _reference_files(controls, files)] or None
     # The part's samples give the pipeline the same.
     plan = SimpleNamespace(items=items, sample_frames=5, fps=FPS)
     load_pixels = lambda index, bucket, crop, flip: load_clip_for_bucket(Path(items[index]["path"]), bucket, 0, FPS, FPS, crop=crop, flip=flip)  # noqa: E731
@@ -202,7 +209,7 @@ def test_the_control_input_from_the_users_files_is_the_pipelines(tmp_path, tiny,
     pixels, masks, prepared = vace_pipeline.preprocess_conditions(video, mask, references, 1, 32, 32, 5, torch.float32, CPU)
     with torch.no_grad():
         expected = torch.cat([vace_pipeline.prepare_video_latents(pixels, masks, prepared, None, CPU), vace_pipeline.prepare_masks(masks, prepared, None)], dim=1)
-    assert ours.shape == expected.shape == (1, 96, 2 + ("reference" in files), 4, 4)
+    assert ours.shape == expected.shape == (1, 96, 2 + len(_reference_files(controls, files)), 4, 4)
     assert torch.allclose(ours, expected, atol=1e-5), (ours - expected).abs().max()
 
 
@@ -242,6 +249,13 @@ def test_a_mask_linked_out_of_a_ui_runs_folders_is_named_and_not_read(tmp_path):
     with confining(Confinement((root,), base=root)):
         problems = find_vace_controls(items, data, controls, FPS)
     assert len(problems) == 1 and problems[0].endswith(f"{controls / 'a_mask.png'} {OUTSIDE_REASON}"), problems
+    # So is a numbered reference image: the clip's other reference images are not taken without it.
+    (controls / "a_mask.png").unlink()
+    Image.new("RGB", (32, 32)).save(controls / "a.ref0.png")
+    (controls / "a.ref1.png").symlink_to(elsewhere / "secret.png")
+    with confining(Confinement((root,), base=root)):
+        problems = find_vace_controls(items, data, controls, FPS)
+    assert problems == [f"{data / 'a.mp4'}: its reference image {controls / 'a.ref1.png'} {OUTSIDE_REASON}"] and "vace_reference" not in items[0]
 
 
 def test_bad_or_missing_control_files_get_one_message_naming_every_target(tmp_path):
@@ -285,6 +299,19 @@ def test_bad_or_missing_control_files_get_one_message_naming_every_target(tmp_pa
     assert any("2 with no control file (the first-frame task)" in note for note in fixed.notes), fixed.notes
     with pytest.raises(DataError, match="1 of 5 target clip.s. have a reference image .* set train.micro_batch_size: 1"):
         ARCHITECTURE.record.conditions[0].attach(planning(micro_batch_size=2))
+    # Several reference images per clip (numbered): one clip with two, one with one, the rest none.
+    Image.new("RGB", (32, 32)).save(controls / "c.ref0.png"), Image.new("RGB", (32, 32)).save(controls / "c.ref1.png")
+    numbered = planning()
+    ARCHITECTURE.record.conditions[0].attach(numbered)
+    assert numbered.items[2]["vace_reference"] == [str(controls / "c.ref0.png"), str(controls / "c.ref1.png")]
+    assert ARCHITECTURE.record.conditions[0].key_files(numbered.items[2])[-2:] == (("reference", controls / "c.ref0.png"), ("reference1", controls / "c.ref1.png"))
+    assert any("1 with several reference images" in note for note in numbered.notes), numbered.notes
+    with pytest.raises(DataError, match=r"different numbers of reference images \(3 with 0 .*1 with 1 .*1 with 2 \(e.g. .*c.mp4\)\).*give every clip the same number of reference images, or set train.micro_batch_size: 1"):
+        ARCHITECTURE.record.conditions[0].attach(planning(micro_batch_size=2))
+    # NAME.png and numbered ones for one clip: which is meant is not guessed.
+    Image.new("RGB", (32, 32)).save(controls / "c.png")
+    with pytest.raises(DataError, match="c.mp4: both c.png and numbered reference images .c.ref0.png, c.ref1.png. have its name"):
+        ARCHITECTURE.record.conditions[0].attach(planning())
 
 
 def test_the_reference_slot_is_noised_with_the_clip_and_left_out_of_the_prediction(tiny):
@@ -305,3 +332,11 @@ def test_the_reference_slot_is_noised_with_the_clip_and_left_out_of_the_predicti
         moved = ARCHITECTURE.call.predict(transformer, latents, timesteps, {**condition, "vace_context": other}, context)
     assert ours.shape == latents.shape and torch.equal(ours, again)
     assert not torch.allclose(ours, moved)
+    # Two reference images: two slots before the clip, both left out, the second one read too.
+    two = torch.randn(2, 96, 4, 4, 4)
+    with torch.no_grad():
+        both = ARCHITECTURE.call.predict(transformer, latents, timesteps, {**condition, "vace_context": two}, context)
+        other = two.clone()
+        other[:, :16, 1:2] += 1
+        second = ARCHITECTURE.call.predict(transformer, latents, timesteps, {**condition, "vace_context": other}, context)
+    assert both.shape == latents.shape and not torch.allclose(both, second)

@@ -209,6 +209,10 @@ class Sampling(Role):
         """Latents as the VAE decodes them, from what the pipeline returned with output_type="latent"."""
         return latents
 
+    def decoded(self, pipeline, latents: torch.Tensor, kwargs: dict[str, Any], decode) -> torch.Tensor:
+        """The samples' pixels from those latents: ``decode`` (the codec's VAE decode) of them all, or an entry's own (Wan Animate 2's segments, decoded one by one)."""
+        return decode(latents)
+
 
 class ExportLayouts(Role):
     """The adapter in the model's original (ComfyUI) key layout; None where the model has none."""

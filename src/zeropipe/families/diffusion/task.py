@@ -454,7 +454,7 @@ class DiffusionTask(TaskDefaults):
                 release_memory()
             return
         latents = self.arch.sampling.unpack_latents(pipeline, latents, size, self.vae_factor)
-        decoded = codec.vae_images(codec.decode(self.sampling_vae(), denormalize_latents(latents.float(), self.latent_shift, self.latent_scale)))
+        decoded = self.arch.sampling.decoded(pipeline, latents, kwargs, lambda part: codec.vae_images(codec.decode(self.sampling_vae(), denormalize_latents(part.float(), self.latent_shift, self.latent_scale))))
         pixels = ((decoded / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         folder = self.run.path / "samples" / f"step_{self.step:08d}"
         folder.mkdir(parents=True, exist_ok=True)

@@ -21,14 +21,19 @@ original Wan layout's, and an in-context reference mechanism):
   processor's output.
 - *Training.* The clip's latents are the target of the frames after the reference slot; the slot is given the reference
   image's latents noised at the batch's noise level (the pipeline draws it with the rest and drops it after decoding) and
-  is left out of the loss. Only a first segment is trained (a black previous segment: the pipeline's continuation
-  segments condition on the previous one's decoded tail frames, which a training clip does not have).
+  is left out of the loss. A clip from its video's first frame trains as a first segment (a black previous segment); one
+  starting later as a continuation segment, its own first frame carried clean under a ones mask where the pipeline
+  carries the previous segment's decoded last frame (``parts/animate_reference.py``; held to
+  ``WanAnimate2SegmentPrevFramesStep`` at k=1 by the unit test).
 - *Prompts.* The pipeline's text block (``WanAnimate2TextEncoderStep``), one prompt per call as it takes them; its
   ``prompt_embeds`` and the reference prompt's ``prompt_ref_embeds`` are cached per caption.
-- *Samples.* The modular pipeline's run is not called (``sampler.pipeline_call`` refuses a modular pipeline): one segment
-  of the sample's length through the shared loop (``sampler.denoise``) with the entry's call and classifier-free
+- *Samples.* The modular pipeline's run is not called (``sampler.pipeline_call`` refuses a modular pipeline): its segment
+  loop (``WanAnimate2DenoiseStep``) through the shared loop (``sampler.denoise``) with the entry's call and classifier-free
   guidance against the empty prompt (the pipeline's guider; its unconditional branch skips layer 9 of the transformer,
-  ``is_uncondtion``), the first data item's reference image and driving clip as the conditions.
+  ``is_uncondtion``), the first data item's reference image and driving clip as the conditions. Segments are as long as
+  the longest training clip: a sample as long (``data.video.sample_frames`` unset) is one segment; a longer one is drawn
+  segment by segment, each decoded and its last frame carried into the next, the driving clip zigzag-padded to whole
+  segments and the result trimmed to its length, as the pipeline draws a long clip.
 - *The distilled variant* (``wan-animate-2-distilled``) is the same transformer and call; its blocks differ only in the
   guider's default scale (1.0: no classifier-free guidance) and few steps, so its samples take no guidance.
 """
@@ -135,9 +140,11 @@ class WanAnimate2Call(DenoiserCall):
         batch, _, frames, height, width = model_input.shape
         reference = condition["reference_latents"].to(dtype)
         segment = condition["segment_latents"].to(dtype)
+        # The previous segment's mask: ones over its carried frames for a later segment; all zeros (a first segment) without one.
+        segment_mask = condition["segment_mask"].to(dtype) if condition.get("segment_mask") is not None else i2v_mask(segment.shape[2], height, width, False, segment)
         conditioning = torch.cat([
             torch.cat([i2v_mask(1, height, width, True, reference), reference], dim=1),
-            torch.cat([i2v_mask(segment.shape[2], height, width, False, segment), segment], dim=1),
+            torch.cat([segment_mask, segment], dim=1),
         ], dim=2)
         pixel_frames = (frames - 2) * self.record.codec.frame_multiple + 1  # the segment: frames after the slot, in pixels
         factor = context.vae_factor
@@ -210,7 +217,7 @@ class WanAnimate2Prompts(TextEncoderBlock):
 
 
 class WanAnimate2Sampling(Sampling):
-    """One segment of the sample's length through the shared loop (see the module)."""
+    """The sample drawn segment by segment through the shared loop, as the pipeline's segment loop (see the module)."""
 
     guided = True  # the distilled variant samples without classifier-free guidance
 
@@ -218,6 +225,49 @@ class WanAnimate2Sampling(Sampling):
         return {"condition": condition, "negative": negative, "guidance_scale": guidance_scale if self.guided else 1.0}
 
     def draw(self, pipeline, kwargs):
+        """The latents of every segment after its reference slot, on the frame axis (``WanAnimate2DenoiseStep``): per segment the
+        driving clip's slice encoded alone, the previous segment's decoded last ``carried_frames`` frames (none for the first)
+        followed by black as its previous-segment frames, fresh noise and a reset scheduler; ``decoded`` joins their pixels."""
+        from diffusers.modular_pipelines.wan_animate_2.encoders import get_i2v_mask
+
+        from zeropipe.families.diffusion.parts.animate_reference import segment_geometry, vae_latents, vae_pixels, zigzag_padded
+
+        animate = kwargs["animate"]
+        frames = int(kwargs.get("num_frames") or self.record.codec.clip_length(1))
+        segment, carried = int(animate["segment_frames"]), int(animate["carried_frames"])
+        padding, segments = segment_geometry(frames, segment, carried)
+        driving = zigzag_padded(animate["driving_pixels"], padding)
+        fixed = {name: value for name, value in animate.items() if name in ("reference_latents", "reference_clip", "driving_clip")}
+        batch = kwargs["condition"]["prompt_embeds"].shape[0]
+        drawn, previous = [], None
+        for index in range(segments):
+            start = index * (segment - carried)
+            driving_latents = vae_latents(pipeline.vae, driving[:, :, start : start + segment])
+            count = carried if index else 0
+            previous_pixels = torch.zeros(batch, *driving.shape[1:2], segment, *driving.shape[3:])
+            if count:
+                previous_pixels[:, :, :count] = previous[:, :, -count:].cpu()
+            previous_latents = vae_latents(pipeline.vae, previous_pixels)
+            latent_count, height, width = previous_latents.shape[2:]
+            mask = get_i2v_mask(latent_count, height, width, count, device="cpu")[None].expand(batch, -1, -1, -1, -1)
+            inputs = {**fixed, "driving_latents": driving_latents, "segment_latents": previous_latents, "segment_mask": mask}
+            latents = self.draw_segment(pipeline, kwargs, inputs, segment)[:, :, 1:]  # the reference image's slot is not video
+            drawn.append(latents)
+            if index + 1 < segments:
+                previous = vae_pixels(pipeline.vae, latents)
+        return torch.cat(drawn, dim=2)
+
+    def decoded(self, pipeline, latents, kwargs, decode):
+        """The segments decoded one by one (the VAE is causal in time), a later one without its carried frames, trimmed to the sample's length."""
+        animate = kwargs["animate"]
+        frames = int(kwargs.get("num_frames") or self.record.codec.clip_length(1))
+        segment, carried = int(animate["segment_frames"]), int(animate["carried_frames"])
+        latent_frames = (segment - 1) // self.record.codec.frame_multiple + 1
+        pieces = [decode(piece)[:, :, carried if index else 0 :] for index, piece in enumerate(latents.split(latent_frames, dim=2))]
+        return torch.cat(pieces, dim=2)[:, :, :frames]
+
+    def draw_segment(self, pipeline, kwargs, inputs, frames):
+        """One segment of ``frames`` frames through the shared loop, with the reference image's slot first (its latents, all of them)."""
         from zeropipe.families.diffusion.core import PredictContext
         from zeropipe.families.diffusion.sampler import denoise
 
@@ -228,8 +278,7 @@ class WanAnimate2Sampling(Sampling):
         factor = pipeline.zeropipe_vae_factor
         condition, negative = kwargs["condition"], kwargs["negative"]
         batch = condition["prompt_embeds"].shape[0]
-        animate = {name: value.to(device).expand(batch, *value.shape[1:]) for name, value in kwargs["animate"].items()}
-        frames = int(kwargs.get("num_frames") or self.record.codec.clip_length(1))
+        animate = {name: value.to(device).expand(batch, *value.shape[1:]) for name, value in inputs.items()}
         latent_frames = (frames - 1) // self.record.codec.frame_multiple + 1
         shape = (batch, module.config.out_dim, latent_frames + 1, kwargs["height"] // factor, kwargs["width"] // factor)
         latents = torch.randn(shape, generator=kwargs["generator"]).to(device)
@@ -250,9 +299,6 @@ class WanAnimate2Sampling(Sampling):
             return velocity
 
         return denoise(pipeline.scheduler, latents, pipeline.scheduler.timesteps, model_output)
-
-    def unpack_latents(self, pipeline, latents, size, vae_factor):
-        return latents[:, :, 1:]  # the reference image's slot is not video (WanAnimate2SegmentDecodeStep drops it)
 
 
 # diffusers attention names -> the official checkpoint's (the inverse of convert_wan_animate_2_transformer_to_diffusers).

@@ -9,7 +9,10 @@ read per target clip from ``data.control_path`` (one folder, laid out as Wan Ani
 - ``NAME_mask.<video or image type>``: the mask (white: generate, black: keep), a clip read as the control clip, or one
   image for every frame;
 - ``NAME.<image type>``: a reference image (the character, the object), letterboxed on white into the clip's size as
-  the pipeline does (``reference_letterboxed``); it adds one latent frame before the clip's.
+  the pipeline does (``reference_letterboxed``); it adds one latent frame before the clip's. Several reference images
+  (the pipeline's ``reference_images`` list): ``NAME.ref0.<image type>``, ``NAME.ref1.<image type>``... in the order of
+  their numbers, each one more latent frame (the pipeline prepends each in turn, so the last is first); a clip has
+  ``NAME.png`` or numbered ones, not both.
 
 Each at the target's relative path or at the folder's top (``SUB/NAME.mp4`` or ``NAME.mp4``), as Wan Animate 2's files.
 The task of each clip follows from the files it has, as the pipeline's call does with its arguments:
@@ -20,19 +23,22 @@ files                       control video and mask (pipeline call)
 none                        VACE's first-frame task (``VaceFirstFrame``): the first frame kept, the rest generated
 control clip [+ mask]       the control clip; the mask (all white without one: ``prepare_masks``' default)
 mask alone                  the target clip itself under the mask (inpainting / outpainting: black is kept)
-reference image alone       a grey clip, all white mask (the pipeline's ``video=None``): reference-to-video
+reference image(s) alone    a grey clip, all white mask (the pipeline's ``video=None``): reference-to-video
 ==========================  ======================================================================================
 
-a reference image joins any of these. A target whose files cannot be used is named, with every other one, in one error.
+reference images join any of these. A target whose files cannot be used is named, with every other one, in one error.
 
-Training with a reference image: the denoiser sees one latent frame more than the clip, first (the pipeline draws the
-noise for ``num_frames + references x 4`` frames and drops the first latent frames after denoising): the call gives
-that slot the reference image's latents noised at the clip's noise level and leaves it out of the loss
-(``WanVaceCall.predict``), as Wan Animate 2's reference slot.
+Training with reference images: the denoiser sees one latent frame more than the clip per reference image, first (the
+pipeline draws the noise for ``num_frames + references x 4`` frames and drops the first latent frames after denoising):
+the call gives those slots the reference images' latents noised at the clip's noise level and leaves them out of the loss
+(``WanVaceCall.predict``), as Wan Animate 2's reference slot. The clips of a micro-batch must have the same number of
+reference images (the latent frames differ otherwise): a run that mixes counts with ``train.micro_batch_size`` above 1 is
+refused, naming the fix.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +53,20 @@ from zeropipe.families.diffusion.parts.vace_context import VaceFirstFrame, contr
 
 BAD_SHOWN = 3
 MASK_SUFFIX = "_mask"
-LAYOUT = "NAME.mp4 (control clip), NAME_mask.mp4 or NAME_mask.png (mask: white generates), NAME.png (reference image) per target clip NAME.mp4"
+LAYOUT = ("NAME.mp4 (control clip), NAME_mask.mp4 or NAME_mask.png (mask: white generates), NAME.png (reference image; several: NAME.ref0.png, NAME.ref1.png ...) "
+          "per target clip NAME.mp4")
+NUMBERED_REFERENCE = re.compile(r"^(?P<name>.+)\.ref(?P<number>\d+)$")  # NAME.ref0.png: the stem NAME.ref0
+
+
+def reference_paths(item: dict[str, Any]) -> list[str]:
+    """A clip's reference images in the pipeline's order (``item["vace_reference"]``: one path, or a list of several)."""
+    value = item.get("vace_reference")
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
 
 
 def find_vace_controls(items: list[dict[str, Any]], data_root: Path, control_root: Path, fps: float | None) -> list[str]:
-    """Give each item the control files it has (``item["vace_control"]``, ``item["vace_mask"]``, ``item["vace_reference"]``,
-    with the clips' frame rates); one line per item whose files cannot be used, naming the file and why.
+    """Give each item the control files it has (``item["vace_control"]``, ``item["vace_mask"]``, ``item["vace_reference"]``: one
+    path, or a list for numbered ones; with the clips' frame rates); one line per item whose files cannot be used, naming the file and why.
 
     Raises:
         DataError: ``control_root`` is not a folder.
@@ -67,14 +81,18 @@ def find_vace_controls(items: list[dict[str, Any]], data_root: Path, control_roo
     images: dict[Path, list[Path]] = {}
     videos: dict[Path, list[Path]] = {}
     masks: dict[Path, list[Path]] = {}
+    numbered: dict[Path, dict[int, list[Path]]] = {}  # NAME -> number -> NAME.refN.* files
     for path in sorted(control_root.rglob("*")):
         if not path.is_file() or any(part.startswith(".") for part in path.relative_to(control_root).parts):
             continue
         suffix, stem = path.suffix.lower(), path.relative_to(control_root).with_suffix("")
         if suffix not in VIDEO_SUFFIXES and suffix not in IMAGE_SUFFIXES:
             continue
+        match = NUMBERED_REFERENCE.match(stem.name) if suffix in IMAGE_SUFFIXES else None
         if stem.name.endswith(MASK_SUFFIX):
             masks.setdefault(stem.with_name(stem.name[: -len(MASK_SUFFIX)]), []).append(path)
+        elif match:
+            numbered.setdefault(stem.with_name(match["name"]), {}).setdefault(int(match["number"]), []).append(path)
         else:
             (videos if suffix in VIDEO_SUFFIXES else images).setdefault(stem, []).append(path)
     problems = []
@@ -93,7 +111,25 @@ def find_vace_controls(items: list[dict[str, Any]], data_root: Path, control_roo
                 problems.append(f"{target}: its {noun} {candidates[0]} {OUTSIDE_REASON}")
             elif candidates:
                 found[noun] = candidates[0]
+        several = numbered.get(relative) or numbered.get(Path(relative.name)) or {}
         bad = False
+        if several and "reference image" in found:
+            problems.append(f"{target}: both {found.pop('reference image').name} and numbered reference images ({', '.join(p.name for n in sorted(several) for p in several[n])}) have its name: "
+                            "keep NAME.png for one reference image or NAME.ref0.png, NAME.ref1.png ... for several")
+            bad = True
+        references: list[Path] = []
+        for number in sorted(several):
+            candidates = several[number]
+            if len(candidates) > 1:
+                problems.append(f"{target}: several reference images have its number {number} ({', '.join(p.name for p in candidates)}): keep one")
+                bad = True
+            elif not usable(candidates[0]):
+                problems.append(f"{target}: its reference image {candidates[0]} {OUTSIDE_REASON}")
+                bad = True
+            else:
+                references.append(candidates[0])
+        if "reference image" in found:
+            references = [found["reference image"]]
         for noun in ("control clip", "mask"):
             path = found.get(noun)
             if path is None:
@@ -120,14 +156,16 @@ def find_vace_controls(items: list[dict[str, Any]], data_root: Path, control_roo
                 continue
             field = "vace_control" if noun == "control clip" else "vace_mask"
             item[field], item[f"{field}_fps"] = str(path), float(probe[3])
-        reference = found.get("reference image")
-        if reference is not None:
+        usable_references = []
+        for reference in references:
             size = _decoded_size(reference)
             if isinstance(size, str):
                 problems.append(f"{target}: its reference image {reference} cannot be used ({size})")
                 bad = True
             else:
-                item["vace_reference"] = str(reference)
+                usable_references.append(str(reference))
+        if usable_references:  # one path as before (the plan and cache keys of one reference image are unchanged), a list for several
+            item["vace_reference"] = usable_references[0] if len(usable_references) == 1 and not several else usable_references
         if bad:
             for field in ("vace_control", "vace_mask", "vace_reference"):
                 item.pop(field, None)
@@ -171,7 +209,7 @@ def open_image(path: Path):
 
 def load_controls(item: dict[str, Any], bucket: tuple[int, ...], fps: float | None, flip: bool) -> dict[str, torch.Tensor] | None:
     """A clip's control files at its bucket, start, crop and flip: ``control`` (3, T, H, W) in [-1, 1], ``mask`` (3, T, H, W)
-    in [0, 1] (as the pipeline reads a mask: ``(pixels + 1) / 2``), ``reference`` (3, H, W) letterboxed; None without any.
+    in [0, 1] (as the pipeline reads a mask: ``(pixels + 1) / 2``), ``references`` [(3, H, W)] letterboxed; None without any.
 
     Raises:
         DataError: a file cannot be decoded (the item is skipped).
@@ -189,7 +227,7 @@ def load_controls(item: dict[str, Any], bucket: tuple[int, ...], fps: float | No
         pixels = load_clip_for_bucket(Path(item["vace_mask"]), (width, height, frames), item.get("start", 0) if item["vace_mask_fps"] else 0, item["vace_mask_fps"], fps, crop="center", flip=flip).pixels
         loaded["mask"] = torch.clamp((pixels + 1) / 2, min=0, max=1)
     if "vace_reference" in item:
-        loaded["reference"] = reference_letterboxed(open_image(Path(item["vace_reference"])), height, width, flip)
+        loaded["references"] = [reference_letterboxed(open_image(Path(path)), height, width, flip) for path in reference_paths(item)]
     return loaded
 
 
@@ -205,7 +243,7 @@ def vace_task(clip: torch.Tensor, controls: dict[str, torch.Tensor] | None) -> t
     else:
         video = torch.zeros_like(clip)  # the pipeline's video=None
     mask = controls["mask"][None].to(clip) if "mask" in controls else torch.ones_like(video)
-    references = [controls["reference"].to(clip)] if "reference" in controls else []
+    references = [reference.to(clip) for reference in controls.get("references", [])]
     return video, mask, references
 
 
@@ -242,15 +280,24 @@ class VaceControl(VaceFirstFrame):
             )
         with_reference = [item for item in planning.items if "vace_reference" in item]
         micro = config.train.micro_batch_size
-        if with_reference and len(with_reference) < len(planning.items) and micro > 1:
-            without = next(item["path"] for item in planning.items if "vace_reference" not in item)
+        by_count: dict[int, list[str]] = {}
+        for item in planning.items:
+            by_count.setdefault(len(reference_paths(item)), []).append(item["path"])
+        if len(by_count) > 1 and micro > 1:
+            if set(by_count) == {0, 1}:
+                raise DataError(
+                    f"{len(with_reference)} of {len(planning.items)} target clip(s) have a reference image in {root} and the others not (e.g. {by_count[0][0]}): a reference image adds a "
+                    f"latent frame, and the clips of a batch must have the same number (train.micro_batch_size is {micro}): give every clip a reference image or none, or set train.micro_batch_size: 1"
+                )
+            shown = ", ".join(f"{len(paths)} with {count} (e.g. {paths[0]})" for count, paths in sorted(by_count.items()))
             raise DataError(
-                f"{len(with_reference)} of {len(planning.items)} target clip(s) have a reference image in {root} and the others not (e.g. {without}): a reference image adds a "
-                f"latent frame, and the clips of a batch must have the same number (train.micro_batch_size is {micro}): give every clip a reference image or none, or set train.micro_batch_size: 1"
+                f"the target clips in {root} have different numbers of reference images ({shown}): each reference image adds a latent frame, and the clips of a batch "
+                f"must have the same number (train.micro_batch_size is {micro}): give every clip the same number of reference images, or set train.micro_batch_size: 1"
             )
         counts = {
             "a control clip": sum("vace_control" in item for item in planning.items), "a mask": sum("vace_mask" in item for item in planning.items),
-            "a reference image": len(with_reference), "no control file (the first-frame task)": sum(not has_controls(item) for item in planning.items),
+            "a reference image": sum(len(reference_paths(item)) == 1 for item in planning.items),
+            "several reference images": sum(len(reference_paths(item)) > 1 for item in planning.items), "no control file (the first-frame task)": sum(not has_controls(item) for item in planning.items),
         }
         planning.notes.append(f"Wan VACE: of {len(planning.items)} target clip(s) from {root}, " + ", ".join(f"{count} with {noun}" for noun, count in counts.items() if count))
         copies = [item["path"] for item in planning.items if "vace_control" in item and "vace_mask" not in item and _same_file(Path(item["path"]), Path(item["vace_control"]))]
@@ -259,7 +306,9 @@ class VaceControl(VaceFirstFrame):
                                   "give a control clip of another kind (pose, depth, edges) or a mask")
 
     def key_files(self, item):
-        return tuple((label, Path(item[field])) for label, field in (("control", "vace_control"), ("mask", "vace_mask"), ("reference", "vace_reference")) if field in item)
+        files = tuple((label, Path(item[field])) for label, field in (("control", "vace_control"), ("mask", "vace_mask")) if field in item)
+        # The first reference image keeps the label of one (a clip with one keeps its cache entry), the others are numbered.
+        return files + tuple(("reference" if number == 0 else f"reference{number}", Path(path)) for number, path in enumerate(reference_paths(item)))
 
     def load(self, plan, index, bucket, flip):
         return load_controls(plan.items[index], tuple(bucket), plan.fps, flip)
@@ -296,7 +345,7 @@ class VaceControl(VaceFirstFrame):
             if "mask" in controls:
                 call["mask"] = [first_frame_image(controls["mask"][:, frame] * 2 - 1) for frame in range(frames)]
         if "vace_reference" in item:
-            call["reference_images"] = [open_image(Path(item["vace_reference"]))]
+            call["reference_images"] = [open_image(Path(path)) for path in reference_paths(item)]
         row = {key: item[field] for key, field in (("control", "vace_control"), ("mask", "vace_mask"), ("reference", "vace_reference")) if field in item}
         return SampleInputs(kwargs=call, rows=[{"target": item["path"], **row}] * len(sampling.prompts))
 
