@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.conftest import TINY_LLAMA, assert_ok, metrics, zeropipe
+from tests.integration.conftest import TINY_LLAMA, assert_ok, metrics, zeropipe, zeropipe_here
 
 pytestmark = pytest.mark.integration
 
@@ -207,7 +207,7 @@ ddp_timeout: 180000000
 disable_gradient_checkpointing: true
 """)
     out = tmp_path / "converted.yaml"
-    converted = zeropipe("convert", config, "--out", out, cwd=tmp_path)
+    converted = zeropipe_here("convert", config, "--out", out, cwd=tmp_path)  # the CLI's code, without a new interpreter's start-up
     assert_ok(converted)
     assert f"train it: zeropipe train {out}" in converted.stderr
     text = out.read_text()

@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from tests.integration.conftest import assert_ok, metrics, zeropipe
+from tests.integration.conftest import assert_ok, metrics, zeropipe, zeropipe_here
 from tests.integration.test_diffusion import diffusion_config
 
 pytestmark = pytest.mark.integration
 
 
 def eval_json(run_dir, *extra) -> dict:
-    result = zeropipe("eval", str(run_dir), "--json", *extra)
+    result = zeropipe_here("eval", str(run_dir), "--json", *extra)  # the CLI's code, without a new interpreter's start-up and imports
     assert_ok(result)
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -19,20 +19,25 @@ IDS = [[1, 5, 9, 14, 20, 33, 250, 7]]
 # (checkpoint, training precision): fp32 as saved, bf16 on disk into fp32 and into bf16, sharded with tied embeddings.
 CASES = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("bf16-sharded-tied", "fp32")]
 
-# One rank: load every case with zeropipe's loader, let DeepSpeed take the model, and save
-# what a user would check: logits of a forward pass and every full weight and buffer.
+STAGES = [0, 2, 3]
+
+# One rank: for each ZeRO stage, load every case with zeropipe's loader, let DeepSpeed take the model, and
+# save what a user would check: logits of a forward pass and every full weight and buffer. One launch of
+# two ranks for the three stages (a launch's start-up costs more CI than its loads); ZeRO-3 last, as its
+# engine replaces torch's linear function for the rest of the process.
 RANK_SCRIPT = """
-import json, os, sys
+import itertools, json, os, sys
 import torch
 import deepspeed
 from transformers import AutoModelForCausalLM
 from transformers.integrations import HfDeepSpeedConfig
 from zeropipe.models.loading import load_pretrained
 
-root, stage, cases, ids = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+root, stages, cases, ids = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+assert stages == sorted(stages), stages
 deepspeed.init_distributed(dist_backend="gloo")
 rank = int(os.environ["RANK"])
-for checkpoint, precision in cases:
+for stage, (checkpoint, precision) in itertools.product(stages, cases):
     ds_config = {
         "train_micro_batch_size_per_gpu": 1, "train_batch_size": int(os.environ["WORLD_SIZE"]),
         "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -79,16 +84,23 @@ def checkpoints(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_every_rank_holds_the_model_from_pretrained_gives(checkpoints, stage):
-    from transformers import AutoModelForCausalLM
-
+@pytest.fixture(scope="module")
+def loaded(checkpoints):
+    """The two ranks' files of every stage and case (one launch); the folder they are in."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     # --standalone: torchrun's rendezvous store binds a free port itself and the ranks share it (no port picked, then taken).
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(checkpoints / "rank.py"), str(checkpoints), str(stage), json.dumps(CASES), json.dumps(IDS)]
+    command += [str(checkpoints / "rank.py"), str(checkpoints), json.dumps(STAGES), json.dumps(CASES), json.dumps(IDS)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
     assert_ok(result)
+    return checkpoints
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_rank_holds_the_model_from_pretrained_gives(loaded, stage):
+    from transformers import AutoModelForCausalLM
+
+    checkpoints = loaded
     for checkpoint, precision in CASES:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         expected = AutoModelForCausalLM.from_pretrained(checkpoints / checkpoint, dtype=dtype).eval()

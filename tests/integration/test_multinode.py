@@ -17,7 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.conftest import RESUME_STEPS, SAVE_EVERY, assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe_process as zeropipe  # several nodes over ssh: each launcher a new process (not measured in-process)
+# A `train` that runs to its end (or is refused) is launched by this interpreter (conftest.zeropipe: a new launcher
+# process costs 6-14 s of CI per command); the node agents and ranks are new processes, over ssh or not, either way.
+# The tests that signal or kill the launcher start it as a new process (start_zeropipe).
+from tests.integration.conftest import RESUME_STEPS, SAVE_EVERY, assert_ok, metrics, start_zeropipe, tiny_run_config, write_config, zeropipe
 from tests.integration.sshd import SSHD, free_port_on_both, start_sshd
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(SSHD is None, reason="needs OpenSSH's server (apt-get install openssh-server; scripts/setup.sh installs it as root)")]

@@ -8,16 +8,18 @@ loaded through a test plug-in that records the examples every step reads in the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
 import json
-import os
 import shutil
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe_process as zeropipe  # plug-ins: each command in a new process, as the user runs it
+from tests.integration.conftest import assert_ok, metrics, tiny_run_config, write_config, zeropipe
 
 pytestmark = pytest.mark.integration
 
@@ -27,10 +29,37 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj
 TRAIN = {"max_steps": 6, "save_every": 3, "keep_last": 5, "micro_batch_size": 4, "gradient_accumulation_steps": 3, "warmup_steps": 1}
 
 
+@contextlib.contextmanager
+def recording_plugin():
+    """The recording plug-in imported by this process, as ZEROPIPE_PLUGINS would import it in a new launcher; undone after.
+
+    The launcher runs in the pytest process (conftest.zeropipe: a new launcher process costs 6-14 s of
+    CI per command, eight commands here). The plug-in is recorded in the run it prepares (run.json's
+    ``plugins``, with its folder), which the ranks and a resume import it from, as they do for any plug-in
+    run. Loading plug-ins named in ZEROPIPE_PLUGINS by a new process is test_toy_family.py's and
+    test_condition_door.py's.
+    """
+    import zeropipe.families as families
+    import zeropipe.rundir as rundir
+
+    families.families()  # the built-ins first, so that restoring the registry below restores them
+    registry, plugins, path = dict(families._REGISTRY), dict(rundir._PLUGINS), list(sys.path)
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        importlib.import_module("recording_causal_lm")  # registers itself under the built-in's name, first
+        rundir.note_plugin("recording_causal_lm")
+        yield
+    finally:
+        families._REGISTRY.clear()
+        families._REGISTRY.update(registry)
+        rundir._PLUGINS.clear()
+        rundir._PLUGINS.update(plugins)
+        sys.path[:] = path
+        sys.modules.pop("recording_causal_lm", None)
+
+
 def train(config: Path, *args: str, record: Path):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("ZEROPIPE_PLUGINS", "recording_causal_lm")
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")])))
+    with pytest.MonkeyPatch.context() as patch, recording_plugin():
         patch.setenv("RECORD_EXAMPLES_TO", str(record))
         return zeropipe("train", config, *args)
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -68,26 +69,33 @@ RANK = textwrap.dedent(
                         mark(leaf)
             return out
 
-    run_dir = sys.argv[1]
-    trainer = Trainer(run_dir, family_of(RunDir(run_dir).read_config().model).rank_task)
-    trainer.setup()
-    for parameter in trainer.engine.module.parameters():
-        mark(parameter)
-    with CountHostReads():
-        trainer.train()
-    trainer.cleanup()
-    print(json.dumps(calls))
+    # One rank process trains the runs one after another (a process's start-up, its imports, costs more
+    # than a run's 8 steps): each its own Trainer, process group (a new port) and counts.
+    import os, socket
+    counted = {}
+    for run_dir in sys.argv[1:]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        marked.clear()
+        calls = {}
+        trainer = Trainer(run_dir, family_of(RunDir(run_dir).read_config().model).rank_task)
+        trainer.setup()
+        for parameter in trainer.engine.module.parameters():
+            mark(parameter)
+        with CountHostReads():
+            trainer.train()
+        trainer.cleanup()
+        counted[run_dir] = calls
+    print(json.dumps(counted))
     """
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+PAIRS = [{"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)} for a in range(16)]
 
 
-def run_rank(tmp_path, name: str, log_every: int, **sections) -> tuple[dict[int, list[str]], list[dict]]:
+def prepare(tmp_path, name: str, log_every: int, **sections):
     from zeropipe.config.load import validate_config
     from zeropipe.launch.prepare import prepare_run
     from zeropipe.launch.resolve import resolve_run
@@ -102,19 +110,45 @@ def run_rank(tmp_path, name: str, log_every: int, **sections) -> tuple[dict[int,
     }
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
-    prepared = prepare_run(resolve_run(validate_config(yaml.safe_load(yaml.safe_dump(raw)))))
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
+    return prepare_run(resolve_run(validate_config(yaml.safe_load(yaml.safe_dump(raw)))))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict[int, list[str]], list[dict], Path]]:
+    """The file's four runs, trained by one rank process: name -> (host reads by step, metrics rows, run directory).
+
+    One process for all four (each run its own Trainer and process group): a rank process's start-up
+    cost more CI than its 8 steps, four times.
+    """
+    tmp_path = tmp_path_factory.mktemp("step-syncs")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(pair) + "\n" for pair in PAIRS))
+    preference = {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}}, "data": {"synthetic": None, "path": str(pairs)}}
+    prepared = {
+        "deferred": prepare(tmp_path, "deferred", log_every=4),
+        "at-once": prepare(tmp_path, "at-once", log_every=1),
+        # KTO with LoRA (its reference the adapters off, its KL rows, its per-group rewards).
+        "kto": prepare(tmp_path, "kto", log_every=4, preference={"method": "kto"}, **preference),
+        "reward": prepare(tmp_path, "reward", log_every=4, data=preference["data"], preference={"method": "reward"}, train={"lr": 1e-2}),
+    }
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     env.pop("ZEROPIPE_LAUNCHER_PID", None)
-    done = subprocess.run([sys.executable, "-c", RANK, str(prepared.run.path)], env=env, capture_output=True, text=True, timeout=300)
+    paths = [str(run.run.path) for run in prepared.values()]
+    done = subprocess.run([sys.executable, "-c", RANK, *paths], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    calls = {int(step): where for step, where in json.loads(done.stdout.strip().splitlines()[-1]).items()}
-    rows = [json.loads(line) for line in prepared.run.metrics.read_text().splitlines()]
-    return calls, rows
+    counted = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        name: (
+            {int(step): where for step, where in counted[str(run.run.path)].items()},
+            [json.loads(line) for line in run.run.metrics.read_text().splitlines()],
+            run.run.path,
+        )
+        for name, run in prepared.items()
+    }
 
 
-@pytest.mark.timeout(600)
-def test_steps_between_logs_read_nothing_back_and_every_step_still_reaches_metrics(tmp_path):
-    calls, rows = run_rank(tmp_path, "deferred", log_every=4)
+def test_steps_between_logs_read_nothing_back_and_every_step_still_reaches_metrics(runs):
+    calls, rows, _ = runs["deferred"]
     # calls[n] holds what ran while trainer.step was n: the end of step n and the start of step n+1.
     # The flushes are at steps 4 and 8 (log_every) and 6 (the checkpoint); every other step reads nothing.
     quiet = [step for step in range(1, 8) if step not in (4, 6)]
@@ -122,25 +156,18 @@ def test_steps_between_logs_read_nothing_back_and_every_step_still_reaches_metri
     assert calls.get(4), "the flush at a logging step reads the figures back once"
     assert [row["step"] for row in rows] == list(range(1, 9))
 
-    _, at_once = run_rank(tmp_path, "at-once", log_every=1)
+    _, at_once, _ = runs["at-once"]
     keys = ("step", "epoch", "loss", "lr", "grad_norm")
     assert [{k: row[k] for k in keys} for row in rows] == [{k: row[k] for k in keys} for row in at_once]
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("method", ["kto"])
-def test_a_preference_step_between_logs_reads_nothing_back(tmp_path, method):
+def test_a_preference_step_between_logs_reads_nothing_back(runs):
     """KTO with LoRA (its reference the adapters off, its KL rows, its per-group rewards): the figures wait for the flush too.
 
     (DPO's figures are the same kind, from the same task; the 2-rank DPO runs are tests/integration/test_preference.py.)
     """
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)}) + "\n" for a in range(16)))
-    model = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}}
-    calls, rows = run_rank(
-        tmp_path, method, log_every=4, model=model, data={"synthetic": None, "path": str(pairs)}, preference={"method": method}
-    )
+    calls, rows, _ = runs["kto"]
     quiet = [step for step in range(1, 8) if step not in (4, 6)]
     assert {step: calls[step] for step in quiet if step in calls} == {}
     assert calls.get(4), "the flush at a logging step reads the figures back once"
@@ -148,19 +175,16 @@ def test_a_preference_step_between_logs_reads_nothing_back(tmp_path, method):
     assert all("rewards_margin" in row and "logps_chosen" in row for row in rows)
 
 
-@pytest.mark.timeout(600)
-def test_a_reward_model_trains_in_a_rank_and_exports_for_sequence_classification(tmp_path):
+def test_a_reward_model_trains_in_a_rank_and_exports_for_sequence_classification(runs, tmp_path):
     """The reward model's rank (a scalar head on the transformer, pairwise loss) and its export, which transformers loads as such."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from zeropipe.families import export_run
 
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"What is {a} + 2?", "chosen": str(a + 2), "rejected": str(a + 3)}) + "\n" for a in range(16)))
-    _, rows = run_rank(tmp_path, "reward", log_every=4, data={"synthetic": None, "path": str(pairs)}, preference={"method": "reward"}, train={"lr": 1e-2})
+    _, rows, run_dir = runs["reward"]
     assert [row["step"] for row in rows] == list(range(1, 9)) and all("rewards_accuracy" in row and "mean_reward" in row for row in rows)
-    out = export_run(tmp_path / "runs" / "reward", tmp_path / "export")
+    out = export_run(run_dir, tmp_path / "export")
     model = AutoModelForSequenceClassification.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
