@@ -26,8 +26,8 @@ per rank, paid by every rank of every run (see BENCHMARKS.md, "Rank start-up").
 
 ``fast_op_loads`` leaves DeepSpeed's own builder in charge (it still decides which op, its sources
 and flags, and caches the module) and replaces only torch's ``load`` while it is active: when the
-op folder holds no lock, its ``build.ninja`` is exactly the file torch would write for these
-arguments, and ninja itself finds nothing to do (``ninja -n``: sources, headers and commands as
+op folder holds no lock, its ``build.ninja`` is the file torch would write for these arguments
+(paths compared through their symlinks, see ``same_files``), and ninja itself finds nothing to do (``ninja -n``: sources, headers and commands as
 built), the library is imported the way torch imports it. In every other case (first build,
 changed flags or sources, a build under way, a torch whose private helpers differ) torch's
 ``load`` runs unchanged.
@@ -40,6 +40,7 @@ import copy
 import functools
 import importlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,16 @@ def cpu_described_once() -> Iterator[None]:
         cpuinfo.get_cpu_info = ask
 
 
+def same_files(build_text: str) -> str:
+    """A build file with every absolute path resolved through its symlinks: one venv reached by two spellings builds the same library.
+
+    Checkouts that share a virtual environment through a symlink (``.venv -> /elsewhere/.venv``) see DeepSpeed's sources
+    and torch's headers under their own spelling; torch's ``load`` takes the other spelling's build file for a change
+    and rebuilds the op (1-2 minutes on 2 cores), and the next checkout rebuilds it back.
+    """
+    return re.sub(r"/[^\s:$'\"]+", lambda path: os.path.realpath(path.group(0)), build_text)
+
+
 def built_module(
     name, sources, extra_cflags=None, extra_cuda_cflags=None, extra_sycl_cflags=None, extra_ldflags=None, extra_include_paths=None,
     build_directory=None, verbose=False, with_cuda=None, with_sycl=None, is_python_module=True, is_standalone=False, keep_intermediates=True,
@@ -159,7 +170,7 @@ def built_module(
                 extra_ldflags=ext._prepare_ldflags(extra_ldflags or [], with_cuda, with_sycl, False, is_standalone),
                 extra_include_paths=extra_include_paths or [], with_cuda=with_cuda, with_sycl=with_sycl, is_standalone=is_standalone,
             )
-            if wanted.read_text() != build_file.read_text():
+            if same_files(wanted.read_text()) != same_files(build_file.read_text()):
                 return None
         dry_run = subprocess.run(["ninja", "-n"], cwd=folder, capture_output=True, text=True, timeout=120, env=os.environ.copy())
         if dry_run.returncode != 0 or "no work to do" not in dry_run.stdout or lock.exists():

@@ -3,7 +3,8 @@
 One new interpreter runs every check (each needs a process that has not imported the compiler or
 loaded the op yet): DeepSpeed's own shared-memory op (built before the lanes by
 scripts/build_ds_ops.py; built here otherwise) in a copy of its build folder, so the lock and the
-changed flags below touch no folder another process uses.
+changed flags below touch no folder another process uses; the script reaches torch and DeepSpeed
+through a symlinked site-packages, as a checkout with a linked .venv does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from zeropipe.engine.ds_ops import same_files
+
+ROOT = Path(__file__).resolve().parents[3]
+
 SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
@@ -25,7 +30,7 @@ from torch.utils import cpp_extension
 import cpuinfo
 from zeropipe.engine import ds_ops
 
-out = {}
+out = {"deepspeed_seen_at": deepspeed.__file__}
 
 # Muon: importing DeepSpeed's module no longer imports the compiler; the first call compiles.
 ds_ops.import_muon_compiling_on_first_call()
@@ -90,7 +95,14 @@ def test_muon_compiles_on_first_call_cpuinfo_is_asked_once_and_a_built_op_skips_
     copy = tmp_path / "extensions" / "deepspeed_shm_comm"
     if (built / "deepspeed_shm_comm.so").is_file() and not (built / "lock").exists():
         shutil.copytree(built, copy)  # copy2: the objects keep their times, so ninja finds them as up to date as the original
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCHDYNAMO_DISABLE="1", TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    # The script sees torch and DeepSpeed through a symlink, as a checkout whose .venv links to a shared one does: the op
+    # built under the real spelling is still the op it needs.
+    import deepspeed
+
+    site_packages = Path(deepspeed.__file__).resolve().parents[1]
+    (tmp_path / "site").symlink_to(site_packages, target_is_directory=True)
+    path = os.pathsep.join([str(tmp_path / "site"), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", TORCHDYNAMO_DISABLE="1", TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"), PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.split("RESULT", 1)[1])
@@ -98,8 +110,7 @@ def test_muon_compiles_on_first_call_cpuinfo_is_asked_once_and_a_built_op_skips_
     assert result["compiler_after_first_call"] and result["same_as_eager"]
     assert result["cpuinfo_asked"] == 1 and result["cpuinfo_copies"]
     assert Path(result["op_file"]).parent == copy and result["op_works"]
-    import deepspeed
-
-    if (built / "deepspeed_shm_comm.so").is_file() and str(Path(deepspeed.__file__).parent) in (built / "build.ninja").read_text():
+    assert result["deepspeed_seen_at"].startswith(str(tmp_path / "site"))
+    if (built / "deepspeed_shm_comm.so").is_file() and str(site_packages) in same_files((built / "build.ninja").read_text()):
         assert result["torch_builds"] == []  # built already: imported, no build.ninja, no compiler check, no ninja
     assert result["refused_other_flags"] and result["accepted_same_flags"] and result["refused_while_locked"]
