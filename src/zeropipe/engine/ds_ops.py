@@ -1,12 +1,14 @@
-"""Two costs of starting DeepSpeed in every rank, cut without changing what DeepSpeed runs.
+"""Three costs of starting a rank, cut without changing what DeepSpeed, peft or bitsandbytes run.
 
-**Muon's kernels compiled at import.** ZeRO's optimizer check (``is_zero_supported_optimizer``),
-stage 3 and the bf16 optimizer import ``deepspeed.runtime.zero.muon.muon_optimizer`` to ask whether
-the optimizer is Muon; that module decorates three functions with ``torch.compile``, which imports
-``torch._dynamo`` and inductor on the spot: 2-4 s per rank on 2 shared cores, in every ZeRO run,
-Muon or not. ``import_muon_compiling_on_first_call`` imports that module once with the decorator
-deferred: each function is handed to the same ``torch.compile`` on its first call, so a Muon run
-compiles exactly what it compiled before, and a run without Muon never imports the compiler.
+**Kernels compiled at import.** ZeRO's optimizer check (``is_zero_supported_optimizer``), stage 3
+and the bf16 optimizer import DeepSpeed's Muon module to ask whether the optimizer is Muon, and peft
+imports bitsandbytes whenever it is installed (every LoRA run; every diffusion run, whose entries build
+a diffusers guider); both modules decorate functions with ``torch.compile`` at import, which imports
+``torch._dynamo`` and inductor on the spot: 1.5-3.5 s per rank on 2 shared cores, whether or not
+Muon or a bitsandbytes kernel ever runs. ``defer_compiles_at_import`` (an import hook, installed
+first thing in a rank and the node's setup process) runs those two modules with ``torch.compile``
+applied on each decorated function's first call, with the same arguments: what runs is compiled as
+before, and what never runs never imports the compiler.
 
 **The CPU described three times.** DeepSpeed's CPU Adam (an offloaded optimizer) asks py-cpuinfo for
 the CPU when it is built and twice more for its compiler flags (``cpu_arch``, ``simd_width``); each
@@ -39,6 +41,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import importlib.abc
 import os
 import re
 import subprocess
@@ -48,45 +51,74 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-_patching = threading.Lock()
+_patching = threading.RLock()
 
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-MUON_KERNELS_MODULE = "deepspeed.runtime.zero.muon.original_muon"
+# Modules that decorate functions with torch.compile at import; the decoration imports torch._dynamo and inductor.
+COMPILE_AT_IMPORT = (
+    "deepspeed.runtime.zero.muon.original_muon",  # Muon's Newton-Schulz steps (DeepSpeed's compiler.compile() is torch.compile)
+    "bitsandbytes.backends.default.ops",  # bitsandbytes' CPU kernels, imported by peft whenever bitsandbytes is installed
+)
 
 
-def import_muon_compiling_on_first_call() -> None:
-    """Import DeepSpeed's Muon module with its ``torch.compile`` decorations applied on each function's first call."""
-    if MUON_MODULE in sys.modules or MUON_KERNELS_MODULE in sys.modules:
-        return
-    from deepspeed.runtime import compiler
+def compile_on_first_call(compile_now):
+    """``torch.compile`` with the same arguments, applied when the decorated function is first called."""
 
-    with _patching:
-        compile_now = compiler.compile
+    def deferred(model=None, **options):
+        if model is None:  # @torch.compile(**options)
+            return lambda function: deferred(function, **options)
+        if not callable(model) or isinstance(model, type) or hasattr(model, "forward"):
+            return compile_now(model, **options)  # modules and classes: compiled as before
+        compiled = None
 
-        def compile_on_first_call():
-            decorate = compile_now()  # torch.compile, or DeepSpeed's no-op where torch has none
-            if decorate is compiler.dummy_decorator:
-                return decorate
+        @functools.wraps(model)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
 
-            def defer(function):
-                compiled = None
+        return call
 
-                @functools.wraps(function)
-                def call(*args, **kwargs):
-                    nonlocal compiled
-                    if compiled is None:
-                        compiled = decorate(function)
-                    return compiled(*args, **kwargs)
+    return deferred
 
-                return call
 
-            return defer
+class _CompileOnFirstCall(importlib.abc.MetaPathFinder):
+    """Finds the COMPILE_AT_IMPORT modules as the other finders do, and runs them with ``torch.compile`` deferred."""
 
-        compiler.compile = compile_on_first_call
-        try:
-            importlib.import_module(MUON_MODULE)
-        finally:
-            compiler.compile = compile_now
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in COMPILE_AT_IMPORT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_with_compile_deferred(module):
+            import torch
+
+            with _patching:
+                compile_now = torch.compile
+                torch.compile = compile_on_first_call(compile_now)
+                try:
+                    exec_module(module)
+                finally:
+                    torch.compile = compile_now
+
+        spec.loader.exec_module = exec_with_compile_deferred
+        return spec
+
+
+def defer_compiles_at_import() -> None:
+    """From now on in this process, COMPILE_AT_IMPORT modules compile their functions on first call (idempotent)."""
+    if not any(isinstance(finder, _CompileOnFirstCall) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _CompileOnFirstCall())
 
 
 @contextlib.contextmanager

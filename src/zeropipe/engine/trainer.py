@@ -24,7 +24,7 @@ import torch
 
 from zeropipe.checkpoint import manager
 from zeropipe.data.sampler import DataPosition
-from zeropipe.engine.ds_ops import fast_op_loads, import_muon_compiling_on_first_call
+from zeropipe.engine.ds_ops import fast_op_loads
 from zeropipe.engine.optimizers import build_client_optimizer
 from zeropipe.engine.ema import EmaWeights
 from zeropipe.engine.task import RankTask
@@ -130,7 +130,6 @@ class Trainer:
         self.sinks = MetricSinks(self.run.path, self.config.logging, self.rank)
         if self.plan.accelerator == "cuda":
             torch.cuda.set_device(self.local_rank)
-        import_muon_compiling_on_first_call()  # ZeRO asks whether the optimizer is Muon; the asking compiled Muon's kernels (engine.ds_ops)
         with fast_op_loads():  # DeepSpeed's CPU collective op, built once, imported without torch's build step (engine.ds_ops)
             deepspeed.init_distributed(dist_backend="nccl" if self.plan.accelerator == "cuda" else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.plan.accelerator == "cuda" else torch.device("cpu")

@@ -1,4 +1,4 @@
-"""What a rank saves starting DeepSpeed (engine/ds_ops.py), and that DeepSpeed gets what it got before.
+"""What a rank saves starting (engine/ds_ops.py), and that DeepSpeed gets what it got before.
 
 One new interpreter runs every check (each needs a process that has not imported the compiler or
 loaded the op yet): DeepSpeed's own shared-memory op (built before the lanes by
@@ -32,9 +32,13 @@ from zeropipe.engine import ds_ops
 
 out = {"deepspeed_seen_at": deepspeed.__file__}
 
-# Muon: importing DeepSpeed's module no longer imports the compiler; the first call compiles.
-ds_ops.import_muon_compiling_on_first_call()
+# Muon and bitsandbytes: importing them no longer imports the compiler; a decorated function's first call compiles it.
+ds_ops.defer_compiles_at_import()
+import deepspeed.runtime.zero.muon.muon_optimizer
 out["compiler_after_import"] = [m for m in ("torch._dynamo", "torch._inductor.compile_fx") if m in sys.modules]
+import peft  # imports bitsandbytes (installed with the test dependencies), and transformers, which imports torch._dynamo
+out["bitsandbytes_imported"] = "bitsandbytes.backends.default.ops" in sys.modules
+out["inductor_after_peft"] = "torch._inductor.compile_fx" in sys.modules
 from deepspeed.runtime.zero.muon import original_muon
 G = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
 first = original_muon.zeropower_via_newtonschulz5(G, 5)
@@ -107,6 +111,7 @@ def test_muon_compiles_on_first_call_cpuinfo_is_asked_once_and_a_built_op_skips_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout.split("RESULT", 1)[1])
     assert result["compiler_after_import"] == []
+    assert result["bitsandbytes_imported"] and not result["inductor_after_peft"]
     assert result["compiler_after_first_call"] and result["same_as_eager"]
     assert result["cpuinfo_asked"] == 1 and result["cpuinfo_copies"]
     assert Path(result["op_file"]).parent == copy and result["op_works"]
