@@ -9,7 +9,9 @@ Two tiny runs as the integration lane writes them: the causal LM of tests/integr
 PYTHONPATH (the ranks inherit it) and runs are interleaved (A B A B ...) so that drift on a shared machine
 falls on both. A ``sitecustomize`` module put on the path stamps each rank process's start in its log;
 the figures are rank 0's: process start -> first log line (imports, process group, data, model),
-process start -> "training steps" (adds DeepSpeed initialize and a resume), and the training itself.
+process start -> "training steps" (adds DeepSpeed initialize and a resume), the CPU seconds the rank and
+the children it waited for (py-cpuinfo's, ninja) spent until then (steadier than wall time on a shared
+machine), and the training itself.
 TORCH_EXTENSIONS_DIR is left as set: point it at a private folder where other checkouts rebuild the ops.
 """
 
@@ -31,7 +33,23 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STAMP = 'import os, sys, time\nif os.environ.get("RANK") is not None and "zeropipe.launch.rank" in " ".join(sys.orig_argv):\n    print(f"rank process started {time.time():.3f}", file=sys.stderr, flush=True)\n'
+STAMP = """
+import os, sys, time
+if os.environ.get("RANK") is not None and "zeropipe.launch.rank" in " ".join(sys.orig_argv):
+    print(f"rank process started {time.time():.3f}", file=sys.stderr, flush=True)
+    import logging
+
+    make_record = logging.getLogRecordFactory()
+
+    def record(*args, **kwargs):
+        made = make_record(*args, **kwargs)
+        if "training steps" in str(made.msg):
+            cpu = os.times()
+            print(f"rank cpu seconds at training steps {cpu.user + cpu.system + cpu.children_user + cpu.children_system:.2f}", file=sys.stderr, flush=True)
+        return made
+
+    logging.setLogRecordFactory(record)
+"""
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ", re.M)
 
 
@@ -69,9 +87,10 @@ def one_run(kind: str, src: Path, stamp_dir: Path) -> dict:
             raise SystemExit(f"{kind} with {src} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}\n{log[-3000:]}")
         started = float(re.search(r"rank process started ([\d.]+)", log).group(1))
         first = log_time(LOG_TIME.search(log).group(1))
-        steps = log_time(re.search(r"^(\S+ \S+) .*training steps", log, re.M).group(1))
-        saved = log_time(re.findall(r"^(\S+ \S+) .*checkpoint \S+ saved\s*$", log, re.M)[-1])
-        return {"command": command, "first_log": first - started, "to_training": steps - started, "training": saved - steps}
+        steps = log_time(re.search(r"^(\d{4}-\S+ \S+) .*training steps", log, re.M).group(1))
+        saved = log_time(re.findall(r"^(\d{4}-\S+ \S+) .*checkpoint \S+ saved\s*$", log, re.M)[-1])
+        cpu = float(re.search(r"rank cpu seconds at training steps ([\d.]+)", log).group(1))
+        return {"command": command, "first_log": first - started, "to_training": steps - started, "cpu_to_training": cpu, "training": saved - steps}
 
 
 def main() -> None:

@@ -51,7 +51,9 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
-_patching = threading.RLock()
+# One lock per patched attribute: a thread importing bitsandbytes never waits for a DeepSpeed start on another.
+_patching_compile = threading.RLock()
+_patching_load = threading.Lock()
 
 # Modules that decorate functions with torch.compile at import; the decoration imports torch._dynamo and inductor.
 COMPILE_AT_IMPORT = (
@@ -103,7 +105,7 @@ class _CompileOnFirstCall(importlib.abc.MetaPathFinder):
         def exec_with_compile_deferred(module):
             import torch
 
-            with _patching:
+            with _patching_compile:
                 compile_now = torch.compile
                 torch.compile = compile_on_first_call(compile_now)
                 try:
@@ -126,7 +128,7 @@ def fast_op_loads() -> Iterator[None]:
     """While active, ``torch.utils.cpp_extension.load`` imports an up-to-date op without its build step, and py-cpuinfo is asked once."""
     from torch.utils import cpp_extension
 
-    with _patching, cpu_described_once():
+    with _patching_load, cpu_described_once():
         torch_load = cpp_extension.load
 
         def load(name, sources, *args, **kwargs):
