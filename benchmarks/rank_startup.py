@@ -45,7 +45,8 @@ if os.environ.get("RANK") is not None and "zeropipe.launch.rank" in " ".join(sys
         made = make_record(*args, **kwargs)
         if "training steps" in str(made.msg):
             cpu = os.times()
-            print(f"rank cpu seconds at training steps {cpu.user + cpu.system + cpu.children_user + cpu.children_system:.2f}", file=sys.stderr, flush=True)
+            spent = cpu.user + cpu.system + cpu.children_user + cpu.children_system
+            print(f"rank cpu seconds at training steps {spent:.2f}", file=sys.stderr, flush=True)
         return made
 
     logging.setLogRecordFactory(record)
@@ -61,7 +62,9 @@ def config(kind: str, folder: Path) -> dict:
     return {
         "run": {"name": "img", "output_dir": str(folder / "runs"), "seed": 3},
         "model": {"config": {"pipeline": "tiny-flux2"}, "lora": {"r": 8, "alpha": 16}},
-        "data": {"synthetic": {"task": "shapes", "examples": 24}, "images": {"resolution": 32, "bucket_step": 16}, "cache": {"dir": str(folder / "cache")}},
+        "data": {
+            "synthetic": {"task": "shapes", "examples": 24}, "images": {"resolution": 32, "bucket_step": 16}, "cache": {"dir": str(folder / "cache")},
+        },
         "train": {"max_steps": 10, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 1, "log_every": 2},
         "deepspeed": {"zero_stage": 3, "offload_optimizer": "cpu", "precision": "fp32"},
         "hardware": {"gpus": 2},
@@ -108,7 +111,8 @@ def main() -> None:
                     load = os.getloadavg()[0]
                     figures = one_run(kind, src.resolve(), Path(stamp))
                     results.setdefault((kind, src), []).append(figures)
-                    print(f"repeat {repeat + 1} {kind:3} {str(src):28} load {load:4.1f}  " + "  ".join(f"{k} {v:5.1f} s" for k, v in figures.items()), flush=True)
+                    shown = "  ".join(f"{k} {v:5.1f} s" for k, v in figures.items())
+                    print(f"repeat {repeat + 1} {kind:3} {str(src):28} load {load:4.1f}  {shown}", flush=True)
         print("\nmedians (rank 0):")
         for (kind, src), runs in results.items():
             print(f"{kind:3} {str(src):28} " + "  ".join(f"{k} {statistics.median(r[k] for r in runs):5.1f} s" for k in runs[0]))

@@ -91,7 +91,8 @@ def op_build_folder() -> Path:
     if os.environ.get("TORCH_EXTENSIONS_DIR"):  # torch then uses the folder as it is, without the python/accelerator level
         return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
     accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}" / "deepspeed_shm_comm"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}" / "deepspeed_shm_comm"
 
 
 def test_muon_compiles_on_first_call_cpuinfo_is_asked_once_and_a_built_op_skips_torchs_build_step(tmp_path):
