@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from zeropipe.doctor.facts import stale_build_locks  # noqa: E402
+from zeropipe.engine.ds_ops import fast_op_loads  # noqa: E402
 
 for lock in stale_build_locks():
     lock.unlink(missing_ok=True)
@@ -38,7 +39,8 @@ for name in ("ShareMemCommBuilder", "CPUAdamBuilder", "FusedAdamBuilder"):
         if builder is None or not builder.is_compatible(verbose=False):
             print(f"DeepSpeed op {name}: not available on this accelerator")
             continue
-        builder.load(verbose=False)
+        with fast_op_loads():  # up to date (also under another spelling of the same venv): imported, not rebuilt; as the ranks load it
+            builder.load(verbose=False)
         print(f"DeepSpeed op {name}: ready ({time.monotonic() - started:.0f} s)")
     except Exception as err:  # noqa: BLE001 - reported, the tests build or report it themselves
         print(f"DeepSpeed op {name}: not built here ({type(err).__name__}: {err})")

@@ -24,6 +24,7 @@ import torch
 
 from zeropipe.checkpoint import manager
 from zeropipe.data.sampler import DataPosition
+from zeropipe.engine.ds_ops import fast_op_loads
 from zeropipe.engine.optimizers import build_client_optimizer
 from zeropipe.engine.ema import EmaWeights
 from zeropipe.engine.task import RankTask
@@ -129,7 +130,8 @@ class Trainer:
         self.sinks = MetricSinks(self.run.path, self.config.logging, self.rank)
         if self.plan.accelerator == "cuda":
             torch.cuda.set_device(self.local_rank)
-        deepspeed.init_distributed(dist_backend="nccl" if self.plan.accelerator == "cuda" else "gloo")
+        with fast_op_loads():  # DeepSpeed's CPU collective op, built once, imported without torch's build step (engine.ds_ops)
+            deepspeed.init_distributed(dist_backend="nccl" if self.plan.accelerator == "cuda" else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.plan.accelerator == "cuda" else torch.device("cpu")
         # The same seed on every rank: replicas (stages 0-2) must start identical.
         seed_everything(self.config.run.seed)
@@ -165,9 +167,10 @@ class Trainer:
         # DeepSpeed builds the optimizer from ds_config when it knows it (AdamW, Muon, Adafactor) and
         # always the scheduler; bitsandbytes' AdamW8bit and Prodigy are handed over built (engine.optimizers).
         client = build_client_optimizer(self.config.train, parameters)
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=parameters, optimizer=client, config=self.ds_config, mpu=self.mpu
-        )
+        with fast_op_loads():  # CPU Adam, FusedAdam...: as in setup
+            self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, model_parameters=parameters, optimizer=client, config=self.ds_config, mpu=self.mpu
+            )
         # train.ema: this rank's EMA of its own partition of the trained weights (engine/ema.py).
         self.ema = EmaWeights.for_engine(self.engine, self.config.train.ema) if self.config.train.ema else None
         self.task.after_initialize()

@@ -21,6 +21,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from zeropipe.engine.ds_ops import defer_compiles_at_import
 from zeropipe.engine.noise import quiet_known_noise
 from zeropipe.launch.rank import check_owner, die_with_launcher, leave, record_failure
 from zeropipe.models.common import encoder_precision_for  # the ranks load encoders by it too (caching off)
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(argv[0])
     die_with_launcher()
     quiet_known_noise()
+    defer_compiles_at_import()  # as in a rank (zeropipe.launch.rank)
     try:
         check_owner(run_dir)
         import logging

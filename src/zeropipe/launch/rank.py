@@ -27,6 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
+from zeropipe.engine.ds_ops import defer_compiles_at_import
 from zeropipe.engine.noise import quiet_known_noise
 
 PR_SET_PDEATHSIG = 1
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     die_with_launcher()
     quiet_known_noise()
+    defer_compiles_at_import()  # Muon's and bitsandbytes' kernels: torch.compile on first use, not at import (engine.ds_ops)
     try:
         check_owner(run_dir)
         from zeropipe.confine import confine_process
