@@ -323,8 +323,12 @@ def torch_extensions_build_dir(op_name: str, torch_cuda_version: str | None) -> 
     """Where torch's JIT builder puts an op, computed the way ``cpp_extension._get_build_directory`` does.
 
     Computed rather than asked from torch because that function creates the folder, and
-    because after a timeout the child that knew it is gone.
+    because after a timeout the child that knew it is gone. With ``TORCH_EXTENSIONS_DIR`` set,
+    torch puts the op's folder straight in it; without, in a ``py311_cpu``-like folder of the
+    user's cache (one per Python and CUDA version).
     """
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return torch_extensions_root() / op_name
     cuda = "cpu" if torch_cuda_version is None else "cu" + torch_cuda_version.replace(".", "")
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     return torch_extensions_root() / f"{python}_{cuda}" / op_name
@@ -338,6 +342,12 @@ def torch_extensions_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
 
 
+def torch_extensions_locks() -> list[Path]:
+    """Every op folder's build lock under the root, in the layout ``torch_extensions_build_dir`` describes."""
+    pattern = "*/lock" if os.environ.get("TORCH_EXTENSIONS_DIR") else "*/*/lock"
+    return sorted(torch_extensions_root().glob(pattern))
+
+
 def stale_build_locks(min_age_seconds: float = 60.0) -> list[Path]:
     """Lock files in op build folders that no build holds any more: left by a build that was stopped.
 
@@ -349,9 +359,8 @@ def stale_build_locks(min_age_seconds: float = 60.0) -> list[Path]:
     works in its folder (the compiler and ninja run there, with that folder as their working
     directory). Processes whose working directory cannot be read (another user's) are not counted.
     """
-    root = torch_extensions_root()
     try:
-        locks = sorted(root.glob("*/*/lock"))
+        locks = torch_extensions_locks()
     except OSError:
         return []
     if not locks:

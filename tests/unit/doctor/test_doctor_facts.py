@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from zeropipe.doctor import checks, facts
@@ -33,10 +35,17 @@ def test_deepspeeds_minor_mismatch_table_is_read_without_importing_it():
     assert table is not None and "12.8" in table[12]
 
 
-def test_extensions_build_dir_follows_torch_extensions_dir(monkeypatch, tmp_path):
+def test_extensions_build_dir_is_torchs_with_and_without_torch_extensions_dir(monkeypatch, tmp_path):
+    from torch.utils.cpp_extension import _get_build_directory
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert facts.torch_extensions_build_dir("cpu_adam", None) == tmp_path / "cpu_adam"
+    assert facts.torch_extensions_build_dir("cpu_adam", None) == Path(_get_build_directory("cpu_adam", verbose=False))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert facts.torch_extensions_build_dir("cpu_adam", "12.8").parent.name.endswith("_cu128")
-    assert facts.torch_extensions_build_dir("cpu_adam", None).parent.parent == tmp_path
+    assert facts.torch_extensions_build_dir("cpu_adam", None).parent.parent == tmp_path / "cache" / "torch_extensions"
 
 
 def test_a_failing_build_reports_its_last_lines_and_a_stale_lock(monkeypatch, tmp_path):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def lock_in(root: Path, op: str, age_seconds: float) -> Path:
-    folder = root / "py311_cpu" / op
+    folder = root / op  # torch's layout with TORCH_EXTENSIONS_DIR set: the op's folder straight in it
     folder.mkdir(parents=True)
     lock = folder / "lock"
     lock.touch()
@@ -38,6 +38,14 @@ def test_only_an_old_lock_that_no_build_works_beside_is_stale(tmp_path, monkeypa
         compiler.wait()
     assert set(stale_build_locks()) == {left, building}
     assert fresh.exists()
+
+
+def test_a_left_lock_is_found_in_the_user_cache_layout_too(tmp_path, monkeypatch):
+    # Without TORCH_EXTENSIONS_DIR torch builds in <cache>/torch_extensions/py311_cpu/<op> (one folder per Python and CUDA).
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    left = lock_in(tmp_path / "torch_extensions" / "py311_cpu", "cpu_adam", 3600)
+    assert stale_build_locks() == [left]
 
 
 def test_the_launcher_removes_a_left_lock_before_the_ranks_start_and_their_logs_say_so(tmp_path, monkeypatch):
