@@ -140,6 +140,10 @@ class PipelineIndex:
         """``scheduler/scheduler_config.json``."""
         return self.component_config("scheduler", SCHEDULER_CONFIG_FILE)
 
+    def has_scheduler_config(self) -> bool:
+        """Whether ``scheduler/scheduler_config.json`` is there."""
+        return self.has_component_config("scheduler", SCHEDULER_CONFIG_FILE)
+
 
 def read_pipeline_index(path: str | Path, key: str | None = "model.path") -> PipelineIndex:
     """Read and check a diffusers pipeline folder's ``model_index.json``.

@@ -145,7 +145,7 @@ def policy_head(folder) -> str | None:
             given, out = config.get(f"in_{stream}_dim"), config.get(f"out_{stream}_dim")
             if isinstance(given, int) and isinstance(out, int) and out != given:
                 said.append(f"its transformer's out_{stream}_dim {out} is {out / given:g} x in_{stream}_dim {given}")
-    if folder.has_component_config("scheduler", "scheduler_config.json"):
+    if folder.has_scheduler_config():
         scheduler = folder.scheduler_config()
         if scheduler.get("_class_name") == "PiflowScheduler":
             said.append(f"its scheduler is PiflowScheduler with n_grid {scheduler.get('n_grid', 10)}")
