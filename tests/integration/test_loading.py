@@ -64,6 +64,12 @@ for stage, (checkpoint, precision) in itertools.product(stages, cases):
     out = os.path.join(root, f"z{stage}_{checkpoint}_{precision}_rank{rank}.pt")
     torch.save({"logits": logits, "weights": weights, "buffers": buffers, "tied": tied}, out)
     del engine, model, hf_ds_config
+# As a zeropipe rank leaves (launch/rank.leave): without the interpreter's teardown, where gloo's threads abort it now and then
+# ("terminate called without an active exception").
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 """
 
 
