@@ -55,6 +55,18 @@ CLAIM_WAIT_SECONDS = 1.0
 _held: dict[str, int] = {}
 
 
+def _forget_held_in_child() -> None:
+    """A forked child (a rank forked from its launcher, a data-loader worker) owns no run directory.
+
+    It keeps its copies of the lock files' descriptors: the lock is the open file's, so the
+    owner keeps it; closing them here would not release it either, and they close with the child.
+    """
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_held_in_child)
+
+
 class RunDirBusy(ZeroPipeError):
     """Another live launcher owns the run directory."""
 

@@ -16,6 +16,7 @@ asks the kernel for a parent-death signal and also watches ``ZEROPIPE_LAUNCHER_P
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import re
 import shutil
@@ -35,7 +36,7 @@ import psutil
 from zeropipe.doctor.facts import stale_build_locks
 from zeropipe.engine.noise import KNOWN_NOISE
 from zeropipe.errors import LaunchError, ZeroPipeError
-from zeropipe.launch import oom
+from zeropipe.launch import fork_start, oom
 from zeropipe.launch.diagnose import Diagnosis, RankExit, RunSettings, diagnose, host_ram_fixes
 from zeropipe.rundir import RunDir
 
@@ -206,13 +207,13 @@ class Supervisor:
         self.ranks = list(range(first_rank, first_rank + self.local_ranks))  # the global ranks this node runs
         self.master_addr = master_addr
         self.node_rank = node_rank
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | fork_start.ForkedProcess] = []
         # The node's setup process (RunPlan.node_setup, e.g. a diffusion run filling its caches):
         # it runs to the end before any rank starts, so no rank is resident while it holds encoders.
         plan = run.read_plan_fields()
         self.node_setup = plan.get("node_setup")
         self.zero_stage = plan.get("zero_stage")
-        self.setup_proc: subprocess.Popen | None = None
+        self.setup_proc: subprocess.Popen | fork_start.ForkedProcess | None = None
         self.ranks_started = False
         # A multi-node launcher runs the setup on its own node first and starts the node agents after
         # (the caches live in the shared run directory): wait() then returns once the setup is done.
@@ -261,14 +262,7 @@ class Supervisor:
             log = open(self.run.node_setup_log, "a")
             log.write(f"==== zeropipe node setup ({self.node_setup}) started {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n")
             log.flush()
-            self.setup_proc = subprocess.Popen(
-                [sys.executable, "-m", "zeropipe.launch.node_setup", str(self.run.path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=rank_environment(0, 1, self.port, self.accelerator),
-                start_new_session=True,
-            )
+            self.setup_proc = start_process("zeropipe.launch.node_setup", str(self.run.path), rank_environment(0, 1, self.port, self.accelerator), log)
             log.close()
         except BaseException as err:
             self.stop_all()
@@ -304,14 +298,7 @@ class Supervisor:
             env = rank_environment(
                 rank, self.world_size, self.port, self.accelerator, local_rank, self.local_ranks, self.master_addr, self.node_rank, self.zero_stage
             )
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "zeropipe.launch.rank", str(self.run.path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env | (extra_env or {}),
-                start_new_session=True,
-            )
+            proc = start_process("zeropipe.launch.rank", str(self.run.path), env | (extra_env or {}), log)
             log.close()
             self.procs.append(proc)
 
@@ -500,6 +487,23 @@ class Supervisor:
             return
         self.interrupted = True
         raise KeyboardInterrupt
+
+
+def start_process(module: str, run_path: str, env: dict[str, str], log) -> subprocess.Popen | fork_start.ForkedProcess:
+    """``python -m MODULE RUN_DIR`` in its own session, logging to ``log``; forked from this process where asked and safe (``fork_start``)."""
+    if fork_start.why_not_fork(env) is None:
+        entry = importlib.import_module(module)
+        log.write(f"zeropipe: forked from the launcher (pid {os.getpid()}), {fork_start.RANK_START}=fork\n")
+        log.flush()
+        return fork_start.start(module, entry.main, [run_path], env, log)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, run_path],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def clear_stale_build_locks() -> list[str]:
