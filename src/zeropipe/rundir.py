@@ -58,9 +58,16 @@ _held: dict[str, int] = {}
 def _forget_held_in_child() -> None:
     """A forked child (a rank forked from its launcher, a data-loader worker) owns no run directory.
 
-    It keeps its copies of the lock files' descriptors: the lock is the open file's, so the
-    owner keeps it; closing them here would not release it either, and they close with the child.
+    Its copies of the lock files' descriptors are closed: the flock belongs to the open file, so
+    the launcher keeps it, and a child outliving a launcher killed with SIGKILL (a rank's own
+    data-loader worker) must not keep the run looking owned. Never unlocked here: that would
+    release the launcher's lock too.
     """
+    for fd in _held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     _held.clear()
 
 

@@ -14,6 +14,14 @@ import yaml
 # The first multi-rank run on a fresh machine JIT-builds DeepSpeed's CPU ops (about a minute).
 RUN_TIMEOUT = 900
 
+# Ranks are forked from their launcher, which has torch, DeepSpeed, transformers and peft imported
+# (zeropipe.launch.fork_start): each rank's start then costs a fraction of a second instead of about
+# 5 s of CPU, which on 2 cores was the larger part of most runs in this lane. The rank's code from
+# main() on is the same. Forked only where it is safe (one-thread CPU ranks), so a 1-rank run and
+# the ranks of a multi-node agent still start as new interpreters, and so does every rank of the
+# e2e lane (the UI's launches); ZEROPIPE_RANK_START=exec starts every rank that way here too.
+os.environ.setdefault("ZEROPIPE_RANK_START", "fork")
+
 TINY_LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,

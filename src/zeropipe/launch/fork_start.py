@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib.util
 import io
 import logging
 import os
@@ -103,13 +104,15 @@ def start(module: str, main: Callable[[list[str]], int], argv: list[str], env: d
             stream.flush()
         except (OSError, ValueError):
             pass
+    spec = importlib.util.find_spec(module)
+    program = (spec.origin if spec is not None else None) or module  # sys.argv[0] of `python -m MODULE`
     pid = os.fork()
     if pid:
         return ForkedProcess(pid, [module, *argv])
     code = 1
     try:
         os.setsid()
-        become_new_process(module, argv, env, log.fileno())
+        become_new_process(program, argv, env, log.fileno())
         code = main(argv)
     except KeyboardInterrupt:
         traceback.print_exc()
@@ -128,7 +131,16 @@ def start(module: str, main: Callable[[list[str]], int], argv: list[str], env: d
             os._exit(code)
 
 
-def become_new_process(module: str, argv: list[str], env: dict[str, str], log_fd: int) -> None:
+def show_warning(message: warnings.WarningMessage) -> None:
+    """Python's own ``warnings._showwarnmsg_impl``: the warning, formatted, on the message's file or stderr."""
+    file = message.file if message.file is not None else sys.stderr
+    try:
+        file.write(warnings._formatwarnmsg(message))  # type: ignore[attr-defined]
+    except OSError:
+        pass
+
+
+def become_new_process(program: str, argv: list[str], env: dict[str, str], log_fd: int) -> None:
     """What a new interpreter would have that a forked launcher does not (see the module docstring)."""
     gc.freeze()  # the launcher's objects: the child's collections never walk (and copy) their pages
     os.environ.clear()
@@ -144,8 +156,7 @@ def become_new_process(module: str, argv: list[str], env: dict[str, str], log_fd
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True, errors="backslashreplace")
     replaced = {id(s): sys.stdout for s in old_out if s is not None} | {id(s): sys.stderr for s in old_err if s is not None}
-    spec_origin = getattr(sys.modules.get(module), "__file__", None) or module
-    sys.argv = [spec_origin, *argv]
+    sys.argv = [program, *argv]
     for sig in signal.valid_signals():
         try:
             handler = signal.getsignal(sig)
@@ -161,6 +172,7 @@ def become_new_process(module: str, argv: list[str], env: dict[str, str], log_fd
     warnings.resetwarnings()
     warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]
     warnings.formatwarning = warnings._formatwarning_orig  # type: ignore[attr-defined]
+    warnings._showwarnmsg_impl = show_warning  # type: ignore[attr-defined]  # catch_warnings(record=True) swaps it for a list's append
     for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
         warnings.simplefilter("ignore", category)
     warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
