@@ -33,19 +33,18 @@ for lane in unit integration e2e gpu; do
     rc=0
     # The unit lane runs on two workers (pytest-xdist), a test file at a time per worker (the diffusion
     # contract's per-entry tests one at a time: tests/conftest.py): many of its tests wait
-    # (on files, subprocesses, DeepSpeed's start-up), so two files at a time use both cores. The
-    # integration lane starts two ranks per test already, which fill both cores: measured back to back
-    # on 2 cores (test_optimizers, test_ema, test_adapter_kinds: 6 tests, 9 two-rank runs), one worker
-    # took 176 s and two workers 204 s, so it runs on one. ZEROPIPE_INTEGRATION_WORKERS=2 runs it on two
-    # (rendezvous ports cannot collide: the launcher holds the port it picks). 0 or 1: one process.
-    # The ceiling, measured as demand (not wall time, which the shared machine's load distorts): run alone,
-    # test_train.py + test_image_edit.py (7 tests, 8 two-rank runs) had 2 or more threads runnable in 68% of
-    # 0.1 s samples and one in 30%, i.e. 0.84 of 2 cores busy. Two workers could save at most 16% of the
-    # lane, before the cost of 4 ranks sharing 2 cores, which made the subset above 16% slower.
+    # (on files, subprocesses, DeepSpeed's start-up), so two files at a time use both cores.
+    # The integration lane runs on two workers too. Its ranks are forked from their launcher
+    # (tests/integration/conftest.py, zeropipe/launch/fork_start.py), so a run no longer spends most
+    # of its CPU on each rank's imports, and its single-process phases (planning, caching, export,
+    # sampling) leave a core idle. Measured on an idle 2-core machine (2026-11-29): the whole lane took
+    # 1,305 s with new rank interpreters on one worker, 825 s forked on one worker (1.27 cores busy),
+    # 662 s forked on two. ZEROPIPE_INTEGRATION_WORKERS=1 runs it in one process (rendezvous ports
+    # cannot collide on two: the launcher holds the port it picks).
     workers=()
     case "$lane" in
         unit) count="${ZEROPIPE_UNIT_WORKERS:-2}" ;;
-        integration) count="${ZEROPIPE_INTEGRATION_WORKERS:-1}" ;;
+        integration) count="${ZEROPIPE_INTEGRATION_WORKERS:-2}" ;;
         *) count=1 ;;
     esac
     if [ "$count" -gt 1 ]; then
