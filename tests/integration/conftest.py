@@ -20,6 +20,8 @@ RUN_TIMEOUT = 900
 # main() on is the same. Forked only where it is safe (one-thread CPU ranks), so a 1-rank run and
 # the ranks of a multi-node agent still start as new interpreters, and so does every rank of the
 # e2e lane (the UI's launches); ZEROPIPE_RANK_START=exec starts every rank that way here too.
+# A forked rank inherits what the launcher's process holds: a test that patches code in this
+# process while its ranks run, and means the ranks not to see it, sets ZEROPIPE_RANK_START=exec.
 os.environ.setdefault("ZEROPIPE_RANK_START", "fork")
 
 TINY_LLAMA = {

@@ -18,6 +18,9 @@ interpreter (:func:`why_not_fork`):
   libgomp), so only one-thread ranks (``OMP_NUM_THREADS=1``) are forked;
 - a launcher process with torch.distributed initialized (a child would think its process group
   was set up already).
+
+The supervisor's per-rank host-RAM figure (resident set) of a forked rank includes the pages it
+shares with its launcher until either writes them.
 """
 
 from __future__ import annotations
