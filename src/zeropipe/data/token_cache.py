@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,11 @@ def _run_in_worker(batch: list[Record | BadRecord]) -> _DoneBatch:
 def _start_worker() -> None:
     # Each worker is one of the processes sharing the cores: its tokenizer runs on one thread.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # A forked worker inherits the launcher's Python signal handlers (the supervisor's and the
+    # curriculum's turn SIGTERM into KeyboardInterrupt, or only note it): Pool.terminate's SIGTERM
+    # must end the worker, and a Ctrl-C is the launcher's to handle (it terminates the pool).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _map_batches(work: _BatchWork, batches: Iterator[list], num_workers: int) -> Iterator[_DoneBatch]:
@@ -247,6 +253,7 @@ def _map_batches(work: _BatchWork, batches: Iterator[list], num_workers: int) ->
     global _WORKER_TASK
     _WORKER_TASK = work
     pool = multiprocessing.get_context("fork").Pool(num_workers, initializer=_start_worker)
+    finished = False
     try:
         pending: deque = deque()
         for batch in batches:
@@ -255,8 +262,15 @@ def _map_batches(work: _BatchWork, batches: Iterator[list], num_workers: int) ->
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
+        finished = True
     finally:
-        pool.terminate()
+        # Done: the workers leave on the pool's own end-of-work message. Stopped or failed: killed.
+        # (A worker blocked on the task queue's lock while terminate() held it, its SIGTERM taken
+        # by an inherited handler, once left the launcher waiting in join() for good.)
+        if finished:
+            pool.close()
+        else:
+            pool.terminate()
         pool.join()
         _WORKER_TASK = None
 
