@@ -141,16 +141,21 @@ def test_a_forked_child_does_not_keep_its_launchers_run_directory_owned(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("env", "asked", "why"),
+    ("env", "asked", "process_group", "why"),
     [
-        ({}, "exec", "not asked"),
-        ({"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "1"}, "fork", "CUDA context"),
-        ({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}, "fork", "libgomp"),
-        (ONE_THREAD_CPU, "fork", None),
+        ({}, "exec", False, "not asked"),
+        ({"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "1"}, "fork", False, "CUDA context"),
+        ({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"}, "fork", False, "libgomp"),
+        (ONE_THREAD_CPU, "fork", True, "process group"),
+        (ONE_THREAD_CPU, "fork", False, None),
     ],
 )
-def test_only_one_thread_cpu_ranks_are_forked_and_only_when_asked(env, asked, why, monkeypatch):
+def test_only_one_thread_cpu_ranks_are_forked_and_only_when_asked(env, asked, process_group, why, monkeypatch):
+    import torch
+
     monkeypatch.setenv(fork_start.RANK_START, asked)
+    # This worker's own state (an earlier test may have started a process group here) is not the question.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: process_group)
     reason = fork_start.why_not_fork(env)
     assert (reason is None) if why is None else (why in reason)
 
@@ -161,9 +166,12 @@ def test_the_supervisor_forks_two_cpu_ranks_on_two_cores_and_starts_new_interpre
 
     import zeropipe.launch.supervisor as supervisor
 
+    import torch
+
     monkeypatch.setenv(fork_start.RANK_START, "fork")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(supervisor, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # as in a launcher (see above)
     run = tmp_path / "run"
     run.mkdir()
     with open(tmp_path / "two.log", "a") as log:
