@@ -24,6 +24,7 @@ directory is refused while the lock is held.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -64,10 +65,8 @@ def _forget_held_in_child() -> None:
     release the launcher's lock too.
     """
     for fd in _held.values():
-        try:
+        with contextlib.suppress(OSError):  # already closed: nothing of the launcher's is left here
             os.close(fd)
-        except OSError:
-            pass
     _held.clear()
 
 

@@ -25,6 +25,7 @@ shares with its launcher until either writes them.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import importlib.util
@@ -103,10 +104,9 @@ def start(module: str, main: Callable[[list[str]], int], argv: list[str], env: d
     the child's ``sys.argv[0]``. The child never returns here: it leaves with ``os._exit``.
     """
     for stream in (sys.stdout, sys.stderr):
-        try:
+        # Unflushed output would be written twice, by the launcher and by the child; a closed or broken stream has none.
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     spec = importlib.util.find_spec(module)
     program = (spec.origin if spec is not None else None) or module  # sys.argv[0] of `python -m MODULE`
     pid = os.fork()
@@ -137,10 +137,8 @@ def start(module: str, main: Callable[[list[str]], int], argv: list[str], env: d
 def show_warning(message: warnings.WarningMessage) -> None:
     """Python's own ``warnings._showwarnmsg_impl``: the warning, formatted, on the message's file or stderr."""
     file = message.file if message.file is not None else sys.stderr
-    try:
+    with contextlib.suppress(OSError):  # as Python's: a warning never fails the program (a full disk under the log)
         file.write(warnings._formatwarnmsg(message))  # type: ignore[attr-defined]
-    except OSError:
-        pass
 
 
 def become_new_process(program: str, argv: list[str], env: dict[str, str], log_fd: int) -> None:
