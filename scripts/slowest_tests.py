@@ -20,7 +20,7 @@ def durations(results: Path) -> list[tuple[float, str, str]]:
     for xml in sorted(results.glob("*.xml")):
         lane = xml.stem
         for case in ET.parse(xml).getroot().iter("testcase"):
-            name = (case.get("name") or "").split("@")[0]  # pytest-xdist's loadgroup adds "@group" to the name
+            name = case.get("name") or ""
             module = case.get("classname", "").replace(".", "/")
             # classname is "tests.unit.x.test_mod" or "tests.unit.x.test_mod.TestClass": the node id pytest prints.
             parts = module.split("/")

@@ -48,7 +48,7 @@ for lane in unit integration e2e gpu; do
         *) count=1 ;;
     esac
     if [ "$count" -gt 1 ]; then
-        workers=(-n "$count" --dist loadgroup)
+        workers=(-n "$count" --dist loadfile)
     fi
     .venv/bin/python -m pytest "tests/$lane" "${workers[@]}" --junitxml "test-results/$lane.xml" || rc=$?
     took=$((SECONDS - started))

@@ -42,12 +42,29 @@ def _functional_linear_left_as_it_was():
     torch.nn.functional.linear = linear
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's ``--dist loadgroup`` (scripts/test.sh), a test file runs on one worker, its module
-    fixtures built once, except the files that set ``XDIST_SPREAD = True``: independent tests (one per diffusion
-    entry) spread over the workers one by one."""
-    for item in items:
-        module = getattr(item, "module", None)
-        if getattr(module, "XDIST_SPREAD", False) or item.get_closest_marker("xdist_group") is not None:
-            continue
-        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+# The files whose tests are independent (one per diffusion entry, nothing shared between them): spread
+# over the test workers one test at a time. Every other file runs on one worker (see below).
+SPREAD_FILES = {"tests/unit/diffusion/test_architecture_contract.py"}
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile`` (scripts/test.sh) a test file runs on one worker, its module fixtures built
+    once, and two files that start the same kind of service (a SLURM cluster and its munged) never run at
+    once; the files in ``SPREAD_FILES`` are spread one test at a time.
+
+    Written here rather than with xdist's ``--dist loadgroup`` and ``xdist_group`` marks: pytest-xdist 3.8
+    puts the group into a test's id by assigning ``item._nodeid``, which pytest 9 no longer reads (a node's
+    id is ``item._id``), so the marks were ignored and every test was spread one by one. CI then ran
+    test_slurm.py's two tests on two workers, each with its own SLURM cluster, and the first to finish
+    stopped the munged the other's job still needed: the job never finished (2026-11-29)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPREAD_FILES else path
+
+    return FileScheduling(config, log)

@@ -41,14 +41,19 @@ def sbatch(cluster, tmp_path, name: str, *options: str) -> tuple[str, dict]:
     )
     assert submitted.returncode == 0, f"sbatch: {submitted.stdout}{submitted.stderr}"
     job = submitted.stdout.strip().split(";")[0]
-    state, exit_code = wait_for_job(cluster, job)
+    try:
+        state, exit_code = wait_for_job(cluster, job)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\njob output:\n{out.read_text()[-4000:] if out.exists() else '(none)'}") from None
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, env=cluster.env)  # a job still running is not left to the next test
     text = out.read_text() if out.exists() else ""
     assert (state, exit_code) == ("COMPLETED", "0:0"), f"job {job}: {state} {exit_code}\njob output:\n{text[-4000:]}"
     status = json.loads((tmp_path / "runs" / name / "status.json").read_text())
     return text, status
 
 
-def wait_for_job(cluster, job: str, timeout: float = 600.0) -> tuple[str, str]:
+def wait_for_job(cluster, job: str, timeout: float = 240.0) -> tuple[str, str]:
     """The job's final state and exit code, polled every half second. `sbatch --wait` would do this, but it
     polls at 2, 10 and then every 42 s, which made each 15-second job take 42 s of CI."""
     deadline = time.time() + timeout
@@ -58,7 +63,8 @@ def wait_for_job(cluster, job: str, timeout: float = 600.0) -> tuple[str, str]:
         if fields.get("JobState") in TERMINAL:
             return fields["JobState"], fields.get("ExitCode", "")
         time.sleep(0.5)
-    raise AssertionError(f"job {job} did not finish in {timeout:.0f} s")
+    logs = "\n".join(f"{path.name}:\n{path.read_text()[-2000:]}" for path in sorted(cluster.conf.parent.glob("*.log")))
+    raise AssertionError(f"job {job} did not finish in {timeout:.0f} s (state {fields.get('JobState')}):\n{logs}")
 
 
 def wait_until_idle(cluster, timeout: float = 60.0) -> None:

@@ -192,11 +192,14 @@ def become_new_process(program: str, argv: list[str], env: dict[str, str], log_f
             if type(handler).__module__.startswith("_pytest"):
                 logger.removeHandler(handler)
             elif isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                # Assigned, not setStream(): that flushes the old stream, which is the launcher's. Its
+                # unwritten lines would be written twice (once by each process), and a stream the launcher
+                # closed raises ValueError (a handler left on an earlier test's closed capture: measured in the unit lane).
                 stream = handler.stream
                 if id(stream) in replaced:
-                    handler.setStream(replaced[id(stream)])
+                    handler.stream = replaced[id(stream)]
                 elif type(stream).__module__.startswith("_pytest"):  # a test runner's capture of stdout
-                    handler.setStream(sys.stdout)
+                    handler.stream = sys.stdout
     threads = env.get("OMP_NUM_THREADS")
     torch = sys.modules.get("torch")
     if torch is not None and threads and threads.isdigit():

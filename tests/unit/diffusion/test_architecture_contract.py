@@ -45,7 +45,6 @@ from zeropipe.families.diffusion import roles
 from zeropipe.families.diffusion.core import ROLES, Architecture, Record
 
 ENTRIES = sorted(architectures.architectures())
-XDIST_SPREAD = True  # one entry per test, nothing shared between them: spread over the test workers (tests/conftest.py)
 
 
 MOST_MEMBERS = 15

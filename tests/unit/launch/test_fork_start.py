@@ -98,6 +98,32 @@ def test_a_forked_rank_that_raises_exits_1_with_its_traceback_in_its_log(tmp_pat
     assert "ValueError: the rank's own failure" in (tmp_path / "rank0.log").read_text()
 
 
+def test_a_library_handler_on_a_closed_stream_does_not_stop_the_rank(tmp_path, monkeypatch):
+    """A handler an earlier test left on its (now closed) capture of stderr: the child moves it to its own
+    stderr without flushing the launcher's stream, and the rank runs."""
+    from _pytest.capture import CaptureIO
+
+    monkeypatch.setenv(fork_start.RANK_START, "fork")
+    capture = CaptureIO()
+    capture.close()
+    logger = logging.getLogger("zeropipe.test.closed")
+    handler = logging.StreamHandler(capture)
+    logger.addHandler(handler)
+
+    def main(argv):
+        logging.getLogger("zeropipe.test.closed").error("said on the rank's stderr")
+        return 0
+
+    try:
+        with open(tmp_path / "rank0.log", "a") as log:
+            proc = fork_start.start("zeropipe.launch.rank", main, ["RUN"], dict(os.environ) | ONE_THREAD_CPU, log)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "rank0.log").read_text()
+    finally:
+        logger.removeHandler(handler)
+    assert "said on the rank's stderr" in (tmp_path / "rank0.log").read_text()
+    assert handler.stream is capture  # the launcher's handler is its own
+
+
 def test_a_forked_rank_is_signalled_and_reaped_as_a_popen_is(tmp_path):
     def main(argv):
         signal.pause()
