@@ -56,8 +56,8 @@ def pytest_xdist_make_scheduler(config, log):
     Written here rather than with xdist's ``--dist loadgroup`` and ``xdist_group`` marks: pytest-xdist 3.8
     puts the group into a test's id by assigning ``item._nodeid``, which pytest 9 no longer reads (a node's
     id is ``item._id``), so the marks were ignored and every test was spread one by one. CI then ran
-    test_slurm.py's two tests on two workers, each with its own SLURM cluster, and the first to finish
-    stopped the munged the other's job still needed: the job never finished (2026-11-29)."""
+    test_slurm.py's two tests on two workers, each with its own SLURM cluster starting and stopping the one
+    munged: the two-node job never finished (2026-11-29)."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
