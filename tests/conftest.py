@@ -50,8 +50,8 @@ SPREAD_FILES = {"tests/unit/diffusion/test_architecture_contract.py"}
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``--dist loadfile`` (scripts/test.sh) a test file runs on one worker, its module fixtures built
-    once, and two files that start the same kind of service (a SLURM cluster and its munged) never run at
-    once; the files in ``SPREAD_FILES`` are spread one test at a time.
+    once (a trained reference run, test_slurm.py's one SLURM cluster and munged for both its tests); the
+    files in ``SPREAD_FILES`` are spread one test at a time.
 
     Written here rather than with xdist's ``--dist loadgroup`` and ``xdist_group`` marks: pytest-xdist 3.8
     puts the group into a test's id by assigning ``item._nodeid``, which pytest 9 no longer reads (a node's
@@ -60,6 +60,9 @@ def pytest_xdist_make_scheduler(config, log):
     munged: the two-node job never finished (2026-11-29)."""
     if config.getvalue("dist") != "loadfile":
         return None
+    moved = sorted(path for path in SPREAD_FILES if not (config.rootpath / path).is_file())
+    if moved:  # a renamed file would silently run on one worker
+        raise pytest.UsageError(f"tests/conftest.py SPREAD_FILES names files that do not exist: {moved}")
     from xdist.scheduler import LoadFileScheduling
 
     class FileScheduling(LoadFileScheduling):
